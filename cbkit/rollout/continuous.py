@@ -1,0 +1,222 @@
+"""Continuous batching: the same job as `generate.py`, through transformers' CB engine.
+
+Read this file next to `generate.py`. Instead of one padded batch decoded in lock-step, the P*N requests
+go into a queue. The engine keeps a fixed pool of KV-cache blocks (sized once, as a share of free memory),
+and at every step builds a batch from whatever is running: prefill chunks of new requests and one decode
+token for each running one, packed without padding. When a sequence hits EOS its blocks go back to the
+pool and a waiting request takes them (*recycling*), so memory follows the tokens actually alive rather
+than P*N*max_len.
+
+Three things cbkit does that TRL's CB path (1.16) does not:
+
+* it asks the engine for sampling logprobs (`return_logprobs=True`) and keeps them, so the loop's
+  importance-sampling correction has something to correct with;
+* it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783: without it the
+  engine falls back to the model's defaults and sampling goes near-greedy);
+* it raises when a request fails instead of logging and returning fewer completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_at_eos
+from cbkit.telemetry import PeakMemory
+
+# cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
+# max_memory_percent: half the free memory for the KV pool leaves the other half to the training step
+# that shares the process (transformers' own default, 0.9, assumes inference alone).
+# use_cuda_graph: graphs are captured per shape and re-captured as shapes drift; with weights changing
+# every step and short runs, capture time is rarely paid back.
+CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
+
+
+def cb_config_keys() -> list[str]:
+    from transformers import ContinuousBatchingConfig
+
+    return sorted(f.name for f in dataclasses.fields(ContinuousBatchingConfig))
+
+
+def make_cb_config(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    seed: int | None = None,
+    device: torch.device | None = None,
+    workload_blocks: int | None = None,
+):
+    """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
+
+    On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
+    a 24 GB machine, most of the call's time spent zeroing it). There, unless the user set `num_blocks` or
+    `max_memory_percent` themselves, cbkit sizes the pool to the workload: `workload_blocks`, enough
+    blocks for every request to run at full length at once.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    overrides = dict(overrides or {})
+    valid = cb_config_keys()
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"Unknown continuous batching config key(s) {unknown}. transformers' ContinuousBatchingConfig "
+            f"accepts: {', '.join(valid)}."
+        )
+    if overrides.get("return_logprobs") is False:
+        raise ValueError(
+            "return_logprobs=False would drop the sampling logprobs the importance-sampling correction needs; "
+            "remove it from the continuous batching config (cbkit always sets it to True)."
+        )
+    values = {**CB_DEFAULTS, **overrides, "return_logprobs": True}
+    mmp = values.get("max_memory_percent")
+    if mmp is not None and not (isinstance(mmp, int | float) and 0 < mmp <= 1):
+        raise ValueError(
+            f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
+        )
+    cpu = device is not None and torch.device(device).type == "cpu"
+    if cpu and workload_blocks and not {"num_blocks", "max_memory_percent"} & set(overrides):
+        values["num_blocks"] = workload_blocks
+    if seed is not None and "seed" not in overrides:
+        values["seed"] = seed
+    return ContinuousBatchingConfig(**values)
+
+
+class ContinuousBackend:
+    name = "continuous"
+
+    def __init__(self, model, cb_config: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.cb_overrides = dict(cb_config or {})
+        make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_generations: int,
+        sampling: SamplingParams,
+        *,
+        prompt_names: Sequence[str] | None = None,
+    ) -> Rollout:
+        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names)
+        gen_config = sampling.generation_config()
+        # Each prompt submitted N times in a row; results are put back in this order below, whatever
+        # order the engine finishes them in.
+        rows = [list(p) for p in prompts for _ in range(num_generations)]
+        cb_config = make_cb_config(
+            self.cb_overrides,
+            seed=sampling.seed,
+            device=self.model.device,
+            workload_blocks=workload_blocks(rows, sampling.max_new_tokens, self.cb_overrides.get("page_size", 256)),
+        )
+
+        with PeakMemory(self.model.device) as mem:
+            start = time.perf_counter()
+            outputs, resolved = _run_engine(self.model, rows, gen_config, cb_config, sampling.max_new_tokens)
+            mem.synchronize()
+            wall = time.perf_counter() - start
+
+        completions = []
+        for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
+            keep, reason = cut_at_eos(out.generated_tokens, sampling.eos_ids, sampling.max_new_tokens)
+            if len(out.logprobs) < keep:
+                raise RuntimeError(
+                    f"The CB engine returned {len(out.logprobs)} logprobs for {keep} tokens (request {i}); "
+                    "is return_logprobs supported by this transformers version?"
+                )
+            completions.append(
+                Completion(
+                    group=i // num_generations,
+                    prompt_ids=tuple(row),
+                    completion_ids=tuple(out.generated_tokens[:keep]),
+                    sampling_logprobs=tuple(float(x) for x in out.logprobs[:keep]),
+                    finish_reason=reason,
+                )
+            )
+        return Rollout(
+            completions=completions,
+            num_generations=num_generations,
+            backend=self.name,
+            wall_s=wall,
+            peak_mem_bytes=mem.peak_bytes,
+            peak_mem_kind=mem.kind,
+            engine_config=resolved,
+        ).validate()
+
+
+def _run_engine(model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int):
+    """Submit every row, collect every result, and return them in submission order with the resolved config.
+
+    This is what `generate_batch` does, minus its habit of logging a failed request and returning fewer
+    results than were asked for.
+    """
+    hints = _workload_hints(rows, max_new_tokens)
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=5,
+        workload_hints=hints,
+    ) as manager:
+        ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens)
+        results: dict[str, Any] = {}
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError(
+                        f"The CB engine stopped after {len(results)} of {len(ids)} requests; see the log above."
+                    )
+                continue
+            if out.is_finished():
+                if out.error is not None:
+                    raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
+                results[out.request_id] = out
+        resolved = _resolved_config(manager)
+    return [results[i] for i in ids], resolved
+
+
+def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
+    """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block)."""
+    return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
+
+
+def _workload_hints(rows, max_new_tokens):
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:  # older engines size the pool without hints
+        return None
+    return WorkloadHints(
+        max_prompt_length=max(len(r) for r in rows), max_generated_length=max_new_tokens, num_requests=len(rows)
+    )
+
+
+def _resolved_config(manager) -> dict[str, Any]:
+    """The engine's settings after it resolved its automatic values: what actually ran."""
+    cfg = manager.continuous_batching_config
+    keys = ("page_size", "block_size", "num_blocks", "max_batch_tokens", "max_memory_percent",
+            "max_requests_per_batch", "use_cuda_graph", "use_async_batching", "scheduler_type", "seed")
+    out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
+    cache = getattr(manager.batch_processor, "cache", None)
+    for k in ("num_blocks", "page_size", "block_size", "max_batch_tokens"):
+        v = getattr(cache, k, None)
+        if isinstance(v, int):
+            out[k] = v
+    out["attn_implementation"] = manager.model.config._attn_implementation
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
+def _context_len(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def engine_is_idle(model) -> bool:
+    """True when no CB manager is attached to the model (so a plain forward is an ordinary causal forward)."""
+    return getattr(model, "_cached_continuous_batching_manager", None) is None and not str(
+        model.config._attn_implementation
+    ).startswith("paged")
+
+
