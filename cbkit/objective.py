@@ -1,0 +1,323 @@
+"""The objective: advantages, the clipped policy loss, KL and the importance-sampling (IS) correction.
+
+Everything here is a pure function on tensors: no model, no trainer, no process group. The loop
+(`cbkit/grpo.py`) hands in rewards and logprobs and gets back tensors and a dict of float metrics. TRL 1.16
+is the definition we follow, and `tests/test_objective.py` runs TRL's own trainer code as the oracle, so
+"matches TRL" below is a tested claim, not a paraphrase.
+
+What each quantity is
+---------------------
+* **Advantage** (`group_advantages`): how much better a completion did than its group of N siblings.
+  GRPO (`GRPOTrainer._generate_and_score_completions`): r_i minus the group mean, divided by the group's
+  std (`scale_rewards="group"`, TRL's default), by the whole batch's std (`"batch"`), or not divided
+  (`"none"`, Dr. GRPO). The std is the unbiased (Bessel-corrected) one of TRL's `nanstd`, and 1e-4 is added
+  to it, so a group whose rewards are all equal gets advantage 0 rather than NaN.
+  RLOO (`RLOOTrainer`): the baseline is the mean of the *other* N-1 rewards, so a completion is never
+  compared with itself. `RLOOConfig.normalize_advantages=True` then standardises over the batch; that is our
+  `"batch"`. TRL's RLOO has no per-group scaling, so `"group"` is refused rather than invented.
+* **Sampling vs policy logprobs**: the rollout engine samples from logits/temperature, then top-k, then
+  top-p (transformers' warper order), and reports log p of the sampled token under *that* distribution
+  (`processed_logprobs`). TRL's training forward recomputes log p with temperature only
+  (`add_fused_lm_head(temperature=...)`), never top-k/top-p (`policy_logprobs`). With top_p < 1 the two
+  differ by construction, not only by numerics: keep that in mind when reading `logprob/*` metrics.
+* **Importance weights** (`importance_weights`): the policy that produced the rollout (CB/vLLM kernels,
+  maybe bf16) is not exactly the training forward. TRL's correction
+  (`vllm_importance_sampling_correction`) weighs each token's loss by rho = exp(old - sampling): per token
+  (`token_*`) or one rho = exp(sum over the completion of the log-ratios) per sequence (`sequence_*`, a sum,
+  not a mean), then either clamps rho to [clip_min, clip_max] (`*_truncate`) or zeroes it outside
+  (`*_mask`). TRL computes it only when `use_vllm=True`; with transformers CB it gets no sampling logprobs
+  and skips the correction silently. We report that case as `is/skipped = 1.0` with weights exactly 1.
+* **Loss** (`grpo_loss`): PPO's clipped surrogate per token, -min(rho_t A, clip(rho_t, 1-eps, 1+eps_high) A)
+  with rho_t = exp(policy - old), times the IS weight, plus beta times the k3 KL estimate
+  exp(ref - pol) - (ref - pol) - 1. TRL 1.16 multiplies that KL by rho_t by default
+  (`use_bias_correction_kl=True`); we do too (`kl_bias_correction`). The loss types differ only in how the
+  (B, T) matrix becomes a scalar, see `grpo_loss`.
+
+What is simplified (against TRL 1.16)
+-------------------------------------
+* One reward per completion, already combined: no reward weights, no multi-objective aggregation. A
+  non-finite reward is an error here; TRL treats NaN as "unscorable" and gives it advantage 0 silently.
+* Token-level policy ratio only (no GSPO `importance_sampling_level="sequence"`), no two-sided `delta`, no
+  cispo/sapo/luspo/vespo, no off-policy sequence mask, no entropy mask or bonus. RLOO's KL-in-reward and
+  its sequence-level ratio are not here; `estimator="rloo"` only changes the baseline.
+* One process. `dapo` normalises by `num_items_in_batch`: pass the token count of all micro-batches of one
+  optimizer step; TRL's count spans the generation batch, the same thing when `steps_per_generation`
+  equals `gradient_accumulation_steps` (its default).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ScaleRewards = Literal["group", "batch", "none"]
+Estimator = Literal["grpo", "rloo"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+
+STD_EPS = 1e-4  # TRL adds this to every std it divides by
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+
+
+# --- advantages ---------------------------------------------------------------------------------------------
+
+
+def group_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    scale_rewards: ScaleRewards = "group",
+    estimator: Estimator = "grpo",
+) -> Tensor:
+    """Advantages for rewards laid out group after group (prompt 0's N completions first). Shape [B]."""
+    if rewards.dim() != 1 or rewards.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D tensor, one per completion; got shape {tuple(rewards.shape)}")
+    if num_generations < 2:
+        raise ValueError(
+            f"num_generations={num_generations}: a group needs at least 2 completions to have a baseline "
+            "(with 1, every advantage is 0); set num_generations >= 2"
+        )
+    if rewards.numel() % num_generations:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; pass "
+            f"N completions for every prompt (a batch of {num_generations} x number of prompts)"
+        )
+    bad = (~torch.isfinite(rewards)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"rewards[{i}] is {rewards[i].item()} (prompt {i // num_generations}, completion "
+            f"{i % num_generations}); reward functions must return a finite number for every completion"
+        )
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'")
+
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    groups = r.view(-1, num_generations)
+    if estimator == "grpo":
+        adv = groups - groups.mean(dim=1, keepdim=True)
+        if scale_rewards == "group":
+            adv = adv / (groups.std(dim=1, keepdim=True) + STD_EPS)
+        elif scale_rewards == "batch":  # centred per group, scaled by the batch (PPO-Lite)
+            adv = adv / (r.std() + STD_EPS)
+        return adv.flatten()
+    if estimator == "rloo":
+        if scale_rewards == "group":
+            raise ValueError(
+                "TRL's RLOO has no per-group scaling; use scale_rewards='none' (RLOOConfig's default) or "
+                "'batch' (RLOOConfig.normalize_advantages=True)"
+            )
+        others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (num_generations - 1)
+        adv = (groups - others_mean).flatten()
+        if scale_rewards == "batch":
+            adv = (adv - adv.mean()) / (adv.std() + STD_EPS)
+        return adv
+    raise ValueError(f"estimator={estimator!r}; use 'grpo' or 'rloo'")
+
+
+# --- logprobs -----------------------------------------------------------------------------------------------
+
+
+def processed_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> Tensor:
+    """log p(token) under the distribution a sampler draws from: transformers' temperature -> top-k -> top-p.
+
+    `logits` is [..., V], `tokens` is [...]. Filtered-out tokens get -inf. Computed in fp32, like `generate`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_k={top_k}, top_p={top_p}: need top_k >= 0 (0 = off) and 0 < top_p <= 1")
+    scores = logits.float() / temperature
+    if top_k > 0:
+        kth = scores.topk(min(top_k, scores.size(-1)), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th survive, as in transformers
+    if top_p < 1.0:
+        # Walk up from the least likely token and drop it while the mass dropped so far stays <= 1 - top_p:
+        # what is left is the smallest head whose mass reaches top_p. The most likely token always stays.
+        ascending, order = scores.sort(dim=-1)
+        dropped_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = dropped_mass <= 1 - top_p
+        drop[..., -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return scores.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """What TRL's training forward computes: log_softmax(logits / temperature), no top-k/top-p, in fp32."""
+    return processed_logprobs(logits, tokens, temperature)
+
+
+# --- importance-sampling correction -------------------------------------------------------------------------
+
+
+def importance_weights(
+    policy_logps_old: Tensor,
+    sampling_logps: Tensor | None,
+    mask: Tensor,
+    mode: ISMode,
+    clip_max: float | None = 3.0,
+    clip_min: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token IS weights [B, T] correcting for sampling-engine vs training-forward mismatch, and metrics.
+
+    `policy_logps_old` are the training forward's logprobs of the rollout before any update; `sampling_logps`
+    the engine's (NaN where it could not score a token: that token gets no correction, like TRL).
+    Metrics, as TRL's `sampling/importance_sampling_ratio/*` (after truncation/masking) and
+    `sampling/sampling_logp_difference/*`: ratio stats are over completion tokens (token modes) or over
+    sequences (sequence modes); `is/clipped_frac` is the share of those truncated or masked.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"mode={mode!r}; use one of {IS_MODES}")
+    if sampling_logps is None:  # e.g. TRL's transformers-CB path: no sampling logprobs, no correction
+        nan = float("nan")  # nothing to compare
+        metrics = {"is/skipped": 1.0, "is/ratio_mean": 1.0, "is/ratio_min": 1.0, "is/ratio_max": 1.0,
+                   "is/clipped_frac": 0.0, "logprob/mean_abs_diff": nan, "logprob/max_abs_diff": nan}
+        return torch.ones_like(policy_logps_old, dtype=torch.float32), metrics
+    if not policy_logps_old.shape == sampling_logps.shape == mask.shape:
+        raise ValueError(
+            f"shapes differ: policy_logps_old {tuple(policy_logps_old.shape)}, sampling_logps "
+            f"{tuple(sampling_logps.shape)}, mask {tuple(mask.shape)}; all must be [B, T] over completion tokens"
+        )
+    old, sampled, m = policy_logps_old.detach().float(), sampling_logps.detach().float(), mask.bool()
+
+    log_ratio = torch.nan_to_num((old - sampled) * m, nan=0.0)  # padding and unscored tokens: ratio 1
+    sequence_level = mode.startswith("sequence")
+    if sequence_level:
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]: the whole completion's likelihood ratio
+    ratio = log_ratio.exp()
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    outside = (ratio < lo) | (ratio > hi)
+    weights = ratio.clamp(lo, hi) if mode.endswith("truncate") else ratio.masked_fill(outside, 0.0)
+
+    counted = weights.flatten() if sequence_level else weights[m]
+    diff = (sampled - old).abs()[m]
+    diff = diff[~diff.isnan()]
+    metrics = {
+        "is/skipped": 0.0,
+        "is/ratio_mean": counted.mean().item() if counted.numel() else 0.0,
+        "is/ratio_min": counted.min().item() if counted.numel() else 0.0,
+        "is/ratio_max": counted.max().item() if counted.numel() else 0.0,
+        "is/clipped_frac": (outside.flatten() if sequence_level else outside[m]).float().mean().nan_to_num().item(),
+        "logprob/mean_abs_diff": diff.mean().item() if diff.numel() else 0.0,
+        "logprob/max_abs_diff": diff.max().item() if diff.numel() else 0.0,
+    }
+    return weights.expand_as(old).contiguous(), metrics
+
+
+# --- the loss -----------------------------------------------------------------------------------------------
+
+
+def per_token_loss(
+    policy_logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    is_weights: Tensor | None = None,
+    kl_bias_correction: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The [B, T] loss before aggregation, the policy ratio exp(policy - old), and the per-token KL (or None)."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # one advantage for every token
+    ratio = torch.exp(policy_logps - old_logps.detach())
+    clipped = ratio.clamp(1 - epsilon, 1 + eps_high)
+    loss = -torch.min(ratio * adv, clipped * adv)  # pessimistic: the clip only ever removes incentive
+    if is_weights is not None:
+        loss = loss * is_weights.detach()  # TRL weighs the policy term only, not the KL added below
+    kl = None
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError(f"beta={beta} needs ref_logps (the reference model's logprobs); or set beta=0")
+        ref_minus_pol = ref_logps.detach() - policy_logps
+        kl = torch.exp(ref_minus_pol) - ref_minus_pol - 1  # k3: unbiased, always >= 0
+        if kl_bias_correction:  # makes its gradient the unbiased reverse-KL gradient off-policy
+            kl = kl * ratio
+        loss = loss + beta * kl
+    return loss, ratio, kl
+
+
+def grpo_loss(
+    policy_logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: LossType,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    is_weights: Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | Tensor | None = None,
+    gradient_accumulation_steps: int = 1,
+    kl_bias_correction: bool = True,
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss of one micro-batch, as TRL 1.16's `GRPOTrainer._compute_loss` returns it, and metrics.
+
+    Aggregation of the masked [B, T] per-token loss L:
+      grpo:    mean over sequences of (sum_t L / tokens in the sequence)    (length bias: favours short wins)
+      bnpo:    sum L / tokens in this micro-batch
+      dr_grpo: sum L / (B * max_completion_length)                          (a constant: no length bias)
+      dapo:    sum L / num_items_in_batch, the tokens of the whole optimizer step (TRL's default type)
+    grpo, bnpo and dr_grpo are divided by `gradient_accumulation_steps` so the micro-batch losses add up;
+    dapo already is, through its global token count.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")
+    if not policy_logps.shape == old_logps.shape == mask.shape:
+        raise ValueError(
+            f"shapes differ: policy_logps {tuple(policy_logps.shape)}, old_logps {tuple(old_logps.shape)}, "
+            f"mask {tuple(mask.shape)}; all must be [B, T]"
+        )
+    loss_tok, ratio, kl = per_token_loss(
+        policy_logps, old_logps, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+        ref_logps=ref_logps, is_weights=is_weights, kl_bias_correction=kl_bias_correction,
+    )
+    m = mask.to(loss_tok.dtype)
+    total = (loss_tok * m).sum()
+    if loss_type == "grpo":
+        loss = ((loss_tok * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / gradient_accumulation_steps
+    elif loss_type == "bnpo":
+        loss = total / m.sum().clamp(min=1.0) / gradient_accumulation_steps
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' divides by B * max_completion_length; pass max_completion_length")
+        loss = total / (loss_tok.size(0) * max_completion_length) / gradient_accumulation_steps
+    else:  # dapo
+        if num_items_in_batch is None:
+            if gradient_accumulation_steps != 1:
+                raise ValueError(
+                    "loss_type='dapo' with gradient accumulation divides by the token count of all micro-batches "
+                    "of the step; pass num_items_in_batch"
+                )
+            num_items_in_batch = m.sum()
+        loss = total / torch.as_tensor(num_items_in_batch, dtype=total.dtype).clamp(min=1.0)
+
+    # TRL's clip_ratio/*: tokens where the clip bit, i.e. the gradient is cut, as a share of completion tokens
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    low = (ratio < 1 - epsilon) & (adv < 0)
+    high = (ratio > 1 + eps_high) & (adv > 0)
+    n_tokens = m.sum().clamp(min=1.0)
+
+    def share(x: Tensor) -> float:
+        return ((x.float() * m).sum() / n_tokens).item()
+
+    metrics = {
+        "train/clip_ratio/low_mean": share(low),
+        "train/clip_ratio/high_mean": share(high),
+        "train/clip_ratio/region_mean": share(low | high),
+    }
+    if kl is not None:
+        metrics["train/kl"] = ((kl.detach() * m).sum() / n_tokens).item()
+    return loss, metrics

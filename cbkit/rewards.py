@@ -1,0 +1,208 @@
+"""Answer extraction and reward functions for GSM-style rollouts.
+
+GRPO learns only from reward *differences inside a group*: if all N completions of a prompt score
+the same, their advantages are zero and that prompt teaches nothing. So the rewards here are cheap,
+deterministic and strict enough to separate completions, and nothing else:
+
+- `correctness_reward`: 1.0 when the extracted answer equals the gold number, else 0.0. Extraction is
+  lenient (`#### 18`, `The answer is $18.`, `\\boxed{18}`, or the last number in the text) because a
+  135M model rarely follows the format at first, and we want "right but badly formatted" to still
+  count as right; teaching the format is the other reward's job.
+- `format_reward`: graded 1.0 / 0.5 / 0.0.
+  1.0 when the last non-empty line is exactly `#### <number>` (what `cbkit.data.SYSTEM_PROMPT` asks
+  for); 0.5 when `#### <number>` appears but more text follows it; 0.0 otherwise. The half step is
+  deliberate: a completion that answers and then keeps talking wastes completion tokens until EOS or
+  `max_completion_length`, which is exactly the long tail that makes rollouts slow, and the extra
+  level gives groups a reward difference (hence a gradient) before any completion is perfect.
+  "The answer is 18" gets no format credit: rewarding near-misses teaches the near-miss.
+
+Every reward function has one signature, `fn(completions, answers) -> list[float]`, and its metric
+name is derived from `__name__` (`correctness_reward` -> `reward/correctness`). Numbers are compared
+as floats with an absolute tolerance of 1e-6, after `normalize_number`, so "1,234.00" equals "1234".
+Fractions ("3/4") are not parsed: GSM8K's gold answers are all integers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+ABS_TOLERANCE = 1e-6
+
+# One number as it appears in prose: optional minus and "$", thousands commas only in groups of three
+# (so "3,4" is two numbers), optional decimals. The look-behind stops "5-3" from yielding "-3" and
+# "x2" from yielding "2"; the look-ahead stops "1,2345" from being read as "1,234".
+_NUMBER_IN_TEXT = re.compile(r"(?<![\w.])-?\$?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+_STRICT_NUMBER = re.compile(r"(-?)(\d*)(?:\.(\d*))?")
+_HASHES = "####"
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+# "The answer is 12", "final answer: 12", "Answer = 12", "A: 12" (capital A only: "a: " is prose).
+_ANSWER_PHRASE = re.compile(r"(?:\b(?:final\s+)?answer\b\s*(?:is\b|:|=)|(?<!\w)(?-i:A)\s*:)", re.IGNORECASE)
+# "####" directly followed by a number: markdown headings ("#### Step 2") are not answers.
+_HASH_ANSWER = re.compile(r"####\s*(?:\*\*)?\s*-?\$?\s*\.?\d")
+# Decoded completions may keep special tokens (e.g. "<|im_end|>", "</s>") when the caller does not
+# skip them; they must not cost format credit.
+_TRAILING_SPECIALS = re.compile(r"(?:\s*(?:<\|[^|<>]*\|>|</s>|<eos>|<end_of_turn>))+\s*$")
+
+
+def normalize_number(s: str | None) -> str | None:
+    """Canonical string for a number, or None when `s` is not one number.
+
+    Strips "$", "**", commas, spaces, a trailing "." and a leading "+"; drops trailing decimal zeros
+    and leading integer zeros: "72.00" -> "72", "1,234" -> "1234", "0.50" -> "0.5", "-0" -> "0".
+    """
+    if s is None:
+        return None
+    t = s.strip().replace("**", "").replace("$", "").replace(",", "").replace(" ", "")
+    t = t.rstrip(".")
+    if t.startswith("+"):
+        t = t[1:]
+    m = _STRICT_NUMBER.fullmatch(t)
+    if m is None:
+        return None
+    sign, whole, frac = m.group(1), m.group(2), m.group(3) or ""
+    if not whole and not frac:
+        return None
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    out = f"{whole}.{frac}" if frac else whole
+    return "0" if out == "0" else f"{sign}{out}"
+
+
+def _first_number(text: str) -> str | None:
+    m = _NUMBER_IN_TEXT.search(text.replace("**", ""))
+    return normalize_number(m.group(0)) if m else None
+
+
+def _last_number(text: str) -> str | None:
+    matches = _NUMBER_IN_TEXT.findall(text.replace("**", ""))
+    return normalize_number(matches[-1]) if matches else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The answer a completion commits to, normalised, or None if it contains no number.
+
+    Tried in order: the last "#### <number>"; the last "\\boxed{...}"; the number after the last
+    "answer is" / "Answer:" / "A:"; the last number anywhere.
+    """
+    hashes = list(_HASH_ANSWER.finditer(text))
+    if hashes:
+        return _first_number(text[hashes[-1].start() + len(_HASHES) :])
+    boxed = _BOXED.findall(text)
+    if boxed:
+        found = _first_number(boxed[-1])
+        if found is not None:
+            return found
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    if phrases:
+        # Only the rest of that line: "The answer is below.\n... 3 apples" must not read "3".
+        tail = text[phrases[-1].end() :].split("\n", 1)[0]
+        found = _first_number(tail)
+        if found is not None:
+            return found
+    return _last_number(text)
+
+
+def has_answer_format(text: str) -> bool:
+    """True when the completion contains "#### <number>" anywhere."""
+    return _HASH_ANSWER.search(text) is not None
+
+
+def _answer_on_last_line(text: str) -> bool:
+    lines = [line for line in _TRAILING_SPECIALS.sub("", text).splitlines() if line.strip()]
+    if not lines:
+        return False
+    last = lines[-1].strip()
+    return last.startswith(_HASHES) and normalize_number(last[len(_HASHES) :]) is not None
+
+
+def numbers_equal(a: str | None, b: str | None, tol: float = ABS_TOLERANCE) -> bool:
+    """Both parse as numbers and differ by at most `tol`."""
+    na, nb = normalize_number(a), normalize_number(b)
+    if na is None or nb is None:
+        return False
+    return math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=tol)
+
+
+def _check_lengths(completions: Sequence[str], answers: Sequence[str]) -> None:
+    if len(completions) != len(answers):
+        raise ValueError(
+            f"got {len(completions)} completions but {len(answers)} answers; pass one gold answer per "
+            "completion (repeat each prompt's answer N times for a group of N)"
+        )
+
+
+def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where `extract_answer(completion)` equals the gold answer (|a - b| <= 1e-6), else 0.0."""
+    _check_lengths(completions, answers)
+    out = []
+    for i, (completion, gold) in enumerate(zip(completions, answers, strict=True)):
+        if normalize_number(gold) is None:
+            raise ValueError(
+                f"gold answer {i} is {gold!r}, not a number; answers must be numbers such as '72' or '-0.5'"
+            )
+        out.append(1.0 if numbers_equal(extract_answer(completion), gold) else 0.0)
+    return out
+
+
+def format_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 if the last non-empty line is "#### <number>", 0.5 if that appears earlier, else 0.0.
+
+    `answers` is unused but kept so every reward function has the same signature.
+    """
+    _check_lengths(completions, answers)
+    out = []
+    for completion in completions:
+        if _answer_on_last_line(completion):
+            out.append(1.0)
+        elif has_answer_format(completion):
+            out.append(0.5)
+        else:
+            out.append(0.0)
+    return out
+
+
+def reward_metric_name(fn: Callable[..., object]) -> str:
+    """`correctness_reward` -> `reward/correctness`."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f"reward/{name.removesuffix('_reward')}"
+
+
+DEFAULT_REWARDS: dict[str, RewardFn] = {"correctness": correctness_reward, "format": format_reward}
+# Correctness dominates: a perfectly formatted wrong answer (0.5) must never beat a right one (1.0).
+DEFAULT_REWARD_WEIGHTS: dict[str, float] = {"correctness": 1.0, "format": 0.5}
+
+
+def compute_rewards(
+    completions: list[str],
+    answers: list[str],
+    rewards: Mapping[str, RewardFn] | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Weighted sum of the reward functions, and each one's scores keyed by `reward/<name>`.
+
+    A reward missing from `weights` gets weight 1.0 (TRL's default for `reward_weights`).
+    """
+    _check_lengths(completions, answers)
+    if rewards is None:
+        rewards = DEFAULT_REWARDS
+        weights = DEFAULT_REWARD_WEIGHTS if weights is None else weights
+    weights = weights or {}
+    unknown = set(weights) - set(rewards)
+    if unknown:
+        raise ValueError(f"weights for unknown rewards {sorted(unknown)}; known: {sorted(rewards)}")
+    total = [0.0] * len(completions)
+    per_reward: dict[str, list[float]] = {}
+    for name, fn in rewards.items():
+        scores = fn(completions, answers)
+        if len(scores) != len(completions):
+            raise ValueError(
+                f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions"
+            )
+        per_reward[f"reward/{name}"] = scores
+        w = weights.get(name, 1.0)
+        total = [t + w * s for t, s in zip(total, scores, strict=True)]
+    return total, per_reward

@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from cbkit.rewards import (
+    DEFAULT_REWARDS,
+    compute_rewards,
+    correctness_reward,
+    extract_answer,
+    format_reward,
+    has_answer_format,
+    normalize_number,
+    numbers_equal,
+    reward_metric_name,
+)
+
+GSM8K_TEST_ROWS = 1319
+
+
+def _gsm8k_test_file() -> Path | None:
+    candidates = []
+    if os.environ.get("CBKIT_GSM8K_DIR"):
+        candidates.append(Path(os.environ["CBKIT_GSM8K_DIR"]) / "test.jsonl")
+    candidates.append(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl")
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def test_extract_answer_reads_every_gsm8k_test_gold() -> None:
+    """The extractor must agree with a plain regex on the gold line of all 1319 GSM8K test rows."""
+    path = _gsm8k_test_file()
+    if path is None:
+        pytest.skip("GSM8K test.jsonl not found (set CBKIT_GSM8K_DIR or put it in ../shared/data/gsm8k)")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(rows) == GSM8K_TEST_ROWS
+    mismatches = []
+    for i, row in enumerate(rows):
+        m = re.search(r"####\s*(-?[\d,]+(?:\.\d+)?)\s*$", row["answer"])
+        assert m is not None, f"row {i} has no '#### <number>' line"
+        expected = m.group(1).replace(",", "")
+        if extract_answer(row["answer"]) != expected:
+            mismatches.append((i, expected, extract_answer(row["answer"])))
+    assert not mismatches, mismatches[:10]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("72", "72"),
+        ("72.00", "72"),
+        ("1,234", "1234"),
+        ("-3", "-3"),
+        ("0.50", "0.5"),
+        ("$18", "18"),
+        (" +7. ", "7"),
+        ("-0", "0"),
+        ("007", "7"),
+        (".5", "0.5"),
+        ("**42**", "42"),
+        ("5/", None),
+        ("3/4", None),
+        ("abc", None),
+        ("", None),
+        (".", None),
+        (None, None),
+    ],
+)
+def test_normalize_number(raw: str | None, expected: str | None) -> None:
+    assert normalize_number(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Reasoning...\n#### 72", "72"),
+        ("#### $1,234", "1234"),
+        ("It costs $5 each, so #### $18.", "18"),
+        ("#### -3", "-3"),
+        ("#### 2.50", "2.5"),
+        ("#### **42**", "42"),
+        ("first #### 1\nthen #### 2", "2"),
+        ("#### Step 1: add\n2 + 3 = 5\n#### 5\n#### Step 2: check", "5"),
+        ("#### - 3", "3"),
+        ("The answer is $1,234.", "1234"),
+        ("so the final answer is 12", "12"),
+        ("Answer: **42**.", "42"),
+        ("Q: what?\nA: 5", "5"),
+        ("answer: 4, then note a: 6 and 9 more", "4"),  # lower-case "a:" is prose, not an answer
+        ("She has 3 apples and buys 4 more, 7 in all.", "7"),
+        ("16 - 3 - 4 = <<16-3-4=9>>9", "9"),
+        ("The temperature drops to -3 degrees.", "-3"),
+        ("We get 5-3 = 2", "2"),
+        ("The answer is below.\nThere are 3 cats and 7 dogs", "7"),
+        ("so it is \\boxed{12}. Check: 13", "12"),
+        ("It costs $.50", "0.5"),
+        ("no numbers here", None),
+        ("", None),
+        ("#### ", None),
+    ],
+)
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("#### 5", True), ("x\n####-2", True), ("#### $1,000", True), ("#### five", False), ("5", False)],
+)
+def test_has_answer_format(text: str, expected: bool) -> None:
+    assert has_answer_format(text) is expected
+
+
+def test_numbers_equal_uses_absolute_tolerance() -> None:
+    assert numbers_equal("72.0000001", "72")
+    assert not numbers_equal("72.001", "72")
+    assert numbers_equal("1,234", "1234.00")
+    assert not numbers_equal(None, "1")
+
+
+def test_correctness_reward() -> None:
+    completions = ["#### 72", "The answer is 72.", "#### 71", "no idea", "#### 72.0", "#### -3"]
+    answers = ["72", "72", "72", "72", "72", "-3"]
+    assert correctness_reward(completions, answers) == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_correctness_reward_rejects_non_numeric_gold() -> None:
+    with pytest.raises(ValueError, match=r"gold answer 1 is 'seven'"):
+        correctness_reward(["#### 1", "#### 7"], ["1", "seven"])
+
+
+def test_format_reward_is_graded() -> None:
+    completions = [
+        "2 + 3 = 5\n#### 5",  # exactly the requested form
+        "#### 5\n\n",  # trailing blank lines do not count as text
+        "#### 5<|im_end|>",  # an undecoded special token is not the model's text
+        "#### 5\nI hope this helps!",  # answered, then kept talking
+        "#### 5 apples",  # the last line is not just a number
+        "The answer is 5.",
+        "####",
+        "",
+    ]
+    assert format_reward(completions, ["5"] * len(completions)) == [1.0, 1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("fn", [correctness_reward, format_reward, compute_rewards])
+def test_length_mismatch_names_both_lengths(fn) -> None:
+    with pytest.raises(ValueError, match=r"3 completions but 2 answers"):
+        fn(["#### 1", "#### 2", "#### 3"], ["1", "2"])
+
+
+def test_empty_lists() -> None:
+    assert correctness_reward([], []) == []
+    assert format_reward([], []) == []
+
+
+def test_metric_names() -> None:
+    assert reward_metric_name(correctness_reward) == "reward/correctness"
+    assert reward_metric_name(format_reward) == "reward/format"
+    assert {reward_metric_name(fn) for fn in DEFAULT_REWARDS.values()} == {
+        f"reward/{name}" for name in DEFAULT_REWARDS
+    }
+
+
+def test_compute_rewards_weights_and_breakdown() -> None:
+    completions = ["#### 4", "The answer is 4", "#### 5\nmore", "nothing"]
+    total, parts = compute_rewards(completions, ["4"] * 4)
+    assert parts == {"reward/correctness": [1.0, 1.0, 0.0, 0.0], "reward/format": [1.0, 0.0, 0.5, 0.0]}
+    assert total == [1.5, 1.0, 0.25, 0.0]
+    # A right answer always beats a perfectly formatted wrong one.
+    assert compute_rewards(["4", "#### 5"], ["4", "4"])[0] == [1.0, 0.5]
+
+    total, _ = compute_rewards(completions, ["4"] * 4, {"format": format_reward})
+    assert total == [1.0, 0.0, 0.5, 0.0]  # unlisted weights default to 1.0
+    with pytest.raises(ValueError, match="unknown rewards"):
+        compute_rewards(completions, ["4"] * 4, weights={"style": 1.0})
