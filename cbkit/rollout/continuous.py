@@ -110,7 +110,7 @@ class ContinuousBackend:
             self.cb_overrides,
             seed=sampling.seed,
             device=self.model.device,
-            workload_blocks=workload_blocks(rows, sampling.max_new_tokens, self.cb_overrides.get("page_size", 256)),
+            workload_blocks=workload_blocks(rows, sampling.max_new_tokens, _page_size(self.cb_overrides)),
         )
 
         with PeakMemory(self.model.device) as mem:
@@ -184,14 +184,25 @@ def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_siz
     return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
 
 
+def _page_size(overrides: Mapping[str, Any]) -> int:
+    from transformers import ContinuousBatchingConfig
+
+    for key in ("page_size", "block_size"):  # block_size before transformers 5.17
+        if key in overrides:
+            return int(overrides[key])
+    default = ContinuousBatchingConfig()
+    return int(getattr(default, "page_size", getattr(default, "block_size", 256)))
+
+
 def _workload_hints(rows, max_new_tokens):
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
     except ImportError:  # older engines size the pool without hints
         return None
-    return WorkloadHints(
-        max_prompt_length=max(len(r) for r in rows), max_generated_length=max_new_tokens, num_requests=len(rows)
-    )
+    hints = dict(max_prompt_length=max(len(r) for r in rows), max_generated_length=max_new_tokens,
+                 num_requests=len(rows))  # num_requests arrived in transformers 5.11
+    known = {f.name for f in dataclasses.fields(WorkloadHints)}
+    return WorkloadHints(**{k: v for k, v in hints.items() if k in known})
 
 
 def _resolved_config(manager) -> dict[str, Any]:
@@ -206,6 +217,9 @@ def _resolved_config(manager) -> dict[str, Any]:
         if isinstance(v, int):
             out[k] = v
     out["attn_implementation"] = manager.model.config._attn_implementation
+    # transformers < 5.17 calls a page a "block" (block_size); cbkit reports it under one name.
+    if "block_size" in out:
+        out.setdefault("page_size", out.pop("block_size"))
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
 
 
