@@ -14,6 +14,19 @@ import threading
 import torch
 
 
+def _return_freed_memory_to_os() -> None:
+    """glibc keeps freed heap pages in the process; the next run would reuse them without raising RSS and
+    look cheaper than it was. Trimming first makes every run's RSS rise from the same floor."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: RSS figures are then only looser
+            pass
+
+
 class PeakMemory:
     """Context manager: peak memory used by the code inside it, above what was in use when it started."""
 
@@ -37,6 +50,7 @@ class PeakMemory:
         else:
             import psutil
 
+            _return_freed_memory_to_os()
             self._proc = psutil.Process()
             self._baseline = self._peak_rss = self._proc.memory_info().rss
             self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -64,3 +78,96 @@ class PeakMemory:
             self._thread.join()
             self._peak_rss = max(self._peak_rss, self._proc.memory_info().rss)
             self.peak_bytes = self._peak_rss - self._baseline
+
+
+# --- NVML (per-process GPU memory, as nvidia-smi sees it) ---------------------------------------------------
+
+
+def nvml_process_bytes(device_index: int = 0) -> int | None:
+    """GPU memory this process holds according to the driver (includes the CUDA context and allocator
+    slack that `max_memory_allocated` does not see). None without `nvidia-ml-py` or a GPU."""
+    try:
+        import os
+
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid():
+                return int(p.usedGpuMemory) if p.usedGpuMemory is not None else None
+        return None
+    except Exception:  # NVML errors mean "not available here", never a failed measurement
+        return None
+
+
+# --- KV-cache accounting --------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes of K and V one token occupies across all layers: layers x 2 x kv heads x head dim x dtype."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | None]:
+    """Analytic KV bytes of a rollout and, for the static batch, the share of computed slots that were padding.
+
+    generate: the cache holds every row at the padded length until the last row finishes:
+        rows x (longest prompt + decode steps) x bytes/token -- allocated whether a row finished or not.
+    continuous: the pool the engine allocated, num_blocks x page_size x bytes/token, whatever is in use.
+    """
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    cfg = rollout.engine_config
+    useful = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
+    if rollout.backend == "generate":
+        slots = cfg["batch_rows"] * (cfg["padded_prompt_len"] + cfg["steps"])
+        return {"kv_bytes": slots * per_token, "kv_bytes_per_token": per_token, "token_slots": slots,
+                "padding_share": 1 - useful / slots}
+    if "num_blocks" in cfg and "page_size" in cfg:
+        return {"kv_bytes": cfg["num_blocks"] * cfg["page_size"] * per_token, "kv_bytes_per_token": per_token,
+                "token_slots": cfg["num_blocks"] * cfg["page_size"], "padding_share": 0.0}
+    return {"kv_bytes": None, "kv_bytes_per_token": per_token, "token_slots": None, "padding_share": None}
+
+
+# --- the engine timeline: recycling made visible ----------------------------------------------------------------
+
+
+def occupancy(timeline: dict) -> dict[str, list | int]:
+    """Sequences running and KV blocks in use over time, from per-request start/end and token timestamps.
+
+    A request holds ceil((prompt + generated) / page_size) blocks from its start until it ends, one more
+    each time its length crosses a page boundary; at its end all of them return to the pool. This counts
+    every request's own blocks, so where the engine shares a group's prompt blocks (prefix sharing) the
+    real figure is lower: an upper bound, exact without sharing.
+    """
+    page = timeline["page_size"]
+    t0 = timeline["t0"]
+    events: list[tuple[float, int, int]] = []  # (time, d_running, d_blocks)
+    for r in timeline["requests"]:
+        held = -(-r["prompt_len"] // page)
+        events.append((r["start"], 1, held))
+        for k, t in enumerate(r["token_times"], start=1):
+            need = -(-(r["prompt_len"] + k) // page)
+            if need > held:
+                events.append((t, 0, need - held))
+                held = need
+        events.append((r["end"], -1, -held))
+    events.sort(key=lambda e: (e[0], -e[1]))
+    t, running, blocks = [], [], []
+    run = blk = 0
+    for when, d_run, d_blk in events:
+        run += d_run
+        blk += d_blk
+        if t and t[-1] == when - t0:
+            running[-1], blocks[-1] = run, blk
+        else:
+            t.append(when - t0)
+            running.append(run)
+            blocks.append(blk)
+    return {"t": t, "running": running, "blocks_in_use": blocks, "pool_blocks": timeline.get("pool_blocks", 0)}

@@ -107,6 +107,8 @@ class Rollout:
     engine_config: dict[str, Any] = field(default_factory=dict)
     # Why sampling_logprobs is None on every completion; None when they are present.
     logprobs_missing_reason: str | None = None
+    # Per-request start/end and token timestamps from the CB engine, when asked for (see telemetry.occupancy).
+    timeline: dict[str, Any] | None = None
 
     @property
     def num_prompts(self) -> int:

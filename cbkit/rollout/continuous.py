@@ -88,9 +88,10 @@ def make_cb_config(
 class ContinuousBackend:
     name = "continuous"
 
-    def __init__(self, model, cb_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, record_timestamps: bool = False) -> None:
         self.model = model
         self.cb_overrides = dict(cb_config or {})
+        self.record_timestamps = record_timestamps  # per-token clocks for the engine timeline
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
 
     def generate(
@@ -115,7 +116,9 @@ class ContinuousBackend:
 
         with PeakMemory(self.model.device) as mem:
             start = time.perf_counter()
-            outputs, resolved = _run_engine(self.model, rows, gen_config, cb_config, sampling.max_new_tokens)
+            outputs, resolved = _run_engine(
+                self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps
+            )
             mem.synchronize()
             wall = time.perf_counter() - start
 
@@ -144,10 +147,11 @@ class ContinuousBackend:
             peak_mem_bytes=mem.peak_bytes,
             peak_mem_kind=mem.kind,
             engine_config=resolved,
+            timeline=_timeline(outputs, completions, resolved, start) if self.record_timestamps else None,
         ).validate()
 
 
-def _run_engine(model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int):
+def _run_engine(model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int, record_timestamps: bool):
     """Submit every row, collect every result, and return them in submission order with the resolved config.
 
     This is what `generate_batch` does, minus its habit of logging a failed request and returning fewer
@@ -161,7 +165,7 @@ def _run_engine(model, rows: list[list[int]], gen_config, cb_config, max_new_tok
         timeout=5,
         workload_hints=hints,
     ) as manager:
-        ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens)
+        ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
         results: dict[str, Any] = {}
         while len(results) < len(ids):
             out = manager.get_result(timeout=1)
@@ -192,6 +196,17 @@ def _page_size(overrides: Mapping[str, Any]) -> int:
             return int(overrides[key])
     default = ContinuousBatchingConfig()
     return int(getattr(default, "page_size", getattr(default, "block_size", 256)))
+
+
+def _timeline(outputs, completions, resolved: dict, t0: float) -> dict[str, Any]:
+    """Engine clocks per request, in the shape `cbkit.telemetry.occupancy` and the timeline plot read."""
+    requests = []
+    for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
+        start, end = out.lifespan
+        requests.append({"id": i, "group": c.group, "prompt_len": len(c.prompt_ids), "start": start, "end": end,
+                         "token_times": list(out.timestamps or [])[: len(c.completion_ids)]})
+    return {"page_size": resolved.get("page_size"), "pool_blocks": resolved.get("num_blocks"), "t0": t0,
+            "requests": requests}
 
 
 def _workload_hints(rows, max_new_tokens):

@@ -1,0 +1,134 @@
+"""The N-sweep's bookkeeping on the tiny model: resume, refusal to mix, OOM and Ctrl-C, aggregation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import cbkit.sweep as sweep
+from cbkit.sweep import ResultsFile, SweepConfig, aggregate, run_sweep, seed_table
+
+
+def _cfg(**kw):
+    base = dict(model="tiny", ns=(1, 2), repeats=2, max_new_tokens=6, num_prompts=1)
+    return SweepConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """Count (and optionally sabotage) the rollouts the sweep asks for."""
+    calls: list[tuple[str, int]] = []
+    sabotage: dict[int, BaseException] = {}
+    real = sweep.make_backend
+
+    def make(name, model, **kw):
+        backend = real(name, model, **kw)
+        inner = backend.generate
+
+        def generate(prompts, n, sampling, **k):
+            calls.append((name, n))
+            if len(calls) in sabotage:
+                raise sabotage[len(calls)]
+            return inner(prompts, n, sampling, **k)
+
+        backend.generate = generate
+        return backend
+
+    monkeypatch.setattr(sweep, "make_backend", make)
+    return calls, sabotage
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_sweep_writes_header_and_one_line_per_run_then_resumes(tiny, tmp_path, counting):
+    calls, _ = counting
+    out = tmp_path / "s.jsonl"
+    points = run_sweep(_cfg(), out, policy=tiny)
+    lines = _lines(out)
+    assert lines[0]["kind"] == "header" and lines[0]["fingerprint"]["model"] == "tiny"
+    runs = [x for x in lines if x["kind"] == "run"]
+    assert len(runs) == 2 * 2 * 2  # ns x repeats x backends
+    assert {(p["backend"], p["N"]) for p in points} == {(b, n) for b in ("generate", "continuous") for n in (1, 2)}
+    # backend order alternates between repeats: neither always runs first
+    firsts = {runs[i]["backend"] for i in range(0, len(runs), 2)}
+    assert firsts == {"generate", "continuous"}
+
+    n_calls = len(calls)
+    again = run_sweep(_cfg(), out, policy=tiny)
+    assert len(calls) == n_calls, "a finished sweep must not rerun anything"
+    assert again == points
+
+    more = run_sweep(_cfg(ns=(1, 2, 3)), out, policy=tiny)  # growing ns is allowed and runs only what is new
+    assert {c[1] for c in calls[n_calls:]} - {1} == {3}
+    assert {p["N"] for p in more} == {1, 2, 3}
+
+
+def test_refuses_to_mix_configurations(tiny, tmp_path):
+    out = tmp_path / "s.jsonl"
+    run_sweep(_cfg(ns=(1,), repeats=1), out, policy=tiny)
+    with pytest.raises(ValueError, match=r"different configuration \(max_new_tokens: file has 6, now 7\)"):
+        run_sweep(_cfg(ns=(1,), repeats=1, max_new_tokens=7), out, policy=tiny)
+    bad = tmp_path / "other.jsonl"
+    bad.write_text('{"hello": 1}\n')
+    with pytest.raises(ValueError, match="not a cbkit sweep results file"):
+        ResultsFile(bad, {})
+
+
+def test_oom_is_recorded_and_the_sweep_goes_on(tiny, tmp_path, counting):
+    calls, sabotage = counting
+    sabotage[3] = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")  # 1-2 are warm-ups
+    out = tmp_path / "s.jsonl"
+    points = run_sweep(_cfg(ns=(1, 2), repeats=1), out, policy=tiny)
+    runs = [x for x in _lines(out) if x["kind"] == "run"]
+    assert [r["status"] for r in runs].count("oom") == 1 and len(runs) == 4
+    oom = next(r for r in runs if r["status"] == "oom")
+    assert "out of memory" in oom["error"] and "peak_mem_bytes" in oom
+    assert any(p["status"] == "oom" for p in points)
+    assert "OOM" in seed_table(points) or oom["backend"] == "generate"
+
+
+def test_ctrl_c_keeps_finished_runs_and_rerun_resumes(tiny, tmp_path, counting):
+    calls, sabotage = counting
+    sabotage[5] = KeyboardInterrupt()  # warm-ups are calls 1-2, so two runs finish before it
+    out = tmp_path / "s.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(_cfg(), out, policy=tiny)
+    assert len([x for x in _lines(out) if x["kind"] == "run"]) == 2
+    run_sweep(_cfg(), out, policy=tiny)
+    runs = [x for x in _lines(out) if x["kind"] == "run"]
+    assert len(runs) == 8 and len({(r["backend"], r["N"], r["repeat"]) for r in runs}) == 8
+
+
+def test_aggregate_takes_medians_and_ratios():
+    def run(b, n, rep, tps, mem):
+        return {"backend": b, "N": n, "repeat": rep, "status": "ok", "tokens_per_s": tps, "rollout_s": 1.0,
+                "peak_mem_bytes": mem, "kv_bytes": 10, "padding_share": 0.1}
+
+    runs = [run("generate", 8, r, t, 100) for r, t in enumerate([10, 30, 20])]
+    runs += [run("continuous", 8, r, t, 50) for r, t in enumerate([25, 5, 30])]
+    pts = {p["backend"]: p for p in aggregate(runs)}
+    assert pts["generate"]["tokens_per_s"] == 20 and pts["continuous"]["tokens_per_s"] == 25
+    assert pts["continuous"]["speed_vs_generate"] == pytest.approx(1.25)
+    assert pts["continuous"]["mem_vs_generate"] == pytest.approx(0.5)
+    assert "| 8 | 1.25x | less than generate (0.50x peak) |" in seed_table(list(pts.values()))
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [(dict(ns=(0, 8)), "ns must be positive"), (dict(backends=("generate", "vllm")), "Unknown backend"),
+     (dict(backends=("continuous",)), "keep 'generate'"), (dict(repeats=0), "repeats")],
+)
+def test_bad_sweep_config(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _cfg(**kw)
+
+
+def test_cli_rejects_bad_ns(capsys):
+    from cbkit.cli import main
+
+    assert main(["sweep", "--ns", "8,x", "--no-live", "--model", "tiny"]) == 2
+    assert "--ns takes comma-separated integers" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""KV accounting, the engine timeline and the memory probe."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cbkit.rollout import SamplingParams, make_backend
+from cbkit.telemetry import PeakMemory, kv_accounting, kv_bytes_per_token, occupancy
+
+
+def test_kv_bytes_per_token_by_hand(tiny):
+    # tiny: 2 layers x (K and V) x 2 kv heads x head_dim 16 x 4 bytes
+    assert kv_bytes_per_token(tiny.model.config, 4) == 2 * 2 * 2 * 16 * 4
+
+    class Llama1B:  # Llama-3.2-1B's shape
+        num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size = 16, 32, 8, 64, 2048
+
+    assert kv_bytes_per_token(Llama1B(), 2) == 32768
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny):
+    tok = tiny.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": "x" * k}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for k in (3, 30)]
+    sp = SamplingParams(max_new_tokens=20, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=1,
+                        temperature=1.5)
+    g = make_backend("generate", tiny.model).generate(prompts, 3, sp)
+    c = make_backend("continuous", tiny.model, record_timestamps=True, cb_config={"page_size": 8}).generate(
+        prompts, 3, sp)
+    return g, c
+
+
+def test_static_batch_accounting(tiny, rollouts):
+    g, _ = rollouts
+    acc = kv_accounting(g, tiny.model.config, 4)
+    rows, width, steps = 6, g.engine_config["padded_prompt_len"], g.engine_config["steps"]
+    assert acc["token_slots"] == rows * (width + steps)
+    assert acc["kv_bytes"] == acc["token_slots"] * 512
+    useful = sum(len(c.prompt_ids) + len(c.completion_ids) for c in g.completions)
+    assert acc["padding_share"] == pytest.approx(1 - useful / (rows * (width + steps)))
+    assert acc["padding_share"] > 0.2  # prompts of very different lengths: a third of the rows is left pad
+
+
+def test_pool_accounting_and_timeline(tiny, rollouts):
+    _, c = rollouts
+    acc = kv_accounting(c, tiny.model.config, 4)
+    assert acc["kv_bytes"] == c.engine_config["num_blocks"] * 8 * 512
+    occ = occupancy(c.timeline)
+    assert len(c.timeline["requests"]) == 6
+    assert max(occ["running"]) <= 6 and occ["running"][-1] == 0 and occ["blocks_in_use"][-1] == 0
+    assert max(occ["blocks_in_use"]) <= occ["pool_blocks"]
+    assert occ["t"] == sorted(occ["t"]) and occ["t"][0] >= 0
+    for r, comp in zip(c.timeline["requests"], c.completions, strict=True):
+        assert r["start"] <= r["end"] and len(r["token_times"]) == len(comp.completion_ids)
+
+
+def test_occupancy_by_hand():
+    timeline = {"page_size": 4, "t0": 10.0, "pool_blocks": 8, "requests": [
+        {"id": 0, "group": 0, "prompt_len": 3, "start": 10.0, "end": 10.5, "token_times": [10.1, 10.2, 10.3]},
+        {"id": 1, "group": 0, "prompt_len": 3, "start": 10.6, "end": 10.9, "token_times": [10.7]},
+    ]}
+    occ = occupancy(timeline)
+    # request 0: 1 block at start, a 2nd when its 5th token (2nd generated) lands, both freed at 10.5;
+    # then request 1 reuses the pool: recycling.
+    assert occ["blocks_in_use"] == [1, 2, 0, 1, 0]
+    assert occ["running"] == [1, 1, 0, 1, 0]
+    assert [round(t, 3) for t in occ["t"]] == [0.0, 0.2, 0.5, 0.6, 0.9]
+
+
+def test_peak_memory_sees_an_allocation():
+    import torch
+
+    with PeakMemory("cpu") as mem:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB
+        x += 1
+        import time
+
+        time.sleep(0.05)
+    assert mem.kind == "cpu_rss" and mem.peak_bytes > 48 * 2**20
+    assert not math.isnan(mem.peak_bytes)
