@@ -17,14 +17,13 @@ import torch
 def _return_freed_memory_to_os() -> None:
     """glibc keeps freed heap pages in the process; the next run would reuse them without raising RSS and
     look cheaper than it was. Trimming first makes every run's RSS rise from the same floor."""
+    import contextlib
     import ctypes
     import sys
 
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS figures are then only looser
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc: RSS figures are then only looser
-            pass
 
 
 class PeakMemory:
