@@ -1,0 +1,543 @@
+"""The TRL bridge: stock TRL 1.16 loses the CB sampling logprobs, the bridge keeps them and TRL's IS runs.
+
+Everything runs on the tiny random Llama from `cbkit.models` (byte tokenizer, ChatML template) in fp32 on
+CPU, with real `GRPOTrainer` / `RLOOTrainer` objects and real CB engine calls.
+
+Tolerances (fp32): the engine's logprob of a sampled token is log(softmax(processed logits))[token], the
+teacher-forced one log_softmax of a dense forward's logits; they differ only in summation order (paged vs
+dense attention). Measured max |difference| here ~5e-6; asserted < 1e-4, like tests/test_rollout.py.
+The IS ratio on unchanged weights is exp(sum of up to 12 such differences): asserted within 1e-3 of 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+import re
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOTrainer, RLOOTrainer
+
+from cbkit.models import load_policy
+from cbkit.objective import processed_logprobs
+from cbkit.rewards import correctness_reward, format_reward
+from cbkit.trl_bridge import (
+    CBLogprobGRPOTrainer,
+    CBRLOOTrainer,
+    TRLReward,
+    _trl_rewards,
+    build_grpo_trainer,
+    build_rloo_trainer,
+    is_metrics,
+    trl_dataset,
+    trl_grpo_config,
+    trl_reward,
+    trl_rloo_config,
+)
+
+pytestmark = [
+    # transformers 5.24 renames gradient checkpointing; TRL 1.16 still uses the old names.
+    pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`gradient_checkpointing_disable` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning"),
+]
+
+LOGPROB_ATOL = 1e-4
+N = 4  # num_generations
+MAX_LEN = 12  # max_completion_length
+IS_METRICS = {
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+}
+QUESTIONS = ["What is 2 + 3?", "Tom has 4 apples and eats one. How many are left?"]
+ANSWERS = ["5", "3"]
+# cbkit-named fields of a small run; `per_device_train_batch_size` = one generation batch of 2 prompts x N.
+RUN = dict(num_generations=N, max_completion_length=MAX_LEN, per_device_train_batch_size=2 * N, max_steps=1, seed=0)
+TRL_ONLY = dict(logging_steps=1, save_strategy="no", report_to="none")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # A 64-wide model is all thread overhead: more intra-op threads only make each op slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS], "answer": ANSWERS})
+
+
+class Logs(TrainerCallback):
+    """Every dict the trainer logs."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.records.append(dict(logs or {}))
+
+    @property
+    def train_step(self) -> dict:
+        return next(r for r in self.records if "loss" in r)
+
+
+def distinct_chars_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """A cbkit-style reward that differs between samples, so advantages (and gradients) are not all zero."""
+    return [len(set(c)) / 10 for c in completions]
+
+
+def _policy():
+    return load_policy("tiny", seed=0)  # fresh weights per trainer: training changes them
+
+
+def _bridge(tmp_path, dataset, callbacks=None, rewards=None, trl_overrides=None, **run):
+    model, tok = _policy()
+    return build_grpo_trainer(
+        model, tok, rewards or {"correctness": correctness_reward, "format": format_reward}, dataset,
+        {**RUN, **run}, output_dir=str(tmp_path / "bridge"), callbacks=callbacks, **TRL_ONLY, **(trl_overrides or {}),
+    )
+
+
+def _stock(tmp_path, dataset, callbacks=None, trl_overrides=None, **run):
+    """Stock TRL on the CB path, with the bridge's config: even asked for logprobs, it drops them."""
+    model, tok = _policy()
+    # Stock TRL sizes the KV pool as a share of host RAM on CPU; give it a small pool explicitly.
+    args = trl_grpo_config({**RUN, **run, "transformers_continuous_batching_config": {"num_blocks": 64}},
+                           str(tmp_path / "stock"), **TRL_ONLY, **(trl_overrides or {}))
+    return GRPOTrainer(model=model, reward_funcs=[trl_reward(format_reward)], args=args, train_dataset=dataset,
+                       processing_class=tok, callbacks=callbacks)
+
+
+def _batch():
+    """What TRL's RepeatSampler hands `_generate_and_score_completions`: each row N times in a row."""
+    return [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in zip(QUESTIONS, ANSWERS, strict=True)
+            for _ in range(N)]
+
+
+def _prompt_ids(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in QUESTIONS for _ in range(N)]
+
+
+def _teacher_forced(model, prompt, completion, temperature, top_k=0, top_p=1.0):
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+    return processed_logprobs(logits, torch.tensor(completion), temperature, top_k, top_p)
+
+
+# --- the gap: stock TRL ---------------------------------------------------------------------------------------
+
+
+def test_stock_trl_cb_path_yields_no_sampling_logprobs(tmp_path, dataset):
+    logs = Logs()
+    tr = _stock(tmp_path, dataset, callbacks=[logs])
+    assert tr.args.vllm_importance_sampling_correction is True  # asked for, yet it never runs on this path
+    assert tr.continuous_batching_config.return_logprobs is True  # the engine computes them; TRL discards them
+    _, logprobs = tr._generate_single_turn(_prompt_ids(tr.processing_class), None, {}, N)
+    assert logprobs is None
+    tr.model.train()
+    out = tr._generate_and_score_completions(_batch())
+    assert "sampling_per_token_logps" not in out and "importance_sampling_ratio" not in out
+    tr.train()
+    assert not is_metrics(logs.train_step), logs.train_step
+
+
+# --- the bridge -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_bridge_logprobs_match_teacher_forced(tmp_path, dataset, knobs):
+    """Right shape, and equal to a dense forward under the same processed distribution (atol 1e-4, fp32).
+
+    With temperature 0.7 + top-k + top-p they are far from the raw distribution's: the sampling parameters
+    reached the engine (TRL issue #5783).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # top-p/top-k IS bias warning, tested below
+        tr = _bridge(tmp_path, dataset, **knobs)
+    prompts = _prompt_ids(tr.processing_class)
+    completions, logprobs = tr._generate_single_turn(prompts, None, {}, N)
+    assert len(completions) == len(logprobs) == len(prompts)
+    assert [len(c) for c in completions] == [len(lp) for lp in logprobs]
+    eos = tr.processing_class.eos_token_id
+    assert all(len(c) == MAX_LEN or c[-1] == eos for c in completions)
+    model = tr.model.eval()
+    diff = raw_diff = 0.0
+    for p, c, lp in zip(prompts, completions, logprobs, strict=True):
+        ref = _teacher_forced(model, p, c, knobs["temperature"], knobs.get("top_k", 0), knobs.get("top_p", 1.0))
+        diff = max(diff, (torch.tensor(lp) - ref).abs().max().item())
+        raw_diff = max(raw_diff, (torch.tensor(lp) - _teacher_forced(model, p, c, 1.0)).abs().max().item())
+    print(f"{knobs}: max |CB sampling - teacher-forced| = {diff:.2e}")
+    assert diff < LOGPROB_ATOL
+    if knobs["temperature"] != 1.0:
+        assert raw_diff > 0.1
+
+
+def test_bridge_scoring_hands_logprobs_to_trl_is(tmp_path, dataset, monkeypatch):
+    """`_generate_and_score_completions` returns TRL's IS ratio; the gate is shut during generation."""
+    seen = {}
+    original = GRPOTrainer._generate
+
+    def spy(self, prompts):
+        seen["use_vllm during _generate"] = self.use_vllm
+        return original(self, prompts)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate", spy)
+    tr = _bridge(tmp_path, dataset)
+    assert isinstance(tr, CBLogprobGRPOTrainer)
+    tr.model.train()
+    out = tr._generate_and_score_completions(_batch())
+    assert seen == {"use_vllm during _generate": False}
+    assert tr.use_vllm is False  # shut again on the way out
+    sampling, old, mask = out["sampling_per_token_logps"], out["old_per_token_logps"], out["completion_mask"].bool()
+    assert sampling.shape == out["completion_ids"].shape == old.shape
+    # TRL's own teacher-forced forward (temperature only; top_p=1, top_k=0 here, so the same distribution).
+    diff = (sampling - old)[mask].abs().max().item()
+    print(f"max |CB sampling - TRL old logps| = {diff:.2e}")
+    assert diff < LOGPROB_ATOL
+    torch.testing.assert_close(out["importance_sampling_ratio"], torch.ones_like(out["importance_sampling_ratio"]),
+                               atol=1e-3, rtol=0)
+
+
+def test_bridge_train_step_logs_trl_is_metrics(tmp_path, dataset, monkeypatch):
+    """One `trainer.train()` step: TRL's loss sees the ratio, and its `sampling/*` metrics are logged."""
+    seen = []
+    original = GRPOTrainer._compute_loss
+
+    def spy(self, model, inputs):
+        seen.append((self.use_vllm, "importance_sampling_ratio" in inputs))
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy)
+    logs = Logs()
+    tr = _bridge(tmp_path, dataset, callbacks=[logs], rewards=[distinct_chars_reward, format_reward],
+                 importance_sampling_mode="token_truncate")
+    tr.train()
+    step = logs.train_step
+    assert step["reward_std"] > 0 and step["grad_norm"] > 0  # a real update, weighted by TRL's IS ratio
+    print({k: round(v, 6) for k, v in is_metrics(step).items()})
+    assert set(is_metrics(step)) >= IS_METRICS
+    assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert step["sampling/sampling_logp_difference/max"] < LOGPROB_ATOL
+    assert seen and all(seen_gate and has_ratio for seen_gate, has_ratio in seen)
+    assert torch.isfinite(torch.tensor(step["loss"]))
+
+
+def test_bridge_warns_and_ratio_drops_with_top_p(tmp_path, dataset):
+    """top_p < 1: the engine's logprobs are of the truncated distribution, TRL's of the full one -> ratio < 1."""
+    with pytest.warns(UserWarning, match="biased below 1"):
+        tr = _bridge(tmp_path, dataset, top_p=0.8, importance_sampling_mode="token_truncate")
+    tr.model.train()
+    out = tr._generate_and_score_completions(_batch())
+    ratio = out["importance_sampling_ratio"][out["completion_mask"].bool()]
+    assert (ratio <= 1 + 1e-4).all() and ratio.mean() < 0.99
+
+
+def test_bf16_mixed_precision_stock_breaks_bridge_runs(tmp_path, dataset):
+    """TRL's default bf16=True (here on CPU, `use_cpu=True`). accelerate wraps `model.forward` to convert outputs
+    to fp32; on the CB path that calls `.float()` on the engine's PagedAttentionCache and the engine thread dies.
+    Stock TRL then has no completions and fails with an IndexError; the bridge generates through the plain forward.
+
+    bf16 logprobs: the engine (paged attention) and TRL's forward (sdpa, autocast) round differently; with this
+    model's large logits (bf16 spacing is 0.125 at |x| ~ 20) measured mean ~1.5e-2 and max ~0.2 per token;
+    asserted mean < 0.05, max < 0.5, and the ratio's batch mean within 0.05 of 1.
+    """
+    bf16 = {"bf16": True, "use_cpu": True}
+    stock = _stock(tmp_path, dataset, trl_overrides=bf16)
+    with pytest.raises(IndexError):
+        stock.train()
+    # TRL's CB branch casts the policy to bf16 in place before generating: training would go on in bf16.
+    assert next(stock.model.parameters()).dtype == torch.bfloat16
+    logs = Logs()
+    tr = _bridge(tmp_path, dataset, callbacks=[logs], trl_overrides=bf16, importance_sampling_mode="token_truncate")
+    tr.train()
+    step = logs.train_step
+    print({k: round(v, 4) for k, v in is_metrics(step).items()})
+    assert set(is_metrics(step)) >= IS_METRICS
+    assert step["sampling/sampling_logp_difference/mean"] < 0.05
+    assert step["sampling/sampling_logp_difference/max"] < 0.5
+    assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.05)
+    assert "forward" in tr.model.__dict__  # accelerate's wrapper is back for training
+
+
+def test_bridge_refuses_what_it_does_not_handle(tmp_path, dataset):
+    model, tok = _policy()
+    no_cb = trl_grpo_config(dict(RUN, use_transformers_continuous_batching=False), str(tmp_path), **TRL_ONLY)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching=True"):
+        CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], no_cb, train_dataset=dataset, processing_class=tok)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching=True"):
+        CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], train_dataset=dataset, processing_class=tok)
+    vllm = trl_grpo_config(RUN, str(tmp_path), **TRL_ONLY)
+    vllm.use_vllm = True  # set after validation: GRPOConfig would otherwise want a vLLM install
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], vllm, train_dataset=dataset, processing_class=tok)
+    # Without CB, build_grpo_trainer falls back to the stock trainer.
+    no_cb_run = dict(RUN, use_transformers_continuous_batching=False)
+    tr = build_grpo_trainer(model, tok, [format_reward], dataset, no_cb_run,
+                            output_dir=str(tmp_path), **TRL_ONLY)
+    assert type(tr) is GRPOTrainer
+
+
+def test_bridge_from_a_model_directory(tmp_path):
+    """docs/scale_out.md's form: TRL loads model and tokenizer itself (under ZeRO-3 that shards at load)."""
+    from cbkit.data import synthetic_gsm
+    from cbkit.rewards import DEFAULT_REWARD_WEIGHTS, DEFAULT_REWARDS
+
+    model, tok = _policy()
+    model.save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    logs = Logs()
+    tr = build_grpo_trainer(
+        str(tmp_path / "policy"), None, DEFAULT_REWARDS, trl_dataset(synthetic_gsm(2), system_prompt=None),
+        dict(RUN, max_completion_length=4), reward_weights=DEFAULT_REWARD_WEIGHTS, output_dir=str(tmp_path / "run"),
+        callbacks=[logs], model_init_kwargs={"dtype": "float32"}, **TRL_ONLY,
+    )
+    assert isinstance(tr, CBLogprobGRPOTrainer) and tr.reward_weights.tolist() == [1.0, 0.5]
+    tr.train()
+    assert set(is_metrics(logs.train_step)) >= IS_METRICS
+
+
+# --- contract: the TRL lines the bridge depends on ------------------------------------------------------------
+
+
+def test_trl_gates_we_depend_on():
+    """If an upgrade moves these, the bridge would silently skip IS again (or open vLLM-only code): fail loudly."""
+    readers = {name for name, fn in inspect.getmembers(GRPOTrainer, inspect.isfunction)
+               if "self.use_vllm" in inspect.getsource(fn)}
+    # The gate is shut in every method but the last two, where only IS lines read it.
+    assert readers == {"__init__", "_generate_single_turn", "_tool_call_loop", "_generate",
+                       "_generate_and_score_completions", "_compute_loss"}, readers
+    for name in ("_generate_and_score_completions", "_compute_loss"):
+        src = inspect.getsource(getattr(GRPOTrainer, name))
+        reads = len(re.findall(r"self\.use_vllm\b", src))
+        gated = len(re.findall(r"self\.use_vllm and self\.vllm_importance_sampling_correction", src))
+        assert reads == gated > 0, (name, reads, gated)
+    score = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "= self._generate(prompts)" in score and 'output["importance_sampling_ratio"]' in score
+    assert 'inputs["importance_sampling_ratio"]' in inspect.getsource(GRPOTrainer._compute_loss)
+    # The CB branch we replace: same contexts and casts, generation config passed, logprobs dropped.
+    gen = inspect.getsource(GRPOTrainer._generate_single_turn)
+    cb_branch = gen[gen.index("elif self.use_transformers_continuous_batching:"):gen.index("else:\n")]
+    for piece in ("unwrap_model_for_generation(", "gather_deepspeed3_params=self.args.ds3_gather_for_generation",
+                  "summon_full_params(self.model_wrapped, recurse=False)", "unwrapped_model.to(torch.bfloat16)",
+                  "generation_config=self.generation_config", "output.generated_tokens", "logprobs = None"):
+        assert piece in cb_branch, piece
+    params = list(inspect.signature(GRPOTrainer._generate_single_turn).parameters)
+    assert params == list(inspect.signature(CBLogprobGRPOTrainer._generate_single_turn).parameters)
+    # TRL builds the sampling config the CB branch receives from these (issue #5783 is fixed in 1.16).
+    init = inspect.getsource(GRPOTrainer.__init__)
+    for knob in ('"do_sample": True', '"temperature": self.temperature', '"top_p": self.top_p', '"top_k": self.top_k'):
+        assert knob in init, knob
+    # RLOO: no IS correction to feed in 1.16; its CB branch is called as CBRLOOTrainer expects.
+    assert "importance_sampling" not in inspect.getsource(RLOOTrainer)
+    assert list(inspect.signature(RLOOTrainer._generate_single_turn).parameters) == [
+        "self", "prompt_ids", "images", "multimodal_fields"]
+    # accelerate's mixed-precision wrapper that _plain_forward steps around.
+    from accelerate import Accelerator
+
+    prepare = inspect.getsource(Accelerator.prepare_model)
+    assert "model._original_forward = model.forward" in prepare and "convert_outputs_to_fp32" in prepare
+
+
+# --- config mapping -------------------------------------------------------------------------------------------
+
+
+CBKIT_RUN = dict(
+    num_generations=4, max_completion_length=64, temperature=0.9, top_p=0.95, top_k=0, learning_rate=5e-6,
+    beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type="dr_grpo", scale_rewards="batch", num_iterations=2,
+    gradient_accumulation_steps=2, mask_truncated_completions=True, importance_sampling_correction=True,
+    importance_sampling_mode="token_mask", clip_max=2.5, clip_min=0.5, advantage_estimator="grpo",
+    transformers_continuous_batching_config={"page_size": 32},
+)
+
+
+@dataclasses.dataclass
+class FakeCbkitConfig:
+    """Stands in for cbkit.config's dataclass: the bridge reads attributes by name, extras are ignored."""
+
+    num_generations: int = 4
+    max_completion_length: int = 64
+    temperature: float = 0.9
+    top_p: float = 0.95
+    top_k: int = 0
+    learning_rate: float = 5e-6
+    beta: float = 0.04
+    epsilon: float = 0.2
+    epsilon_high: float | None = 0.28
+    loss_type: str = "dr_grpo"
+    scale_rewards: str = "batch"
+    num_iterations: int = 2
+    gradient_accumulation_steps: int = 2
+    mask_truncated_completions: bool = True
+    use_transformers_continuous_batching: bool = True
+    transformers_continuous_batching_config: dict = dataclasses.field(default_factory=lambda: {"page_size": 32})
+    use_transformers_paged: bool = False
+    importance_sampling_correction: bool = True
+    importance_sampling_mode: str = "token_mask"
+    clip_max: float = 2.5
+    clip_min: float | None = 0.5
+    advantage_estimator: str = "grpo"
+    model_name: str = "tiny"  # a loop-only field with no TRL meaning
+
+
+def _check_mapped(args, tmp_path):
+    assert args.output_dir == str(tmp_path)
+    for name in ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate",
+                 "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
+                 "gradient_accumulation_steps", "mask_truncated_completions"):
+        assert getattr(args, name) == CBKIT_RUN[name], name
+    assert args.vllm_importance_sampling_correction is True
+    assert args.vllm_importance_sampling_mode == "token_mask"
+    assert args.vllm_importance_sampling_clip_max == 2.5 and args.vllm_importance_sampling_clip_min == 0.5
+    assert args.use_transformers_continuous_batching is True and args.use_vllm is False
+    assert args.transformers_continuous_batching_config == {
+        "max_memory_percent": 0.5, "use_cuda_graph": False, "page_size": 32, "return_logprobs": True}
+
+
+def test_config_mapping_from_kwargs_and_from_a_config_object(tmp_path):
+    _check_mapped(trl_grpo_config(CBKIT_RUN, str(tmp_path)), tmp_path)
+    _check_mapped(trl_grpo_config(FakeCbkitConfig(), str(tmp_path)), tmp_path)
+
+
+def test_config_defaults_and_overrides(tmp_path):
+    args = trl_grpo_config(None, str(tmp_path))
+    assert args.use_transformers_continuous_batching is True
+    assert args.transformers_continuous_batching_config == {
+        "max_memory_percent": 0.5, "use_cuda_graph": False, "return_logprobs": True}
+    if not torch.cuda.is_available():
+        assert args.bf16 is False  # TRL would default to True, even on CPU
+    args = trl_grpo_config(dict(temperature=0.9, transformers_continuous_batching_config={"max_memory_percent": 0.3}),
+                           str(tmp_path), temperature=0.6, logging_steps=3, vllm_importance_sampling_clip_max=5.0)
+    assert (args.temperature, args.logging_steps, args.vllm_importance_sampling_clip_max) == (0.6, 3, 5.0)
+    assert args.transformers_continuous_batching_config["max_memory_percent"] == 0.3
+
+
+def test_config_errors_say_what_to_change(tmp_path):
+    with pytest.raises(ValueError, match=r"key\(s\) \['num_pages'\].*accepts:.*num_blocks"):
+        trl_grpo_config(dict(transformers_continuous_batching_config={"num_pages": 8}), str(tmp_path))
+    with pytest.raises(ValueError, match="return_logprobs=False"):
+        trl_grpo_config(dict(transformers_continuous_batching_config={"return_logprobs": False}), str(tmp_path))
+    with pytest.raises(ValueError, match="max_memory_percent"):
+        trl_grpo_config(None, str(tmp_path), transformers_continuous_batching_config={"max_memory_percent": 50})
+    with pytest.raises(ValueError, match=r"'temprature' \(did you mean 'temperature'\?\)"):
+        trl_grpo_config(dict(temprature=0.7), str(tmp_path))
+    with pytest.raises(ValueError, match=r"did you mean 'vllm_importance_sampling_mode'"):
+        trl_grpo_config(None, str(tmp_path), vllm_importance_sampling_mod="token_mask")
+    with pytest.raises(ValueError, match="build_rloo_trainer"):
+        trl_grpo_config(dict(advantage_estimator="rloo"), str(tmp_path))
+    with pytest.warns(FutureWarning, match="use_transformers_paged"):
+        args = trl_grpo_config(dict(use_transformers_paged=True, use_transformers_continuous_batching=False),
+                               str(tmp_path))
+    assert args.use_transformers_continuous_batching is True
+
+
+def test_asking_for_vllm_turns_cb_off(tmp_path):
+    args = trl_grpo_config(CBKIT_RUN, str(tmp_path), use_vllm=True, vllm_mode="server")
+    assert args.use_vllm is True and args.use_transformers_continuous_batching is False
+    assert args.transformers_continuous_batching_config is None
+    assert args.vllm_importance_sampling_mode == "token_mask"  # the IS settings still map
+    with pytest.raises(ValueError, match="choose one generation backend"):
+        trl_grpo_config(None, str(tmp_path), use_vllm=True, use_transformers_continuous_batching=True)
+
+
+def test_rloo_config_mapping(tmp_path):
+    args = trl_rloo_config(dict(num_generations=4, beta=0.0, scale_rewards="batch", temperature=0.8), str(tmp_path))
+    assert (args.num_generations, args.beta, args.normalize_advantages, args.temperature) == (4, 0.0, True, 0.8)
+    assert args.use_transformers_continuous_batching is True
+    assert args.transformers_continuous_batching_config["return_logprobs"] is True
+    assert trl_rloo_config(dict(scale_rewards="none"), str(tmp_path)).normalize_advantages is False
+    with pytest.raises(ValueError, match="scale_rewards='group' has no RLOO equivalent"):
+        trl_rloo_config(dict(scale_rewards="group"), str(tmp_path))
+    with pytest.warns(UserWarning, match=r"no equivalent for \{'loss_type': 'grpo'\}"):
+        trl_rloo_config(dict(loss_type="grpo", scale_rewards="none"), str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # TRL's defaults are dropped silently
+        trl_rloo_config(dict(loss_type="dapo", clip_max=3.0, scale_rewards="none"), str(tmp_path))
+
+
+# --- rewards --------------------------------------------------------------------------------------------------
+
+
+def test_reward_adapter():
+    r = trl_reward(format_reward)
+    assert r.__name__ == "format_reward" and isinstance(r, TRLReward)
+    plain = r(prompts=["p", "p"], completions=["x\n#### 5", "no"], completion_ids=[[1], [2]], answer=["5", "5"],
+              trainer_state=None, log_extra=None, log_metric=None)
+    assert plain == [1.0, 0.0]
+    chat = trl_reward(correctness_reward)(
+        prompts=[[{"role": "user", "content": "q"}]] * 2,
+        completions=[[{"role": "assistant", "content": "so #### 12"}], [{"role": "assistant", "content": "11"}]],
+        answer=[12, 12])  # numbers in the column are compared as text, like cbkit's rewards expect
+    assert chat == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"column 'answer'.*\['question'\]"):
+        r(prompts=["p"], completions=["x"], question=["q"], trainer_state=None)
+    assert trl_reward(format_reward, answer_column="gold")(completions=["#### 1"], gold=["1"]) == [1.0]
+
+    def broken_reward(completions, answers):
+        raise KeyError("boom")
+
+    with pytest.raises(RuntimeError, match=r"reward 'broken_reward' failed.*'no'"):
+        trl_reward(broken_reward)(completions=["no"], answer=["1"])
+    assert pickle.loads(pickle.dumps(r))(completions=["#### 5"], answer=["5"]) == [1.0]
+
+
+def test_reward_list_and_weights():
+    def trl_native(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    funcs, weights = _trl_rewards({"correctness": correctness_reward, "native": trl_native}, {"native": 0.5}, "answer")
+    assert isinstance(funcs[0], TRLReward) and funcs[1] is trl_native and weights == [1.0, 0.5]
+    funcs, weights = _trl_rewards(format_reward, None, "answer")
+    assert [f.__name__ for f in funcs] == ["format_reward"] and weights is None
+    with pytest.raises(ValueError, match="unknown rewards"):
+        _trl_rewards({"format": format_reward}, {"fromat": 1.0}, "answer")
+    with pytest.raises(ValueError, match="by name"):
+        _trl_rewards([format_reward], {"format": 1.0}, "answer")
+
+
+def test_trl_dataset_from_cbkit_problems():
+    from cbkit.data import SYSTEM_PROMPT, synthetic_gsm
+
+    problems = synthetic_gsm(3, seed=0)
+    ds = trl_dataset(problems)
+    assert ds.column_names == ["prompt", "answer"] and ds["answer"] == [p.answer for p in problems]
+    assert ds[0]["prompt"] == [{"role": "system", "content": SYSTEM_PROMPT},
+                               {"role": "user", "content": problems[0].question}]
+    user_only = trl_dataset(problems, system_prompt=None)[0]["prompt"]
+    assert user_only == [{"role": "user", "content": problems[0].question}]
+
+
+# --- RLOO -----------------------------------------------------------------------------------------------------
+
+
+def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset):
+    """One RLOO step on the CB path, in bf16 mixed precision (TRL's default) to exercise CBRLOOTrainer's fix."""
+    logs = Logs()
+    model, tok = _policy()
+    tr = build_rloo_trainer(
+        model, tok, {"correctness": correctness_reward, "format": format_reward}, dataset,
+        dict(RUN, beta=0.0, scale_rewards="none"), output_dir=str(tmp_path), callbacks=[logs],
+        reward_weights={"format": 0.5},
+        # Stock TRL sizes the KV pool as a share of host RAM on CPU; give it a small pool.
+        transformers_continuous_batching_config={"num_blocks": 64}, bf16=True, use_cpu=True, **TRL_ONLY,
+    )
+    assert type(tr) is CBRLOOTrainer and tr.continuous_batching_config is not None
+    assert tr.reward_weights.tolist() == [1.0, 0.5]
+    tr.train()
+    step = logs.train_step
+    assert {"rewards/correctness_reward/mean", "rewards/format_reward/mean"} <= set(step)
+    assert not is_metrics(step)  # RLOO in TRL 1.16 has no IS correction
