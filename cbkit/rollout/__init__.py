@@ -16,12 +16,13 @@ def make_backend(
     cb_config: dict | None = None,
     pad_token_id: int | None = None,
     record_timestamps: bool = False,
+    persistent: bool = False,
 ) -> RolloutBackend:
     """Build a backend by name; the one place that maps names to classes."""
     if name == GenerateBackend.name:
         return GenerateBackend(model, pad_token_id=pad_token_id)
     if name == ContinuousBackend.name:
-        return ContinuousBackend(model, cb_config, record_timestamps=record_timestamps)
+        return ContinuousBackend(model, cb_config, record_timestamps=record_timestamps, persistent=persistent)
     raise ValueError(f"Unknown backend {name!r}; choose from {sorted(BACKENDS)}.")
 
 

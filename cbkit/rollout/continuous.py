@@ -88,11 +88,28 @@ def make_cb_config(
 class ContinuousBackend:
     name = "continuous"
 
-    def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, record_timestamps: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        cb_config: Mapping[str, Any] | None = None,
+        *,
+        record_timestamps: bool = False,
+        persistent: bool = False,
+    ) -> None:
         self.model = model
         self.cb_overrides = dict(cb_config or {})
         self.record_timestamps = record_timestamps  # per-token clocks for the engine timeline
+        # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of
+        # building them anew; the engine thread still stops after every call and the model's attention is
+        # restored, so training forwards in between are plain causal forwards.
+        self.persistent = persistent
+        self._engine_key: tuple | None = None
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
+
+    def close(self) -> None:
+        """Free a persistent engine (its KV pool and buffers)."""
+        self.model.destroy_cached_continuous_batching_manager()
+        self._engine_key = None
 
     def generate(
         self,
@@ -114,10 +131,18 @@ class ContinuousBackend:
             workload_blocks=workload_blocks(rows, sampling.max_new_tokens, _page_size(self.cb_overrides)),
         )
 
+        if self.persistent:
+            # A kept engine keeps the sampling settings and seed it was built with: rebuild it when they change.
+            key = (repr(gen_config.to_dict()), repr(sorted(self.cb_overrides.items())))
+            if self._engine_key is not None and key != self._engine_key:
+                self.close()
+            self._engine_key = key
+
         with PeakMemory(self.model.device) as mem:
             start = time.perf_counter()
             outputs, resolved = _run_engine(
-                self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps
+                self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
+                persistent=self.persistent,
             )
             mem.synchronize()
             wall = time.perf_counter() - start
@@ -151,7 +176,10 @@ class ContinuousBackend:
         ).validate()
 
 
-def _run_engine(model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int, record_timestamps: bool):
+def _run_engine(
+    model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int, record_timestamps: bool,
+    persistent: bool = False,
+):
     """Submit every row, collect every result, and return them in submission order with the resolved config.
 
     This is what `generate_batch` does, minus its habit of logging a failed request and returning fewer
@@ -164,6 +192,7 @@ def _run_engine(model, rows: list[list[int]], gen_config, cb_config, max_new_tok
         block=True,
         timeout=5,
         workload_hints=hints,
+        persistent_manager=persistent,
     ) as manager:
         ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
         results: dict[str, Any] = {}
@@ -243,9 +272,12 @@ def _context_len(model) -> int | None:
 
 
 def engine_is_idle(model) -> bool:
-    """True when no CB manager is attached to the model (so a plain forward is an ordinary causal forward)."""
-    return getattr(model, "_cached_continuous_batching_manager", None) is None and not str(
-        model.config._attn_implementation
-    ).startswith("paged")
+    """True when no CB engine is running on the model and its attention is its own again, so a plain forward
+    is an ordinary causal forward. A persistent engine that is kept but stopped counts as idle: stopping
+    restores the attention implementation (tests/test_persistent_engine.py checks the forward is unchanged).
+    """
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    running = manager is not None and manager.is_running()
+    return not running and not str(model.config._attn_implementation).startswith("paged")
 
 
