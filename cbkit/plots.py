@@ -1,0 +1,620 @@
+"""Plotly figures for cbkit: one live chart that works wherever the code runs, and the sweep's static figures.
+
+A live chart has to cope with four places, and no single plotly mechanism works in all of them:
+
+* JupyterLab / VS Code: ``go.FigureWidget`` updates in place. Since plotly 6 it is an ``anywidget``
+  widget, so it needs that package; without it plotly hands back a stand-in that cannot display.
+* Colab: the widget front end is ipywidgets 7 and plotly's FigureWidget does not render there. What works
+  everywhere is an IPython display handle whose HTML is replaced (``handle.update``).
+* nbmake / CI: nobody watches, but the executed notebook should keep the final figure as a static output,
+  and a widget's state is not saved into it.
+* scripts and terminals: nothing to display; ``close()`` returns the figure (and can save it as HTML).
+
+``LiveChart(mode="auto")`` picks one of these (``detect_mode`` says how), keeps every point in memory, and
+redraws at most once per ``min_interval_s``: sending a figure is expensive (the whole HTML, in html mode),
+adding a point is not.
+
+The static figures read the sweep's points (one dict per backend x N, see ``cbkit.sweep``) and the engine
+timeline (``cbkit.telemetry``). A run that ran out of memory or failed is *annotated* at its N and never
+drawn as a zero: a missing measurement is not a small one.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import math
+import os
+import sys
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+__all__ = [
+    "LiveChart",
+    "detect_mode",
+    "memory_vs_n",
+    "padding_figure",
+    "sweep_report",
+    "throughput_vs_n",
+    "timeline_figure",
+    "widget_available",
+    "write_report",
+]
+
+Mode = Literal["auto", "widget", "html", "static"]
+
+BACKEND_COLORS = {"generate": "#4C72B0", "continuous": "#DD8452", "vllm": "#55A868"}
+_PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
+            "#CCB974", "#64B5CD"]
+_TEMPLATE = "plotly_white"
+
+
+# --- where are we running? ---------------------------------------------------------------------------------
+
+
+def detect_mode() -> Literal["widget", "html", "static"]:
+    """Colab -> html; a Jupyter kernel with a working FigureWidget, not under CI -> widget; any other
+    kernel -> html; no kernel (script, terminal, plain IPython) -> static."""
+    if "google.colab" in sys.modules:
+        return "html"
+    if not in_kernel():
+        return "static"
+    if under_ci() or not widget_available():
+        return "html"
+    return "widget"
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel. Only looks at an IPython that is already imported: a script that never
+    imported it cannot be running in a kernel."""
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    shell = get() if get is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def under_ci() -> bool:
+    """CI or a notebook test run, where nobody watches a widget and its state would not be saved."""
+    if os.environ.get("CBKIT_PROFILE") == "ci" or os.environ.get("CI"):
+        return True
+    # nbmake runs the kernel as a child of pytest, which inherits the variable pytest sets during a test.
+    return "PYTEST_CURRENT_TEST" in os.environ
+
+
+def widget_available() -> bool:
+    """Whether plotly's FigureWidget can work: plotly >= 6 builds it on anywidget, older ones on ipywidgets."""
+    import plotly
+
+    major = int(plotly.__version__.split(".")[0])
+    return importlib.util.find_spec("anywidget" if major >= 6 else "ipywidgets") is not None
+
+
+# --- the live chart ------------------------------------------------------------------------------------------
+
+
+class LiveChart:
+    """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
+
+    ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
+    in every panel. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
+    a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        title: str,
+        panels: Sequence[str] = ("",),
+        *,
+        x_title: str = "step",
+        mode: Mode = "auto",
+        min_interval_s: float = 1.0,
+        save_html: str | os.PathLike | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        display: Callable[[Any], Any] | None = None,
+        figure_widget: Callable[[go.Figure], Any] | None = None,
+    ) -> None:
+        if mode not in ("auto", "widget", "html", "static"):
+            raise ValueError(f"mode must be auto, widget, html or static; got {mode!r}.")
+        if not panels:
+            raise ValueError("panels must name at least one panel.")
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}.")
+        self.title = title
+        self.panels = tuple(panels)
+        self.x_title = x_title
+        self.min_interval_s = min_interval_s
+        self.save_html = Path(save_html) if save_html is not None else None
+        self._clock = clock
+        self._display = display or _ipython_display
+        self._widget_cls = figure_widget
+        self.mode = self._resolve(mode)
+        self.updates = 0  # redraws sent to the display: what the throttle limits
+        self._series: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}
+        self._names: list[str] = []  # series names in order of appearance, for stable colours
+        self._dirty = False
+        self._last = -math.inf
+        self._handle: Any = None
+        self._widget: Any = None
+        self._trace_index: dict[tuple[str, str], int] = {}
+        self._final: go.Figure | None = None
+
+    def _resolve(self, mode: Mode) -> Literal["widget", "html", "static"]:
+        resolved = detect_mode() if mode == "auto" else mode
+        if resolved == "widget" and self._widget_cls is None:
+            if widget_available():
+                self._widget_cls = go.FigureWidget
+            else:
+                resolved = "html" if in_kernel() else "static"
+                if mode == "widget":
+                    warnings.warn(
+                        "plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
+                        f"showing the chart in {resolved} mode instead.",
+                        stacklevel=3,
+                    )
+        return resolved
+
+    def add(self, series: str, x: Any, y: Any, panel: str | None = None) -> None:
+        """Store one point of ``series`` in ``panel`` (default: the first); redraw if the interval has passed."""
+        if self._final is not None:
+            raise RuntimeError(f"LiveChart {self.title!r} is closed; create a new one to plot more.")
+        panel = self.panels[0] if panel is None else panel
+        if panel not in self.panels:
+            raise ValueError(f"Unknown panel {panel!r}; this chart has {list(self.panels)}.")
+        key = (panel, series)
+        if key not in self._series:
+            self._series[key] = ([], [])
+            if series not in self._names:
+                self._names.append(series)
+        xs, ys = self._series[key]
+        xs.append(x)
+        ys.append(y)
+        self._dirty = True
+        now = self._clock()
+        if now - self._last >= self.min_interval_s:
+            self._redraw(now)
+
+    def flush(self) -> None:
+        """Redraw now if anything arrived since the last redraw."""
+        if self._dirty and self._final is None:
+            self._redraw(self._clock())
+
+    def figure(self) -> go.Figure:
+        """The chart as a plain figure, with every point added so far."""
+        rows = len(self.panels)
+        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08 if rows > 1 else 0.0)
+        shown: set[str] = set()
+        for (panel, series), (xs, ys) in self._series.items():
+            color = _PALETTE[self._names.index(series) % len(_PALETTE)]
+            fig.add_trace(
+                go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", legendgroup=series,
+                           showlegend=series not in shown, line={"color": color}),
+                row=self.panels.index(panel) + 1, col=1,
+            )
+            shown.add(series)
+        for i, panel in enumerate(self.panels, start=1):
+            fig.update_yaxes(title_text=panel, row=i, col=1)
+        fig.update_xaxes(title_text=self.x_title, row=rows, col=1)
+        fig.update_layout(title=self.title, template=_TEMPLATE, height=160 + 260 * rows,
+                          legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1})
+        return fig
+
+    def close(self) -> go.Figure:
+        """Final redraw; return the figure. In html and static mode show it as an ordinary figure output, so
+        an executed notebook keeps it; save it as HTML if ``save_html`` was given."""
+        if self._final is not None:
+            return self._final
+        fig = self.figure()
+        if self.mode == "widget":
+            self.flush()
+        elif self.mode == "html":
+            self._show_final(fig)
+        elif in_kernel():
+            self._display(fig)
+        if self.save_html is not None:
+            self.save_html.parent.mkdir(parents=True, exist_ok=True)
+            fig.write_html(self.save_html, include_plotlyjs=True)
+        self._dirty = False
+        self._final = fig
+        return fig
+
+    # --- display back ends ---
+
+    def _redraw(self, now: float) -> None:
+        self._last = now
+        self._dirty = False
+        if self.mode == "static":
+            return  # nothing live: the points wait for close()
+        self.updates += 1
+        if self.mode == "widget":
+            self._update_widget()
+        else:
+            self._update_html(self.figure())
+
+    def _update_widget(self) -> None:
+        if self._widget is None:
+            self._widget = self._widget_cls(self.figure())
+            self._trace_index = {key: i for i, key in enumerate(self._series)}
+            self._display(self._widget)
+            return
+        with self._widget.batch_update():
+            for key, (xs, ys) in self._series.items():
+                if key not in self._trace_index:
+                    panel, series = key
+                    color = _PALETTE[self._names.index(series) % len(_PALETTE)]
+                    self._widget.add_trace(
+                        go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers",
+                                   legendgroup=series, line={"color": color},
+                                   showlegend=not any(s == series for _, s in self._trace_index)),
+                        row=self.panels.index(panel) + 1, col=1,
+                    )
+                    self._trace_index[key] = len(self._widget.data) - 1
+                else:
+                    trace = self._widget.data[self._trace_index[key]]
+                    trace.x, trace.y = list(xs), list(ys)
+
+    def _update_html(self, fig: go.Figure) -> None:
+        from IPython.display import HTML
+
+        # The CDN script keeps each redraw small; the final figure (close) goes through plotly's own
+        # renderer, which the notebook keeps and renders offline.
+        content = HTML(fig.to_html(full_html=False, include_plotlyjs="cdn"))
+        if self._handle is None:
+            self._handle = self._display(content)
+        else:
+            self._handle.update(content)
+
+    def _show_final(self, fig: go.Figure) -> None:
+        self.updates += 1
+        if self._handle is None:
+            self._handle = self._display(fig)
+        else:
+            self._handle.update(fig)
+
+
+def _ipython_display(obj: Any) -> Any:
+    from IPython.display import display
+
+    return display(obj, display_id=True)
+
+
+# --- the sweep's figures ------------------------------------------------------------------------------------
+
+
+def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Completion tokens/s vs N, one line per backend, the speed ratio to generate() printed at each point.
+    One trace per backend; OOM and failed points are gaps in the line and annotated at their N."""
+    fig = go.Figure()
+    for backend in _backends(points):
+        pts = _by_backend(points, backend)
+        ns = [p["N"] for p in pts]
+        ys = [p["tokens_per_s"] if _ok(p) else None for p in pts]
+        fig.add_trace(go.Scatter(
+            x=ns, y=ys, name=backend, mode="lines+markers", line={"color": _color(backend), "width": 2.5},
+            marker={"size": 9}, connectgaps=False,
+            hovertemplate=f"{backend}<br>N=%{{x}}<br>%{{y:.1f}} tokens/s<extra></extra>",
+        ))
+        if backend != "generate":
+            _label_ratios(fig, pts, "tokens_per_s", "speed_vs_generate", 1.0, _color(backend))
+    _n_axis(fig, points)
+    _annotate_failures(fig, points)
+    fig.update_yaxes(title_text="completion tokens / s", rangemode="tozero")
+    fig.update_layout(title="Rollout throughput vs N (labels: speed vs generate)", template=_TEMPLATE,
+                      height=460, legend={"orientation": "h", "y": -0.2, "x": 0},
+                      margin={"t": 90})
+    return fig
+
+
+def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Peak memory vs N per backend: measured (solid), analytic KV (dashed), planner prediction (open
+    diamonds, when the points carry one). The memory ratio to generate() is printed at each measured point."""
+    unit, scale = _unit(max((v for p in points for v in (p.get("peak_mem_bytes"), p.get("kv_bytes"),
+                                                            p.get("planned_peak_bytes")) if v), default=0))
+    fig = go.Figure()
+    for backend in _backends(points):
+        pts = _by_backend(points, backend)
+        ns = [p["N"] for p in pts]
+        color = _color(backend)
+        measured = [_scaled(p.get("peak_mem_bytes"), scale) if _ok(p) else None for p in pts]
+        if any(v is not None for v in measured):
+            fig.add_trace(go.Scatter(
+                x=ns, y=measured, name=f"{backend}: measured peak", mode="lines+markers",
+                line={"color": color, "width": 2.5}, marker={"size": 9}, legendgroup=backend, connectgaps=False,
+                hovertemplate=f"{backend} measured<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
+            ))
+            if backend != "generate":
+                _label_ratios(fig, pts, "peak_mem_bytes", "mem_vs_generate", scale, color)
+        # Analytic KV is what the configuration needs, so it is drawn for OOM points too.
+        kv = [_scaled(p.get("kv_bytes"), scale) for p in pts]
+        if any(v is not None for v in kv):
+            fig.add_trace(go.Scatter(
+                x=ns, y=kv, name=f"{backend}: KV (analytic)", mode="lines", legendgroup=backend,
+                line={"color": color, "dash": "dash", "width": 1.5},
+                hovertemplate=f"{backend} analytic KV<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
+            ))
+        planned = [_scaled(p.get("planned_peak_bytes"), scale) for p in pts]
+        if any(v is not None for v in planned):
+            fig.add_trace(go.Scatter(
+                x=ns, y=planned, name=f"{backend}: planner", mode="markers", legendgroup=backend,
+                marker={"color": color, "symbol": "diamond-open", "size": 12, "line": {"width": 2}},
+                hovertemplate=f"{backend} planner<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
+            ))
+    kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
+    measured_as = " / ".join(_kind(k) for k in kinds) or "not measured"
+    _n_axis(fig, points)
+    _annotate_failures(fig, points)
+    fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
+    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; labels: memory vs generate)",
+                      template=_TEMPLATE,
+                      height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
+    return fig
+
+
+def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-sweep",
+                 meta: Mapping[str, Any] | None = None) -> str:
+    """One self-contained HTML page: the run's settings, both charts (plotly's JS inline, so it opens
+    offline), every point as a table, and the ratios to generate() at each N."""
+    charts = [
+        throughput_vs_n(points).to_html(full_html=False, include_plotlyjs=True),
+        memory_vs_n(points).to_html(full_html=False, include_plotlyjs=False),
+    ]
+    esc = html.escape
+    meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in (meta or {}).items())
+    cols = [("backend", "backend", str), ("N", "N", str), ("status", "status", str),
+            ("tokens_per_s", "tokens/s", lambda v: f"{v:.1f}"), ("rollout_s", "rollout s", lambda v: f"{v:.2f}"),
+            ("peak_mem_bytes", "peak memory", _bytes), ("peak_mem_kind", "measured as", _kind),
+            ("kv_bytes", "KV (analytic)", _bytes), ("planned_peak_bytes", "planner", _bytes),
+            ("padding_share", "padding share", lambda v: f"{v:.0%}"),
+            ("speed_vs_generate", "speed vs generate", _ratio), ("mem_vs_generate", "memory vs generate", _ratio)]
+    head = "".join(f"<th>{esc(label)}</th>" for _, label, _ in cols)
+    body = "".join(
+        "<tr class='{}'>{}</tr>".format(
+            "" if _ok(p) else "failed",
+            "".join(f"<td>{esc(fmt(p[k])) if p.get(k) is not None else '&ndash;'}</td>" for k, _, fmt in cols),
+        )
+        for p in sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))
+    )
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-space: nowrap; }}
+th {{ background: #f3f3f3; }} tr.failed td {{ color: #b00; }}
+</style></head><body>
+<h1>{esc(title)}</h1>
+<p>Ratios compare each backend with <code>generate()</code> at the same N, measured side by side in one
+process (medians of repeats). Absolute times mean something only on a GPU; on a CPU, memory is RSS and
+indicative. Points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
+<table>{meta_rows}</table>
+{charts[0]}
+{charts[1]}
+<h2>Points</h2>
+<table><tr>{head}</tr>{body}</table>
+{_ratio_table(points)}
+</body></html>
+"""
+
+
+def write_report(points: Sequence[Mapping[str, Any]], path: str | os.PathLike,
+                 meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
+    """Write ``sweep_report`` to ``path`` and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(sweep_report(points, title, meta), encoding="utf-8")
+    return path
+
+
+def _ratio_table(points: Sequence[Mapping[str, Any]]) -> str:
+    others = [b for b in _backends(points) if b != "generate"]
+    ns = sorted({p["N"] for p in points})
+    if not others:
+        return ""
+    by = {(p["backend"], p["N"]): p for p in points}
+    rows = []
+    for n in ns:
+        cells = [f"<td>{n}</td>"]
+        for b in others:
+            p = by.get((b, n))
+            gen = by.get(("generate", n))
+            if p is None:
+                cells += ["<td>&ndash;</td>", "<td>&ndash;</td>"]
+            elif not _ok(p) or (gen is not None and not _ok(gen)):
+                failed = ", ".join(f"{q['backend']} {q['status'].upper()}" for q in (gen, p) if q and not _ok(q))
+                cells += [f"<td colspan='2'>{html.escape(failed)}</td>"]
+            else:
+                cells += [f"<td>{_ratio(p.get('speed_vs_generate'))}</td>",
+                          f"<td>{_ratio(p.get('mem_vs_generate'))}</td>"]
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    head = "".join(f"<th>{html.escape(b)} speed</th><th>{html.escape(b)} memory</th>" for b in others)
+    return f"<h2>Ratios to generate()</h2><table><tr><th>N</th>{head}</tr>{''.join(rows)}</table>"
+
+
+# --- the engine timeline ------------------------------------------------------------------------------------
+
+
+def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None,
+                    *, token_ticks: bool | None = None) -> go.Figure:
+    """Recycling made visible. Top: one bar per request from its start to its end, coloured by group, with a
+    tick per generated token. Below it, sharing the time axis: sequences running, then KV blocks in use
+    against the pool size.
+
+    ``occupancy`` defaults to ``cbkit.telemetry.occupancy(timeline)``. Token ticks are drawn when there are
+    at most 20k tokens unless ``token_ticks`` says otherwise.
+    """
+    if occupancy is None:
+        from cbkit.telemetry import occupancy as compute_occupancy
+
+        occupancy = compute_occupancy(timeline)
+    t0 = timeline["t0"]
+    requests = sorted(timeline["requests"], key=lambda r: r["id"])
+    # Three rows rather than one with two y axes: two step lines on twin axes cross and align by accident.
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.56, 0.2, 0.24])
+    groups = sorted({r["group"] for r in requests})
+    for g in groups:
+        rs = [r for r in requests if r["group"] == g]
+        fig.add_trace(go.Bar(
+            orientation="h", y=[r["id"] for r in rs], base=[r["start"] - t0 for r in rs],
+            x=[r["end"] - r["start"] for r in rs], name=f"group {g}", showlegend=len(groups) <= 12,
+            marker={"color": _PALETTE[g % len(_PALETTE)], "line": {"width": 0}},
+            customdata=[[r["prompt_len"], len(r["token_times"])] for r in rs],
+            hovertemplate=("request %{y} (group " + str(g) + ")<br>from %{base:.3f} s for %{x:.3f} s"
+                           "<br>prompt %{customdata[0]} tokens, generated %{customdata[1]}<extra></extra>"),
+        ), row=1, col=1)
+    total_tokens = sum(len(r["token_times"]) for r in requests)
+    if token_ticks if token_ticks is not None else total_tokens <= 20_000:
+        fig.add_trace(go.Scatter(
+            x=[t - t0 for r in requests for t in r["token_times"]],
+            y=[r["id"] for r in requests for _ in r["token_times"]],
+            mode="markers", name="a generated token",
+            marker={"symbol": "line-ns-open", "size": 6, "line": {"width": 1, "color": "rgba(255,255,255,0.55)"}},
+            hovertemplate="request %{y}: token at %{x:.3f} s<extra></extra>",
+        ), row=1, col=1)
+    t = list(occupancy["t"])
+    fig.add_trace(go.Scatter(x=t, y=list(occupancy["running"]), name="sequences running", mode="lines",
+                             line={"shape": "hv", "color": "#4C72B0", "width": 2}), row=2, col=1)
+    fig.add_trace(go.Scatter(x=t, y=list(occupancy["blocks_in_use"]), name="KV blocks in use", mode="lines",
+                             fill="tozeroy", line={"shape": "hv", "color": "#C44E52", "width": 2}), row=3, col=1)
+    pool = occupancy.get("pool_blocks") or 0
+    if pool and t:
+        fig.add_trace(go.Scatter(x=[min(t), max(t)], y=[pool, pool], name=f"pool: {pool} blocks", mode="lines",
+                                 line={"color": "black", "dash": "dash", "width": 1.5}), row=3, col=1)
+    fig.update_yaxes(title_text="request", autorange="reversed", row=1, col=1)
+    fig.update_yaxes(title_text="running", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="KV blocks", rangemode="tozero", row=3, col=1)
+    fig.update_xaxes(title_text="seconds since the rollout started", row=3, col=1)
+    fig.update_layout(
+        title=f"CB engine timeline: {len(requests)} requests, page size {timeline['page_size']} tokens",
+        template=_TEMPLATE, barmode="overlay", bargap=0.15, height=max(640, 380 + 8 * len(requests)),
+        legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0}, margin={"b": 120},
+    )
+    return fig
+
+
+# --- the static batch's padding -----------------------------------------------------------------------------
+
+_CELL_KINDS = ("left padding", "prompt", "completion", "after EOS (wasted)")
+_CELL_COLORS = ("#d9d9d9", "#4C72B0", "#55A868", "#C44E52")
+
+
+def padding_figure(rollout: Any) -> go.Figure:
+    """For a ``generate`` rollout: every row x position of the static batch, coloured as left padding,
+    prompt, completion, or the slots a finished row still occupies until the longest row ends. The title
+    gives the share of computed token slots that were padding (same definition as ``kv_accounting``)."""
+    if rollout.backend != "generate":
+        raise ValueError(
+            f"padding_figure draws the static batch of a 'generate' rollout; got a {rollout.backend!r} rollout "
+            "(the CB engine packs sequences without padding)."
+        )
+    cfg = rollout.engine_config
+    comps = rollout.completions
+    width = cfg.get("padded_prompt_len") or max(len(c.prompt_ids) for c in comps)
+    steps = cfg.get("steps") or max(len(c.completion_ids) for c in comps)
+    z = []
+    for c in comps:
+        pad, prompt, done = width - len(c.prompt_ids), len(c.prompt_ids), len(c.completion_ids)
+        z.append([0] * pad + [1] * prompt + [2] * done + [3] * (steps - done))
+    slots = len(comps) * (width + steps)
+    useful = sum(len(c.prompt_ids) + len(c.completion_ids) for c in comps)
+    share = 1 - useful / slots
+    scale = []
+    for i, color in enumerate(_CELL_COLORS):
+        scale += [[i / 4, color], [(i + 1) / 4, color]]
+    fig = go.Figure(go.Heatmap(
+        z=z, zmin=-0.5, zmax=3.5, colorscale=scale, xgap=0, ygap=1 if len(comps) <= 64 else 0,
+        colorbar={"tickvals": [0, 1, 2, 3], "ticktext": list(_CELL_KINDS), "title": {"text": "slot"}},
+        hovertemplate="row %{y}, position %{x}<extra></extra>",
+    ))
+    n = rollout.num_generations
+    if len(comps) // n <= 32:
+        for g in range(1, len(comps) // n):
+            fig.add_hline(y=g * n - 0.5, line={"color": "black", "width": 1})
+    fig.add_vline(x=width - 0.5, line={"color": "black", "width": 1, "dash": "dot"},
+                  annotation_text="generation starts", annotation_position="top")
+    fig.update_yaxes(title_text=f"row ({rollout.num_prompts} prompts x N={n})", autorange="reversed")
+    fig.update_xaxes(title_text="position in the padded batch (tokens)")
+    fig.update_layout(
+        title=f"Static batch: {len(comps)} rows x {width + steps} positions, {share:.0%} of token slots are padding",
+        template=_TEMPLATE, height=max(380, 160 + 12 * len(comps)), margin={"t": 90},
+    )
+    return fig
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+
+def _ok(p: Mapping[str, Any]) -> bool:
+    return p.get("status", "ok") == "ok"
+
+
+def _backends(points: Sequence[Mapping[str, Any]]) -> list[str]:
+    seen = list(dict.fromkeys(p["backend"] for p in points))
+    return sorted(seen, key=lambda b: (b != "generate", b))  # generate first: the reference
+
+
+def _by_backend(points: Sequence[Mapping[str, Any]], backend: str) -> list[Mapping[str, Any]]:
+    return sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
+
+
+def _color(backend: str) -> str:
+    # crc32, not hash(): str hashes change between processes, colours should not.
+    return BACKEND_COLORS.get(backend, _PALETTE[zlib.crc32(backend.encode()) % len(_PALETTE)])
+
+
+def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> None:
+    ns = sorted({p["N"] for p in points})
+    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly.
+    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[str(n) for n in ns],
+                     range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
+
+
+def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> None:
+    failed: dict[int, list[str]] = {}
+    for p in points:
+        if not _ok(p):
+            failed.setdefault(p["N"], []).append(f"{p['backend']}: {str(p.get('status', 'error')).upper()}")
+    for n, labels in failed.items():
+        # Above the plot area, so it never hides a line; annotations on a log axis take log10(x).
+        fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
+                           text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
+                           bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
+        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})
+
+
+def _label_ratios(fig: go.Figure, pts: Sequence[Mapping[str, Any]], y_key: str, ratio_key: str, scale: float,
+                  color: str) -> None:
+    for p in pts:
+        if _ok(p) and p.get(ratio_key) is not None and p.get(y_key) is not None:
+            # Shifted up by pixels rather than data units, so the label clears the marker at any scale.
+            fig.add_annotation(x=math.log10(p["N"]), y=p[y_key] / scale, yshift=18, text=_ratio(p[ratio_key]),
+                               showarrow=False, font={"color": color, "size": 12})
+
+
+def _unit(max_bytes: float) -> tuple[str, float]:
+    return ("GiB", 1024**3) if max_bytes >= 2 * 1024**3 else ("MiB", 1024**2)
+
+
+def _scaled(v: float | None, scale: float) -> float | None:
+    return None if v is None else v / scale
+
+
+def _kind(kind: str) -> str:
+    return {"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}.get(kind, kind)
+
+
+def _ratio(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def _bytes(v: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(v) >= size:
+            return f"{v / size:.2f} {unit}"
+    return f"{int(v)} B"

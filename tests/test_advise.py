@@ -1,0 +1,238 @@
+"""The memory planner against hand arithmetic and against the CB engine itself, the decision guide, the CLI."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cbkit.advise import crossover_n, kv_bytes_per_token, plan, recommend
+from cbkit.cli import main
+
+GiB = 1024**3
+
+
+def llama_1b_config():
+    """Llama-3.2-1B's shape (16 layers, 8 KV heads of 64, 32 heads, 2048 hidden, 128256 vocab), no weights."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=16, num_key_value_heads=8, num_attention_heads=32, head_dim=64,
+                       hidden_size=2048, intermediate_size=8192, vocab_size=128256)
+
+
+# --- KV bytes per token -------------------------------------------------------------------------------------
+
+
+def test_kv_bytes_per_token_by_hand(tiny):
+    # tiny: 2 layers x 2 (K and V) x 2 KV heads x head_dim 64/4=16 x 4 bytes (fp32)
+    assert kv_bytes_per_token(tiny.model.config, 4) == 2 * 2 * 2 * 16 * 4 == 512
+    assert kv_bytes_per_token(llama_1b_config(), 2) == 16 * 2 * 8 * 64 * 2 == 32768
+
+
+def test_kv_bytes_per_token_without_head_dim():
+    cfg = types.SimpleNamespace(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=512)
+    assert kv_bytes_per_token(cfg, 2) == 4 * 2 * 2 * (512 // 8) * 2
+
+
+# --- generate() ---------------------------------------------------------------------------------------------
+
+
+def test_generate_kv_is_every_row_at_full_length():
+    cfg = llama_1b_config()
+    p = plan(cfg, num_prompts=8, num_generations=64, prompt_len=200, max_new_tokens=512, dtype_bytes=2,
+             budget_bytes=70 * GiB)
+    g = p.generate
+    assert g.rows == 512 and g.padded_len == 712
+    assert g.kv_bytes == 512 * 712 * 32768
+    # Last step adds the rows x vocab logits (bf16, its fp32 copy, the recorder's log-probs, the softmax)
+    # and one layer's K held twice during torch.cat.
+    assert g.decode_transient_bytes == 512 * 128256 * (2 + 12) + 512 * 712 * (2 * 8 * 64 * 2) // 2
+    assert g.peak_bytes == g.kv_bytes + g.decode_transient_bytes
+    assert g.fits
+
+
+def test_generate_plan_matches_telemetry_on_a_real_rollout(tiny):
+    from cbkit.rollout.base import SamplingParams
+    from cbkit.rollout.generate import GenerateBackend
+    from cbkit.telemetry import kv_accounting
+
+    prompts = [[65, 66, 67], [70] * 9]
+    tok = tiny.tokenizer
+    sampling = SamplingParams(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=0)
+    rollout = GenerateBackend(tiny.model).generate(prompts, 2, sampling)
+    assert rollout.engine_config["steps"] == 6  # no EOS in the budget: the batch runs to max_new_tokens
+    p = plan(tiny.model.config, num_prompts=2, num_generations=2, prompt_len=[3, 9], max_new_tokens=6,
+             dtype_bytes=4, device="cpu")
+    assert p.generate.kv_bytes == kv_accounting(rollout, tiny.model.config, 4)["kv_bytes"]
+
+
+# --- the CB pool, checked against the engine ----------------------------------------------------------------
+
+
+def _patch_free_memory(monkeypatch, budget: int) -> None:
+    """Make the engine size its pool from `budget` bytes free, as on a GPU (pins where transformers reads it)."""
+    import transformers.generation.continuous_batching.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "get_device_and_memory_breakdown",
+                        lambda: (torch.device("cpu"), budget, 0, 0))
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt_lens", "n", "max_new", "cb_config", "budget"),
+    [
+        ("cpu workload sizing", [5, 5], 3, 4, {}, None),
+        ("small pages, mixed prompts", [40, 3, 90], 4, 8, {"page_size": 16}, None),
+        ("num_blocks given", [5], 2, 4, {"num_blocks": 37}, None),
+        ("memory, small batch", [5, 12], 2, 4, {"max_memory_percent": 0.5, "max_batch_tokens": 256}, 256 << 20),
+        ("memory, default batch (mask-bound)", [5], 3, 4, {"max_memory_percent": 0.4}, 1 << 30),
+    ],
+)
+def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max_new, cb_config, budget):
+    from cbkit.rollout.base import SamplingParams
+    from cbkit.rollout.continuous import ContinuousBackend
+    from cbkit.telemetry import kv_accounting
+
+    if budget is not None:
+        _patch_free_memory(monkeypatch, budget)
+    prompts = [[65 + i % 7] * length for i, length in enumerate(prompt_lens)]
+    rollout = ContinuousBackend(tiny.model, cb_config).generate(
+        prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
+    p = plan(tiny.model.config, num_prompts=len(prompts), num_generations=n, prompt_len=prompt_lens,
+             max_new_tokens=max_new, dtype_bytes=4, device="cpu", budget_bytes=budget, cb_config=cb_config)
+    resolved = rollout.engine_config
+    assert p.continuous.num_blocks == resolved["num_blocks"], name
+    assert p.continuous.max_batch_tokens == resolved["max_batch_tokens"]
+    assert p.continuous.page_size == resolved["page_size"]
+    assert p.continuous.pool_bytes == kv_accounting(rollout, tiny.model.config, 4)["kv_bytes"]
+    assert p.continuous.sized_by == ("memory" if budget else "num_blocks" if "num_blocks" in cb_config else "workload")
+
+
+def test_cb_pool_on_gpu_does_not_grow_with_n():
+    cfg = llama_1b_config()
+    sizes = dict(num_prompts=8, prompt_len=200, max_new_tokens=512, dtype_bytes=2, budget_bytes=70 * GiB)
+    pools = [plan(cfg, num_generations=n, **sizes).continuous.num_blocks for n in (8, 32, 64, 256)]
+    # The hints do not cap the pool: free memory sizes it. More requests only reserve more LM-head rows
+    # (max_requests_per_batch = min(requests, 1024)), which shrinks it slightly.
+    assert pools == sorted(pools, reverse=True) and pools[-1] > 0.98 * pools[0]
+    # 50% of the budget (cbkit's default) goes to the engine: the cache, its buffers and reservations
+    p = plan(cfg, num_generations=8, **sizes).continuous
+    assert p.engine_reserved_bytes <= 0.5 * 70 * GiB < p.engine_reserved_bytes + p.cache_tensor_bytes / p.num_blocks * 2
+    # flash attention needs no [batch, cache] mask, so the same budget buys more blocks
+    flash = plan(cfg, num_generations=8, attn_implementation="flash", **sizes).continuous
+    assert flash.num_blocks > p.num_blocks and flash.buffer_bytes < p.buffer_bytes
+
+
+def test_cb_on_gpu_needs_a_budget():
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan(llama_1b_config(), num_prompts=1, num_generations=8, prompt_len=10, max_new_tokens=10, dtype_bytes=2)
+
+
+# --- crossover ----------------------------------------------------------------------------------------------
+
+
+def test_crossover_is_where_cb_becomes_lighter_and_stays_so():
+    cfg = llama_1b_config()
+    sizes = dict(num_prompts=8, prompt_len=200, max_new_tokens=512, dtype_bytes=2, budget_bytes=40 * GiB)
+    c = crossover_n(cfg, **sizes)
+    assert c is not None and c > 1
+
+    def lighter(n):
+        p = plan(cfg, num_generations=n, **sizes)
+        return p.continuous.peak_bytes < p.generate.peak_bytes
+
+    assert not lighter(c - 1) and not lighter(1)
+    assert all(lighter(n) for n in (c, c + 1, 2 * c, 4 * c))
+    # more memory for the engine's pool pushes the crossover out
+    assert crossover_n(cfg, **{**sizes, "budget_bytes": 70 * GiB}) > c
+    assert crossover_n(cfg, max_n=c - 1, **sizes) is None
+
+
+# --- the decision guide -------------------------------------------------------------------------------------
+
+
+def test_small_n_is_generate():
+    a = recommend(8)
+    assert a.backend == "generate" and "N=8 < 32" in a.reasons[0]
+
+
+def test_large_n_with_variable_lengths_is_continuous():
+    a = recommend(64, mean_completion_len=150, max_new_tokens=512)
+    assert a.backend == "continuous"
+    assert any("no weight sync" in r for r in a.reasons)
+    assert recommend(64, completion_cv=0.6).backend == "continuous"
+    assert "assumed" in recommend(64).reasons[0]
+
+
+def test_large_n_with_uniform_lengths_is_generate():
+    assert recommend(64, completion_cv=0.05).backend == "generate"
+    assert recommend(64, mean_completion_len=500, max_new_tokens=512).backend == "generate"
+
+
+def test_multimodal_is_never_continuous():
+    a = recommend(64, mean_completion_len=100, max_new_tokens=512, multimodal=True)
+    assert a.backend != "continuous" and any("text only" in r for r in a.reasons)
+
+
+def test_tensor_parallel_and_max_throughput_are_vllm():
+    assert recommend(64, tensor_parallel=True).backend == "vllm"
+    assert recommend(8, need_max_throughput=True).backend == "vllm"
+    a = recommend(64, num_gpus=4, completion_cv=0.5)
+    assert a.backend == "continuous" and "accelerate" in a.reasons[0]
+
+
+def test_memory_rule_overrides_small_n():
+    cfg = llama_1b_config()
+    p = plan(cfg, num_prompts=64, num_generations=16, prompt_len=200, max_new_tokens=1024, dtype_bytes=2,
+             budget_bytes=40 * GiB)
+    assert p.generate.fits is False and p.continuous.fits
+    a = recommend(16, memory=p)
+    assert a.backend == "continuous" and "memory" in a.reasons[0]
+
+
+def test_bad_inputs_say_what_to_change():
+    cfg = llama_1b_config()
+    ok = dict(num_prompts=1, num_generations=8, prompt_len=10, max_new_tokens=10, dtype_bytes=2, budget_bytes=GiB)
+    for bad, match in [({"num_generations": 0}, "num_generations"), ({"prompt_len": 0}, "prompt_len"),
+                       ({"max_new_tokens": 0}, "max_new_tokens"), ({"budget_bytes": 0}, "budget_bytes"),
+                       ({"mean_completion_len": 11}, "mean_completion_len"), ({"device": "tpu"}, "device"),
+                       ({"prompt_len": [10, 10]}, "2 lengths")]:
+        with pytest.raises(ValueError, match=match):
+            plan(cfg, **{**ok, **bad})
+    with pytest.raises(ValueError, match="num_generations"):
+        recommend(0)
+
+
+# --- the CLI ------------------------------------------------------------------------------------------------
+
+
+def test_cli_advise_prints_plan_crossover_and_advice(capsys):
+    assert main(["advise", "--model", "tiny", "-N", "64", "--prompts", "2", "--prompt-len", "50",
+                 "--max-new-tokens", "100", "--mean-completion-len", "30", "--budget-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    for word in ("generate():", "continuous:", "crossover:", "Advice: use continuous"):
+        assert word in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-N", "0"], "-N must be >= 1"),
+        (["-N", "8", "--prompt-len", "0"], "prompt_len must be >= 1"),
+        (["-N", "8", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["-N", "8", "--budget-gb", "0"], "--budget-gb must be > 0"),
+        (["-N", "8", "--budget-gb", "-3"], "--budget-gb must be > 0"),
+        (["-N", "8", "--device", "cuda"], "give --budget-gb"),
+        (["-N", "8", "--dtype", "int3"], "--dtype"),
+        (["-N", "8", "--max-new-tokens", "10", "--mean-completion-len", "20"], "mean_completion_len"),
+        (["-N", "8", "--gpus", "0"], "num_gpus"),
+    ],
+)
+def test_cli_advise_bad_input(capsys, args, message):
+    assert main(["advise", "--model", "tiny", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_advise_unknown_model(capsys):
+    assert main(["advise", "--model", "no-such-model", "-N", "8"]) == 2
+    assert "Accepted forms" in capsys.readouterr().err

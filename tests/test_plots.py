@@ -1,0 +1,381 @@
+"""The live chart's display modes, throttle and batching, and the static figures built from sample data."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import plotly.graph_objects as go
+import pytest
+
+from cbkit import plots
+from cbkit.plots import LiveChart
+
+GiB = 1024**3
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeHandle:
+    def __init__(self, shown: list) -> None:
+        self.shown = shown
+
+    def update(self, obj) -> None:
+        self.shown.append(obj)
+
+
+class FakeDisplay:
+    """Stands in for IPython's display(obj, display_id=True): records what was shown and updated."""
+
+    def __init__(self) -> None:
+        self.shown: list = []
+
+    def __call__(self, obj):
+        self.shown.append(obj)
+        return FakeHandle(self.shown)
+
+
+class FakeWidget(go.Figure):
+    """A FigureWidget stand-in: a real figure with the widget's batch_update context manager."""
+
+    instances: list[FakeWidget] = []
+
+    def __init__(self, fig) -> None:
+        super().__init__(fig)
+        self._batches = 0  # plotly figures refuse unknown public attributes
+        FakeWidget.instances.append(self)
+
+    def batch_update(self):
+        self._batches += 1
+        return super().batch_update()
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.setattr(plots, "in_kernel", lambda: False)
+
+
+def _kernel(monkeypatch, *, colab: bool = False, ci: bool = False) -> None:
+    monkeypatch.setattr(plots, "in_kernel", lambda: True)
+    if colab:
+        monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    else:
+        monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    for var in ("CBKIT_PROFILE", "CI", "PYTEST_CURRENT_TEST"):
+        monkeypatch.delenv(var, raising=False)
+    if ci:
+        monkeypatch.setenv("CI", "true")
+
+
+# --- mode detection -----------------------------------------------------------------------------------------
+
+
+def test_auto_mode_colab_is_html(monkeypatch):
+    _kernel(monkeypatch, colab=True)
+    monkeypatch.setattr(plots, "widget_available", lambda: True)
+    assert plots.detect_mode() == "html"
+
+
+def test_auto_mode_kernel_with_widgets_is_widget(monkeypatch):
+    _kernel(monkeypatch)
+    monkeypatch.setattr(plots, "widget_available", lambda: True)
+    assert plots.detect_mode() == "widget"
+
+
+def test_auto_mode_kernel_without_anywidget_is_html(monkeypatch):
+    _kernel(monkeypatch)
+    monkeypatch.setattr(plots, "widget_available", lambda: False)
+    assert plots.detect_mode() == "html"
+
+
+@pytest.mark.parametrize("env", [("CI", "1"), ("CBKIT_PROFILE", "ci"), ("PYTEST_CURRENT_TEST", "nb.ipynb::cell")])
+def test_auto_mode_kernel_under_ci_or_nbmake_is_html(monkeypatch, env):
+    _kernel(monkeypatch)
+    monkeypatch.setattr(plots, "widget_available", lambda: True)
+    monkeypatch.setenv(*env)
+    assert plots.detect_mode() == "html"
+
+
+def test_in_kernel_needs_an_ipython_shell_with_a_kernel(monkeypatch):
+    shell = types.SimpleNamespace(kernel=object())
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    assert plots.in_kernel()
+    terminal = types.SimpleNamespace()  # terminal IPython: a shell, no kernel
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: terminal))
+    assert not plots.in_kernel()
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
+    assert not plots.in_kernel()
+    monkeypatch.delitem(sys.modules, "IPython")  # a script that never imported IPython
+    assert not plots.in_kernel()
+
+
+def test_auto_mode_without_kernel_is_static(monkeypatch):
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.setattr(plots, "in_kernel", lambda: False)
+    monkeypatch.setattr(plots, "widget_available", lambda: True)
+    assert plots.detect_mode() == "static"
+    assert LiveChart("t").mode == "static"
+
+
+def test_widget_available_follows_anywidget(monkeypatch):
+    import importlib.util
+
+    import plotly
+
+    real = importlib.util.find_spec
+    needed = "anywidget" if int(plotly.__version__.split(".")[0]) >= 6 else "ipywidgets"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == needed else real(name, *a))
+    assert plots.widget_available() is False
+
+
+# --- the three display modes --------------------------------------------------------------------------------
+
+
+def test_widget_mode_updates_one_widget_in_place(monkeypatch):
+    _kernel(monkeypatch)
+    FakeWidget.instances.clear()
+    display, clock = FakeDisplay(), FakeClock()
+    chart = LiveChart("w", panels=("tokens/s", "memory"), mode="widget", clock=clock, display=display,
+                      figure_widget=FakeWidget)
+    assert chart.mode == "widget"
+    chart.add("generate", 1, 10.0, panel="tokens/s")
+    clock.t = 2
+    chart.add("generate", 2, 12.0, panel="tokens/s")
+    chart.add("continuous", 2, 5.0, panel="memory")
+    chart.flush()
+    (widget,) = FakeWidget.instances
+    assert display.shown == [widget]  # displayed once, then updated in place
+    assert widget._batches == 2
+    assert [list(t.y) for t in widget.data] == [[10.0, 12.0], [5.0]]
+    fig = chart.close()
+    assert isinstance(fig, go.Figure) and len(fig.data) == 2
+
+
+def test_widget_mode_without_anywidget_falls_back(monkeypatch):
+    _kernel(monkeypatch)
+    monkeypatch.setattr(plots, "widget_available", lambda: False)
+    with pytest.warns(UserWarning, match="anywidget"):
+        chart = LiveChart("w", mode="widget", display=FakeDisplay())
+    assert chart.mode == "html"
+    monkeypatch.setattr(plots, "in_kernel", lambda: False)
+    with pytest.warns(UserWarning, match="anywidget"):
+        assert LiveChart("w", mode="widget").mode == "static"
+
+
+def test_real_figure_widget_if_installed(monkeypatch):
+    if not plots.widget_available():
+        pytest.skip("plotly's FigureWidget needs anywidget here; the fallback is tested above")
+    _kernel(monkeypatch)
+    chart = LiveChart("w", mode="widget", display=FakeDisplay(), clock=FakeClock())
+    chart.add("a", 1, 2)
+    assert isinstance(chart._widget, go.FigureWidget)
+
+
+def test_html_mode_updates_a_display_handle_and_leaves_a_figure(monkeypatch):
+    _kernel(monkeypatch, colab=True)
+    display, clock = FakeDisplay(), FakeClock()
+    chart = LiveChart("h", x_title="N", mode="auto", clock=clock, display=display)
+    assert chart.mode == "html"
+    for i in range(5):
+        clock.t = 2.0 * i
+        chart.add("generate", i, float(i))
+    assert len(display.shown) == 5  # one display, then four handle updates
+    html = display.shown[-1].data
+    assert "plotly" in html and "generate" in html
+    fig = chart.close()
+    # The executed notebook keeps the final figure itself, not the last HTML snapshot.
+    assert display.shown[-1] is fig
+    assert list(fig.data[0].y) == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_static_mode_shows_nothing_until_close(no_kernel, tmp_path):
+    display = FakeDisplay()
+    chart = LiveChart("s", mode="static", display=display, clock=FakeClock(), save_html=tmp_path / "live.html")
+    for i in range(20):
+        chart.add("a", i, i * i)
+    assert display.shown == [] and chart.updates == 0
+    fig = chart.close()
+    assert display.shown == []  # no kernel: close only returns (and saves)
+    assert list(fig.data[0].x) == list(range(20))
+    assert (tmp_path / "live.html").stat().st_size > 1000
+    with pytest.raises(RuntimeError, match="closed"):
+        chart.add("a", 21, 0)
+
+
+def test_static_mode_in_a_kernel_displays_the_final_figure(monkeypatch):
+    _kernel(monkeypatch)
+    display = FakeDisplay()
+    chart = LiveChart("s", mode="static", display=display)
+    chart.add("a", 1, 1)
+    fig = chart.close()
+    assert display.shown == [fig]
+
+
+# --- throttle and batching ----------------------------------------------------------------------------------
+
+
+def test_throttle_at_most_one_update_per_interval(monkeypatch):
+    _kernel(monkeypatch, colab=True)
+    display, clock = FakeDisplay(), FakeClock()
+    chart = LiveChart("t", mode="html", min_interval_s=1.0, clock=clock, display=display)
+    for i in range(100):  # 100 points within one second
+        clock.t = i * 0.0099
+        chart.add("a", i, i)
+    assert chart.updates <= 2
+    before = chart.updates
+    chart.flush()
+    assert chart.updates == before + 1  # flush forces one
+    chart.flush()
+    assert chart.updates == before + 1  # nothing new: nothing sent
+
+
+def test_batched_points_all_arrive(monkeypatch):
+    _kernel(monkeypatch, colab=True)
+    display, clock = FakeDisplay(), FakeClock()
+    chart = LiveChart("b", panels=("x", "y"), mode="html", clock=clock, display=display)
+    chart.add("a", 0, 0, panel="x")  # first point draws at once
+    for i in range(1, 50):
+        chart.add("a", i, i, panel="x")
+        chart.add("b", i, -i, panel="y")
+    assert chart.updates == 1
+    fig = chart.close()
+    assert [len(t.x) for t in fig.data] == [50, 49]
+    assert fig.layout.yaxis.title.text == "x" and fig.layout.yaxis2.title.text == "y"
+    assert fig.layout.xaxis2.title.text == "step"
+
+
+def test_live_chart_rejects_unknown_panel_and_mode():
+    chart = LiveChart("p", panels=("a",), mode="static")
+    with pytest.raises(ValueError, match="Unknown panel 'b'"):
+        chart.add("s", 1, 1, panel="b")
+    with pytest.raises(ValueError, match="mode must be"):
+        LiveChart("p", mode="browser")
+
+
+# --- sweep figures ------------------------------------------------------------------------------------------
+
+
+def _point(backend, n, status="ok", **kw):
+    base = dict(backend=backend, N=n, status=status, tokens_per_s=None, rollout_s=None, peak_mem_bytes=None,
+                peak_mem_kind="cuda_allocated", kv_bytes=None, padding_share=None, speed_vs_generate=None,
+                mem_vs_generate=None, planned_peak_bytes=None)
+    return {**base, **kw}
+
+
+POINTS = [
+    _point("generate", 8, tokens_per_s=1000.0, rollout_s=2.0, peak_mem_bytes=3 * GiB, kv_bytes=2 * GiB,
+           padding_share=0.3, planned_peak_bytes=3 * GiB),
+    _point("continuous", 8, tokens_per_s=1000.0, rollout_s=2.0, peak_mem_bytes=20 * GiB, kv_bytes=19 * GiB,
+           speed_vs_generate=1.0, mem_vs_generate=6.67, planned_peak_bytes=21 * GiB),
+    _point("generate", 32, tokens_per_s=3000.0, rollout_s=3.0, peak_mem_bytes=12 * GiB, kv_bytes=10 * GiB,
+           padding_share=0.4, planned_peak_bytes=12 * GiB),
+    _point("continuous", 32, tokens_per_s=3750.0, rollout_s=2.4, peak_mem_bytes=21 * GiB, kv_bytes=19 * GiB,
+           speed_vs_generate=1.25, mem_vs_generate=1.75, planned_peak_bytes=21 * GiB),
+    _point("generate", 64, status="oom", kv_bytes=20 * GiB, planned_peak_bytes=24 * GiB),
+    _point("continuous", 64, tokens_per_s=5000.0, rollout_s=3.6, peak_mem_bytes=21 * GiB, kv_bytes=19 * GiB,
+           planned_peak_bytes=21 * GiB),
+]
+
+
+def _trace(fig, name):
+    (t,) = [t for t in fig.data if t.name == name]
+    return t
+
+
+def test_throughput_vs_n_marks_oom_without_plotting_zero():
+    fig = plots.throughput_vs_n(POINTS)
+    assert [t.name for t in fig.data] == ["generate", "continuous"]
+    gen = _trace(fig, "generate")
+    assert list(gen.x) == [8, 32, 64] and list(gen.y) == [1000.0, 3000.0, None]
+    assert 0 not in [y for t in fig.data for y in t.y]
+    texts = [a.text for a in fig.layout.annotations]
+    assert "generate: OOM" in texts and "1.25x" in texts
+    assert fig.layout.xaxis.title.text.startswith("N") and "tokens" in fig.layout.yaxis.title.text
+
+
+def test_memory_vs_n_measured_analytic_and_planner():
+    fig = plots.memory_vs_n(POINTS)
+    assert len(fig.data) == 6  # per backend: measured, analytic KV, planner
+    gen = _trace(fig, "generate: measured peak")
+    assert list(gen.y) == [3.0, 12.0, None]  # GiB; the OOM point is a gap
+    assert list(_trace(fig, "generate: KV (analytic)").y) == [2.0, 10.0, 20.0]  # what it would need
+    assert _trace(fig, "generate: KV (analytic)").line.dash == "dash"
+    assert _trace(fig, "continuous: planner").mode == "markers"
+    assert "generate: OOM" in [a.text for a in fig.layout.annotations]
+    assert "GiB" in fig.layout.yaxis.title.text and "CUDA allocated" in fig.layout.title.text
+
+
+def test_memory_vs_n_without_planner_has_no_planner_traces():
+    pts = [{**p, "planned_peak_bytes": None} for p in POINTS]
+    assert len(plots.memory_vs_n(pts).data) == 4
+
+
+def test_report_is_self_contained_and_names_everything(tmp_path):
+    path = plots.write_report(POINTS, tmp_path / "sub" / "report.html", {"model": "tiny", "device": "cpu"})
+    html = path.read_text()
+    assert "<script src=" not in html  # no CDN: plotly's JS is inline
+    assert "Plotly.newPlot" in html and len(html) > 1_000_000
+    for word in ("generate", "continuous", "OOM", "1.25x", "tiny"):
+        assert word in html
+    for n in (8, 32, 64):
+        assert f"<td>{n}</td>" in html
+
+
+# --- timeline and padding -----------------------------------------------------------------------------------
+
+
+def test_timeline_figure_from_a_hand_made_timeline():
+    t0 = 50.0
+    requests = [
+        dict(id=0, group=0, prompt_len=3, start=t0, end=t0 + 0.3, token_times=[t0 + 0.1, t0 + 0.2, t0 + 0.3]),
+        dict(id=1, group=0, prompt_len=3, start=t0, end=t0 + 0.1, token_times=[t0 + 0.1]),
+        dict(id=2, group=1, prompt_len=5, start=t0 + 0.1, end=t0 + 0.4, token_times=[t0 + 0.2, t0 + 0.4]),
+    ]
+    timeline = {"page_size": 4, "t0": t0, "requests": requests}
+    occ = {"t": [0.0, 0.1, 0.3, 0.4], "running": [2, 2, 1, 0], "blocks_in_use": [2, 3, 2, 0], "pool_blocks": 4}
+    fig = plots.timeline_figure(timeline, occ)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [b.name for b in bars] == ["group 0", "group 1"]
+    assert list(bars[0].base) == [0.0, 0.0] and list(bars[0].x) == pytest.approx([0.3, 0.1])
+    ticks = _trace(fig, "a generated token")
+    assert len(ticks.x) == 6
+    assert list(_trace(fig, "KV blocks in use").y) == [2, 3, 2, 0]
+    assert list(_trace(fig, "pool: 4 blocks").y) == [4, 4]
+    assert fig.layout.xaxis3.title.text.startswith("seconds")
+    assert fig.layout.yaxis2.title.text == "running" and fig.layout.yaxis3.title.text == "KV blocks"
+
+
+def test_padding_figure_from_a_real_generate_rollout(tiny):
+    from cbkit.rollout.base import SamplingParams
+    from cbkit.rollout.generate import GenerateBackend
+    from cbkit.telemetry import kv_accounting
+
+    tok = tiny.tokenizer
+    prompts = [tok("What is 2+2?").input_ids, tok("Hi").input_ids]
+    rollout = GenerateBackend(tiny.model).generate(
+        prompts, 3, SamplingParams(max_new_tokens=12, eos_token_id=tok.eos_token_id, seed=0))
+    fig = plots.padding_figure(rollout)
+    (heat,) = fig.data
+    z = [list(row) for row in heat.z]
+    cfg = rollout.engine_config
+    assert len(z) == 6 and all(len(row) == cfg["padded_prompt_len"] + cfg["steps"] for row in z)
+    for row, c in zip(z, rollout.completions, strict=True):
+        assert row.count(1) == len(c.prompt_ids) and row.count(2) == len(c.completion_ids)
+        assert row[cfg["padded_prompt_len"] - 1] == 1  # every prompt ends where generation starts
+    share = kv_accounting(rollout, tiny.model.config, 4)["padding_share"]
+    assert f"{share:.0%} of token slots are padding" in fig.layout.title.text
+
+
+def test_padding_figure_refuses_a_cb_rollout():
+    from cbkit.rollout.base import Completion, Rollout
+
+    r = Rollout([Completion(0, (1,), (2,), (0.0,), "eos")], 1, "continuous", 0.1)
+    with pytest.raises(ValueError, match="generate"):
+        plots.padding_figure(r)
