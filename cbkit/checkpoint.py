@@ -1,0 +1,148 @@
+"""Checkpoints a killed run can continue from: written atomically, read back exactly.
+
+A checkpoint is a directory `checkpoint-<step>/` holding everything that decides what the next step computes:
+
+    model.safetensors     the policy's weights (shared tensors, e.g. tied embeddings, stored once)
+    optimizer.pt          AdamW's state (moments, step counts)
+    rng.pt                torch (CPU and CUDA), python `random` and numpy RNG states at the end of the step
+    trainer_state.json    the step, the data position, cbkit's version
+    config.json           the run's config, compared field by field on resume
+
+It is written into a temporary sibling and renamed into place, so a crash mid-write leaves either the old
+checkpoint or the new one, never half of one. The reference model (beta > 0) is not saved: it is the policy as
+loaded before training, which loading the same `model` again reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbkit.config import CBGRPOConfig
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """Finished checkpoints in `output_dir`, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(
+    output_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: CBGRPOConfig,
+    trainer_state: dict[str, Any],
+    rng: dict[str, Any],
+    keep: int = 1,
+) -> Path:
+    """Write `checkpoint-<step>` atomically, then delete all but the `keep` newest. Returns its path."""
+    from safetensors.torch import save_model
+
+    from cbkit import __version__
+
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"checkpoint-{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(
+            json.dumps({"step": step, "cbkit_version": __version__, **trainer_state}, indent=2))
+        (tmp / "config.json").write_text(config.to_json())
+        if target.exists():  # the same step saved again (e.g. a resumed run): swap, never delete first
+            old = root / f".{target.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for stale in checkpoints(root)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return target
+
+
+def read_config(path: str | os.PathLike[str]) -> CBGRPOConfig:
+    return CBGRPOConfig.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def check_same_config(saved: CBGRPOConfig, now: CBGRPOConfig, path: str | os.PathLike[str]) -> None:
+    """Refuse to resume with a config that computes something else, listing every differing field."""
+    differ = saved.diff(now)
+    if differ:
+        lines = "\n".join(f"  {k}: checkpoint has {a!r}, this run has {b!r}" for k, (a, b) in sorted(differ.items()))
+        raise ValueError(
+            f"Cannot resume from {path}: the config differs in {len(differ)} field(s):\n{lines}\n"
+            "Resume with the checkpoint's values, or start a new run in another output_dir."
+        )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load weights and optimizer state in place; return (trainer_state, rng) for the loop to apply."""
+    from safetensors.torch import load_model
+
+    path = Path(path)
+    missing = [n for n in ("model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", "config.json")
+               if not (path / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is not a complete cbkit checkpoint: missing {missing}.")
+    device = next(model.parameters()).device
+    load_model(model, str(path / "model.safetensors"), device=str(device))
+    # Loaded on the CPU: load_state_dict moves each moment to its parameter's device and keeps AdamW's step
+    # counters where it wants them.
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    # RNG states hold python tuples and numpy arrays, which weights_only refuses; the file is our own.
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    return json.loads((path / "trainer_state.json").read_text()), rng

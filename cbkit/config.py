@@ -1,0 +1,278 @@
+"""The run's config: one dataclass, TRL's names, only the fields cbkit's loop reads.
+
+Names follow TRL 1.16's `GRPOConfig` wherever TRL has the concept (`num_generations`, `max_completion_length`,
+`beta`, `epsilon`, `loss_type`, ...), so a reader can move between the two and `cbkit.trl_bridge` can map
+one onto the other field by field. Three groups have no TRL twin and say so in their help: where prompts come
+from (`data`, `num_problems`, `prompts_per_step`, `system_prompt`), the model (`model`, `dtype`), and the
+importance-sampling settings (`importance_sampling_correction`, `importance_sampling_mode`, `clip_max`,
+`clip_min`), which TRL spells `vllm_importance_sampling_*` because it only corrects vLLM rollouts; cbkit corrects
+its own CB rollouts, so the prefix is dropped and the semantics kept.
+
+Every check in `__post_init__` raises with what to change, so a bad flag fails before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbkit.objective import IS_MODES, LOSS_TYPES
+
+SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+# Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
+RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm")
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class CBGRPOConfig:
+    """Everything one cbkit GRPO run needs. `CBGRPOConfig.help()` prints every field with its help text."""
+
+    # --- model and prompts (cbkit's own) ---
+    model: str = _help("Policy to train: 'smollm2-offline', 'tiny' (tests), a hub id or a local directory.",
+                       default="smollm2-offline")
+    dtype: str = _help("Model dtype: 'auto' (fp32 on CPU, bf16/fp16 on CUDA), float32, bfloat16 or float16.",
+                       default="auto")
+    data: str = _help("Prompt source: 'synthetic' (offline), 'gsm8k-local[:split]', 'gsm8k[:split]' (hub) or a "
+                      ".jsonl path.", default="synthetic")
+    num_problems: int | None = _help("Cap on the number of problems loaded (None: all; synthetic makes 256).",
+                                     default=None)
+    system_prompt: str | None = _help("System prompt for every chat prompt; None sends the user turn alone. "
+                                      "Default: cbkit.data.SYSTEM_PROMPT (asks for '#### <number>').",
+                                      default="default")
+    prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this "
+                                  "from per_device_train_batch_size x steps_per_generation / num_generations.",
+                                  default=2)
+    # --- sampling (TRL names) ---
+    num_generations: int = _help("Completions per prompt (N, the group size). At least 2: a group of 1 has no "
+                                 "baseline.", default=8)
+    max_completion_length: int = _help("Most tokens generated per completion.", default=256)
+    temperature: float = _help("Sampling temperature; the training forward divides its logits by it too, as TRL.",
+                               default=1.0)
+    top_p: float = _help("Nucleus sampling mass in (0, 1]; 1.0 disables it. See cbkit.grpo on top-p and the IS "
+                         "correction.", default=1.0)
+    top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
+    # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
+    reward_funcs: list[str] = _help("Reward functions by name (cbkit.rewards: 'correctness', 'format'). "
+                                    "train(reward_funcs=...) takes callables instead.",
+                                    default_factory=lambda: ["correctness", "format"])
+    reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
+                                               "cbkit.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
+                                               "(correctness 1.0, format 0.5).", default=None)
+    # --- the objective (TRL names and meanings) ---
+    loss_type: str = _help(f"How the per-token loss becomes a scalar: one of {LOSS_TYPES} (TRL's definitions; "
+                           "'dapo' is TRL's default).", default="dapo")
+    scale_rewards: str = _help(f"Advantage scaling: one of {SCALE_REWARDS}: divide by the group's std, the "
+                               "batch's, or not at all (Dr. GRPO).", default="group")
+    advantage_estimator: str = _help(f"Baseline: one of {ADVANTAGE_ESTIMATORS}: the group mean (GRPO) or the "
+                                     "mean of the other N-1 (RLOO).", default="grpo")
+    beta: float = _help("KL coefficient to a frozen copy of the initial policy. 0.0 loads no reference model.",
+                        default=0.0)
+    epsilon: float = _help("Lower clip of the policy ratio: 1 - epsilon.", default=0.2)
+    epsilon_high: float | None = _help("Upper clip: 1 + epsilon_high (DAPO's clip-higher); None uses epsilon.",
+                                       default=None)
+    kl_bias_correction: bool = _help("Multiply the KL term by the policy ratio (TRL's use_bias_correction_kl, "
+                                     "default True there too); only matters with beta > 0.", default=True)
+    num_iterations: int = _help("Optimizer updates per rollout (TRL's mu): the rollout is reused this many "
+                                "times.", default=1)
+    gradient_accumulation_steps: int = _help("Micro-batches per optimizer update; must divide "
+                                             "prompts_per_step x num_generations.", default=1)
+    mask_truncated_completions: bool = _help("Leave completions that hit max_completion_length out of the loss "
+                                             "(they still count in the advantages).", default=False)
+    # --- importance-sampling correction (TRL: vllm_importance_sampling_*) ---
+    importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs, correcting "
+                                                 "for the rollout engine differing from the training forward.",
+                                                 default=True)
+    importance_sampling_mode: str = _help(f"One of {IS_MODES}: per token or per sequence, clamp (truncate) or "
+                                          "zero (mask) ratios outside [clip_min, clip_max]. TRL's default.",
+                                          default="sequence_mask")
+    clip_max: float = _help("Upper bound of the importance-sampling ratio (TRL's "
+                            "vllm_importance_sampling_clip_max, C_max); not the policy ratio's clip (epsilon).",
+                            default=3.0)
+    clip_min: float | None = _help("Lower bound of the importance-sampling ratio (TRL's "
+                                   "vllm_importance_sampling_clip_min); None: no lower bound.",
+                                                       default=None)
+    # --- rollout engine (TRL names) ---
+    use_transformers_continuous_batching: bool = _help("Roll out with transformers' continuous batching engine "
+                                                       "(True) or one static padded generate() batch (False).",
+                                                       default=True)
+    transformers_continuous_batching_config: dict[str, Any] = _help(
+        "ContinuousBatchingConfig fields; cbkit's defaults (max_memory_percent=0.5, use_cuda_graph=False) are "
+        "merged under what you set.", default_factory=dict)
+    use_transformers_paged: bool | None = _help("Deprecated: use use_transformers_continuous_batching.",
+                                                default=None)
+    # --- optimisation (TRL names) ---
+    learning_rate: float = _help("AdamW learning rate, constant (TRL's default is 1e-6 with linear decay; short "
+                                 "runs on small models need more).", default=1e-5)
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    adam_beta1: float = _help("AdamW beta1.", default=0.9)
+    adam_beta2: float = _help("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float = _help("Clip the gradient's global norm to this; 0 disables clipping.", default=1.0)
+    # --- the run ---
+    max_steps: int = _help("Steps to train; one step = one rollout and num_iterations optimizer updates.",
+                           default=20)
+    seed: int = _help("Seeds the data order, every rollout's sampler and torch/python/numpy RNGs.", default=0)
+    output_dir: str | None = _help("Where metrics.jsonl and checkpoint-<step>/ go; None writes nothing.",
+                                   default=None)
+    save_steps: int = _help("Checkpoint every save_steps steps and at the end; 0 disables checkpoints.",
+                            default=10)
+    save_total_limit: int = _help("Keep this many newest checkpoints.", default=1)
+    disable_tqdm: bool = _help("No progress bar.", default=False)
+
+    def __post_init__(self) -> None:
+        if self.system_prompt == "default":
+            from cbkit.data import SYSTEM_PROMPT
+
+            self.system_prompt = SYSTEM_PROMPT
+        if self.use_transformers_paged is not None:
+            warnings.warn(
+                "use_transformers_paged is deprecated (as in TRL); use use_transformers_continuous_batching. "
+                f"Setting use_transformers_continuous_batching={self.use_transformers_paged}.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.use_transformers_continuous_batching = bool(self.use_transformers_paged)
+            self.use_transformers_paged = None
+        self._check()
+        from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config
+
+        self.transformers_continuous_batching_config = {**CB_DEFAULTS, **self.transformers_continuous_batching_config}
+        make_cb_config(self.transformers_continuous_batching_config)  # unknown keys, bad values: say so now
+
+    def _check(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        def one_of(name: str, valid: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in valid:
+                bad(f"{name}={value!r} is not supported; use one of {', '.join(map(repr, valid))}.")
+
+        one_of("loss_type", LOSS_TYPES)
+        one_of("scale_rewards", SCALE_REWARDS)
+        one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
+        one_of("importance_sampling_mode", IS_MODES)
+        if self.num_generations < 2:
+            bad(f"num_generations={self.num_generations}: group-relative advantages need at least 2 completions "
+                "per prompt (with 1 every advantage is 0); set num_generations >= 2.")
+        if self.advantage_estimator == "rloo" and self.scale_rewards == "group":
+            bad("advantage_estimator='rloo' has no per-group scaling (as TRL's RLOO); set scale_rewards='none' "
+                "(RLOO's default) or 'batch'.")
+        for name in ("prompts_per_step", "max_completion_length", "num_iterations", "gradient_accumulation_steps",
+                     "max_steps", "save_total_limit"):
+            if getattr(self, name) < 1:
+                bad(f"{name}={getattr(self, name)} must be >= 1.")
+        batch = self.prompts_per_step * self.num_generations
+        if batch % self.gradient_accumulation_steps:
+            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+            bad(f"prompts_per_step x num_generations = {batch} completions do not split into "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} equal micro-batches; use one of "
+                f"{divisors}, or change prompts_per_step.")
+        if not self.temperature > 0:
+            bad(f"temperature={self.temperature} must be > 0 (GRPO samples; greedy rollouts give a group no spread).")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p={self.top_p} must be in (0, 1]; 1.0 disables nucleus sampling.")
+        if self.top_k < 0:
+            bad(f"top_k={self.top_k} must be >= 0; 0 disables top-k.")
+        if not self.epsilon > 0:
+            bad(f"epsilon={self.epsilon} must be > 0: the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high].")
+        if self.epsilon_high is not None and not self.epsilon_high > 0:
+            bad(f"epsilon_high={self.epsilon_high} must be > 0, or None to use epsilon.")
+        if self.beta < 0:
+            bad(f"beta={self.beta} must be >= 0 (0 disables the KL term and the reference model).")
+        if not self.learning_rate > 0:
+            bad(f"learning_rate={self.learning_rate} must be > 0.")
+        if self.max_grad_norm < 0:
+            bad(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping).")
+        if self.save_steps < 0:
+            bad(f"save_steps={self.save_steps} must be >= 0 (0 disables checkpoints).")
+        if self.num_problems is not None and self.num_problems < 1:
+            bad(f"num_problems={self.num_problems}: load at least 1 problem, or None for all.")
+        cmax, cmin = self.clip_max, self.clip_min
+        if not cmax > 0:
+            bad(f"clip_max={cmax} must be > 0 (TRL's default is 3.0).")
+        if cmin is not None and not 0 <= cmin <= cmax:
+            bad(f"clip_min={cmin} must be in [0, clip_max={cmax}]; "
+                "lower it, raise clip_max, or set it to None.")
+        if not self.reward_funcs:
+            bad("reward_funcs is empty; name at least one reward function (e.g. 'correctness').")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            bad(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} reward_funcs "
+                f"{self.reward_funcs}; give one weight per function, or None for all 1.0.")
+
+    # --- derived ---------------------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """The rollout backend's name in `cbkit.rollout.make_backend`."""
+        return "continuous" if self.use_transformers_continuous_batching else "generate"
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    @property
+    def per_device_train_batch_size(self) -> int:
+        """TRL's name for the micro-batch, in completions: one step's rollout is gradient_accumulation_steps of
+        them (TRL's steps_per_generation defaults to gradient_accumulation_steps), which is how
+        `cbkit.trl_bridge` maps prompts_per_step onto TRL."""
+        return self.completions_per_step // self.gradient_accumulation_steps
+
+    def resolved_reward_weights(self) -> list[float]:
+        if self.reward_weights is not None:
+            return list(self.reward_weights)
+        from cbkit.rewards import DEFAULT_REWARD_WEIGHTS
+
+        return [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
+
+    def cb_overrides(self) -> dict[str, Any]:
+        """The CB keys that differ from cbkit's defaults: what the backend is handed.
+
+        Handing the engine only the overrides keeps `make_cb_config`'s CPU rule working: there it sizes the KV
+        pool to the workload unless the *user* chose a memory share (a default of 0.5 would mean half of host RAM).
+        """
+        from cbkit.rollout.continuous import CB_DEFAULTS
+
+        missing = object()
+        return {k: v for k, v in self.transformers_continuous_batching_config.items()
+                if CB_DEFAULTS.get(k, missing) != v}
+
+    # --- (de)serialisation ------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CBGRPOConfig:
+        """Build from a dict (a checkpoint's config.json, CLI flags); unknown keys are an error naming the close ones."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in values if k not in names]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            said = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            raise ValueError(f"Unknown config field(s) {said}. Fields: {', '.join(names)}.")
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def diff(self, other: CBGRPOConfig, ignore: tuple[str, ...] = RESUMABLE_CHANGES) -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ, as {name: (self's, other's)}, leaving out `ignore`."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
+
+    @classmethod
+    def help(cls) -> str:
+        return "\n".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(cls))
+
+
+Config = CBGRPOConfig

@@ -1,0 +1,181 @@
+"""Step hooks: how every stage of a GRPO step becomes observable without the loop knowing who watches.
+
+A hook subclasses `StepHooks` and overrides only what it needs; the others are no-ops. The loop calls, in order:
+
+    on_train_begin(state)            once, after a resume has been applied (state.step is where it starts)
+    on_step_begin(step)              per step, before the rollout
+    on_rollout_end(rollout)          the validated `Rollout`, before rewards
+    on_step_end(record)              the finished step's `StepRecord` (weights already updated)
+    on_train_end(state)              once, also after an error or an interrupt (state.status says which)
+
+Hooks run in list order. The built-ins are ordered by the loop so that `NaNGuardHook` sees a step before the
+JSONL writer and the checkpoint hook do: a diverged step is neither logged nor saved. A live chart is one
+more `on_step_end` that reads `record.metrics`.
+
+Metric names are namespaced: `reward/*`, `completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from cbkit.config import CBGRPOConfig
+    from cbkit.rollout import Rollout
+
+Metric = float | int | str
+
+
+@dataclass
+class StepRecord:
+    """One finished step: its number and its namespaced metrics (JSON-safe scalars)."""
+
+    step: int
+    metrics: dict[str, Metric] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        # NaN (e.g. logprob/* when a backend gives no logprobs) is written as JSON null, not as invalid JSON.
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
+        return json.dumps({"step": self.step, **clean})
+
+
+@dataclass
+class TrainState:
+    """What the loop shares with hooks at the start and end of training."""
+
+    step: int  # last finished step (0 before the first)
+    max_steps: int
+    config: CBGRPOConfig
+    output_dir: Path | None = None
+    resumed_from: Path | None = None
+    status: Literal["running", "finished", "interrupted", "failed"] = "running"
+    # True while the model and optimizer are exactly as they were at the end of `step`; False from a step's
+    # first optimizer update until that step ends. A checkpoint of `step` can only be written when True.
+    resumable: bool = True
+
+
+class StepHooks:
+    """Base class: every method is a no-op, override the ones you need."""
+
+    def on_train_begin(self, state: TrainState) -> None: ...
+
+    def on_step_begin(self, step: int) -> None: ...
+
+    def on_rollout_end(self, rollout: Rollout) -> None: ...
+
+    def on_step_end(self, record: StepRecord) -> None: ...
+
+    def on_train_end(self, state: TrainState) -> None: ...
+
+
+class ProgressBarHook(StepHooks):
+    """A tqdm bar (widget in notebooks, text elsewhere) with the step's reward and rollout speed."""
+
+    def __init__(self, **tqdm_kwargs: Any) -> None:
+        self.tqdm_kwargs = tqdm_kwargs
+        self.bar = None
+
+    def on_train_begin(self, state: TrainState) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=state.max_steps, initial=state.step, desc="GRPO", unit="step", **self.tqdm_kwargs)
+
+    def on_step_end(self, record: StepRecord) -> None:
+        if self.bar is None:
+            return
+        m = record.metrics
+        shown = {"reward": "reward/mean", "tok/s": "rollout/tokens_per_s", "loss": "train/loss"}
+        self.bar.set_postfix(
+            {name: f"{m[k]:.3g}" for name, k in shown.items() if isinstance(m.get(k), int | float)}, refresh=False)
+        self.bar.update(1)
+
+    def on_train_end(self, state: TrainState) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class JSONLHook(StepHooks):
+    """Appends one JSON line per finished step and flushes it to disk before the next step starts.
+
+    On train begin it drops lines of steps after the one training starts from: after a resume from step k,
+    steps k+1.. are about to be run again, and lines a crashed run wrote for them must not appear twice.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def on_train_begin(self, state: TrainState) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= state.step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut short by a crash
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def on_step_end(self, record: StepRecord) -> None:
+        with self.path.open("a") as f:
+            f.write(record.to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class CheckpointHook(StepHooks):
+    """Saves every `save_steps` steps and when training ends, through the loop's own `save(step)`.
+
+    At the end (finished, interrupted or failed) it saves only if `state.resumable`: the weights are those of a
+    finished step. An interrupt during a rollout therefore keeps the last finished step on disk; one during an
+    optimizer update cannot, and the previous checkpoint stays the resume point.
+    """
+
+    def __init__(self, save: Callable[[int], Path], save_steps: int) -> None:
+        self.save = save
+        self.save_steps = save_steps
+        self.last_saved: int | None = None
+
+    def on_train_begin(self, state: TrainState) -> None:
+        self.last_saved = state.step if state.resumed_from is not None else None
+
+    def on_step_end(self, record: StepRecord) -> None:
+        if self.save_steps and record.step % self.save_steps == 0:
+            self.save(record.step)
+            self.last_saved = record.step
+
+    def on_train_end(self, state: TrainState) -> None:
+        if self.save_steps and state.resumable and state.step > 0 and self.last_saved != state.step:
+            self.save(state.step)
+            self.last_saved = state.step
+
+
+class NaNGuardHook(StepHooks):
+    """Stops training when the loss or the gradient norm is NaN or infinite, saying where and what to try."""
+
+    watched = ("train/loss", "train/grad_norm")
+
+    def __init__(self) -> None:
+        self.learning_rate: float | None = None
+
+    def on_train_begin(self, state: TrainState) -> None:
+        self.learning_rate = state.config.learning_rate
+
+    def on_step_end(self, record: StepRecord) -> None:
+        for key in self.watched:
+            value = record.metrics.get(key)
+            if isinstance(value, int | float) and not math.isfinite(value):
+                raise FloatingPointError(
+                    f"{key} is {value} at step {record.step}: training diverged. This step is not logged or "
+                    f"saved; resume from the last checkpoint with a lower learning_rate (now {self.learning_rate}) "
+                    "or a max_grad_norm > 0, and check the rewards and advantages of the steps before it."
+                )

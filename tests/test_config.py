@@ -1,0 +1,113 @@
+"""CBGRPOConfig: TRL's names, cbkit's defaults, and errors that say what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+from cbkit.config import CBGRPOConfig
+from cbkit.objective import IS_MODES
+
+
+def test_defaults_use_trl_names_and_cb_defaults():
+    c = CBGRPOConfig()
+    assert (c.num_generations, c.loss_type, c.scale_rewards, c.beta, c.epsilon) == (8, "dapo", "group", 0.0, 0.2)
+    assert c.importance_sampling_mode == "sequence_mask" and c.clip_max == 3.0
+    assert c.transformers_continuous_batching_config == {"max_memory_percent": 0.5, "use_cuda_graph": False}
+    assert c.backend == "continuous" and c.cb_overrides() == {}
+    assert c.resolved_reward_weights() == [1.0, 0.5]
+    assert all(f.metadata.get("help") for f in dataclasses.fields(CBGRPOConfig)), "every field needs help text"
+
+
+def test_cb_config_merges_user_keys_over_defaults():
+    c = CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.3, "max_batch_tokens": 64})
+    assert c.transformers_continuous_batching_config == {
+        "max_memory_percent": 0.3, "use_cuda_graph": False, "max_batch_tokens": 64}
+    assert c.cb_overrides() == {"max_memory_percent": 0.3, "max_batch_tokens": 64}
+
+
+def test_use_transformers_paged_forwards_with_future_warning():
+    with pytest.warns(FutureWarning, match="use_transformers_continuous_batching"):
+        c = CBGRPOConfig(use_transformers_paged=False)
+    assert c.use_transformers_continuous_batching is False and c.backend == "generate"
+    assert c.use_transformers_paged is None  # normalised: a round trip does not warn again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CBGRPOConfig.from_dict(c.to_dict())
+
+
+def test_round_trip():
+    c = CBGRPOConfig(model="tiny", top_p=0.9, reward_funcs=["format"], reward_weights=[2.0], epsilon_high=0.28)
+    again = CBGRPOConfig.from_dict(c.to_dict())
+    assert again == c and again.diff(c) == {}
+    assert CBGRPOConfig.from_dict(__import__("json").loads(c.to_json())) == c
+
+
+def test_diff_ignores_fields_a_resume_may_change():
+    a = CBGRPOConfig(max_steps=5, output_dir="x")
+    b = CBGRPOConfig(max_steps=9, output_dir="y", learning_rate=1e-3)
+    assert a.diff(b) == {"learning_rate": (1e-5, 1e-3)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_generations=1), "num_generations=1.*at least 2"),
+        (dict(epsilon=0.0), "epsilon=0.0 must be > 0"),
+        (dict(epsilon_high=-0.1), "epsilon_high"),
+        (dict(clip_min=4.0), "clip_min=4.0 must be in .0, clip_max=3.0"),
+        (dict(clip_max=0.0), "clip_max=0.0 must be > 0"),
+        (dict(loss_type="ppo"), "loss_type='ppo'.*'grpo', 'dr_grpo', 'dapo', 'bnpo'"),
+        (dict(scale_rewards=True), "scale_rewards=True.*'group', 'batch', 'none'"),
+        (dict(advantage_estimator="reinforce"), "advantage_estimator='reinforce'.*'grpo', 'rloo'"),
+        (dict(importance_sampling_mode="token"), "importance_sampling_mode='token'.*" + IS_MODES[0]),
+        (dict(advantage_estimator="rloo"), "rloo.*scale_rewards='none'"),
+        (dict(prompts_per_step=3, num_generations=2, gradient_accumulation_steps=4),
+         r"6 completions do not split into gradient_accumulation_steps=4.*\[1, 2, 3, 6\]"),
+        (dict(temperature=0.0), "temperature=0.0 must be > 0"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(beta=-1.0), "beta=-1.0"),
+        (dict(learning_rate=0.0), "learning_rate=0.0"),
+        (dict(max_steps=0), "max_steps=0 must be >= 1"),
+        (dict(num_iterations=0), "num_iterations=0"),
+        (dict(reward_weights=[1.0]), "reward_weights has 1 entries for 2 reward_funcs"),
+        (dict(reward_funcs=[]), "reward_funcs is empty"),
+        (dict(transformers_continuous_batching_config={"max_memory_percent": 1.5}), r"max_memory_percent.*\(0, 1\]"),
+        (dict(transformers_continuous_batching_config={"max_memory_percent": 0.0}), r"max_memory_percent.*\(0, 1\]"),
+        (dict(transformers_continuous_batching_config={"blocksize": 4}), "Unknown continuous batching config key"),
+        (dict(transformers_continuous_batching_config={"return_logprobs": False}), "return_logprobs=False"),
+    ],
+)
+def test_bad_values_say_what_to_change(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CBGRPOConfig(**kwargs)
+
+
+def test_unknown_field_suggests_the_close_one():
+    with pytest.raises(ValueError, match="'num_generation' \\(did you mean 'num_generations'\\?\\)"):
+        CBGRPOConfig.from_dict({"num_generation": 4})
+
+
+def test_rloo_with_batch_scaling_is_fine():
+    CBGRPOConfig(advantage_estimator="rloo", scale_rewards="batch")
+
+
+def test_trl_names_for_the_bridge():
+    c = CBGRPOConfig(prompts_per_step=3, num_generations=4, gradient_accumulation_steps=2)
+    assert c.per_device_train_batch_size == 6  # TRL's micro-batch in completions: 3 x 4 / 2
+    assert c.kl_bias_correction is True  # TRL's use_bias_correction_kl default
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own
+def test_trl_bridge_maps_this_config():
+    from cbkit.trl_bridge import trl_grpo_config
+
+    c = CBGRPOConfig(clip_max=2.0, clip_min=0.5, importance_sampling_mode="token_truncate", prompts_per_step=2,
+                     num_generations=4, gradient_accumulation_steps=2, learning_rate=3e-5)
+    t = trl_grpo_config(c, output_dir="unused")
+    assert (t.vllm_importance_sampling_clip_max, t.vllm_importance_sampling_clip_min) == (2.0, 0.5)
+    assert t.vllm_importance_sampling_mode == "token_truncate" and t.learning_rate == 3e-5
+    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_generations) == (4, 2, 4)

@@ -1,0 +1,90 @@
+"""The step hooks on their own: JSONL appends per step, NaN guard message, checkpoint timing, headless bar."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+from cbkit.config import CBGRPOConfig
+from cbkit.hooks import (
+    CheckpointHook,
+    JSONLHook,
+    NaNGuardHook,
+    ProgressBarHook,
+    StepHooks,
+    StepRecord,
+    TrainState,
+)
+
+
+def _state(step=0, **kw):
+    return TrainState(step=step, max_steps=4, config=CBGRPOConfig(model="tiny"), **kw)
+
+
+def test_base_hook_is_all_no_ops():
+    h = StepHooks()
+    h.on_train_begin(_state())
+    h.on_step_begin(1)
+    h.on_rollout_end(None)
+    h.on_step_end(StepRecord(1, {}))
+    h.on_train_end(_state())
+
+
+def test_jsonl_appends_and_flushes_each_step(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    hook = JSONLHook(path)
+    hook.on_train_begin(_state())
+    for step in (1, 2):
+        hook.on_step_end(StepRecord(step, {"reward/mean": 0.5 * step, "rollout/backend": "generate",
+                                           "logprob/max_abs_diff": math.nan}))
+        # On disk as soon as the step ends: a crash during the next step loses nothing.
+        lines = path.read_text().splitlines()
+        assert len(lines) == step
+    rows = [json.loads(line) for line in lines]
+    assert rows[1] == {"step": 2, "reward/mean": 1.0, "rollout/backend": "generate", "logprob/max_abs_diff": None}
+
+
+def test_jsonl_drops_steps_after_the_resume_point(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "rew')
+    JSONLHook(path).on_train_begin(_state(step=2))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    JSONLHook(path).on_train_begin(_state(step=0))  # a fresh run starts an empty log
+    assert path.read_text() == ""
+
+
+@pytest.mark.parametrize("key", ["train/loss", "train/grad_norm"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nan_guard_names_metric_and_step(key, value):
+    guard = NaNGuardHook()
+    guard.on_train_begin(_state())
+    guard.on_step_end(StepRecord(1, {"train/loss": 0.1, "train/grad_norm": 1.0}))
+    with pytest.raises(FloatingPointError, match=rf"{key} is {value} at step 7: training diverged.*learning_rate"):
+        guard.on_step_end(StepRecord(7, {"train/loss": 0.1, "train/grad_norm": 1.0, key: value}))
+
+
+def test_checkpoint_hook_saves_every_n_and_at_the_end_only_when_resumable():
+    saved = []
+    hook = CheckpointHook(lambda step: saved.append(step), save_steps=2)
+    hook.on_train_begin(_state())
+    for step in (1, 2, 3):
+        hook.on_step_end(StepRecord(step))
+    assert saved == [2]
+    hook.on_train_end(_state(step=3, status="interrupted", resumable=False))  # interrupted mid-update
+    assert saved == [2]
+    hook.on_train_end(_state(step=3, status="interrupted", resumable=True))  # interrupted mid-rollout
+    assert saved == [2, 3]
+    hook.on_train_end(_state(step=3, status="finished"))  # already saved
+    assert saved == [2, 3]
+
+
+def test_progress_bar_runs_headless():
+    out = io.StringIO()
+    bar = ProgressBarHook(file=out, mininterval=0)
+    bar.on_train_begin(_state(step=1))
+    bar.on_step_end(StepRecord(2, {"reward/mean": 0.25, "rollout/tokens_per_s": 100.0, "rollout/backend": "x"}))
+    bar.on_train_end(_state(step=2))
+    assert "2/4" in out.getvalue() and "reward=0.25" in out.getvalue()
