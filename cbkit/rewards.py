@@ -149,14 +149,16 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
 
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 if the last non-empty line is "#### <number>", 0.5 if that appears earlier, else 0.0.
+    """1.0 if the last non-empty line is "#### <number>" and it is the only answer line, 0.5 if the form
+    appears otherwise, else 0.0.
 
-    `answers` is unused but kept so every reward function has the same signature.
+    "Only answer line": a GRPO run on SmolLM2 learned to end with a stack of `#### 9` lines, which a
+    last-line check alone pays in full. `answers` is unused but kept so every reward has the same signature.
     """
     _check_lengths(completions, answers)
     out = []
     for completion in completions:
-        if _answer_on_last_line(completion):
+        if _answer_on_last_line(completion) and len(_HASH_ANSWER.findall(completion)) == 1:
             out.append(1.0)
         elif has_answer_format(completion):
             out.append(0.5)

@@ -177,3 +177,11 @@ def test_compute_rewards_weights_and_breakdown() -> None:
     assert total == [1.0, 0.0, 0.5, 0.0]  # unlisted weights default to 1.0
     with pytest.raises(ValueError, match="unknown rewards"):
         compute_rewards(completions, ["4"] * 4, weights={"style": 1.0})
+
+
+def test_format_reward_does_not_pay_for_a_stack_of_answer_lines():
+    """What a SmolLM2 GRPO run learned to emit when the last line alone was checked."""
+    from cbkit.rewards import format_reward
+
+    gamed = "#### 9\nSofia is 9 years old.\n#### 9\n#### 9"
+    assert format_reward([gamed, "Sofia is 9.\n#### 9"], ["9", "9"]) == [0.5, 1.0]

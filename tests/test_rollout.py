@@ -160,3 +160,28 @@ def test_rollout_validate_names_the_field():
         Rollout([Completion(1, (1,), (2,), (-0.1,), "eos")], 1, "x", 1.0).validate()
     with pytest.raises(ValueError, match="do not split into groups"):
         Rollout([c, c, c], 2, "x", 1.0).validate()
+
+
+def test_cpu_pool_sizing_respects_only_real_choices():
+    from cbkit.rollout.continuous import make_cb_config
+
+    # cbkit's own default max_memory_percent (as a merged config carries it) still gets the workload-sized pool
+    assert make_cb_config({"max_memory_percent": 0.5}, device="cpu", workload_blocks=7).num_blocks == 7
+    assert make_cb_config({}, device="cpu", workload_blocks=7).num_blocks == 7
+    # a different fraction, or explicit blocks, is the user's choice
+    assert make_cb_config({"max_memory_percent": 0.3}, device="cpu", workload_blocks=7).num_blocks is None
+    assert make_cb_config({"num_blocks": 3}, device="cpu", workload_blocks=7).num_blocks == 3
+
+
+def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
+    """cbkit's per-sequence attention (the CPU default) gives the engine's own results, restores the model."""
+    sp = _sampling(tiny.tokenizer, temperature=0.8, top_k=30, max_new_tokens=20)
+    dense = ContinuousBackend(tiny.model, cpu_varlen_attention=False).generate(prompts, 2, sp)
+    varlen = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
+    assert varlen.engine_config["attn_implementation"] == "cbkit_flash_varlen_cpu"
+    assert dense.engine_config["attn_implementation"] == "sdpa"
+    assert tiny.model.config._attn_implementation == "sdpa"
+    assert [c.completion_ids for c in dense.completions] == [c.completion_ids for c in varlen.completions]
+    diff = max(abs(a - b) for x, y in zip(dense.completions, varlen.completions, strict=True)
+               for a, b in zip(x.sampling_logprobs, y.sampling_logprobs, strict=True))
+    assert diff < 1e-4

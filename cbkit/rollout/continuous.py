@@ -18,6 +18,7 @@ Three things cbkit does that TRL's CB path (1.16) does not:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_at_eos
+from cbkit.rollout.cpu_attention import varlen_attention_for_engine
 from cbkit.telemetry import PeakMemory
 
 # cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
@@ -78,7 +80,10 @@ def make_cb_config(
             f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
         )
     cpu = device is not None and torch.device(device).type == "cpu"
-    if cpu and workload_blocks and not {"num_blocks", "max_memory_percent"} & set(overrides):
+    mmp_default = CB_DEFAULTS["max_memory_percent"]
+    # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
+    chose_pool = "num_blocks" in overrides or overrides.get("max_memory_percent", mmp_default) != mmp_default
+    if cpu and workload_blocks and not chose_pool:
         values["num_blocks"] = workload_blocks
     if seed is not None and "seed" not in overrides:
         values["seed"] = seed
@@ -95,8 +100,12 @@ class ContinuousBackend:
         *,
         record_timestamps: bool = False,
         persistent: bool = False,
+        cpu_varlen_attention: bool = True,
     ) -> None:
         self.model = model
+        # On CPU, run the engine with per-sequence attention instead of its dense block-diagonal mask, whose
+        # cost grows with the square of the batch (cbkit/rollout/cpu_attention.py says why and by how much).
+        self.cpu_varlen_attention = cpu_varlen_attention
         self.cb_overrides = dict(cb_config or {})
         self.record_timestamps = record_timestamps  # per-token clocks for the engine timeline
         # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of
@@ -138,7 +147,12 @@ class ContinuousBackend:
                 self.close()
             self._engine_key = key
 
-        with PeakMemory(self.model.device) as mem:
+        varlen = self.cpu_varlen_attention and self.model.device.type == "cpu"
+        if varlen and "max_blocks_per_request" not in self.cb_overrides:
+            cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
+        attention = varlen_attention_for_engine(self.model) if varlen else contextlib.nullcontext()
+
+        with PeakMemory(self.model.device) as mem, attention:
             start = time.perf_counter()
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
