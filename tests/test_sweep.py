@@ -52,6 +52,7 @@ def test_sweep_writes_header_and_one_line_per_run_then_resumes(tiny, tmp_path, c
     assert lines[0]["kind"] == "header" and lines[0]["fingerprint"]["model"] == "tiny"
     runs = [x for x in lines if x["kind"] == "run"]
     assert len(runs) == 2 * 2 * 2  # ns x repeats x backends
+    assert all(r["planned_peak_bytes"] > 0 and r["plan_error"] is not None for r in runs)
     assert {(p["backend"], p["N"]) for p in points} == {(b, n) for b in ("generate", "continuous") for n in (1, 2)}
     # backend order alternates between repeats: neither always runs first
     firsts = {runs[i]["backend"] for i in range(0, len(runs), 2)}
@@ -132,3 +133,15 @@ def test_cli_rejects_bad_ns(capsys):
 
     assert main(["sweep", "--ns", "8,x", "--no-live", "--model", "tiny"]) == 2
     assert "--ns takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_full_step_times_a_grpo_step_and_restores_the_weights(tiny, tmp_path):
+    before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    points = run_sweep(_cfg(ns=(2,), repeats=1, full_step=True), tmp_path / "s.jsonl", policy=tiny)
+    runs = [x for x in _lines(tmp_path / "s.jsonl") if x["kind"] == "run"]
+    assert len(runs) == 2 and all(r["status"] == "ok" for r in runs)
+    for r in runs:
+        assert 0 < r["rollout_s"] < r["step_s"] and r["train_s"] > 0
+    assert {p["backend"] for p in points} == {"generate", "continuous"}
+    for k, v in tiny.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
