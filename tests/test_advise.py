@@ -84,11 +84,12 @@ def _patch_free_memory(monkeypatch, budget: int) -> None:
         ("cpu workload sizing", [5, 5], 3, 4, {}, None),
         ("small pages, mixed prompts", [40, 3, 90], 4, 8, {"page_size": 16}, None),
         ("num_blocks given", [5], 2, 4, {"num_blocks": 37}, None),
-        ("memory, small batch", [5, 12], 2, 4, {"max_memory_percent": 0.5, "max_batch_tokens": 256}, 256 << 20),
+        ("memory, small batch", [5, 12], 2, 4, {"max_memory_percent": 0.45, "max_batch_tokens": 256}, 256 << 20),
         ("memory, default batch (mask-bound)", [5], 3, 4, {"max_memory_percent": 0.4}, 1 << 30),
     ],
 )
-def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max_new, cb_config, budget):
+@pytest.mark.parametrize("varlen", [False, True], ids=["engine-sdpa", "cbkit-cpu-varlen"])
+def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max_new, cb_config, budget, varlen):
     from cbkit.rollout.base import SamplingParams
     from cbkit.rollout.continuous import ContinuousBackend
     from cbkit.telemetry import kv_accounting
@@ -96,10 +97,12 @@ def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max
     if budget is not None:
         _patch_free_memory(monkeypatch, budget)
     prompts = [[65 + i % 7] * length for i, length in enumerate(prompt_lens)]
-    rollout = ContinuousBackend(tiny.model, cb_config).generate(
+    rollout = ContinuousBackend(tiny.model, cb_config, cpu_varlen_attention=varlen).generate(
         prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
+    # cbkit's CPU varlen attention is a flash-style path to the engine: no dense mask to pay for
     p = plan(tiny.model.config, num_prompts=len(prompts), num_generations=n, prompt_len=prompt_lens,
-             max_new_tokens=max_new, dtype_bytes=4, device="cpu", budget_bytes=budget, cb_config=cb_config)
+             max_new_tokens=max_new, dtype_bytes=4, device="cpu", budget_bytes=budget, cb_config=cb_config,
+             attn_implementation="flash" if varlen else "sdpa")
     resolved = rollout.engine_config
     assert p.continuous.num_blocks == resolved["num_blocks"], name
     assert p.continuous.max_batch_tokens == resolved["max_batch_tokens"]
