@@ -184,7 +184,7 @@ def plan(
     num_blocks: int | None = None,
     cb_config: Mapping[str, Any] | None = None,
     device: Literal["cuda", "cpu"] = "cuda",
-    attn_implementation: Literal["sdpa", "eager", "flash"] = "sdpa",
+    attn_implementation: Literal["sdpa", "eager", "flash"] | None = None,
     logits_to_keep: bool = True,
     model_name: str = "model",
 ) -> Plan:
@@ -195,8 +195,12 @@ def plan(
     needs it, because the engine sizes its pool as a share of it. ``max_memory_percent``, ``page_size``,
     ``max_batch_tokens``, ``num_blocks`` and ``cb_config`` are the continuous backend's overrides, with
     cbkit's defaults where left out. ``attn_implementation`` is what the engine runs: "flash" where a
-    flash-attention package is installed on CUDA (the engine switches to it), else "sdpa".
+    flash-attention package is installed on CUDA (the engine switches to it), else "sdpa". None means
+    what cbkit's continuous backend runs: on CPU its per-sequence varlen attention, which the engine
+    treats as flash (no dense mask; cbkit/rollout/cpu_attention.py), on CUDA "sdpa".
     """
+    if attn_implementation is None:
+        attn_implementation = "flash" if device == "cpu" else "sdpa"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     lens = _prompt_lens(prompt_len, num_prompts)
     _check_positive(num_prompts=num_prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
