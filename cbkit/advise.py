@@ -402,8 +402,9 @@ def _plan_continuous(
         # The mask is torch.empty: host pages become resident only where a batch writes its
         # [batch tokens, batch tokens + cache tokens read] corner, so RSS sees that corner, not the tensor.
         buffers = m * io_per_token + io_mult * masks * s.a * batch_tokens * (batch_tokens + alive)
-        notes.append(f"CPU: the engine reserves {_fmt(mask_bytes(sectors))} of attention mask "
-                     f"(max_batch_tokens={m} x cache tokens) but only the part a batch writes becomes resident.")
+        if mask_bytes(sectors):  # no mask at all with a varlen (flash-style) attention
+            notes.append(f"CPU: the engine reserves {_fmt(mask_bytes(sectors))} of attention mask "
+                         f"(max_batch_tokens={m} x cache tokens) but only the part a batch writes becomes resident.")
     peak = cache_tensor + buffers + transient
     if pool_tokens and pool_tokens < requests * full_len:
         notes.append(f"CB: the pool holds {pool_tokens // full_len} of {requests} sequences at full length; "

@@ -97,7 +97,7 @@ class GenerateBackend:
             peak_mem_bytes=mem.peak_bytes,
             peak_mem_kind=mem.kind,
             engine_config={"batch_rows": len(rows), "padded_prompt_len": int(input_ids.shape[1]),
-                           "steps": int(new_tokens and len(new_tokens[0]))},
+                           "steps": len(new_tokens[0]) if new_tokens else 0},
         ).validate()
 
 
