@@ -14,8 +14,8 @@ both backends, from nothing but the model's config:
   (a test builds the engine and checks this):
 
   - the settings are the ones cbkit's ``continuous`` backend hands the engine (``make_cb_config``): on a
-    GPU ``max_memory_percent=0.5`` of the free memory; on a CPU, unless ``num_blocks`` or
-    ``max_memory_percent`` is given, exactly enough blocks for every request at full length;
+    GPU ``max_memory_percent=0.5`` of the free memory; on a CPU, unless ``num_blocks`` is given (``None``
+    hands the sizing back to the engine), exactly enough blocks for every request at full length;
   - transformers (``PagedAttentionCache.__init__`` and ``PagedAttentionMemoryHandler`` in
     ``generation/continuous_batching/cache.py``) turns those into *sectors*: the LCM of each attention
     type's block bytes and 128 bytes. ``num_blocks`` is rounded up to whole sectors. Without it,
@@ -65,6 +65,7 @@ __all__ = [
     "GeneratePlan",
     "Plan",
     "crossover_n",
+    "planned_points",
     "kv_bytes_per_token",
     "plan",
     "recommend",
@@ -224,6 +225,20 @@ def plan(
     )
     return Plan(model_name, num_prompts, num_generations, rows, max(lens), max_new_tokens, dtype_bytes, device,
                 budget_bytes, kv_bytes_per_token(text, dtype_bytes), gen, cb, notes)
+
+
+def planned_points(config: Any, ns: Sequence[int], **plan_kwargs: Any) -> list[dict[str, Any]]:
+    """The planner over a range of N, as sweep-shaped points (backend, N, planned_peak_bytes, kv_bytes) that
+    `cbkit.plots.memory_vs_n` draws next to, or instead of, measured ones. ``plan_kwargs`` go to `plan`
+    (everything but ``num_generations``)."""
+    points = []
+    for n in ns:
+        p = plan(config, num_generations=n, **plan_kwargs)
+        points.append({"backend": "generate", "N": n, "status": "ok", "planned_peak_bytes": p.generate.peak_bytes,
+                       "kv_bytes": p.generate.kv_bytes})
+        points.append({"backend": "continuous", "N": n, "status": "ok",
+                       "planned_peak_bytes": p.continuous.peak_bytes, "kv_bytes": p.continuous.pool_bytes})
+    return points
 
 
 def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:

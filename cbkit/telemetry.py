@@ -138,21 +138,35 @@ def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | 
 
 
 def occupancy(timeline: dict) -> dict[str, list | int]:
-    """Sequences running and KV blocks in use over time, from per-request start/end and token timestamps.
+    """Sequences running and KV blocks held by running requests over time, from per-request start/end and token
+    timestamps.
 
-    A request holds ceil((prompt + generated) / page_size) blocks from its start until it ends, one more
-    each time its length crosses a page boundary; at its end all of them return to the pool. This counts
-    every request's own blocks, so where the engine shares a group's prompt blocks (prefix sharing) the
-    real figure is lower: an upper bound, exact without sharing.
+    A request holds ceil((prompt + generated) / page_size) blocks from its start until it ends, one more each
+    time its length crosses a page boundary; at its end they return to the pool. With prefix sharing (the
+    engine's ``allow_block_sharing``, on by default) the *complete* pages of a prompt are stored once and
+    shared by every request of its group, from the group's first start to its last end. Blocks the engine
+    keeps cached after a request ends, for later reuse, are not counted: it evicts them under pressure.
     """
     page = timeline["page_size"]
     t0 = timeline["t0"]
+    sharing = bool(timeline.get("prefix_sharing", False))
     events: list[tuple[float, int, int]] = []  # (time, d_running, d_blocks)
+    groups: dict[int, list[dict]] = {}
     for r in timeline["requests"]:
-        held = -(-r["prompt_len"] // page)
+        groups.setdefault(r["group"], []).append(r)
+    shared_by_group = {}
+    for g, rs in groups.items():
+        shared = min(r["prompt_len"] for r in rs) // page if sharing else 0
+        shared_by_group[g] = shared
+        if shared:
+            events.append((min(r["start"] for r in rs), 0, shared))
+            events.append((max(r["end"] for r in rs), 0, -shared))
+    for r in timeline["requests"]:
+        shared = shared_by_group[r["group"]]
+        held = -(-r["prompt_len"] // page) - shared
         events.append((r["start"], 1, held))
         for k, t in enumerate(r["token_times"], start=1):
-            need = -(-(r["prompt_len"] + k) // page)
+            need = -(-(r["prompt_len"] + k) // page) - shared
             if need > held:
                 events.append((t, 0, need - held))
                 held = need

@@ -84,8 +84,9 @@ def _patch_free_memory(monkeypatch, budget: int) -> None:
         ("cpu workload sizing", [5, 5], 3, 4, {}, None),
         ("small pages, mixed prompts", [40, 3, 90], 4, 8, {"page_size": 16}, None),
         ("num_blocks given", [5], 2, 4, {"num_blocks": 37}, None),
-        ("memory, small batch", [5, 12], 2, 4, {"max_memory_percent": 0.45, "max_batch_tokens": 256}, 256 << 20),
-        ("memory, default batch (mask-bound)", [5], 3, 4, {"max_memory_percent": 0.4}, 1 << 30),
+        ("memory, small batch", [5, 12], 2, 4, {"max_memory_percent": 0.45, "max_batch_tokens": 256, "num_blocks": None},
+         256 << 20),
+        ("memory, default batch (mask-bound)", [5], 3, 4, {"max_memory_percent": 0.4, "num_blocks": None}, 1 << 30),
     ],
 )
 @pytest.mark.parametrize("varlen", [False, True], ids=["engine-sdpa", "cbkit-cpu-varlen"])

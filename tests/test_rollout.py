@@ -168,9 +168,15 @@ def test_cpu_pool_sizing_respects_only_real_choices():
     # cbkit's own default max_memory_percent (as a merged config carries it) still gets the workload-sized pool
     assert make_cb_config({"max_memory_percent": 0.5}, device="cpu", workload_blocks=7).num_blocks == 7
     assert make_cb_config({}, device="cpu", workload_blocks=7).num_blocks == 7
-    # a different fraction, or explicit blocks, is the user's choice
-    assert make_cb_config({"max_memory_percent": 0.3}, device="cpu", workload_blocks=7).num_blocks is None
+    # another fraction is a share of *GPU* memory: on CPU it would be host RAM, so it is ignored, with a warning
+    with pytest.warns(UserWarning, match="max_memory_percent=0.3 is a share of free GPU memory"):
+        assert make_cb_config({"max_memory_percent": 0.3}, device="cpu", workload_blocks=7).num_blocks == 7
+    # explicit blocks are the user's choice; num_blocks=None hands the sizing back to the engine
     assert make_cb_config({"num_blocks": 3}, device="cpu", workload_blocks=7).num_blocks == 3
+    cfg = make_cb_config({"max_memory_percent": 0.3, "num_blocks": None}, device="cpu", workload_blocks=7)
+    assert cfg.num_blocks is None and cfg.max_memory_percent == 0.3
+    # on a GPU the fraction is what it says
+    assert make_cb_config({"max_memory_percent": 0.3}, device="cuda", workload_blocks=7).num_blocks is None
 
 
 def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,9 +55,12 @@ def make_cb_config(
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
     On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
-    a 24 GB machine, most of the call's time spent zeroing it). There, unless the user set `num_blocks` or
-    `max_memory_percent` themselves, cbkit sizes the pool to the workload: `workload_blocks`, enough
-    blocks for every request to run at full length at once.
+    a 24 GB machine, most of the call's time spent zeroing it). There cbkit sizes the pool to the workload
+    instead: `workload_blocks`, enough blocks for every request to run at full length at once, unless the
+    user set `num_blocks`. `max_memory_percent` means a share of free *GPU* memory wherever it is written
+    (TRL, the seed); honouring it on a CPU turned a copied 0.4 into a 5.3 GiB pool for 8 sequences and a
+    rollout 4x slower than generate() (notebook 04), so on CPU it is ignored with a warning.
+    `{"num_blocks": None}` lets the engine size the pool from memory anyway.
     """
     from transformers import ContinuousBatchingConfig
 
@@ -81,9 +85,16 @@ def make_cb_config(
         )
     cpu = device is not None and torch.device(device).type == "cpu"
     mmp_default = CB_DEFAULTS["max_memory_percent"]
-    # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
-    chose_pool = "num_blocks" in overrides or overrides.get("max_memory_percent", mmp_default) != mmp_default
-    if cpu and workload_blocks and not chose_pool:
+    if cpu and workload_blocks and "num_blocks" not in overrides:
+        # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
+        if overrides.get("max_memory_percent", mmp_default) != mmp_default:
+            warnings.warn(
+                f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
+                f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
+                f"({workload_blocks} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
+                "to let the engine size it from max_memory_percent.",
+                UserWarning, stacklevel=3,
+            )
         values["num_blocks"] = workload_blocks
     if seed is not None and "seed" not in overrides:
         values["seed"] = seed
@@ -249,7 +260,7 @@ def _timeline(outputs, completions, resolved: dict, t0: float) -> dict[str, Any]
         requests.append({"id": i, "group": c.group, "prompt_len": len(c.prompt_ids), "start": start, "end": end,
                          "token_times": list(out.timestamps or [])[: len(c.completion_ids)]})
     return {"page_size": resolved.get("page_size"), "pool_blocks": resolved.get("num_blocks"), "t0": t0,
-            "requests": requests}
+            "prefix_sharing": bool(resolved.get("allow_block_sharing", False)), "requests": requests}
 
 
 def _workload_hints(rows, max_new_tokens):
@@ -267,7 +278,8 @@ def _resolved_config(manager) -> dict[str, Any]:
     """The engine's settings after it resolved its automatic values: what actually ran."""
     cfg = manager.continuous_batching_config
     keys = ("page_size", "block_size", "num_blocks", "max_batch_tokens", "max_memory_percent",
-            "max_requests_per_batch", "use_cuda_graph", "use_async_batching", "scheduler_type", "seed")
+            "max_requests_per_batch", "use_cuda_graph", "use_async_batching", "scheduler_type", "seed",
+            "allow_block_sharing")
     out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
     cache = getattr(manager.batch_processor, "cache", None)
     for k in ("num_blocks", "page_size", "block_size", "max_batch_tokens"):
