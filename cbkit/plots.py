@@ -40,7 +40,9 @@ __all__ = [
     "LiveChart",
     "detect_mode",
     "memory_vs_n",
+    "logprob_scatter",
     "padding_figure",
+    "ratio_histogram",
     "sweep_report",
     "throughput_vs_n",
     "timeline_figure",
@@ -103,7 +105,8 @@ class LiveChart:
     """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
 
     ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
-    in every panel. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
+    quantity, as `cbkit.notebook.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
     last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
     a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
     """
@@ -116,6 +119,8 @@ class LiveChart:
         x_title: str = "step",
         mode: Mode = "auto",
         min_interval_s: float = 1.0,
+        x_log: bool = False,
+        style: Callable[[str], Mapping[str, Any]] | None = None,
         save_html: str | os.PathLike | None = None,
         clock: Callable[[], float] = time.monotonic,
         display: Callable[[Any], Any] | None = None,
@@ -130,6 +135,8 @@ class LiveChart:
         self.title = title
         self.panels = tuple(panels)
         self.x_title = x_title
+        self.x_log = x_log
+        self._style = style
         self.min_interval_s = min_interval_s
         self.save_html = Path(save_html) if save_html is not None else None
         self._clock = clock
@@ -192,19 +199,31 @@ class LiveChart:
         fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08 if rows > 1 else 0.0)
         shown: set[str] = set()
         for (panel, series), (xs, ys) in self._series.items():
-            color = _PALETTE[self._names.index(series) % len(_PALETTE)]
             fig.add_trace(
                 go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", legendgroup=series,
-                           showlegend=series not in shown, line={"color": color}),
+                           showlegend=series not in shown, line=self._line(series)),
                 row=self.panels.index(panel) + 1, col=1,
             )
             shown.add(series)
         for i, panel in enumerate(self.panels, start=1):
             fig.update_yaxes(title_text=panel, row=i, col=1)
         fig.update_xaxes(title_text=self.x_title, row=rows, col=1)
-        fig.update_layout(title=self.title, template=_TEMPLATE, height=160 + 260 * rows,
-                          legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1})
+        xs = sorted({x for pts, _ in self._series.values() for x in pts if isinstance(x, int | float)})
+        if self.x_log and xs and xs[0] > 0:
+            fig.update_xaxes(type="log", tickvals=xs, ticktext=[f"{x:g}" for x in xs])
+        elif xs and all(float(x).is_integer() for x in xs):
+            fig.update_xaxes(dtick=max(1, math.ceil((xs[-1] - xs[0]) / 10)))  # steps are whole numbers
+        # A few series: legend above the plot. Many: below it, where it cannot cover the title.
+        legend = ({"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1}
+                  if len(self._names) <= 6 else {"orientation": "h", "yanchor": "top", "y": -0.4 / rows, "x": 0})
+        fig.update_layout(title=self.title, template=_TEMPLATE, legend=legend,
+                          height=160 + 260 * rows + (0 if len(self._names) <= 6 else 24 * len(self._names) // 3))
         return fig
+
+    def _line(self, series: str) -> dict[str, Any]:
+        if self._style is not None:
+            return dict(self._style(series))
+        return {"color": _PALETTE[self._names.index(series) % len(_PALETTE)]}
 
     def close(self) -> go.Figure:
         """Final redraw; return the figure. In html and static mode show it as an ordinary figure output, so
@@ -248,10 +267,9 @@ class LiveChart:
             for key, (xs, ys) in self._series.items():
                 if key not in self._trace_index:
                     panel, series = key
-                    color = _PALETTE[self._names.index(series) % len(_PALETTE)]
                     self._widget.add_trace(
                         go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers",
-                                   legendgroup=series, line={"color": color},
+                                   legendgroup=series, line=self._line(series),
                                    showlegend=not any(s == series for _, s in self._trace_index)),
                         row=self.panels.index(panel) + 1, col=1,
                     )
@@ -273,10 +291,30 @@ class LiveChart:
 
     def _show_final(self, fig: go.Figure) -> None:
         self.updates += 1
+        final = FinalFigure(fig)
         if self._handle is None:
-            self._handle = self._display(fig)
+            self._handle = self._display(final)
         else:
-            self._handle.update(fig)
+            self._handle.update(final)
+
+
+class FinalFigure:
+    """A figure as a display *bundle*, so a display handle can replace the live chart's last HTML snapshot
+    with it. A plotly figure cannot: it displays itself through its renderer and ignores the display id, so
+    the stale snapshot would stay above it. The bundle carries plotly's JSON (JupyterLab, VS Code) and HTML
+    that loads plotly.js from its CDN (Colab, nbviewer, a CI artefact opened in a browser)."""
+
+    def __init__(self, figure: go.Figure) -> None:
+        self.figure = figure
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        import json
+
+        return {
+            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
+            "text/html": self.figure.to_html(full_html=False, include_plotlyjs="cdn"),
+            "text/plain": f"<plotly figure: {self.figure.layout.title.text}>",
+        }
 
 
 def _ipython_display(obj: Any) -> Any:
@@ -544,6 +582,78 @@ def padding_figure(rollout: Any) -> go.Figure:
         title=f"Static batch: {len(comps)} rows x {width + steps} positions, {share:.0%} of token slots are padding",
         template=_TEMPLATE, height=max(380, 160 + 12 * len(comps)), margin={"t": 90},
     )
+    return fig
+
+
+# --- logprobs and importance ratios -------------------------------------------------------------------------
+
+
+def logprob_scatter(sampling: Sequence[float], policy: Sequence[float], *, title: str | None = None,
+                    max_points: int = 20_000) -> go.Figure:
+    """One dot per completion token: the sampler's logprob (x) against the policy's teacher-forced one (y).
+    On the diagonal they agree; the title gives the largest disagreement. Beyond ``max_points`` tokens an
+    evenly spaced subset is drawn (the title's maximum is over all of them)."""
+    xs, ys = [float(v) for v in sampling], [float(v) for v in policy]
+    if len(xs) != len(ys) or not xs:
+        raise ValueError(f"need one policy logprob per sampling logprob, got {len(xs)} and {len(ys)}.")
+    finite = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(x) and math.isfinite(y)]
+    worst = max((abs(x - y) for x, y in finite), default=float("nan"))
+    stride = max(1, len(xs) // max_points)
+    low = min(min(x for x, _ in finite), min(y for _, y in finite)) if finite else -1.0
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[low, 0], y=[low, 0], mode="lines", name="agreement (y = x)",
+                             line={"color": "black", "dash": "dash", "width": 1}))
+    fig.add_trace(go.Scattergl(x=xs[::stride], y=ys[::stride], mode="markers", name="a completion token",
+                               marker={"size": 5, "color": "#DD8452", "opacity": 0.6},
+                               hovertemplate="sampling %{x:.4f}<br>policy %{y:.4f}<extra></extra>"))
+    fig.update_xaxes(title_text="sampling logprob (from the rollout)")
+    fig.update_yaxes(title_text="policy logprob (teacher-forced)")
+    fig.update_layout(title=title or f"Sampling vs policy logprobs: {len(xs)} tokens, max |difference| {worst:.2e}",
+                      template=_TEMPLATE, height=480, legend={"orientation": "h", "y": -0.2, "x": 0})
+    return fig
+
+
+def ratio_histogram(ratios: Mapping[str, Sequence[float]], *, title: str = "Importance ratios",
+                    x_title: str = "ratio policy / sampler (log scale)", bins: int = 60) -> go.Figure:
+    """Overlaid histograms of importance ratios, one per label, on a log10 axis so 0.5 and 2 sit equally far
+    from 1. Every label uses the same bins, and heights are the percent of that label's items, so a label with
+    all its mass at 1 shows as one tall bar rather than vanishing. A dashed line marks 1 (no correction); each
+    legend entry gives the label's median and range."""
+    logs: dict[str, list[float]] = {}
+    for label, values in ratios.items():
+        vals = [math.log10(float(v)) for v in values if float(v) > 0 and math.isfinite(float(v))]
+        if vals:
+            logs[label] = vals
+    if not logs:
+        raise ValueError("no positive, finite ratio to draw.")
+    lo = min(min(v) for v in logs.values())
+    hi = max(max(v) for v in logs.values())
+    lo, hi = min(lo, -0.01), max(hi, 0.01)  # keep 1 (log 0) inside the axis
+    size = (hi - lo) / bins
+    fig = go.Figure()
+    for i, (label, vals) in enumerate(logs.items()):
+        ordered = sorted(vals)
+        median = 10 ** ordered[len(ordered) // 2]
+        fig.add_trace(go.Histogram(
+            x=vals, name=f"{label}: median {median:.3g}, range {10 ** ordered[0]:.3g} to {10 ** ordered[-1]:.3g}",
+            opacity=0.6, marker={"color": _PALETTE[i % len(_PALETTE)]}, histnorm="percent",
+            xbins={"start": lo, "end": hi + size, "size": size},
+            hovertemplate="log10 ratio %{x}<br>%{y:.1f}% of items<extra></extra>",
+        ))
+    fig.add_vline(x=0, line={"color": "black", "dash": "dash", "width": 1})
+    # Ticks at round ratios, the roundest first, never closer than a ninth of the axis; 1 always.
+    by_roundness = (1, 0.1, 10, 0.01, 100, 1e-3, 1e-4, 1e-5, 1e-6, 0.5, 2, 0.2, 5, 0.8, 1.25, 0.9, 1.1, 0.95, 1.05,
+                    0.7, 1.5, 0.98, 1.02)
+    ticks: list[float] = []
+    for t in by_roundness:
+        x = math.log10(t)
+        if lo <= x <= hi and all(abs(x - math.log10(k)) >= (hi - lo) / 9 for k in ticks):
+            ticks.append(t)
+    ticks.sort()
+    fig.update_xaxes(title_text=x_title, tickvals=[math.log10(t) for t in ticks], ticktext=[f"{t:g}" for t in ticks])
+    fig.update_yaxes(title_text="% of items")
+    fig.update_layout(title=title, barmode="overlay", template=_TEMPLATE, height=440,
+                      legend={"orientation": "h", "y": -0.25, "x": 0})
     return fig
 
 

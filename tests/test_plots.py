@@ -190,8 +190,13 @@ def test_html_mode_updates_a_display_handle_and_leaves_a_figure(monkeypatch):
     html = display.shown[-1].data
     assert "plotly" in html and "generate" in html
     fig = chart.close()
-    # The executed notebook keeps the final figure itself, not the last HTML snapshot.
-    assert display.shown[-1] is fig
+    # The executed notebook keeps the final figure itself, in place of the last HTML snapshot: a bundle the
+    # handle can update (a plotly figure would display itself beside it and leave the snapshot).
+    final = display.shown[-1]
+    assert final.figure is fig
+    bundle = final._repr_mimebundle_()
+    assert bundle["application/vnd.plotly.v1+json"]["data"][0]["y"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert "cdn.plot.ly" in bundle["text/html"] and "text/plain" in bundle
     assert list(fig.data[0].y) == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 

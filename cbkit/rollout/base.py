@@ -12,6 +12,7 @@ order the engine finished them in. Everything that consumes a rollout may rely o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -126,6 +127,12 @@ class Rollout:
     @property
     def has_logprobs(self) -> bool:
         return self.logprobs_missing_reason is None
+
+    def without_logprobs(self, reason: str) -> Rollout:
+        """The same rollout with its sampling logprobs dropped, as released TRL's CB path does
+        (`logprobs = None`): what the loop does without them can be seen side by side."""
+        dropped = [dataclasses.replace(c, sampling_logprobs=None) for c in self.completions]
+        return dataclasses.replace(self, completions=dropped, logprobs_missing_reason=reason)
 
     def groups(self) -> list[list[Completion]]:
         n = self.num_generations

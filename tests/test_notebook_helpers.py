@@ -1,0 +1,263 @@
+"""The package side of the notebooks: setup and profiles, the live hooks, the tables, the recycling model and the
+logprob figures. The notebooks themselves run under nbmake (`make test`); tests/test_notebooks.py checks their
+committed form."""
+
+from __future__ import annotations
+
+import math
+
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from cbkit import notebook
+from cbkit.data import load_problems
+from cbkit.grpo import GRPOTrainer
+from cbkit.hooks import StepRecord
+from cbkit.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
+from cbkit.rollout import SamplingParams, make_backend
+
+# --- setup and profiles ----------------------------------------------------------------------------------
+
+
+def test_profile_comes_from_the_argument_the_environment_or_pytest(monkeypatch):
+    monkeypatch.delenv("CBKIT_PROFILE", raising=False)
+    assert notebook.resolve_profile() == "ci"  # under pytest, as nbmake runs notebooks
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert notebook.resolve_profile() == "full"
+    monkeypatch.setenv("CBKIT_PROFILE", "ci")
+    assert notebook.resolve_profile() == "ci"
+    assert notebook.resolve_profile("full") == "full"
+    monkeypatch.setenv("CBKIT_PROFILE", "tiny")
+    with pytest.raises(ValueError, match="CBKIT_PROFILE='tiny' is not a profile; use one of"):
+        notebook.resolve_profile()
+
+
+def test_setup_on_this_cpu_picks_fp32_the_offline_model_and_ci_sizes(monkeypatch, capsys):
+    monkeypatch.setenv("CBKIT_PROFILE", "ci")
+    env = notebook.setup()
+    assert (env.device, env.rollout_dtype, env.train_dtype, env.model) == ("cpu", "float32", "float32", "smollm2-offline")
+    assert env.data in ("gsm8k-local:train", "synthetic")
+    assert env.pick(ci=1, cpu=2, gpu=3) == 1
+    assert "profile 'ci'" in capsys.readouterr().out
+    full = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "m", "d")
+    assert full.pick(ci=1, cpu=2, gpu=3) == 2
+
+
+@pytest.mark.parametrize(("cc", "rollout", "train"), [((7, 5), "float16", "float32"), ((8, 0), "bfloat16", "bfloat16")])
+def test_setup_on_a_gpu_uses_bf16_only_from_compute_capability_8(monkeypatch, cc, rollout, train):
+    """A T4 (7.5) reports is_bf16_supported() through emulation; setup must not believe it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr("cbkit.grpo.seed_everything", lambda seed: None)
+    env = notebook.setup("full", verbose=False)
+    assert (env.rollout_dtype, env.train_dtype, env.model) == (rollout, train, notebook.GPU_MODEL)
+    assert env.pick(ci=1, cpu=2, gpu=3) == 3
+    assert ("no native bf16" in env.summary()) == (cc[0] < 8)
+
+
+# --- the live hook, the tables ------------------------------------------------------------------------------
+
+
+def _train(tiny, hooks, **kw):
+    from cbkit.config import CBGRPOConfig
+
+    cfg = CBGRPOConfig(model="tiny", system_prompt=None, prompts_per_step=2, num_generations=4,
+                       max_completion_length=8, max_steps=2, disable_tqdm=True, **kw)
+    trainer = GRPOTrainer(cfg, policy=tiny, problems=load_problems("synthetic", n=8), hooks=hooks)
+    trainer.train()
+    return trainer
+
+
+def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
+    from cbkit.plots import LiveChart
+
+    chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
+    first = notebook.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
+    recorder = notebook.RolloutRecorder()
+    _train(tiny, [first, recorder], use_transformers_continuous_batching=True)
+    second = notebook.LiveMetricsHook("generate", chart=chart)
+    _train(tiny, [second], use_transformers_continuous_batching=False)
+    fig = chart._final
+    assert isinstance(fig, go.Figure)  # closed when the second run ended
+    names = {t.name for t in fig.data}
+    for label in ("continuous", "generate"):
+        for series in ("mean", "tokens/s", "peak memory", "max |sampling - policy|", "ratio mean"):
+            assert f"{label}: {series}" in names
+    tokens = next(t for t in fig.data if t.name == "continuous: tokens/s")
+    assert list(tokens.x) == [1, 2]
+    assert list(tokens.y) == [r.metrics["rollout/tokens_per_s"] for r in first.records]
+    memory = next(t for t in fig.data if t.name == "generate: peak memory")
+    assert list(memory.y) == pytest.approx([r.metrics["rollout/peak_mem_bytes"] / 2**20 for r in second.records])
+    assert len(recorder.rollouts) == 1 and recorder.rollouts[0].backend == "continuous"
+
+    table = notebook.compare_runs({"continuous": first.records, "generate": second.records})
+    assert list(table.columns) == ["continuous", "generate"]
+    expected = sum(r.metrics["rollout/tokens_per_s"] for r in second.records) / 2
+    assert table.loc["rollout/tokens_per_s", "generate"] == pytest.approx(expected)
+    assert "rollout/peak_mem (MiB)" in table.index
+
+
+def test_nan_metrics_are_not_points():
+    from cbkit.plots import LiveChart
+
+    chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
+    hook = notebook.LiveMetricsHook(chart=chart)
+    hook.on_step_end(StepRecord(1, {"logprob/max_abs_diff": float("nan"), "reward/mean": 0.5}))
+    names = {t.name for t in chart.figure().data}
+    assert names == {"mean"}
+
+
+def test_metrics_table_groups_by_namespace_and_shows_bytes_in_mib():
+    table = notebook.metrics_table({"reward/mean": 0.25, "rollout/peak_mem_bytes": 3 * 2**20, "rollout/backend": "x"})
+    assert table.loc[("rollout", "peak_mem (MiB)"), "value"] == 3
+    assert table.loc[("reward", "mean"), "value"] == 0.25
+    assert list(table.index.get_level_values(0)) == ["reward", "rollout", "rollout"]
+
+
+def test_completions_table_scores_each_completion(tiny):
+    tok = tiny.tokenizer
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, seed=0)
+    rollout = make_backend("generate", tiny.model, pad_token_id=tok.pad_token_id).generate([[5, 6, 7], [8, 9]], 3,
+                                                                                          sampling)
+    table = notebook.completions_table(rollout, tok, ["4", "7"])
+    assert len(table) == 6 and list(table["gold"]) == ["4"] * 3 + ["7"] * 3
+    assert set(table.columns) >= {"group", "finish", "tokens", "answer given", "correctness", "format", "completion"}
+    assert list(table["tokens"]) == [len(c.completion_ids) for c in rollout.completions]
+    with pytest.raises(ValueError, match="one gold answer per prompt: 2 prompts, 1 answers"):
+        notebook.completions_table(rollout, tok, ["4"])
+
+
+def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
+    from cbkit.sweep import SweepConfig
+
+    cfg = SweepConfig(model="tiny", ns=(1, 2), repeats=1, max_new_tokens=4, num_prompts=1)
+    seen: list[dict] = []
+    points = notebook.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=seen.append)
+    assert {(p["backend"], p["N"]) for p in points} == {(b, n) for b in ("generate", "continuous") for n in (1, 2)}
+    assert len(seen) == 4
+    again: list[dict] = []
+    notebook.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=again.append)
+    assert len(again) == 4  # nothing measured again, every finished run drawn
+
+
+# --- the recycling model ------------------------------------------------------------------------------------
+
+
+def test_static_batch_holds_every_row_until_the_longest_ends():
+    occ = static_batch(10, [2, 5, 3])
+    assert occ.steps == 5
+    assert occ.held_tokens == tuple(3 * (10 + s) for s in range(1, 6))
+    assert occ.running == (3, 3, 2, 1, 1)
+    assert occ.useful_tokens == 30 + 10
+
+
+def test_paged_pool_with_room_for_all_frees_blocks_as_sequences_end():
+    occ = paged_pool(10, [2, 5, 3], page_size=4)
+    # step s: each running sequence holds ceil((10 + s) / 4) blocks of 4; the 2-token one leaves after step 2.
+    assert occ.held_tokens == (36, 36, 32, 16, 16)
+    assert occ.running == (3, 3, 2, 1, 1)
+    assert occ.peak_tokens <= static_batch(10, [2, 5, 3]).peak_tokens
+
+
+def test_a_small_pool_queues_sequences_and_never_overflows():
+    lengths = completion_lengths(32, 64, 0.9, seed=1)
+    full = paged_pool(20, lengths, 8)
+    small = paged_pool(20, lengths, 8, pool_blocks=4 * 11)  # four sequences at full length (84 tokens -> 11 blocks)
+    assert max(small.running) == 4 and max(full.running) == 32
+    assert small.peak_tokens <= 4 * 11 * 8 < full.peak_tokens
+    assert small.steps > full.steps == max(lengths)
+    # every sequence generates all its tokens: the token-steps of completions are conserved.
+    assert sum(small.running) == sum(full.running) == sum(lengths)
+
+
+def test_equal_lengths_leave_nothing_to_recycle_and_spread_does():
+    same = completion_lengths(16, 64, 0.0)
+    assert same == [64] * 16
+    flat = paged_pool(32, same, 1).token_steps / static_batch(32, same).token_steps
+    spread = completion_lengths(16, 64, 1.0, seed=0)
+    varied = paged_pool(32, spread, 1).token_steps / static_batch(32, spread).token_steps
+    assert flat == pytest.approx(1.0)
+    assert varied < 0.8
+
+
+@pytest.mark.parametrize(("call", "msg"), [
+    (lambda: completion_lengths(4, 10, 1.5), "spread is a fraction"),
+    (lambda: paged_pool(10, [5], 4, pool_blocks=2), "pool_blocks=2 cannot hold even one sequence"),
+    (lambda: static_batch(10, []), "one positive completion length per sequence"),
+])
+def test_recycling_model_refuses_bad_input(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()
+
+
+def test_explorer_headless_returns_the_figure_and_interactive_returns_sliders():
+    fig = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=False)
+    assert isinstance(fig, go.Figure) and "paged pool peak" in fig.layout.title.text
+    ui = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=True)
+    assert [c.description for c in ui.children[:3]] == ["N", "length spread", "pool / static"]
+
+
+# --- logprob pairs and their figures -------------------------------------------------------------------------
+
+
+def test_logprob_pairs_separate_the_truncation_from_the_engine(tiny):
+    from cbkit.logprobs import logprob_pairs, sequence_log_ratios
+
+    tok = tiny.tokenizer
+    nucleus = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.7, top_k=0, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, seed=0)
+    rollout = make_backend("continuous", tiny.model).generate([[5, 6, 7, 8]], 4, nucleus)
+    pairs = logprob_pairs(tiny.model, rollout, nucleus)
+    assert (pairs["sampling"] - pairs["processed"]).abs().max() < 1e-4  # same distribution: agree
+    # the temperature-only reference gives every sampled token less mass than the nucleus did
+    assert (pairs["temperature_only"] <= pairs["processed"] + 1e-6).all()
+    assert (pairs["temperature_only"] < pairs["processed"] - 1e-3).any()
+    per_seq = sequence_log_ratios(pairs["temperature_only"] - pairs["sampling"], pairs["sequence"])
+    assert per_seq.shape == (4,) and (per_seq < 0).all()
+    with pytest.raises(ValueError, match="carries no sampling logprobs"):
+        logprob_pairs(tiny.model, rollout.without_logprobs("dropped"), nucleus)
+
+
+def test_without_logprobs_drops_them_and_says_why(tiny):
+    tok = tiny.tokenizer
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, seed=0)
+    rollout = make_backend("generate", tiny.model, pad_token_id=tok.pad_token_id).generate([[5, 6]], 2, sampling)
+    dropped = rollout.without_logprobs("as TRL's CB path")
+    assert not dropped.has_logprobs and dropped.logprobs_missing_reason == "as TRL's CB path"
+    assert all(c.sampling_logprobs is None for c in dropped.completions) and rollout.has_logprobs
+    dropped.validate()
+
+
+def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
+    from cbkit.plots import logprob_scatter, ratio_histogram
+
+    fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
+    assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
+    assert "1" in fig.layout.xaxis.ticktext
+    assert "median 1," in fig.data[1].name
+    with pytest.raises(ValueError, match="no positive, finite ratio"):
+        ratio_histogram({"bad": [0.0, float("nan")]})
+    scatter = logprob_scatter([-1.0, -2.0], [-1.0, -2.5])
+    assert "max |difference| 5.00e-01" in scatter.layout.title.text
+    with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
+        logprob_scatter([-1.0], [])
+
+
+def test_planned_points_feed_the_memory_figure(tiny):
+    from cbkit.advise import planned_points
+    from cbkit.plots import memory_vs_n
+
+    pts = planned_points(tiny.model.config, [4, 8], num_prompts=1, prompt_len=20, max_new_tokens=16, dtype_bytes=4,
+                         device="cpu", cb_config={"num_blocks": 40, "page_size": 8})
+    gen = [p for p in pts if p["backend"] == "generate"]
+    cb = [p for p in pts if p["backend"] == "continuous"]
+    assert gen[1]["kv_bytes"] == 2 * gen[0]["kv_bytes"]  # the static batch grows with N
+    assert cb[0]["kv_bytes"] == cb[1]["kv_bytes"]  # a fixed pool does not
+    fig = memory_vs_n(pts)
+    assert any("planner" in t.name for t in fig.data) and not any("measured" in t.name for t in fig.data)
+    assert math.isfinite(gen[0]["planned_peak_bytes"])
