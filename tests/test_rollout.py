@@ -191,3 +191,15 @@ def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
     diff = max(abs(a - b) for x, y in zip(dense.completions, varlen.completions, strict=True)
                for a, b in zip(x.sampling_logprobs, y.sampling_logprobs, strict=True))
     assert diff < 1e-4
+
+
+def test_the_cpu_pool_warning_comes_once_per_backend(tiny, prompts):
+    import warnings
+
+    backend = ContinuousBackend(tiny.model, {"max_memory_percent": 0.3})
+    sp = _sampling(tiny.tokenizer, max_new_tokens=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            backend.generate(prompts, 2, sp)
+    assert sum("share of free GPU memory" in str(w.message) for w in caught) == 1

@@ -51,6 +51,7 @@ def make_cb_config(
     seed: int | None = None,
     device: torch.device | None = None,
     workload_blocks: int | None = None,
+    warn: bool = True,
 ):
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
@@ -87,7 +88,7 @@ def make_cb_config(
     mmp_default = CB_DEFAULTS["max_memory_percent"]
     if cpu and workload_blocks and "num_blocks" not in overrides:
         # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
-        if overrides.get("max_memory_percent", mmp_default) != mmp_default:
+        if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
             warnings.warn(
                 f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
                 f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
@@ -124,6 +125,7 @@ class ContinuousBackend:
         # restored, so training forwards in between are plain causal forwards.
         self.persistent = persistent
         self._engine_key: tuple | None = None
+        self._warned_pool = False  # the CPU pool warning of make_cb_config, once per backend rather than per step
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
 
     def close(self) -> None:
@@ -149,7 +151,9 @@ class ContinuousBackend:
             seed=sampling.seed,
             device=self.model.device,
             workload_blocks=workload_blocks(rows, sampling.max_new_tokens, _page_size(self.cb_overrides)),
+            warn=not self._warned_pool,
         )
+        self._warned_pool = True
 
         if self.persistent:
             # A kept engine keeps the sampling settings and seed it was built with: rebuild it when they change.
