@@ -553,7 +553,7 @@ def _spread(cv: float | None, mean: float | None, max_new: int | None) -> tuple[
         if not 0 < mean <= max_new:
             raise ValueError(f"mean_completion_len must be in (0, max_new_tokens={max_new}], got {mean}.")
         waste = 1 - mean / max_new
-        return waste >= VARIABLE_WASTE, f"mean {mean:g} of max {max_new}: ~{waste:.0%} of generate()'s decode slots wasted"
+        return waste >= VARIABLE_WASTE, f"mean {mean:.1f} of max {max_new}: ~{waste:.0%} of generate()'s decode slots wasted"
     return True, "assumed: no completion-length statistics given"
 
 
