@@ -108,10 +108,18 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
         except KeyError:
             raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16 or auto.") from None
     if device.type == "cuda":
-        # is_bf16_supported() says yes on a T4 through emulation; real bf16 needs compute capability >= 8.0.
-        major, _ = torch.cuda.get_device_capability(device)
-        return torch.bfloat16 if major >= 8 else torch.float16
+        return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32
+
+
+def native_bf16(device: torch.device | int | None = None) -> bool:
+    """Whether a CUDA device computes in bf16 natively: compute capability >= 8.0 (A100, L4, H100).
+    ``torch.cuda.is_bf16_supported()`` also says yes on a T4 (7.5), where bf16 is emulated and slow.
+    The one place cbkit decides this: model loading, the notebooks' setup and the TRL bridge ask here."""
+    if not torch.cuda.is_available():
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
 
 
 def _load_pretrained(name: str, dtype: torch.dtype):

@@ -30,8 +30,8 @@ from cbkit.hooks import StepHooks, StepRecord, TrainState
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
-# Ungated, small enough to train on a free Colab T4 in fp32, and it solves some GSM8K problems from the start,
-# so a short run has correctness rewards to learn from (SmolLM2 has almost none).
+# Ungated, so Colab needs no hub token, and 0.5B parameters (about 2 GB of fp32 weights, plus AdamW's 4 GB). Not
+# yet run by this project: no GPU has been available. The seed's Llama-3.2-1B-Instruct is gated.
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
@@ -82,16 +82,16 @@ class NotebookEnv:
 def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) -> NotebookEnv:
     """Decide profile, device, dtypes, model and data (see the module docstring); seed every RNG; print it."""
     from cbkit.grpo import seed_everything
+    from cbkit.models import native_bf16
 
     profile = resolve_profile(profile)
     colab = "google.colab" in sys.modules
     if torch.cuda.is_available():
-        cc = torch.cuda.get_device_capability(0)
-        native_bf16 = cc[0] >= 8
+        bf16 = native_bf16(0)
         env = NotebookEnv(
-            profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0), compute_capability=cc,
-            colab=colab, rollout_dtype="bfloat16" if native_bf16 else "float16",
-            train_dtype="bfloat16" if native_bf16 else "float32",
+            profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0),
+            compute_capability=torch.cuda.get_device_capability(0), colab=colab,
+            rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="bfloat16" if bf16 else "float32",
             model=CPU_MODEL if profile == "ci" else GPU_MODEL,
             data=_local_data() if profile == "ci" else "gsm8k:train",
         )

@@ -39,7 +39,6 @@ class Occupancy:
     policy: str
     held_tokens: tuple[int, ...]  # KV token slots allocated at each step (blocks x page for the pool)
     running: tuple[int, ...]
-    useful_tokens: int  # prompt + completion tokens: what any policy must hold at some point
 
     @property
     def steps(self) -> int:
@@ -73,16 +72,20 @@ def static_batch(prompt_len: int, lengths: Sequence[int]) -> Occupancy:
     rows, longest = len(lengths), max(lengths)
     held = tuple(rows * (prompt_len + step) for step in range(1, longest + 1))
     running = tuple(sum(1 for n in lengths if n >= step) for step in range(1, longest + 1))
-    return Occupancy("static batch", held, running, rows * prompt_len + sum(lengths))
+    return Occupancy("static batch", held, running)
 
 
 def paged_pool(prompt_len: int, lengths: Sequence[int], page_size: int, pool_blocks: int | None = None,
-               max_running: int | None = None) -> Occupancy:
-    """The CB engine's policy (see the module docstring); `pool_blocks=None` is a pool with room for all."""
+               max_running: int | None = None, max_len: int | None = None) -> Occupancy:
+    """The CB engine's policy (see the module docstring); `pool_blocks=None` is a pool with room for all.
+    ``max_len`` is the generation limit each admission reserves for (default: the longest of ``lengths``)."""
     _check(prompt_len, lengths)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}.")
-    worst = _blocks(prompt_len + max(lengths), page_size)
+    max_len = max(lengths) if max_len is None else max_len
+    if max_len < max(lengths):
+        raise ValueError(f"max_len={max_len} is below the longest completion ({max(lengths)} tokens).")
+    worst = _blocks(prompt_len + max_len, page_size)
     if pool_blocks is not None and pool_blocks < worst:
         raise ValueError(f"pool_blocks={pool_blocks} cannot hold even one sequence at full length ({worst} blocks "
                          f"of {page_size} tokens); give it at least {worst}.")
@@ -102,7 +105,7 @@ def paged_pool(prompt_len: int, lengths: Sequence[int], page_size: int, pool_blo
         for seq in [s for s, g in running.items() if g >= lengths[s]]:
             del running[seq]
             reserved -= worst
-    return Occupancy("paged pool", tuple(held_steps), tuple(running_steps), len(lengths) * prompt_len + sum(lengths))
+    return Occupancy("paged pool", tuple(held_steps), tuple(running_steps))
 
 
 def recycling_figure(static: Occupancy, paged: Occupancy, pool_tokens: int | None = None,
@@ -149,7 +152,7 @@ def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int
         static = static_batch(prompt_len, lengths)
         worst = _blocks(prompt_len + max_len, page_size)
         pool = max(worst, round(pool_share * static.peak_tokens / page_size))
-        paged = paged_pool(prompt_len, lengths, page_size, pool_blocks=pool)
+        paged = paged_pool(prompt_len, lengths, page_size, pool_blocks=pool, max_len=max_len)
         return recycling_figure(static, paged, pool_tokens=pool * page_size)
 
     if interactive is None:

@@ -102,6 +102,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+from cbkit.models import native_bf16
 from cbkit.rollout.base import cut_at_eos
 from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config, workload_blocks
 
@@ -228,7 +229,7 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
     kwargs: dict[str, Any] = {
         "use_transformers_continuous_batching": not overrides.get("use_vllm", False),
         # TRL defaults bf16=True even on CPU (and casts the weights to bf16 in its CB branch); follow the hardware.
-        "bf16": _native_bf16(),
+        "bf16": native_bf16(),
     }
     kwargs.update({_trl_name(k): v for k, v in values.items()})
     kwargs.update(overrides)
@@ -248,12 +249,6 @@ def cb_config_dict(overrides: Mapping[str, Any] | str | None = None) -> dict[str
     overrides = dict(overrides or {})
     make_cb_config(overrides)  # raises on unknown keys, a bad max_memory_percent, or return_logprobs=False
     return {**CB_DEFAULTS, **overrides, "return_logprobs": True}
-
-
-def _native_bf16() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 # --- data ---------------------------------------------------------------------------------------------------

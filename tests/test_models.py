@@ -58,3 +58,14 @@ def test_offline_model_is_cached_after_first_load(tmp_path):
         assert torch.equal(p, q), n
     assert first.tokenizer.encode("#### 72") == second.tokenizer.encode("#### 72")
     assert first.context_len == 8192 and first.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("cc", "native", "auto"), [((7, 5), False, "float16"), ((8, 0), True, "bfloat16")])
+def test_bf16_only_from_compute_capability_8(monkeypatch, cc, native, auto):
+    """One rule for the loader, the notebooks and the TRL bridge: a T4 (7.5) answers is_bf16_supported() with
+    yes through emulation, and must still get fp16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
+    assert models.native_bf16() is native
+    assert models._resolve_dtype(None, torch.device("cuda")) == getattr(torch, auto)

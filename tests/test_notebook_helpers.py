@@ -152,7 +152,6 @@ def test_static_batch_holds_every_row_until_the_longest_ends():
     assert occ.steps == 5
     assert occ.held_tokens == tuple(3 * (10 + s) for s in range(1, 6))
     assert occ.running == (3, 3, 2, 1, 1)
-    assert occ.useful_tokens == 30 + 10
 
 
 def test_paged_pool_with_room_for_all_frees_blocks_as_sequences_end():
@@ -172,6 +171,20 @@ def test_a_small_pool_queues_sequences_and_never_overflows():
     assert small.steps > full.steps == max(lengths)
     # every sequence generates all its tokens: the token-steps of completions are conserved.
     assert sum(small.running) == sum(full.running) == sum(lengths)
+
+
+def test_admission_reserves_for_the_generation_limit_not_the_lengths_that_happen():
+    """The scheduler cannot know a completion's length when it admits it: with a 24-token limit, 8-token
+    completions still reserve 24 tokens' blocks, so fewer run at once than their real lengths would allow."""
+    lengths = [8] * 8
+    known = paged_pool(8, lengths, 8, pool_blocks=8)  # reserve 8 + 8 tokens: 2 blocks each, 4 at once
+    limit = paged_pool(8, lengths, 8, pool_blocks=8, max_len=24)  # reserve 8 + 24 tokens: 4 blocks, 2 at once
+    assert (max(known.running), max(limit.running)) == (4, 2)
+    assert limit.steps == 2 * known.steps == 32  # four waves of 8 steps instead of two
+    with pytest.raises(ValueError, match="max_len=4 is below the longest completion"):
+        paged_pool(8, lengths, 8, max_len=4)
+    with pytest.raises(ValueError, match="cannot hold even one sequence"):
+        paged_pool(8, lengths, 8, pool_blocks=8, max_len=64)
 
 
 def test_equal_lengths_leave_nothing_to_recycle_and_spread_does():
