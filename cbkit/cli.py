@@ -126,7 +126,7 @@ def _sweep(args: argparse.Namespace) -> int:
     cfg = SweepConfig(**fields)
     out = Path(args.out)
     live = None
-    if not args.no_live:
+    if not args.no_live and _has_plotly():
         from cbkit.plots import LiveChart
 
         live = LiveChart("N-sweep: completion tokens/s", x_title="N")
@@ -143,20 +143,33 @@ def _sweep(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.close()
-    _finish_report(points, out, cfg.fingerprint())
     print(points_table(points))
     print()
     print(seed_table(points))
     write_csv(points, out.with_suffix(".csv"))
+    _finish_report(points, out, cfg.fingerprint())
     return 0
 
 
+def _has_plotly() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("plotly") is not None
+
+
 def _finish_report(points, out, meta) -> None:
+    """The HTML report needs plotly; a machine without it (a bare GPU box) still gets the JSONL, the CSV and
+    the tables, and renders the HTML later with `cbkit report` where plotly is installed."""
+    csv = out.with_suffix(".csv")
+    if not _has_plotly():
+        print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
+              f"run `cbkit report {out}` on a machine that has it.")
+        return
     from cbkit.plots import write_report
 
     html = out.with_suffix(".html")
     write_report(points, html, meta)
-    print(f"results: {out} (JSONL), {out.with_suffix('.csv')} (CSV), {html} (plotly report)")
+    print(f"results: {out} (JSONL), {csv} (CSV), {html} (plotly report)")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -169,11 +182,11 @@ def _report(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"No results file at {out}; run `cbkit sweep --out {out}` first.")
     header = json.loads(out.read_text().splitlines()[0])
     points = aggregate(load_runs(out))
-    _finish_report(points, out, header.get("fingerprint", {}))
     write_csv(points, out.with_suffix(".csv"))
     print(points_table(points))
     print()
     print(seed_table(points))
+    _finish_report(points, out, header.get("fingerprint", {}))
     return 0
 
 
