@@ -587,6 +587,8 @@ def load_config(name: str) -> Any:
 
     if name == models.TINY_NAME:
         return models.tiny_model().config  # a 2-layer model builds in milliseconds; its config is the point
+    if name in models.RANDOM_SHAPES:
+        return models.random_config(name)
     if name in (models.OFFLINE_NAME, "offline"):
         # Any dequantised copy load_policy cached has the packaged model's config; otherwise read the GGUF
         # header (slow: transformers parses the whole file).

@@ -109,9 +109,24 @@ def _flag_parser(base, optional: bool):
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import PRESETS, SweepConfig, points_table, run_sweep, seed_table, write_csv
+    from cbkit.sweep import (
+        DRY_RUN,
+        PRESETS,
+        SweepConfig,
+        check_preset_device,
+        points_table,
+        run_sweep,
+        seed_table,
+        write_csv,
+    )
 
+    if args.dry_run and not args.preset:
+        raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
+    if args.preset:
+        check_preset_device(args.preset, dry_run=args.dry_run)  # before any model is loaded
     fields = dict(PRESETS[args.preset]) if args.preset else {}
+    if args.dry_run:
+        fields.update(DRY_RUN)
     given = {
         "model": args.model, "data": args.data, "num_prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "dtype": args.dtype, "seed": args.seed, "temperature": args.temperature,
@@ -125,6 +140,7 @@ def _sweep(args: argparse.Namespace) -> int:
     fields.update({k: v for k, v in given.items() if v is not None})
     cfg = SweepConfig(**fields)
     out = Path(args.out)
+    _random_weights_note(cfg.model)
     live = None
     if not args.no_live and _has_plotly():
         from cbkit.plots import LiveChart
@@ -147,8 +163,33 @@ def _sweep(args: argparse.Namespace) -> int:
     print()
     print(seed_table(points))
     write_csv(points, out.with_suffix(".csv"))
+    _gpu_tables(points, cfg.model, force=args.preset == "seed")
     _finish_report(points, out, cfg.fingerprint())
     return 0
+
+
+def _random_weights_note(model: str) -> None:
+    from cbkit.models import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
+
+    if model in RANDOM_SHAPES:
+        print(f"model {model}: {RANDOM_WEIGHTS_NOTE}")
+
+
+def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
+    """On a GPU run (or the seed preset's dry run): every memory counter beside the planner, and TRL PR #5765's
+    table beside this run's."""
+    from cbkit.sweep import memory_table, trl_comparison_table
+
+    if not force and not any(p.get("peak_reserved_bytes") is not None for p in points):
+        return
+    print("\nMemory (GiB): the planner's prediction beside the measured peaks")
+    print(memory_table(points))
+    print("\nThis run beside TRL PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens)")
+    print(trl_comparison_table(points))
+    from cbkit.models import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
+
+    if model in RANDOM_SHAPES:
+        print(f"({model}: {RANDOM_WEIGHTS_NOTE}.)")
 
 
 def _has_plotly() -> bool:
@@ -186,6 +227,7 @@ def _report(args: argparse.Namespace) -> int:
     print(points_table(points))
     print()
     print(seed_table(points))
+    _gpu_tables(points, header.get("fingerprint", {}).get("model"))
     _finish_report(points, out, header.get("fingerprint", {}))
     return 0
 
@@ -259,8 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     sweep = sub.add_parser("sweep", help="the N-sweep: both backends side by side at growing N (the main job)")
-    sweep.add_argument("--preset", choices=["a100", "t4"], default=None,
-                       help="hub model and sizes for a Colab/GPU run; flags given explicitly override it")
+    sweep.add_argument("--preset", choices=["seed", "a100", "t4"], default=None,
+                       help="sizes for one GPU: seed (Llama-3.2-1B's shape, random weights, no download; "
+                            "scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given explicitly override it")
+    sweep.add_argument("--dry-run", action="store_true",
+                       help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 16 "
+                            "tokens): proves a GPU script end to end without a GPU")
     sweep.add_argument("--model", default=None, help="default smollm2-offline")
     sweep.add_argument("--data", default=None, help="default synthetic; gsm8k-local, gsm8k[:split], or a .jsonl")
     sweep.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default 1)")

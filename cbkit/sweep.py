@@ -36,13 +36,42 @@ from cbkit.rollout import BACKENDS, SamplingParams, make_backend
 DEFAULT_NS = (8, 16, 32, 64)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The seed's setting; sized for an A100-80GB (about 10 minutes).
+    # The seed's setting on a GPU machine with no network (scripts/gpu_sweep.sh): Llama-3.2-1B-Instruct's exact
+    # shape with random weights, synthetic GSM-style prompts, GSM8K solution lengths replayed up to the seed's
+    # 2048 new tokens. Sized for <= 8 minutes on one A100/H100/H200 (the estimate is in the script).
+    "seed": dict(model="llama-1b-random", data="synthetic", num_prompts=4, ns=(8, 32, 64), max_new_tokens=2048,
+                 repeats=1, dtype="bfloat16", lengths="replay:gsm8k"),
+    # The seed's setting with the real model from the hub; sized for an A100-80GB (about 10 minutes).
     "a100": dict(model="meta-llama/Llama-3.2-1B-Instruct", data="gsm8k:test", num_prompts=8,
                  max_new_tokens=512, repeats=3, dtype="bfloat16"),
     # A Colab T4 (16 GB, no bf16): a smaller model in fp16.
     "t4": dict(model="HuggingFaceTB/SmolLM2-360M-Instruct", data="gsm8k:test", num_prompts=4,
                max_new_tokens=256, repeats=3, dtype="float16"),
 }
+# What a preset needs, said before any model is loaded.
+PRESET_NEEDS = {
+    "seed": "one CUDA GPU with bf16 and ~40 GB free (A100/H100/H200-class): Llama-3.2-1B's shape at N up to 64 "
+            "and 2048 new tokens",
+    "a100": "one CUDA GPU with bf16 and ~40 GB free (A100-class), and Llama-3.2-1B-Instruct from the hub or its cache",
+    "t4": "one CUDA GPU with ~12 GB free (a Colab T4), and SmolLM2-360M-Instruct from the hub or its cache",
+}
+# `--dry-run`: the same preset at test size on CPU (same model family, same workload kind, same code path), to
+# prove the GPU script end to end where there is no GPU: CI runs it in a venv with only torch + transformers.
+DRY_RUN: dict[str, Any] = dict(model="llama-tiny-random", num_prompts=2, ns=(2, 4), max_new_tokens=16, repeats=1,
+                               dtype="float32")
+
+
+def check_preset_device(preset: str, *, dry_run: bool = False) -> None:
+    """A GPU preset on a machine without CUDA fails here, naming the preset and what it needs, before
+    anything is loaded; a dry run is the way to try it without one."""
+    if dry_run or torch.cuda.is_available():
+        return
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    raise ValueError(
+        f"--preset {preset} needs {PRESET_NEEDS[preset]}; no CUDA device is visible here (torch {torch.__version__}, "
+        f"{build}). Run it on a GPU machine, or add --dry-run (CBKIT_DRY_RUN=1 bash scripts/gpu_sweep.sh) to run "
+        "the same sweep at test size on this CPU."
+    )
 
 
 @dataclass
@@ -224,6 +253,7 @@ def run_sweep(
     """Run (or resume) the sweep; returns the aggregated points. `on_point` sees each run as it lands."""
     from cbkit.data import chat_prompt_ids, load_problems
     from cbkit.models import load_policy
+    from cbkit.telemetry import cuda_peaks
 
     results = ResultsFile(out, cfg.fingerprint())
     todo = [(n, rep, b) for n_i, n in enumerate(cfg.ns) for rep in range(cfg.repeats)
@@ -253,6 +283,7 @@ def run_sweep(
             measured = measure_full_step(cfg, policy, problems, backends[b], n, rep)
         else:
             measured = measure_run(backends[b], prompts, n, run_sampling, model.config, dtype_bytes)
+        measured.update(cuda_peaks(model.device))
         run = {"backend": b, "N": n, "repeat": rep, "num_prompts": len(prompts), "time": time.time(), **measured}
         if not cfg.full_step:  # the planner predicts a rollout, not a training step
             run.update(_planned(cfg, model, prompts, n, b, dtype_bytes, budget, run))
@@ -292,7 +323,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
                                  "status": "ok" if ok else rs[0]["status"]}
         for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "padding_share",
-                    "mean_completion_len", "completion_tokens", "planned_peak_bytes", "plan_error"):
+                    "mean_completion_len", "completion_tokens", "planned_peak_bytes", "plan_error",
+                    "peak_reserved_bytes", "device_used_bytes", "nvml_bytes"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
         if not ok:
@@ -360,8 +392,75 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
 
     keys = ["N", "backend", "status", "repeats", "tokens_per_s", "rollout_s", "peak_mem_bytes", "peak_mem_kind",
             "kv_bytes", "padding_share", "mean_completion_len", "completion_tokens", "speed_vs_generate",
-            "mem_vs_generate", "planned_peak_bytes", "plan_error"]
+            "mem_vs_generate", "planned_peak_bytes", "plan_error", "peak_reserved_bytes", "device_used_bytes",
+            "nvml_bytes"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(points)
+
+
+# --- the seed's GPU comparison: TRL PR #5765 beside this run ---------------------------------------------------
+
+# huggingface/trl PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens): seconds per
+# generation with generate() and with CB, and CB's VRAM minus generate()'s, in GB.
+TRL_PR_5765: dict[int, tuple[float, float, float]] = {8: (18.24, 18.16, 17.86), 32: (37.06, 29.91, 7.39),
+                                                      64: (41.12, 32.84, -16.66)}
+
+
+def trl_comparison_table(points: list[dict[str, Any]]) -> str:
+    """This run's seconds and memory next to TRL PR #5765's, per N: the seed's claim and what was measured here.
+
+    Memory deltas are CB minus generate() at the same N, in GB (1e9 bytes, as the PR's table), for three
+    counters: the allocator's peak allocated above the weights, its peak reserved (what PyTorch held from the
+    driver) and the device's used memory after the call (cudaMemGetInfo: every process and the CUDA context,
+    what nvidia-smi shows). The PR does not say which counter its VRAM column is; reserved is the closest.
+    """
+    by = {(p["backend"], p["N"]): p for p in points}
+    head = ("| N | TRL generate s | TRL CB s | TRL CB speed-up | TRL CB VRAM delta GB | generate s | CB s | "
+            "CB speed-up | CB delta allocated / reserved / device GB |")
+    rows = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ns = sorted({p["N"] for p in points} | set(TRL_PR_5765))
+    for n in ns:
+        trl = TRL_PR_5765.get(n)
+        trl_cells = (f"{trl[0]:.2f} | {trl[1]:.2f} | {trl[0] / trl[1]:.2f}x | {trl[2]:+.2f}" if trl
+                     else "— | — | — | —")
+        g, c = by.get(("generate", n)), by.get(("continuous", n))
+        if g is None or c is None:
+            rows.append(f"| {n} | {trl_cells} | not run | not run | — | — |")
+            continue
+        gs, cs = _seconds_cell(g), _seconds_cell(c)
+        ok = g["status"] == "ok" and c["status"] == "ok"
+        speed = f"{g['rollout_s'] / c['rollout_s']:.2f}x" if ok and g["rollout_s"] and c["rollout_s"] else "—"
+        deltas = " / ".join(_delta_gb(g.get(k), c.get(k)) for k in ("peak_mem_bytes", "peak_reserved_bytes",
+                                                                     "device_used_bytes"))
+        rows.append(f"| {n} | {trl_cells} | {gs} | {cs} | {speed} | {deltas} |")
+    return "\n".join(rows)
+
+
+def memory_table(points: list[dict[str, Any]]) -> str:
+    """The planner's prediction beside every memory counter measured, per point, in GiB."""
+    rows = ["| N | backend | planned peak | allocated peak | plan error | reserved peak | device used | "
+            "NVML process |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def gib(v) -> str:
+        return f"{v / 2**30:.2f}" if v is not None else "—"
+
+    for p in points:
+        err = f"{p['plan_error']:+.0%}" if p.get("plan_error") is not None else "—"
+        rows.append(f"| {p['N']} | {p['backend']} | {gib(p.get('planned_peak_bytes'))} | "
+                    f"{gib(p.get('peak_mem_bytes'))} | {err} | {gib(p.get('peak_reserved_bytes'))} | "
+                    f"{gib(p.get('device_used_bytes'))} | {gib(p.get('nvml_bytes'))} |")
+    return "\n".join(rows)
+
+
+def _seconds_cell(p: dict[str, Any]) -> str:
+    if p["status"] != "ok":
+        return p["status"].upper()
+    return f"{p['rollout_s']:.2f}" if p.get("rollout_s") is not None else "—"
+
+
+def _delta_gb(generate: float | None, continuous: float | None) -> str:
+    if generate is None or continuous is None:
+        return "—"
+    return f"{(continuous - generate) / 1e9:+.2f}"

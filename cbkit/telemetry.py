@@ -103,6 +103,19 @@ class PeakMemory:
             self.peak_bytes = self._peak_rss - self._baseline
 
 
+def cuda_peaks(device: torch.device | str) -> dict[str, int]:
+    """Right after a measured call: the allocator's peak *reserved* bytes since the call's `PeakMemory` reset the
+    peak counters (absolute, weights included: what PyTorch held from the driver), and the device's used bytes
+    now (total - free from cudaMemGetInfo: every process, the CUDA context and the allocator's cache, what
+    nvidia-smi shows). Empty on CPU. These need no NVML bindings, which a bare GPU machine may lack."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)), "device_used_bytes": int(total - free)}
+
+
 # --- NVML (per-process GPU memory, as nvidia-smi sees it) ---------------------------------------------------
 
 
