@@ -109,7 +109,15 @@ def _flag_parser(base, optional: bool):
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import PRESETS, SweepConfig, points_table, run_sweep, seed_table, write_csv
+    from cbkit.sweep import (
+        PRESETS,
+        SweepConfig,
+        points_table,
+        results_summary,
+        run_sweep,
+        seed_table,
+        write_csv,
+    )
 
     fields = dict(PRESETS[args.preset]) if args.preset else {}
     given = {
@@ -121,10 +129,13 @@ def _sweep(args: argparse.Namespace) -> int:
         "cb_config": json.loads(args.cb_config) if args.cb_config else None,
         "cpu_varlen_attention": False if args.dense_cpu_attention else None,
         "full_step": True if args.full_step else None,
+        # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
+        "lengths": args.lengths or ("natural" if args.full_step else None),
     }
     fields.update({k: v for k, v in given.items() if v is not None})
     cfg = SweepConfig(**fields)
     out = Path(args.out)
+    print(cfg.workload.describe(cfg.max_new_tokens))
     live = None
     if not args.no_live:
         from cbkit.plots import LiveChart
@@ -144,6 +155,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if live is not None:
             live.close()
     _finish_report(points, out, cfg.fingerprint())
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
@@ -162,7 +174,7 @@ def _finish_report(points, out, meta) -> None:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import aggregate, load_runs, points_table, seed_table, write_csv
+    from cbkit.sweep import aggregate, load_runs, points_table, results_summary, seed_table, write_csv
 
     out = Path(args.results)
     if not out.is_file():
@@ -171,6 +183,7 @@ def _report(args: argparse.Namespace) -> int:
     points = aggregate(load_runs(out))
     _finish_report(points, out, header.get("fingerprint", {}))
     write_csv(points, out.with_suffix(".csv"))
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
@@ -265,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-live", action="store_true", help="no live chart")
     sweep.add_argument("--full-step", action="store_true",
                        help="time a whole GRPO step (rollout + training forward/backward) through cbkit's loop")
+    sweep.add_argument("--lengths", default=None, metavar="WORKLOAD",
+                       help="how long each completion runs: replay:gsm8k (default: GSM8K solution lengths scaled "
+                            "so their p95 is --max-new-tokens, EOS ignored), fixed (all to the limit), natural "
+                            "(EOS decides; the default with --full-step), or replay:FILE (a natural sweep's JSONL "
+                            "or a list of lengths, replayed as they are)")
     sweep.add_argument("--dense-cpu-attention", action="store_true",
                        help="on CPU, run the CB engine's own dense-mask attention instead of cbkit's varlen one")
     sweep.set_defaults(func=_sweep)
