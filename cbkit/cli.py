@@ -115,6 +115,7 @@ def _sweep(args: argparse.Namespace) -> int:
         SweepConfig,
         check_preset_device,
         points_table,
+        results_summary,
         run_sweep,
         seed_table,
         write_csv,
@@ -136,11 +137,14 @@ def _sweep(args: argparse.Namespace) -> int:
         "cb_config": json.loads(args.cb_config) if args.cb_config else None,
         "cpu_varlen_attention": False if args.dense_cpu_attention else None,
         "full_step": True if args.full_step else None,
+        # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
+        "lengths": args.lengths or ("natural" if args.full_step else None),
     }
     fields.update({k: v for k, v in given.items() if v is not None})
     cfg = SweepConfig(**fields)
     out = Path(args.out)
     _random_weights_note(cfg.model)
+    print(cfg.workload.describe(cfg.max_new_tokens))
     live = None
     if not args.no_live and _has_plotly():
         from cbkit.plots import LiveChart
@@ -159,6 +163,7 @@ def _sweep(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.close()
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
@@ -216,7 +221,7 @@ def _finish_report(points, out, meta) -> None:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import aggregate, load_runs, points_table, seed_table, write_csv
+    from cbkit.sweep import aggregate, load_runs, points_table, results_summary, seed_table, write_csv
 
     out = Path(args.results)
     if not out.is_file():
@@ -224,6 +229,7 @@ def _report(args: argparse.Namespace) -> int:
     header = json.loads(out.read_text().splitlines()[0])
     points = aggregate(load_runs(out))
     write_csv(points, out.with_suffix(".csv"))
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
@@ -324,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-live", action="store_true", help="no live chart")
     sweep.add_argument("--full-step", action="store_true",
                        help="time a whole GRPO step (rollout + training forward/backward) through cbkit's loop")
+    sweep.add_argument("--lengths", default=None, metavar="WORKLOAD",
+                       help="how long each completion runs: replay:gsm8k (default: GSM8K solution lengths scaled "
+                            "so their p95 is --max-new-tokens, EOS ignored), fixed (all to the limit), natural "
+                            "(EOS decides; the default with --full-step), or replay:FILE (a natural sweep's JSONL "
+                            "or a list of lengths, replayed as they are)")
     sweep.add_argument("--dense-cpu-attention", action="store_true",
                        help="on CPU, run the CB engine's own dense-mask attention instead of cbkit's varlen one")
     sweep.set_defaults(func=_sweep)
