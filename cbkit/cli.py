@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sizes for one GPU: seed (Llama-3.2-1B's shape, random weights, no download; "
                             "scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given explicitly override it")
     sweep.add_argument("--dry-run", action="store_true",
-                       help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 16 "
+                       help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 8 "
                             "tokens): proves a GPU script end to end without a GPU")
     sweep.add_argument("--model", default=None, help="default smollm2-offline")
     sweep.add_argument("--data", default=None, help="default synthetic; gsm8k-local, gsm8k[:split], or a .jsonl")

@@ -65,7 +65,7 @@ PRESET_NEEDS = {
 }
 # `--dry-run`: the same preset at test size on CPU (same model family, same workload kind, same code path), to
 # prove the GPU script end to end where there is no GPU: CI runs it in a venv with only torch + transformers.
-DRY_RUN: dict[str, Any] = dict(model="llama-tiny-random", num_prompts=2, ns=(2, 4), max_new_tokens=16, repeats=1,
+DRY_RUN: dict[str, Any] = dict(model="llama-tiny-random", num_prompts=2, ns=(2, 4), max_new_tokens=8, repeats=1,
                                dtype="float32")
 
 

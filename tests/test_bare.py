@@ -62,7 +62,8 @@ def test_sweep_advise_report_run_bare_and_import_nothing_optional(tmp_path):
     assert "No HTML report: it needs plotly (pip install plotly)" in out.stdout
     assert (tmp_path / "s.csv").is_file() and not (tmp_path / "s.html").exists()
     # The CPU memory figure still exists without psutil (read from /proc/self/statm).
-    runs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()[1:]]
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    runs = [x for x in lines if x.get("kind") == "run"]
     assert {r["backend"] for r in runs} == {"generate", "continuous"}
     assert all(r["peak_mem_kind"] == "cpu_rss" and r["peak_mem_bytes"] is not None for r in runs)
 
