@@ -356,9 +356,11 @@ def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = to
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = random_config(name, tokenizer)
-    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+    device = torch.device(device)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # seeds this build only, never the caller's generators
         torch.manual_seed(seed)
-        with torch.device(device):
+        with device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
