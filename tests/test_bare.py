@@ -60,6 +60,8 @@ def test_sweep_advise_report_run_bare_and_import_nothing_optional(tmp_path):
     result = json.loads(out.stdout.split("RESULT ", 1)[1])
     assert result == {"codes": [0, 0, 0], "loaded": []}
     assert "No HTML report: it needs plotly (pip install plotly)" in out.stdout
+    # advise read llama-1b-random's config without building it: 16 layers x K,V x 8 heads x 64 dims x 2 bytes.
+    assert "KV cache: 32.00 KiB per token" in out.stdout
     assert (tmp_path / "s.csv").is_file() and not (tmp_path / "s.html").exists()
     # The CPU memory figure still exists without psutil (read from /proc/self/statm).
     lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
@@ -106,3 +108,31 @@ def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
     assert cli.main(["sweep", "--dry-run"]) == 2
     assert "--dry-run runs a preset" in capsys.readouterr().err
 
+
+
+def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
+    """The bare machine has no psutil: PeakMemory then reads /proc/self/statm. Both must see the same RSS
+    (to a few MiB: the process keeps running between the two reads)."""
+    psutil = pytest.importorskip("psutil")
+    import builtins
+
+    from cbkit import telemetry
+
+    real_import = builtins.__import__
+
+    def no_psutil(name, *args, **kwargs):
+        if name == "psutil":
+            raise ImportError("psutil hidden for this test")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    statm = telemetry.rss_reader()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert abs(statm() - psutil.Process().memory_info().rss) < 8 * 2**20
+    # And it measures: 200 MiB touched inside the window shows up as ~200 MiB of peak above the baseline.
+    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    with telemetry.PeakMemory("cpu") as mem:
+        block = bytearray(200 * 2**20)
+        block[:: 4096] = b"x" * len(block[:: 4096])
+    del block
+    assert 190 * 2**20 < mem.peak_bytes < 260 * 2**20
