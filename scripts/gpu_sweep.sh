@@ -24,7 +24,7 @@
 # card. An interrupted run keeps every finished rollout: rerun the same command to resume.
 #
 # Environment: OUT (results folder), PYTHON, and NS / PROMPTS / MAX_NEW_TOKENS / REPEATS / MODEL (a local
-# model directory works the same way) override the preset. Bring back the folder: it is a few kB of JSONL,
+# model directory works the same way) / DATA / DTYPE (float16 on a card without bf16) override the preset. Bring back the folder: it is a few kB of JSONL,
 # CSV and logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +48,8 @@ start=$(date +%s)
 sweep() {
   "$PYTHON" -m cbkit.cli sweep --preset seed "${dry[@]}" --no-live --out "$OUT/sweep.jsonl" \
     ${PROMPTS:+--prompts "$PROMPTS"} ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} \
-    ${REPEATS:+--repeats "$REPEATS"} ${MODEL:+--model "$MODEL"} "$@" 2>&1 | tee -a "$OUT/sweep.log"
+    ${REPEATS:+--repeats "$REPEATS"} ${MODEL:+--model "$MODEL"} ${DATA:+--data "$DATA"} ${DTYPE:+--dtype "$DTYPE"} \
+    "$@" 2>&1 | tee -a "$OUT/sweep.log"
 }
 
 sweep ${NS:+--ns "$NS"}
