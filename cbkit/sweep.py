@@ -69,10 +69,21 @@ DRY_RUN: dict[str, Any] = dict(model="llama-tiny-random", num_prompts=2, ns=(2, 
                                dtype="float32")
 
 
-def check_preset_device(preset: str, *, dry_run: bool = False) -> None:
+def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None = None) -> None:
     """A GPU preset on a machine without CUDA fails here, naming the preset and what it needs, before
-    anything is loaded; a dry run is the way to try it without one."""
-    if dry_run or torch.cuda.is_available():
+    anything is loaded; a dry run is the way to try it without one. So does a bf16 preset on a GPU that only
+    emulates bf16 (a T4), where the timing would measure the emulation."""
+    from cbkit.models import native_bf16
+
+    if dry_run:
+        return
+    if torch.cuda.is_available():
+        if (dtype or PRESETS[preset].get("dtype")) in ("bfloat16", "bf16") and not native_bf16():
+            major, minor = torch.cuda.get_device_capability()
+            raise ValueError(
+                f"--preset {preset} runs in bfloat16, which {torch.cuda.get_device_name()} (compute capability "
+                f"{major}.{minor}) only emulates; add --dtype float16 (DTYPE=float16 for scripts/gpu_sweep.sh)."
+            )
         return
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     raise ValueError(

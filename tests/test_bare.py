@@ -107,6 +107,15 @@ def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
     assert "--dry-run" in err
     assert cli.main(["sweep", "--dry-run"]) == 2
     assert "--dry-run runs a preset" in capsys.readouterr().err
+    # A T4 (7.5) has CUDA but only emulates bf16: the bf16 preset says to use float16; float16 passes the check.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "Tesla T4")
+    assert cli.main(["sweep", "--preset", "seed", "--out", "/nonexistent/never-written.jsonl"]) == 2
+    assert "Tesla T4 (compute capability 7.5) only emulates; add --dtype float16" in capsys.readouterr().err
+    from cbkit.sweep import check_preset_device
+
+    check_preset_device("seed", dtype="float16")
 
 
 
@@ -136,3 +145,31 @@ def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
         block[:: 4096] = b"x" * len(block[:: 4096])
     del block
     assert 190 * 2**20 < mem.peak_bytes < 260 * 2**20
+
+
+def test_gpu_tables_from_hand_made_runs():
+    """aggregate keeps the reserved, device and NVML counters (median over repeats), and the TRL table puts
+    this run's seconds and CB-minus-generate deltas beside the PR's. Hand-made runs, numbers worked by hand."""
+    from cbkit.sweep import aggregate, memory_table, trl_comparison_table
+
+    gib = 2**30
+
+    def run(backend, rep, seconds, alloc, reserved, device, nvml):
+        return {"kind": "run", "backend": backend, "N": 32, "repeat": rep, "status": "ok", "rollout_s": seconds,
+                "tokens_per_s": 1000 / seconds, "peak_mem_bytes": alloc, "peak_reserved_bytes": reserved,
+                "device_used_bytes": device, "nvml_bytes": nvml, "planned_peak_bytes": 2 * gib, "plan_error": 0.5}
+
+    runs = [run("generate", 0, 40.0, 3 * gib, 10e9, 12e9, None), run("generate", 1, 44.0, 3 * gib, 11e9, 13e9, None),
+            run("generate", 2, 90.0, 3 * gib, 12e9, 14e9, None),
+            run("continuous", 0, 30.0, 2 * gib, 20e9, 21e9, 22e9), run("continuous", 1, 33.0, 2 * gib, 20e9, 21e9, 22e9)]
+    points = aggregate(runs)
+    g = next(p for p in points if p["backend"] == "generate")
+    c = next(p for p in points if p["backend"] == "continuous")
+    assert (g["rollout_s"], g["peak_reserved_bytes"], g["device_used_bytes"], g["nvml_bytes"]) == (44.0, 11e9, 13e9, None)
+    assert (c["rollout_s"], c["nvml_bytes"]) == (31.5, 22e9)
+    row = next(r for r in trl_comparison_table(points).splitlines() if r.startswith("| 32 |"))
+    # TRL: 37.06 / 29.91 = 1.24x, +7.39 GB. Here: 44.0 / 31.5 = 1.40x; CB minus generate:
+    # allocated (2 - 3) GiB = -1.07 GB, reserved 20 - 11 = +9.00 GB, device 21 - 13 = +8.00 GB.
+    assert row == "| 32 | 37.06 | 29.91 | 1.24x | +7.39 | 44.00 | 31.50 | 1.40x | -1.07 / +9.00 / +8.00 |"
+    mem = next(r for r in memory_table(points).splitlines() if r.startswith("| 32 | continuous"))
+    assert mem == "| 32 | continuous | 2.00 | 2.00 | +50% | 18.63 | 19.56 | 20.49 |"
