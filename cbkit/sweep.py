@@ -156,8 +156,8 @@ class SweepConfig:
         w = self._workload
         digest = (hashlib.sha256(json.dumps(w.source_lengths).encode()).hexdigest()[:16]
                   if w.kind == "replay" else None)
-        return {**keep, "lengths_digest": digest, "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-                "cbkit": cbkit.__version__}
+        return {**keep, "lengths_digest": digest, "device": device, "torch": torch.__version__,
+                "transformers": transformers.__version__, "cbkit": cbkit.__version__}
 
 
 class ResultsFile:
@@ -356,7 +356,7 @@ def run_sweep(
                        mfu=mfu(params, measured["completion_tokens"], seconds, probe["peak_flops"])
                        if not cfg.full_step else None)
         if not cfg.full_step:  # the planner predicts a rollout, not a training step
-            run.update(_planned(cfg, model, prompts, n, b, dtype_bytes, budget, run))
+            run.update(_planned(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets))
         results.add(run)
         if on_point is not None:
             on_point(run)
@@ -394,7 +394,7 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
             while True:
                 torch.mm(a, b)
                 calls += 1
-                if calls % 4 == 0:
+                if device.type != "cuda" or calls % 4 == 0:  # on CUDA, not a sync per small kernel
                     sync()
                     elapsed = time.perf_counter() - start
                     if elapsed >= min_seconds:
@@ -424,14 +424,22 @@ def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops
     return 2 * params * completion_tokens / seconds / peak_flops
 
 
-def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run) -> dict[str, Any]:
-    """The planner's prediction for this point, and its error against what was measured."""
+def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
+    """The planner's prediction for this point, and its error against what was measured. With replayed
+    targets the static batch runs to the longest one, and on CPU the continuous backend sizes its pool from
+    the per-request targets: the planner is given both, so it predicts the run that happened."""
     from cbkit.advise import plan
+    from cbkit.rollout.continuous import _page_size, workload_blocks
 
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
+    device = model.device.type if model.device.type == "cuda" else "cpu"
+    cb_config = dict(cfg.cb_config)
+    if targets and device == "cpu" and "num_blocks" not in cb_config:
+        rows = [x for x in prompts for _ in range(n)]
+        cb_config["num_blocks"] = workload_blocks(rows, targets, _page_size(cb_config))
     p = plan(model.config, num_prompts=len(prompts), num_generations=n, prompt_len=[len(x) for x in prompts],
-             max_new_tokens=cfg.max_new_tokens, dtype_bytes=dtype_bytes, budget_bytes=budget,
-             cb_config=cfg.cb_config, device=model.device.type if model.device.type == "cuda" else "cpu",
+             max_new_tokens=max(targets) if targets else cfg.max_new_tokens, dtype_bytes=dtype_bytes,
+             budget_bytes=budget, cb_config=cb_config, device=device,
              attn_implementation="flash" if "flash" in impl else "sdpa")
     planned = p.generate.peak_bytes if backend == "generate" else p.continuous.peak_bytes
     measured = run.get("peak_mem_bytes")

@@ -24,7 +24,8 @@
 # card. An interrupted run keeps every finished rollout: rerun the same command to resume.
 #
 # Environment: OUT (results folder), PYTHON, and NS / PROMPTS / MAX_NEW_TOKENS / REPEATS / MODEL (a local
-# model directory works the same way) / DATA / DTYPE (float16 on a card without bf16) override the preset. Bring back the folder: it is a few kB of JSONL,
+# model directory works the same way) / DATA / DTYPE (float16 on a card without bf16) / LENGTHS (the length
+# workload: natural, fixed or replay:FILE; see the README's `--lengths`) override the preset. Bring back the folder: it is a few kB of JSONL,
 # CSV and logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ sweep() {
   "$PYTHON" -m cbkit.cli sweep --preset seed "${dry[@]}" --no-live --out "$OUT/sweep.jsonl" \
     ${PROMPTS:+--prompts "$PROMPTS"} ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} \
     ${REPEATS:+--repeats "$REPEATS"} ${MODEL:+--model "$MODEL"} ${DATA:+--data "$DATA"} ${DTYPE:+--dtype "$DTYPE"} \
-    "$@" 2>&1 | tee -a "$OUT/sweep.log"
+    ${LENGTHS:+--lengths "$LENGTHS"} "$@" 2>&1 | tee -a "$OUT/sweep.log"
 }
 
 sweep ${NS:+--ns "$NS"}

@@ -280,3 +280,27 @@ def test_target_lengths_on_smollm2(smollm2, backend):
     assert [len(c.completion_ids) for c in r.completions] == targets
     assert all(c.finish_reason == "length" for c in r.completions)
     assert max_logprob_diff(smollm2.model, r, sp) < 1e-3  # fp32 CPU, as tests/test_real_model.py
+
+
+def test_targets_leave_a_persistent_engine_as_it_was(tiny, prompts):
+    """EOS is disabled per request, not in the engine: the next call on a kept engine stops at EOS again."""
+    free = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12, eos_token_id=-1)
+    ref = GenerateBackend(tiny.model).generate(prompts[:1], 1, free).completions[0].completion_ids
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12, eos_token_id=ref[2])
+    b = ContinuousBackend(tiny.model, persistent=True)
+    try:
+        (c,) = b.generate(prompts[:1], 1, sp, target_lengths=[10]).completions
+        assert c.completion_ids == ref[:10]
+        (c,) = b.generate(prompts[:1], 1, sp).completions
+        assert c.finish_reason == "eos" and c.completion_ids == ref[:3]
+    finally:
+        b.close()
+
+
+def test_targets_with_prefix_sharing_stay_with_their_rows(tiny, prompts):
+    """With block sharing the engine's submission order is sorted by prompt; results still come back per row."""
+    targets = [2, 9, 4, 13, 6, 1]
+    r = ContinuousBackend(tiny.model, {"allow_block_sharing": True}).generate(
+        prompts, 2, _sampling(tiny.tokenizer), target_lengths=targets)
+    assert [len(c.completion_ids) for c in r.completions] == targets
+    assert [list(c.prompt_ids) for c in r.completions] == [p for p in prompts for _ in range(2)]

@@ -173,6 +173,9 @@ def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny
         # the static batch runs every row to the longest: its padding, from the recorded lengths
         assert r["static_padding_share"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
         assert r["completion_tokens"] == sum(lengths)
+        if r["backend"] == "continuous":
+            # the CPU pool follows the targets: the engine's own block count, next to the per-row sizing
+            assert r["engine_config"]["num_blocks"] == _blocks(tiny, lengths, r["N"], r["engine_config"]["page_size"])
     by_point = {}
     for r in runs:
         by_point.setdefault((r["N"], r["repeat"]), []).append(r["completion_lengths"])
@@ -181,6 +184,19 @@ def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny
     table = sweep.points_table(points)
     assert "len" in table and "MFU" in table
     assert "of decode slots" in seed_table(points)
+
+
+def _blocks(tiny, lengths, n, page):
+    """Blocks the planner predicts for the run's prompts at these per-row lengths (sector-rounded as the engine)."""
+    from cbkit.advise import plan
+    from cbkit.data import chat_prompt_ids, load_problems
+
+    prompts = [chat_prompt_ids(tiny.tokenizer, p) for p in load_problems("synthetic", n=2, seed=0)]
+    rows = [x for x in prompts for _ in range(n)]
+    need = sum(-(-(len(r) + t) // page) for r, t in zip(rows, lengths, strict=True)) + 1
+    p = plan(tiny.model.config, num_prompts=2, num_generations=n, prompt_len=[len(x) for x in prompts],
+             max_new_tokens=max(lengths), dtype_bytes=4, device="cpu", cb_config={"num_blocks": need})
+    return p.continuous.num_blocks
 
 
 def test_mfu_is_computed_from_the_recorded_numbers(tiny, tmp_path):
