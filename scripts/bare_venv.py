@@ -11,6 +11,9 @@ venv and symlinks into it exactly the distributions pip would install: torch, tr
 of their requirements read from their own metadata (no extras), each with its .dist-info, so `pip list`
 in the new venv shows those and only those. Anything else imported there fails with ModuleNotFoundError,
 which is what the tests rely on. cbkit is then installed with `pip install --no-deps -e .`, as a user would.
+Never pip-install, upgrade or uninstall anything else in a linked venv: its packages are the source venv's
+files, and pip would change them there (`make test-bare` deletes and rebuilds it each time; rm -rf removes
+the links, not what they point to).
 """
 
 from __future__ import annotations
