@@ -405,14 +405,15 @@ def _plan_continuous(
 ) -> tuple[ContinuousPlan, list[str]]:
     import torch
 
-    from cbkit.rollout.continuous import make_cb_config
+    from cbkit.rollout.continuous import make_cb_config, page_size
 
     notes: list[str] = []
     requests = len(lens) * n
-    # What cbkit's continuous backend hands the engine, built by the same function.
-    page = int(overrides.get("page_size", overrides.get("block_size", _default_page_size())))
-    workload = n * sum(-(-(p + max_new) // page) for p in lens) + 1  # cbkit.rollout.continuous.workload_blocks
-    cfg = make_cb_config(overrides, device=torch.device(device), workload_blocks=workload)
+    # What cbkit's continuous backend hands the engine, built by the same function (prompt contents do not
+    # matter to the sizing, only their lengths).
+    rows = [[0] * p for p in lens for _ in range(n)]
+    cfg = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new, warn=False)
+    page = page_size(cfg)
 
     # resolve_using_hints / resolve_without_hints / ensure_decode_fast_path_is_available (initialization.py)
     flash = attn == "flash"
@@ -453,7 +454,7 @@ def _plan_continuous(
 
     if cfg.num_blocks is not None:
         sectors = max(1, math.ceil(cfg.num_blocks * block / sector))
-        sized_by = "workload" if cfg.num_blocks == workload and "num_blocks" not in overrides else "num_blocks"
+        sized_by = "num_blocks" if "num_blocks" in overrides else "workload"
     else:
         if budget is None:
             raise ValueError(
@@ -501,13 +502,6 @@ def _plan_continuous(
 def _hinted_blocks_per_request(max_len: int, page: int) -> int:
     blocks = math.ceil(max_len / page) + 1
     return blocks + blocks % 2
-
-
-def _default_page_size() -> int:
-    from transformers import ContinuousBatchingConfig
-
-    default = ContinuousBatchingConfig()
-    return int(getattr(default, "page_size", getattr(default, "block_size", 256)))
 
 
 def _prompt_lens(prompt_len: int | Sequence[int], num_prompts: int) -> list[int]:

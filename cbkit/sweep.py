@@ -426,17 +426,20 @@ def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops
 
 def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
     """The planner's prediction for this point, and its error against what was measured. With replayed
-    targets the static batch runs to the longest one, and on CPU the continuous backend sizes its pool from
-    the per-request targets: the planner is given both, so it predicts the run that happened."""
+    targets the static batch runs to the longest one; the continuous backend's pool is sized from the
+    generation limit as always (it cannot know the lengths in advance), which the planner does by itself."""
     from cbkit.advise import plan
-    from cbkit.rollout.continuous import _page_size, workload_blocks
 
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
     device = model.device.type if model.device.type == "cuda" else "cpu"
     cb_config = dict(cfg.cb_config)
     if targets and device == "cpu" and "num_blocks" not in cb_config:
+        from cbkit.rollout.continuous import make_cb_config
+
         rows = [x for x in prompts for _ in range(n)]
-        cb_config["num_blocks"] = workload_blocks(rows, targets, _page_size(cb_config))
+        resolved = make_cb_config(cb_config, device=model.device, rows=rows, max_new_tokens=cfg.max_new_tokens,
+                                  warn=False)
+        cb_config["num_blocks"] = resolved.num_blocks
     p = plan(model.config, num_prompts=len(prompts), num_generations=n, prompt_len=[len(x) for x in prompts],
              max_new_tokens=max(targets) if targets else cfg.max_new_tokens, dtype_bytes=dtype_bytes,
              budget_bytes=budget, cb_config=cb_config, device=device,

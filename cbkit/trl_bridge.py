@@ -104,7 +104,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from cbkit.models import native_bf16
 from cbkit.rollout.base import cut_at_eos
-from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config, workload_blocks
+from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config
 
 # cbkit field -> TRL field. Everything not listed keeps its name (see _SAME_NAME).
 _RENAMED: dict[str, str] = {
@@ -532,7 +532,8 @@ class CBLogprobGRPOTrainer(GRPOTrainer):
             overrides,
             seed=seed % (2**31 - 1),
             device=device,
-            workload_blocks=workload_blocks(rows, self.max_completion_length, _page_size(overrides)),
+            rows=rows,
+            max_new_tokens=self.max_completion_length,
         )
 
 
@@ -555,17 +556,6 @@ def _plain_forward(model):
         yield
     finally:
         model.forward = wrapped
-
-
-def _page_size(overrides: Mapping[str, Any]) -> int:
-    """Tokens per KV page: the user's, else the engine's default (`block_size` before transformers 5.17)."""
-    from transformers import ContinuousBatchingConfig
-
-    for key in ("page_size", "block_size"):
-        if overrides.get(key):
-            return int(overrides[key])
-    default = ContinuousBatchingConfig()
-    return int(getattr(default, "page_size", None) or getattr(default, "block_size", None) or 256)
 
 
 class CBRLOOTrainer(RLOOTrainer):

@@ -163,20 +163,27 @@ def test_rollout_validate_names_the_field():
 
 
 def test_cpu_pool_sizing_respects_only_real_choices():
-    from cbkit.rollout.continuous import make_cb_config
+    from cbkit.rollout.continuous import CPU_PAGE_SIZE, make_cb_config
 
+    # 3 rows of 5 prompt tokens, limit 40: with 32-token pages each needs ceil(45 / 32) = 2 blocks, + 1 trash block
+    assert CPU_PAGE_SIZE == 32
+    work = dict(device="cpu", rows=[[1] * 5] * 3, max_new_tokens=40)
     # cbkit's own default max_memory_percent (as a merged config carries it) still gets the workload-sized pool
-    assert make_cb_config({"max_memory_percent": 0.5}, device="cpu", workload_blocks=7).num_blocks == 7
-    assert make_cb_config({}, device="cpu", workload_blocks=7).num_blocks == 7
+    assert make_cb_config({"max_memory_percent": 0.5}, **work).num_blocks == 7
+    assert make_cb_config({}, **work).num_blocks == 7
+    # a page size the user chose is kept, and the pool follows it: ceil(45 / 16) = 3 blocks a row
+    cfg = make_cb_config({"page_size": 16}, **work)
+    assert (cfg.page_size, cfg.num_blocks) == (16, 10)
     # another fraction is a share of *GPU* memory: on CPU it would be host RAM, so it is ignored, with a warning
     with pytest.warns(UserWarning, match="max_memory_percent=0.3 is a share of free GPU memory"):
-        assert make_cb_config({"max_memory_percent": 0.3}, device="cpu", workload_blocks=7).num_blocks == 7
+        assert make_cb_config({"max_memory_percent": 0.3}, **work).num_blocks == 7
     # explicit blocks are the user's choice; num_blocks=None hands the sizing back to the engine
-    assert make_cb_config({"num_blocks": 3}, device="cpu", workload_blocks=7).num_blocks == 3
-    cfg = make_cb_config({"max_memory_percent": 0.3, "num_blocks": None}, device="cpu", workload_blocks=7)
+    assert make_cb_config({"num_blocks": 3}, **work).num_blocks == 3
+    cfg = make_cb_config({"max_memory_percent": 0.3, "num_blocks": None}, **work)
     assert cfg.num_blocks is None and cfg.max_memory_percent == 0.3
-    # on a GPU the fraction is what it says
-    assert make_cb_config({"max_memory_percent": 0.3}, device="cuda", workload_blocks=7).num_blocks is None
+    # on a GPU the fraction is what it says, and the engine's own page size stays
+    cfg = make_cb_config({"max_memory_percent": 0.3}, **{**work, "device": "cuda"})
+    assert cfg.num_blocks is None and cfg.page_size == 256
 
 
 def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
@@ -236,7 +243,8 @@ def test_target_lengths_ignore_eos(tiny, prompts, backend):
     assert c.completion_ids == ref[:12] and eos in c.completion_ids[:-1] and c.finish_reason == "length"
 
 
-def test_cb_pool_follows_the_targets(tiny):
+def test_cb_pool_is_sized_by_the_limit_not_the_targets(tiny):
+    """A replayed length stands in for an EOS the engine cannot foresee: the pool is the same as without it."""
     from cbkit.rollout.continuous import workload_blocks
 
     # page 16: prompt 5 + target 3 -> 1 block, 5 + 20 -> 2 blocks, 5 + 40 -> 3 blocks; plus the trash block
@@ -245,8 +253,8 @@ def test_cb_pool_follows_the_targets(tiny):
     sp = _sampling(tiny.tokenizer, max_new_tokens=40)
     prompt = [[65] * 5]
     short = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp, target_lengths=[3, 3, 3])
-    full = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp, target_lengths=[40, 40, 40])
-    assert short.engine_config["num_blocks"] < full.engine_config["num_blocks"]
+    natural = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp)
+    assert short.engine_config["num_blocks"] == natural.engine_config["num_blocks"] == 3 * 3 + 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -37,6 +37,12 @@ from cbkit.telemetry import PeakMemory
 # use_cuda_graph: graphs are captured per shape and re-captured as shapes drift; with weights changing
 # every step and short runs, capture time is rarely paid back.
 CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
+# Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A
+# page is the unit a request allocates and the unit a group's prompt is shared in, so with the engine's 256 a
+# 137-token GSM8K prompt is never shared and every request holds a 256-token page from its first token.
+# Measured (SmolLM2, 1 prompt x 64, 32 new tokens, pool sized as below; runs/prof/pool.py in the engine work):
+# peak RSS 1538 MiB with 256-token pages, 922 MiB with 32.
+CPU_PAGE_SIZE = 32
 
 
 def cb_config_keys() -> list[str]:
@@ -50,15 +56,17 @@ def make_cb_config(
     *,
     seed: int | None = None,
     device: torch.device | None = None,
-    workload_blocks: int | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
+    max_new_tokens: int | None = None,
     warn: bool = True,
 ):
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
     On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
     a 24 GB machine, most of the call's time spent zeroing it). There cbkit sizes the pool to the workload
-    instead: `workload_blocks`, enough blocks for every request to run at full length at once, unless the
-    user set `num_blocks`. `max_memory_percent` means a share of free *GPU* memory wherever it is written
+    instead: enough blocks for every request (`rows`) to run to `max_new_tokens` at once -- the generation
+    limit, never a replayed length, which a real engine cannot know in advance -- unless the user set
+    `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size: see that constant. `max_memory_percent` means a share of free *GPU* memory wherever it is written
     (TRL, the seed); honouring it on a CPU turned a copied 0.4 into a 5.3 GiB pool for 8 sequences and a
     rollout 4x slower than generate() (notebook 04), so on CPU it is ignored with a warning.
     `{"num_blocks": None}` lets the engine size the pool from memory anyway.
@@ -85,18 +93,22 @@ def make_cb_config(
             f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
         )
     cpu = device is not None and torch.device(device).type == "cpu"
+    key = _page_key()
+    if cpu and "page_size" not in overrides and "block_size" not in overrides:
+        values[key] = CPU_PAGE_SIZE
     mmp_default = CB_DEFAULTS["max_memory_percent"]
-    if cpu and workload_blocks and "num_blocks" not in overrides:
+    workload = workload_blocks(rows, max_new_tokens, page_size(values)) if rows and max_new_tokens else None
+    if cpu and workload and "num_blocks" not in overrides:
         # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
         if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
             warnings.warn(
                 f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
                 f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
-                f"({workload_blocks} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
+                f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
                 "to let the engine size it from max_memory_percent.",
                 UserWarning, stacklevel=3,
             )
-        values["num_blocks"] = workload_blocks
+        values["num_blocks"] = workload
     if seed is not None and "seed" not in overrides:
         values["seed"] = seed
     return ContinuousBatchingConfig(**values)
@@ -152,7 +164,8 @@ class ContinuousBackend:
             self.cb_overrides,
             seed=sampling.seed,
             device=self.model.device,
-            workload_blocks=workload_blocks(rows, targets or sampling.max_new_tokens, _page_size(self.cb_overrides)),
+            rows=rows,
+            max_new_tokens=sampling.max_new_tokens,
             warn=not self._warned_pool,
         )
         self._warned_pool = True
@@ -272,14 +285,23 @@ def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int | Sequenc
     return sum(-(-(len(r) + m) // page_size) for r, m in zip(rows, limits, strict=True)) + 1
 
 
-def _page_size(overrides: Mapping[str, Any]) -> int:
+def _page_key() -> str:
     from transformers import ContinuousBatchingConfig
 
-    for key in ("page_size", "block_size"):  # block_size before transformers 5.17
-        if key in overrides:
-            return int(overrides[key])
-    default = ContinuousBatchingConfig()
-    return int(getattr(default, "page_size", getattr(default, "block_size", 256)))
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    return "page_size" if "page_size" in names else "block_size"  # block_size before transformers 5.17
+
+
+def page_size(config) -> int:
+    """Tokens per KV page of a resolved ContinuousBatchingConfig or a dict of engine keys (the engine's default
+    where none is set). The one page-size lookup: the backend, the planner and the TRL bridge call it."""
+    from transformers import ContinuousBatchingConfig
+
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+    for key in ("page_size", "block_size"):
+        if get(key):
+            return int(get(key))
+    return int(getattr(ContinuousBatchingConfig(), _page_key()))
 
 
 def _timeline(outputs, completions, resolved: dict, t0: float) -> dict[str, Any]:
