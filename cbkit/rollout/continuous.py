@@ -40,7 +40,7 @@ CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": Fals
 # Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A
 # page is the unit a request allocates and the unit a group's prompt is shared in, so with the engine's 256 a
 # 137-token GSM8K prompt is never shared and every request holds a 256-token page from its first token.
-# Measured (SmolLM2, 1 prompt x 64, 32 new tokens, pool sized as below; runs/prof/pool.py in the engine work):
+# Measured (SmolLM2, 1 GSM8K prompt x 64, 32 new tokens, pool sized as below; scripts/cpu_page_probe.py 64 32):
 # peak RSS 1538 MiB with 256-token pages, 922 MiB with 32.
 CPU_PAGE_SIZE = 32
 
