@@ -135,7 +135,7 @@ def _sweep(args: argparse.Namespace) -> int:
         "ns": _int_list(args.ns, "--ns") if args.ns else None,
         "backends": tuple(b.strip() for b in args.backends.split(",")) if args.backends else None,
         "cb_config": json.loads(args.cb_config) if args.cb_config else None,
-        "cpu_varlen_attention": False if args.dense_cpu_attention else None,
+        "cpu_attention": args.cpu_attention,
         "full_step": True if args.full_step else None,
         # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
         "lengths": args.lengths or ("natural" if args.full_step else None),
@@ -337,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "so their p95 is --max-new-tokens, EOS ignored), fixed (all to the limit), natural "
                             "(EOS decides; the default with --full-step), or replay:FILE (a natural sweep's JSONL "
                             "or a list of lengths, replayed as they are)")
-    sweep.add_argument("--dense-cpu-attention", action="store_true",
-                       help="on CPU, run the CB engine's own dense-mask attention instead of cbkit's varlen one")
+    sweep.add_argument("--cpu-attention", choices=("batched", "per_sequence", "engine"),
+                       help="the CB engine's attention on CPU: batched (default: decoding sequences in one call), "
+                            "per_sequence (one call per sequence, cbkit's earlier default) or engine (its own "
+                            "dense block-diagonal mask, quadratic in the batch)")
     sweep.set_defaults(func=_sweep)
 
     report = sub.add_parser("report", help="table, CSV and plotly HTML from a sweep results file")

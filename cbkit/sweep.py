@@ -108,8 +108,9 @@ class SweepConfig:
     seed: int = 0
     dtype: str | None = None
     cb_config: dict[str, Any] = field(default_factory=dict)
-    # False runs the engine's own dense-mask attention on CPU: the "before" of cbkit's CPU tuning.
-    cpu_varlen_attention: bool = True
+    # The CB engine's attention on CPU: "batched" (cbkit's default), "per_sequence" (cbkit's loop before the
+    # decode batching) or "engine" (its own dense-mask SDPA): the "befores" of the CPU tuning, side by side.
+    cpu_attention: str = "batched"
     # Time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) instead of the rollout
     # alone, through cbkit.grpo; the weights are restored after every step so each point starts the same.
     full_step: bool = False
@@ -118,6 +119,10 @@ class SweepConfig:
     lengths: str = "replay:gsm8k"
 
     def __post_init__(self) -> None:
+        from cbkit.rollout.cpu_attention import CPU_ATTENTION
+
+        if self.cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {self.cpu_attention!r}.")
         self.ns = tuple(self.ns)
         self.backends = tuple(self.backends)
         if not self.ns or any(not isinstance(n, int) or n < 1 for n in self.ns):
@@ -334,7 +339,7 @@ def run_sweep(
                       **probe})
     params = matmul_params(model)
     backends = {b: make_backend(b, model, cb_config=cfg.cb_config, pad_token_id=tok.pad_token_id,
-                                cpu_varlen_attention=cfg.cpu_varlen_attention) for b in cfg.backends}
+                                cpu_attention=cfg.cpu_attention) for b in cfg.backends}
     warm = dataclasses.replace(sampling, max_new_tokens=min(8, cfg.max_new_tokens))
     for b in backends.values():  # first calls pay one-off costs (allocator, kernels); not what we compare
         b.generate(prompts[:1], 1, warm)

@@ -98,7 +98,7 @@ def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max
     if budget is not None:
         _patch_free_memory(monkeypatch, budget)
     prompts = [[65 + i % 7] * length for i, length in enumerate(prompt_lens)]
-    rollout = ContinuousBackend(tiny.model, cb_config, cpu_varlen_attention=varlen).generate(
+    rollout = ContinuousBackend(tiny.model, cb_config, cpu_attention="batched" if varlen else "engine").generate(
         prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
     # cbkit's CPU varlen attention is a flash-style path to the engine: no dense mask to pay for
     p = plan(tiny.model.config, num_prompts=len(prompts), num_generations=n, prompt_len=prompt_lens,

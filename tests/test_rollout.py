@@ -189,7 +189,7 @@ def test_cpu_pool_sizing_respects_only_real_choices():
 def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
     """cbkit's per-sequence attention (the CPU default) gives the engine's own results, restores the model."""
     sp = _sampling(tiny.tokenizer, temperature=0.8, top_k=30, max_new_tokens=20)
-    dense = ContinuousBackend(tiny.model, cpu_varlen_attention=False).generate(prompts, 2, sp)
+    dense = ContinuousBackend(tiny.model, cpu_attention="engine").generate(prompts, 2, sp)
     varlen = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
     assert varlen.engine_config["attn_implementation"] == "cbkit_flash_varlen_cpu"
     assert dense.engine_config["attn_implementation"] == "sdpa"

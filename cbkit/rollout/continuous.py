@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
-from cbkit.rollout.cpu_attention import varlen_attention_for_engine
+from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine
 from cbkit.telemetry import PeakMemory
 
 # cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
@@ -124,12 +124,14 @@ class ContinuousBackend:
         *,
         record_timestamps: bool = False,
         persistent: bool = False,
-        cpu_varlen_attention: bool = True,
+        cpu_attention: str = "batched",
     ) -> None:
         self.model = model
-        # On CPU, run the engine with per-sequence attention instead of its dense block-diagonal mask, whose
+        # On CPU, run the engine with cbkit's varlen attention instead of its dense block-diagonal mask, whose
         # cost grows with the square of the batch (cbkit/rollout/cpu_attention.py says why and by how much).
-        self.cpu_varlen_attention = cpu_varlen_attention
+        if cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {cpu_attention!r}.")
+        self.cpu_attention = cpu_attention
         self.cb_overrides = dict(cb_config or {})
         self.record_timestamps = record_timestamps  # per-token clocks for the engine timeline
         # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of
@@ -177,10 +179,10 @@ class ContinuousBackend:
                 self.close()
             self._engine_key = key
 
-        varlen = self.cpu_varlen_attention and self.model.device.type == "cpu"
+        varlen = self.cpu_attention != "engine" and self.model.device.type == "cpu"
         if varlen and "max_blocks_per_request" not in self.cb_overrides:
             cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
-        attention = varlen_attention_for_engine(self.model) if varlen else contextlib.nullcontext()
+        attention = varlen_attention_for_engine(self.model, self.cpu_attention) if varlen else contextlib.nullcontext()
 
         with PeakMemory(self.model.device) as mem, attention:
             start = time.perf_counter()

@@ -138,20 +138,29 @@ def _batched_decode(query, key, value, plan: _DecodePlan, scaling) -> torch.Tens
     return o.reshape(plan.rows, heads, dim).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
 
 
-def register() -> str:
+# What `ContinuousBackend(cpu_attention=...)` and `cbkit sweep --cpu-attention` choose from on CPU; "engine" is
+# the engine's own dense-mask SDPA (the first "before"), "per_sequence" the loop cbkit ran until the decode
+# batching (the second "before").
+CPU_ATTENTION = ("batched", "per_sequence", "engine")
+
+
+def register(kind: str = "batched") -> str:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, varlen_attention)
+    # Looked up at call time through the module, so a test can swap the function in.
+    fn = {"batched": lambda *a, **k: varlen_attention(*a, **k),
+          "per_sequence": lambda *a, **k: per_sequence_attention(*a, **k)}[kind]
+    AttentionInterface.register(NAME, fn)
     return NAME
 
 
 @contextlib.contextmanager
-def varlen_attention_for_engine(model):
-    """Run the CB engine with per-sequence attention; the model's own implementation is restored after."""
+def varlen_attention_for_engine(model, kind: str = "batched"):
+    """Run the CB engine with cbkit's varlen attention; the model's own implementation is restored after."""
     original = model.config._attn_implementation
     # Set on the config directly: `set_attn_implementation` would take the "flash" in the name as a request
     # to import a flash-attn kernel. The attention layers look the function up by this name at every call.
-    model.config._attn_implementation = register()
+    model.config._attn_implementation = register(kind)
     try:
         yield
     finally:
