@@ -62,7 +62,7 @@ class CBGRPOConfig:
     top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
     reward_funcs: list[str] = _help("Reward functions by name (cbkit.rewards: 'correctness', 'format'). "
-                                    "train(reward_funcs=...) takes callables instead.",
+                                    "GRPOTrainer(reward_funcs=...) takes callables instead.",
                                     default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
                                                "cbkit.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
@@ -273,6 +273,3 @@ class CBGRPOConfig:
     @classmethod
     def help(cls) -> str:
         return "\n".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(cls))
-
-
-Config = CBGRPOConfig

@@ -446,22 +446,6 @@ class GRPOTrainer:
             )
 
 
-def train(
-    config: CBGRPOConfig,
-    policy: Any = None,
-    backend: RolloutBackend | None = None,
-    reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
-    hooks: Sequence[StepHooks] = (),
-    problems: Sequence[Problem] | None = None,
-    resume_from: str | Path | bool | None = None,
-) -> GRPOTrainer:
-    """Build a `GRPOTrainer` and run it; returns the trainer (model, optimizer and state inside)."""
-    trainer = GRPOTrainer(config, policy=policy, backend=backend, reward_funcs=reward_funcs, hooks=hooks,
-                          problems=problems)
-    trainer.train(resume_from=resume_from)
-    return trainer
-
-
 class PromptOrder:
     """Which problem comes at each position: a seeded shuffle per epoch, so a position alone decides it."""
 

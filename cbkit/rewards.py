@@ -208,7 +208,7 @@ def resolve_rewards(
                 if fn not in DEFAULT_REWARDS:
                     unknown = [n for n in reward_funcs if isinstance(n, str) and n not in DEFAULT_REWARDS]
                     raise ValueError(f"Unknown reward function(s) {unknown}; built-in: {sorted(DEFAULT_REWARDS)}. "
-                                     "Pass your own callables with train(reward_funcs=...).")
+                                     "Pass your own callables with GRPOTrainer(reward_funcs=...).")
                 name, fn = fn, DEFAULT_REWARDS[fn]
                 builtin.add(name)
             else:
