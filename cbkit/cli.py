@@ -34,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         backends=tuple(args.backends.split(",")),
-        cb_config=json.loads(args.cb_config) if args.cb_config else None,
+        cb_config=args.cb_config,
         seed=args.seed,
         out=args.out,
     )
@@ -169,10 +169,10 @@ def _json_value(flag: str):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object like '{{\"max_batch_tokens\": 512}}'; "
-                                             f"got {text!r} ({e.msg}).") from None
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON ({e.msg}): {text!r}. Example: {flag} "
+                                             "'{\"page_size\": 32, \"num_blocks\": 256}'") from None
         if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object ({{...}}), got {text!r}.")
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object of settings ({{...}}), got {text!r}.")
         return value
 
     return _named(parse, "JSON")
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--top-p", type=float, default=1.0)
     demo.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     demo.add_argument("--backends", default="generate,continuous")
-    demo.add_argument("--cb-config", default=None,
+    demo.add_argument("--cb-config", default=None, type=_json_value("--cb-config"),
                       help='JSON overrides for the CB engine, e.g. \'{"max_memory_percent": 0.4}\'')
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default=None, help="append one JSON line per backend to this file")
@@ -423,14 +423,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
                              "at the nearest N, and its length statistics) instead of the seed's A100 thresholds")
     advise.set_defaults(func=_advise)
+    for command in (parser, *sub.choices.values()):
+        # A flag's bad value reaches main() as an ArgumentError, which prints it as the one line every other
+        # bad input gets, instead of argparse's usage dump.
+        command.exit_on_error = False
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse has printed the usage error (status 2) or the help (status 0)
         return int(e.code or 0)
+    except argparse.ArgumentError as e:
+        # cbkit's own flag types name the flag in their message; argparse's ("invalid int value") need its name.
+        said = e.message if e.message.startswith("--") else str(e)
+        print(f"cbkit {argv[0] if argv else ''}: error: {said}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, ModuleNotFoundError, FileNotFoundError, FileExistsError, FloatingPointError) as e:

@@ -140,3 +140,12 @@ def test_the_shipped_recipe_is_the_readme_run():
              "--max-completion-length", "64", "--temperature", "0.7", "--learning-rate", "5e-5", "--max-steps", "16",
              "--gradient-accumulation-steps", "2", "--output-dir", "runs/train", "--save-steps", "1"]
     assert train_config(["--config", str(recipe)]) == train_config(flags)
+
+
+@pytest.mark.parametrize("command", ["sweep", "demo", "train"])
+@pytest.mark.parametrize(("value", "says"), [("{bad json", "is not valid JSON"), ("[1, 2]", "must be a JSON object")])
+def test_a_bad_json_flag_is_named_in_one_line(capsys, command, value, says, no_model_loads):
+    flag = "--transformers-continuous-batching-config" if command == "train" else "--cb-config"
+    assert main([command, "--model", "tiny", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cbkit {command}: error: {flag} {says}") and len(err.strip().splitlines()) == 1
