@@ -69,7 +69,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,7 +97,7 @@ from cbkit.objective import (
     policy_logprobs,
     processed_logprobs,
 )
-from cbkit.rewards import DEFAULT_REWARDS, RewardFn, reward_metric_name
+from cbkit.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.rollout.continuous import engine_is_idle
 
@@ -278,12 +278,10 @@ class GRPOTrainer:
         """Weighted sum of the reward functions per completion, plus reward/completion/rollout metrics."""
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in rollout.completions]
         answers = [problems[c.group].answer for c in rollout.completions]
-        total = torch.zeros(len(texts), dtype=torch.float64)
-        metrics: dict[str, Any] = {}
-        for (name, fn), weight in zip(self.reward_funcs.items(), self.config.reward_weights, strict=True):
-            scores = _call_reward(name, fn, texts, answers, rollout)
-            metrics[f"reward/{name}"] = scores.mean().item()
-            total += weight * scores
+        summed, per_reward = compute_rewards(texts, answers, self.reward_funcs, self.config.reward_weights,
+                                             num_generations=rollout.num_generations)
+        total = torch.tensor(summed, dtype=torch.float64)
+        metrics: dict[str, Any] = {k: torch.tensor(v, dtype=torch.float64).mean().item() for k, v in per_reward.items()}
         groups = total.view(-1, rollout.num_generations)
         lengths = torch.tensor([len(c.completion_ids) for c in rollout.completions], dtype=torch.float64)
         metrics.update({
@@ -448,22 +446,6 @@ class GRPOTrainer:
             )
 
 
-def train(
-    config: CBGRPOConfig,
-    policy: Any = None,
-    backend: RolloutBackend | None = None,
-    reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
-    hooks: Sequence[StepHooks] = (),
-    problems: Sequence[Problem] | None = None,
-    resume_from: str | Path | bool | None = None,
-) -> GRPOTrainer:
-    """Build a `GRPOTrainer` and run it; returns the trainer (model, optimizer and state inside)."""
-    trainer = GRPOTrainer(config, policy=policy, backend=backend, reward_funcs=reward_funcs, hooks=hooks,
-                          problems=problems)
-    trainer.train(resume_from=resume_from)
-    return trainer
-
-
 class PromptOrder:
     """Which problem comes at each position: a seeded shuffle per epoch, so a position alone decides it."""
 
@@ -530,61 +512,6 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def _resolve_rewards(
     config: CBGRPOConfig, reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None
 ) -> tuple[dict[str, RewardFn], list[float]]:
-    """Reward functions by name, and one weight each."""
-    if reward_funcs is None:
-        unknown = [n for n in config.reward_funcs if n not in DEFAULT_REWARDS]
-        if unknown:
-            raise ValueError(
-                f"Unknown reward function(s) {unknown}; built-in: {sorted(DEFAULT_REWARDS)}. Pass your own "
-                "callables with train(reward_funcs=...)."
-            )
-        return {n: DEFAULT_REWARDS[n] for n in config.reward_funcs}, config.resolved_reward_weights()
-    if isinstance(reward_funcs, Mapping):
-        funcs = dict(reward_funcs)
-    else:
-        funcs = {reward_metric_name(fn).removeprefix("reward/"): fn for fn in reward_funcs}
-    if not funcs:
-        raise ValueError("reward_funcs is empty; pass at least one reward function.")
-    weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions "
-                         f"{list(funcs)}; give one weight per function.")
-    return funcs, list(weights)
-
-
-def _call_reward(name: str, fn: Callable, texts: list[str], answers: list[str], rollout: Rollout) -> Tensor:
-    """Scores of one reward function as a float64 tensor; any failure names the function and the completion."""
-
-    def where(i: int) -> str:
-        shown = texts[i] if len(texts[i]) <= 300 else texts[i][:300] + "..."
-        return (f"completion {i} (prompt {i // rollout.num_generations}, answer {answers[i]!r}):\n"
-                f"  {shown!r}")
-
-    try:
-        scores = list(fn(texts, answers))
-    except Exception as e:
-        culprit = next((i for i in range(len(texts)) if _raises(fn, texts[i], answers[i])), None)
-        at = where(culprit) if culprit is not None else f"the batch of {len(texts)} completions"
-        raise RuntimeError(f"Reward function {name!r} raised {type(e).__name__}: {e}\non {at}") from e
-    if len(scores) != len(texts):
-        raise ValueError(f"Reward function {name!r} returned {len(scores)} scores for {len(texts)} completions.")
-    out = torch.empty(len(scores), dtype=torch.float64)
-    for i, s in enumerate(scores):
-        try:
-            out[i] = float(s)
-        except (TypeError, ValueError):
-            raise ValueError(f"Reward function {name!r} returned {s!r}, not a number, for {where(i)}") from None
-        if not math.isfinite(out[i]):
-            raise ValueError(
-                f"Reward function {name!r} returned {s} for {where(i)}\nRewards must be finite: a NaN or inf "
-                "reward would turn every advantage of its group (and with batch scaling, of the step) into NaN."
-            )
-    return out
-
-
-def _raises(fn: Callable, text: str, answer: str) -> bool:
-    try:
-        fn([text], [answer])
-    except Exception:
-        return True
-    return False
+    """Reward functions by name, and one weight each (`cbkit.rewards.resolve_rewards`: the config's names of
+    built-ins unless callables are passed)."""
+    return resolve_rewards(config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)

@@ -419,3 +419,34 @@ def _piece_vocab() -> tuple[tuple[str, int], ...]:
     for piece in sorted(pieces):
         vocab.setdefault(piece, len(vocab))
     return tuple(vocab.items())
+
+
+# --- a model's config without its weights -----------------------------------------------------------------
+
+
+def load_config(name: str) -> Any:
+    """The transformers config of a name ``load_policy`` accepts, without loading weights
+    where that can be avoided."""
+    from transformers import AutoConfig
+
+    if name == TINY_NAME:
+        return tiny_model().config  # a 2-layer model builds in milliseconds; its config is the point
+    if name in RANDOM_SHAPES:
+        return random_config(name)
+    if name in (OFFLINE_NAME, "offline"):
+        # Any dequantised copy load_policy cached has the packaged model's config; otherwise read the GGUF
+        # header (slow: transformers parses the whole file).
+        cached = sorted(cache_root().glob("smollm2-135m-instruct-*/config.json"))
+        if cached:
+            return AutoConfig.from_pretrained(cached[-1].parent)
+        gguf = offline_gguf_path()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    local = Path(name).expanduser()
+    if not local.is_dir() and name.count("/") != 1:  # not a directory, not owner/name: fail before the network
+        raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
+    try:
+        return AutoConfig.from_pretrained(str(local) if local.is_dir() else name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Could not read a model config from {name!r} ({str(e).splitlines()[0]}). Accepted "
+                         f"forms: {ACCEPTED_FORMS}. Offline, a hub id needs its files in the local cache."
+                         ) from None

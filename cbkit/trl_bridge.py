@@ -103,6 +103,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from cbkit.models import native_bf16
+from cbkit.rewards import resolve_rewards, reward_scores
 from cbkit.rollout.base import cut_at_eos
 from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config
 
@@ -298,13 +299,7 @@ class TRLReward:
             )
         texts = [_completion_text(c) for c in completions]
         answers = [str(a) for a in kwargs[self.answer_column]]
-        try:
-            return [float(x) for x in self.fn(texts, answers)]
-        except Exception as e:
-            first = texts[0][:80] if texts else ""
-            raise RuntimeError(
-                f"reward {self.__name__!r} failed on a batch of {len(texts)} completions (first: {first!r}): {e}"
-            ) from e
+        return reward_scores(self.__name__, self.fn, texts, answers)
 
     def __repr__(self) -> str:
         return f"TRLReward({self.__name__}, answer_column={self.answer_column!r})"
@@ -345,25 +340,14 @@ def _is_trl_native(fn) -> bool:
 
 
 def _trl_rewards(reward_funcs, reward_weights, answer_column: str):
-    """cbkit rewards (a callable, a list, or cbkit's name -> fn mapping) as TRL's list, and weights as its list."""
-    if callable(reward_funcs) or isinstance(reward_funcs, str):
-        reward_funcs = [reward_funcs]
-    names = list(reward_funcs) if isinstance(reward_funcs, Mapping) else None
-    funcs = list(reward_funcs.values()) if isinstance(reward_funcs, Mapping) else list(reward_funcs)
-    funcs = [f if _is_trl_native(f) else trl_reward(f, answer_column) for f in funcs]
-    if reward_weights is None:
-        return funcs, None
-    if isinstance(reward_weights, Mapping):
-        if names is None:
-            raise ValueError("reward_weights given by name needs reward_funcs given by name (a dict name -> fn).")
-        unknown = set(reward_weights) - set(names)
-        if unknown:
-            raise ValueError(f"reward_weights for unknown rewards {sorted(unknown)}; known: {names}")
-        return funcs, [float(reward_weights.get(n, 1.0)) for n in names]
-    weights = [float(w) for w in reward_weights]
-    if len(weights) != len(funcs):
-        raise ValueError(f"{len(weights)} reward_weights for {len(funcs)} reward functions; give one per function.")
-    return funcs, weights
+    """cbkit rewards (a callable, a list, or cbkit's name -> fn mapping) as TRL's list, and weights as its list.
+
+    Names and weights follow the loop's rules (`cbkit.rewards.resolve_rewards`), except that a string stays
+    what TRL makes of it, a reward model's id; no weights stays None (TRL's default, 1.0 each).
+    """
+    funcs, weights = resolve_rewards(reward_funcs, reward_weights, names_are_builtin=False)
+    adapted = [f if _is_trl_native(f) else trl_reward(f, answer_column) for f in funcs.values()]
+    return adapted, None if reward_weights is None else weights
 
 
 # --- the trainer that keeps the CB logprobs -----------------------------------------------------------------

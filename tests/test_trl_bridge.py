@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import pickle
 import re
 import warnings
@@ -490,8 +491,16 @@ def test_reward_adapter():
     def broken_reward(completions, answers):
         raise KeyError("boom")
 
-    with pytest.raises(RuntimeError, match=r"reward 'broken_reward' failed.*'no'"):
+    # The loop's checks (cbkit.rewards.reward_scores): the failing function and completion are named, and a
+    # non-finite score is an error rather than TRL's silent advantage 0.
+    with pytest.raises(RuntimeError, match=r"Reward function 'broken_reward' raised KeyError(.|\n)*'no'"):
         trl_reward(broken_reward)(completions=["no"], answer=["1"])
+
+    def nan_reward(completions, answers):
+        return [1.0, math.nan]
+
+    with pytest.raises(ValueError, match=r"'nan_reward' returned nan for completion 1 \(answer '2'\)"):
+        trl_reward(nan_reward)(completions=["a", "b"], answer=["1", "2"])
     assert pickle.loads(pickle.dumps(r))(completions=["#### 5"], answer=["5"]) == [1.0]
 
 
