@@ -239,7 +239,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
     if args.preset:
-        check_preset_device(args.preset, dry_run=args.dry_run, dtype=args.dtype)  # before any model is loaded
+        check_preset_device(args.preset, dry_run=args.dry_run, dtype=getattr(args, "dtype", None))  # before any model is loaded
     fields = dict(PRESETS[args.preset]) if args.preset else {}
     if args.dry_run:
         fields.update(DRY_RUN)

@@ -122,7 +122,7 @@ def test_sweep_flags_are_the_sweep_config_fields():
     args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--prompts", "3", "--dense-cpu-attention",
                                       "--cb-config", '{"num_blocks": 64}', "--backends", "generate,continuous"])
     given = given_fields(args, SweepConfig)
-    assert given == {"ns": [8, 16, 32], "num_prompts": 3, "cpu_varlen_attention": False,
+    assert given == {"ns": [8, 16, 32], "num_prompts": 3, "cpu_attention": "engine",
                      "cb_config": {"num_blocks": 64}, "backends": ["generate", "continuous"]}
     assert SweepConfig(**given).ns == (8, 16, 32)
     flags = {s for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions
