@@ -24,7 +24,7 @@ its own. After it, a py-spy profile of the engine (SmolLM2, 32 sequences x 96 to
 of the time in the linear layers, 10% in this attention, 7.5% in the engine's cache gather and 7% in its
 sampling, which is where `generate()` spends its time too. `ContinuousBackend(cpu_attention=...)` and
 `cbkit sweep --cpu-attention` choose between the three, so the "befores" stay measurable.
-""""""
+"""
 
 from __future__ import annotations
 
