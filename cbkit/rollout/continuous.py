@@ -125,12 +125,19 @@ class ContinuousBackend:
         # restored, so training forwards in between are plain causal forwards.
         self.persistent = persistent
         self._engine_key: tuple | None = None
+        # This backend's kept engine. transformers keeps one manager per model (`_cached_continuous_batching_manager`)
+        # and hands it to whoever asks next; cbkit attaches only its own for the length of a call (`_own_engine`).
+        self._manager: Any = None
         self._warned_pool = False  # the CPU pool warning of make_cb_config, once per backend rather than per step
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
 
     def close(self) -> None:
-        """Free a persistent engine (its KV pool and buffers)."""
-        self.model.destroy_cached_continuous_batching_manager()
+        """Free this backend's persistent engine (its KV pool and buffers); another backend's is left alone."""
+        if self._manager is not None:
+            if getattr(self.model, _CACHED, None) is self._manager:
+                delattr(self.model, _CACHED)
+            self._manager.destroy()
+            self._manager = None
         self._engine_key = None
 
     def generate(
@@ -167,7 +174,11 @@ class ContinuousBackend:
             cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
         attention = varlen_attention_for_engine(self.model) if varlen else contextlib.nullcontext()
 
-        with PeakMemory(self.model.device) as mem, attention:
+        if self._manager is not None:
+            # The weights may have changed since the last call (an optimizer step): KV computed with them must not
+            # be read again. See `forget_cached_kv`.
+            forget_cached_kv(self._manager)
+        with PeakMemory(self.model.device) as mem, attention, _own_engine(self) as kept:
             start = time.perf_counter()
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
@@ -175,6 +186,7 @@ class ContinuousBackend:
             )
             mem.synchronize()
             wall = time.perf_counter() - start
+        self._manager = kept[0] if self.persistent else None
 
         completions = []
         for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
@@ -223,7 +235,12 @@ def _run_engine(
         workload_hints=hints,
         persistent_manager=persistent,
     ) as manager:
-        ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+        with _paused(manager):
+            # All requests are queued while the loop is parked, so it takes them in one drain: how they are grouped
+            # into batches, and so the order random numbers are drawn in, no longer depends on thread timing.
+            _reseed(manager, cb_config.seed)
+            ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens,
+                                       record_timestamps=record_timestamps)
         results: dict[str, Any] = {}
         while len(results) < len(ids):
             out = manager.get_result(timeout=1)
@@ -239,6 +256,75 @@ def _run_engine(
                 results[out.request_id] = out
         resolved = _resolved_config(manager)
     return [results[i] for i in ids], resolved
+
+
+_CACHED = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager on the model
+
+
+@contextlib.contextmanager
+def _own_engine(backend: ContinuousBackend):
+    """Attach exactly this backend's kept manager (or none) to the model for one call, then restore what was there.
+
+    `init_continuous_batching` returns whatever manager is cached on the model, whoever built it: without this, a
+    non-persistent backend would run on a persistent one's engine (its config, its cache) and destroy it. Yields a
+    one-item list filled on exit with the manager the call left attached (the one to keep, when persistent).
+    """
+    model, mine = backend.model, backend._manager
+    previous = getattr(model, _CACHED, None)
+    _attach(model, mine)
+    kept: list[Any] = []
+    try:
+        yield kept
+    finally:
+        kept.append(getattr(model, _CACHED, None))
+        # Our own kept engine stays attached (engine_is_idle and close() look there); someone else's comes back.
+        _attach(model, kept[0] if previous is None or previous is mine else previous)
+
+
+def _attach(model, manager) -> None:
+    if manager is not None:
+        setattr(model, _CACHED, manager)
+    elif hasattr(model, _CACHED):
+        delattr(model, _CACHED)
+
+
+def forget_cached_kv(manager) -> None:
+    """Drop every KV block a kept engine holds, prefix cache included, before a call that may see new weights.
+
+    transformers' engine keeps full, hashed KV blocks as a prefix cache, and a kept manager keeps them across calls
+    (its `reset()` frees requests but not the hashes). The hash covers token ids, not weights: after an optimizer
+    step, a prompt sharing a full page with an earlier one would be sampled on KV computed with the *old* weights,
+    and its sampling logprobs would be silently off-policy. Other RL stacks have had this bug (a prefix cache
+    surviving a weight sync); the remedy is the same everywhere: the cache must not outlive the weights. Sharing
+    inside one call (the N completions of a prompt share its pages) is kept; `cache.reset()` is the engine's own
+    call for an empty pool, the one it makes after its warm-up.
+    """
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if cache is not None:
+        cache.reset()
+
+
+@contextlib.contextmanager
+def _paused(manager):
+    pause = getattr(manager, "pause", None)  # transformers >= 5.2x; older engines take requests as they come
+    with pause() if pause is not None else contextlib.nullcontext():
+        yield
+
+
+def _reseed(manager, seed: int | None) -> None:
+    """Seed the engine's sampler for this call, as a fresh engine seeds itself when it is built.
+
+    A kept engine was seeded once, when it was built; without this it would ignore every later call's seed and a
+    resumed run would not draw what the uninterrupted one did.
+    """
+    if seed is None:
+        return
+    manager.continuous_batching_config.seed = seed  # what `_resolved_config` reports
+    helper = getattr(manager, "distributed_helper", None)
+    if hasattr(helper, "set_tp_seed"):
+        helper.set_tp_seed(seed, manager.model.device)
+    else:
+        torch.manual_seed(seed)
 
 
 def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
