@@ -99,6 +99,7 @@ from cbkit.objective import (
 )
 from cbkit.rewards import DEFAULT_REWARDS, RewardFn, reward_metric_name
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 from cbkit.rollout.continuous import engine_is_idle
 
 METRICS_FILE = "metrics.jsonl"
@@ -253,7 +254,7 @@ class GRPOTrainer:
         c = self.config
         return SamplingParams(
             max_new_tokens=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_token_id,
+            eos_token_id=stop_token_ids(self.tokenizer, self.model), pad_token_id=self.pad_token_id,
             # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
             seed=c.seed * 1_000_003 + step,
         )

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.rollout import BACKENDS, SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 
 DEFAULT_NS = (8, 16, 32, 64)
 
@@ -237,7 +238,7 @@ def run_sweep(
     prompts = [chat_prompt_ids(tok, p) for p in problems]
     sampling = SamplingParams(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=cfg.seed,
+        eos_token_id=stop_token_ids(tok, model), pad_token_id=tok.pad_token_id, seed=cfg.seed,
     )
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     backends = {b: make_backend(b, model, cb_config=cfg.cb_config, pad_token_id=tok.pad_token_id,
