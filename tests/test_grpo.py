@@ -568,3 +568,35 @@ def test_rollouts_stop_at_every_id_the_generation_config_lists():
             assert b.completion_ids == a.completion_ids and b.finish_reason == a.finish_reason
     assert sum(c.finish_reason == "length" for c in again.completions) < sum(
         c.finish_reason == "length" for c in first.completions)
+
+
+# --- truncated support ----------------------------------------------------------------------------------------
+
+
+def test_a_sampled_token_outside_the_trainers_nucleus_is_kept_and_counted():
+    """A crafted borderline rollout: its last token is the most likely one the trainer's top-p nucleus leaves out,
+    as a sampler with other rounding could have kept it. Before, its old logprob was -inf, the IS ratio 0, and
+    sequence_mask (the default) zeroed the whole completion; `logprob/*_abs_diff` read inf."""
+    model, tok = load_policy("tiny", seed=0)
+    top_p = 0.7
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the top-p warning
+        tr = trainer(config(top_p=top_p, importance_sampling_mode="sequence_mask"), policy=(model, tok))
+    rollout = tr.rollout([0, 1], step=1)
+    c = rollout.completions[0]
+    j = 3
+    with torch.no_grad():
+        ids = torch.tensor([list(c.prompt_ids) + list(c.completion_ids[:j])])
+        probs = model(input_ids=ids).logits[0, -1].float().softmax(-1)
+    # The trainer's nucleus by hand: most likely first, until the mass reaches top_p.
+    ranked = probs.sort(descending=True)
+    size = int((ranked.values.cumsum(0) < top_p).sum()) + 1
+    nucleus_mass, edge = ranked.values[:size].sum().item(), int(ranked.indices[size])
+    expected = math.log(probs[edge].item() / (nucleus_mass + probs[edge].item()))
+    crafted = dataclasses.replace(c, completion_ids=c.completion_ids[:j] + (edge,),
+                                  sampling_logprobs=c.sampling_logprobs[:j] + (expected,), finish_reason="eos")
+    rollout = dataclasses.replace(rollout, completions=[crafted, *rollout.completions[1:]])
+    p = tr.prepare(rollout, torch.linspace(0, 1, len(rollout.completions), dtype=torch.float64))
+    assert p.metrics["logprob/outside_support_tokens"] == 1.0
+    assert p.metrics["logprob/max_abs_diff"] < 1e-4  # finite: the replayed support agrees with the hand-made one
+    assert 0.999 < p.is_weights[0, 0].item() < 1.001  # the completion still counts in the loss
