@@ -34,8 +34,9 @@ cbkit computes the IS reference, and the `logprob/*` metrics, under the *same pr
 sampler used (`objective.replayed_logprobs`: the run's temperature, top-k and top-p), so the ratio compares
 like with like and is ~1 on unchanged weights. A sampled token the trainer's recomputed nucleus leaves out (a
 rounding difference at the boundary is enough) is kept inside its own support rather than given -inf, which
-would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts them. The loss's policy ratio stays temperature-only, like TRL's:
-a truncated policy would give -inf to any token that leaves the nucleus after an update. What this does not do
+would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts
+them. The loss's policy ratio stays temperature-only, like TRL's: a truncated policy would give -inf to any token
+that leaves the nucleus after an update. What this does not do
 is correct for the truncation itself (tokens outside the nucleus are never sampled, no weight can fix that);
 `logprob/temperature_only_max_abs_diff` reports its size. The trainer warns once when truncation is on.
 
