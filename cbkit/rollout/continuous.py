@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_at_eos
-from cbkit.rollout.cpu_attention import varlen_attention_for_engine
+from cbkit.rollout.cpu_attention import varlen_attention_for_engine, varlen_unsupported_reason
 from cbkit.telemetry import PeakMemory
 
 # cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
@@ -128,6 +128,7 @@ class ContinuousBackend:
         # This backend's kept engine. transformers keeps one manager per model (`_cached_continuous_batching_manager`)
         # and hands it to whoever asks next; cbkit attaches only its own for the length of a call (`_own_engine`).
         self._manager: Any = None
+        self._warned_varlen = False  # the note that this model needs the engine's own attention, once
         self._warned_pool = False  # the CPU pool warning of make_cb_config, once per backend rather than per step
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
 
@@ -169,7 +170,15 @@ class ContinuousBackend:
                 self.close()
             self._engine_key = key
 
+        _refuse_softcap_on_cpu(self.model)
         varlen = self.cpu_varlen_attention and self.model.device.type == "cpu"
+        unsupported = varlen_unsupported_reason(self.model) if varlen else None
+        if unsupported:
+            varlen = False
+            if not self._warned_varlen:
+                warnings.warn(f"cbkit's CPU varlen attention has no {unsupported}: the CB engine runs with the "
+                              "model's own attention instead (slower on CPU, same results).", UserWarning, stacklevel=2)
+                self._warned_varlen = True
         if varlen and "max_blocks_per_request" not in self.cb_overrides:
             cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
         attention = varlen_attention_for_engine(self.model) if varlen else contextlib.nullcontext()
@@ -381,6 +390,22 @@ def _resolved_config(manager) -> dict[str, Any]:
     if "block_size" in out:
         out.setdefault("page_size", out.pop("block_size"))
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
+def _refuse_softcap_on_cpu(model) -> None:
+    """Gemma-2-style attention soft-capping has no CPU path in the engine: say so before sampling wrong tokens.
+
+    On CPU the engine attends with `paged|eager` (transformers/integrations/eager_paged.py), which applies sinks but
+    not `softcap`; cbkit's varlen attention has none either. Both would sample from another model than the one
+    trained (on the tiny Gemma-2-style test model, logprobs off by 0.03 nats). Flash attention on a GPU applies it.
+    """
+    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if cap is not None and model.device.type == "cpu":
+        raise ValueError(
+            f"This model uses attention logit soft-capping (attn_logit_softcapping={cap}), which transformers' "
+            "continuous batching engine does not apply on CPU (its paged eager attention skips it), so rollouts "
+            "would not come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention."
+        )
 
 
 def _context_len(model) -> int | None:
