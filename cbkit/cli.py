@@ -20,7 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         backends=tuple(args.backends.split(",")),
-        cb_config=json.loads(args.cb_config) if args.cb_config else None,
+        cb_config=_cb_config_arg(args.cb_config),
         seed=args.seed,
         out=args.out,
     )
@@ -84,6 +84,20 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
+def _cb_config_arg(text: str | None) -> dict | None:
+    """--cb-config's JSON object; a parse error names the flag (a bare JSONDecodeError does not)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--cb-config is not valid JSON ({e}): {text!r}. Example: --cb-config "
+                         "'{\"page_size\": 32, \"num_blocks\": 256}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--cb-config must be a JSON object of engine settings, got {text!r}.")
+    return value
+
+
 def _flag_parser(base, optional: bool):
     import typing
 
@@ -118,7 +132,7 @@ def _sweep(args: argparse.Namespace) -> int:
         "top_p": args.top_p, "top_k": args.top_k,
         "ns": _int_list(args.ns, "--ns") if args.ns else None,
         "backends": tuple(b.strip() for b in args.backends.split(",")) if args.backends else None,
-        "cb_config": json.loads(args.cb_config) if args.cb_config else None,
+        "cb_config": _cb_config_arg(args.cb_config),
         "cpu_varlen_attention": False if args.dense_cpu_attention else None,
         "full_step": True if args.full_step else None,
     }
