@@ -17,7 +17,8 @@ ZeRO or FSDP (see `docs/scale_out.md`). This module is the bridge, in three part
    linearly), and the reward weights come from the config, matched to the functions by name. `LOOP_ONLY` lists
    the fields with no TRL config equivalent and says where each goes instead. The continuous
    batching (CB) engine is on (`use_transformers_continuous_batching=True`) and its config is cbkit's
-   (`CB_DEFAULTS`: `max_memory_percent=0.5`, `use_cuda_graph=False`) plus the user's keys, validated by the
+   (`CB_DEFAULTS`: `max_memory_percent=0.5`, TRL's default too, and `use_cuda_graph=False`, which TRL leaves to
+   the engine) plus the user's keys, validated by the
    same `make_cb_config` the rollout backend uses, so an unknown key fails here, at config time, with the list
    of valid ones. Either a cbkit config object (read by attribute name, so anything with those attributes
    works) or plain keyword arguments are accepted; TRL-only settings go in `**overrides` under TRL's names.

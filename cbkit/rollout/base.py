@@ -25,7 +25,7 @@ class SamplingParams:
     """What to sample, passed explicitly to every backend.
 
     Both backends build their processed distribution from exactly these fields. Passing them explicitly is
-    the point: TRL issue #5783 shows the CB path going near-greedy when the generation config was not
+    the point: TRL issue #5783 (fixed in TRL 1.16) showed the CB path going near-greedy when the config was not
     passed through and the engine fell back to the model's defaults.
     """
 

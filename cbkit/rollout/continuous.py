@@ -7,13 +7,31 @@ token for each running one, packed without padding. When a sequence hits EOS its
 pool and a waiting request takes them (*recycling*), so memory follows the tokens actually alive rather
 than P*N*max_len.
 
-Three things cbkit does that TRL's CB path (1.16) does not:
+Two things cbkit does that TRL's CB path (1.16) does not:
 
 * it asks the engine for sampling logprobs (`return_logprobs=True`) and keeps them, so the loop's
   importance-sampling correction has something to correct with;
-* it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783: without it the
-  engine falls back to the model's defaults and sampling goes near-greedy);
 * it raises when a request fails instead of logging and returning fewer completions.
+
+Like TRL 1.16 it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783, fixed by
+1.16: without them the engine falls back to the model's defaults and sampling goes near-greedy). Its engine
+defaults are its own: `max_memory_percent=0.5` (TRL's CB default too) and `use_cuda_graph=False` (TRL leaves
+that to the engine).
+
+A kept engine (`persistent=True`) and the weights it samples from
+-----------------------------------------------------------------
+Between two rollouts the optimizer changes the weights; the engine's KV cache does not know. transformers
+keeps full, hashed KV pages as a *prefix cache* and a kept manager keeps them across calls; the hash covers
+token ids, not weights. A prompt that shares a full page with an earlier call's (a long system prompt, the
+same problem in a later epoch) would then be sampled partly on KV computed with the *old* weights: its
+sampling logprobs belong to neither policy, and the importance-sampling correction silently corrects the wrong
+thing. Other RL stacks have met the same bug wherever a prefix cache survived a weight sync (vLLM issue #9744,
+lmdeploy issue #4917, prime-rl PR #1651 "reset prefix cache after update weight"). So cbkit empties
+a kept engine's cache before every call (`forget_cached_kv`; pages are still shared *within* a call, among
+the N completions of a prompt), attaches a kept engine to the model only for its own backend's calls
+(`_own_engine`: transformers would hand the cached manager to any caller), reseeds it each call, and queues
+all requests while its loop is paused, so a seeded rollout draws the same tokens call by call whether the
+engine is kept or built anew. `tests/test_persistent_engine.py` checks each of these against `generate()`.
 """
 
 from __future__ import annotations
@@ -304,7 +322,7 @@ def forget_cached_kv(manager) -> None:
     (its `reset()` frees requests but not the hashes). The hash covers token ids, not weights: after an optimizer
     step, a prompt sharing a full page with an earlier one would be sampled on KV computed with the *old* weights,
     and its sampling logprobs would be silently off-policy. Other RL stacks have had this bug (a prefix cache
-    surviving a weight sync); the remedy is the same everywhere: the cache must not outlive the weights. Sharing
+    surviving a weight sync: see the module docstring); the cache must not outlive the weights. Sharing
     inside one call (the N completions of a prompt share its pages) is kept; `cache.reset()` is the engine's own
     call for an empty pool, the one it makes after its warm-up.
     """
