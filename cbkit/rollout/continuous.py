@@ -205,7 +205,7 @@ class ContinuousBackend:
             # The weights may have changed since the last call (an optimizer step): KV computed with them must not
             # be read again. See `forget_cached_kv`.
             forget_cached_kv(self._manager)
-        with PeakMemory(self.model.device) as mem, attention, _own_engine(self) as kept:
+        with PeakMemory(self.model.device) as mem, attention, _own_engine(self):
             start = time.perf_counter()
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
@@ -213,7 +213,6 @@ class ContinuousBackend:
             )
             mem.synchronize()
             wall = time.perf_counter() - start
-        self._manager = kept[0] if self.persistent else None
 
         completions = []
         for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
@@ -293,19 +292,19 @@ def _own_engine(backend: ContinuousBackend):
     """Attach exactly this backend's kept manager (or none) to the model for one call, then restore what was there.
 
     `init_continuous_batching` returns whatever manager is cached on the model, whoever built it: without this, a
-    non-persistent backend would run on a persistent one's engine (its config, its cache) and destroy it. Yields a
-    one-item list filled on exit with the manager the call left attached (the one to keep, when persistent).
+    non-persistent backend would run on a persistent one's engine (its config, its cache) and destroy it. On exit,
+    even a failed one, the backend records the manager the call left attached: the one to keep, when persistent.
     """
     model, mine = backend.model, backend._manager
     previous = getattr(model, _CACHED, None)
     _attach(model, mine)
-    kept: list[Any] = []
     try:
-        yield kept
+        yield
     finally:
-        kept.append(getattr(model, _CACHED, None))
+        kept = getattr(model, _CACHED, None)
+        backend._manager = kept if backend.persistent else None
         # Our own kept engine stays attached (engine_is_idle and close() look there); someone else's comes back.
-        _attach(model, kept[0] if previous is None or previous is mine else previous)
+        _attach(model, kept if previous is None or previous is mine else previous)
 
 
 def _attach(model, manager) -> None:
