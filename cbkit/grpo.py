@@ -31,9 +31,12 @@ the learning rate; per sequence (TRL's default mode) the product over a long com
 `logprob/*` reports a large "mismatch" on a correct engine.
 
 cbkit computes the IS reference, and the `logprob/*` metrics, under the *same processed distribution* the
-sampler used (`objective.processed_logprobs` with the run's temperature, top-k and top-p), so the ratio compares
-like with like and is ~1 on unchanged weights. The loss's policy ratio stays temperature-only, like TRL's:
-a truncated policy would give -inf to any token that leaves the nucleus after an update. What this does not do
+sampler used (`objective.replayed_logprobs`: the run's temperature, top-k and top-p), so the ratio compares
+like with like and is ~1 on unchanged weights. A sampled token the trainer's recomputed nucleus leaves out (a
+rounding difference at the boundary is enough) is kept inside its own support rather than given -inf, which
+would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts
+them. The loss's policy ratio stays temperature-only, like TRL's: a truncated policy would give -inf to any token
+that leaves the nucleus after an update. What this does not do
 is correct for the truncation itself (tokens outside the nucleus are never sampled, no weight can fix that);
 `logprob/temperature_only_max_abs_diff` reports its size. The trainer warns once when truncation is on.
 
@@ -95,10 +98,11 @@ from cbkit.objective import (
     grpo_loss,
     importance_weights,
     policy_logprobs,
-    processed_logprobs,
+    replayed_logprobs,
 )
 from cbkit.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 from cbkit.rollout.continuous import engine_is_idle
 
 METRICS_FILE = "metrics.jsonl"
@@ -253,7 +257,7 @@ class GRPOTrainer:
         c = self.config
         return SamplingParams(
             max_new_tokens=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_token_id,
+            eos_token_id=stop_token_ids(self.tokenizer, self.model), pad_token_id=self.pad_token_id,
             # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
             seed=c.seed * 1_000_003 + step,
         )
@@ -306,7 +310,7 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_estimator)
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
-        old, old_processed = self._old_logprobs(self.model, batch)
+        old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         # The whole completion mask, truncated completions included: their weights never reach the loss when
         # they are masked, and `logprob/*` should describe every token the engine sampled.
@@ -317,6 +321,8 @@ class GRPOTrainer:
         if self.truncates and batch.sampling_logps is not None:
             gap = (batch.sampling_logps - old).abs()[batch.completion_mask]
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
+            # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
+            metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
         if not c.importance_sampling_correction:
             weights, metrics["is/skipped"] = None, 1.0
         loss_mask = batch.completion_mask
@@ -407,22 +413,24 @@ class GRPOTrainer:
     # --- helpers --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per micro-batch."""
+    def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per micro-batch; and [B, T]
+        True where a sampled token lay outside the trainer's replayed nucleus (kept in it, see `replayed_logprobs`)."""
         self._check_attention()
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
         plain = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=self.device)
         processed = plain.clone() if self.truncates else plain
+        outside = torch.zeros(batch.completion_ids.shape, dtype=torch.bool, device=self.device)
         for start in range(0, len(batch), size):
             mb = batch.rows(start, start + size)
             t = mb.completion_width
             logits = completion_logits(model, mb)
             plain[start : start + size, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
             if self.truncates:
-                processed[start : start + size, :t] = processed_logprobs(
+                processed[start : start + size, :t], outside[start : start + size, :t] = replayed_logprobs(
                     logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
-        return plain, processed
+        return plain, processed, outside
 
     def _check_attention(self) -> None:
         impl = self.model.config._attn_implementation

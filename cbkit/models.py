@@ -57,6 +57,10 @@ CHATML_TEMPLATE = (
 )
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model name that resolves to nothing loadable here; the message says what to use instead."""
+
+
 @dataclass
 class LoadedPolicy:
     model: Any  # a transformers PreTrainedModel
@@ -100,7 +104,15 @@ def load_policy(
         check_model_dir(local)
         model, tok, source = _load_pretrained(str(local), dtype), _load_tokenizer(str(local)), "local"
     elif _HUB_ID.match(name):
-        model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
+        try:
+            model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
+        except OSError as e:  # not in the local cache and no hub reachable, or no such repository
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelNotFoundError(
+                f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network access, use a local "
+                f"model directory (a path), '{OFFLINE_NAME}' (bundled, needs no network) or '{TINY_NAME}'; with "
+                "network access, check the id (it is case-sensitive) and that you may download it."
+            ) from e
     else:
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     model.to(device)

@@ -30,6 +30,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.rollout import BACKENDS, SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 from cbkit.workload import LengthWorkload, length_stats, padding_share, parse_lengths
 
 DEFAULT_NS = (8, 16, 32, 64)
@@ -179,7 +181,7 @@ class ResultsFile:
             self._append({"kind": "header", "fingerprint": fingerprint})
 
     def _load(self) -> None:
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = _read_jsonl(self.path, repair=True)
         if not lines or lines[0].get("kind") != "header":
             raise ValueError(f"{self.path} is not a cbkit sweep results file (no header line); use another --out.")
         theirs = lines[0]["fingerprint"]
@@ -329,7 +331,7 @@ def run_sweep(
     prompts = [chat_prompt_ids(tok, p) for p in problems]
     sampling = SamplingParams(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=cfg.seed,
+        eos_token_id=stop_token_ids(tok, model), pad_token_id=tok.pad_token_id, seed=cfg.seed,
     )
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     workload = cfg.workload
@@ -571,8 +573,34 @@ def results_summary(path: str | Path) -> str:
 
 
 def load_runs(path: str | Path) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in lines if r.get("kind") == "run"]
+    return [r for r in _read_jsonl(Path(path)) if r.get("kind") == "run"]
+
+
+def _read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """The records of a results file. A torn *last* line (a sweep killed mid-write: the run in flight) is dropped
+    with a warning, and with `repair` cut from the file, so the next append starts on a line of its own. Any other
+    unreadable line is an error that names the file and the line."""
+    text = path.read_text()
+    records, offset, last_good_end = [], 0, 0
+    lines = text.splitlines(keepends=True)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        offset += len(line)
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i != last:
+                raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}). Fix or delete that line.") from None
+            warnings.warn(f"{path}, line {i + 1}: dropped a torn last line (a run interrupted while it was being "
+                          "written); that run will be measured again.", UserWarning, stacklevel=3)
+            if repair:
+                with open(path, "r+") as f:
+                    f.truncate(len(text[:last_good_end].encode()))
+            break
+        last_good_end = offset
+    return records
 
 
 def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:

@@ -312,3 +312,71 @@ def test_targets_with_prefix_sharing_stay_with_their_rows(tiny, prompts):
         prompts, 2, _sampling(tiny.tokenizer), target_lengths=targets)
     assert [len(c.completion_ids) for c in r.completions] == targets
     assert [list(c.prompt_ids) for c in r.completions] == [p for p in prompts for _ in range(2)]
+
+
+# --- model families cbkit's CPU attention does not cover ----------------------------------------------------
+
+
+def _family_model(kind: str):
+    """A 2-layer random model over the tiny tokenizer's vocabulary, with the feature varlen_attention lacks made
+    strong enough to change the tokens: a 4-token window (prompts are ~30 tokens) or soft-capping at 0.5."""
+    import torch
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GenerationConfig,
+        MistralConfig,
+        MistralForCausalLM,
+    )
+
+    from cbkit.models import TINY_SPECIALS
+
+    eos, pad = 256 + TINY_SPECIALS.index("<|im_end|>"), 256 + TINY_SPECIALS.index("<pad>")
+    common = dict(vocab_size=256 + len(TINY_SPECIALS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=256, eos_token_id=eos, pad_token_id=pad)
+    if kind == "mistral":
+        config, cls = MistralConfig(**common, sliding_window=4), MistralForCausalLM
+    else:
+        config = Gemma2Config(**common, attn_logit_softcapping=0.5, final_logit_softcapping=None,
+                              layer_types=["full_attention"] * 2, query_pre_attn_scalar=16)
+        cls = Gemma2ForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = cls._from_config(config, attn_implementation="sdpa" if kind == "mistral" else "eager").eval()
+    model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos, pad_token_id=pad)
+    return model
+
+
+def test_cb_falls_back_to_the_engines_attention_for_a_sliding_window(tiny, prompts):
+    """cbkit's varlen attention has no window: with it, the Mistral-style model's tokens differed from generate()'s
+    (its logprobs by up to 6 nats). The engine's own attention has one."""
+    from cbkit.rollout.cpu_attention import varlen_unsupported_reason
+
+    assert varlen_unsupported_reason(tiny.model) is None
+    model = _family_model("mistral")
+    assert "sliding-window" in varlen_unsupported_reason(model)
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12)
+    reference = GenerateBackend(model, pad_token_id=tiny.tokenizer.pad_token_id).generate(prompts, 1, sp)
+    with pytest.warns(UserWarning, match="no sliding-window.*own attention"):
+        cb = ContinuousBackend(model).generate(prompts, 1, sp)
+    assert cb.engine_config["attn_implementation"] == "sdpa"
+    assert [c.completion_ids for c in cb.completions] == [c.completion_ids for c in reference.completions]
+    # The logprobs too: a random model's greedy tokens can survive a wrong attention, its logprobs cannot.
+    assert max_logprob_diff(model, cb, sp) < LOGPROB_ATOL
+
+
+def test_cb_refuses_soft_capping_on_cpu_where_no_engine_attention_applies_it(tiny, prompts):
+    """Gemma-2-style soft-capping: cbkit's varlen attention and the engine's paged eager both skip it (measured:
+    logprobs 0.027 nats off a teacher-forced forward either way), so a CB rollout on CPU is refused; generate()
+    applies it and matches the forward."""
+    from cbkit.rollout.cpu_attention import varlen_unsupported_reason
+
+    model = _family_model("gemma2")
+    assert "soft-capping" in varlen_unsupported_reason(model)
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12)
+    reference = GenerateBackend(model, pad_token_id=tiny.tokenizer.pad_token_id).generate(prompts, 1, sp)
+    assert max_logprob_diff(model, reference, sp) < LOGPROB_ATOL
+    for varlen in (True, False):
+        with pytest.raises(ValueError, match="soft-capping.*'generate' backend"):
+            ContinuousBackend(model, cpu_varlen_attention=varlen).generate(prompts, 1, sp)

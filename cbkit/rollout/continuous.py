@@ -7,13 +7,31 @@ token for each running one, packed without padding. When a sequence hits EOS its
 pool and a waiting request takes them (*recycling*), so memory follows the tokens actually alive rather
 than P*N*max_len.
 
-Three things cbkit does that TRL's CB path (1.16) does not:
+Two things cbkit does that TRL's CB path (1.16) does not:
 
 * it asks the engine for sampling logprobs (`return_logprobs=True`) and keeps them, so the loop's
   importance-sampling correction has something to correct with;
-* it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783: without it the
-  engine falls back to the model's defaults and sampling goes near-greedy);
 * it raises when a request fails instead of logging and returning fewer completions.
+
+Like TRL 1.16 it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783, fixed by
+1.16: without them the engine falls back to the model's defaults and sampling goes near-greedy). Its engine
+defaults are its own: `max_memory_percent=0.5` (TRL's CB default too) and `use_cuda_graph=False` (TRL leaves
+that to the engine).
+
+A kept engine (`persistent=True`) and the weights it samples from
+-----------------------------------------------------------------
+Between two rollouts the optimizer changes the weights; the engine's KV cache does not know. transformers
+keeps full, hashed KV pages as a *prefix cache* and a kept manager keeps them across calls; the hash covers
+token ids, not weights. A prompt that shares a full page with an earlier call's (a long system prompt, the
+same problem in a later epoch) would then be sampled partly on KV computed with the *old* weights: its
+sampling logprobs belong to neither policy, and the importance-sampling correction silently corrects the wrong
+thing. Other RL stacks have met the same bug wherever a prefix cache survived a weight sync (vLLM issue #9744,
+lmdeploy issue #4917, prime-rl PR #1651 "reset prefix cache after update weight"). So cbkit empties
+a kept engine's cache before every call (`forget_cached_kv`; pages are still shared *within* a call, among
+the N completions of a prompt), attaches a kept engine to the model only for its own backend's calls
+(`_own_engine`: transformers would hand the cached manager to any caller), reseeds it each call, and queues
+all requests while its loop is paused, so a seeded rollout draws the same tokens call by call whether the
+engine is kept or built anew. `tests/test_persistent_engine.py` checks each of these against `generate()`.
 """
 
 from __future__ import annotations
@@ -28,7 +46,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
-from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine
+from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine, varlen_unsupported_reason
 from cbkit.telemetry import PeakMemory
 
 # cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
@@ -139,12 +157,20 @@ class ContinuousBackend:
         # restored, so training forwards in between are plain causal forwards.
         self.persistent = persistent
         self._engine_key: tuple | None = None
+        # This backend's kept engine. transformers keeps one manager per model (`_cached_continuous_batching_manager`)
+        # and hands it to whoever asks next; cbkit attaches only its own for the length of a call (`_own_engine`).
+        self._manager: Any = None
+        self._warned_varlen = False  # the note that this model needs the engine's own attention, once
         self._warned_pool = False  # the CPU pool warning of make_cb_config, once per backend rather than per step
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
 
     def close(self) -> None:
-        """Free a persistent engine (its KV pool and buffers)."""
-        self.model.destroy_cached_continuous_batching_manager()
+        """Free this backend's persistent engine (its KV pool and buffers); another backend's is left alone."""
+        if self._manager is not None:
+            if getattr(self.model, _CACHED, None) is self._manager:
+                delattr(self.model, _CACHED)
+            self._manager.destroy()
+            self._manager = None
         self._engine_key = None
 
     def generate(
@@ -179,12 +205,24 @@ class ContinuousBackend:
                 self.close()
             self._engine_key = key
 
+        _refuse_softcap_on_cpu(self.model)
         varlen = self.cpu_attention != "engine" and self.model.device.type == "cpu"
+        unsupported = varlen_unsupported_reason(self.model) if varlen else None
+        if unsupported:
+            varlen = False
+            if not self._warned_varlen:
+                warnings.warn(f"cbkit's CPU varlen attention has no {unsupported}: the CB engine runs with the "
+                              "model's own attention instead (slower on CPU, same results).", UserWarning, stacklevel=2)
+                self._warned_varlen = True
         if varlen and "max_blocks_per_request" not in self.cb_overrides:
             cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
         attention = varlen_attention_for_engine(self.model, self.cpu_attention) if varlen else contextlib.nullcontext()
 
-        with PeakMemory(self.model.device) as mem, attention:
+        if self._manager is not None:
+            # The weights may have changed since the last call (an optimizer step): KV computed with them must not
+            # be read again. See `forget_cached_kv`.
+            forget_cached_kv(self._manager)
+        with PeakMemory(self.model.device) as mem, attention, _own_engine(self):
             start = time.perf_counter()
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
@@ -243,10 +281,15 @@ def _run_engine(
         workload_hints=hints,
         persistent_manager=persistent,
     ) as manager:
-        if targets is None:
-            ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
-        else:
-            ids = _add_with_targets(manager, rows, targets, record_timestamps)
+        with _paused(manager):
+            # All requests are queued while the loop is parked, so it takes them in one drain: how they are grouped
+            # into batches, and so the order random numbers are drawn in, no longer depends on thread timing.
+            _reseed(manager, cb_config.seed)
+            if targets is None:
+                ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens,
+                                           record_timestamps=record_timestamps)
+            else:
+                ids = _add_with_targets(manager, rows, targets, record_timestamps)
         results: dict[str, Any] = {}
         while len(results) < len(ids):
             out = manager.get_result(timeout=1)
@@ -278,6 +321,75 @@ def _add_with_targets(manager, rows: list[list[int]], targets: list[int], record
             raise RuntimeError(f"The CB engine refused request {i} (not accepting requests); see the log above.")
         ids[i] = request_id
     return ids
+
+
+_CACHED = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager on the model
+
+
+@contextlib.contextmanager
+def _own_engine(backend: ContinuousBackend):
+    """Attach exactly this backend's kept manager (or none) to the model for one call, then restore what was there.
+
+    `init_continuous_batching` returns whatever manager is cached on the model, whoever built it: without this, a
+    non-persistent backend would run on a persistent one's engine (its config, its cache) and destroy it. On exit,
+    even a failed one, the backend records the manager the call left attached: the one to keep, when persistent.
+    """
+    model, mine = backend.model, backend._manager
+    previous = getattr(model, _CACHED, None)
+    _attach(model, mine)
+    try:
+        yield
+    finally:
+        kept = getattr(model, _CACHED, None)
+        backend._manager = kept if backend.persistent else None
+        # Our own kept engine stays attached (engine_is_idle and close() look there); someone else's comes back.
+        _attach(model, kept if previous is None or previous is mine else previous)
+
+
+def _attach(model, manager) -> None:
+    if manager is not None:
+        setattr(model, _CACHED, manager)
+    elif hasattr(model, _CACHED):
+        delattr(model, _CACHED)
+
+
+def forget_cached_kv(manager) -> None:
+    """Drop every KV block a kept engine holds, prefix cache included, before a call that may see new weights.
+
+    transformers' engine keeps full, hashed KV blocks as a prefix cache, and a kept manager keeps them across calls
+    (its `reset()` frees requests but not the hashes). The hash covers token ids, not weights: after an optimizer
+    step, a prompt sharing a full page with an earlier one would be sampled on KV computed with the *old* weights,
+    and its sampling logprobs would be silently off-policy. Other RL stacks have had this bug (a prefix cache
+    surviving a weight sync: see the module docstring); the cache must not outlive the weights. Sharing
+    inside one call (the N completions of a prompt share its pages) is kept; `cache.reset()` is the engine's own
+    call for an empty pool, the one it makes after its warm-up.
+    """
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if cache is not None:
+        cache.reset()
+
+
+@contextlib.contextmanager
+def _paused(manager):
+    pause = getattr(manager, "pause", None)  # transformers >= 5.2x; older engines take requests as they come
+    with pause() if pause is not None else contextlib.nullcontext():
+        yield
+
+
+def _reseed(manager, seed: int | None) -> None:
+    """Seed the engine's sampler for this call, as a fresh engine seeds itself when it is built.
+
+    A kept engine was seeded once, when it was built; without this it would ignore every later call's seed and a
+    resumed run would not draw what the uninterrupted one did.
+    """
+    if seed is None:
+        return
+    manager.continuous_batching_config.seed = seed  # what `_resolved_config` reports
+    helper = getattr(manager, "distributed_helper", None)
+    if hasattr(helper, "set_tp_seed"):
+        helper.set_tp_seed(seed, manager.model.device)
+    else:
+        torch.manual_seed(seed)
 
 
 def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], page_size: int) -> int:
@@ -345,6 +457,22 @@ def _resolved_config(manager) -> dict[str, Any]:
     if "block_size" in out:
         out.setdefault("page_size", out.pop("block_size"))
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
+def _refuse_softcap_on_cpu(model) -> None:
+    """Gemma-2-style attention soft-capping has no CPU path in the engine: say so before sampling wrong tokens.
+
+    On CPU the engine attends with `paged|eager` (transformers/integrations/eager_paged.py), which applies sinks but
+    not `softcap`; cbkit's varlen attention has none either. Both would sample from another model than the one
+    trained (on the tiny Gemma-2-style test model, logprobs off by 0.03 nats). Flash attention on a GPU applies it.
+    """
+    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if cap is not None and model.device.type == "cpu":
+        raise ValueError(
+            f"This model uses attention logit soft-capping (attn_logit_softcapping={cap}), which transformers' "
+            "continuous batching engine does not apply on CPU (its paged eager attention skips it), so rollouts "
+            "would not come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention."
+        )
 
 
 def _context_len(model) -> int | None:

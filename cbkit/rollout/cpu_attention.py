@@ -146,6 +146,29 @@ def _batched_decode(query, key, value, plan: _DecodePlan, scaling) -> torch.Tens
     return o.reshape(plan.rows, heads, dim).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
 
 
+def varlen_unsupported_reason(model) -> str | None:
+    """Why `varlen_attention` would compute something else than the model's own attention, or None if it would not.
+
+    It runs plain causal SDPA: it has no sliding window, no logit soft-capping and no attention sinks,
+    and the engine hands those in as keyword arguments (`sliding_window`, `softcap`, `s_aux`) that it would drop.
+    A Mistral-style window, Gemma-2's soft-capping or gpt-oss's sinks would silently change the rollout, so for
+    such models the engine keeps its own attention (slower on CPU; it has windows and sinks, but no soft-capping,
+    which `ContinuousBackend` therefore refuses on CPU).
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    # Where a config lists its layer types they decide (Gemma-2 alternates); else a window set means one is used.
+    sliding = "sliding_attention" in layer_types if layer_types else window is not None
+    if sliding:
+        return f"sliding-window attention (sliding_window={window})"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return "attention sinks"
+    return None
+
+
 # What `ContinuousBackend(cpu_attention=...)` and `cbkit sweep --cpu-attention` choose from on CPU; "engine" is
 # the engine's own dense-mask SDPA (the first "before"), "per_sequence" the loop cbkit ran until the decode
 # batching (the second "before").
