@@ -138,7 +138,7 @@ def test_the_shipped_recipe_is_the_readme_run():
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_cpu.yaml"
     flags = ["--model", "smollm2-offline", "--data", "synthetic", "--prompts-per-step", "2", "--num-generations", "8",
              "--max-completion-length", "64", "--temperature", "0.7", "--learning-rate", "5e-5", "--max-steps", "16",
-             "--gradient-accumulation-steps", "2", "--output-dir", "runs/train", "--save-steps", "1"]
+             "--gradient-accumulation-steps", "2", "--output-dir", "runs/learn", "--save-steps", "1"]
     assert train_config(["--config", str(recipe)]) == train_config(flags)
 
 

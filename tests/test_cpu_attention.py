@@ -28,6 +28,7 @@ MODULE = types.SimpleNamespace(config=types.SimpleNamespace(layer_types=None), l
     [
         ([1] * 5, [7] * 5),  # lock-step decode: one prompt x N, equal lengths (the gather-free path)
         ([1, 1, 1, 1], [3, 9, 4, 12]),  # decode at different lengths (several prompts, recycled slots)
+        ([1, 1, 1, 1, 1], [3, 9, 3, 9, 9]),  # equal lengths that are not back to back: gathered by index
         ([1, 5, 1, 0, 1], [10, 5, 2, 0, 30]),  # decode mixed with a prefill chunk and an empty slot
         ([4, 3], [4, 9]),  # prefill only, the second continuing a cached prefix
     ],

@@ -377,6 +377,6 @@ def test_cb_refuses_soft_capping_on_cpu_where_no_engine_attention_applies_it(tin
     sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12)
     reference = GenerateBackend(model, pad_token_id=tiny.tokenizer.pad_token_id).generate(prompts, 1, sp)
     assert max_logprob_diff(model, reference, sp) < LOGPROB_ATOL
-    for varlen in (True, False):
+    for attention in ("batched", "per_sequence", "engine"):
         with pytest.raises(ValueError, match="soft-capping.*'generate' backend"):
-            ContinuousBackend(model, cpu_varlen_attention=varlen).generate(prompts, 1, sp)
+            ContinuousBackend(model, cpu_attention=attention).generate(prompts, 1, sp)

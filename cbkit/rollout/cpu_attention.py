@@ -49,16 +49,16 @@ def _boundaries(cu, module) -> torch.Tensor:
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None).
 
-    Decoding sequences (one query token each) go through one batched SDPA call; sequences that prefill run one
-    call each. `per_sequence_attention` below is the plain loop, kept to read and test against.
+    Decoding sequences (one query token each) with the same number of keys go through one SDPA call; sequences
+    that prefill run one call each. `per_sequence_attention` below is the plain loop, kept to read and test against.
     """
     cu_q = _boundaries(kwargs["cu_seq_lens_q"], module).tolist()
     cu_k = _boundaries(kwargs["cu_seq_lens_k"], module).tolist()
-    plan = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
+    decode, prefill = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
     out = torch.empty_like(query)
-    if plan.rows:
-        out[:, :, plan.q_pos] = _batched_decode(query, key, value, plan, scaling)
-    for i in plan.prefill:
+    for group in decode:
+        out[:, :, group.q_pos] = _batched_decode(query, key, value, group, scaling)
+    for i in prefill:
         _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -92,58 +92,64 @@ def _one_sequence(out, query, key, value, qs, qe, ks, ke, scaling) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _DecodePlan:
-    """Where the decoding sequences of one batch sit in the packed tensors; the same for every layer."""
+class _DecodeGroup:
+    """Decoding sequences of one batch that have the same number of keys: one SDPA call for all of them.
 
-    rows: int  # decoding sequences
-    q_pos: torch.Tensor  # [rows] their query position in the packed batch
-    k_index: torch.Tensor | None  # [rows, longest] key positions, or None when all have equal, adjacent keys
-    k_start: int  # with k_index None: where the first one's keys start
-    k_len: int  # their longest key length
-    mask: torch.Tensor | None  # [rows, 1, 1, longest] True where a key exists
-    prefill: tuple[int, ...]  # sequences with more than one query token
+    The N completions of a prompt start together and so decode in lock-step at equal lengths; a batch has as
+    many groups as it has distinct lengths (a few: one per prompt, plus requests admitted late), not one per
+    sequence. Equal lengths need no padding mask, which keeps SDPA on its fast CPU kernel.
+    """
+
+    q_pos: torch.Tensor  # [rows] their query positions in the packed batch
+    k_start: int | None  # where their keys start, when they sit back to back in the packed keys
+    k_index: torch.Tensor | None  # [rows * k_len] key positions otherwise
+    rows: int
+    k_len: int
 
 
 @functools.lru_cache(maxsize=8)
-def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.device) -> _DecodePlan:
-    # Every layer of a forward sees the same boundaries, so the plan is built once per step, not 30 times.
-    decode = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] == 1]
-    prefill = tuple(i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] > 1)
-    if not decode:
-        return _DecodePlan(0, torch.empty(0, dtype=torch.long), None, 0, 0, None, prefill)
-    starts = [cu_k[i] for i in decode]
-    lens = [cu_k[i + 1] - cu_k[i] for i in decode]
-    longest = max(lens)
-    q_pos = torch.tensor([cu_q[i] for i in decode], device=device)
-    adjacent = all(n == longest for n in lens) and all(s == starts[0] + j * longest for j, s in enumerate(starts))
-    if adjacent:  # one prompt x N in lock-step: the packed keys already are a [rows, L] grid
-        return _DecodePlan(len(decode), q_pos, None, starts[0], longest, None, prefill)
-    offsets = torch.arange(longest)
-    k_index = torch.tensor(starts)[:, None] + offsets.clamp(max=longest - 1)[None, :]
-    present = offsets[None, :] < torch.tensor(lens)[:, None]
-    k_index = torch.where(present, k_index, torch.tensor(starts)[:, None])  # pad with any valid position
-    return _DecodePlan(len(decode), q_pos, k_index.to(device), 0, longest, present[:, None, None, :].to(device),
-                       prefill)
+def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.device):
+    """(decode groups, prefill sequences) of one batch. Every layer of a forward sees the same boundaries, so
+    this runs once per step, not once per layer."""
+    by_len: dict[int, list[int]] = {}
+    prefill = []
+    for i in range(len(cu_q) - 1):
+        q_len = cu_q[i + 1] - cu_q[i]
+        if q_len == 1:
+            by_len.setdefault(cu_k[i + 1] - cu_k[i], []).append(i)
+        elif q_len > 1:
+            prefill.append(i)
+    groups = []
+    for k_len, seqs in by_len.items():
+        q_pos = torch.tensor([cu_q[i] for i in seqs], device=device)
+        starts = [cu_k[i] for i in seqs]
+        if all(s == starts[0] + j * k_len for j, s in enumerate(starts)):
+            groups.append(_DecodeGroup(q_pos, starts[0], None, len(seqs), k_len))
+        else:
+            index = (torch.tensor(starts)[:, None] + torch.arange(k_len)[None, :]).flatten().to(device)
+            groups.append(_DecodeGroup(q_pos, None, index, len(seqs), k_len))
+    return tuple(groups), tuple(prefill)
 
 
-def _batched_decode(query, key, value, plan: _DecodePlan, scaling) -> torch.Tensor:
-    """One SDPA call for every decoding sequence: keys gathered into [rows, Hkv, L, D] and a padding mask.
+def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Tensor:
+    """One SDPA call for a group of decoding sequences: their keys as a [rows, Hkv, L, D] grid, no mask.
 
     The H query heads of a token are folded into the query-length axis of their KV head ([rows, Hkv, H/Hkv, D]),
     so grouped-query attention needs neither repeated keys nor the `enable_gqa` path; a single query token may
     see all of its keys, so no causal mask is needed either.
     """
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
-    q = query[0, :, plan.q_pos].transpose(0, 1).reshape(plan.rows, kv_heads, heads // kv_heads, dim)
-    if plan.k_index is None:
-        span = slice(plan.k_start, plan.k_start + plan.rows * plan.k_len)
-        k = key[0, :, span].unflatten(1, (plan.rows, plan.k_len)).transpose(0, 1)
-        v = value[0, :, span].unflatten(1, (plan.rows, plan.k_len)).transpose(0, 1)
+    rows, k_len = group.rows, group.k_len
+    q = query[0, :, group.q_pos].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
+    if group.k_index is None:  # back to back: the packed keys already are the grid
+        span = slice(group.k_start, group.k_start + rows * k_len)
+        k, v = key[0, :, span], value[0, :, span]
     else:
-        k = key[0][:, plan.k_index].transpose(0, 1)  # [rows, Hkv, L, D]
-        v = value[0][:, plan.k_index].transpose(0, 1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [rows, Hkv, H/Hkv, D]
-    return o.reshape(plan.rows, heads, dim).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
+        k, v = key[0].index_select(1, group.k_index), value[0].index_select(1, group.k_index)
+    k = k.unflatten(1, (rows, k_len)).transpose(0, 1)  # [rows, Hkv, L, D]
+    v = v.unflatten(1, (rows, k_len)).transpose(0, 1)
+    o = F.scaled_dot_product_attention(q, k, v, scale=scaling)  # [rows, Hkv, H/Hkv, D]
+    return o.reshape(rows, heads, dim).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
 
 
 def varlen_unsupported_reason(model) -> str | None:
