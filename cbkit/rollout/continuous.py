@@ -281,30 +281,58 @@ def _run_engine(
         workload_hints=hints,
         persistent_manager=persistent,
     ) as manager:
+        # With prefix sharing on (`allow_block_sharing`, the engine's default), each prompt is prefilled once.
+        prefill_once = bool(getattr(manager, "_use_prefix_sharing", False))
+        if prefill_once:
+            # The engine shares a prompt's complete KV pages between requests, but only pages that a finished
+            # forward has already written: N copies of a prompt admitted in the same step all compute it. So each
+            # distinct prompt is prefilled first, alone, and its N completions then find its pages in the cache
+            # and compute only their last, incomplete page. Two tokens, thrown away: the engine registers the
+            # pages a forward completed only for a request still running after it (`mark_complete_blocks`).
+            with _paused(manager):
+                _reseed(manager, cb_config.seed)
+                prefill = [manager.add_request(list(p), max_new_tokens=2, eos_token_id=-1)
+                           for p in _shared_prompts(rows, page_size(cb_config))]
+            _collect(manager, prefill)
         with _paused(manager):
             # All requests are queued while the loop is parked, so it takes them in one drain: how they are grouped
             # into batches, and so the order random numbers are drawn in, no longer depends on thread timing.
-            _reseed(manager, cb_config.seed)
+            if not prefill_once:
+                _reseed(manager, cb_config.seed)
             if targets is None:
                 ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens,
                                            record_timestamps=record_timestamps)
             else:
                 ids = _add_with_targets(manager, rows, targets, record_timestamps)
-        results: dict[str, Any] = {}
-        while len(results) < len(ids):
-            out = manager.get_result(timeout=1)
-            if out is None:
-                if not manager.is_running():
-                    raise RuntimeError(
-                        f"The CB engine stopped after {len(results)} of {len(ids)} requests; see the log above."
-                    )
-                continue
-            if out.is_finished():
-                if out.error is not None:
-                    raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
-                results[out.request_id] = out
+        results = _collect(manager, ids)
         resolved = _resolved_config(manager)
     return [results[i] for i in ids], resolved
+
+
+def _collect(manager, ids: list[str]) -> dict[str, Any]:
+    """Wait for every request in `ids` to finish; raise on a failed one or a stopped engine."""
+    results: dict[str, Any] = {}
+    while len(results) < len(ids):
+        out = manager.get_result(timeout=1)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError(
+                    f"The CB engine stopped after {len(results)} of {len(ids)} requests; see the log above."
+                )
+            continue
+        if out.is_finished():
+            if out.error is not None:
+                raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
+            results[out.request_id] = out
+    return results
+
+
+def _shared_prompts(rows: list[list[int]], page: int) -> list[tuple[int, ...]]:
+    """Prompts that occur more than once and fill at least one KV page: the ones a first prefill helps."""
+    counts: dict[tuple[int, ...], int] = {}
+    for r in rows:
+        counts[tuple(r)] = counts.get(tuple(r), 0) + 1
+    return [p for p, n in counts.items() if n > 1 and len(p) >= page]
 
 
 def _add_with_targets(manager, rows: list[list[int]], targets: list[int], record_timestamps: bool) -> list[str]:
