@@ -380,3 +380,25 @@ def test_cb_refuses_soft_capping_on_cpu_where_no_engine_attention_applies_it(tin
     for attention in ("batched", "per_sequence", "engine"):
         with pytest.raises(ValueError, match="soft-capping.*'generate' backend"):
             ContinuousBackend(model, cpu_attention=attention).generate(prompts, 1, sp)
+
+
+def test_a_shared_prompt_is_prefilled_once(tiny, monkeypatch):
+    """N completions of a prompt that fills KV pages reuse its pages (counted by the engine's own prefix match)
+    instead of each computing the whole prompt, and give generate()'s greedy tokens."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    matched = []
+    search = PagedAttentionCache.search_prefix_match
+
+    def counting(self, request_id, prompt_ids):
+        matched.append(search(self, request_id, prompt_ids))
+        return matched[-1]
+
+    monkeypatch.setattr(PagedAttentionCache, "search_prefix_match", counting)
+    prompt = [[65 + i % 23 for i in range(40)]]  # 40 tokens: two complete 16-token pages, 8 left over
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=6, eos_token_id=None)
+    cb = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 4, sp)
+    # the first prefill finds nothing; each of the 4 completions then finds the 32 tokens of the complete pages
+    assert matched == [0, 32, 32, 32, 32]
+    ref = GenerateBackend(tiny.model, pad_token_id=0).generate(prompt, 4, sp)
+    assert [c.completion_ids for c in cb.completions] == [c.completion_ids for c in ref.completions]
