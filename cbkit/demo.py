@@ -14,12 +14,10 @@ from statistics import mean
 
 from tqdm.auto import tqdm
 
-from cbkit.data import chat_prompt_ids, load_problems
 from cbkit.logprobs import logprob_check
 from cbkit.models import DEFAULT_MODEL, load_policy
 from cbkit.rewards import compute_rewards
-from cbkit.rollout import SamplingParams, make_backend
-from cbkit.rollout.base import stop_token_ids
+from cbkit.workload import set_up_run
 
 
 @dataclass
@@ -56,23 +54,17 @@ def run_demo(
     out: str | Path | None = None,
 ) -> list[DemoResult]:
     policy = load_policy(model)
-    tok = policy.tokenizer
-    problems = load_problems(data, n=num_prompts, seed=seed)
-    prompts = [chat_prompt_ids(tok, p) for p in problems]
-    sampling = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        eos_token_id=stop_token_ids(tok, policy.model), pad_token_id=tok.pad_token_id, seed=seed,
-    )
-    warmup = SamplingParams(**{**asdict(sampling), "max_new_tokens": 4})
+    run = set_up_run(model, data, num_prompts, seed=seed, policy=policy)
+    tok, problems, prompts = run.tokenizer, run.problems, run.prompts
+    sampling = run.sampling(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     results = []
     for name in tqdm(backends, desc="backends"):
-        backend = make_backend(name, policy.model, cb_config=cb_config, pad_token_id=tok.pad_token_id)
-        backend.generate(prompts[:1], 1, warmup)
+        backend = run.backend(name, cb_config=cb_config)
         rollout = backend.generate(prompts, num_generations, sampling, prompt_names=[p.id for p in problems])
         texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in rollout.completions]
         answers = [problems[c.group].answer for c in rollout.completions]
         total, per = compute_rewards(texts, answers)
-        check = logprob_check(policy.model, rollout, sampling)
+        check = logprob_check(run.model, rollout, sampling)
         lengths = [len(c.completion_ids) for c in rollout.completions]
         result = DemoResult(
             backend=name,

@@ -83,7 +83,7 @@ from torch import Tensor
 from cbkit import checkpoint
 from cbkit.batch import Batch, completion_logits
 from cbkit.config import CBGRPOConfig
-from cbkit.data import Problem, chat_prompt_ids, load_problems
+from cbkit.data import Problem
 from cbkit.hooks import (
     CheckpointHook,
     JSONLHook,
@@ -102,8 +102,8 @@ from cbkit.objective import (
 )
 from cbkit.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
-from cbkit.rollout.base import stop_token_ids
 from cbkit.rollout.continuous import engine_is_idle
+from cbkit.workload import set_up_run
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -137,21 +137,22 @@ class GRPOTrainer:
             from cbkit.models import load_policy
 
             policy = load_policy(config.model, dtype=config.dtype, seed=config.seed)
-        self.model, self.tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
-        check_text_only(self.tokenizer, self.model, config.use_transformers_continuous_batching)
+        model, tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
+        check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
+        # The run set-up the sweep and the demo share: problems, prompt ids, stop and pad ids.
+        run = set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
+                         problems=problems, system_prompt=config.system_prompt)
+        self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
         self.device = next(self.model.parameters()).device
-        self.pad_token_id = _pad_id(self.tokenizer)
+        self.pad_token_id, self.stop_ids = run.pad_token_id, run.stop_ids
         # The attention the training forward must run with; a CB engine that leaves it switched would make the
         # forward silently non-causal (transformers #48296), so every forward checks it (`_check_attention`).
         self.attn_implementation = self.model.config._attn_implementation
 
         self.reward_funcs, weights = _resolve_rewards(config, reward_funcs)
         self.config = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
-        self.problems = list(problems) if problems is not None else load_problems(
-            config.data, n=config.num_problems, seed=config.seed)
-        self.prompt_ids = [chat_prompt_ids(self.tokenizer, p, system_prompt=config.system_prompt)
-                           for p in self.problems]
+        self.problems, self.prompt_ids = run.problems, run.prompts
         self.order = PromptOrder(len(self.problems), config.seed)
 
         if backend is None:
@@ -257,7 +258,7 @@ class GRPOTrainer:
         c = self.config
         return SamplingParams(
             max_new_tokens=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            eos_token_id=stop_token_ids(self.tokenizer, self.model), pad_token_id=self.pad_token_id,
+            eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
             # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
             seed=c.seed * 1_000_003 + step,
         )
@@ -502,13 +503,6 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
     except ImportError:
         pass
-
-
-def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError(f"{type(tokenizer).__name__} has neither a pad nor an EOS token; set tokenizer.pad_token.")
-    return pad
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -39,8 +39,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from cbkit.rollout import BACKENDS, SamplingParams, make_backend
-from cbkit.rollout.base import stop_token_ids
+from cbkit.rollout import BACKENDS, SamplingParams
 from cbkit.workload import LengthWorkload, length_stats, padding_share, parse_lengths
 
 DEFAULT_NS = (8, 16, 32, 64)
@@ -263,14 +262,14 @@ def lengths_record(lengths: Sequence[int]) -> dict[str, Any]:
             "length_max": stats["max"], "static_padding_share": padding_share(lengths)}
 
 
-def measure_full_step(cfg: SweepConfig, policy, problems, backend, n: int, rep: int) -> dict[str, Any]:
+def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dict[str, Any]:
     """One GRPO step through cbkit's loop with this backend; rollout and training seconds come from its
     StepRecord, peak memory covers the whole step. The weights are put back afterwards."""
     from cbkit.config import CBGRPOConfig
     from cbkit.grpo import GRPOTrainer
     from cbkit.telemetry import PeakMemory
 
-    model = policy.model
+    model, problems = setup.model, setup.problems
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     config = CBGRPOConfig(
         model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(problems),
@@ -278,7 +277,7 @@ def measure_full_step(cfg: SweepConfig, policy, problems, backend, n: int, rep: 
         use_transformers_continuous_batching=backend.name == "continuous", seed=cfg.seed + rep,
         output_dir=None, disable_tqdm=True, max_steps=1,
     )
-    trainer = GRPOTrainer(config, policy=policy, backend=backend, problems=problems)
+    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=backend, problems=problems)
     try:
         with PeakMemory(model.device) as mem:
             record = trainer.step()
@@ -315,9 +314,8 @@ def run_sweep(
     policy=None,
 ) -> list[dict[str, Any]]:
     """Run (or resume) the sweep; returns the aggregated points. `on_point` sees each run as it lands."""
-    from cbkit.data import chat_prompt_ids, load_problems
-    from cbkit.models import load_policy
     from cbkit.telemetry import cuda_peaks
+    from cbkit.workload import set_up_run
 
     results = ResultsFile(out, cfg.fingerprint())
     todo = [(n, rep, b) for n_i, n in enumerate(cfg.ns) for rep in range(cfg.repeats)
@@ -325,14 +323,10 @@ def run_sweep(
     if not todo:
         return aggregate(results.runs)
 
-    policy = policy or load_policy(cfg.model, dtype=cfg.dtype)
-    tok, model = policy.tokenizer, policy.model
-    problems = load_problems(cfg.data, n=cfg.num_prompts, seed=cfg.seed)
-    prompts = [chat_prompt_ids(tok, p) for p in problems]
-    sampling = SamplingParams(
-        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        eos_token_id=stop_token_ids(tok, model), pad_token_id=tok.pad_token_id, seed=cfg.seed,
-    )
+    setup = set_up_run(cfg.model, cfg.data, cfg.num_prompts, seed=cfg.seed, dtype=cfg.dtype, policy=policy)
+    model, prompts = setup.model, setup.prompts
+    sampling = setup.sampling(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              seed=cfg.seed)
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     workload = cfg.workload
     # The limit beside the number: measured once per session, recorded as its own line and in every run.
@@ -340,11 +334,8 @@ def run_sweep(
     results.add_line({"kind": "probe", "time": time.time(), "lengths": workload.describe(cfg.max_new_tokens),
                       **probe})
     params = matmul_params(model)
-    backends = {b: make_backend(b, model, cb_config=cfg.cb_config, pad_token_id=tok.pad_token_id,
-                                cpu_attention=cfg.cpu_attention) for b in cfg.backends}
-    warm = dataclasses.replace(sampling, max_new_tokens=min(8, cfg.max_new_tokens))
-    for b in backends.values():  # first calls pay one-off costs (allocator, kernels); not what we compare
-        b.generate(prompts[:1], 1, warm)
+    # Each backend is warmed up with one short call: first calls pay one-off costs, not what we compare.
+    backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention) for b in cfg.backends}
 
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
     for n, rep, b in tqdm(todo, desc="sweep runs"):
@@ -352,7 +343,7 @@ def run_sweep(
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
         targets = workload.targets(len(prompts) * n, cfg.max_new_tokens, seed=run_sampling.seed)
         if cfg.full_step:
-            measured = measure_full_step(cfg, policy, problems, backends[b], n, rep)
+            measured = measure_full_step(cfg, setup, backends[b], n, rep)
         else:
             measured = measure_run(backends[b], prompts, n, run_sampling, model.config, dtype_bytes, targets)
         run = {"backend": b, "N": n, "repeat": rep, "num_prompts": len(prompts), "time": time.time(),

@@ -21,7 +21,9 @@ def counting(monkeypatch):
     """Count (and optionally sabotage) the rollouts the sweep asks for."""
     calls: list[tuple[str, int]] = []
     sabotage: dict[int, BaseException] = {}
-    real = sweep.make_backend
+    import cbkit.rollout
+
+    real = cbkit.rollout.make_backend
 
     def make(name, model, **kw):
         backend = real(name, model, **kw)
@@ -36,7 +38,7 @@ def counting(monkeypatch):
         backend.generate = generate
         return backend
 
-    monkeypatch.setattr(sweep, "make_backend", make)
+    monkeypatch.setattr(cbkit.rollout, "make_backend", make)  # where the run set-up builds backends
     return calls, sabotage
 
 

@@ -115,3 +115,32 @@ def test_bad_specs_and_too_long_files(tmp_path):
     with pytest.raises(ValueError, match=r"2 of 3 lengths exceed max_new_tokens=96 \(longest 200\)"):
         w.targets(4, 96, seed=0)
     assert w.distribution(200) == [10, 120, 200]
+
+
+def test_pad_id_falls_back_to_eos_and_refuses_neither():
+    from types import SimpleNamespace
+
+    from cbkit.workload import pad_token_id
+
+    assert pad_token_id(SimpleNamespace(pad_token_id=7, eos_token_id=2)) == 7
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    with pytest.raises(ValueError, match="neither a pad nor an EOS token"):
+        pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None))
+
+
+def test_run_setup_is_what_the_loop_sweep_and_demo_share(tiny):
+    from cbkit.data import chat_prompt_ids, load_problems
+    from cbkit.workload import set_up_run
+
+    tiny.model.generation_config.eos_token_id = [tiny.tokenizer.eos_token_id, 5]
+    try:
+        run = set_up_run("tiny", "synthetic", 3, seed=4, policy=tiny)
+        assert run.stop_ids == (tiny.tokenizer.eos_token_id, 5)  # the tokenizer's EOS and the model's, in that order
+    finally:
+        tiny.model.generation_config.eos_token_id = tiny.tokenizer.eos_token_id
+    problems = load_problems("synthetic", n=3, seed=4)
+    assert [p.question for p in run.problems] == [p.question for p in problems]
+    assert run.prompts == [chat_prompt_ids(tiny.tokenizer, p) for p in problems]
+    sp = run.sampling(12, temperature=0.5, seed=3)
+    assert (sp.max_new_tokens, sp.temperature, sp.eos_token_id, sp.pad_token_id, sp.seed) == (
+        12, 0.5, run.stop_ids, run.pad_token_id, 3)
