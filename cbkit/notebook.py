@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cbkit.hooks import StepHooks, StepRecord, TrainState
+from cbkit.hooks import StepHooks, StepRecord
+
+# The live helpers live in cbkit.live; the notebooks import them from here.
+from cbkit.live import TRAINING_PANELS, LiveMetricsHook, embed_plotlyjs, live_sweep, run_style  # noqa: F401
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
@@ -36,6 +39,7 @@ GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
 __all__ = ["LiveMetricsHook", "NotebookEnv", "RolloutRecorder", "compare_runs", "completions_table", "live_sweep",
+           "measured_crossover", "rounded", "runs_findings", "sweep_findings", "weight_change",
            "metrics_table", "setup"]
 
 
@@ -99,6 +103,7 @@ def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) ->
         env = NotebookEnv(profile=profile, device="cpu", gpu_name=None, compute_capability=None, colab=colab,
                           rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data())
     seed_everything(seed)
+    embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     if verbose:
         print(env.summary())
     return env
@@ -136,103 +141,6 @@ def metrics_table(metrics: Mapping[str, Any]):
         rows.append({"namespace": namespace, "metric": name or namespace,
                      "value": round(value, 6) if isinstance(value, float) else value})
     return pd.DataFrame(rows).set_index(["namespace", "metric"])
-
-
-# --- live charts fed by the loop and the sweep ---------------------------------------------------------------
-
-# (panel title, [(series label, metric key, scale)]): what the live training chart draws.
-TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
-    ("reward", (("mean", "reward/mean", 1.0), ("correctness", "reward/correctness", 1.0),
-                ("format", "reward/format", 1.0))),
-    ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
-    ("rollout tokens/s", (("tokens/s", "rollout/tokens_per_s", 1.0),)),
-    ("rollout peak memory (MiB)", (("peak memory", "rollout/peak_mem_bytes", 2.0**-20),)),
-    ("logprob drift (nats)", (("max |sampling - policy|", "logprob/max_abs_diff", 1.0),
-                              ("mean |sampling - policy|", "logprob/mean_abs_diff", 1.0))),
-    ("IS ratio", (("ratio mean", "is/ratio_mean", 1.0), ("ratio min", "is/ratio_min", 1.0),
-                  ("ratio max", "is/ratio_max", 1.0))),
-)
-
-
-_DASHES = ("solid", "dash", "dot", "dashdot")
-
-
-def run_style(series: str) -> dict[str, Any]:
-    """Line style of a "run: quantity" series: the colour says which run (a backend's own colour), the dash which
-    quantity within a panel, so two runs in one chart read apart at a glance."""
-    from cbkit.plots import _color
-
-    run, _, name = series.rpartition(": ")
-    color = _color(run)  # generate / continuous keep their colours from every other cbkit chart
-    position = next((i for _, qs in TRAINING_PANELS for i, (label, _, _) in enumerate(qs) if label == name), 0)
-    return {"color": color, "dash": _DASHES[position % len(_DASHES)]}
-
-
-class LiveMetricsHook(StepHooks):
-    """A live chart of the loop's metrics, one panel per quantity, redrawn as steps finish (throttled).
-
-    ``label`` prefixes every series, so two runs drawn into one chart (``chart=`` the same LiveChart) stay
-    apart, e.g. "continuous" and "generate". The chart is closed when training ends, which keeps its final
-    figure in an executed notebook; ``records`` holds every step's metrics for a later comparison.
-    """
-
-    def __init__(self, label: str = "", *, chart: Any = None, title: str = "GRPO, live",
-                 panels: Sequence[tuple[str, Sequence[tuple[str, str, float]]]] = TRAINING_PANELS,
-                 close_on_end: bool = True, **chart_kwargs: Any) -> None:
-        from cbkit.plots import LiveChart
-
-        self.label = label
-        self.panels = tuple(panels)
-        self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
-                                        **chart_kwargs)
-        self.close_on_end = close_on_end
-        self.records: list[StepRecord] = []
-
-    def on_step_end(self, record: StepRecord) -> None:
-        self.records.append(record)
-        for panel, series in self.panels:
-            for name, key, scale in series:
-                value = record.metrics.get(key)
-                if isinstance(value, int | float) and value == value:  # NaN (no logprobs) is not a point
-                    label = f"{self.label}: {name}" if self.label else name
-                    self.chart.add(label, record.step, value * scale, panel=panel)
-
-    def on_train_end(self, state: TrainState) -> None:
-        if self.close_on_end:
-            self.chart.close()
-        else:
-            self.chart.flush()
-
-
-def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
-               on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """`cbkit.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
-    against N, one series per backend) the moment it lands. Returns the aggregated points. Runs already in
-    ``out`` are drawn first, so a resumed sweep shows everything it has."""
-    from cbkit.plots import LiveChart, _color
-    from cbkit.sweep import load_runs, run_sweep
-
-    chart = LiveChart("N-sweep, live: each point is one run", ["tokens/s", "peak memory (MiB)"],
-                      x_title="N (completions per prompt)", mode=mode, x_log=True,  # type: ignore[arg-type]
-                      style=lambda backend: {"color": _color(backend)})
-
-    def add(run: dict[str, Any]) -> None:
-        if run.get("status", "ok") != "ok":
-            return
-        chart.add(run["backend"], run["N"], run["tokens_per_s"], panel="tokens/s")
-        if run.get("peak_mem_bytes") is not None:
-            chart.add(run["backend"], run["N"], run["peak_mem_bytes"] / 2**20, panel="peak memory (MiB)")
-        if on_point is not None:
-            on_point(run)
-
-    if os.path.exists(out):
-        for run in load_runs(out):
-            add(run)
-    try:
-        points = run_sweep(cfg, out, on_point=add, policy=policy)
-    finally:
-        chart.close()
-    return points
 
 
 class RolloutRecorder(StepHooks):
@@ -287,3 +195,110 @@ def compare_runs(records: Mapping[str, Sequence[StepRecord]], keys: Sequence[str
                 mean / 2**20 if key.endswith("_bytes") else mean)
         table[label] = col
     return pd.DataFrame(table)
+
+
+# --- sentences printed from the run ----------------------------------------------------------------------------
+# A notebook's sentence about *this* run is computed here from the measured numbers, so it cannot disagree
+# with the figure above it; the markdown states the general idea and points at the printed line.
+
+
+def _more_less(ratio: float, more: str, less: str, same: str = "about the same as") -> str:
+    return same if abs(ratio - 1) < 0.02 else (more if ratio > 1 else less)
+
+
+def measured_crossover(points: Sequence[Mapping[str, Any]], key: str = "mem_vs_generate") -> int | None:
+    """The smallest N from which CB's ratio to generate() (``mem_vs_generate`` or ``speed_vs_generate``) stays
+    on CB's side (memory below 1, speed above 1) at every larger N measured; None if it never gets there."""
+    ratios = sorted((p["N"], p[key]) for p in points
+                    if p["backend"] == "continuous" and p.get("status", "ok") == "ok" and p.get(key) is not None)
+    good = [(n, (r < 1) if key == "mem_vs_generate" else (r > 1)) for n, r in ratios]
+    first = None
+    for n, ok in good:
+        first = (first if first is not None else n) if ok else None
+    return first
+
+
+def sweep_findings(points: Sequence[Mapping[str, Any]]) -> str:
+    """What a sweep measured, in sentences: CB vs generate() at each N, how each backend's peak memory grew
+    with N, and from which N (if any) CB was ahead on memory and on speed."""
+    ok = [p for p in points if p.get("status", "ok") == "ok"]
+    by = {(p["backend"], p["N"]): p for p in ok}
+    ns = sorted({n for b, n in by if b == "continuous" and ("generate", n) in by})
+    if not ns:
+        return "No N has a successful run of both backends: nothing to compare."
+    lines = []
+    for n in ns:
+        cb = by[("continuous", n)]
+        speed, mem = cb["speed_vs_generate"], cb["mem_vs_generate"]
+        lines.append(f"N={n}: CB ran at {speed:.2f}x generate()'s speed ({_more_less(speed, 'faster', 'slower')}) "
+                     f"and used {mem:.2f}x its peak memory ({_more_less(mem, 'more', 'less')}).")
+    if len(ns) > 1:
+        lo, hi = ns[0], ns[-1]
+        growth = []
+        for backend, name in (("generate", "generate()"), ("continuous", "CB")):
+            a, b = by[(backend, lo)]["peak_mem_bytes"], by[(backend, hi)]["peak_mem_bytes"]
+            if a and b:
+                growth.append(f"{name}'s {a / 2**20:.0f} -> {b / 2**20:.0f} MiB ({b / a:.2f}x)")
+        if growth:
+            lines.append(f"From N={lo} to N={hi} the measured peak went " + " and ".join(growth) + ".")
+    for key, what in (("mem_vs_generate", "less peak memory than"), ("speed_vs_generate", "faster than")):
+        n = measured_crossover(ok, key)
+        lines.append(f"CB was {what} generate() from N={n} on." if n is not None
+                     else f"CB was not {what} generate() at the largest N measured (N={ns[-1]}).")
+    return "\n".join(lines)
+
+
+def runs_findings(records: Mapping[str, Sequence[StepRecord]]) -> str:
+    """Two or more training runs (label -> step records), in sentences: how each run's reward moved, whether
+    the runs' rewards differ, and the first run's rollout time and memory against each other run's."""
+    def mean(recs: Sequence[StepRecord], key: str) -> float:
+        vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
+                and r.metrics[key] == r.metrics[key]]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    lines = []
+    for label, recs in records.items():
+        if not recs:
+            lines.append(f"{label}: no step finished.")
+            continue
+        first, last = recs[0].metrics, recs[-1].metrics
+        lines.append(
+            f"{label}: reward/mean {first.get('reward/mean', float('nan')):.3f} at step {recs[0].step} -> "
+            f"{last.get('reward/mean', float('nan')):.3f} at step {recs[-1].step}; mean loss "
+            f"{mean(recs, 'train/loss'):.4f}, mean grad norm {mean(recs, 'train/grad_norm'):.3g}.")
+    labels = [label for label, recs in records.items() if recs]
+    if len(labels) >= 2:
+        a, others = labels[0], labels[1:]
+        for b in others:
+            ra, rb = mean(records[a], "reward/mean"), mean(records[b], "reward/mean")
+            same = abs(ra - rb) < 1e-9
+            lines.append(f"Mean reward: {a} {ra:.3f}, {b} {rb:.3f}: " + (
+                "the same." if same else "they differ (the two backends drew different samples)."))
+            t = mean(records[a], "rollout/seconds") / mean(records[b], "rollout/seconds")
+            m = mean(records[a], "rollout/peak_mem_bytes") / mean(records[b], "rollout/peak_mem_bytes")
+            lines.append(f"{a}'s rollouts took {t:.2f}x {b}'s time ({_more_less(t, 'slower', 'faster')}) and "
+                         f"used {m:.2f}x its peak memory ({_more_less(m, 'more', 'less')}).")
+    return "\n".join(lines)
+
+
+def weight_change(before: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, float]:
+    """How far an update moved the weights: the share of weight elements that changed at all, and the
+    relative norm of the change. ``before`` is a ``state_dict`` copy taken before the update."""
+    changed = total = 0
+    diff_sq = base_sq = 0.0
+    for name, after in model.state_dict().items():
+        if name not in before or not after.is_floating_point():
+            continue
+        old = before[name].to(after.device)
+        changed += int((after != old).sum())
+        total += after.numel()
+        diff_sq += float((after.double() - old.double()).pow(2).sum())
+        base_sq += float(old.double().pow(2).sum())
+    if not total:
+        raise ValueError("no floating-point weight in common between `before` and the model.")
+    return {"changed_share": changed / total, "relative_change": (diff_sq / base_sq) ** 0.5 if base_sq else 0.0}
+
+
+def rounded(values: Mapping[str, Any], digits: int = 4) -> dict[str, Any]:
+    """A metrics dict for printing: floats to ``digits`` significant digits, everything else as it is."""
+    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in values.items()}

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from cbkit.plots import BACKEND_COLORS
+
 __all__ = ["Occupancy", "completion_lengths", "paged_pool", "recycling_explorer", "recycling_figure", "static_batch"]
 
 
@@ -112,7 +114,7 @@ def recycling_figure(static: Occupancy, paged: Occupancy, pool_tokens: int | Non
                      title: str | None = None) -> go.Figure:
     """Both policies on one step axis: KV token slots held (top) and sequences running (bottom)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.65, 0.35])
-    colors = {"static batch": "#4C72B0", "paged pool": "#DD8452"}
+    colors = {"static batch": BACKEND_COLORS["generate"], "paged pool": BACKEND_COLORS["continuous"]}
     for occ in (static, paged):
         steps = list(range(1, occ.steps + 1))
         fig.add_trace(go.Scatter(x=steps, y=list(occ.held_tokens), name=f"{occ.policy}: KV slots held",
@@ -145,7 +147,7 @@ def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int
     Where nobody can move a slider (CI, a script) it returns the figure for the given values instead, so the
     executed notebook keeps a chart. ``interactive=None`` decides by `cbkit.plots.detect_mode`.
     """
-    from cbkit.plots import detect_mode
+    from cbkit.live import detect_mode
 
     def figure(n: int, spread: float, pool_share: float) -> go.Figure:
         lengths = completion_lengths(n, max_len, spread, seed)

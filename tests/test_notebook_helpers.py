@@ -72,7 +72,7 @@ def _train(tiny, hooks, **kw):
 
 
 def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
-    from cbkit.plots import LiveChart
+    from cbkit.live import LiveChart
 
     chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
     first = notebook.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
@@ -101,7 +101,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
 
 
 def test_nan_metrics_are_not_points():
-    from cbkit.plots import LiveChart
+    from cbkit.live import LiveChart
 
     chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
     hook = notebook.LiveMetricsHook(chart=chart)
@@ -247,12 +247,20 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
 
 
 def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
-    from cbkit.plots import logprob_scatter, ratio_histogram
+    from cbkit.plots import logprob_scatter, ratio_histogram, ratio_summary
 
     fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
     assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
     assert "1" in fig.layout.xaxis.ticktext
     assert "median 1," in fig.data[1].name
+    # Even count: the middle two of 0.5, 0.9, 1.1, 2.0 average to 1.0 (torch.median would say 0.9); the
+    # legend quotes what ratio_summary returns, which the notebooks print.
+    assert ratio_summary([2.0, 0.5, 1.1, 0.9]) == pytest.approx((1.0, 0.5, 2.0))
+    assert "median 1, range 0.5 to 2" in fig.data[0].name
+    banded = ratio_histogram({"seq": [1e-3, 0.5, 4.0]}, band=(None, 3.0))
+    (rect,) = [s for s in banded.layout.shapes if s.type == "rect"]
+    assert rect.x1 == pytest.approx(math.log10(3.0)) and rect.x0 == pytest.approx(banded.data[0].xbins.start)
+    assert "IS band [0, 3]" in banded.layout.annotations[0].text
     with pytest.raises(ValueError, match="no positive, finite ratio"):
         ratio_histogram({"bad": [0.0, float("nan")]})
     scatter = logprob_scatter([-1.0, -2.0], [-1.0, -2.5])
