@@ -38,13 +38,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import plotly.graph_objects as go
+from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
 from cbkit.hooks import StepHooks, StepRecord, TrainState
 from cbkit.plots import PALETTE, TEMPLATE, backend_color
 
 __all__ = ["FinalFigure", "LiveChart", "LiveMetricsHook", "TRAINING_PANELS", "detect_mode", "embed_plotlyjs",
-           "figure_html", "in_kernel", "live_sweep", "plotlyjs_embedded", "run_style", "under_ci", "widget_available"]
+           "figure_html", "in_kernel", "live_sweep", "plotlyjs_embedded", "run_style", "text_progress_bars",
+           "under_ci", "widget_available"]
 
 Mode = Literal["auto", "widget", "html", "static"]
 
@@ -55,21 +57,57 @@ _PLOTLYJS_IN_PAGE = False
 # --- plotly.js, once per notebook -----------------------------------------------------------------------------
 
 
+RENDERER = "cbkit_notebook"
+
+
+class EmbeddedHTMLRenderer(MimetypeRenderer):
+    """plotly renderer for ``text/html`` that draws with the notebook's one copy of plotly.js.
+
+    plotly's own ``notebook`` renderer does the same but adds a MathJax ``<script>`` from a CDN to every
+    figure; cbkit's figures have no LaTeX, so this one adds nothing that needs the network."""
+
+    def to_mimebundle(self, fig_dict: Any) -> dict[str, str]:
+        return {"text/html": figure_html(fig_dict)}
+
+
 def embed_plotlyjs() -> bool:
     """Put plotly.js into the notebook once and make every figure output carry HTML that uses it.
 
-    Sets plotly's renderer to ``plotly_mimetype+notebook``: the JSON mimetype for JupyterLab / VS Code, and
-    ``text/html`` for everything that reads the saved file. The library is displayed once, now, as an output
-    of the calling cell. Returns whether it did anything: not outside a kernel, not on Colab (see the module
-    docstring), and not a second time in the same kernel.
+    Displays the library now, as an output of the calling cell, and sets plotly's default renderer to
+    ``plotly_mimetype+cbkit_notebook``: the JSON mimetype for JupyterLab / VS Code, and ``text/html`` for
+    everything that reads the saved file. Returns whether it did anything: not outside a kernel, not on Colab
+    (see the module docstring), and not a second time in the same kernel.
     """
     global _PLOTLYJS_IN_PAGE
     if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
         return False
-    from plotly.offline import init_notebook_mode
+    import plotly.io as pio
+    from IPython.display import display_html
+    from plotly.offline import get_plotlyjs
 
-    init_notebook_mode(connected=False)  # sets the renderer and displays plotly.js, inline
+    display_html(f"<script type=\"text/javascript\">{get_plotlyjs()}</script>", raw=True)
+    pio.renderers[RENDERER] = EmbeddedHTMLRenderer()
+    pio.renderers.default = f"plotly_mimetype+{RENDERER}"
     _PLOTLYJS_IN_PAGE = True
+    return True
+
+
+def text_progress_bars() -> bool:
+    """Under CI (nbmake), make ``tqdm.auto`` draw text bars instead of notebook widgets; returns whether it did.
+
+    A saved notebook keeps a tqdm widget only as the text of its first frame ("0%"), because the widget's
+    later state lives in the front end nobody runs in CI. A text bar is saved frame by frame and every reader
+    (nbconvert, GitHub, JupyterLab) shows its last one: where the run finished. In front of a person
+    (JupyterLab, Colab) the widget stays. ``tqdm.auto`` is looked up when a bar is made (transformers) or when
+    a module is imported (``cbkit.sweep``), so this runs in ``setup()``, before the notebook imports them.
+    """
+    if not (under_ci() and in_kernel()):
+        return False
+    import tqdm.asyncio
+    import tqdm.auto
+    import tqdm.autonotebook
+
+    tqdm.auto.tqdm = tqdm.autonotebook.tqdm = tqdm.asyncio.tqdm  # the text bar, with auto's asyncio support
     return True
 
 
@@ -78,11 +116,13 @@ def plotlyjs_embedded() -> bool:
     return _PLOTLYJS_IN_PAGE
 
 
-def figure_html(fig: go.Figure) -> str:
+def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
     """A figure as an HTML fragment: using the notebook's plotly.js when it is embedded, else loading its own
     from the CDN (Colab, where outputs do not share scripts, and where plotly's own renderer does the same)."""
-    return fig.to_html(full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
-                       default_width="100%")
+    import plotly.io as pio
+
+    return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
+                       include_mathjax=False, default_width="100%", validate=False)
 
 
 # --- where are we running? ---------------------------------------------------------------------------------

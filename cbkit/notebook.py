@@ -29,7 +29,14 @@ import torch
 from cbkit.hooks import StepHooks, StepRecord
 
 # The live helpers live in cbkit.live; the notebooks import them from here.
-from cbkit.live import TRAINING_PANELS, LiveMetricsHook, embed_plotlyjs, live_sweep, run_style  # noqa: F401
+from cbkit.live import (  # noqa: F401
+    TRAINING_PANELS,
+    LiveMetricsHook,
+    embed_plotlyjs,
+    live_sweep,
+    run_style,
+    text_progress_bars,
+)
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
@@ -104,6 +111,7 @@ def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) ->
                           rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data())
     seed_everything(seed)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
+    text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
     if verbose:
         print(env.summary())
     return env

@@ -398,8 +398,6 @@ def test_embed_plotlyjs_puts_the_library_in_the_page_once_and_figures_use_it(mon
 
     shown: list[str] = []
     monkeypatch.setattr("IPython.display.display_html", lambda html, raw=False: shown.append(html))
-    monkeypatch.setattr("plotly.io._base_renderers.ipython_display.display_html",
-                        lambda html, raw=False: shown.append(html))
     monkeypatch.setattr(live, "_PLOTLYJS_IN_PAGE", False)
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)
     fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
@@ -410,9 +408,23 @@ def test_embed_plotlyjs_puts_the_library_in_the_page_once_and_figures_use_it(mon
     assert live.embed_plotlyjs() and not live.embed_plotlyjs()  # once per kernel
     library = get_plotlyjs()
     assert len(shown) == 1 and library in shown[0]
-    assert pio.renderers.default == "plotly_mimetype+notebook"
+    assert pio.renderers.default == "plotly_mimetype+cbkit_notebook"
     html = live.figure_html(fig)
-    assert "Plotly.newPlot" in html and "cdn.plot.ly" not in html and len(html) < len(library) / 100
+    assert "Plotly.newPlot" in html and "cdn" not in html and len(html) < len(library) / 100
     # What a figure cell saves: the JSON mimetype and HTML that draws with the page's copy.
     bundle = pio.renderers._build_mime_bundle(fig.to_dict(), renderers_string=pio.renderers.default)
-    assert "application/vnd.plotly.v1+json" in bundle and "cdn.plot.ly" not in bundle["text/html"]
+    assert "application/vnd.plotly.v1+json" in bundle and "<script src=" not in bundle["text/html"]
+
+
+def test_progress_bars_are_text_under_ci_and_widgets_in_front_of_a_person(monkeypatch):
+    import tqdm.asyncio
+    import tqdm.auto
+    import tqdm.autonotebook
+
+    widget_bar = tqdm.auto.tqdm
+    monkeypatch.setattr(tqdm.auto, "tqdm", widget_bar)  # both restored after the test
+    monkeypatch.setattr(tqdm.autonotebook, "tqdm", tqdm.autonotebook.tqdm)
+    _kernel(monkeypatch)
+    assert not live.text_progress_bars() and tqdm.auto.tqdm is widget_bar
+    _kernel(monkeypatch, ci=True)
+    assert live.text_progress_bars() and tqdm.auto.tqdm is tqdm.asyncio.tqdm
