@@ -188,6 +188,7 @@ class LiveChart:
         min_interval_s: float = 1.0,
         x_log: bool = False,
         style: Callable[[str], Mapping[str, Any]] | None = None,
+        y_min_span: Mapping[str, float] | None = None,
         save_html: str | os.PathLike | None = None,
         clock: Callable[[], float] = time.monotonic,
         display: Callable[[Any], Any] | None = None,
@@ -204,6 +205,7 @@ class LiveChart:
         self.x_title = x_title
         self.x_log = x_log
         self._style = style
+        self.y_min_span = dict(y_min_span or {})
         self.min_interval_s = min_interval_s
         self.save_html = Path(save_html) if save_html is not None else None
         self._clock = clock
@@ -266,26 +268,49 @@ class LiveChart:
         fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08 if rows > 1 else 0.0)
         shown: set[str] = set()
         for (panel, series), (xs, ys) in self._series.items():
-            fig.add_trace(
-                go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", legendgroup=series,
-                           showlegend=series not in shown, line=self._line(series)),
-                row=self.panels.index(panel) + 1, col=1,
-            )
+            fig.add_trace(self._trace(panel, series, xs, ys, first=series not in shown),
+                          row=self.panels.index(panel) + 1, col=1)
             shown.add(series)
         for i, panel in enumerate(self.panels, start=1):
             fig.update_yaxes(title_text=panel, row=i, col=1)
+        self._apply_min_spans(fig)
         fig.update_xaxes(title_text=self.x_title, row=rows, col=1)
         xs = sorted({x for pts, _ in self._series.values() for x in pts if isinstance(x, int | float)})
         if self.x_log and xs and xs[0] > 0:
             fig.update_xaxes(type="log", tickvals=xs, ticktext=[f"{x:g}" for x in xs])
         elif xs and all(float(x).is_integer() for x in xs):
             fig.update_xaxes(dtick=max(1, math.ceil((xs[-1] - xs[0]) / 10)))  # steps are whole numbers
-        # A few series: legend above the plot. Many: below it, where it cannot cover the title.
-        legend = ({"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1}
-                  if len(self._names) <= 6 else {"orientation": "h", "yanchor": "top", "y": -0.4 / rows, "x": 0})
-        fig.update_layout(title=self.title, template=TEMPLATE, legend=legend,
-                          height=160 + 260 * rows + (0 if len(self._names) <= 6 else 24 * len(self._names) // 3))
+        if rows > 1:  # one legend per panel, at the top right of its panel
+            for i in range(1, rows + 1):
+                top = fig.layout["yaxis" if i == 1 else f"yaxis{i}"].domain[1]
+                fig.update_layout({self._legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
+                                                     "font": {"size": 11}}})
+            fig.update_layout(margin={"r": 250})
+        else:
+            fig.update_layout(legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1})
+        fig.update_layout(title=self.title, template=TEMPLATE, height=160 + 260 * rows)
         return fig
+
+    def _apply_min_spans(self, fig: Any) -> None:
+        for i, panel in enumerate(self.panels, start=1):
+            span = self.y_min_span.get(panel)
+            values = [y for (p, _), (_, ys) in self._series.items() if p == panel for y in ys
+                      if isinstance(y, int | float) and math.isfinite(y)]
+            if span and values:
+                lo, hi = min(values), max(values)
+                mid = (lo + hi) / 2
+                fig.update_yaxes(range=[mid - span / 2, mid + span / 2] if hi - lo < span else None, row=i, col=1)
+
+    @staticmethod
+    def _legend(row: int) -> str:
+        return "legend" if row == 1 else f"legend{row}"
+
+    def _trace(self, panel: str, series: str, xs: Sequence[Any], ys: Sequence[Any], *, first: bool) -> go.Scatter:
+        row = self.panels.index(panel) + 1
+        per_panel = len(self.panels) > 1
+        return go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", line=self._line(series),
+                          legend=self._legend(row) if per_panel else None,
+                          legendgroup=None if per_panel else series, showlegend=per_panel or first)
 
     def _line(self, series: str) -> dict[str, Any]:
         if self._style is not None:
@@ -334,16 +359,14 @@ class LiveChart:
             for key, (xs, ys) in self._series.items():
                 if key not in self._trace_index:
                     panel, series = key
-                    self._widget.add_trace(
-                        go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers",
-                                   legendgroup=series, line=self._line(series),
-                                   showlegend=not any(s == series for _, s in self._trace_index)),
-                        row=self.panels.index(panel) + 1, col=1,
-                    )
+                    first = not any(s == series for _, s in self._trace_index)
+                    self._widget.add_trace(self._trace(panel, series, xs, ys, first=first),
+                                           row=self.panels.index(panel) + 1, col=1)
                     self._trace_index[key] = len(self._widget.data) - 1
                 else:
                     trace = self._widget.data[self._trace_index[key]]
                     trace.x, trace.y = list(xs), list(ys)
+            self._apply_min_spans(self._widget)
 
     def _update_html(self, fig: go.Figure) -> None:
         from IPython.display import HTML
@@ -431,6 +454,7 @@ class LiveMetricsHook(StepHooks):
                  close_on_end: bool = True, **chart_kwargs: Any) -> None:
         self.label = label
         self.panels = tuple(panels)
+        chart_kwargs.setdefault("y_min_span", {"IS ratio": 0.1})  # 1 +- 0.05: bf16-sized mismatches show
         self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
                                         **chart_kwargs)
         self.close_on_end = close_on_end

@@ -46,7 +46,7 @@ GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
 __all__ = ["LiveMetricsHook", "NotebookEnv", "RolloutRecorder", "compare_runs", "completions_table", "live_sweep",
-           "measured_crossover", "rounded", "runs_findings", "sweep_findings", "weight_change",
+           "SHORT_ANSWER_PROMPT", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "weight_change",
            "metrics_table", "setup"]
 
 
@@ -310,3 +310,14 @@ def weight_change(before: Mapping[str, torch.Tensor], model: torch.nn.Module) ->
 def rounded(values: Mapping[str, Any], digits: int = 4) -> dict[str, Any]:
     """A metrics dict for printing: floats to ``digits`` significant digits, everything else as it is."""
     return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in values.items()}
+
+
+# A system prompt a 135M model can follow within a few dozen tokens: one worked example of the answer line.
+# Under cbkit's default prompt SmolLM2 rarely reaches "#### <number>" inside a CI-sized budget (32 tokens), so
+# every reward, advantage, loss and gradient would be zero and "one update" would change nothing. With the
+# example, some completions end on the answer line early (measured: a quarter of 16 synthetic-problem
+# completions at 24 tokens, against none under the default prompt), so rewards differ within a group.
+SHORT_ANSWER_PROMPT = (
+    "Answer with one short line of working, then the final line '#### <number>'.\n"
+    "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
+)

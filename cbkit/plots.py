@@ -81,12 +81,10 @@ def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
             marker={"size": 9}, connectgaps=False,
             hovertemplate=f"{backend}<br>N=%{{x}}<br>%{{y:.1f}} tokens/s<extra></extra>",
         ))
-        if backend != "generate":
-            _label_ratios(fig, pts, "tokens_per_s", "speed_vs_generate", 1.0, backend_color(backend))
-    _n_axis(fig, points)
+    _n_axis(fig, points, "speed_vs_generate")
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text="completion tokens / s", rangemode="tozero")
-    fig.update_layout(title="Rollout throughput vs N (labels: speed vs generate)", template=TEMPLATE,
+    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", template=TEMPLATE,
                       height=460, legend={"orientation": "h", "y": -0.2, "x": 0},
                       margin={"t": 90})
     return fig
@@ -109,8 +107,6 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
                 line={"color": color, "width": 2.5}, marker={"size": 9}, legendgroup=backend, connectgaps=False,
                 hovertemplate=f"{backend} measured<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
             ))
-            if backend != "generate":
-                _label_ratios(fig, pts, "peak_mem_bytes", "mem_vs_generate", scale, color)
         # Analytic KV is what the configuration needs, so it is drawn for OOM points too.
         kv = [_scaled(p.get("kv_bytes"), scale) for p in pts]
         if any(v is not None for v in kv):
@@ -128,10 +124,10 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
             ))
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
     measured_as = " / ".join(_kind(k) for k in kinds) or "not measured"
-    _n_axis(fig, points)
+    _n_axis(fig, points, "mem_vs_generate")
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
-    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; labels: memory vs generate)",
+    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs generate())",
                       template=TEMPLATE,
                       height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
     return fig
@@ -451,10 +447,21 @@ def _by_backend(points: Sequence[Mapping[str, Any]], backend: str) -> list[Mappi
     return sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
 
 
-def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> None:
+def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]], ratio_key: str | None = None) -> None:
     ns = sorted({p["N"] for p in points})
-    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly.
-    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[str(n) for n in ns],
+    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly. Ratios to generate()
+    # go under each N's tick, in the backend's colour: a label beside a marker ends up on another marker.
+    by = {(p["backend"], p["N"]): p for p in points}
+    others = [b for b in _backends(points) if b != "generate"]
+
+    def tick(n: int) -> str:
+        if ratio_key is None:
+            return str(n)
+        labels = [f"<span style='color:{backend_color(b)}'>{_ratio(by[(b, n)].get(ratio_key))}</span>"
+                  for b in others if (b, n) in by and _ok(by[(b, n)]) and by[(b, n)].get(ratio_key) is not None]
+        return "<br>".join([str(n), *labels])
+
+    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[tick(n) for n in ns],
                      range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
 
 
@@ -469,15 +476,6 @@ def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> N
                            text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
                            bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
         fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})
-
-
-def _label_ratios(fig: go.Figure, pts: Sequence[Mapping[str, Any]], y_key: str, ratio_key: str, scale: float,
-                  color: str) -> None:
-    for p in pts:
-        if _ok(p) and p.get(ratio_key) is not None and p.get(y_key) is not None:
-            # Shifted up by pixels rather than data units, so the label clears the marker at any scale.
-            fig.add_annotation(x=math.log10(p["N"]), y=p[y_key] / scale, yshift=18, text=_ratio(p[ratio_key]),
-                               showarrow=False, font={"color": color, "size": 12})
 
 
 def _unit(max_bytes: float) -> tuple[str, float]:

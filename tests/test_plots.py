@@ -301,7 +301,11 @@ def test_throughput_vs_n_marks_oom_without_plotting_zero():
     assert list(gen.x) == [8, 32, 64] and list(gen.y) == [1000.0, 3000.0, None]
     assert 0 not in [y for t in fig.data for y in t.y]
     texts = [a.text for a in fig.layout.annotations]
-    assert "generate: OOM" in texts and "1.25x" in texts
+    assert "generate: OOM" in texts and not any("x" in t for t in texts if "OOM" not in t)  # no label on a marker
+    # The ratio sits under its N, in CB's colour; N=64 has no ratio (generate() ran out of memory).
+    ticks = list(fig.layout.xaxis.ticktext)
+    assert ticks[1] == f"32<br><span style='color:{plots.BACKEND_COLORS['continuous']}'>1.25x</span>"
+    assert ticks[2] == "64"
     assert fig.layout.xaxis.title.text.startswith("N") and "tokens" in fig.layout.yaxis.title.text
 
 
@@ -428,3 +432,18 @@ def test_progress_bars_are_text_under_ci_and_widgets_in_front_of_a_person(monkey
     assert not live.text_progress_bars() and tqdm.auto.tqdm is widget_bar
     _kernel(monkeypatch, ci=True)
     assert live.text_progress_bars() and tqdm.auto.tqdm is tqdm.asyncio.tqdm
+
+
+def test_one_legend_per_panel_and_a_minimum_span_for_flat_panels(no_kernel):
+    chart = LiveChart("t", ["reward", "IS ratio"], mode="static", y_min_span={"IS ratio": 0.1})
+    for step, (reward, ratio) in enumerate([(0.1, 1.00001), (0.4, 0.99998), (0.3, 1.00002)], start=1):
+        chart.add("cb: mean", step, reward, panel="reward")
+        chart.add("cb: ratio mean", step, ratio, panel="IS ratio")
+    fig = chart.figure()
+    assert [t.legend for t in fig.data] == ["legend", "legend2"]
+    assert fig.layout.legend2.y == pytest.approx(fig.layout.yaxis2.domain[1])  # beside its own panel
+    # 1e-5 noise around 1 is drawn inside 1 +- 0.05, not stretched over the panel; reward keeps autorange.
+    assert list(fig.layout.yaxis2.range) == pytest.approx([0.99998 + 0.00002 - 0.05, 1.00002 - 0.00002 + 0.05])
+    assert fig.layout.yaxis.range is None
+    chart.add("cb: ratio mean", 4, 1.3, panel="IS ratio")  # a real move: autorange again
+    assert chart.figure().layout.yaxis2.range is None
