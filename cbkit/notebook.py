@@ -46,7 +46,8 @@ GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
 __all__ = ["LiveMetricsHook", "NotebookEnv", "RolloutRecorder", "compare_runs", "completions_table", "live_sweep",
-           "SHORT_ANSWER_PROMPT", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "weight_change",
+           "SHORT_ANSWER_PROMPT", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "timeline_findings",
+           "weight_change",
            "metrics_table", "setup"]
 
 
@@ -321,3 +322,33 @@ SHORT_ANSWER_PROMPT = (
     "Answer with one short line of working, then the final line '#### <number>'.\n"
     "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
 )
+
+
+def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None) -> str:
+    """What one CB rollout's timeline shows, in sentences: the pool against the blocks in use, how many
+    requests were admitted only after another had finished (recycling), and how long requests sat admitted
+    before their first token (the hatched part of their bars)."""
+    from cbkit.plots import first_token_waits
+    from cbkit.telemetry import occupancy as compute_occupancy
+
+    occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
+    requests = timeline["requests"]
+    if not requests:
+        return "The timeline has no request."
+    first_end = min(r["end"] for r in requests)
+    later = sum(r["start"] >= first_end for r in requests)
+    pool, peak = occupancy.get("pool_blocks") or 0, max(occupancy["blocks_in_use"], default=0)
+    wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
+    waits = first_token_waits(timeline)
+    long = {i: w for i, w in waits.items() if w > 0.1 * wall}
+    lines = [f"KV blocks in use peaked at {peak}" + (f" of a {pool}-block pool." if pool else ".")]
+    lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished and "
+                 "returned its blocks: " + ("recycling." if later else "no recycling in this rollout."))
+    if long:
+        worst = max(long, key=long.get)
+        lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "
+                     f"their first token, the longest {long[worst]:.1f} s (request {worst}): admitted, but "
+                     "waiting for a slot in the batch.")
+    else:
+        lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
+    return "\n".join(lines)

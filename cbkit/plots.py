@@ -90,9 +90,13 @@ def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
     return fig
 
 
-def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
+                marks: Mapping[str, int | None] | None = None) -> go.Figure:
     """Peak memory vs N per backend: measured (solid), analytic KV (dashed), planner prediction (open
-    diamonds, when the points carry one). The memory ratio to generate() is printed at each measured point."""
+    diamonds, when the points carry one). The memory ratio to generate() is printed under each N.
+
+    ``log_y`` for ranges that span orders of magnitude (a planner run to N=512); ``marks`` (label -> N) draws a
+    labelled vertical line at each N that is not None, e.g. where the planner puts the crossover."""
     unit, scale = _unit(max((v for p in points for v in (p.get("peak_mem_bytes"), p.get("kv_bytes"),
                                                             p.get("planned_peak_bytes")) if v), default=0))
     fig = go.Figure()
@@ -127,6 +131,13 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
     _n_axis(fig, points, "mem_vs_generate")
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
+    if log_y:
+        fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)")
+    for i, (label, n) in enumerate((marks or {}).items()):
+        if n is not None:
+            fig.add_vline(x=math.log10(n), line={"color": "#333", "width": 1.5, "dash": "dot"})  # log axis: log10
+            fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4 + 18 * i,
+                               text=label, showarrow=False, font={"size": 12}, bgcolor="rgba(255,255,255,0.9)")
     fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs generate())",
                       template=TEMPLATE,
                       height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
@@ -475,7 +486,7 @@ def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> N
         fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
                            text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
                            bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
-        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})
+        fig.add_vline(x=math.log10(n), line={"color": "#b00", "width": 1, "dash": "dot"})  # log axis: log10
 
 
 def _unit(max_bytes: float) -> tuple[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -447,3 +448,11 @@ def test_one_legend_per_panel_and_a_minimum_span_for_flat_panels(no_kernel):
     assert fig.layout.yaxis.range is None
     chart.add("cb: ratio mean", 4, 1.3, panel="IS ratio")  # a real move: autorange again
     assert chart.figure().layout.yaxis2.range is None
+
+
+def test_memory_vs_n_log_axis_and_a_marked_crossover():
+    fig = plots.memory_vs_n(POINTS, log_y=True, marks={"planner: N=19": 19, "measured: none": None})
+    assert fig.layout.yaxis.type == "log"
+    (line,) = [s for s in fig.layout.shapes if s.x0 == pytest.approx(math.log10(19))]  # shapes take log10 on a log axis
+    assert "planner: N=19" in [a.text for a in fig.layout.annotations]
+    assert "measured: none" not in [a.text for a in fig.layout.annotations]
