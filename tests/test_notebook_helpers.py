@@ -44,18 +44,41 @@ def test_setup_on_this_cpu_picks_fp32_the_offline_model_and_ci_sizes(monkeypatch
     assert full.pick(ci=1, cpu=2, gpu=3) == 2
 
 
-@pytest.mark.parametrize(("cc", "rollout", "train"), [((7, 5), "float16", "float32"), ((8, 0), "bfloat16", "bfloat16")])
-def test_setup_on_a_gpu_uses_bf16_only_from_compute_capability_8(monkeypatch, cc, rollout, train):
-    """A T4 (7.5) reports is_bf16_supported() through emulation; setup must not believe it."""
+@pytest.mark.parametrize(("cc", "memory_gib", "rollout", "autocast", "tier"), [
+    ((7, 5), 15, "float16", None, "t4"),  # a T4: no native bf16, 15 GiB
+    ((8, 9), 22, "bfloat16", "bfloat16", "t4"),  # an L4: native bf16 but T4-sized memory
+    ((8, 0), 40, "bfloat16", "bfloat16", "a100"),  # an A100-40GB
+])
+def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, memory_gib, rollout, autocast, tier):
+    """A T4 (7.5) reports is_bf16_supported() through emulation; setup must not believe it. Training weights
+    are fp32 on every GPU (master weights); bf16 is the forward's autocast where it is native."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: type("Props", (), {"total_memory": memory_gib * 2**30})())
     monkeypatch.setattr("cbkit.grpo.seed_everything", lambda seed: None)
     env = notebook.setup("full", verbose=False)
-    assert (env.rollout_dtype, env.train_dtype, env.model) == (rollout, train, notebook.GPU_MODEL)
+    assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
+    assert env.model == notebook.GPU_MODEL
     assert env.pick(ci=1, cpu=2, gpu=3) == 3
-    assert ("no native bf16" in env.summary()) == (cc[0] < 8)
+    assert env.pick(ci=1, cpu=2, gpu=3, t4=4, a100=5) == {"t4": 4, "a100": 5}[tier]
+    with pytest.raises(ValueError, match=f"no size for the '{tier}' tier"):
+        env.pick(ci=1, cpu=2)
+    assert ("no native bf16" in env.summary()) == (cc[0] < 8) and f"tier '{tier}'" in env.summary()
+    # The tier's logits budget sets the micro-batches: 128 completions x 256 tokens over Qwen2.5's vocabulary
+    # (0.58 GiB a completion in the loss) is 64 micro-batches of 2 on a T4 (2 GiB), 16 of 8 on an A100 (8 GiB).
+    assert env.micro_batches(128, 256, 151_936) == {"t4": 64, "a100": 16}[tier]
+
+
+def test_check_fits_adds_training_memory_to_the_planners_rollout(tiny):
+    env = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "tiny", "d")
+    params = sum(p.numel() for p in tiny.model.parameters())
+    line = notebook.check_fits(env, tiny.model, prompt_ids=[[5, 6, 7], [8, 9]], num_generations=4,
+                               max_new_tokens=8, gradient_accumulation_steps=2)
+    # 16 bytes a parameter (fp32 weights, gradients, two AdamW moments), computed here from the model itself.
+    assert f"weights, gradients, AdamW: {16 * params / 2**30:.2f}" in line and "rollout peak" in line
 
 
 # --- the live hook, the tables ------------------------------------------------------------------------------
@@ -282,3 +305,16 @@ def test_planned_points_feed_the_memory_figure(tiny):
     fig = memory_vs_n(pts)
     assert any("planner" in t.name for t in fig.data) and not any("measured" in t.name for t in fig.data)
     assert math.isfinite(gen[0]["planned_peak_bytes"])
+
+
+def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
+    gpu = notebook.NotebookEnv("full", "cuda", "Fake", (7, 5), False, "float16", "float32", "tiny", "d",
+                               tier="t4", gpu_memory_bytes=2**20)  # 1 MiB: the weights alone do not fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # the rollout fits anything
+    with pytest.raises(MemoryError, match="training needs more than this GPU's 0.0 GiB"):
+        notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
+                            gradient_accumulation_steps=1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**10, 2**40))  # 1 KiB free: no KV pool fits
+    with pytest.raises(MemoryError, match="the rollout does not fit"):
+        notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
+                            gradient_accumulation_steps=1)
