@@ -220,8 +220,19 @@ def test_equal_lengths_leave_nothing_to_recycle_and_spread_does():
     assert varied < 0.8
 
 
+def test_spread_runs_from_the_fixed_workload_to_the_replayed_one():
+    replay = [10, 40, 100]  # already scaled to the limit of 100
+    fixed = completion_lengths(6, 100, 0.0, seed=3, replay=replay)
+    full = completion_lengths(6, 100, 1.0, seed=3, replay=replay)
+    half = completion_lengths(6, 100, 0.5, seed=3, replay=replay)
+    assert fixed == [100] * 6 and set(full) <= set(replay)
+    # Same seed, same draws: halfway between each replayed length and the limit (10 -> 55, 40 -> 70).
+    assert half == [round(100 - (100 - x) / 2) for x in full]
+
+
 @pytest.mark.parametrize(("call", "msg"), [
     (lambda: completion_lengths(4, 10, 1.5), "spread is a fraction"),
+    (lambda: completion_lengths(4, 10, 0.5, replay=[3, 12]), "replay lengths must be 1..max_len=10"),
     (lambda: paged_pool(10, [5], 4, pool_blocks=2), "pool_blocks=2 cannot hold even one sequence"),
     (lambda: static_batch(10, []), "one positive completion length per sequence"),
 ])
