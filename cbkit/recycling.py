@@ -187,7 +187,7 @@ def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int
         draw,
         n=widgets.IntSlider(value=n, min=2, max=256, step=2, description="N"),
         spread=widgets.FloatSlider(value=spread, min=0.0, max=1.0, step=0.05,
-                                   description="spread" if replay is None else "fixed -> replay"),
+                                   description="length spread" if replay is None else "fixed -> replay"),
         pool_share=widgets.FloatSlider(value=pool_share, min=0.05, max=1.0, step=0.05, description="pool / static"),
     )
 
