@@ -96,19 +96,36 @@ def text_progress_bars() -> bool:
     """Under CI (nbmake), make ``tqdm.auto`` draw text bars instead of notebook widgets; returns whether it did.
 
     A saved notebook keeps a tqdm widget only as the text of its first frame ("0%"), because the widget's
-    later state lives in the front end nobody runs in CI. A text bar is saved frame by frame and every reader
-    (nbconvert, GitHub, JupyterLab) shows its last one: where the run finished. In front of a person
+    later state lives in the front end nobody runs in CI. These bars write one line when they close, their
+    last frame: what every reader (nbconvert, GitHub, JupyterLab) then shows is where the run finished. In front of a person
     (JupyterLab, Colab) the widget stays. ``tqdm.auto`` is looked up when a bar is made (transformers) or when
     a module is imported (``cbkit.sweep``), so this runs in ``setup()``, before the notebook imports them.
     """
     if not (under_ci() and in_kernel()):
         return False
-    import tqdm.asyncio
     import tqdm.auto
     import tqdm.autonotebook
 
-    tqdm.auto.tqdm = tqdm.autonotebook.tqdm = tqdm.asyncio.tqdm  # the text bar, with auto's asyncio support
+    tqdm.auto.tqdm = tqdm.autonotebook.tqdm = _last_frame_bar()
     return True
+
+
+def _last_frame_bar() -> type:
+    """tqdm's text bar (with ``tqdm.auto``'s asyncio support) that writes one line, its last frame, when it
+    closes: a saved notebook keeps every frame of a text bar as its own line, so only the last is written."""
+    import tqdm.asyncio
+
+    class LastFrameBar(tqdm.asyncio.tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("delay", math.inf)  # nothing is drawn while it runs
+            super().__init__(*args, **kwargs)
+
+        def close(self) -> None:
+            if self.delay == math.inf:
+                self.delay = 0  # close() draws the final frame once the delay has passed
+            super().close()
+
+    return LastFrameBar
 
 
 def plotlyjs_embedded() -> bool:

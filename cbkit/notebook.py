@@ -292,10 +292,11 @@ def sweep_findings(points: Sequence[Mapping[str, Any]]) -> str:
                 growth.append(f"{name}'s {a / 2**20:.0f} -> {b / 2**20:.0f} MiB ({b / a:.2f}x)")
         if growth:
             lines.append(f"From N={lo} to N={hi} the measured peak went " + " and ".join(growth) + ".")
-    for key, what in (("mem_vs_generate", "less peak memory than"), ("speed_vs_generate", "faster than")):
+    for key, yes, no in (("mem_vs_generate", "used less peak memory than", "did not use less peak memory than"),
+                         ("speed_vs_generate", "was faster than", "was not faster than")):
         n = measured_crossover(ok, key)
-        lines.append(f"CB was {what} generate() from N={n} on." if n is not None
-                     else f"CB was not {what} generate() at the largest N measured (N={ns[-1]}).")
+        lines.append(f"CB {yes} generate() from N={n} on." if n is not None
+                     else f"CB {no} generate() at the largest N measured (N={ns[-1]}).")
     return "\n".join(lines)
 
 
@@ -384,6 +385,9 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     waits = first_token_waits(timeline)
     long = {i: w for i, w in waits.items() if w > 0.1 * wall}
     lines = [f"KV blocks in use peaked at {peak}" + (f" of a {pool}-block pool." if pool else ".")]
+    if pool and peak > pool:
+        lines[0] += (" The count assumes every running request kept its blocks; above the pool, the engine must "
+                     "have offloaded requests and prefilled them again (their bars run longer).")
     lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished and "
                  "returned its blocks: " + ("recycling." if later else "no recycling in this rollout."))
     if long:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 import types
@@ -432,7 +433,11 @@ def test_progress_bars_are_text_under_ci_and_widgets_in_front_of_a_person(monkey
     _kernel(monkeypatch)
     assert not live.text_progress_bars() and tqdm.auto.tqdm is widget_bar
     _kernel(monkeypatch, ci=True)
-    assert live.text_progress_bars() and tqdm.auto.tqdm is tqdm.asyncio.tqdm
+    assert live.text_progress_bars() and issubclass(tqdm.auto.tqdm, tqdm.asyncio.tqdm)
+    out = io.StringIO()
+    for _ in tqdm.auto.tqdm(range(3), desc="runs", file=out):
+        pass
+    assert out.getvalue().count("runs:") == 1 and " 100%|" in out.getvalue()  # one line: the last frame
 
 
 def test_one_legend_per_panel_and_a_minimum_span_for_flat_panels(no_kernel):
