@@ -329,3 +329,50 @@ def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
     with pytest.raises(MemoryError, match="the rollout does not fit"):
         notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
                             gradient_accumulation_steps=1)
+
+
+# --- sentences printed from a run -------------------------------------------------------------------------------
+
+
+def _pt(backend, n, tps, mem, **kw):
+    return {"backend": backend, "N": n, "status": "ok", "tokens_per_s": tps, "peak_mem_bytes": mem * 2**20, **kw}
+
+
+def test_sweep_findings_say_what_the_points_say():
+    points = [_pt("generate", 4, 10.0, 40), _pt("continuous", 4, 8.0, 100, speed_vs_generate=0.8, mem_vs_generate=2.5),
+              _pt("generate", 16, 20.0, 160), _pt("continuous", 16, 30.0, 120, speed_vs_generate=1.5,
+                                                   mem_vs_generate=0.75)]
+    text = notebook.sweep_findings(points)
+    assert "N=4: CB ran at 0.80x generate()'s speed (slower) and used 2.50x its peak memory (more)." in text
+    assert "N=16: CB ran at 1.50x generate()'s speed (faster) and used 0.75x its peak memory (less)." in text
+    assert "generate()'s 40 -> 160 MiB (4.00x) and CB's 100 -> 120 MiB (1.20x)" in text
+    assert "CB used less peak memory than generate() from N=16 on." in text
+    assert notebook.measured_crossover(points, "speed_vs_generate") == 16
+    # Ahead at N=4 but behind again at N=16: no crossover, since it does not stay on CB's side.
+    back = [{**p, "mem_vs_generate": 0.9 if p["N"] == 4 else 1.1} for p in points]
+    assert notebook.measured_crossover(back) is None
+    assert "did not use less peak memory than generate() at the largest N measured (N=16)" in notebook.sweep_findings(back)
+
+
+def test_runs_findings_compare_two_runs():
+    def rec(step, reward, seconds, mem):
+        return StepRecord(step, {"reward/mean": reward, "rollout/seconds": seconds, "rollout/peak_mem_bytes": mem,
+                                 "train/loss": 0.01, "train/grad_norm": 2.0})
+
+    text = notebook.runs_findings({"continuous": [rec(1, 0.1, 3.0, 300), rec(2, 0.3, 3.0, 300)],
+                                   "generate": [rec(1, 0.2, 2.0, 200), rec(2, 0.2, 2.0, 200)]})
+    assert "continuous: reward/mean 0.100 at step 1 -> 0.300 at step 2" in text
+    assert "Mean reward: continuous 0.200, generate 0.200: the same." in text
+    assert "continuous's rollouts took 1.50x generate's time (slower) and used 1.50x its peak memory (more)." in text
+
+
+def test_timeline_findings_count_recycling_and_waits():
+    t0 = 100.0
+    requests = [dict(id=0, group=0, prompt_len=4, start=t0, end=t0 + 1.0, token_times=[t0 + 0.1, t0 + 1.0]),
+                dict(id=1, group=0, prompt_len=4, start=t0, end=t0 + 2.0, token_times=[t0 + 0.9, t0 + 2.0]),
+                dict(id=2, group=0, prompt_len=4, start=t0 + 1.0, end=t0 + 3.0, token_times=[t0 + 1.1, t0 + 3.0])]
+    occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
+    text = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
+    assert "1 of 3 requests were admitted only after another had finished" in text  # request 2, at 1.0 s
+    assert "1 requests sat admitted for more than 10% of the rollout (3.0 s)" in text  # request 1: 0.9 s
+    assert "peaked at 3 of a 2-block pool" in text and "offloaded" in text
