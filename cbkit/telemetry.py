@@ -10,6 +10,8 @@ backends side by side in one process, never across machines.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -24,6 +26,30 @@ def _return_freed_memory_to_os() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS figures are then only looser
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def rss_reader() -> Callable[[], int]:
+    """A function returning this process's resident set size in bytes.
+
+    psutil where it is installed (any OS); without it, Linux's ``/proc/self/statm``, which is what psutil reads
+    there too, so the bare install (torch + transformers only) measures CPU memory the same way.
+    """
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        proc = psutil.Process()
+        return lambda: proc.memory_info().rss
+    statm = Path("/proc/self/statm")
+    if statm.is_file():
+        import os
+
+        page = os.sysconf("SC_PAGE_SIZE")
+        return lambda: int(statm.read_text().split()[1]) * page
+    raise ModuleNotFoundError(
+        "Measuring CPU memory needs psutil on this operating system (no /proc/self/statm): pip install psutil"
+    )
 
 
 class PeakMemory:
@@ -47,11 +73,9 @@ class PeakMemory:
             self._baseline = torch.cuda.memory_allocated(self.device)
             self.kind = "cuda_allocated"
         else:
-            import psutil
-
             _return_freed_memory_to_os()
-            self._proc = psutil.Process()
-            self._baseline = self._peak_rss = self._proc.memory_info().rss
+            self._rss = rss_reader()
+            self._baseline = self._peak_rss = self._rss()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
             self.kind = "cpu_rss"
@@ -59,7 +83,7 @@ class PeakMemory:
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._peak_rss = max(self._peak_rss, self._proc.memory_info().rss)
+            self._peak_rss = max(self._peak_rss, self._rss())
 
     def synchronize(self) -> None:
         """Wait for queued device work, so clocks read after this include it."""
@@ -75,8 +99,21 @@ class PeakMemory:
             self._stop.set()
             assert self._thread is not None
             self._thread.join()
-            self._peak_rss = max(self._peak_rss, self._proc.memory_info().rss)
+            self._peak_rss = max(self._peak_rss, self._rss())
             self.peak_bytes = self._peak_rss - self._baseline
+
+
+def cuda_peaks(device: torch.device | str) -> dict[str, int]:
+    """Right after a measured call: the allocator's peak *reserved* bytes since the call's `PeakMemory` reset the
+    peak counters (absolute, weights included: what PyTorch held from the driver), and the device's used bytes
+    now (total - free from cudaMemGetInfo: every process, the CUDA context and the allocator's cache, what
+    nvidia-smi shows). Empty on CPU. These need no NVML bindings, which a bare GPU machine may lack."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)), "device_used_bytes": int(total - free)}
 
 
 # --- NVML (per-process GPU memory, as nvidia-smi sees it) ---------------------------------------------------

@@ -240,3 +240,83 @@ def test_cli_advise_bad_input(capsys, args, message):
 def test_cli_advise_unknown_model(capsys):
     assert main(["advise", "--model", "no-such-model", "-N", "8"]) == 2
     assert "Accepted forms" in capsys.readouterr().err
+
+
+# --- advice from a sweep measured on this machine (--from) -------------------------------------------------
+
+
+def _sweep_file(tmp_path, speeds, mems=None, lengths=(10, 30, 50, 30)):
+    """A results file with hand-set numbers: generate() at 100 tok/s, CB at 100 x speed, per N."""
+    import json
+
+    mems = mems or {}
+    lines = [{"kind": "header", "fingerprint": {"lengths": "replay:gsm8k", "device": "cpu", "max_new_tokens": 50}}]
+    for n, speed in speeds.items():
+        for backend, tps, mem in (("generate", 100.0, 1000), ("continuous", 100.0 * speed, 1000 * mems.get(n, 1.0))):
+            lines.append({"kind": "run", "backend": backend, "N": n, "repeat": 0, "status": "ok",
+                          "tokens_per_s": tps, "peak_mem_bytes": mem, "length_mean": 30.0,
+                          "length_cv": 0.42, "length_max": 50, "static_padding_share": 0.4,
+                          "completion_lengths": list(lengths)})
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_advice_without_a_sweep_names_its_source():
+    for a in (recommend(8), recommend(64, completion_cv=0.5), recommend(64, completion_cv=0.05)):
+        assert "TRL's reported A100 benchmark" in a.basis and "basis:" in str(a)
+
+
+def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
+    from cbkit.advise import measured_from_sweep
+
+    path = _sweep_file(tmp_path, {8: 0.8, 16: 1.3, 64: 1.4})
+    a = recommend(64, measured=measured_from_sweep(str(path), 64))
+    assert a.backend == "continuous" and "1.40x" in a.reasons[0] and a.basis.startswith("measured")
+    assert "CV 0.42" in a.basis and "static batch padding 40%" in a.basis and "replay:gsm8k" in a.basis
+    assert recommend(8, measured=measured_from_sweep(str(path), 8)).backend == "generate"
+    # below the seed's N=32 threshold, but measured faster here: the measurement wins
+    assert recommend(16, measured=measured_from_sweep(str(path), 16)).backend == "continuous"
+    # N=40 was not measured: the nearest N (64, 24 away; 16 is 24 away too, the larger wins the tie)
+    m = measured_from_sweep(str(path), 40)
+    assert m.n == 64 and "nearest measured to N=40" in m.describe()
+
+
+def test_measured_parity_lets_memory_decide(tmp_path):
+    from cbkit.advise import measured_from_sweep
+
+    lighter = _sweep_file(tmp_path, {32: 1.02}, mems={32: 0.7})
+    a = recommend(32, measured=measured_from_sweep(str(lighter), 32))
+    assert a.backend == "continuous" and "memory decides" in a.reasons[0]
+    heavier = _sweep_file(tmp_path, {32: 0.97}, mems={32: 1.3})
+    assert recommend(32, measured=measured_from_sweep(str(heavier), 32)).backend == "generate"
+
+
+def test_bad_sweep_files(tmp_path):
+    import json
+
+    from cbkit.advise import measured_from_sweep
+
+    with pytest.raises(FileNotFoundError, match="cbkit sweep --out"):
+        measured_from_sweep(str(tmp_path / "none.jsonl"), 8)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"a": 1}\n')
+    with pytest.raises(ValueError, match="not a cbkit sweep results file"):
+        measured_from_sweep(str(other), 8)
+    only_gen = tmp_path / "gen.jsonl"
+    only_gen.write_text(json.dumps({"kind": "header", "fingerprint": {}}) + "\n" + json.dumps(
+        {"kind": "run", "backend": "generate", "N": 8, "repeat": 0, "status": "ok", "tokens_per_s": 1.0,
+         "peak_mem_bytes": 1}) + "\n")
+    with pytest.raises(ValueError, match="no N at which both"):
+        measured_from_sweep(str(only_gen), 8)
+
+
+def test_cli_advise_from_a_sweep(tmp_path, capsys):
+    path = _sweep_file(tmp_path, {8: 0.8, 64: 1.4})
+    assert main(["advise", "--model", "tiny", "-N", "64", "--from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Advice: use continuous" in out and "basis: measured" in out and "1.40x" in out
+    assert main(["advise", "--model", "tiny", "-N", "64"]) == 0
+    assert "basis: thresholds from TRL's reported A100 benchmark" in capsys.readouterr().out
+    assert main(["advise", "--model", "tiny", "-N", "8", "--from", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no sweep results" in capsys.readouterr().err

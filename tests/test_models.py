@@ -69,3 +69,74 @@ def test_bf16_only_from_compute_capability_8(monkeypatch, cc, native, auto):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
     assert models.native_bf16() is native
     assert models._resolve_dtype(None, torch.device("cuda")) == getattr(torch, auto)
+
+
+# --- llama-1b-random: Llama-3.2-1B's shape with random weights, and its tokenizer ---------------------------------
+
+
+def test_llama_1b_random_has_llama_3_2_1b_shape():
+    """Built on the meta device (no memory): the parameter count must be the published 1,235,814,400 of
+    Llama-3.2-1B(-Instruct), which only the right shapes and a tied LM head give (untied: +262,668,288)."""
+    model = models.random_llama(models.RANDOM_1B_NAME, models.piece_tokenizer(), dtype=torch.bfloat16, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
+            c.vocab_size, c.max_position_embeddings) == (2048, 16, 32, 8, 8192, 128256, 131072)
+    assert c.rope_parameters["rope_theta"] == 500000.0 and c.rope_parameters["rope_type"] == "llama3"
+    assert model.dtype == torch.bfloat16
+    # The KV cache a token costs: 16 layers x K and V x 8 heads x 64 dims x 2 bytes = 32 KiB, as the planner uses.
+    from cbkit.telemetry import kv_bytes_per_token
+
+    assert kv_bytes_per_token(c, 2) == 32 * 1024
+
+
+def test_random_llama_is_seeded_and_built_in_the_requested_dtype():
+    tok = models.piece_tokenizer()
+    a = models.load_policy(models.RANDOM_TINY_NAME, seed=1, dtype="bfloat16", device="cpu")
+    b = models.random_llama(models.RANDOM_TINY_NAME, tok, seed=1, dtype=torch.bfloat16)
+    c = models.random_llama(models.RANDOM_TINY_NAME, tok, seed=2, dtype=torch.bfloat16)
+    assert a.source == "random" and a.model.dtype == torch.bfloat16
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a.model, b, c))
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert not torch.equal(pa["model.layers.0.mlp.up_proj.weight"], pc["model.layers.0.mlp.up_proj.weight"])
+    # Special ids agree between the model and its tokenizer, so EOS and padding mean the same to both backends.
+    assert a.model.generation_config.eos_token_id == a.tokenizer.eos_token_id
+    assert a.model.generation_config.pad_token_id == a.tokenizer.pad_token_id != a.tokenizer.eos_token_id
+
+
+def test_piece_tokenizer_counts_pieces_like_a_real_bpe():
+    """Hand-split with Llama-3's pre-tokenizer rules: words keep their leading space, numbers stand apart from
+    the space before them and split in groups of three digits, punctuation runs are one piece."""
+    tok = models.piece_tokenizer()
+    text = "Natalia sold 1234 clips in April, then 48 more."
+    pieces = ["Natalia", " sold", " ", "123", "4", " clips", " in", " April", ",", " then", " ", "48", " more", "."]
+    assert [piece for piece, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(pieces)  # one id per piece; a word outside the vocabulary is <unk>
+    unknown = [piece for piece, i in zip(pieces, ids, strict=True) if i == tok.unk_token_id]
+    assert unknown == ["Natalia", " clips", " April"]  # the rest are words of the synthetic problems and numbers
+
+
+def test_piece_tokenizer_on_prompts_stays_inside_the_vocabulary():
+    from cbkit.data import chat_prompt_ids, synthetic_gsm
+
+    tok = models.piece_tokenizer()
+    prompts = [chat_prompt_ids(tok, p) for p in synthetic_gsm(32, seed=7)]
+    flat = [i for p in prompts for i in p]
+    assert max(flat) < models.RANDOM_SHAPES[models.RANDOM_TINY_NAME]["vocab_size"]
+    assert tok.unk_token_id not in flat  # the synthetic generator's words are all in the vocabulary
+    assert len({tuple(p) for p in prompts}) == len(prompts)  # different prompts, different ids
+    question = synthetic_gsm(32, seed=7)[0].question
+    assert tok.decode(tok.encode(question, add_special_tokens=False)) == question
+
+
+def test_local_dir_names_the_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing config.json; weights \(model.safetensors.*; a tokenizer"):
+        models.load_policy(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"missing a tokenizer \(tokenizer.json or") as err:
+        models.load_policy(str(tmp_path))
+    assert "weights" not in str(err.value).split("missing", 1)[1]
+    assert "--model llama-1b-random" in str(err.value)

@@ -203,3 +203,104 @@ def test_the_cpu_pool_warning_comes_once_per_backend(tiny, prompts):
         for _ in range(3):
             backend.generate(prompts, 2, sp)
     assert sum("share of free GPU memory" in str(w.message) for w in caught) == 1
+
+
+# --- per-request target lengths (replayed length workloads) ------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_lengths_are_exact_and_logprobs_still_match(tiny, prompts, backend):
+    # Targets differ within and across groups; identical requests for both backends (same targets, same order).
+    targets = [3, 11, 1, 7, 16, 9]
+    sp = _sampling(tiny.tokenizer, temperature=0.9, top_k=40, max_new_tokens=16)
+    r = make_backend(backend, tiny.model).generate(prompts, 2, sp, target_lengths=targets)
+    assert [len(c.completion_ids) for c in r.completions] == targets
+    assert all(c.finish_reason == "length" for c in r.completions)
+    assert r.completion_tokens == sum(targets)
+    assert max_logprob_diff(tiny.model, r, sp) < LOGPROB_ATOL
+    if backend == "generate":
+        assert r.engine_config["steps"] == 16  # the static batch runs to its longest target: that is its cost
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_lengths_ignore_eos(tiny, prompts, backend):
+    """Declare a token the greedy continuation produces early the EOS: with a target, generation runs past it
+    and gives the same tokens as a run without any EOS, cut at the target."""
+    free = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=14, eos_token_id=-1)
+    ref = GenerateBackend(tiny.model).generate(prompts[:1], 1, free).completions[0].completion_ids
+    eos = ref[2]
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=14, eos_token_id=eos)
+    b = make_backend(backend, tiny.model)
+    assert b.generate(prompts[:1], 1, sp).completions[0].finish_reason == "eos"  # EOS does stop a normal run
+    (c,) = b.generate(prompts[:1], 1, sp, target_lengths=[12]).completions
+    assert c.completion_ids == ref[:12] and eos in c.completion_ids[:-1] and c.finish_reason == "length"
+
+
+def test_cb_pool_follows_the_targets(tiny):
+    from cbkit.rollout.continuous import workload_blocks
+
+    # page 16: prompt 5 + target 3 -> 1 block, 5 + 20 -> 2 blocks, 5 + 40 -> 3 blocks; plus the trash block
+    assert workload_blocks([[1] * 5] * 3, [3, 20, 40], 16) == 1 + 2 + 3 + 1
+    assert workload_blocks([[1] * 5] * 3, 40, 16) == 3 * 3 + 1
+    sp = _sampling(tiny.tokenizer, max_new_tokens=40)
+    prompt = [[65] * 5]
+    short = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp, target_lengths=[3, 3, 3])
+    full = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp, target_lengths=[40, 40, 40])
+    assert short.engine_config["num_blocks"] < full.engine_config["num_blocks"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [([4, 4, 4, 4, 4], r"5 entries for 6 completion rows"), ([4, 0, 4, 4, 4, 4], r"target_lengths\[1\] is 0"),
+     ([4, 4, 4, 4, 4, 17], r"target_lengths\[5\] is 17.*1..max_new_tokens=16"),
+     ([4, 4, 2.5, 4, 4, 4], r"target_lengths\[2\] is 2.5"), ([True] * 6, r"target_lengths\[0\] is True")],
+)
+def test_bad_target_lengths_fail_before_model_time(tiny, prompts, backend, targets, message, monkeypatch):
+    def no_forward(*a, **k):
+        raise AssertionError("the model ran before the targets were checked")
+
+    b = make_backend(backend, tiny.model)
+    monkeypatch.setattr(tiny.model, "forward", no_forward)
+    with pytest.raises(ValueError, match=message):
+        b.generate(prompts, 2, _sampling(tiny.tokenizer), target_lengths=targets)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_lengths_on_smollm2(smollm2, backend):
+    """SmolLM2 ends short answers with EOS quickly; with targets both backends run exactly to them, and the
+    sampling logprobs still equal the teacher-forced forward's."""
+    tok = smollm2.tokenizer
+    prompts = _prompts(tok, ["Say hi.", "What is 2 + 2? Answer with one number."])
+    targets = [40, 5, 23, 40, 1, 31]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.8, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id, seed=0)
+    r = make_backend(backend, smollm2.model).generate(prompts, 3, sp, target_lengths=targets)
+    assert [len(c.completion_ids) for c in r.completions] == targets
+    assert all(c.finish_reason == "length" for c in r.completions)
+    assert max_logprob_diff(smollm2.model, r, sp) < 1e-3  # fp32 CPU, as tests/test_real_model.py
+
+
+def test_targets_leave_a_persistent_engine_as_it_was(tiny, prompts):
+    """EOS is disabled per request, not in the engine: the next call on a kept engine stops at EOS again."""
+    free = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12, eos_token_id=-1)
+    ref = GenerateBackend(tiny.model).generate(prompts[:1], 1, free).completions[0].completion_ids
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12, eos_token_id=ref[2])
+    b = ContinuousBackend(tiny.model, persistent=True)
+    try:
+        (c,) = b.generate(prompts[:1], 1, sp, target_lengths=[10]).completions
+        assert c.completion_ids == ref[:10]
+        (c,) = b.generate(prompts[:1], 1, sp).completions
+        assert c.finish_reason == "eos" and c.completion_ids == ref[:3]
+    finally:
+        b.close()
+
+
+def test_targets_with_prefix_sharing_stay_with_their_rows(tiny, prompts):
+    """With block sharing the engine's submission order is sorted by prompt; results still come back per row."""
+    targets = [2, 9, 4, 13, 6, 1]
+    r = ContinuousBackend(tiny.model, {"allow_block_sharing": True}).generate(
+        prompts, 2, _sampling(tiny.tokenizer), target_lengths=targets)
+    assert [len(c.completion_ids) for c in r.completions] == targets
+    assert [list(c.prompt_ids) for c in r.completions] == [p for p in prompts for _ in range(2)]

@@ -137,7 +137,8 @@ def test_cli_rejects_bad_ns(capsys):
 
 def test_full_step_times_a_grpo_step_and_restores_the_weights(tiny, tmp_path):
     before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
-    points = run_sweep(_cfg(ns=(2,), repeats=1, full_step=True), tmp_path / "s.jsonl", policy=tiny)
+    points = run_sweep(_cfg(ns=(2,), repeats=1, full_step=True, lengths="natural"), tmp_path / "s.jsonl",
+                       policy=tiny)
     runs = [x for x in _lines(tmp_path / "s.jsonl") if x["kind"] == "run"]
     assert len(runs) == 2 and all(r["status"] == "ok" for r in runs)
     for r in runs:
@@ -145,3 +146,117 @@ def test_full_step_times_a_grpo_step_and_restores_the_weights(tiny, tmp_path):
     assert {p["backend"] for p in points} == {"generate", "continuous"}
     for k, v in tiny.model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# --- length workloads and MFU -------------------------------------------------------------------------------
+
+
+def _runs(path):
+    return [x for x in _lines(path) if x["kind"] == "run"]
+
+
+def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny, tmp_path):
+    from cbkit.workload import parse_lengths
+
+    cfg = _cfg(ns=(3, 5), repeats=2, max_new_tokens=12, num_prompts=2)  # default: replay:gsm8k
+    out = tmp_path / "s.jsonl"
+    points = run_sweep(cfg, out, policy=tiny)
+    assert _lines(out)[0]["fingerprint"]["lengths"] == "replay:gsm8k"
+    runs = _runs(out)
+    gsm = parse_lengths("replay:gsm8k")
+    for r in runs:
+        lengths = r["completion_lengths"]
+        assert r["lengths"] == "replay:gsm8k" and len(lengths) == 2 * r["N"]
+        # the targets the workload draws for this point, recomputed independently of the sweep
+        assert lengths == gsm.targets(2 * r["N"], 12, seed=cfg.seed + r["repeat"])
+        assert r["length_max"] == max(lengths) and r["length_mean"] == pytest.approx(sum(lengths) / len(lengths))
+        # the static batch runs every row to the longest: its padding, from the recorded lengths
+        assert r["static_padding_share"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
+        assert r["completion_tokens"] == sum(lengths)
+        if r["backend"] == "continuous":
+            # the CPU pool follows the targets: the engine's own block count, next to the per-row sizing
+            assert r["engine_config"]["num_blocks"] == _blocks(tiny, lengths, r["N"], r["engine_config"]["page_size"])
+    by_point = {}
+    for r in runs:
+        by_point.setdefault((r["N"], r["repeat"]), []).append(r["completion_lengths"])
+    assert all(a == b for a, b in by_point.values())  # identical targets per request for both backends
+    assert any(len(set(r["completion_lengths"])) > 1 for r in runs)  # a spread, not one length
+    table = sweep.points_table(points)
+    assert "len" in table and "MFU" in table
+    assert "of decode slots" in seed_table(points)
+
+
+def _blocks(tiny, lengths, n, page):
+    """Blocks the planner predicts for the run's prompts at these per-row lengths (sector-rounded as the engine)."""
+    from cbkit.advise import plan
+    from cbkit.data import chat_prompt_ids, load_problems
+
+    prompts = [chat_prompt_ids(tiny.tokenizer, p) for p in load_problems("synthetic", n=2, seed=0)]
+    rows = [x for x in prompts for _ in range(n)]
+    need = sum(-(-(len(r) + t) // page) for r, t in zip(rows, lengths, strict=True)) + 1
+    p = plan(tiny.model.config, num_prompts=2, num_generations=n, prompt_len=[len(x) for x in prompts],
+             max_new_tokens=max(lengths), dtype_bytes=4, device="cpu", cb_config={"num_blocks": need})
+    return p.continuous.num_blocks
+
+
+def test_mfu_is_computed_from_the_recorded_numbers(tiny, tmp_path):
+    out = tmp_path / "s.jsonl"
+    run_sweep(_cfg(ns=(2,), repeats=1, lengths="fixed"), out, policy=tiny)
+    # tiny: per layer q 64x64, k and v 64x32, o 64x64, gate/up/down 64x128 each; 2 layers; lm_head vocab x 64
+    params = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + tiny.model.config.vocab_size * 64
+    probe = next(x for x in _lines(out) if x["kind"] == "probe")
+    assert 0 < probe["peak_flops"] < float("inf")
+    for r in _runs(out):
+        assert r["completion_lengths"] == [6, 6]  # fixed: every completion runs to the limit
+        assert r["matmul_params"] == params and r["peak_flops"] == probe["peak_flops"]
+        assert r["mfu"] == pytest.approx(2 * params * r["completion_tokens"] / r["rollout_s"] / probe["peak_flops"])
+    assert "matmul probe:" in sweep.results_summary(out) and "lengths: fixed" in sweep.results_summary(out)
+
+
+def test_matmul_probe_is_positive_and_takes_the_best(tiny):
+    probe = sweep.matmul_probe(tiny.model, rows=(8, 64), min_seconds=0.01)
+    assert probe["probe_shape"] == [64, 128] and probe["probe_dtype"] == "float32"
+    assert 0 < probe["peak_flops"] < float("inf")
+    assert probe["peak_flops"] == max(probe["probe_flops_by_rows"].values())
+
+
+def test_replaying_an_earlier_natural_sweep(tiny, tmp_path):
+    natural = tmp_path / "natural.jsonl"
+    run_sweep(_cfg(ns=(2,), repeats=1, lengths="natural"), natural, policy=tiny)
+    recorded = [x for r in _runs(natural) for x in r["completion_lengths"]]
+    out = tmp_path / "replay.jsonl"
+    run_sweep(_cfg(ns=(4,), repeats=1, lengths=f"replay:{natural}"), out, policy=tiny)
+    for r in _runs(out):
+        assert len(r["completion_lengths"]) == 4 and set(r["completion_lengths"]) <= set(recorded)
+
+
+def test_resuming_with_another_workload_is_refused(tiny, tmp_path):
+    out = tmp_path / "s.jsonl"
+    run_sweep(_cfg(ns=(1,), repeats=1), out, policy=tiny)
+    with pytest.raises(ValueError, match=r"lengths: file has 'replay:gsm8k', now 'fixed'"):
+        run_sweep(_cfg(ns=(1,), repeats=1, lengths="fixed"), out, policy=tiny)
+
+
+def test_bad_workloads_fail_before_model_time(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        _cfg(lengths="replay:missing.jsonl")
+    with pytest.raises(ValueError, match="Unknown length workload"):
+        _cfg(lengths="uniform:3")
+    long = tmp_path / "long.txt"
+    long.write_text("3\n40\n")
+    with pytest.raises(ValueError, match=r"exceed max_new_tokens=6 \(longest 40\)"):
+        _cfg(lengths=f"replay:{long}")
+    with pytest.raises(ValueError, match="lengths='natural'"):
+        _cfg(full_step=True)
+
+
+def test_cli_says_which_workload_ran(tmp_path, capsys):
+    from cbkit.cli import main
+
+    assert main(["sweep", "--lengths", "uniform", "--no-live", "--model", "tiny"]) == 2
+    assert "Unknown length workload" in capsys.readouterr().err
+    out = tmp_path / "s.jsonl"
+    assert main(["sweep", "--model", "tiny", "--ns", "1", "--repeats", "1", "--max-new-tokens", "8", "--no-live",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "lengths: replay:gsm8k" in printed and "scaled x8/232" in printed and "matmul probe:" in printed

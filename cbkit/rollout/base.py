@@ -13,6 +13,7 @@ order the engine finished them in. Everything that consumes a rollout may rely o
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -181,7 +182,16 @@ class RolloutBackend(Protocol):
         sampling: SamplingParams,
         *,
         prompt_names: Sequence[str] | None = None,
-    ) -> Rollout: ...
+        target_lengths: Sequence[int] | None = None,
+    ) -> Rollout:
+        """N completions per prompt, in group order.
+
+        ``target_lengths`` (one per completion row, in group order) replays a length workload: EOS is
+        ignored and completion i has exactly ``target_lengths[i]`` tokens (finish_reason "length"), with
+        sampling logprobs for every token. Serving benchmarks replay a dataset's output lengths this way
+        (vLLM's throughput benchmark with ``ignore_eos``), so both backends do exactly the same useful work.
+        """
+        ...
 
 
 def check_request(
@@ -190,6 +200,7 @@ def check_request(
     sampling: SamplingParams,
     context_len: int | None,
     prompt_names: Sequence[str] | None = None,
+    target_lengths: Sequence[int] | None = None,
 ) -> None:
     """Refuse a request no backend can serve, before any compute is spent on it."""
     if num_generations < 1:
@@ -206,6 +217,37 @@ def check_request(
                 f"{len(p) + sampling.max_new_tokens} positions, more than the model's context of {context_len}. "
                 "Shorten the prompt or lower max_new_tokens."
             )
+    if target_lengths is not None:
+        check_target_lengths(target_lengths, len(prompts) * num_generations, sampling.max_new_tokens)
+
+
+def check_target_lengths(target_lengths: Sequence[int], rows: int, max_new_tokens: int) -> None:
+    """One whole number per completion row, each in 1..max_new_tokens. max_new_tokens is the bound because
+    check_request already fits every prompt + max_new_tokens into the model's context."""
+    targets = list(target_lengths)
+    if len(targets) != rows:
+        raise ValueError(
+            f"target_lengths has {len(targets)} entries for {rows} completion rows (prompts x N): give one "
+            "target per completion, in group order (prompt 0's N targets first)."
+        )
+    for i, t in enumerate(targets):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 1 <= t <= max_new_tokens:
+            raise ValueError(
+                f"target_lengths[{i}] is {t!r}; every target must be a whole number of tokens in "
+                f"1..max_new_tokens={max_new_tokens}. Scale the workload to the limit or raise max_new_tokens."
+            )
+
+
+def cut_completion(
+    tokens: Sequence[int], sampling: SamplingParams, target: int | None
+) -> tuple[int, FinishReason]:
+    """Length to keep and why generation stopped: at EOS / the limit, or, with a target, at exactly the target
+    (EOS ignored). An engine that produced fewer tokens than the target broke the contract: say so."""
+    if target is None:
+        return cut_at_eos(tokens, sampling.eos_ids, sampling.max_new_tokens)
+    if len(tokens) < target:
+        raise RuntimeError(f"Generation stopped after {len(tokens)} tokens, short of its target of {target}.")
+    return target, "length"
 
 
 def cut_at_eos(tokens: Sequence[int], eos_ids: frozenset[int], max_new_tokens: int) -> tuple[int, FinishReason]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_at_eos
+from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
 from cbkit.rollout.cpu_attention import varlen_attention_for_engine
 from cbkit.telemetry import PeakMemory
 
@@ -140,17 +140,19 @@ class ContinuousBackend:
         sampling: SamplingParams,
         *,
         prompt_names: Sequence[str] | None = None,
+        target_lengths: Sequence[int] | None = None,
     ) -> Rollout:
-        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names)
+        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names, target_lengths)
         gen_config = sampling.generation_config()
         # Each prompt submitted N times in a row; results are put back in this order below, whatever
         # order the engine finishes them in.
         rows = [list(p) for p in prompts for _ in range(num_generations)]
+        targets = [int(t) for t in target_lengths] if target_lengths is not None else None
         cb_config = make_cb_config(
             self.cb_overrides,
             seed=sampling.seed,
             device=self.model.device,
-            workload_blocks=workload_blocks(rows, sampling.max_new_tokens, _page_size(self.cb_overrides)),
+            workload_blocks=workload_blocks(rows, targets or sampling.max_new_tokens, _page_size(self.cb_overrides)),
             warn=not self._warned_pool,
         )
         self._warned_pool = True
@@ -171,14 +173,14 @@ class ContinuousBackend:
             start = time.perf_counter()
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
-                persistent=self.persistent,
+                persistent=self.persistent, targets=targets,
             )
             mem.synchronize()
             wall = time.perf_counter() - start
 
         completions = []
         for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
-            keep, reason = cut_at_eos(out.generated_tokens, sampling.eos_ids, sampling.max_new_tokens)
+            keep, reason = cut_completion(out.generated_tokens, sampling, targets[i] if targets else None)
             if len(out.logprobs) < keep:
                 raise RuntimeError(
                     f"The CB engine returned {len(out.logprobs)} logprobs for {keep} tokens (request {i}); "
@@ -208,13 +210,16 @@ class ContinuousBackend:
 def _run_engine(
     model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int, record_timestamps: bool,
     persistent: bool = False,
+    targets: list[int] | None = None,
 ):
     """Submit every row, collect every result, and return them in submission order with the resolved config.
 
     This is what `generate_batch` does, minus its habit of logging a failed request and returning fewer
-    results than were asked for.
+    results than were asked for. With ``targets`` each request gets its own max_new_tokens and EOS id -1,
+    which the engine's RequestState drops (negative ids never match), so a request finishes exactly at its
+    target (`update_and_check_completion` in transformers' requests.py) and its blocks are freed then.
     """
-    hints = _workload_hints(rows, max_new_tokens)
+    hints = _workload_hints(rows, max(targets) if targets else max_new_tokens)
     with model.continuous_batching_context_manager(
         generation_config=gen_config,
         continuous_batching_config=cb_config,
@@ -223,7 +228,10 @@ def _run_engine(
         workload_hints=hints,
         persistent_manager=persistent,
     ) as manager:
-        ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+        if targets is None:
+            ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+        else:
+            ids = _add_with_targets(manager, rows, targets, record_timestamps)
         results: dict[str, Any] = {}
         while len(results) < len(ids):
             out = manager.get_result(timeout=1)
@@ -241,9 +249,27 @@ def _run_engine(
     return [results[i] for i in ids], resolved
 
 
-def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
-    """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block)."""
-    return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
+def _add_with_targets(manager, rows: list[list[int]], targets: list[int], record_timestamps: bool) -> list[str]:
+    """`add_requests` with one max_new_tokens per request and EOS disabled; ids returned in row order.
+    Submitted in the order `add_requests` would use: sorted by prompt when prefix sharing is on (cache hits)."""
+    order = list(range(len(rows)))
+    if getattr(manager, "_use_prefix_sharing", False):
+        order.sort(key=lambda i: rows[i], reverse=True)
+    ids: list[str] = [""] * len(rows)
+    for i in order:
+        request_id = manager.add_request(rows[i], max_new_tokens=targets[i], record_timestamps=record_timestamps,
+                                         eos_token_id=-1)
+        if request_id is None:
+            raise RuntimeError(f"The CB engine refused request {i} (not accepting requests); see the log above.")
+        ids[i] = request_id
+    return ids
+
+
+def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], page_size: int) -> int:
+    """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block).
+    ``max_new_tokens`` is one limit for every row or one target per row (a replayed length workload)."""
+    limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    return sum(-(-(len(r) + m) // page_size) for r, m in zip(rows, limits, strict=True)) + 1
 
 
 def _page_size(overrides: Mapping[str, Any]) -> int:

@@ -21,6 +21,8 @@ forwards are untouched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,25 +39,103 @@ def _boundaries(cu, module) -> torch.Tensor:
 
 
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None)."""
+    """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None).
+
+    Decoding sequences (one query token each) go through one batched SDPA call; sequences that prefill run one
+    call each. `per_sequence_attention` below is the plain loop, kept to read and test against.
+    """
     cu_q = _boundaries(kwargs["cu_seq_lens_q"], module).tolist()
     cu_k = _boundaries(kwargs["cu_seq_lens_k"], module).tolist()
-    gqa = query.shape[1] != key.shape[1]
+    plan = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
+    out = torch.empty_like(query)
+    if plan.rows:
+        out[:, :, plan.q_pos] = _batched_decode(query, key, value, plan, scaling)
+    for i in plan.prefill:
+        _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def per_sequence_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """The same result as `varlen_attention`, one SDPA call per sequence: the "before" of the decode batching.
+
+    At 64 decoding sequences and 30 layers that is 1920 small calls per generated token of every sequence,
+    each paying the dispatcher and the kernel's set-up for a [9 x L] product.
+    """
+    cu_q = _boundaries(kwargs["cu_seq_lens_q"], module).tolist()
+    cu_k = _boundaries(kwargs["cu_seq_lens_k"], module).tolist()
     out = torch.empty_like(query)
     for i in range(len(cu_q) - 1):
-        qs, qe, ks, ke = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
-        q_len, k_len = qe - qs, ke - ks
-        if q_len == 0:
-            continue
-        mask = None
-        if q_len > 1:
-            # causal, aligned to the end: query j sees the cached prefix and queries up to j
-            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-        out[:, :, qs:qe] = F.scaled_dot_product_attention(
-            query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling,
-            enable_gqa=gqa,
-        )
+        _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _one_sequence(out, query, key, value, qs, qe, ks, ke, scaling) -> None:
+    q_len, k_len = qe - qs, ke - ks
+    if q_len == 0:
+        return
+    mask = None
+    if q_len > 1:
+        # causal, aligned to the end: query j sees the cached prefix and queries up to j
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    out[:, :, qs:qe] = F.scaled_dot_product_attention(
+        query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodePlan:
+    """Where the decoding sequences of one batch sit in the packed tensors; the same for every layer."""
+
+    rows: int  # decoding sequences
+    q_pos: torch.Tensor  # [rows] their query position in the packed batch
+    k_index: torch.Tensor | None  # [rows, longest] key positions, or None when all have equal, adjacent keys
+    k_start: int  # with k_index None: where the first one's keys start
+    k_len: int  # their longest key length
+    mask: torch.Tensor | None  # [rows, 1, 1, longest] True where a key exists
+    prefill: tuple[int, ...]  # sequences with more than one query token
+
+
+@functools.lru_cache(maxsize=8)
+def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.device) -> _DecodePlan:
+    # Every layer of a forward sees the same boundaries, so the plan is built once per step, not 30 times.
+    decode = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] == 1]
+    prefill = tuple(i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] > 1)
+    if not decode:
+        return _DecodePlan(0, torch.empty(0, dtype=torch.long), None, 0, 0, None, prefill)
+    starts = [cu_k[i] for i in decode]
+    lens = [cu_k[i + 1] - cu_k[i] for i in decode]
+    longest = max(lens)
+    q_pos = torch.tensor([cu_q[i] for i in decode], device=device)
+    adjacent = all(n == longest for n in lens) and all(s == starts[0] + j * longest for j, s in enumerate(starts))
+    if adjacent:  # one prompt x N in lock-step: the packed keys already are a [rows, L] grid
+        return _DecodePlan(len(decode), q_pos, None, starts[0], longest, None, prefill)
+    offsets = torch.arange(longest)
+    k_index = torch.tensor(starts)[:, None] + offsets.clamp(max=longest - 1)[None, :]
+    present = offsets[None, :] < torch.tensor(lens)[:, None]
+    k_index = torch.where(present, k_index, torch.tensor(starts)[:, None])  # pad with any valid position
+    return _DecodePlan(len(decode), q_pos, k_index.to(device), 0, longest, present[:, None, None, :].to(device),
+                       prefill)
+
+
+def _batched_decode(query, key, value, plan: _DecodePlan, scaling) -> torch.Tensor:
+    """One SDPA call for every decoding sequence: keys gathered into [rows, Hkv, L, D] and a padding mask.
+
+    The H query heads of a token are folded into the query-length axis of their KV head ([rows, Hkv, H/Hkv, D]),
+    so grouped-query attention needs neither repeated keys nor the `enable_gqa` path; a single query token may
+    see all of its keys, so no causal mask is needed either.
+    """
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
+    q = query[0, :, plan.q_pos].transpose(0, 1).reshape(plan.rows, kv_heads, heads // kv_heads, dim)
+    if plan.k_index is None:
+        span = slice(plan.k_start, plan.k_start + plan.rows * plan.k_len)
+        k = key[0, :, span].unflatten(1, (plan.rows, plan.k_len)).transpose(0, 1)
+        v = value[0, :, span].unflatten(1, (plan.rows, plan.k_len)).transpose(0, 1)
+    else:
+        k = key[0][:, plan.k_index].transpose(0, 1)  # [rows, Hkv, L, D]
+        v = value[0][:, plan.k_index].transpose(0, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [rows, Hkv, H/Hkv, D]
+    return o.reshape(plan.rows, heads, dim).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
 
 
 def register() -> str:

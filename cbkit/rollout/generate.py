@@ -11,6 +11,11 @@ the token that was drawn. `output_scores=True` would hand them over, but it keep
 more than the KV cache itself, which would make the static batch look worse than it is. Instead a small
 logits processor at the end of the warper chain keeps one step of log-probs and gathers the previous
 step's sampled token on the next call.
+
+With per-request target lengths (a replayed length workload) EOS is switched off and the batch runs to its
+*longest* target, because that is what a static batch costs when its rows finish at different times: the
+rows that reached their target early keep occupying their slots as padding. Each row is then cut at its own
+target.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_at_eos
+from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
 from cbkit.telemetry import PeakMemory
 
 
@@ -45,13 +50,19 @@ class GenerateBackend:
         sampling: SamplingParams,
         *,
         prompt_names: Sequence[str] | None = None,
+        target_lengths: Sequence[int] | None = None,
     ) -> Rollout:
-        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names)
+        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names, target_lengths)
         gen_config = sampling.generation_config()
         pad_id = self.pad_token_id if self.pad_token_id is not None else gen_config.pad_token_id
         if pad_id is None:
             raise ValueError("The static batch needs a pad token: set sampling.pad_token_id or the tokenizer's pad.")
         gen_config.pad_token_id = pad_id
+        targets = [int(t) for t in target_lengths] if target_lengths is not None else None
+        if targets is not None:
+            # An empty list, not None: None would be filled in from the model's own generation config.
+            gen_config.eos_token_id = []
+            gen_config.max_new_tokens = max(targets)
         warpers, gen_config = _explicit_warpers(sampling, gen_config)
         recorder = _LogprobRecorder()
 
@@ -79,7 +90,7 @@ class GenerateBackend:
         completions = []
         new_tokens, logprobs = new_tokens.tolist(), logprobs.tolist()
         for i, row in enumerate(rows):
-            keep, reason = cut_at_eos(new_tokens[i], sampling.eos_ids, sampling.max_new_tokens)
+            keep, reason = cut_completion(new_tokens[i], sampling, targets[i] if targets else None)
             completions.append(
                 Completion(
                     group=i // num_generations,

@@ -1,0 +1,117 @@
+"""Length workloads: parsing, the shipped GSM8K lengths, scaling, seeded draws and the statistics, by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cbkit.workload import (
+    gsm8k_solution_lengths,
+    length_stats,
+    p95,
+    padding_share,
+    parse_lengths,
+    scale_to_limit,
+)
+
+
+def test_p95_is_the_nearest_rank():
+    assert p95(list(range(1, 21))) == 19  # rank ceil(0.95 * 20) = 19
+    assert p95([40, 10, 30, 20]) == 40  # rank ceil(3.8) = 4
+    assert p95([5]) == 5
+
+
+def test_scaling_maps_p95_to_the_limit_and_clips():
+    # p95 of [3, 7, 10, 40] is 40; x 16/40: 1.2 -> 1, 2.8 -> 3, 4.0 -> 4, 16
+    assert scale_to_limit([3, 7, 10, 40], 16) == [1, 3, 4, 16]
+    # p95 of [1, 50, 100] is 100; x 10/100: 0.1 rounds to 0 and is clipped up to 1
+    assert scale_to_limit([1, 50, 100], 10) == [1, 5, 10]
+    # lengths above the p95 are cut at the limit: p95 of 1..20 is 19, x 38/19 = 2x, so 20 -> 40 -> 38
+    assert scale_to_limit(list(range(1, 21)), 38)[-2:] == [38, 38]
+
+
+def test_length_stats_and_padding_share_by_hand():
+    s = length_stats([2, 4, 6])
+    assert s["mean"] == 4 and s["max"] == 6
+    assert s["cv"] == pytest.approx((8 / 3) ** 0.5 / 4)  # population sd sqrt(8/3) over mean 4
+    # one batch: 3 rows x 6 steps = 18 slots for 12 useful tokens
+    assert padding_share([2, 4, 6]) == pytest.approx(1 / 3)
+    # batches of 2: [2, 4] -> 8 slots, [6] -> 6 slots; 12 useful of 14
+    assert padding_share([2, 4, 6], batch_rows=2) == pytest.approx(1 / 7)
+    assert padding_share([5, 5, 5]) == 0
+
+
+def test_shipped_gsm8k_lengths():
+    """The packaged file holds every GSM8K train solution; its statistics are the ones measured independently
+    for issue 9 (SmolLM2 tokenizer: mean 125, CV 0.44, p95 232, max 454)."""
+    lengths = gsm8k_solution_lengths()
+    assert len(lengths) == 7473
+    s = length_stats(lengths)
+    assert round(s["mean"]) == 125 and round(s["cv"], 2) == 0.44 and s["max"] == 454 and p95(lengths) == 232
+
+
+def test_kinds_and_draws():
+    natural, fixed, gsm = parse_lengths("natural"), parse_lengths("fixed"), parse_lengths("replay:gsm8k")
+    assert natural.targets(8, 96, seed=0) is None
+    assert fixed.targets(5, 96, seed=0) == [96] * 5
+    t = gsm.targets(64, 96, seed=3)
+    assert len(t) == 64 and all(1 <= x <= 96 for x in t) and len(set(t)) > 10
+    assert t == gsm.targets(64, 96, seed=3)  # both backends at one point get the same targets
+    assert t != gsm.targets(64, 96, seed=4)
+    pool = set(scale_to_limit(gsm.source_lengths, 96))
+    assert set(t) <= pool
+    # Scaled so p95 is the limit: ~5% of the distribution is at the limit, and a static batch with these
+    # lengths wastes about 47% of its decode slots (issue 9's independent estimate for this scaling).
+    dist = gsm.distribution(96)
+    assert p95(dist) == 96 and 0.05 <= dist.count(96) / len(dist) < 0.07
+    assert round(padding_share(dist), 2) == 0.47
+    assert "scaled x96/232" in gsm.describe(96) and "EOS ignored" in fixed.describe(96)
+
+
+def test_replay_file_forms(tmp_path):
+    plain = tmp_path / "l.txt"
+    plain.write_text("# lengths\n12\n\n7  # short\n30\n")
+    assert parse_lengths(f"replay:{plain}").distribution(30) == [12, 7, 30]
+    js = tmp_path / "l.json"
+    js.write_text("[4, 9, 9.0]")
+    assert parse_lengths(f"replay:{js}").targets(3, 10, seed=0) is not None
+    assert parse_lengths(f"replay:{js}").distribution(10) == [4, 9, 9]
+    sweep = tmp_path / "s.jsonl"
+    lines = [{"kind": "header", "fingerprint": {"lengths": "natural"}},
+             {"kind": "run", "status": "ok", "backend": "generate", "completion_lengths": [3, 5]},
+             {"kind": "run", "status": "oom", "backend": "generate"},
+             {"kind": "run", "status": "ok", "backend": "continuous", "completion_lengths": [8]}]
+    sweep.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    w = parse_lengths(f"replay:{sweep}")
+    assert w.distribution(8) == [3, 5, 8] and "replayed as they are" in w.describe(8)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("", "no usable lengths"), ("# nothing\n\n", "no usable lengths"), ("5\nabc\n", r"line 2: 'abc' is not"),
+     ("[3, 0]", r"item 1: 0 is not"), ("[3, 2.5]", r"item 1: 2.5 is not"),
+     ('{"kind": "header"}\n{"kind": "run", "status": "ok"}\n', "no usable lengths"),
+     ('{"kind": "header"}\nnot json\n', "line 2: not JSON")],
+)
+def test_bad_files_say_what_is_wrong(tmp_path, content, message):
+    f = tmp_path / "bad.txt"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        parse_lengths(f"replay:{f}")
+
+
+def test_bad_specs_and_too_long_files(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        parse_lengths("replay:missing.jsonl")
+    for spec in ("gsm8k", "replay", "uniform", ""):
+        with pytest.raises(ValueError, match="natural, fixed, replay:gsm8k, replay:FILE"):
+            parse_lengths(spec)
+    with pytest.raises(ValueError, match="needs a source"):
+        parse_lengths("replay:")
+    f = tmp_path / "long.txt"
+    f.write_text("10\n120\n200\n")
+    w = parse_lengths(f"replay:{f}")
+    with pytest.raises(ValueError, match=r"2 of 3 lengths exceed max_new_tokens=96 \(longest 200\)"):
+        w.targets(4, 96, seed=0)
+    assert w.distribution(200) == [10, 120, 200]
