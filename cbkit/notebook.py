@@ -381,6 +381,16 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     first_end = min(r["end"] for r in requests)
     later = sum(r["start"] >= first_end for r in requests)
     pool, peak = occupancy.get("pool_blocks") or 0, max(occupancy["blocks_in_use"], default=0)
+    # Blocks the requests needed in all, each at its final length (a group's shared prompt pages once, as in
+    # cbkit.telemetry.occupancy): more than the pool means some blocks served several requests in turn.
+    page, sharing = timeline["page_size"], bool(timeline.get("prefix_sharing", False))
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for r in requests:
+        groups.setdefault(r["group"], []).append(r)
+    needed = 0
+    for rs in groups.values():
+        shared = min(r["prompt_len"] for r in rs) // page if sharing else 0
+        needed += shared + sum(-(-(r["prompt_len"] + len(r["token_times"])) // page) - shared for r in rs)
     wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
     waits = first_token_waits(timeline)
     long = {i: w for i, w in waits.items() if w > 0.1 * wall}
@@ -388,8 +398,12 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     if pool and peak > pool:
         lines[0] += (" The count assumes every running request kept its blocks; above the pool, the engine must "
                      "have offloaded requests and prefilled them again (their bars run longer).")
-    lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished and "
-                 "returned its blocks: " + ("recycling." if later else "no recycling in this rollout."))
+    if pool:
+        lines.append(f"The {len(requests)} requests needed {needed} blocks in all against the {pool}-block pool: "
+                     + (f"at least {needed - pool} blocks were used by more than one request in turn (recycling)."
+                        if needed > pool else "they fit without any block serving two requests."))
+    lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished; the engine "
+                 "admits a request once its prompt fits, so the others wait admitted (hatched) for blocks to decode.")
     if long:
         worst = max(long, key=long.get)
         lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "

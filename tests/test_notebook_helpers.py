@@ -374,5 +374,10 @@ def test_timeline_findings_count_recycling_and_waits():
     occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
     text = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
     assert "1 of 3 requests were admitted only after another had finished" in text  # request 2, at 1.0 s
+    # Page 4, no sharing: prompt 4 + 2 tokens is 2 blocks each, 6 in all against a pool of 2.
+    assert "needed 6 blocks in all against the 2-block pool: at least 4 blocks were used by more than one" in text
     assert "1 requests sat admitted for more than 10% of the rollout (3.0 s)" in text  # request 1: 0.9 s
     assert "peaked at 3 of a 2-block pool" in text and "offloaded" in text
+    # With prefix sharing the group's one complete prompt page is stored once: 1 + 3 x (2 - 1) = 4 blocks.
+    shared = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True}, occ)
+    assert "needed 4 blocks in all" in shared
