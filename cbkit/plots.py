@@ -135,7 +135,7 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
         fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)")
     for i, (label, n) in enumerate((marks or {}).items()):
         if n is not None:
-            fig.add_vline(x=math.log10(n), line={"color": "#333", "width": 1.5, "dash": "dot"})  # log axis: log10
+            fig.add_vline(x=n, line={"color": "#333", "width": 1.5, "dash": "dot"})  # shapes: data units, log axis too
             fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4 + 18 * i,
                                text=label, showarrow=False, font={"size": 12}, bgcolor="rgba(255,255,255,0.9)")
     fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs generate())",
@@ -486,7 +486,7 @@ def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> N
         fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
                            text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
                            bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
-        fig.add_vline(x=math.log10(n), line={"color": "#b00", "width": 1, "dash": "dot"})  # log axis: log10
+        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units, log axis too
 
 
 def _unit(max_bytes: float) -> tuple[str, float]:
