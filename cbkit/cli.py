@@ -1,10 +1,24 @@
-"""`cbkit <command>`: the kit's entry points. Each command is a function taking parsed args, easy to add to."""
+"""`cbkit <command>`: the kit's entry points. Each command is a function taking parsed args, easy to add to.
+
+`train` and `sweep` take one flag per field of their config dataclass (`CBGRPOConfig`, `SweepConfig`), made by
+transformers' `HfArgumentParser`, the parser TRL's scripts use: typed from the annotation, help from the field's
+metadata, both `--num_generations` and `--num-generations`, booleans as `--flag [true|false]` plus `--no-flag`
+where the default is True. A field added to either dataclass is a flag without touching this file.
+`cbkit train --config recipe.yaml` reads a run from a YAML file of `CBGRPOConfig` fields, the way TRL's
+`TrlParser` reads `--config`; flags given next to it win. (TRL itself is not imported: a bare GPU image has
+transformers but not trl.) What `HfArgumentParser` cannot express is adapted in `_given_flags_only`, each
+reason beside it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -20,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         backends=tuple(args.backends.split(",")),
-        cb_config=json.loads(args.cb_config) if args.cb_config else None,
+        cb_config=args.cb_config,
         seed=args.seed,
         out=args.out,
     )
@@ -33,20 +47,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from cbkit import checkpoint
-    from cbkit.config import CBGRPOConfig
     from cbkit.grpo import GRPOTrainer
 
-    given = {k: v for k, v in vars(args).items() if k in CBGRPOConfig.__dataclass_fields__}
-    values = given
-    if args.resume:
-        # Resuming takes the checkpoint's config; flags given now override it and are then checked against it.
-        path = args.resume if args.resume is not True else checkpoint.latest_checkpoint(given.get("output_dir", ""))
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint-<step> directory in {given.get('output_dir')!r}.")
-        values = {**checkpoint.read_config(path).to_dict(), **given}
-    if not values.get("output_dir"):
-        raise ValueError("cbkit train needs --output-dir (metrics.jsonl and checkpoints go there).")
-    config = CBGRPOConfig.from_dict(values)
+    config = train_config_from_args(args)
+    if not config.output_dir:
+        raise ValueError("cbkit train needs --output-dir (metrics.jsonl and checkpoints go there), on the command "
+                         "line or in the --config recipe.")
     trainer = GRPOTrainer(config)
     try:
         state = trainer.train(resume_from=args.resume or None)
@@ -60,50 +66,159 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per CBGRPOConfig field (`--max-completion-length`), typed from its annotation, help from its
-    metadata. Flags left out stay out of the namespace, so the config's own defaults apply."""
-    import dataclasses
-    import typing
+def train_config(argv: Sequence[str]):
+    """The `CBGRPOConfig` that `cbkit train <argv>` would run, without running it."""
+    return train_config_from_args(build_parser().parse_args(["train", *argv]))
 
-    from cbkit.config import CBGRPOConfig
 
-    hints = typing.get_type_hints(CBGRPOConfig)
-    for f in dataclasses.fields(CBGRPOConfig):
-        hint = hints[f.name]
-        args = typing.get_args(hint)
-        optional = type(None) in args
-        base = next((a for a in args if a is not type(None)), hint) if optional else hint
+def train_config_from_args(args: argparse.Namespace):
+    """Layers, later ones winning: the config's defaults, the checkpoint's config (`--resume`), the recipe
+    (`--config`), the flags given. Resuming then checks the result against the checkpoint."""
+    from cbkit import checkpoint
+    from cbkit.config import CBGRPOConfig, read_recipe
+
+    values = read_recipe(args.config) if args.config else {}
+    values.update(given_fields(args, CBGRPOConfig))
+    if args.resume:
+        out = values.get("output_dir") or ""
+        path = args.resume if args.resume is not True else checkpoint.latest_checkpoint(out)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint-<step> directory in {out!r}.")
+        values = {**checkpoint.read_config(path).to_dict(), **values}
+    return CBGRPOConfig.from_dict(values)
+
+
+def given_fields(args: argparse.Namespace, dtype: type) -> dict[str, Any]:
+    """The fields of `dtype` that were given as flags, as the dataclass takes them."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(dtype) if f.name in vars(args)}
+
+
+def dataclass_flags(dtype: type, help: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """One flag per field of `dtype`, made by `HfArgumentParser` and adapted by `_given_flags_only`: a parent
+    parser for `add_parser(..., parents=[...])`, argparse's own way of sharing arguments."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dtype, add_help=False)
+    _given_flags_only(parser, dtype, help or {})
+    return parser
+
+
+def _given_flags_only(parser: argparse.ArgumentParser, dtype: type, help: Mapping[str, str]) -> None:
+    """What `HfArgumentParser` cannot express, fixed on the flags it made:
+
+    * Defaults. It fills every field's default into the namespace, so a flag left out is indistinguishable
+      from one given with the default value. cbkit layers a resumed checkpoint's config and a recipe under the
+      flags, so only the flags given may override them: the defaults become `SUPPRESS` (the help still
+      shows them).
+    * `none` for an Optional field: argparse calls the inner type (`float("none")` fails), so an Optional
+      with a non-None default (e.g. `system_prompt`) could not be set back to None from the command line.
+    * dict fields take JSON: `HfArgumentParser` passes `dict[str, Any]` itself as the type, which cannot parse.
+    * list and tuple fields take comma-separated values too (`--ns 8,16,32`, the syntax cbkit's scripts and
+      README use) as well as space-separated ones; `HfArgumentParser` has no tuple support.
+    """
+    hints = typing.get_type_hints(dtype)
+    fields = {f.name: f for f in dataclasses.fields(dtype)}
+    for action in parser._actions:
+        f = fields.get(action.dest)
+        if f is None:
+            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs: dict = {"default": argparse.SUPPRESS, "help": f"{f.metadata['help']} (default: {default!r})"}
-        if base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = _flag_parser(base, optional)
-            kwargs["metavar"] = f.name.upper()
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        action.default, action.required = argparse.SUPPRESS, False
+        if isinstance(action, argparse._StoreFalseAction):  # the --no-<flag> twin of a boolean
+            continue
+        text = help.get(f.name) or f.metadata.get("help") or f"{dtype.__name__}.{f.name}"
+        action.help = f"{text} (default: {default!r})".replace("%", "%%")
+        base, optional = _strip_optional(hints[f.name])
+        flag = action.option_strings[-1]
+        if typing.get_origin(base) is dict:
+            action.type = _json_value(flag)
+        elif _collection(base):
+            action.type, action.nargs = _comma_list(typing.get_args(base)[0], flag), "+"
+            action.__class__ = _ListFlag  # was a plain store action: store the words' lists as one list
+        if optional:
+            action.type = _or_none(action.type)
 
 
-def _flag_parser(base, optional: bool):
-    import typing
+class _ListFlag(argparse._StoreAction):
+    """A list flag whose words may each hold a comma-separated list: `--ns 8,16 32` is [8, 16, 32]; `none`
+    (an Optional list) is None."""
 
-    origin = typing.get_origin(base)
-    if origin is dict:
-        parse = json.loads
-    elif origin is list:
-        (item,) = typing.get_args(base)
-        def parse(text: str) -> list:
-            return [item(x) for x in text.split(",") if x.strip()]
-    else:
-        parse = base
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, None if None in values else [x for part in values for x in part])
 
+
+def _strip_optional(hint: Any) -> tuple[Any, bool]:
+    args = typing.get_args(hint)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else hint), True
+    return hint, False
+
+
+def _collection(hint: Any) -> bool:
+    return typing.get_origin(hint) in (list, tuple)
+
+
+def _named(fn, name: str):
+    fn.__name__ = name  # argparse names the type in "invalid <name> value" errors
+    return fn
+
+
+def _json_value(flag: str):
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON ({e.msg}): {text!r}. Example: {flag} "
+                                             "'{\"page_size\": 32, \"num_blocks\": 256}'") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object of settings ({{...}}), got {text!r}.")
+        return value
+
+    return _named(parse, "JSON")
+
+
+def _comma_list(item: type, flag: str):
+    def parse(text: str) -> list:
+        try:
+            return [item(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            kind = "integers like 8,16,32,64" if item is int else f"{item.__name__} values"
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind}; got {text!r}.") from None
+
+    return _named(parse, f"{item.__name__} list")
+
+
+def _or_none(parse):
     def convert(text: str):
-        if optional and text.lower() == "none":
-            return None
-        return parse(text)
+        return None if text.lower() == "none" else parse(text)
 
-    convert.__name__ = getattr(base, "__name__", str(base))  # argparse names the type in its error messages
-    return convert
+    return _named(convert, getattr(parse, "__name__", "value"))
+
+
+# Help for SweepConfig's fields, which carry none of their own.
+_SWEEP_HELP = {
+    "model": "smollm2-offline, tiny, a hub id or a local directory",
+    "data": "synthetic (offline), gsm8k-local, gsm8k[:split] (hub), or a .jsonl path",
+    "num_prompts": "prompts per rollout",
+    "ns": "N values (completions per prompt), comma- or space-separated",
+    "backends": "backends to compare; generate must be one (ratios are to it)",
+    "repeats": "runs per point; the median is reported",
+    "max_new_tokens": "most tokens generated per completion",
+    "temperature": "sampling temperature",
+    "top_p": "nucleus sampling mass; 1.0 disables it",
+    "top_k": "keep the top_k most likely tokens; 0 disables it",
+    "seed": "seeds the prompts and every rollout's sampler",
+    "dtype": "float32 / bfloat16 / float16 (None: fp32 on CPU, bf16 or fp16 on CUDA)",
+    "cb_config": "JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
+    "cpu_attention": "the CB engine's attention on CPU: batched (decoding sequences in one call), per_sequence "
+                     "(one call per sequence, cbkit's earlier default) or engine (its own dense block-diagonal "
+                     "mask, quadratic in the batch)",
+    "full_step": "time a whole GRPO step (rollout + training forward/backward) through cbkit's loop",
+    "lengths": "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
+               "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides; the default with "
+               "--full-step), or replay:FILE (a natural sweep's JSONL or a list of lengths, replayed as they are)",
+}
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -124,23 +239,15 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
     if args.preset:
-        check_preset_device(args.preset, dry_run=args.dry_run, dtype=args.dtype)  # before any model is loaded
+        check_preset_device(args.preset, dry_run=args.dry_run, dtype=getattr(args, "dtype", None))  # before any model is loaded
     fields = dict(PRESETS[args.preset]) if args.preset else {}
     if args.dry_run:
         fields.update(DRY_RUN)
-    given = {
-        "model": args.model, "data": args.data, "num_prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "dtype": args.dtype, "seed": args.seed, "temperature": args.temperature,
-        "top_p": args.top_p, "top_k": args.top_k,
-        "ns": _int_list(args.ns, "--ns") if args.ns else None,
-        "backends": tuple(b.strip() for b in args.backends.split(",")) if args.backends else None,
-        "cb_config": json.loads(args.cb_config) if args.cb_config else None,
-        "cpu_varlen_attention": False if args.dense_cpu_attention else None,
-        "full_step": True if args.full_step else None,
-        # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
-        "lengths": args.lengths or ("natural" if args.full_step else None),
-    }
-    fields.update({k: v for k, v in given.items() if v is not None})
+    given = given_fields(args, SweepConfig)
+    # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
+    if given.get("full_step") and "lengths" not in given:
+        given["lengths"] = "natural"
+    fields.update(given)
     cfg = SweepConfig(**fields)
     out = Path(args.out)
     _random_weights_note(cfg.model)
@@ -238,16 +345,6 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers like 8,16,32,64; got {text!r}.") from None
-    if not values:
-        raise ValueError(f"{flag} is empty; give comma-separated integers like 8,16,32,64.")
-    return values
-
-
 def _advise(args: argparse.Namespace) -> int:
     from cbkit.advise import DTYPE_BYTES, crossover_n, load_config, measured_from_sweep, plan, recommend
 
@@ -302,58 +399,53 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--top-p", type=float, default=1.0)
     demo.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     demo.add_argument("--backends", default="generate,continuous")
-    demo.add_argument("--cb-config", default=None,
+    demo.add_argument("--cb-config", default=None, type=_json_value("--cb-config"),
                       help='JSON overrides for the CB engine, e.g. \'{"max_memory_percent": 0.4}\'')
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default=None, help="append one JSON line per backend to this file")
     demo.set_defaults(func=_demo)
 
-    sweep = sub.add_parser("sweep", help="the N-sweep: both backends side by side at growing N (the main job)")
+    from cbkit.sweep import SweepConfig
+
+    sweep = sub.add_parser(
+        "sweep", parents=[dataclass_flags(SweepConfig, _SWEEP_HELP)],
+        help="the N-sweep: both backends side by side at growing N (the main job)",
+        description="Every SweepConfig field is a flag. Lists take commas or spaces (--ns 8,16,32), dicts JSON.",
+    )
     sweep.add_argument("--preset", choices=["seed", "a100", "t4"], default=None,
                        help="sizes for one GPU: seed (Llama-3.2-1B's shape, random weights, no download; "
                             "scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given explicitly override it")
     sweep.add_argument("--dry-run", action="store_true",
                        help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 8 "
                             "tokens): proves a GPU script end to end without a GPU")
-    sweep.add_argument("--model", default=None, help="default smollm2-offline")
-    sweep.add_argument("--data", default=None, help="default synthetic; gsm8k-local, gsm8k[:split], or a .jsonl")
-    sweep.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default 1)")
-    sweep.add_argument("--ns", default=None, help="comma-separated N values (default 8,16,32,64)")
-    sweep.add_argument("--backends", default=None, help="default generate,continuous")
-    sweep.add_argument("--repeats", type=int, default=None, help="runs per point; the median is reported (default 2)")
-    sweep.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
-    sweep.add_argument("--temperature", type=float, default=None)
-    sweep.add_argument("--top-p", type=float, default=None)
-    sweep.add_argument("--top-k", type=int, default=None)
-    sweep.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: fp32 on CPU)")
-    sweep.add_argument("--seed", type=int, default=None)
-    sweep.add_argument("--cb-config", default=None, help="JSON overrides for the CB engine")
+    # Earlier names, kept so existing commands and scripts still run.
+    sweep.add_argument("--prompts", dest="num_prompts", type=int, default=argparse.SUPPRESS,
+                       help="same as --num-prompts")
+    sweep.add_argument("--dense-cpu-attention", dest="cpu_attention", action="store_const", const="engine",
+                       default=argparse.SUPPRESS, help="same as --cpu-attention engine: the first 'before' of "
+                       "cbkit's CPU tuning")
     sweep.add_argument("--out", default="runs/sweep.jsonl", help="results JSONL (appended; a rerun resumes)")
     sweep.add_argument("--no-live", action="store_true", help="no live chart")
-    sweep.add_argument("--full-step", action="store_true",
-                       help="time a whole GRPO step (rollout + training forward/backward) through cbkit's loop")
-    sweep.add_argument("--lengths", default=None, metavar="WORKLOAD",
-                       help="how long each completion runs: replay:gsm8k (default: GSM8K solution lengths scaled "
-                            "so their p95 is --max-new-tokens, EOS ignored), fixed (all to the limit), natural "
-                            "(EOS decides; the default with --full-step), or replay:FILE (a natural sweep's JSONL "
-                            "or a list of lengths, replayed as they are)")
-    sweep.add_argument("--dense-cpu-attention", action="store_true",
-                       help="on CPU, run the CB engine's own dense-mask attention instead of cbkit's varlen one")
     sweep.set_defaults(func=_sweep)
 
     report = sub.add_parser("report", help="table, CSV and plotly HTML from a sweep results file")
     report.add_argument("results", help="the sweep's JSONL")
     report.set_defaults(func=_report)
 
+    from cbkit.config import CBGRPOConfig
+
     train = sub.add_parser(
-        "train", help="GRPO training with CB rollouts: metrics JSONL and checkpoints in --output-dir",
-        description="Every CBGRPOConfig field is a flag. Lists are comma-separated (--reward-funcs "
-                    "correctness,format), dicts are JSON, optional values take 'none'.",
+        "train", parents=[dataclass_flags(CBGRPOConfig)], help="GRPO training with CB rollouts: metrics JSONL and checkpoints in --output-dir",
+        description="Every CBGRPOConfig field is a flag. Lists take commas or spaces (--reward-funcs "
+                    "correctness,format), dicts JSON, optional values 'none'. --config reads them from a YAML "
+                    "recipe; flags given win over it.",
     )
-    add_config_flags(train)
+    train.add_argument("--config", default=None, metavar="RECIPE.yaml",
+                       help="a YAML file of CBGRPOConfig fields (the format of TRL's --config); flags override it")
     train.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                        help="continue from the newest checkpoint in --output-dir, or from CHECKPOINT; the "
-                            "checkpoint's config is used, flags given override it where a resume allows")
+                            "checkpoint's config is used, the recipe and flags given override it where a resume "
+                            "allows")
     train.set_defaults(func=_train)
     advise = sub.add_parser(
         "advise", help="predict both backends' peak memory and recommend generate, CB or vLLM",
@@ -385,11 +477,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
                              "at the nearest N, and its length statistics) instead of the seed's A100 thresholds")
     advise.set_defaults(func=_advise)
+    for command in (parser, *sub.choices.values()):
+        # A flag's bad value reaches main() as an ArgumentError, which prints it as the one line every other
+        # bad input gets, instead of argparse's usage dump.
+        command.exit_on_error = False
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage error (status 2) or the help (status 0)
+        return int(e.code or 0)
+    except argparse.ArgumentError as e:
+        # cbkit's own flag types name the flag in their message; argparse's ("invalid int value") need its name.
+        said = e.message if e.message.startswith("--") else str(e)
+        print(f"cbkit {argv[0] if argv else ''}: error: {said}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, ModuleNotFoundError, FileNotFoundError, FileExistsError, FloatingPointError) as e:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +64,7 @@ class CBGRPOConfig:
     top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
     reward_funcs: list[str] = _help("Reward functions by name (cbkit.rewards: 'correctness', 'format'). "
-                                    "train(reward_funcs=...) takes callables instead.",
+                                    "GRPOTrainer(reward_funcs=...) takes callables instead.",
                                     default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
                                                "cbkit.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
@@ -262,6 +264,13 @@ class CBGRPOConfig:
             raise ValueError(f"Unknown config field(s) {said}. Fields: {', '.join(names)}.")
         return cls(**values)
 
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> CBGRPOConfig:
+        """Build from a run recipe: a YAML (or JSON) mapping of these fields, the file `cbkit train --config`
+        reads. It is the format TRL's `TrlParser --config` reads for its own dataclasses, so a recipe is also
+        `trl_bridge.trl_grpo_config(CBGRPOConfig.from_yaml(path))`."""
+        return cls.from_dict(read_recipe(path))
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
@@ -275,4 +284,17 @@ class CBGRPOConfig:
         return "\n".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(cls))
 
 
-Config = CBGRPOConfig
+def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks them)."""
+    import yaml  # transformers' own dependency (its HfArgumentParser reads YAML)
+
+    with open(path) as f:
+        values = yaml.safe_load(f)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a YAML mapping of config fields (e.g. `num_generations: 8`), "
+                         f"not {type(values).__name__}.")
+    # PyYAML follows YAML 1.1, where `5e-5` (no dot) is a string, not a number: read it as the number it means.
+    return {k: float(v) if isinstance(v, str) and _EXPONENT_FLOAT.fullmatch(v) else v for k, v in values.items()}
+
+
+_EXPONENT_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")

@@ -19,6 +19,7 @@ from cbkit.logprobs import logprob_check
 from cbkit.models import DEFAULT_MODEL, load_policy
 from cbkit.rewards import compute_rewards
 from cbkit.rollout import SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 
 
 @dataclass
@@ -60,7 +61,7 @@ def run_demo(
     prompts = [chat_prompt_ids(tok, p) for p in problems]
     sampling = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=seed,
+        eos_token_id=stop_token_ids(tok, policy.model), pad_token_id=tok.pad_token_id, seed=seed,
     )
     warmup = SamplingParams(**{**asdict(sampling), "max_new_tokens": 4})
     results = []

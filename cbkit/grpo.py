@@ -31,9 +31,12 @@ the learning rate; per sequence (TRL's default mode) the product over a long com
 `logprob/*` reports a large "mismatch" on a correct engine.
 
 cbkit computes the IS reference, and the `logprob/*` metrics, under the *same processed distribution* the
-sampler used (`objective.processed_logprobs` with the run's temperature, top-k and top-p), so the ratio compares
-like with like and is ~1 on unchanged weights. The loss's policy ratio stays temperature-only, like TRL's:
-a truncated policy would give -inf to any token that leaves the nucleus after an update. What this does not do
+sampler used (`objective.replayed_logprobs`: the run's temperature, top-k and top-p), so the ratio compares
+like with like and is ~1 on unchanged weights. A sampled token the trainer's recomputed nucleus leaves out (a
+rounding difference at the boundary is enough) is kept inside its own support rather than given -inf, which
+would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts
+them. The loss's policy ratio stays temperature-only, like TRL's: a truncated policy would give -inf to any token
+that leaves the nucleus after an update. What this does not do
 is correct for the truncation itself (tokens outside the nucleus are never sampled, no weight can fix that);
 `logprob/temperature_only_max_abs_diff` reports its size. The trainer warns once when truncation is on.
 
@@ -71,7 +74,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,10 +100,11 @@ from cbkit.objective import (
     grpo_loss,
     importance_weights,
     policy_logprobs,
-    processed_logprobs,
+    replayed_logprobs,
 )
-from cbkit.rewards import DEFAULT_REWARDS, RewardFn, reward_metric_name
+from cbkit.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 from cbkit.rollout.continuous import engine_is_idle
 
 METRICS_FILE = "metrics.jsonl"
@@ -258,7 +262,7 @@ class GRPOTrainer:
         c = self.config
         return SamplingParams(
             max_new_tokens=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_token_id,
+            eos_token_id=stop_token_ids(self.tokenizer, self.model), pad_token_id=self.pad_token_id,
             # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
             seed=c.seed * 1_000_003 + step,
         )
@@ -283,12 +287,10 @@ class GRPOTrainer:
         """Weighted sum of the reward functions per completion, plus reward/completion/rollout metrics."""
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in rollout.completions]
         answers = [problems[c.group].answer for c in rollout.completions]
-        total = torch.zeros(len(texts), dtype=torch.float64)
-        metrics: dict[str, Any] = {}
-        for (name, fn), weight in zip(self.reward_funcs.items(), self.config.reward_weights, strict=True):
-            scores = _call_reward(name, fn, texts, answers, rollout)
-            metrics[f"reward/{name}"] = scores.mean().item()
-            total += weight * scores
+        summed, per_reward = compute_rewards(texts, answers, self.reward_funcs, self.config.reward_weights,
+                                             num_generations=rollout.num_generations)
+        total = torch.tensor(summed, dtype=torch.float64)
+        metrics: dict[str, Any] = {k: torch.tensor(v, dtype=torch.float64).mean().item() for k, v in per_reward.items()}
         groups = total.view(-1, rollout.num_generations)
         lengths = torch.tensor([len(c.completion_ids) for c in rollout.completions], dtype=torch.float64)
         metrics.update({
@@ -313,7 +315,7 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_estimator)
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
-        old, old_processed = self._old_logprobs(self.model, batch)
+        old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         # The whole completion mask, truncated completions included: their weights never reach the loss when
         # they are masked, and `logprob/*` should describe every token the engine sampled.
@@ -324,6 +326,8 @@ class GRPOTrainer:
         if self.truncates and batch.sampling_logps is not None:
             gap = (batch.sampling_logps - old).abs()[batch.completion_mask]
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
+            # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
+            metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
         if not c.importance_sampling_correction:
             weights, metrics["is/skipped"] = None, 1.0
         loss_mask = batch.completion_mask
@@ -415,22 +419,24 @@ class GRPOTrainer:
     # --- helpers --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per micro-batch."""
+    def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per micro-batch; and [B, T]
+        True where a sampled token lay outside the trainer's replayed nucleus (kept in it, see `replayed_logprobs`)."""
         self._check_attention()
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
         plain = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=self.device)
         processed = plain.clone() if self.truncates else plain
+        outside = torch.zeros(batch.completion_ids.shape, dtype=torch.bool, device=self.device)
         for start in range(0, len(batch), size):
             mb = batch.rows(start, start + size)
             t = mb.completion_width
             logits = completion_logits(model, mb, self.autocast_dtype)
             plain[start : start + size, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
             if self.truncates:
-                processed[start : start + size, :t] = processed_logprobs(
+                processed[start : start + size, :t], outside[start : start + size, :t] = replayed_logprobs(
                     logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
-        return plain, processed
+        return plain, processed, outside
 
     def _check_attention(self) -> None:
         impl = self.model.config._attn_implementation
@@ -452,22 +458,6 @@ class GRPOTrainer:
                 f"{out} already holds a run (checkpoints or {METRICS_FILE}). Resume it with resume_from=True "
                 "(cbkit train --resume), or choose an empty output_dir."
             )
-
-
-def train(
-    config: CBGRPOConfig,
-    policy: Any = None,
-    backend: RolloutBackend | None = None,
-    reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
-    hooks: Sequence[StepHooks] = (),
-    problems: Sequence[Problem] | None = None,
-    resume_from: str | Path | bool | None = None,
-) -> GRPOTrainer:
-    """Build a `GRPOTrainer` and run it; returns the trainer (model, optimizer and state inside)."""
-    trainer = GRPOTrainer(config, policy=policy, backend=backend, reward_funcs=reward_funcs, hooks=hooks,
-                          problems=problems)
-    trainer.train(resume_from=resume_from)
-    return trainer
 
 
 class PromptOrder:
@@ -552,61 +542,6 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def _resolve_rewards(
     config: CBGRPOConfig, reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None
 ) -> tuple[dict[str, RewardFn], list[float]]:
-    """Reward functions by name, and one weight each."""
-    if reward_funcs is None:
-        unknown = [n for n in config.reward_funcs if n not in DEFAULT_REWARDS]
-        if unknown:
-            raise ValueError(
-                f"Unknown reward function(s) {unknown}; built-in: {sorted(DEFAULT_REWARDS)}. Pass your own "
-                "callables with train(reward_funcs=...)."
-            )
-        return {n: DEFAULT_REWARDS[n] for n in config.reward_funcs}, config.resolved_reward_weights()
-    if isinstance(reward_funcs, Mapping):
-        funcs = dict(reward_funcs)
-    else:
-        funcs = {reward_metric_name(fn).removeprefix("reward/"): fn for fn in reward_funcs}
-    if not funcs:
-        raise ValueError("reward_funcs is empty; pass at least one reward function.")
-    weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions "
-                         f"{list(funcs)}; give one weight per function.")
-    return funcs, list(weights)
-
-
-def _call_reward(name: str, fn: Callable, texts: list[str], answers: list[str], rollout: Rollout) -> Tensor:
-    """Scores of one reward function as a float64 tensor; any failure names the function and the completion."""
-
-    def where(i: int) -> str:
-        shown = texts[i] if len(texts[i]) <= 300 else texts[i][:300] + "..."
-        return (f"completion {i} (prompt {i // rollout.num_generations}, answer {answers[i]!r}):\n"
-                f"  {shown!r}")
-
-    try:
-        scores = list(fn(texts, answers))
-    except Exception as e:
-        culprit = next((i for i in range(len(texts)) if _raises(fn, texts[i], answers[i])), None)
-        at = where(culprit) if culprit is not None else f"the batch of {len(texts)} completions"
-        raise RuntimeError(f"Reward function {name!r} raised {type(e).__name__}: {e}\non {at}") from e
-    if len(scores) != len(texts):
-        raise ValueError(f"Reward function {name!r} returned {len(scores)} scores for {len(texts)} completions.")
-    out = torch.empty(len(scores), dtype=torch.float64)
-    for i, s in enumerate(scores):
-        try:
-            out[i] = float(s)
-        except (TypeError, ValueError):
-            raise ValueError(f"Reward function {name!r} returned {s!r}, not a number, for {where(i)}") from None
-        if not math.isfinite(out[i]):
-            raise ValueError(
-                f"Reward function {name!r} returned {s} for {where(i)}\nRewards must be finite: a NaN or inf "
-                "reward would turn every advantage of its group (and with batch scaling, of the step) into NaN."
-            )
-    return out
-
-
-def _raises(fn: Callable, text: str, answer: str) -> bool:
-    try:
-        fn([text], [answer])
-    except Exception:
-        return True
-    return False
+    """Reward functions by name, and one weight each (`cbkit.rewards.resolve_rewards`: the config's names of
+    built-ins unless callables are passed)."""
+    return resolve_rewards(config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)

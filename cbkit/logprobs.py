@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cbkit.batch import Batch, completion_logits
 from cbkit.objective import processed_logprobs
 from cbkit.rollout.base import Completion, Rollout, SamplingParams
 
@@ -24,26 +25,28 @@ def teacher_forced_logprobs(
     sampling: SamplingParams | None = None,
     batch_size: int = 16,
 ) -> list[torch.Tensor]:
-    """Per completion, the logprob of each of its tokens: one right-padded forward per micro-batch.
+    """Per completion, the logprob of each of its tokens, from the forward training runs.
+
+    Each micro-batch goes through `cbkit.batch`'s layout and `completion_logits` (left-padded prompts,
+    position ids that count real tokens, `logits_to_keep`), the exact forward behind the loop's old logprobs
+    and loss, so every check built on this function (`logprob_check`, `logprob_pairs`, `cbkit demo`,
+    notebook 02) checks the forward that training runs, not a second one beside it.
 
     `sampling=None` gives the raw policy distribution (temperature 1, nothing truncated); otherwise the
     distribution the sampler used. Greedy sampling is scored under the raw distribution too.
     """
+    device = next(model.parameters()).device
     out: list[torch.Tensor] = []
     for start in range(0, len(completions), batch_size):
         chunk = completions[start : start + batch_size]
-        seqs = [list(c.prompt_ids) + list(c.completion_ids) for c in chunk]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float()
+        # The pad id only fills masked positions, which no real position attends to: any id gives the same
+        # logprobs. 0 exists in every vocabulary.
+        batch = Batch.from_completions(chunk, pad_token_id=0, device=device, with_logprobs=False)
+        logits = completion_logits(model, batch)
         for i, c in enumerate(chunk):
-            p, n = len(c.prompt_ids), len(c.completion_ids)
-            step_logits = logits[i, p - 1 : p - 1 + n]  # the logits at position t predict token t+1
-            tokens = torch.tensor(c.completion_ids, device=step_logits.device)
+            n = len(c.completion_ids)
+            step_logits = logits[i, :n]
+            tokens = batch.completion_ids[i, :n]
             if sampling is None or not sampling.do_sample:
                 lp = torch.log_softmax(step_logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
             else:

@@ -57,6 +57,10 @@ CHATML_TEMPLATE = (
 )
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model name that resolves to nothing loadable here; the message says what to use instead."""
+
+
 @dataclass
 class LoadedPolicy:
     model: Any  # a transformers PreTrainedModel
@@ -100,7 +104,15 @@ def load_policy(
         check_model_dir(local)
         model, tok, source = _load_pretrained(str(local), dtype), _load_tokenizer(str(local)), "local"
     elif _HUB_ID.match(name):
-        model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
+        try:
+            model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
+        except OSError as e:  # not in the local cache and no hub reachable, or no such repository
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelNotFoundError(
+                f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network access, use a local "
+                f"model directory (a path), '{OFFLINE_NAME}' (bundled, needs no network) or '{TINY_NAME}'; with "
+                "network access, check the id (it is case-sensitive) and that you may download it."
+            ) from e
     else:
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     model.to(device)
@@ -419,3 +431,34 @@ def _piece_vocab() -> tuple[tuple[str, int], ...]:
     for piece in sorted(pieces):
         vocab.setdefault(piece, len(vocab))
     return tuple(vocab.items())
+
+
+# --- a model's config without its weights -----------------------------------------------------------------
+
+
+def load_config(name: str) -> Any:
+    """The transformers config of a name ``load_policy`` accepts, without loading weights
+    where that can be avoided."""
+    from transformers import AutoConfig
+
+    if name == TINY_NAME:
+        return tiny_model().config  # a 2-layer model builds in milliseconds; its config is the point
+    if name in RANDOM_SHAPES:
+        return random_config(name)
+    if name in (OFFLINE_NAME, "offline"):
+        # Any dequantised copy load_policy cached has the packaged model's config; otherwise read the GGUF
+        # header (slow: transformers parses the whole file).
+        cached = sorted(cache_root().glob("smollm2-135m-instruct-*/config.json"))
+        if cached:
+            return AutoConfig.from_pretrained(cached[-1].parent)
+        gguf = offline_gguf_path()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    local = Path(name).expanduser()
+    if not local.is_dir() and name.count("/") != 1:  # not a directory, not owner/name: fail before the network
+        raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
+    try:
+        return AutoConfig.from_pretrained(str(local) if local.is_dir() else name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Could not read a model config from {name!r} ({str(e).splitlines()[0]}). Accepted "
+                         f"forms: {ACCEPTED_FORMS}. Offline, a hub id needs its files in the local cache."
+                         ) from None

@@ -128,6 +128,32 @@ def processed_logprobs(
 
     `logits` is [..., V], `tokens` is [...]. Filtered-out tokens get -inf. Computed in fp32, like `generate`.
     """
+    scores = _sampler_scores(logits, temperature, top_k, top_p)
+    return scores.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def replayed_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """`processed_logprobs` of tokens a sampler *did* draw, each kept inside its own support; and where that mattered.
+
+    The trainer replays the sampler's truncation on its own logits. A token at the edge of the nucleus can fall
+    inside it for the sampler and outside for the trainer: a bf16 rounding or another kernel is enough. Then
+    `processed_logprobs` says -inf for a token that was sampled, the IS ratio exp(old - sampled) is 0, and under
+    `sequence_*` modes the whole completion's loss is zeroed without a word (the `logprob/*` gaps read inf). The
+    token was in the sampler's support, so it is put back into the trainer's: its own raw score is restored
+    before normalising, the rest of the nucleus is unchanged, and the ratio measures the small numeric gap it
+    really is. Returns (logprobs [...], outside [...] bool: the tokens the trainer's nucleus had left out).
+    """
+    scores = _sampler_scores(logits, temperature, top_k, top_p)
+    index = tokens.unsqueeze(-1)
+    outside = scores.gather(-1, index).squeeze(-1) == -math.inf
+    scores = scores.scatter(-1, index, (logits.float() / temperature).gather(-1, index))
+    return scores.log_softmax(dim=-1).gather(-1, index).squeeze(-1), outside
+
+
+def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """logits / temperature with what top-k, then top-p, filter out set to -inf: the sampler's scores, [..., V]."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
     if top_k < 0 or not 0.0 < top_p <= 1.0:
@@ -144,7 +170,7 @@ def processed_logprobs(
         drop = dropped_mass <= 1 - top_p
         drop[..., -1] = False
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return scores.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return scores
 
 
 def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
@@ -178,33 +179,126 @@ DEFAULT_REWARDS: dict[str, RewardFn] = {"correctness": correctness_reward, "form
 DEFAULT_REWARD_WEIGHTS: dict[str, float] = {"correctness": 1.0, "format": 0.5}
 
 
+RewardsArg = Mapping[str, RewardFn] | Sequence[RewardFn | str] | RewardFn | str | None
+WeightsArg = Mapping[str, float] | Sequence[float] | None
+
+
+def resolve_rewards(
+    reward_funcs: RewardsArg = None, reward_weights: WeightsArg = None, *, names_are_builtin: bool = True
+) -> tuple[dict[str, Any], list[float]]:
+    """The reward functions by name, and one weight each: the one place cbkit decides both.
+
+    `reward_funcs`: a dict name -> fn, a list of functions (named after `__name__`, `correctness_reward` ->
+    `correctness`), a single function, or names of the built-ins (`DEFAULT_REWARDS`); None means the built-ins.
+    With `names_are_builtin=False` a string is kept as it is (TRL reads it as a reward model's id).
+    `reward_weights`: one per function (a list), by name (a dict; a name left out weighs 1.0), or None: 1.0
+    each (TRL's default), except that a built-in named by its string gets `DEFAULT_REWARD_WEIGHTS`.
+    """
+    if reward_funcs is None:
+        reward_funcs = list(DEFAULT_REWARDS)
+    if callable(reward_funcs) or isinstance(reward_funcs, str):
+        reward_funcs = [reward_funcs]
+    builtin: set[str] = set()
+    if isinstance(reward_funcs, Mapping):
+        funcs = dict(reward_funcs)
+    else:
+        funcs = {}
+        for fn in reward_funcs:
+            if isinstance(fn, str) and names_are_builtin:
+                if fn not in DEFAULT_REWARDS:
+                    unknown = [n for n in reward_funcs if isinstance(n, str) and n not in DEFAULT_REWARDS]
+                    raise ValueError(f"Unknown reward function(s) {unknown}; built-in: {sorted(DEFAULT_REWARDS)}. "
+                                     "Pass your own callables with GRPOTrainer(reward_funcs=...).")
+                name, fn = fn, DEFAULT_REWARDS[fn]
+                builtin.add(name)
+            else:
+                name = fn if isinstance(fn, str) else reward_metric_name(fn).removeprefix("reward/")
+            if name in funcs:
+                raise ValueError(f"Two reward functions are named {name!r}; pass a dict name -> function.")
+            funcs[name] = fn
+    if not funcs:
+        raise ValueError("reward_funcs is empty; pass at least one reward function.")
+    if reward_weights is None:
+        return funcs, [DEFAULT_REWARD_WEIGHTS.get(n, 1.0) if n in builtin else 1.0 for n in funcs]
+    if isinstance(reward_weights, Mapping):
+        if not isinstance(reward_funcs, Mapping) and not all(isinstance(f, str) for f in reward_funcs):
+            raise ValueError("reward_weights given by name needs reward_funcs given by name (a dict name -> fn).")
+        unknown = set(reward_weights) - set(funcs)
+        if unknown:
+            raise ValueError(f"reward_weights for unknown rewards {sorted(unknown)}; known: {sorted(funcs)}")
+        return funcs, [float(reward_weights.get(n, 1.0)) for n in funcs]
+    weights = [float(w) for w in reward_weights]
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions "
+                         f"{list(funcs)}; give one weight per function.")
+    return funcs, weights
+
+
+def reward_scores(
+    name: str, fn: Callable[..., Any], completions: list[str], answers: list[str], num_generations: int | None = None
+) -> list[float]:
+    """One reward function's scores, checked: a failure, a wrong count, a non-number or a non-finite score stops
+    with the function's name and the completion that caused it.
+
+    A NaN or inf reward would turn every advantage of its group (and with batch scaling, of the step) into NaN,
+    so it is an error here rather than the silent advantage 0 TRL makes of it. `num_generations`, when the
+    completions come in groups of N, lets the message say which prompt a completion belongs to.
+    """
+
+    def where(i: int) -> str:
+        shown = completions[i] if len(completions[i]) <= 300 else completions[i][:300] + "..."
+        group = f"prompt {i // num_generations}, " if num_generations else ""
+        return f"completion {i} ({group}answer {answers[i]!r}):\n  {shown!r}"
+
+    try:
+        scores = list(fn(completions, answers))
+    except Exception as e:
+        culprit = next((i for i in range(len(completions)) if _raises(fn, completions[i], answers[i])), None)
+        at = where(culprit) if culprit is not None else f"the batch of {len(completions)} completions"
+        raise RuntimeError(f"Reward function {name!r} raised {type(e).__name__}: {e}\non {at}") from e
+    if len(scores) != len(completions):
+        raise ValueError(f"Reward function {name!r} returned {len(scores)} scores for {len(completions)} completions.")
+    out = []
+    for i, s in enumerate(scores):
+        try:
+            value = float(s)
+        except (TypeError, ValueError):
+            raise ValueError(f"Reward function {name!r} returned {s!r}, not a number, for {where(i)}") from None
+        if not math.isfinite(value):
+            raise ValueError(
+                f"Reward function {name!r} returned {s} for {where(i)}\nRewards must be finite: a NaN or inf "
+                "reward would turn every advantage of its group (and with batch scaling, of the step) into NaN."
+            )
+        out.append(value)
+    return out
+
+
+def _raises(fn: Callable[..., Any], text: str, answer: str) -> bool:
+    try:
+        fn([text], [answer])
+    except Exception:
+        return True
+    return False
+
+
 def compute_rewards(
     completions: list[str],
     answers: list[str],
-    rewards: Mapping[str, RewardFn] | None = None,
-    weights: Mapping[str, float] | None = None,
+    rewards: RewardsArg = None,
+    weights: WeightsArg = None,
+    num_generations: int | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Weighted sum of the reward functions, and each one's scores keyed by `reward/<name>`.
 
-    A reward missing from `weights` gets weight 1.0 (TRL's default for `reward_weights`).
+    Functions and weights are resolved by `resolve_rewards` (None: the built-ins with their default weights),
+    each function's scores are checked by `reward_scores`. The sum runs in float64, function by function.
     """
     _check_lengths(completions, answers)
-    if rewards is None:
-        rewards = DEFAULT_REWARDS
-        weights = DEFAULT_REWARD_WEIGHTS if weights is None else weights
-    weights = weights or {}
-    unknown = set(weights) - set(rewards)
-    if unknown:
-        raise ValueError(f"weights for unknown rewards {sorted(unknown)}; known: {sorted(rewards)}")
+    funcs, resolved = resolve_rewards(rewards, weights)
     total = [0.0] * len(completions)
     per_reward: dict[str, list[float]] = {}
-    for name, fn in rewards.items():
-        scores = fn(completions, answers)
-        if len(scores) != len(completions):
-            raise ValueError(
-                f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions"
-            )
+    for (name, fn), w in zip(funcs.items(), resolved, strict=True):
+        scores = reward_scores(name, fn, completions, answers, num_generations)
         per_reward[f"reward/{name}"] = scores
-        w = weights.get(name, 1.0)
         total = [t + w * s for t, s in zip(total, scores, strict=True)]
     return total, per_reward

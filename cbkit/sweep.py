@@ -30,6 +30,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.rollout import BACKENDS, SamplingParams, make_backend
+from cbkit.rollout.base import stop_token_ids
 from cbkit.workload import LengthWorkload, length_stats, padding_share, parse_lengths
 
 DEFAULT_NS = (8, 16, 32, 64)
@@ -108,8 +110,9 @@ class SweepConfig:
     seed: int = 0
     dtype: str | None = None
     cb_config: dict[str, Any] = field(default_factory=dict)
-    # False runs the engine's own dense-mask attention on CPU: the "before" of cbkit's CPU tuning.
-    cpu_varlen_attention: bool = True
+    # The CB engine's attention on CPU: "batched" (cbkit's default), "per_sequence" (cbkit's loop before the
+    # decode batching) or "engine" (its own dense-mask SDPA): the "befores" of the CPU tuning, side by side.
+    cpu_attention: str = "batched"
     # Time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) instead of the rollout
     # alone, through cbkit.grpo; the weights are restored after every step so each point starts the same.
     full_step: bool = False
@@ -118,6 +121,10 @@ class SweepConfig:
     lengths: str = "replay:gsm8k"
 
     def __post_init__(self) -> None:
+        from cbkit.rollout.cpu_attention import CPU_ATTENTION
+
+        if self.cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {self.cpu_attention!r}.")
         self.ns = tuple(self.ns)
         self.backends = tuple(self.backends)
         if not self.ns or any(not isinstance(n, int) or n < 1 for n in self.ns):
@@ -174,7 +181,7 @@ class ResultsFile:
             self._append({"kind": "header", "fingerprint": fingerprint})
 
     def _load(self) -> None:
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = _read_jsonl(self.path, repair=True)
         if not lines or lines[0].get("kind") != "header":
             raise ValueError(f"{self.path} is not a cbkit sweep results file (no header line); use another --out.")
         theirs = lines[0]["fingerprint"]
@@ -324,7 +331,7 @@ def run_sweep(
     prompts = [chat_prompt_ids(tok, p) for p in problems]
     sampling = SamplingParams(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=cfg.seed,
+        eos_token_id=stop_token_ids(tok, model), pad_token_id=tok.pad_token_id, seed=cfg.seed,
     )
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     workload = cfg.workload
@@ -334,7 +341,7 @@ def run_sweep(
                       **probe})
     params = matmul_params(model)
     backends = {b: make_backend(b, model, cb_config=cfg.cb_config, pad_token_id=tok.pad_token_id,
-                                cpu_varlen_attention=cfg.cpu_varlen_attention) for b in cfg.backends}
+                                cpu_attention=cfg.cpu_attention) for b in cfg.backends}
     warm = dataclasses.replace(sampling, max_new_tokens=min(8, cfg.max_new_tokens))
     for b in backends.values():  # first calls pay one-off costs (allocator, kernels); not what we compare
         b.generate(prompts[:1], 1, warm)
@@ -426,17 +433,20 @@ def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops
 
 def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
     """The planner's prediction for this point, and its error against what was measured. With replayed
-    targets the static batch runs to the longest one, and on CPU the continuous backend sizes its pool from
-    the per-request targets: the planner is given both, so it predicts the run that happened."""
+    targets the static batch runs to the longest one; the continuous backend's pool is sized from the
+    generation limit as always (it cannot know the lengths in advance), which the planner does by itself."""
     from cbkit.advise import plan
-    from cbkit.rollout.continuous import _page_size, workload_blocks
 
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
     device = model.device.type if model.device.type == "cuda" else "cpu"
     cb_config = dict(cfg.cb_config)
     if targets and device == "cpu" and "num_blocks" not in cb_config:
+        from cbkit.rollout.continuous import make_cb_config
+
         rows = [x for x in prompts for _ in range(n)]
-        cb_config["num_blocks"] = workload_blocks(rows, targets, _page_size(cb_config))
+        resolved = make_cb_config(cb_config, device=model.device, rows=rows, max_new_tokens=cfg.max_new_tokens,
+                                  warn=False)
+        cb_config["num_blocks"] = resolved.num_blocks
     p = plan(model.config, num_prompts=len(prompts), num_generations=n, prompt_len=[len(x) for x in prompts],
              max_new_tokens=max(targets) if targets else cfg.max_new_tokens, dtype_bytes=dtype_bytes,
              budget_bytes=budget, cb_config=cb_config, device=device,
@@ -563,8 +573,34 @@ def results_summary(path: str | Path) -> str:
 
 
 def load_runs(path: str | Path) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in lines if r.get("kind") == "run"]
+    return [r for r in _read_jsonl(Path(path)) if r.get("kind") == "run"]
+
+
+def _read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """The records of a results file. A torn *last* line (a sweep killed mid-write: the run in flight) is dropped
+    with a warning, and with `repair` cut from the file, so the next append starts on a line of its own. Any other
+    unreadable line is an error that names the file and the line."""
+    text = path.read_text()
+    records, offset, last_good_end = [], 0, 0
+    lines = text.splitlines(keepends=True)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        offset += len(line)
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i != last:
+                raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}). Fix or delete that line.") from None
+            warnings.warn(f"{path}, line {i + 1}: dropped a torn last line (a run interrupted while it was being "
+                          "written); that run will be measured again.", UserWarning, stacklevel=3)
+            if repair:
+                with open(path, "r+") as f:
+                    f.truncate(len(text[:last_good_end].encode()))
+            break
+        last_good_end = offset
+    return records
 
 
 def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:

@@ -9,9 +9,16 @@ ZeRO or FSDP (see `docs/scale_out.md`). This module is the bridge, in three part
    settings, which TRL names after vLLM (`importance_sampling_correction` -> `vllm_importance_sampling_
    correction`, `importance_sampling_mode` / `clip_max` / `clip_min` -> `vllm_importance_sampling_mode` /
    `_clip_max` / `_clip_min`) because vLLM was its only source of sampling logprobs; `kl_bias_correction`
-   -> `use_bias_correction_kl`; and, for RLOO, `scale_rewards` -> `normalize_advantages`. The continuous
+   -> `use_bias_correction_kl`; and, for RLOO, `scale_rewards` -> `normalize_advantages`. Some fields count in
+   other units: a cbkit step is one rollout and `num_iterations` updates, a TRL step one update, so `max_steps`
+   and `save_steps` are multiplied by `num_iterations`; `prompts_per_step` becomes `per_device_train_batch_size`
+   (prompts x N / gradient_accumulation_steps completions). The optimizer fields (`weight_decay`, `adam_*`,
+   `max_grad_norm`) copy across, the learning rate is held constant as in cbkit's loop (TRL's default decays it
+   linearly), and the reward weights come from the config, matched to the functions by name. `LOOP_ONLY` lists
+   the fields with no TRL config equivalent and says where each goes instead. The continuous
    batching (CB) engine is on (`use_transformers_continuous_batching=True`) and its config is cbkit's
-   (`CB_DEFAULTS`: `max_memory_percent=0.5`, `use_cuda_graph=False`) plus the user's keys, validated by the
+   (`CB_DEFAULTS`: `max_memory_percent=0.5`, TRL's default too, and `use_cuda_graph=False`, which TRL leaves to
+   the engine) plus the user's keys, validated by the
    same `make_cb_config` the rollout backend uses, so an unknown key fails here, at config time, with the list
    of valid ones. Either a cbkit config object (read by attribute name, so anything with those attributes
    works) or plain keyword arguments are accepted; TRL-only settings go in `**overrides` under TRL's names.
@@ -76,8 +83,9 @@ ZeRO or FSDP (see `docs/scale_out.md`). This module is the bridge, in three part
 
 RLOO: TRL 1.16's `RLOOTrainer` has the same CB branch without logprobs, but also no IS correction at all
 (`RLOOConfig` has no `vllm_importance_sampling_*` fields, and its vLLM path asks for `logprobs=None`). There
-is nothing to hand logprobs to, so `build_rloo_trainer` builds `CBRLOOTrainer`: the stock trainer plus only
-the mixed-precision fix above (its CB branch has the same `.float()` failure). `RLOOConfig` also has no
+is nothing to hand logprobs to, so `build_rloo_trainer` builds `CBRLOOTrainer`: the stock trainer with the GRPO
+bridge's CB call (`_CBRollouts`: the mixed-precision fix, the CPU pool, the per-call seed, failures raised), whose
+logprobs it drops. `RLOOConfig` also has no
 `loss_type` or `scale_rewards`: `scale_rewards` maps to `normalize_advantages` ("batch" -> True, "none" ->
 False; "group" has no RLOO equivalent and is refused), and settings RLOO lacks are dropped with a warning when
 they differ from TRL's GRPO defaults.
@@ -92,7 +100,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import itertools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -103,8 +110,9 @@ import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from cbkit.models import native_bf16
+from cbkit.rewards import resolve_rewards, reward_scores
 from cbkit.rollout.base import cut_at_eos
-from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config, workload_blocks
+from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config
 
 # cbkit field -> TRL field. Everything not listed keeps its name (see _SAME_NAME).
 _RENAMED: dict[str, str] = {
@@ -116,13 +124,26 @@ _RENAMED: dict[str, str] = {
 }
 _SAME_NAME: tuple[str, ...] = (
     "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "learning_rate", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
-    "gradient_accumulation_steps", "mask_truncated_completions", "per_device_train_batch_size", "max_steps", "seed",
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+    "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
+    "gradient_accumulation_steps", "mask_truncated_completions", "per_device_train_batch_size", "seed",
+    "reward_weights", "save_total_limit", "disable_tqdm",
     "use_transformers_continuous_batching", "transformers_continuous_batching_config",
 )
-# Read by the bridge itself rather than copied.
-_SPECIAL: tuple[str, ...] = ("advantage_estimator", "use_transformers_paged")
+# Read by the bridge itself rather than copied (see `_trl_config`): TRL counts them in other units.
+_SPECIAL: tuple[str, ...] = ("advantage_estimator", "use_transformers_paged", "prompts_per_step", "max_steps",
+                             "save_steps", "reward_funcs")
 CBKIT_FIELDS: tuple[str, ...] = _SAME_NAME + tuple(_RENAMED) + _SPECIAL
+# cbkit config fields with no TRL config field, and why. tests/test_trl_bridge.py checks that every field of
+# cbkit.config.CBGRPOConfig is either mapped (CBKIT_FIELDS) or listed here.
+LOOP_ONLY: dict[str, str] = {
+    "model": "the model (or its id) is build_grpo_trainer's first argument; TRL loads an id itself",
+    "dtype": "the caller loads the model; for an id, pass model_init_kwargs={'dtype': ...} under TRL's name",
+    "data": "the dataset is build_grpo_trainer's train_dataset (trl_dataset(load_problems(...)))",
+    "num_problems": "the dataset is build_grpo_trainer's train_dataset: cut it before",
+    "system_prompt": "trl_dataset(problems, system_prompt=...) puts it in the prompts",
+    "output_dir": "trl_grpo_config's output_dir argument (a TRL run writes TRL's checkpoints, not cbkit's)",
+}
 
 
 # --- config mapping -----------------------------------------------------------------------------------------
@@ -163,7 +184,7 @@ def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo
         values["normalize_advantages"] = scale == "batch"
     rloo_fields = {f.name for f in dataclasses.fields(RLOOConfig)}
     grpo_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    dropped = {k: v for k, v in values.items() if _trl_name(k) not in rloo_fields}
+    dropped = {k: v for k, v in values.items() if k not in _SPECIAL and _trl_name(k) not in rloo_fields}
     changed = {k: v for k, v in dropped.items() if v != grpo_defaults.get(_trl_name(k), object())}
     if changed:
         warnings.warn(
@@ -199,6 +220,8 @@ def _cbkit_values(cfg: Any) -> dict[str, Any]:
     else:
         missing = object()
         values = {k: v for k in CBKIT_FIELDS if (v := getattr(cfg, k, missing)) is not missing}
+    if "reward_weights" in values and values["reward_weights"] is None and hasattr(cfg, "resolved_reward_weights"):
+        values["reward_weights"] = cfg.resolved_reward_weights()  # cbkit's per-reward defaults (format 0.5)
     if values.pop("use_transformers_paged", False):
         warnings.warn(
             "use_transformers_paged is deprecated; use use_transformers_continuous_batching=True instead.",
@@ -230,7 +253,11 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
         "use_transformers_continuous_batching": not overrides.get("use_vllm", False),
         # TRL defaults bf16=True even on CPU (and casts the weights to bf16 in its CB branch); follow the hardware.
         "bf16": native_bf16(),
+        # cbkit's loop keeps the learning rate constant, without warmup; TRL's default decays it linearly to 0.
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
     }
+    kwargs.update(_counted_in_trl_units(values))
     kwargs.update({_trl_name(k): v for k, v in values.items()})
     kwargs.update(overrides)
     if kwargs["use_transformers_continuous_batching"]:
@@ -238,6 +265,40 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
             kwargs.get("transformers_continuous_batching_config")
         )
     return config_cls(output_dir=str(output_dir), **kwargs)
+
+
+def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
+    """Pop the fields TRL counts differently and return them in TRL's units.
+
+    A cbkit step is one rollout and `num_iterations` optimizer updates on it; TRL's `max_steps` and `save_steps`
+    count optimizer updates (it regenerates every `steps_per_generation * num_iterations` micro-batches, i.e.
+    every `num_iterations` updates). cbkit's `prompts_per_step` prompts x N completions are split into
+    `gradient_accumulation_steps` micro-batches; TRL's `per_device_train_batch_size` is one micro-batch of
+    completions (one process: with several, TRL's generation batch grows with the number of processes).
+    `reward_funcs` names the rewards `reward_weights` belongs to; the trainer takes the functions themselves.
+    """
+    iterations = int(values.get("num_iterations", 1) or 1)
+    out: dict[str, Any] = {}
+    values.pop("reward_funcs", None)
+    if "max_steps" in values:
+        out["max_steps"] = int(values.pop("max_steps")) * iterations
+    if "save_steps" in values:
+        save = int(values.pop("save_steps"))
+        if save == 0:
+            out["save_strategy"] = "no"
+        else:
+            out["save_steps"] = save * iterations
+    if "prompts_per_step" in values:
+        completions = int(values.pop("prompts_per_step")) * int(values.get("num_generations", 8))
+        ga = int(values.get("gradient_accumulation_steps", 1) or 1)
+        if completions % ga:
+            raise ValueError(
+                f"prompts_per_step x num_generations = {completions} completions do not split into "
+                f"gradient_accumulation_steps={ga} equal micro-batches; TRL needs per_device_train_batch_size to "
+                "be a whole number."
+            )
+        out["per_device_train_batch_size"] = completions // ga
+    return out
 
 
 def cb_config_dict(overrides: Mapping[str, Any] | str | None = None) -> dict[str, Any]:
@@ -298,13 +359,7 @@ class TRLReward:
             )
         texts = [_completion_text(c) for c in completions]
         answers = [str(a) for a in kwargs[self.answer_column]]
-        try:
-            return [float(x) for x in self.fn(texts, answers)]
-        except Exception as e:
-            first = texts[0][:80] if texts else ""
-            raise RuntimeError(
-                f"reward {self.__name__!r} failed on a batch of {len(texts)} completions (first: {first!r}): {e}"
-            ) from e
+        return reward_scores(self.__name__, self.fn, texts, answers)
 
     def __repr__(self) -> str:
         return f"TRLReward({self.__name__}, answer_column={self.answer_column!r})"
@@ -344,129 +399,58 @@ def _is_trl_native(fn) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def _weights_for(reward_funcs, reward_weights, cfg: Any):
+    """The weights to hand TRL: `reward_weights` when given, else the config's, matched to the functions by name.
+
+    Without this a TRL run trained every reward at 1.0 where cbkit's loop, from the same config, weighs the
+    format reward 0.5 (`cbkit.rewards.DEFAULT_REWARD_WEIGHTS`): not the same experiment.
+    """
+    if reward_weights is not None or cfg is None:
+        return reward_weights
+    if isinstance(cfg, Mapping):
+        names, weights = cfg.get("reward_funcs"), cfg.get("reward_weights")
+    else:
+        names = getattr(cfg, "reward_funcs", None)
+        resolve = getattr(cfg, "resolved_reward_weights", None)
+        weights = resolve() if callable(resolve) else getattr(cfg, "reward_weights", None)
+    if weights is None:
+        return None
+    if names is not None and isinstance(reward_funcs, Mapping):
+        return {n: float(w) for n, w in zip(names, weights, strict=True) if n in reward_funcs}
+    count = 1 if callable(reward_funcs) or isinstance(reward_funcs, str) else len(reward_funcs)
+    if count != len(weights):
+        raise ValueError(
+            f"The config's reward_weights {list(weights)} are for {len(weights)} reward functions, got {count}. "
+            "Pass reward_funcs as a name -> fn dict with the config's names, or reward_weights= explicitly."
+        )
+    return list(weights)
+
+
 def _trl_rewards(reward_funcs, reward_weights, answer_column: str):
-    """cbkit rewards (a callable, a list, or cbkit's name -> fn mapping) as TRL's list, and weights as its list."""
-    if callable(reward_funcs) or isinstance(reward_funcs, str):
-        reward_funcs = [reward_funcs]
-    names = list(reward_funcs) if isinstance(reward_funcs, Mapping) else None
-    funcs = list(reward_funcs.values()) if isinstance(reward_funcs, Mapping) else list(reward_funcs)
-    funcs = [f if _is_trl_native(f) else trl_reward(f, answer_column) for f in funcs]
-    if reward_weights is None:
-        return funcs, None
-    if isinstance(reward_weights, Mapping):
-        if names is None:
-            raise ValueError("reward_weights given by name needs reward_funcs given by name (a dict name -> fn).")
-        unknown = set(reward_weights) - set(names)
-        if unknown:
-            raise ValueError(f"reward_weights for unknown rewards {sorted(unknown)}; known: {names}")
-        return funcs, [float(reward_weights.get(n, 1.0)) for n in names]
-    weights = [float(w) for w in reward_weights]
-    if len(weights) != len(funcs):
-        raise ValueError(f"{len(weights)} reward_weights for {len(funcs)} reward functions; give one per function.")
-    return funcs, weights
+    """cbkit rewards (a callable, a list, or cbkit's name -> fn mapping) as TRL's list, and weights as its list.
+
+    Names and weights follow the loop's rules (`cbkit.rewards.resolve_rewards`), except that a string stays
+    what TRL makes of it, a reward model's id; no weights stays None (TRL's default, 1.0 each).
+    """
+    funcs, weights = resolve_rewards(reward_funcs, reward_weights, names_are_builtin=False)
+    adapted = [f if _is_trl_native(f) else trl_reward(f, answer_column) for f in funcs.values()]
+    return adapted, None if reward_weights is None else weights
 
 
 # --- the trainer that keeps the CB logprobs -----------------------------------------------------------------
 
 
-class CBLogprobGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path.
+class _CBRollouts:
+    """TRL's CB branch as both bridge trainers run it: cut at the stop ids, logprobs kept, failures raised, the KV
+    pool sized to the workload on CPU and a seed per call (see the module docstring). Mixed into a TRL trainer."""
 
-    Only for `use_transformers_continuous_batching=True` without vLLM (with vLLM, TRL already has the
-    logprobs; use `GRPOTrainer`). See the module docstring for what is overridden and why.
-    """
+    _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
 
-    # Class defaults: TRL's __init__ reads `use_vllm` before this class's own attributes exist.
-    _is_gate_open = False
-    _scoring = False
-
-    def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
-        if args is None or not getattr(args, "use_transformers_continuous_batching", False):
-            raise ValueError(
-                "CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
-                "use_transformers_continuous_batching=True (trl_grpo_config sets it)."
-            )
-        if getattr(args, "use_vllm", False):
-            raise ValueError(
-                "use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS correction; "
-                "use trl.GRPOTrainer (build_grpo_trainer picks it), or set use_vllm=False to generate with CB."
-            )
-        cb = dict(args.transformers_continuous_batching_config or {})
-        if cb.get("return_logprobs") is False:
-            raise ValueError(
-                "transformers_continuous_batching_config has return_logprobs=False; remove it (this trainer "
-                "exists to keep them)."
-            )
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        # TRL checks this in __init__ only when use_vllm is True (grpo_trainer.py, `loss_type == "vespo"`).
-        if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
-                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
-            raise ValueError(
-                f"loss_type='vespo' needs importance_sampling_mode 'token_truncate' or 'token_mask', got "
-                f"{self.vllm_importance_sampling_mode!r}."
-            )
-        if self.vllm_importance_sampling_correction and (
-            (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
-        ):
-            warnings.warn(
-                f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the engine's "
-                "sampling logprobs are under the truncated distribution, TRL's old logprobs under temperature "
-                "only, so the IS ratio is biased below 1 even on identical weights (TRL's vLLM path has the same "
-                "bias). Use top_p=1.0, top_k=0 for an unbiased correction, or read the sampling/* metrics with "
-                "that in mind.",
-                stacklevel=2,
-            )
-        self._cb_calls = itertools.count()
-
-    # -- the gate: `use_vllm` reads True only where TRL computes and applies the IS ratio --
-
-    @property
-    def use_vllm(self) -> bool:
-        return self._is_gate_open
-
-    @use_vllm.setter
-    def use_vllm(self, value: bool) -> None:
-        if value:  # TRL's __init__ assigns args.use_vllm; __init__ above refused True already
-            raise ValueError("CBLogprobGRPOTrainer never runs vLLM; use trl.GRPOTrainer for use_vllm=True.")
-
-    @contextmanager
-    def _gate(self, is_open: bool):
-        before, self._is_gate_open = self._is_gate_open, is_open
-        try:
-            yield
-        finally:
-            self._is_gate_open = before
-
-    def _generate(self, prompts: list):
-        with self._gate(False):  # generation, weight sync, tool loop: vLLM-only code must not see True
-            out = super()._generate(prompts)
-        # out[4]: the per-token sampling logprobs (None from a rollout_func that has none). Open the gate for
-        # the rest of _generate_and_score_completions only when there is something to correct with.
-        if self._scoring:
-            self._is_gate_open = out[4] is not None and bool(self.vllm_importance_sampling_correction)
-        return out
-
-    def _generate_and_score_completions(self, inputs):
-        self._scoring = True
-        try:
-            with self._gate(False):  # closed again on the way out, whatever _generate opened
-                return super()._generate_and_score_completions(inputs)
-        finally:
-            self._scoring = False
-
-    def _compute_loss(self, model, inputs):
-        with self._gate("importance_sampling_ratio" in inputs):
-            return super()._compute_loss(model, inputs)
-
-    # -- generation: TRL's CB call, keeping the logprobs --
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
+    def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`."""
         from trl.extras.profiling import profiling_context
         from trl.models import unwrap_model_for_generation
 
-        if images is not None and any(images):
-            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
         max_new = self.max_completion_length
         rows = [list(p) for p in prompt_ids]
         with (
@@ -527,13 +511,112 @@ class CBLogprobGRPOTrainer(GRPOTrainer):
         if torch.device(device).type == "cpu" and "num_blocks" not in overrides:
             # A share of host RAM is gigabytes of zeroed KV cache for a small model: size to the workload.
             overrides.pop("max_memory_percent", None)
-        seed = (int(self.args.seed) * 1_000_003 + self.accelerator.process_index * 10_007 + next(self._cb_calls))
+        seed = (int(self.args.seed) * 1_000_003 + self.accelerator.process_index * 10_007 + self._cb_calls)
+        self._cb_calls += 1
         return make_cb_config(
             overrides,
             seed=seed % (2**31 - 1),
             device=device,
-            workload_blocks=workload_blocks(rows, self.max_completion_length, _page_size(overrides)),
+            rows=rows,
+            max_new_tokens=self.max_completion_length,
         )
+
+
+class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
+    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path.
+
+    Only for `use_transformers_continuous_batching=True` without vLLM (with vLLM, TRL already has the
+    logprobs; use `GRPOTrainer`). See the module docstring for what is overridden and why.
+    """
+
+    # Class defaults: TRL's __init__ reads `use_vllm` before this class's own attributes exist.
+    _is_gate_open = False
+    _scoring = False
+
+    def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
+        if args is None or not getattr(args, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                "CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
+                "use_transformers_continuous_batching=True (trl_grpo_config sets it)."
+            )
+        if getattr(args, "use_vllm", False):
+            raise ValueError(
+                "use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS correction; "
+                "use trl.GRPOTrainer (build_grpo_trainer picks it), or set use_vllm=False to generate with CB."
+            )
+        cb = dict(args.transformers_continuous_batching_config or {})
+        if cb.get("return_logprobs") is False:
+            raise ValueError(
+                "transformers_continuous_batching_config has return_logprobs=False; remove it (this trainer "
+                "exists to keep them)."
+            )
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        # TRL checks this in __init__ only when use_vllm is True (grpo_trainer.py, `loss_type == "vespo"`).
+        if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+            raise ValueError(
+                f"loss_type='vespo' needs importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                f"{self.vllm_importance_sampling_mode!r}."
+            )
+        if self.vllm_importance_sampling_correction and (
+            (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
+        ):
+            warnings.warn(
+                f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the engine's "
+                "sampling logprobs are under the truncated distribution, TRL's old logprobs under temperature "
+                "only, so the IS ratio is biased below 1 even on identical weights (TRL's vLLM path has the same "
+                "bias). Use top_p=1.0, top_k=0 for an unbiased correction, or read the sampling/* metrics with "
+                "that in mind.",
+                stacklevel=2,
+            )
+
+    # -- the gate: `use_vllm` reads True only where TRL computes and applies the IS ratio --
+
+    @property
+    def use_vllm(self) -> bool:
+        return self._is_gate_open
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:
+        if value:  # TRL's __init__ assigns args.use_vllm; __init__ above refused True already
+            raise ValueError("CBLogprobGRPOTrainer never runs vLLM; use trl.GRPOTrainer for use_vllm=True.")
+
+    @contextmanager
+    def _gate(self, is_open: bool):
+        before, self._is_gate_open = self._is_gate_open, is_open
+        try:
+            yield
+        finally:
+            self._is_gate_open = before
+
+    def _generate(self, prompts: list):
+        with self._gate(False):  # generation, weight sync, tool loop: vLLM-only code must not see True
+            out = super()._generate(prompts)
+        # out[4]: the per-token sampling logprobs (None from a rollout_func that has none). Open the gate for
+        # the rest of _generate_and_score_completions only when there is something to correct with.
+        if self._scoring:
+            self._is_gate_open = out[4] is not None and bool(self.vllm_importance_sampling_correction)
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        self._scoring = True
+        try:
+            with self._gate(False):  # closed again on the way out, whatever _generate opened
+                return super()._generate_and_score_completions(inputs)
+        finally:
+            self._scoring = False
+
+    def _compute_loss(self, model, inputs):
+        with self._gate("importance_sampling_ratio" in inputs):
+            return super()._compute_loss(model, inputs)
+
+    # -- generation: TRL's CB call, keeping the logprobs --
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
+        if images is not None and any(images):
+            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
+        return self._cb_generate(prompt_ids)
 
 
 @contextmanager
@@ -557,28 +640,20 @@ def _plain_forward(model):
         model.forward = wrapped
 
 
-def _page_size(overrides: Mapping[str, Any]) -> int:
-    """Tokens per KV page: the user's, else the engine's default (`block_size` before transformers 5.17)."""
-    from transformers import ContinuousBatchingConfig
+class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
+    """`trl.RLOOTrainer` with the GRPO bridge's CB call: it survives bf16/fp16 mixed precision (`_plain_forward`),
+    sizes the CPU pool to the workload (TRL's `max_memory_percent=0.5` there means half of host RAM), seeds each
+    call, and raises on a failed request.
 
-    for key in ("page_size", "block_size"):
-        if overrides.get(key):
-            return int(overrides[key])
-    default = ContinuousBatchingConfig()
-    return int(getattr(default, "page_size", None) or getattr(default, "block_size", None) or 256)
-
-
-class CBRLOOTrainer(RLOOTrainer):
-    """`trl.RLOOTrainer` whose CB generation survives bf16/fp16 mixed precision (see `_plain_forward`).
-
-    RLOO in TRL 1.16 has no IS correction, so unlike `CBLogprobGRPOTrainer` there are no logprobs to keep.
+    RLOO in TRL 1.16 has no IS correction, so unlike `CBLogprobGRPOTrainer` the logprobs are dropped.
     """
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-        if not self.use_transformers_continuous_batching:
+        if not self.use_transformers_continuous_batching or self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
-        with _plain_forward(self.accelerator.unwrap_model(self.model_wrapped)):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+        if images is not None and any(images):
+            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
+        return self._cb_generate(prompt_ids)[0]
 
 
 # --- building trainers --------------------------------------------------------------------------------------
@@ -604,7 +679,7 @@ def build_grpo_trainer(
     (taking `**kwargs`, passed as they are), or cbkit's name -> fn dict (then `reward_weights` may be by name).
     `overrides`: `GRPOConfig` arguments under TRL's names.
     """
-    funcs, weights = _trl_rewards(reward_funcs, reward_weights, answer_column)
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
     args = trl_grpo_config(cfg, output_dir, **overrides)
@@ -633,7 +708,7 @@ def build_rloo_trainer(
 
     RLOO in TRL 1.16 has no IS correction to feed, so its rollouts' logprobs are not kept.
     """
-    funcs, weights = _trl_rewards(reward_funcs, reward_weights, answer_column)
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
     args = trl_rloo_config(cfg, output_dir, **overrides)

@@ -91,8 +91,14 @@ def test_unknown_field_suggests_the_close_one():
         CBGRPOConfig.from_dict({"num_generation": 4})
 
 
-def test_rloo_with_batch_scaling_is_fine():
-    CBGRPOConfig(advantage_estimator="rloo", scale_rewards="batch")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own
+def test_rloo_with_batch_scaling_is_accepted_and_means_trl_rloo_normalising(tmp_path):
+    """RLOO has no per-group scaling, but batch scaling is TRL RLOO's `normalize_advantages`."""
+    from cbkit.trl_bridge import trl_rloo_config
+
+    c = CBGRPOConfig(advantage_estimator="rloo", scale_rewards="batch")
+    assert trl_rloo_config(c, str(tmp_path)).normalize_advantages is True
+    assert trl_rloo_config(dataclasses.replace(c, scale_rewards="none"), str(tmp_path)).normalize_advantages is False
 
 
 def test_trl_names_for_the_bridge():

@@ -39,7 +39,7 @@ def test_cb_config_has_the_fields_cbkit_sets():
 def test_cbkit_defaults_reach_the_engine_config():
     cfg = cb.make_cb_config({"max_memory_percent": 0.4}, seed=7)
     assert cfg.return_logprobs is True and cfg.max_memory_percent == 0.4 and cfg.seed == 7
-    assert cfg.use_cuda_graph is False  # cbkit default, like TRL's recommended setting
+    assert cfg.use_cuda_graph is False  # cbkit's default; TRL's CB default sets only max_memory_percent=0.5
     assert cb.make_cb_config().max_memory_percent == 0.5
 
 

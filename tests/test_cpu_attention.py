@@ -50,15 +50,12 @@ def test_decode_token_equals_plain_softmax_attention():
         torch.testing.assert_close(out[0, 1, h], w @ vals[kv], atol=1e-6, rtol=1e-5)
 
 
-def _engine_runs(policy, prompts, monkeypatch, sampling):
+def _engine_runs(policy, prompts, sampling):
     """The same CB rollout with the batched decode and with the per-sequence loop (cbkit's previous default)."""
-    import cbkit.rollout.cpu_attention as cpu_attention
     from cbkit.rollout import ContinuousBackend
 
     fast = ContinuousBackend(policy.model).generate(prompts, 3, sampling)
-    with monkeypatch.context() as m:
-        m.setattr(cpu_attention, "varlen_attention", cpu_attention.per_sequence_attention)
-        slow = ContinuousBackend(policy.model).generate(prompts, 3, sampling)
+    slow = ContinuousBackend(policy.model, cpu_attention="per_sequence").generate(prompts, 3, sampling)
     return fast, slow
 
 
@@ -76,25 +73,35 @@ def _compare(policy, fast, slow, sampling, tf_atol):
     assert teacher < tf_atol
 
 
-def test_engine_with_batched_decode_equals_per_sequence_on_tiny(tiny, monkeypatch):
+def test_engine_with_batched_decode_equals_per_sequence_on_tiny(tiny):
     from cbkit.rollout import SamplingParams
 
     tok = tiny.tokenizer
     # two prompts of different lengths: decode steps take the gather path, not only the lock-step one
     prompts = [tok.encode("hi there"), tok.encode("Tom has 3 apples and buys 4 more. How many now?")]
     sp = SamplingParams(max_new_tokens=20, temperature=0.9, seed=0, eos_token_id=None, pad_token_id=0)
-    fast, slow = _engine_runs(tiny, prompts, monkeypatch, sp)
+    fast, slow = _engine_runs(tiny, prompts, sp)
     _compare(tiny, fast, slow, sp, tf_atol=1e-4)
 
 
 @pytest.mark.real_model
-def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8k_test_path, monkeypatch):
+def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8k_test_path):
     from cbkit.data import chat_prompt_ids, load_gsm8k_jsonl
     from cbkit.rollout import SamplingParams
 
     prompts = [chat_prompt_ids(smollm2.tokenizer, p) for p in load_gsm8k_jsonl(gsm8k_test_path, limit=2)]
     sp = SamplingParams(max_new_tokens=16, temperature=0.8, seed=0, eos_token_id=None,
                         pad_token_id=smollm2.tokenizer.pad_token_id)
-    fast, slow = _engine_runs(smollm2, prompts, monkeypatch, sp)
+    fast, slow = _engine_runs(smollm2, prompts, sp)
     # SmolLM2's larger logits make paged-vs-dense rounding ~2e-5 against a dense forward (tests/test_real_model.py)
     _compare(smollm2, fast, slow, sp, tf_atol=1e-3)
+
+
+def test_unknown_cpu_attention_is_refused(tiny):
+    from cbkit.rollout import ContinuousBackend
+    from cbkit.sweep import SweepConfig
+
+    with pytest.raises(ValueError, match="cpu_attention must be one of batched, per_sequence, engine; got 'flash'"):
+        ContinuousBackend(tiny.model, cpu_attention="flash")
+    with pytest.raises(ValueError, match="cpu_attention must be one of"):
+        SweepConfig(cpu_attention="dense")

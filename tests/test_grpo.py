@@ -26,7 +26,7 @@ from cbkit.grpo import GRPOTrainer
 from cbkit.hooks import StepHooks
 from cbkit.models import load_policy
 from cbkit.objective import importance_weights
-from cbkit.rollout import GenerateBackend, SamplingParams
+from cbkit.rollout import GenerateBackend, SamplingParams, make_backend
 
 MAX_LEN = 8
 PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?", "ok", "go on"])]
@@ -373,6 +373,31 @@ def test_resume_gives_the_same_weights_and_metrics(tmp_path, four_steps):
     assert _metrics(tmp_path / "metrics.jsonl") == metrics
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-engine", "kept-engine"])
+def test_resume_with_cb_rollouts_gives_the_same_run(tmp_path, persistent):
+    """Straight through vs stopped after step 2 and resumed, with CB rollouts (the default backend). A kept engine
+    used to be seeded once, when built: the straight run's step 3 drew on from step 1's stream, the resumed
+    run's from step 3's seed, and the runs parted there."""
+
+    def run(out, max_steps, resume=False):
+        model, tok = load_policy("tiny", seed=0)
+        backend = make_backend("continuous", model, persistent=persistent)
+        cfg = config(max_steps=max_steps, save_steps=2, output_dir=str(out), use_transformers_continuous_batching=True)
+        tr = trainer(cfg, policy=(model, tok), backend=backend)
+        try:
+            tr.train(resume_from=resume or None)
+        finally:
+            if persistent:
+                backend.close()
+        return tr
+
+    straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 4, resume=True)
+    assert _same_weights(straight.model.state_dict(), resumed.model.state_dict())
+    assert _metrics(tmp_path / "resumed" / "metrics.jsonl") == _metrics(tmp_path / "straight" / "metrics.jsonl")
+
+
 def test_resume_with_a_different_config_lists_the_differences(tmp_path):
     trainer(config(max_steps=1, save_steps=1, output_dir=str(tmp_path))).train()
     tr = trainer(config(max_steps=3, save_steps=1, output_dir=str(tmp_path), learning_rate=1e-3, loss_type="grpo"))
@@ -504,3 +529,74 @@ def test_cli_train_writes_metrics_and_checkpoints_and_resumes(tmp_path, capsys):
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert main(["train", "--output-dir", str(tmp_path), "--resume", "--learning-rate", "0.5"]) == 2
     assert "learning_rate: checkpoint has 1e-05, this run has 0.5" in capsys.readouterr().err
+
+
+# --- stop tokens ----------------------------------------------------------------------------------------------
+
+
+def test_stop_token_ids_is_the_union_tokenizer_first():
+    from cbkit.rollout.base import stop_token_ids
+
+    tok = types.SimpleNamespace(eos_token_id=7)
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[9, 7, 11]))
+    assert stop_token_ids(tok, model) == (7, 9, 11)
+    model.generation_config.eos_token_id = 7
+    assert stop_token_ids(tok, model) == 7
+    assert stop_token_ids(types.SimpleNamespace(eos_token_id=None), model) == 7
+    assert stop_token_ids(tok, None) == 7
+
+
+def test_rollouts_stop_at_every_id_the_generation_config_lists():
+    """Llama-3 / Qwen2.5 list several stop ids in generation_config; the loop used to stop at the tokenizer's
+    EOS only and count a completion that ended its turn as truncated. The static batch draws the same random
+    numbers whatever stops (finished rows are still sampled), so each completion of the second rollout is the
+    first one's cut after its first stop id."""
+    model, tok = load_policy("tiny", seed=0)
+    first = trainer(config(), policy=(model, tok)).rollout([0, 1], step=1)
+    long = next(c for c in first.completions if c.finish_reason == "length")
+    stop = long.completion_ids[2]
+    assert stop != tok.eos_token_id
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    tr = trainer(config(), policy=(model, tok))
+    assert tr.sampling_params(1).eos_ids == {tok.eos_token_id, stop}
+    again = tr.rollout([0, 1], step=1)
+    for a, b in zip(first.completions, again.completions, strict=True):
+        ends = [i for i, t in enumerate(a.completion_ids) if t in (tok.eos_token_id, stop)]
+        if ends:
+            assert b.completion_ids == a.completion_ids[: ends[0] + 1] and b.finish_reason == "eos"
+        else:
+            assert b.completion_ids == a.completion_ids and b.finish_reason == a.finish_reason
+    assert sum(c.finish_reason == "length" for c in again.completions) < sum(
+        c.finish_reason == "length" for c in first.completions)
+
+
+# --- truncated support ----------------------------------------------------------------------------------------
+
+
+def test_a_sampled_token_outside_the_trainers_nucleus_is_kept_and_counted():
+    """A crafted borderline rollout: its last token is the most likely one the trainer's top-p nucleus leaves out,
+    as a sampler with other rounding could have kept it. Before, its old logprob was -inf, the IS ratio 0, and
+    sequence_mask (the default) zeroed the whole completion; `logprob/*_abs_diff` read inf."""
+    model, tok = load_policy("tiny", seed=0)
+    top_p = 0.7
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the top-p warning
+        tr = trainer(config(top_p=top_p, importance_sampling_mode="sequence_mask"), policy=(model, tok))
+    rollout = tr.rollout([0, 1], step=1)
+    c = rollout.completions[0]
+    j = 3
+    with torch.no_grad():
+        ids = torch.tensor([list(c.prompt_ids) + list(c.completion_ids[:j])])
+        probs = model(input_ids=ids).logits[0, -1].float().softmax(-1)
+    # The trainer's nucleus by hand: most likely first, until the mass reaches top_p.
+    ranked = probs.sort(descending=True)
+    size = int((ranked.values.cumsum(0) < top_p).sum()) + 1
+    nucleus_mass, edge = ranked.values[:size].sum().item(), int(ranked.indices[size])
+    expected = math.log(probs[edge].item() / (nucleus_mass + probs[edge].item()))
+    crafted = dataclasses.replace(c, completion_ids=c.completion_ids[:j] + (edge,),
+                                  sampling_logprobs=c.sampling_logprobs[:j] + (expected,), finish_reason="eos")
+    rollout = dataclasses.replace(rollout, completions=[crafted, *rollout.completions[1:]])
+    p = tr.prepare(rollout, torch.linspace(0, 1, len(rollout.completions), dtype=torch.float64))
+    assert p.metrics["logprob/outside_support_tokens"] == 1.0
+    assert p.metrics["logprob/max_abs_diff"] < 1e-4  # finite: the replayed support agrees with the hand-made one
+    assert 0.999 < p.is_weights[0, 0].item() < 1.001  # the completion still counts in the loss

@@ -24,13 +24,27 @@ def _state(step=0, **kw):
     return TrainState(step=step, max_steps=4, config=CBGRPOConfig(model="tiny"), **kw)
 
 
-def test_base_hook_is_all_no_ops():
-    h = StepHooks()
-    h.on_train_begin(_state())
-    h.on_step_begin(1)
-    h.on_rollout_end(None)
-    h.on_step_end(StepRecord(1, {}))
-    h.on_train_end(_state())
+def test_a_hook_overrides_only_what_it_needs_and_sees_every_step():
+    """The base class's methods are no-ops so that a hook can define one of them; the trainer then calls that
+    one at every step, in order, with the step's record (here: a tiny two-step run)."""
+    from cbkit.data import Problem
+    from cbkit.grpo import GRPOTrainer
+
+    class Rewards(StepHooks):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, float]] = []
+
+        def on_step_end(self, record: StepRecord) -> None:
+            self.seen.append((record.step, record.metrics["reward/mean"]))
+
+    hook = Rewards()
+    config = CBGRPOConfig(model="tiny", system_prompt=None, prompts_per_step=1, num_generations=2,
+                          max_completion_length=4, max_steps=2, disable_tqdm=True, save_steps=0,
+                          use_transformers_continuous_batching=False)
+    trainer = GRPOTrainer(config, reward_funcs=[lambda completions, answers: [1.0] * len(completions)],
+                          hooks=[hook], problems=[Problem("p0", "hi", "1")])
+    trainer.train()
+    assert hook.seen == [(1, 1.0), (2, 1.0)]
 
 
 def test_jsonl_appends_and_flushes_each_step(tmp_path):

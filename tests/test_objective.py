@@ -33,6 +33,7 @@ from cbkit.objective import (
     importance_weights,
     policy_logprobs,
     processed_logprobs,
+    replayed_logprobs,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -351,6 +352,22 @@ def test_processed_logprobs_invariants():
     boundary = _all_token_logprobs(torch.zeros(1, 4), temperature=1.0, top_p=0.75)
     assert torch.isfinite(boundary).sum() == 3
     assert processed_logprobs(torch.randn(5, 40, dtype=torch.bfloat16), tokens[0, :5], 1.0).dtype == torch.float32
+
+
+def test_replayed_logprobs_keep_a_sampled_token_inside_its_support():
+    """Worked by hand: p = (0.5, 0.3, 0.15, 0.05), top_p = 0.75. The trainer's nucleus is {0, 1} (0.05 + 0.15 of mass
+    dropped <= 0.25), so token 2, which a sampler with other rounding kept, gets -inf from `processed_logprobs`.
+    Replayed, its support is {0, 1, 2}: log(0.15 / 0.95). Token 0 keeps its nucleus {0, 1}: log(0.5 / 0.8)."""
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2, 4)
+    tokens = torch.tensor([0, 2])
+    assert processed_logprobs(logits, tokens, 1.0, top_p=0.75)[1] == -math.inf
+    logps, outside = replayed_logprobs(logits, tokens, 1.0, top_p=0.75)
+    torch.testing.assert_close(logps, torch.tensor([math.log(0.5 / 0.8), math.log(0.15 / 0.95)]))
+    assert outside.tolist() == [False, True]
+    # Without truncation nothing is ever outside, and the values are the plain ones.
+    plain, none = replayed_logprobs(logits * 2, tokens, 2.0)
+    torch.testing.assert_close(plain, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+    assert not none.any()
 
 
 # --- importance-sampling correction -------------------------------------------------------------------------

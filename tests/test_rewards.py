@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -185,3 +186,38 @@ def test_format_reward_does_not_pay_for_a_stack_of_answer_lines():
 
     gamed = "#### 9\nSofia is 9 years old.\n#### 9\n#### 9"
     assert format_reward([gamed, "Sofia is 9.\n#### 9"], ["9", "9"]) == [0.5, 1.0]
+
+
+# --- the one combiner: used by the loop (cbkit.grpo), the TRL bridge and the demo -------------------------------
+
+
+def test_resolve_rewards_names_and_weights() -> None:
+    from cbkit.rewards import resolve_rewards
+
+    def length_reward(completions, answers):
+        return [float(len(c)) for c in completions]
+
+    # Built-ins by name get their default weights; callables get TRL's 1.0.
+    assert resolve_rewards(["format"]) == ({"format": format_reward}, [0.5])
+    assert resolve_rewards([length_reward, format_reward])[1] == [1.0, 1.0]
+    assert list(resolve_rewards([length_reward])[0]) == ["length"]
+    assert resolve_rewards({"a": length_reward, "b": format_reward}, {"b": 3.0})[1] == [1.0, 3.0]
+    with pytest.raises(ValueError, match=r"Unknown reward function\(s\) \['length'\]"):
+        resolve_rewards(["correctness", "length"])
+    with pytest.raises(ValueError, match="Two reward functions are named 'format'"):
+        resolve_rewards([format_reward, format_reward])
+    with pytest.raises(ValueError, match="by name"):
+        resolve_rewards([length_reward], {"length": 2.0})
+    with pytest.raises(ValueError, match="reward_weights has 1 entries for 2 reward functions"):
+        resolve_rewards([length_reward, format_reward], [1.0])
+    # A TRL reward model id stays a string when the names are not cbkit's.
+    assert resolve_rewards(["org/rm"], names_are_builtin=False)[0] == {"org/rm": "org/rm"}
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf, "x"])
+def test_combiner_refuses_a_bad_score_and_names_the_completion(value) -> None:
+    def flaky_reward(completions, answers):
+        return [0.0, 0.0, 0.0, value]
+
+    with pytest.raises(ValueError, match=r"'flaky' returned .*completion 3 \(prompt 1, answer '8'\)"):
+        compute_rewards(["a", "b", "c", "d"], ["7", "7", "8", "8"], [flaky_reward], num_generations=2)

@@ -163,26 +163,33 @@ def test_rollout_validate_names_the_field():
 
 
 def test_cpu_pool_sizing_respects_only_real_choices():
-    from cbkit.rollout.continuous import make_cb_config
+    from cbkit.rollout.continuous import CPU_PAGE_SIZE, make_cb_config
 
+    # 3 rows of 5 prompt tokens, limit 40: with 32-token pages each needs ceil(45 / 32) = 2 blocks, + 1 trash block
+    assert CPU_PAGE_SIZE == 32
+    work = dict(device="cpu", rows=[[1] * 5] * 3, max_new_tokens=40)
     # cbkit's own default max_memory_percent (as a merged config carries it) still gets the workload-sized pool
-    assert make_cb_config({"max_memory_percent": 0.5}, device="cpu", workload_blocks=7).num_blocks == 7
-    assert make_cb_config({}, device="cpu", workload_blocks=7).num_blocks == 7
+    assert make_cb_config({"max_memory_percent": 0.5}, **work).num_blocks == 7
+    assert make_cb_config({}, **work).num_blocks == 7
+    # a page size the user chose is kept, and the pool follows it: ceil(45 / 16) = 3 blocks a row
+    cfg = make_cb_config({"page_size": 16}, **work)
+    assert (cfg.page_size, cfg.num_blocks) == (16, 10)
     # another fraction is a share of *GPU* memory: on CPU it would be host RAM, so it is ignored, with a warning
     with pytest.warns(UserWarning, match="max_memory_percent=0.3 is a share of free GPU memory"):
-        assert make_cb_config({"max_memory_percent": 0.3}, device="cpu", workload_blocks=7).num_blocks == 7
+        assert make_cb_config({"max_memory_percent": 0.3}, **work).num_blocks == 7
     # explicit blocks are the user's choice; num_blocks=None hands the sizing back to the engine
-    assert make_cb_config({"num_blocks": 3}, device="cpu", workload_blocks=7).num_blocks == 3
-    cfg = make_cb_config({"max_memory_percent": 0.3, "num_blocks": None}, device="cpu", workload_blocks=7)
+    assert make_cb_config({"num_blocks": 3}, **work).num_blocks == 3
+    cfg = make_cb_config({"max_memory_percent": 0.3, "num_blocks": None}, **work)
     assert cfg.num_blocks is None and cfg.max_memory_percent == 0.3
-    # on a GPU the fraction is what it says
-    assert make_cb_config({"max_memory_percent": 0.3}, device="cuda", workload_blocks=7).num_blocks is None
+    # on a GPU the fraction is what it says, and the engine's own page size stays
+    cfg = make_cb_config({"max_memory_percent": 0.3}, **{**work, "device": "cuda"})
+    assert cfg.num_blocks is None and cfg.page_size == 256
 
 
 def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
     """cbkit's per-sequence attention (the CPU default) gives the engine's own results, restores the model."""
     sp = _sampling(tiny.tokenizer, temperature=0.8, top_k=30, max_new_tokens=20)
-    dense = ContinuousBackend(tiny.model, cpu_varlen_attention=False).generate(prompts, 2, sp)
+    dense = ContinuousBackend(tiny.model, cpu_attention="engine").generate(prompts, 2, sp)
     varlen = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
     assert varlen.engine_config["attn_implementation"] == "cbkit_flash_varlen_cpu"
     assert dense.engine_config["attn_implementation"] == "sdpa"
@@ -236,7 +243,8 @@ def test_target_lengths_ignore_eos(tiny, prompts, backend):
     assert c.completion_ids == ref[:12] and eos in c.completion_ids[:-1] and c.finish_reason == "length"
 
 
-def test_cb_pool_follows_the_targets(tiny):
+def test_cb_pool_is_sized_by_the_limit_not_the_targets(tiny):
+    """A replayed length stands in for an EOS the engine cannot foresee: the pool is the same as without it."""
     from cbkit.rollout.continuous import workload_blocks
 
     # page 16: prompt 5 + target 3 -> 1 block, 5 + 20 -> 2 blocks, 5 + 40 -> 3 blocks; plus the trash block
@@ -245,8 +253,8 @@ def test_cb_pool_follows_the_targets(tiny):
     sp = _sampling(tiny.tokenizer, max_new_tokens=40)
     prompt = [[65] * 5]
     short = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp, target_lengths=[3, 3, 3])
-    full = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp, target_lengths=[40, 40, 40])
-    assert short.engine_config["num_blocks"] < full.engine_config["num_blocks"]
+    natural = ContinuousBackend(tiny.model, {"page_size": 16}).generate(prompt, 3, sp)
+    assert short.engine_config["num_blocks"] == natural.engine_config["num_blocks"] == 3 * 3 + 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -304,3 +312,71 @@ def test_targets_with_prefix_sharing_stay_with_their_rows(tiny, prompts):
         prompts, 2, _sampling(tiny.tokenizer), target_lengths=targets)
     assert [len(c.completion_ids) for c in r.completions] == targets
     assert [list(c.prompt_ids) for c in r.completions] == [p for p in prompts for _ in range(2)]
+
+
+# --- model families cbkit's CPU attention does not cover ----------------------------------------------------
+
+
+def _family_model(kind: str):
+    """A 2-layer random model over the tiny tokenizer's vocabulary, with the feature varlen_attention lacks made
+    strong enough to change the tokens: a 4-token window (prompts are ~30 tokens) or soft-capping at 0.5."""
+    import torch
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GenerationConfig,
+        MistralConfig,
+        MistralForCausalLM,
+    )
+
+    from cbkit.models import TINY_SPECIALS
+
+    eos, pad = 256 + TINY_SPECIALS.index("<|im_end|>"), 256 + TINY_SPECIALS.index("<pad>")
+    common = dict(vocab_size=256 + len(TINY_SPECIALS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=256, eos_token_id=eos, pad_token_id=pad)
+    if kind == "mistral":
+        config, cls = MistralConfig(**common, sliding_window=4), MistralForCausalLM
+    else:
+        config = Gemma2Config(**common, attn_logit_softcapping=0.5, final_logit_softcapping=None,
+                              layer_types=["full_attention"] * 2, query_pre_attn_scalar=16)
+        cls = Gemma2ForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = cls._from_config(config, attn_implementation="sdpa" if kind == "mistral" else "eager").eval()
+    model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos, pad_token_id=pad)
+    return model
+
+
+def test_cb_falls_back_to_the_engines_attention_for_a_sliding_window(tiny, prompts):
+    """cbkit's varlen attention has no window: with it, the Mistral-style model's tokens differed from generate()'s
+    (its logprobs by up to 6 nats). The engine's own attention has one."""
+    from cbkit.rollout.cpu_attention import varlen_unsupported_reason
+
+    assert varlen_unsupported_reason(tiny.model) is None
+    model = _family_model("mistral")
+    assert "sliding-window" in varlen_unsupported_reason(model)
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12)
+    reference = GenerateBackend(model, pad_token_id=tiny.tokenizer.pad_token_id).generate(prompts, 1, sp)
+    with pytest.warns(UserWarning, match="no sliding-window.*own attention"):
+        cb = ContinuousBackend(model).generate(prompts, 1, sp)
+    assert cb.engine_config["attn_implementation"] == "sdpa"
+    assert [c.completion_ids for c in cb.completions] == [c.completion_ids for c in reference.completions]
+    # The logprobs too: a random model's greedy tokens can survive a wrong attention, its logprobs cannot.
+    assert max_logprob_diff(model, cb, sp) < LOGPROB_ATOL
+
+
+def test_cb_refuses_soft_capping_on_cpu_where_no_engine_attention_applies_it(tiny, prompts):
+    """Gemma-2-style soft-capping: cbkit's varlen attention and the engine's paged eager both skip it (measured:
+    logprobs 0.027 nats off a teacher-forced forward either way), so a CB rollout on CPU is refused; generate()
+    applies it and matches the forward."""
+    from cbkit.rollout.cpu_attention import varlen_unsupported_reason
+
+    model = _family_model("gemma2")
+    assert "soft-capping" in varlen_unsupported_reason(model)
+    sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12)
+    reference = GenerateBackend(model, pad_token_id=tiny.tokenizer.pad_token_id).generate(prompts, 1, sp)
+    assert max_logprob_diff(model, reference, sp) < LOGPROB_ATOL
+    for varlen in (True, False):
+        with pytest.raises(ValueError, match="soft-capping.*'generate' backend"):
+            ContinuousBackend(model, cpu_varlen_attention=varlen).generate(prompts, 1, sp)

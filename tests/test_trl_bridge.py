@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import pickle
 import re
 import warnings
@@ -27,6 +28,8 @@ from cbkit.models import load_policy
 from cbkit.objective import processed_logprobs
 from cbkit.rewards import correctness_reward, format_reward
 from cbkit.trl_bridge import (
+    CBKIT_FIELDS,
+    LOOP_ONLY,
     CBLogprobGRPOTrainer,
     CBRLOOTrainer,
     TRLReward,
@@ -365,35 +368,6 @@ CBKIT_RUN = dict(
 )
 
 
-@dataclasses.dataclass
-class FakeCbkitConfig:
-    """Stands in for cbkit.config's dataclass: the bridge reads attributes by name, extras are ignored."""
-
-    num_generations: int = 4
-    max_completion_length: int = 64
-    temperature: float = 0.9
-    top_p: float = 0.95
-    top_k: int = 0
-    learning_rate: float = 5e-6
-    beta: float = 0.04
-    epsilon: float = 0.2
-    epsilon_high: float | None = 0.28
-    loss_type: str = "dr_grpo"
-    scale_rewards: str = "batch"
-    num_iterations: int = 2
-    gradient_accumulation_steps: int = 2
-    mask_truncated_completions: bool = True
-    use_transformers_continuous_batching: bool = True
-    transformers_continuous_batching_config: dict = dataclasses.field(default_factory=lambda: {"page_size": 32})
-    use_transformers_paged: bool = False
-    importance_sampling_correction: bool = True
-    importance_sampling_mode: str = "token_mask"
-    clip_max: float = 2.5
-    clip_min: float | None = 0.5
-    advantage_estimator: str = "grpo"
-    model_name: str = "tiny"  # a loop-only field with no TRL meaning
-
-
 def _check_mapped(args, tmp_path):
     assert args.output_dir == str(tmp_path)
     for name in ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate",
@@ -409,8 +383,58 @@ def _check_mapped(args, tmp_path):
 
 
 def test_config_mapping_from_kwargs_and_from_a_config_object(tmp_path):
+    from cbkit.config import CBGRPOConfig
+
     _check_mapped(trl_grpo_config(CBKIT_RUN, str(tmp_path)), tmp_path)
-    _check_mapped(trl_grpo_config(FakeCbkitConfig(), str(tmp_path)), tmp_path)
+    _check_mapped(trl_grpo_config(CBGRPOConfig(**CBKIT_RUN), str(tmp_path)), tmp_path)
+
+
+def test_every_cbkit_config_field_is_mapped_or_listed_as_loop_only():
+    from cbkit.config import CBGRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(CBGRPOConfig)}
+    assert not set(LOOP_ONLY) & set(CBKIT_FIELDS)
+    assert set(LOOP_ONLY) <= fields, "LOOP_ONLY names a field CBGRPOConfig no longer has"
+    assert fields - set(CBKIT_FIELDS) - set(LOOP_ONLY) == set(), "a new config field needs a TRL mapping or a reason"
+    assert all(len(reason) > 20 for reason in LOOP_ONLY.values())
+
+
+def test_a_real_config_maps_onto_trl_as_the_same_experiment(tmp_path):
+    """Every mapped field of a CBGRPOConfig with non-default values, read back from TRL's own GRPOConfig."""
+    from cbkit.config import CBGRPOConfig
+
+    cfg = CBGRPOConfig(**{**CBKIT_RUN, "prompts_per_step": 3, "max_steps": 7, "save_steps": 3, "save_total_limit": 2,
+                          "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6,
+                          "max_grad_norm": 0.5, "seed": 11, "disable_tqdm": True,
+                          "reward_funcs": ["correctness", "format"], "kl_bias_correction": False})
+    args = trl_grpo_config(cfg, str(tmp_path))
+    for name in ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "seed",
+                 "save_total_limit", "disable_tqdm", "learning_rate", "num_iterations"):
+        assert getattr(args, name) == getattr(cfg, name), name
+    assert args.use_bias_correction_kl is False
+    assert args.reward_weights == [1.0, 0.5]  # cbkit's default weights: the format reward counts half
+    assert args.lr_scheduler_type == "constant" and args.warmup_steps == 0  # TRL's default is linear decay
+    # A cbkit step is one rollout + num_iterations (2) updates; TRL counts updates.
+    assert (args.max_steps, args.save_steps) == (14, 6)
+    # 3 prompts x 4 completions in 2 micro-batches: 6 completions each, one generation every 2 micro-batches.
+    assert args.per_device_train_batch_size == 6 and args.steps_per_generation == 2
+    assert args.per_device_train_batch_size * args.steps_per_generation == 3 * cfg.num_generations
+    assert trl_grpo_config(dataclasses.replace(cfg, save_steps=0), str(tmp_path)).save_strategy == "no"
+    with pytest.raises(ValueError, match="do not split into gradient_accumulation_steps=5"):
+        trl_grpo_config(dict(CBKIT_RUN, prompts_per_step=3, gradient_accumulation_steps=5), str(tmp_path))
+
+
+def test_the_configs_reward_weights_follow_the_functions_by_name():
+    from cbkit.config import CBGRPOConfig
+    from cbkit.trl_bridge import _weights_for
+
+    cfg = CBGRPOConfig(reward_funcs=["correctness", "format"])
+    funcs = {"format": format_reward, "correctness": correctness_reward}  # another order than the config's
+    _, weights = _trl_rewards(funcs, _weights_for(funcs, None, cfg), "answer")
+    assert weights == [0.5, 1.0]
+    assert _weights_for(funcs, {"format": 2.0}, cfg) == {"format": 2.0}  # explicit weights win
+    with pytest.raises(ValueError, match="for 2 reward functions, got 1"):
+        _weights_for([format_reward], None, cfg)
 
 
 def test_config_defaults_and_overrides(tmp_path):
@@ -490,8 +514,16 @@ def test_reward_adapter():
     def broken_reward(completions, answers):
         raise KeyError("boom")
 
-    with pytest.raises(RuntimeError, match=r"reward 'broken_reward' failed.*'no'"):
+    # The loop's checks (cbkit.rewards.reward_scores): the failing function and completion are named, and a
+    # non-finite score is an error rather than TRL's silent advantage 0.
+    with pytest.raises(RuntimeError, match=r"Reward function 'broken_reward' raised KeyError(.|\n)*'no'"):
         trl_reward(broken_reward)(completions=["no"], answer=["1"])
+
+    def nan_reward(completions, answers):
+        return [1.0, math.nan]
+
+    with pytest.raises(ValueError, match=r"'nan_reward' returned nan for completion 1 \(answer '2'\)"):
+        trl_reward(nan_reward)(completions=["a", "b"], answer=["1", "2"])
     assert pickle.loads(pickle.dumps(r))(completions=["#### 5"], answer=["5"]) == [1.0]
 
 
@@ -524,16 +556,23 @@ def test_trl_dataset_from_cbkit_problems():
 # --- RLOO -----------------------------------------------------------------------------------------------------
 
 
-def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset):
-    """One RLOO step on the CB path, in bf16 mixed precision (TRL's default) to exercise CBRLOOTrainer's fix."""
+def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
+    """One RLOO step on the CB path, in bf16 mixed precision (TRL's default) to exercise CBRLOOTrainer's fix, with
+    the GRPO bridge's engine config: no pool size given, and still no share of host RAM; a seed per call."""
     logs = Logs()
     model, tok = _policy()
+    seen = []
+    original = type(model).generate_batch
+
+    def spy(self, inputs, *args, **kwargs):
+        seen.append((len(inputs), kwargs["continuous_batching_config"]))
+        return original(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate_batch", spy)
     tr = build_rloo_trainer(
         model, tok, {"correctness": correctness_reward, "format": format_reward}, dataset,
-        dict(RUN, beta=0.0, scale_rewards="none"), output_dir=str(tmp_path), callbacks=[logs],
-        reward_weights={"format": 0.5},
-        # Stock TRL sizes the KV pool as a share of host RAM on CPU; give it a small pool.
-        transformers_continuous_batching_config={"num_blocks": 64}, bf16=True, use_cpu=True, **TRL_ONLY,
+        dict(RUN, beta=0.0, scale_rewards="none", max_steps=2), output_dir=str(tmp_path), callbacks=[logs],
+        reward_weights={"format": 0.5}, bf16=True, use_cpu=True, **TRL_ONLY,
     )
     assert type(tr) is CBRLOOTrainer and tr.continuous_batching_config is not None
     assert tr.reward_weights.tolist() == [1.0, 0.5]
@@ -541,3 +580,24 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset):
     step = logs.train_step
     assert {"rewards/correctness_reward/mean", "rewards/format_reward/mean"} <= set(step)
     assert not is_metrics(step)  # RLOO in TRL 1.16 has no IS correction
+    assert len(seen) == 2
+    for rows, cb in seen:
+        # Sized to the workload: at most a block per 256 tokens of each row, plus one (not gigabytes of host RAM).
+        assert rows == 2 * N and cb.num_blocks <= rows * 2 + 1 and cb.return_logprobs
+    assert seen[0][1].seed != seen[1][1].seed
+
+
+def test_rloo_trainer_raises_on_a_failed_request(tmp_path, dataset, monkeypatch):
+    model, tok = _policy()
+    tr = build_rloo_trainer(model, tok, format_reward, dataset, dict(RUN, beta=0.0, scale_rewards="none"),
+                            output_dir=str(tmp_path), **TRL_ONLY)
+    original = type(model).generate_batch
+
+    def lose_one(self, inputs, *args, **kwargs):
+        results = original(self, inputs, *args, **kwargs)
+        results.pop(next(iter(results)))  # what generate_batch does with a request that failed: log, drop
+        return results
+
+    monkeypatch.setattr(type(model), "generate_batch", lose_one)
+    with pytest.raises(RuntimeError, match=f"returned {2 * N - 1} usable completions for {2 * N} prompts"):
+        tr._generate_single_turn(_prompt_ids(tok), None, {})

@@ -17,14 +17,14 @@ def make_backend(
     pad_token_id: int | None = None,
     record_timestamps: bool = False,
     persistent: bool = False,
-    cpu_varlen_attention: bool = True,
+    cpu_attention: str = "batched",
 ) -> RolloutBackend:
     """Build a backend by name; the one place that maps names to classes."""
     if name == GenerateBackend.name:
         return GenerateBackend(model, pad_token_id=pad_token_id)
     if name == ContinuousBackend.name:
         return ContinuousBackend(model, cb_config, record_timestamps=record_timestamps, persistent=persistent,
-                                 cpu_varlen_attention=cpu_varlen_attention)
+                                 cpu_attention=cpu_attention)
     raise ValueError(f"Unknown backend {name!r}; choose from {sorted(BACKENDS)}.")
 
 

@@ -26,7 +26,7 @@ class SamplingParams:
     """What to sample, passed explicitly to every backend.
 
     Both backends build their processed distribution from exactly these fields. Passing them explicitly is
-    the point: TRL issue #5783 shows the CB path going near-greedy when the generation config was not
+    the point: TRL issue #5783 (fixed in TRL 1.16) showed the CB path going near-greedy when the config was not
     passed through and the engine fell back to the model's defaults.
     """
 
@@ -261,3 +261,22 @@ def cut_at_eos(tokens: Sequence[int], eos_ids: frozenset[int], max_new_tokens: i
     raise RuntimeError(
         f"Generation stopped after {len(tokens)} tokens without EOS and before max_new_tokens={max_new_tokens}."
     )
+
+
+def stop_token_ids(tokenizer: Any, model: Any = None) -> int | tuple[int, ...] | None:
+    """Every id a completion stops at: the tokenizer's EOS and the model's `generation_config.eos_token_id`.
+
+    Chat models often end a turn on a token that is not the tokenizer's EOS (Llama-3's `<|eot_id|>`, Qwen2.5's
+    `<|im_end|>` beside `<|endoftext|>`); their generation config lists them all. Stopping at the tokenizer's
+    alone runs past the end of the turn and counts the completion as truncated. TRL 1.16 stops at the same union
+    (`GRPOTrainer.__init__`, `eos_token_ids`), tokenizer first. One id comes back as an int.
+    """
+    ids: list[int] = []
+    config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [getattr(tokenizer, "eos_token_id", None),
+              *(config_ids if isinstance(config_ids, list | tuple) else [config_ids])]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else tuple(ids)

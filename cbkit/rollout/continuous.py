@@ -7,13 +7,31 @@ token for each running one, packed without padding. When a sequence hits EOS its
 pool and a waiting request takes them (*recycling*), so memory follows the tokens actually alive rather
 than P*N*max_len.
 
-Three things cbkit does that TRL's CB path (1.16) does not:
+Two things cbkit does that TRL's CB path (1.16) does not:
 
 * it asks the engine for sampling logprobs (`return_logprobs=True`) and keeps them, so the loop's
   importance-sampling correction has something to correct with;
-* it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783: without it the
-  engine falls back to the model's defaults and sampling goes near-greedy);
 * it raises when a request fails instead of logging and returning fewer completions.
+
+Like TRL 1.16 it passes the sampling parameters explicitly as a GenerationConfig (TRL issue #5783, fixed by
+1.16: without them the engine falls back to the model's defaults and sampling goes near-greedy). Its engine
+defaults are its own: `max_memory_percent=0.5` (TRL's CB default too) and `use_cuda_graph=False` (TRL leaves
+that to the engine).
+
+A kept engine (`persistent=True`) and the weights it samples from
+-----------------------------------------------------------------
+Between two rollouts the optimizer changes the weights; the engine's KV cache does not know. transformers
+keeps full, hashed KV pages as a *prefix cache* and a kept manager keeps them across calls; the hash covers
+token ids, not weights. A prompt that shares a full page with an earlier call's (a long system prompt, the
+same problem in a later epoch) would then be sampled partly on KV computed with the *old* weights: its
+sampling logprobs belong to neither policy, and the importance-sampling correction silently corrects the wrong
+thing. Other RL stacks have met the same bug wherever a prefix cache survived a weight sync (vLLM issue #9744,
+lmdeploy issue #4917, prime-rl PR #1651 "reset prefix cache after update weight"). So cbkit empties
+a kept engine's cache before every call (`forget_cached_kv`; pages are still shared *within* a call, among
+the N completions of a prompt), attaches a kept engine to the model only for its own backend's calls
+(`_own_engine`: transformers would hand the cached manager to any caller), reseeds it each call, and queues
+all requests while its loop is paused, so a seeded rollout draws the same tokens call by call whether the
+engine is kept or built anew. `tests/test_persistent_engine.py` checks each of these against `generate()`.
 """
 
 from __future__ import annotations
@@ -28,7 +46,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
-from cbkit.rollout.cpu_attention import varlen_attention_for_engine
+from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine, varlen_unsupported_reason
 from cbkit.telemetry import PeakMemory
 
 # cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
@@ -37,6 +55,12 @@ from cbkit.telemetry import PeakMemory
 # use_cuda_graph: graphs are captured per shape and re-captured as shapes drift; with weights changing
 # every step and short runs, capture time is rarely paid back.
 CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
+# Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A
+# page is the unit a request allocates and the unit a group's prompt is shared in, so with the engine's 256 a
+# 137-token GSM8K prompt is never shared and every request holds a 256-token page from its first token.
+# Measured (SmolLM2, 1 GSM8K prompt x 64, 32 new tokens, pool sized as below; scripts/cpu_page_probe.py 64 32):
+# peak RSS 1538 MiB with 256-token pages, 922 MiB with 32.
+CPU_PAGE_SIZE = 32
 
 
 def cb_config_keys() -> list[str]:
@@ -50,15 +74,17 @@ def make_cb_config(
     *,
     seed: int | None = None,
     device: torch.device | None = None,
-    workload_blocks: int | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
+    max_new_tokens: int | None = None,
     warn: bool = True,
 ):
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
     On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
     a 24 GB machine, most of the call's time spent zeroing it). There cbkit sizes the pool to the workload
-    instead: `workload_blocks`, enough blocks for every request to run at full length at once, unless the
-    user set `num_blocks`. `max_memory_percent` means a share of free *GPU* memory wherever it is written
+    instead: enough blocks for every request (`rows`) to run to `max_new_tokens` at once -- the generation
+    limit, never a replayed length, which a real engine cannot know in advance -- unless the user set
+    `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size: see that constant. `max_memory_percent` means a share of free *GPU* memory wherever it is written
     (TRL, the seed); honouring it on a CPU turned a copied 0.4 into a 5.3 GiB pool for 8 sequences and a
     rollout 4x slower than generate() (notebook 04), so on CPU it is ignored with a warning.
     `{"num_blocks": None}` lets the engine size the pool from memory anyway.
@@ -85,18 +111,22 @@ def make_cb_config(
             f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
         )
     cpu = device is not None and torch.device(device).type == "cpu"
+    key = _page_key()
+    if cpu and "page_size" not in overrides and "block_size" not in overrides:
+        values[key] = CPU_PAGE_SIZE
     mmp_default = CB_DEFAULTS["max_memory_percent"]
-    if cpu and workload_blocks and "num_blocks" not in overrides:
+    workload = workload_blocks(rows, max_new_tokens, page_size(values)) if rows and max_new_tokens else None
+    if cpu and workload and "num_blocks" not in overrides:
         # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
         if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
             warnings.warn(
                 f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
                 f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
-                f"({workload_blocks} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
+                f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
                 "to let the engine size it from max_memory_percent.",
                 UserWarning, stacklevel=3,
             )
-        values["num_blocks"] = workload_blocks
+        values["num_blocks"] = workload
     if seed is not None and "seed" not in overrides:
         values["seed"] = seed
     return ContinuousBatchingConfig(**values)
@@ -112,12 +142,14 @@ class ContinuousBackend:
         *,
         record_timestamps: bool = False,
         persistent: bool = False,
-        cpu_varlen_attention: bool = True,
+        cpu_attention: str = "batched",
     ) -> None:
         self.model = model
-        # On CPU, run the engine with per-sequence attention instead of its dense block-diagonal mask, whose
+        # On CPU, run the engine with cbkit's varlen attention instead of its dense block-diagonal mask, whose
         # cost grows with the square of the batch (cbkit/rollout/cpu_attention.py says why and by how much).
-        self.cpu_varlen_attention = cpu_varlen_attention
+        if cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {cpu_attention!r}.")
+        self.cpu_attention = cpu_attention
         self.cb_overrides = dict(cb_config or {})
         self.record_timestamps = record_timestamps  # per-token clocks for the engine timeline
         # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of
@@ -125,12 +157,20 @@ class ContinuousBackend:
         # restored, so training forwards in between are plain causal forwards.
         self.persistent = persistent
         self._engine_key: tuple | None = None
+        # This backend's kept engine. transformers keeps one manager per model (`_cached_continuous_batching_manager`)
+        # and hands it to whoever asks next; cbkit attaches only its own for the length of a call (`_own_engine`).
+        self._manager: Any = None
+        self._warned_varlen = False  # the note that this model needs the engine's own attention, once
         self._warned_pool = False  # the CPU pool warning of make_cb_config, once per backend rather than per step
         make_cb_config(self.cb_overrides)  # fail at construction, not at the first rollout
 
     def close(self) -> None:
-        """Free a persistent engine (its KV pool and buffers)."""
-        self.model.destroy_cached_continuous_batching_manager()
+        """Free this backend's persistent engine (its KV pool and buffers); another backend's is left alone."""
+        if self._manager is not None:
+            if getattr(self.model, _CACHED, None) is self._manager:
+                delattr(self.model, _CACHED)
+            self._manager.destroy()
+            self._manager = None
         self._engine_key = None
 
     def generate(
@@ -152,7 +192,8 @@ class ContinuousBackend:
             self.cb_overrides,
             seed=sampling.seed,
             device=self.model.device,
-            workload_blocks=workload_blocks(rows, targets or sampling.max_new_tokens, _page_size(self.cb_overrides)),
+            rows=rows,
+            max_new_tokens=sampling.max_new_tokens,
             warn=not self._warned_pool,
         )
         self._warned_pool = True
@@ -164,12 +205,24 @@ class ContinuousBackend:
                 self.close()
             self._engine_key = key
 
-        varlen = self.cpu_varlen_attention and self.model.device.type == "cpu"
+        _refuse_softcap_on_cpu(self.model)
+        varlen = self.cpu_attention != "engine" and self.model.device.type == "cpu"
+        unsupported = varlen_unsupported_reason(self.model) if varlen else None
+        if unsupported:
+            varlen = False
+            if not self._warned_varlen:
+                warnings.warn(f"cbkit's CPU varlen attention has no {unsupported}: the CB engine runs with the "
+                              "model's own attention instead (slower on CPU, same results).", UserWarning, stacklevel=2)
+                self._warned_varlen = True
         if varlen and "max_blocks_per_request" not in self.cb_overrides:
             cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
-        attention = varlen_attention_for_engine(self.model) if varlen else contextlib.nullcontext()
+        attention = varlen_attention_for_engine(self.model, self.cpu_attention) if varlen else contextlib.nullcontext()
 
-        with PeakMemory(self.model.device) as mem, attention:
+        if self._manager is not None:
+            # The weights may have changed since the last call (an optimizer step): KV computed with them must not
+            # be read again. See `forget_cached_kv`.
+            forget_cached_kv(self._manager)
+        with PeakMemory(self.model.device) as mem, attention, _own_engine(self):
             start = time.perf_counter()
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
@@ -228,10 +281,15 @@ def _run_engine(
         workload_hints=hints,
         persistent_manager=persistent,
     ) as manager:
-        if targets is None:
-            ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
-        else:
-            ids = _add_with_targets(manager, rows, targets, record_timestamps)
+        with _paused(manager):
+            # All requests are queued while the loop is parked, so it takes them in one drain: how they are grouped
+            # into batches, and so the order random numbers are drawn in, no longer depends on thread timing.
+            _reseed(manager, cb_config.seed)
+            if targets is None:
+                ids = manager.add_requests(inputs=rows, max_new_tokens=max_new_tokens,
+                                           record_timestamps=record_timestamps)
+            else:
+                ids = _add_with_targets(manager, rows, targets, record_timestamps)
         results: dict[str, Any] = {}
         while len(results) < len(ids):
             out = manager.get_result(timeout=1)
@@ -265,6 +323,75 @@ def _add_with_targets(manager, rows: list[list[int]], targets: list[int], record
     return ids
 
 
+_CACHED = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager on the model
+
+
+@contextlib.contextmanager
+def _own_engine(backend: ContinuousBackend):
+    """Attach exactly this backend's kept manager (or none) to the model for one call, then restore what was there.
+
+    `init_continuous_batching` returns whatever manager is cached on the model, whoever built it: without this, a
+    non-persistent backend would run on a persistent one's engine (its config, its cache) and destroy it. On exit,
+    even a failed one, the backend records the manager the call left attached: the one to keep, when persistent.
+    """
+    model, mine = backend.model, backend._manager
+    previous = getattr(model, _CACHED, None)
+    _attach(model, mine)
+    try:
+        yield
+    finally:
+        kept = getattr(model, _CACHED, None)
+        backend._manager = kept if backend.persistent else None
+        # Our own kept engine stays attached (engine_is_idle and close() look there); someone else's comes back.
+        _attach(model, kept if previous is None or previous is mine else previous)
+
+
+def _attach(model, manager) -> None:
+    if manager is not None:
+        setattr(model, _CACHED, manager)
+    elif hasattr(model, _CACHED):
+        delattr(model, _CACHED)
+
+
+def forget_cached_kv(manager) -> None:
+    """Drop every KV block a kept engine holds, prefix cache included, before a call that may see new weights.
+
+    transformers' engine keeps full, hashed KV blocks as a prefix cache, and a kept manager keeps them across calls
+    (its `reset()` frees requests but not the hashes). The hash covers token ids, not weights: after an optimizer
+    step, a prompt sharing a full page with an earlier one would be sampled on KV computed with the *old* weights,
+    and its sampling logprobs would be silently off-policy. Other RL stacks have had this bug (a prefix cache
+    surviving a weight sync: see the module docstring); the cache must not outlive the weights. Sharing
+    inside one call (the N completions of a prompt share its pages) is kept; `cache.reset()` is the engine's own
+    call for an empty pool, the one it makes after its warm-up.
+    """
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if cache is not None:
+        cache.reset()
+
+
+@contextlib.contextmanager
+def _paused(manager):
+    pause = getattr(manager, "pause", None)  # transformers >= 5.2x; older engines take requests as they come
+    with pause() if pause is not None else contextlib.nullcontext():
+        yield
+
+
+def _reseed(manager, seed: int | None) -> None:
+    """Seed the engine's sampler for this call, as a fresh engine seeds itself when it is built.
+
+    A kept engine was seeded once, when it was built; without this it would ignore every later call's seed and a
+    resumed run would not draw what the uninterrupted one did.
+    """
+    if seed is None:
+        return
+    manager.continuous_batching_config.seed = seed  # what `_resolved_config` reports
+    helper = getattr(manager, "distributed_helper", None)
+    if hasattr(helper, "set_tp_seed"):
+        helper.set_tp_seed(seed, manager.model.device)
+    else:
+        torch.manual_seed(seed)
+
+
 def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], page_size: int) -> int:
     """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block).
     ``max_new_tokens`` is one limit for every row or one target per row (a replayed length workload)."""
@@ -272,14 +399,23 @@ def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int | Sequenc
     return sum(-(-(len(r) + m) // page_size) for r, m in zip(rows, limits, strict=True)) + 1
 
 
-def _page_size(overrides: Mapping[str, Any]) -> int:
+def _page_key() -> str:
     from transformers import ContinuousBatchingConfig
 
-    for key in ("page_size", "block_size"):  # block_size before transformers 5.17
-        if key in overrides:
-            return int(overrides[key])
-    default = ContinuousBatchingConfig()
-    return int(getattr(default, "page_size", getattr(default, "block_size", 256)))
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    return "page_size" if "page_size" in names else "block_size"  # block_size before transformers 5.17
+
+
+def page_size(config) -> int:
+    """Tokens per KV page of a resolved ContinuousBatchingConfig or a dict of engine keys (the engine's default
+    where none is set). The one page-size lookup: the backend, the planner and the TRL bridge call it."""
+    from transformers import ContinuousBatchingConfig
+
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+    for key in ("page_size", "block_size"):
+        if get(key):
+            return int(get(key))
+    return int(getattr(ContinuousBatchingConfig(), _page_key()))
 
 
 def _timeline(outputs, completions, resolved: dict, t0: float) -> dict[str, Any]:
@@ -321,6 +457,22 @@ def _resolved_config(manager) -> dict[str, Any]:
     if "block_size" in out:
         out.setdefault("page_size", out.pop("block_size"))
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
+def _refuse_softcap_on_cpu(model) -> None:
+    """Gemma-2-style attention soft-capping has no CPU path in the engine: say so before sampling wrong tokens.
+
+    On CPU the engine attends with `paged|eager` (transformers/integrations/eager_paged.py), which applies sinks but
+    not `softcap`; cbkit's varlen attention has none either. Both would sample from another model than the one
+    trained (on the tiny Gemma-2-style test model, logprobs off by 0.03 nats). Flash attention on a GPU applies it.
+    """
+    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if cap is not None and model.device.type == "cpu":
+        raise ValueError(
+            f"This model uses attention logit soft-capping (attn_logit_softcapping={cap}), which transformers' "
+            "continuous batching engine does not apply on CPU (its paged eager attention skips it), so rollouts "
+            "would not come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention."
+        )
 
 
 def _context_len(model) -> int | None:

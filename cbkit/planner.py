@@ -1,0 +1,456 @@
+"""Will it fit? The memory planner: one rollout's peak memory through each backend, from the model's config.
+
+The planner predicts the peak memory (above the weights) of one rollout of P prompts x N completions for
+both backends, from nothing but the model's config:
+
+* ``generate()`` keeps every row of the static batch until the *last* row finishes. Its cache grows step
+  by step (transformers' DynamicCache appends with ``torch.cat``), so the peak is reached at the end:
+  rows x (longest prompt + decode steps) tokens of KV, plus the per-step transients that scale with
+  rows x vocabulary (the logits, their fp32 copy, the log-probs cbkit's recorder keeps, the sampling
+  probabilities). The planner takes the decode steps to be ``max_new_tokens``: with many rows, one of them
+  usually runs to the limit. That is an upper bound; a batch whose every row stops early uses less.
+* the CB engine allocates one pool up front and keeps it, whatever the batch needs. The planner repeats
+  the engine's own sizing, step for step, so that it predicts the number of blocks the engine resolves
+  (a test builds the engine and checks this):
+
+  - the settings are the ones cbkit's ``continuous`` backend hands the engine (``make_cb_config``): on a
+    GPU ``max_memory_percent=0.5`` of the free memory; on a CPU, unless ``num_blocks`` is given (``None``
+    hands the sizing back to the engine), exactly enough blocks for every request at full length;
+  - transformers (``PagedAttentionCache.__init__`` and ``PagedAttentionMemoryHandler`` in
+    ``generation/continuous_batching/cache.py``) turns those into *sectors*: the LCM of each attention
+    type's block bytes and 128 bytes. ``num_blocks`` is rounded up to whole sectors. Without it,
+    ``available = free memory x max_memory_percent`` pays first for the fixed overhead (two trash sectors,
+    the LM-head rows of up to ``max_requests_per_batch`` requests) and ``max_batch_tokens`` (default 8192)
+    x the per-batch-token cost (IO tensors + the larger of the attention and LM-head activation peaks);
+    the rest becomes sectors, each charged its own bytes plus the cache-read buffers it implies, and
+    finally enough sectors are given back to pay for the eager/SDPA attention mask
+    [max_batch_tokens, cache tokens + max_batch_tokens];
+  - the workload hints (longest prompt, ``max_new_tokens``, number of requests) do **not** cap the pool in
+    transformers 5.24 (``resolve_using_hints`` in ``initialization.py``): they only set
+    ``max_blocks_per_request`` (the decode fast path's block table, kept only with flash attention on
+    CUDA) and ``max_requests_per_batch = min(requests, 1024)``, whose LM-head rows are reserved before the
+    pool is sized. On a GPU the pool is therefore about the same size at N=8 and at N=64 (1-2% smaller
+    with more requests), which is why ``generate()`` is the lighter of the two at small N and the heavier
+    at large N.
+
+``crossover_n`` is the smallest N at which CB's predicted peak is below ``generate()``'s. The decision guide
+that turns a plan into a backend (``recommend``) is `cbkit.advise`.
+
+Accuracy. The CB block count is exact: tests/test_advise.py builds the engine on the tiny model (workload,
+``num_blocks`` and memory sizing, default and small ``max_batch_tokens``) and compares. Peak *bytes* are
+an estimate. On this repo's 2-core CPU with SmolLM2-135M (2 prompts of 80 tokens, 96 new tokens, N=4
+and 16), measured RSS ran 1.4-1.6x above the plan for generate() and 2-3x above it for CB. Not profiled;
+likely RSS-only effects the plan does not model (allocator slack, a malloc arena for the engine's decode
+thread, SDPA's CPU kernels). On CPU treat the plan as a lower bound; GPU peaks (``max_memory_allocated``)
+have not been checked against it yet.
+
+Simplifications: full and sliding-window attention only (no MLA, no linear attention); activations are
+counted for inference without gradients; prefix sharing (blocks shared between a group's identical
+prompts) is ignored, so CB's *use* of its pool is overestimated, never its size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cbkit.telemetry import kv_bytes_per_token
+
+__all__ = [
+    "DTYPE_BYTES",
+    "ContinuousPlan",
+    "GeneratePlan",
+    "Plan",
+    "crossover_n",
+    "fmt_bytes",
+    "kv_bytes_per_token",
+    "plan",
+    "planned_points",
+]
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+# transformers' defaults the engine falls back to (initialization.py FALLBACK_DEFAULTS, cache.py).
+_DEFAULT_MAX_BATCH_TOKENS = 8192
+_FALLBACK_MAX_REQUESTS_PER_BATCH = 1024
+_SECTOR_ALIGN_BYTES = 128
+
+
+@dataclass(frozen=True)
+class GeneratePlan:
+    """`generate()`'s memory for one rollout, bytes above the weights."""
+
+    rows: int
+    padded_len: int  # longest prompt + decode steps: every row's KV length at the end
+    kv_bytes: int
+    prefill_bytes: int  # the first forward: prompt KV + activations of rows x longest prompt tokens
+    decode_transient_bytes: int  # last step: logits and their copies, plus one layer's torch.cat
+    peak_bytes: int
+    fits: bool | None  # None without a budget
+
+
+@dataclass(frozen=True)
+class ContinuousPlan:
+    """The CB engine's memory for one rollout, bytes above the weights."""
+
+    sized_by: Literal["num_blocks", "workload", "memory"]
+    num_blocks: int  # whole-model blocks of page_size tokens, as the engine reports them
+    num_sectors: int
+    page_size: int
+    max_batch_tokens: int
+    pool_bytes: int  # num_blocks x page_size x KV bytes/token: the capacity (as telemetry reports it)
+    cache_tensor_bytes: int  # the tensor actually allocated: sectors + the two trash sectors
+    buffer_bytes: int  # IO tensors and attention masks, allocated up front for max_batch_tokens
+    transient_bytes: int  # activations of a full batch, cache reads, LM-head rows
+    engine_reserved_bytes: int  # what the engine budgets for itself (compute_memory_footprint)
+    peak_bytes: int
+    full_length_sequences: int  # how many sequences the pool holds at prompt + max_new_tokens at once
+    fits: bool | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    num_prompts: int
+    num_generations: int
+    num_sequences: int
+    prompt_len: int  # the longest prompt
+    max_new_tokens: int
+    dtype_bytes: int
+    device: str
+    budget_bytes: int | None
+    kv_bytes_per_token: int
+    generate: GeneratePlan
+    continuous: ContinuousPlan
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """The plan as a few readable lines (what `cbkit advise` prints)."""
+        g, c = self.generate, self.continuous
+        budget = f"budget {fmt_bytes(self.budget_bytes)} (free memory after weights)" if self.budget_bytes else "no budget"
+        lines = [
+            f"{self.model}: {self.num_prompts} prompts x N={self.num_generations} = {self.num_sequences} sequences, "
+            f"prompt {self.prompt_len} + up to {self.max_new_tokens} new tokens, {self.dtype_bytes}-byte dtype, "
+            f"{self.device}, {budget}",
+            f"KV cache: {fmt_bytes(self.kv_bytes_per_token)} per token",
+            f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} "
+            f"({g.rows} rows x {g.padded_len} positions, held until the last row ends) + last-step transients "
+            f"{fmt_bytes(g.decode_transient_bytes)}; first forward {fmt_bytes(g.prefill_bytes)}",
+            f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_fit(c.fits)}  pool {fmt_bytes(c.cache_tensor_bytes)} "
+            f"({c.num_blocks} blocks x {c.page_size} tokens, sized by {c.sized_by}) + buffers "
+            f"{fmt_bytes(c.buffer_bytes)} + transients {fmt_bytes(c.transient_bytes)}; holds {c.full_length_sequences} "
+            f"sequences at full length at once",
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+# --- the planner --------------------------------------------------------------------------------------------
+
+
+def plan(
+    config: Any,
+    *,
+    num_prompts: int,
+    num_generations: int,
+    prompt_len: int | Sequence[int],
+    max_new_tokens: int,
+    dtype_bytes: int,
+    mean_completion_len: float | None = None,
+    budget_bytes: int | None = None,
+    max_memory_percent: float | None = None,
+    page_size: int | None = None,
+    max_batch_tokens: int | None = None,
+    num_blocks: int | None = None,
+    cb_config: Mapping[str, Any] | None = None,
+    device: Literal["cuda", "cpu"] = "cuda",
+    attn_implementation: Literal["sdpa", "eager", "flash"] | None = None,
+    logits_to_keep: bool = True,
+    model_name: str = "model",
+) -> Plan:
+    """Predict the peak memory above the weights of one rollout through each backend.
+
+    ``prompt_len`` is one length for every prompt or one per prompt. ``budget_bytes`` is the memory free
+    after the weights are loaded (on a GPU what ``torch.cuda.mem_get_info`` reports then); CB on a GPU
+    needs it, because the engine sizes its pool as a share of it. ``max_memory_percent``, ``page_size``,
+    ``max_batch_tokens``, ``num_blocks`` and ``cb_config`` are the continuous backend's overrides, with
+    cbkit's defaults where left out. ``attn_implementation`` is what the engine runs: "flash" where a
+    flash-attention package is installed on CUDA (the engine switches to it), else "sdpa". None means
+    what cbkit's continuous backend runs: on CPU its per-sequence varlen attention, which the engine
+    treats as flash (no dense mask; cbkit/rollout/cpu_attention.py), on CUDA "sdpa".
+    """
+    if attn_implementation is None:
+        attn_implementation = "flash" if device == "cpu" else "sdpa"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    lens = _prompt_lens(prompt_len, num_prompts)
+    check_positive(num_prompts=num_prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
+                    dtype_bytes=dtype_bytes)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}.")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be > 0 (free memory after the weights), got {budget_bytes}.")
+    if mean_completion_len is not None and not 1 <= mean_completion_len <= max_new_tokens:
+        raise ValueError(
+            f"mean_completion_len must be between 1 and max_new_tokens={max_new_tokens}, got {mean_completion_len}."
+        )
+    shape = _Shape.of(text, dtype_bytes)
+    rows = num_prompts * num_generations
+    gen = _plan_generate(shape, rows, max(lens), max_new_tokens, budget_bytes)
+    cb, notes = _plan_continuous(
+        shape, lens, num_generations, max_new_tokens, mean_completion_len, budget_bytes, device,
+        attn_implementation, logits_to_keep,
+        overrides={**(cb_config or {}), **_given(max_memory_percent=max_memory_percent, page_size=page_size,
+                                                 max_batch_tokens=max_batch_tokens, num_blocks=num_blocks)},
+    )
+    return Plan(model_name, num_prompts, num_generations, rows, max(lens), max_new_tokens, dtype_bytes, device,
+                budget_bytes, kv_bytes_per_token(text, dtype_bytes), gen, cb, notes)
+
+
+def planned_points(config: Any, ns: Sequence[int], **plan_kwargs: Any) -> list[dict[str, Any]]:
+    """The planner over a range of N, as sweep-shaped points (backend, N, planned_peak_bytes, kv_bytes) that
+    `cbkit.plots.memory_vs_n` draws next to, or instead of, measured ones. ``plan_kwargs`` go to `plan`
+    (everything but ``num_generations``)."""
+    points = []
+    for n in ns:
+        p = plan(config, num_generations=n, **plan_kwargs)
+        points.append({"backend": "generate", "N": n, "status": "ok", "planned_peak_bytes": p.generate.peak_bytes,
+                       "kv_bytes": p.generate.kv_bytes})
+        points.append({"backend": "continuous", "N": n, "status": "ok",
+                       "planned_peak_bytes": p.continuous.peak_bytes, "kv_bytes": p.continuous.pool_bytes})
+    return points
+
+
+def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
+    """The smallest N at which CB's predicted peak is below generate()'s, or None up to ``max_n``.
+
+    Takes ``plan``'s keywords except ``num_generations``. On a GPU the CB pool does not grow with N and
+    generate()'s KV grows linearly, so above the crossover CB stays the lighter one.
+    """
+    if "num_generations" in plan_kwargs:
+        raise TypeError("crossover_n scans N itself; do not pass num_generations.")
+    if max_n < 1:
+        raise ValueError(f"max_n must be >= 1, got {max_n}.")
+    for n in range(1, max_n + 1):
+        p = plan(config, num_generations=n, **plan_kwargs)
+        if p.continuous.peak_bytes < p.generate.peak_bytes:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The numbers of a config the planner needs, read the way transformers' CB engine reads them."""
+
+    layers: int
+    full_layers: int
+    sliding_layers: int
+    sliding_window: int | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    a: int  # dtype bytes
+
+    @classmethod
+    def of(cls, cfg: Any, a: int) -> _Shape:
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layers = cfg.num_hidden_layers
+        types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        # Mirrors group_layers_by_attn_type (cache.py): no layer_types + a sliding window = all sliding.
+        if types is None:
+            sliding = layers if window is not None else 0
+        else:
+            unknown = set(types) - {"full_attention", "sliding_attention"}
+            if unknown:
+                raise ValueError(f"The planner knows full and sliding-window attention only, not {sorted(unknown)}.")
+            sliding = sum(t == "sliding_attention" for t in types)
+        return cls(layers, layers - sliding, sliding, window if sliding else None, heads, kv_heads, head_dim,
+                   cfg.hidden_size, getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+                   cfg.vocab_size, a)
+
+    @property
+    def kv_layer_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.a
+
+    def forward_bytes_per_token(self) -> int:
+        """Activations of one token inside one decoder layer, no gradients: the residual and its normed copy,
+        plus the larger of the attention projections and the MLP's gate, up and product."""
+        attn = self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim + self.hidden
+        mlp = 3 * self.intermediate
+        return self.a * (2 * self.hidden + max(attn, mlp))
+
+
+def _plan_generate(s: _Shape, rows: int, prompt: int, max_new: int, budget: int | None) -> GeneratePlan:
+    length = prompt + max_new
+    # Sliding-window layers keep at most `window` tokens (DynamicSlidingWindowLayer).
+    tokens_held = s.full_layers * length + s.sliding_layers * min(length, s.sliding_window or length)
+    kv = rows * tokens_held * s.kv_layer_token
+    # Last step: the model's logits (logits_to_keep=1), generate's fp32 copy, the log-probs cbkit's
+    # recorder keeps, the softmax it samples from; and torch.cat holding one layer's old K beside the new.
+    decode = rows * s.vocab * (s.a + 3 * 4) + rows * length * s.kv_layer_token // 2
+    prefill = (rows * prompt * s.layers * s.kv_layer_token + rows * prompt * s.forward_bytes_per_token()
+               + rows * prompt * prompt  # the 4-D boolean padding mask
+               + rows * s.vocab * (s.a + 4))
+    peak = max(kv + decode, prefill)
+    return GeneratePlan(rows, length, kv, prefill, decode, peak, None if budget is None else peak <= budget)
+
+
+def _plan_continuous(
+    s: _Shape,
+    lens: list[int],
+    n: int,
+    max_new: int,
+    mean_completion: float | None,
+    budget: int | None,
+    device: str,
+    attn: str,
+    logits_to_keep: bool,
+    overrides: dict[str, Any],
+) -> tuple[ContinuousPlan, list[str]]:
+    import torch
+
+    from cbkit.rollout.continuous import make_cb_config, page_size
+
+    notes: list[str] = []
+    requests = len(lens) * n
+    # What cbkit's continuous backend hands the engine, resolved by the same function from the same rows
+    # (only their lengths matter to the sizing).
+    rows = [range(p) for p in lens for _ in range(n)]
+    cfg = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new, warn=False)
+    page = page_size(cfg)
+
+    # resolve_using_hints / resolve_without_hints / ensure_decode_fast_path_is_available (initialization.py)
+    flash = attn == "flash"
+    max_rpb = cfg.max_requests_per_batch or min(requests, _FALLBACK_MAX_REQUESTS_PER_BATCH)
+    blocks_per_req = 0
+    if device == "cuda" and flash and cfg.max_blocks_per_request != 0:
+        blocks_per_req = cfg.max_blocks_per_request or _hinted_blocks_per_request(max(lens) + max_new, page)
+    # decide_use_cuda_graphs / decide_use_async_batching: graphs only on CUDA; async needs graphs and no mask.
+    graphs = cfg.use_cuda_graph if cfg.use_cuda_graph is not None else flash
+    graphs = device == "cuda" and (any(graphs) if isinstance(graphs, tuple | list) else bool(graphs))
+    use_async = cfg.use_async_batching if cfg.use_async_batching is not None else (graphs and flash)
+    mmp = cfg.max_memory_percent if cfg.max_memory_percent is not None else (0.6 if device == "cpu" else 0.8)
+    m = cfg.max_batch_tokens or _DEFAULT_MAX_BATCH_TOKENS
+
+    # PagedAttentionCache.__init__: sectors are the LCM of each attention type's block bytes and 128 bytes.
+    page_bytes = s.kv_layer_token * page
+    group_block_bytes = [k * page_bytes for k in (s.full_layers, s.sliding_layers) if k]
+    sector = math.lcm(*group_block_bytes, _SECTOR_ALIGN_BYTES)
+    tokens_per_sector = max((sector // b) * page for b in group_block_bytes)
+    block = s.layers * page_bytes
+
+    # PagedAttentionMemoryHandler (cache.py)
+    i32, i64, groups = 4, 8, len(group_block_bytes)
+    io_mult = 2 if use_async else 1
+    kv_heads_at_peak = 2 * s.kv_heads if flash else 2 * s.heads + s.kv_heads
+    masks = 0 if flash else (2 if s.sliding_layers else 1)
+    lm_row = s.hidden * s.a + s.vocab * 4
+    attention_peak = s.a * (s.hidden + s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+                            + kv_heads_at_peak * s.head_dim)
+    io_per_token = io_mult * (7 * i32 + 2 * i32 + groups * blocks_per_req * i32 + 2 * groups * i64)
+    per_batch_token = max(0 if logits_to_keep else lm_row, attention_peak) + io_per_token
+    per_cache_token = kv_heads_at_peak * s.head_dim * s.a + io_mult * groups * i64
+    per_cache_sector = sector + tokens_per_sector * per_cache_token
+    fixed = 2 * sector + (max_rpb * lm_row if logits_to_keep else 0)
+
+    def mask_bytes(sectors: int) -> int:
+        return io_mult * masks * s.a * m * (sectors * tokens_per_sector + m)
+
+    if cfg.num_blocks is not None:
+        sectors = max(1, math.ceil(cfg.num_blocks * block / sector))
+        sized_by = "num_blocks" if "num_blocks" in overrides else "workload"
+    else:
+        if budget is None:
+            raise ValueError(
+                "The CB engine sizes its pool as a share of free memory: give budget_bytes (free memory after "
+                "the weights), or num_blocks to fix the pool."
+            )
+        available = int(budget * mmp)
+        sectors = (available - fixed - m * per_batch_token) // per_cache_sector
+        masked = mask_bytes(sectors)
+        sectors -= math.ceil(masked / (per_cache_sector + mask_bytes(sectors + 1) - masked))
+        sized_by = "memory"
+        if sectors <= 0:
+            notes.append(f"CB: {mmp:.0%} of the budget does not cover the engine's buffers for "
+                         f"max_batch_tokens={m}; the engine would refuse to start.")
+            sectors = 0
+    engine_reserved = fixed + m * per_batch_token + sectors * per_cache_sector + mask_bytes(sectors)
+
+    resolved_blocks = sectors * sector // block
+    pool_tokens = resolved_blocks * page
+    full_len = max(lens) + max_new
+    completion = mean_completion if mean_completion is not None else max_new
+    # Tokens alive at once: every request at its (mean) full length if the pool holds them, else the pool.
+    alive = min(pool_tokens, int(sum(n * (p + completion) for p in lens)))
+    batch_tokens = min(m, sum(lens) * n)  # a prefill batch is packed up to max_batch_tokens
+    transient = (batch_tokens * s.forward_bytes_per_token() + alive * kv_heads_at_peak * s.head_dim * s.a
+                 + min(requests, max_rpb) * lm_row)
+    cache_tensor = (sectors + 2) * sector
+    buffers = m * io_per_token + mask_bytes(sectors)
+    if device == "cpu":
+        # The mask is torch.empty: host pages become resident only where a batch writes its
+        # [batch tokens, batch tokens + cache tokens read] corner, so RSS sees that corner, not the tensor.
+        buffers = m * io_per_token + io_mult * masks * s.a * batch_tokens * (batch_tokens + alive)
+        if mask_bytes(sectors):  # no mask at all with a varlen (flash-style) attention
+            notes.append(f"CPU: the engine reserves {fmt_bytes(mask_bytes(sectors))} of attention mask "
+                         f"(max_batch_tokens={m} x cache tokens) but only the part a batch writes becomes resident.")
+    peak = cache_tensor + buffers + transient
+    if pool_tokens and pool_tokens < requests * full_len:
+        notes.append(f"CB: the pool holds {pool_tokens // full_len} of {requests} sequences at full length; "
+                     "the rest wait for recycled blocks (that is the point, not an error).")
+    fits = None if budget is None else (sectors > 0 and peak <= budget)
+    return ContinuousPlan(sized_by, resolved_blocks, sectors, page, m, resolved_blocks * block, cache_tensor,
+                          buffers, transient, engine_reserved, peak, pool_tokens // full_len, fits), notes
+
+
+def _hinted_blocks_per_request(max_len: int, page: int) -> int:
+    blocks = math.ceil(max_len / page) + 1
+    return blocks + blocks % 2
+
+
+def _prompt_lens(prompt_len: int | Sequence[int], num_prompts: int) -> list[int]:
+    if isinstance(prompt_len, int):
+        lens = [prompt_len] * max(num_prompts, 0)
+        if prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {prompt_len}.")
+    else:
+        lens = [int(p) for p in prompt_len]
+        if len(lens) != num_prompts:
+            raise ValueError(f"prompt_len gives {len(lens)} lengths for num_prompts={num_prompts}.")
+        if any(p < 1 for p in lens):
+            raise ValueError(f"every prompt length must be >= 1, got {min(lens)}.")
+    return lens
+
+
+def check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+# --- formatting ---------------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Bytes in binary units, 2 decimals: "1.50 GiB"."""
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fit(fits: bool | None) -> str:
+    return "" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")

@@ -1,0 +1,34 @@
+"""Errors at the edges of the CLI: one line that says what to change, no traceback, before any expensive work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cbkit.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_an_unknown_hub_model_offline_says_what_to_use_instead():
+    # A subprocess: huggingface_hub reads HF_HUB_OFFLINE when it is imported.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "cbkit.cli", "sweep", "--model", "does-not/exist"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    err = done.stderr.strip().splitlines()
+    assert err[0].startswith("cbkit sweep: error: Could not load 'does-not/exist' as a Hugging Face hub id")
+    assert "local model directory" in done.stderr and "'smollm2-offline'" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["sweep", "demo"])
+@pytest.mark.parametrize(("value", "says"), [("{bad json", "is not valid JSON"), ("[1, 2]", "must be a JSON object")])
+def test_a_bad_cb_config_names_the_flag(capsys, command, value, says):
+    assert main([command, "--model", "tiny", "--cb-config", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cbkit {command}: error: --cb-config {says}")
