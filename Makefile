@@ -51,10 +51,14 @@ test-bare: $(STAMP)
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
 # on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes.
+# Then each executed copy is rendered to HTML (nbconvert) and opened offline in headless Chromium, which must
+# draw every figure; the HTML and a screenshot of each stay next to it (runs/notebooks/*.html, *.png).
 test-notebooks: $(STAMP)
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 \
 		$(EXECUTED)
+	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
+		tests/test_notebooks.py -k executed_notebook
 
 clean:
 	rm -rf $(VENV) $(BARE) .pytest_cache .ruff_cache

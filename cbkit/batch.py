@@ -7,6 +7,16 @@ left-padded prompt sits at the positions the rollout engine gave it.
 
 A micro-batch (`Batch.rows`) is re-trimmed to its own widths: with uneven completion lengths (the reason to
 use continuous batching at all) most micro-batches are much narrower than the whole step's batch.
+
+**The logits budget.** The loss needs, per micro-batch, the logits over the whole vocabulary at every
+completion position, in fp32, their log-softmax, and the gradient of both: about ``LOGIT_COPIES`` fp32 copies
+of ``[rows, T, V]``. With Qwen2.5's 151,936-token vocabulary, 128 completions x 256 tokens is 20 GB per copy,
+more than a T4 holds. ``micro_batches_for`` picks the number of micro-batches (the loop's
+``gradient_accumulation_steps``) that keeps them under a stated budget; the notebooks' GPU tiers use it.
+
+**Mixed precision.** ``completion_logits(..., autocast_dtype=torch.bfloat16)`` runs the forward under
+autocast while the weights stay fp32: AdamW's updates at a learning rate of 1e-6 are far below bf16's
+resolution (8 bits of mantissa), so bf16 *weights* would lose most of them; fp32 master weights keep them.
 """
 
 from __future__ import annotations
@@ -80,15 +90,48 @@ class Batch:
         )
 
 
-def completion_logits(model, batch: Batch) -> Tensor:
-    """[B, T, V] fp32 logits at the positions that predict each completion token (teacher forcing)."""
+def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = None) -> Tensor:
+    """[B, T, V] fp32 logits at the positions that predict each completion token (teacher forcing).
+
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the forward under ``torch.autocast`` on the model's device
+    type, leaving the weights in their own (fp32) dtype; the logits come back in fp32 either way."""
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     t = batch.completion_width
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=t + 1,
-        use_cache=False,
-    )
+    device_type = batch.input_ids.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=t + 1,
+            use_cache=False,
+        )
     return out.logits[:, :-1].float()
+
+
+# fp32 [rows, T, V] tensors alive at once in the loss of one micro-batch: the logits, their log-softmax, and
+# the gradient of each during backward.
+LOGIT_COPIES = 4
+
+
+def logits_bytes(rows: int, completion_len: int, vocab_size: int) -> int:
+    """Peak bytes of one micro-batch's logits in the loss: ``LOGIT_COPIES`` fp32 copies of [rows, T, V]."""
+    return LOGIT_COPIES * 4 * rows * completion_len * vocab_size
+
+
+def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_bytes: int) -> int:
+    """The fewest micro-batches (a divisor of ``rows``, so they are equal, as the loop requires) whose logits
+    stay within ``budget_bytes``. Raises if a single completion does not fit: then the budget, the length or
+    the vocabulary has to change, and no number of micro-batches helps."""
+    for name, value in (("rows", rows), ("completion_len", completion_len), ("vocab_size", vocab_size),
+                        ("budget_bytes", budget_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+    one = logits_bytes(1, completion_len, vocab_size)
+    if one > budget_bytes:
+        raise ValueError(
+            f"one completion of {completion_len} tokens over a {vocab_size}-token vocabulary needs "
+            f"{one / 2**30:.2f} GiB of logits in the loss, over the {budget_bytes / 2**30:.2f} GiB budget; "
+            "shorten max_completion_length or raise the budget.")
+    return next(k for k in range(1, rows + 1) if rows % k == 0 and logits_bytes(rows // k, completion_len,
+                                                                                    vocab_size) <= budget_bytes)

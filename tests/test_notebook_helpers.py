@@ -44,18 +44,41 @@ def test_setup_on_this_cpu_picks_fp32_the_offline_model_and_ci_sizes(monkeypatch
     assert full.pick(ci=1, cpu=2, gpu=3) == 2
 
 
-@pytest.mark.parametrize(("cc", "rollout", "train"), [((7, 5), "float16", "float32"), ((8, 0), "bfloat16", "bfloat16")])
-def test_setup_on_a_gpu_uses_bf16_only_from_compute_capability_8(monkeypatch, cc, rollout, train):
-    """A T4 (7.5) reports is_bf16_supported() through emulation; setup must not believe it."""
+@pytest.mark.parametrize(("cc", "memory_gib", "rollout", "autocast", "tier"), [
+    ((7, 5), 15, "float16", None, "t4"),  # a T4: no native bf16, 15 GiB
+    ((8, 9), 22, "bfloat16", "bfloat16", "t4"),  # an L4: native bf16 but T4-sized memory
+    ((8, 0), 40, "bfloat16", "bfloat16", "a100"),  # an A100-40GB
+])
+def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, memory_gib, rollout, autocast, tier):
+    """A T4 (7.5) reports is_bf16_supported() through emulation; setup must not believe it. Training weights
+    are fp32 on every GPU (master weights); bf16 is the forward's autocast where it is native."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: type("Props", (), {"total_memory": memory_gib * 2**30})())
     monkeypatch.setattr("cbkit.grpo.seed_everything", lambda seed: None)
     env = notebook.setup("full", verbose=False)
-    assert (env.rollout_dtype, env.train_dtype, env.model) == (rollout, train, notebook.GPU_MODEL)
+    assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
+    assert env.model == notebook.GPU_MODEL
     assert env.pick(ci=1, cpu=2, gpu=3) == 3
-    assert ("no native bf16" in env.summary()) == (cc[0] < 8)
+    assert env.pick(ci=1, cpu=2, gpu=3, t4=4, a100=5) == {"t4": 4, "a100": 5}[tier]
+    with pytest.raises(ValueError, match=f"no size for the '{tier}' tier"):
+        env.pick(ci=1, cpu=2)
+    assert ("no native bf16" in env.summary()) == (cc[0] < 8) and f"tier '{tier}'" in env.summary()
+    # The tier's logits budget sets the micro-batches: 128 completions x 256 tokens over Qwen2.5's vocabulary
+    # (0.58 GiB a completion in the loss) is 64 micro-batches of 2 on a T4 (2 GiB), 16 of 8 on an A100 (8 GiB).
+    assert env.micro_batches(128, 256, 151_936) == {"t4": 64, "a100": 16}[tier]
+
+
+def test_check_fits_adds_training_memory_to_the_planners_rollout(tiny):
+    env = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "tiny", "d")
+    params = sum(p.numel() for p in tiny.model.parameters())
+    line = notebook.check_fits(env, tiny.model, prompt_ids=[[5, 6, 7], [8, 9]], num_generations=4,
+                               max_new_tokens=8, gradient_accumulation_steps=2)
+    # 16 bytes a parameter (fp32 weights, gradients, two AdamW moments), computed here from the model itself.
+    assert f"weights, gradients, AdamW: {16 * params / 2**30:.2f}" in line and "rollout peak" in line
 
 
 # --- the live hook, the tables ------------------------------------------------------------------------------
@@ -72,7 +95,7 @@ def _train(tiny, hooks, **kw):
 
 
 def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
-    from cbkit.plots import LiveChart
+    from cbkit.live import LiveChart
 
     chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
     first = notebook.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
@@ -101,7 +124,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
 
 
 def test_nan_metrics_are_not_points():
-    from cbkit.plots import LiveChart
+    from cbkit.live import LiveChart
 
     chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
     hook = notebook.LiveMetricsHook(chart=chart)
@@ -197,8 +220,19 @@ def test_equal_lengths_leave_nothing_to_recycle_and_spread_does():
     assert varied < 0.8
 
 
+def test_spread_runs_from_the_fixed_workload_to_the_replayed_one():
+    replay = [10, 40, 100]  # already scaled to the limit of 100
+    fixed = completion_lengths(6, 100, 0.0, seed=3, replay=replay)
+    full = completion_lengths(6, 100, 1.0, seed=3, replay=replay)
+    half = completion_lengths(6, 100, 0.5, seed=3, replay=replay)
+    assert fixed == [100] * 6 and set(full) <= set(replay)
+    # Same seed, same draws: halfway between each replayed length and the limit (10 -> 55, 40 -> 70).
+    assert half == [round(100 - (100 - x) / 2) for x in full]
+
+
 @pytest.mark.parametrize(("call", "msg"), [
     (lambda: completion_lengths(4, 10, 1.5), "spread is a fraction"),
+    (lambda: completion_lengths(4, 10, 0.5, replay=[3, 12]), "replay lengths must be 1..max_len=10"),
     (lambda: paged_pool(10, [5], 4, pool_blocks=2), "pool_blocks=2 cannot hold even one sequence"),
     (lambda: static_batch(10, []), "one positive completion length per sequence"),
 ])
@@ -247,12 +281,20 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
 
 
 def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
-    from cbkit.plots import logprob_scatter, ratio_histogram
+    from cbkit.plots import logprob_scatter, ratio_histogram, ratio_summary
 
     fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
     assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
     assert "1" in fig.layout.xaxis.ticktext
     assert "median 1," in fig.data[1].name
+    # Even count: the middle two of 0.5, 0.9, 1.1, 2.0 average to 1.0 (torch.median would say 0.9); the
+    # legend quotes what ratio_summary returns, which the notebooks print.
+    assert ratio_summary([2.0, 0.5, 1.1, 0.9]) == pytest.approx((1.0, 0.5, 2.0))
+    assert "median 1, range 0.5 to 2" in fig.data[0].name
+    banded = ratio_histogram({"seq": [1e-3, 0.5, 4.0]}, band=(None, 3.0))
+    (rect,) = [s for s in banded.layout.shapes if s.type == "rect"]
+    assert rect.x1 == pytest.approx(math.log10(3.0)) and rect.x0 == pytest.approx(banded.data[0].xbins.start)
+    assert "IS band [0, 3]" in banded.layout.annotations[0].text
     with pytest.raises(ValueError, match="no positive, finite ratio"):
         ratio_histogram({"bad": [0.0, float("nan")]})
     scatter = logprob_scatter([-1.0, -2.0], [-1.0, -2.5])
@@ -274,3 +316,68 @@ def test_planned_points_feed_the_memory_figure(tiny):
     fig = memory_vs_n(pts)
     assert any("planner" in t.name for t in fig.data) and not any("measured" in t.name for t in fig.data)
     assert math.isfinite(gen[0]["planned_peak_bytes"])
+
+
+def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
+    gpu = notebook.NotebookEnv("full", "cuda", "Fake", (7, 5), False, "float16", "float32", "tiny", "d",
+                               tier="t4", gpu_memory_bytes=2**20)  # 1 MiB: the weights alone do not fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # the rollout fits anything
+    with pytest.raises(MemoryError, match="training needs more than this GPU's 0.0 GiB"):
+        notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
+                            gradient_accumulation_steps=1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**10, 2**40))  # 1 KiB free: no KV pool fits
+    with pytest.raises(MemoryError, match="the rollout does not fit"):
+        notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
+                            gradient_accumulation_steps=1)
+
+
+# --- sentences printed from a run -------------------------------------------------------------------------------
+
+
+def _pt(backend, n, tps, mem, **kw):
+    return {"backend": backend, "N": n, "status": "ok", "tokens_per_s": tps, "peak_mem_bytes": mem * 2**20, **kw}
+
+
+def test_sweep_findings_say_what_the_points_say():
+    points = [_pt("generate", 4, 10.0, 40), _pt("continuous", 4, 8.0, 100, speed_vs_generate=0.8, mem_vs_generate=2.5),
+              _pt("generate", 16, 20.0, 160), _pt("continuous", 16, 30.0, 120, speed_vs_generate=1.5,
+                                                   mem_vs_generate=0.75)]
+    text = notebook.sweep_findings(points)
+    assert "N=4: CB ran at 0.80x generate()'s speed (slower) and used 2.50x its peak memory (more)." in text
+    assert "N=16: CB ran at 1.50x generate()'s speed (faster) and used 0.75x its peak memory (less)." in text
+    assert "generate()'s 40 -> 160 MiB (4.00x) and CB's 100 -> 120 MiB (1.20x)" in text
+    assert "CB used less peak memory than generate() from N=16 on." in text
+    assert notebook.measured_crossover(points, "speed_vs_generate") == 16
+    # Ahead at N=4 but behind again at N=16: no crossover, since it does not stay on CB's side.
+    back = [{**p, "mem_vs_generate": 0.9 if p["N"] == 4 else 1.1} for p in points]
+    assert notebook.measured_crossover(back) is None
+    assert "did not use less peak memory than generate() at the largest N measured (N=16)" in notebook.sweep_findings(back)
+
+
+def test_runs_findings_compare_two_runs():
+    def rec(step, reward, seconds, mem):
+        return StepRecord(step, {"reward/mean": reward, "rollout/seconds": seconds, "rollout/peak_mem_bytes": mem,
+                                 "train/loss": 0.01, "train/grad_norm": 2.0})
+
+    text = notebook.runs_findings({"continuous": [rec(1, 0.1, 3.0, 300), rec(2, 0.3, 3.0, 300)],
+                                   "generate": [rec(1, 0.2, 2.0, 200), rec(2, 0.2, 2.0, 200)]})
+    assert "continuous: reward/mean 0.100 at step 1 -> 0.300 at step 2" in text
+    assert "Mean reward: continuous 0.200, generate 0.200: the same." in text
+    assert "continuous's rollouts took 1.50x generate's time (slower) and used 1.50x its peak memory (more)." in text
+
+
+def test_timeline_findings_count_recycling_and_waits():
+    t0 = 100.0
+    requests = [dict(id=0, group=0, prompt_len=4, start=t0, end=t0 + 1.0, token_times=[t0 + 0.1, t0 + 1.0]),
+                dict(id=1, group=0, prompt_len=4, start=t0, end=t0 + 2.0, token_times=[t0 + 0.9, t0 + 2.0]),
+                dict(id=2, group=0, prompt_len=4, start=t0 + 1.0, end=t0 + 3.0, token_times=[t0 + 1.1, t0 + 3.0])]
+    occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
+    text = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
+    assert "1 of 3 requests were admitted only after another had finished" in text  # request 2, at 1.0 s
+    # Page 4, no sharing: prompt 4 + 2 tokens is 2 blocks each, 6 in all against a pool of 2.
+    assert "needed 6 blocks in all against the 2-block pool: at least 4 blocks were used by more than one" in text
+    assert "1 requests sat admitted for more than 10% of the rollout (3.0 s)" in text  # request 1: 0.9 s
+    assert "peaked at 3 of a 2-block pool" in text and "offloaded" in text
+    # With prefix sharing the group's one complete prompt page is stored once: 1 + 3 x (2 - 1) = 4 blocks.
+    shared = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True}, occ)
+    assert "needed 4 blocks in all" in shared

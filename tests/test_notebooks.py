@@ -91,3 +91,91 @@ def test_git_strips_notebook_outputs():
     attributes = (REPO / ".gitattributes").read_text()
     assert re.search(r"^\*\.ipynb\s+filter=nbstripout", attributes, re.M)
     assert "nbstripout --install" in (REPO / "Makefile").read_text()
+
+
+# --- the executed notebooks, as a learner sees them ---------------------------------------------------------------
+# `make test-notebooks` executes every notebook into runs/notebooks/ and then runs the test below with
+# CBKIT_EXECUTED_NOTEBOOKS=runs/notebooks: each executed notebook is rendered to HTML by nbconvert (what nbviewer
+# and a CI artefact show) and opened offline in headless Chromium, and every figure must have drawn. Screenshots
+# are kept next to the notebooks. Without the variable (plain `pytest`) there is nothing executed to look at.
+
+EXECUTED_ENV = "CBKIT_EXECUTED_NOTEBOOKS"
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
+
+
+def _executed() -> list[Path]:
+    import os
+
+    folder = os.environ.get(EXECUTED_ENV)
+    return sorted(Path(folder).glob("*.ipynb")) if folder else []
+
+
+def _figure_outputs(book) -> list[dict]:
+    return [out for cell in book.cells if cell.cell_type == "code" for out in cell.outputs
+            if out.get("output_type") in ("display_data", "execute_result") and PLOTLY_JSON in out.get("data", {})]
+
+
+def _chromium() -> str:
+    import shutil
+
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail(f"{EXECUTED_ENV} is set but no Chromium is installed: apt-get install -y chromium (.ci/run does).")
+
+
+def _browser(url: str, *args: str) -> str:
+    import subprocess
+
+    # No network: a figure that needs a CDN stays blank here, as it would for an offline reader.
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--hide-scrollbars", "--proxy-server=127.0.0.1:9", "--run-all-compositor-stages-before-draw",
+           "--virtual-time-budget=60000", *args, url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"chromium failed on {url}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def _drawn_figures(dom: str) -> tuple[int, int]:
+    """(plotly figures in the page, those that drew axes and at least one trace) from a DOM Chromium rendered."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(dom, "html.parser")
+    figures = soup.select("div.js-plotly-plot")
+    drawn = [f for f in figures if f.select("svg.main-svg")
+             and (f.select("g.trace") or f.select("g.hm") or f.select("canvas.gl-canvas-context"))]
+    return len(figures), len(drawn)
+
+
+@pytest.mark.parametrize("path", _executed(), ids=lambda p: p.stem)
+def test_executed_notebook_draws_every_figure_in_a_browser(path):
+    from nbconvert import HTMLExporter
+
+    book = nbformat.read(path, as_version=4)
+    unrun = [i for i, c in enumerate(book.cells) if c.cell_type == "code" and c.execution_count is None]
+    assert not unrun, f"{path.name}: cells {unrun} never ran; run `make test-notebooks` first"
+    figures = _figure_outputs(book)
+    for out in figures:
+        assert "text/html" in out.data, f"{path.name}: a figure saved only as plotly JSON, which nbconvert, " \
+            "GitHub and nbviewer do not draw (cbkit.notebook.setup() embeds plotly.js and adds HTML)"
+    remote = re.findall(r"<script[^>]*\ssrc=[\\]?[\"']?(https?://[^\"'\s>\\]+)", nbformat.writes(book))
+    assert not remote, f"{path.name}: outputs load scripts from the network (blank offline): {sorted(set(remote))}"
+    library = [out for c in book.cells if c.cell_type == "code" for out in c.outputs
+               if "plotly.js v" in str(out.get("data", {}).get("text/html", ""))[:2000]]
+    assert len(library) == 1, f"{path.name}: plotly.js embedded {len(library)} times, want once"
+    for cell in book.cells:
+        for out in cell.get("outputs", []):
+            text = str(out.get("data", {}).get("text/plain", "")) + str(out.get("text", ""))
+            assert not re.search(r"(?<!\d)0%\|", text), f"{path.name}: a progress bar saved at 0%: {text[:120]}"
+    html_path = path.with_suffix(".html")
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(book)
+    html_path.write_text(body, encoding="utf-8")
+    total, drawn = _drawn_figures(_browser(html_path.resolve().as_uri(), "--dump-dom"))
+    assert (total, drawn) == (len(figures), len(figures)), (
+        f"{path.name}: {len(figures)} figure outputs, {total} plotly figures in the HTML, {drawn} drew")
+    # Full-page screenshot for the CI artefact: tall enough for every figure (plus the text around them).
+    height = 1200 + sum(int(o.data[PLOTLY_JSON].get("layout", {}).get("height") or 525) + 120 for o in figures) \
+        + 18 * sum(len(c.source.splitlines()) + 4 for c in book.cells)
+    _browser(html_path.resolve().as_uri(), f"--screenshot={path.with_suffix('.png').resolve()}",
+             f"--window-size=1280,{min(height, 30000)}")
+    assert path.with_suffix(".png").stat().st_size > 10_000

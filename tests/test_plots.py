@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import sys
 import types
 
 import plotly.graph_objects as go
 import pytest
 
-from cbkit import plots
-from cbkit.plots import LiveChart
+from cbkit import live, plots
+from cbkit.live import LiveChart
 
 GiB = 1024**3
 
@@ -59,11 +60,11 @@ class FakeWidget(go.Figure):
 @pytest.fixture
 def no_kernel(monkeypatch):
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    monkeypatch.setattr(plots, "in_kernel", lambda: False)
+    monkeypatch.setattr(live, "in_kernel", lambda: False)
 
 
 def _kernel(monkeypatch, *, colab: bool = False, ci: bool = False) -> None:
-    monkeypatch.setattr(plots, "in_kernel", lambda: True)
+    monkeypatch.setattr(live, "in_kernel", lambda: True)
     if colab:
         monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     else:
@@ -79,48 +80,48 @@ def _kernel(monkeypatch, *, colab: bool = False, ci: bool = False) -> None:
 
 def test_auto_mode_colab_is_html(monkeypatch):
     _kernel(monkeypatch, colab=True)
-    monkeypatch.setattr(plots, "widget_available", lambda: True)
-    assert plots.detect_mode() == "html"
+    monkeypatch.setattr(live, "widget_available", lambda: True)
+    assert live.detect_mode() == "html"
 
 
 def test_auto_mode_kernel_with_widgets_is_widget(monkeypatch):
     _kernel(monkeypatch)
-    monkeypatch.setattr(plots, "widget_available", lambda: True)
-    assert plots.detect_mode() == "widget"
+    monkeypatch.setattr(live, "widget_available", lambda: True)
+    assert live.detect_mode() == "widget"
 
 
 def test_auto_mode_kernel_without_anywidget_is_html(monkeypatch):
     _kernel(monkeypatch)
-    monkeypatch.setattr(plots, "widget_available", lambda: False)
-    assert plots.detect_mode() == "html"
+    monkeypatch.setattr(live, "widget_available", lambda: False)
+    assert live.detect_mode() == "html"
 
 
 @pytest.mark.parametrize("env", [("CI", "1"), ("CBKIT_PROFILE", "ci"), ("PYTEST_CURRENT_TEST", "nb.ipynb::cell")])
 def test_auto_mode_kernel_under_ci_or_nbmake_is_html(monkeypatch, env):
     _kernel(monkeypatch)
-    monkeypatch.setattr(plots, "widget_available", lambda: True)
+    monkeypatch.setattr(live, "widget_available", lambda: True)
     monkeypatch.setenv(*env)
-    assert plots.detect_mode() == "html"
+    assert live.detect_mode() == "html"
 
 
 def test_in_kernel_needs_an_ipython_shell_with_a_kernel(monkeypatch):
     shell = types.SimpleNamespace(kernel=object())
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
-    assert plots.in_kernel()
+    assert live.in_kernel()
     terminal = types.SimpleNamespace()  # terminal IPython: a shell, no kernel
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: terminal))
-    assert not plots.in_kernel()
+    assert not live.in_kernel()
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
-    assert not plots.in_kernel()
+    assert not live.in_kernel()
     monkeypatch.delitem(sys.modules, "IPython")  # a script that never imported IPython
-    assert not plots.in_kernel()
+    assert not live.in_kernel()
 
 
 def test_auto_mode_without_kernel_is_static(monkeypatch):
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    monkeypatch.setattr(plots, "in_kernel", lambda: False)
-    monkeypatch.setattr(plots, "widget_available", lambda: True)
-    assert plots.detect_mode() == "static"
+    monkeypatch.setattr(live, "in_kernel", lambda: False)
+    monkeypatch.setattr(live, "widget_available", lambda: True)
+    assert live.detect_mode() == "static"
     assert LiveChart("t").mode == "static"
 
 
@@ -132,7 +133,7 @@ def test_widget_available_follows_anywidget(monkeypatch):
     real = importlib.util.find_spec
     needed = "anywidget" if int(plotly.__version__.split(".")[0]) >= 6 else "ipywidgets"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == needed else real(name, *a))
-    assert plots.widget_available() is False
+    assert live.widget_available() is False
 
 
 # --- the three display modes --------------------------------------------------------------------------------
@@ -160,17 +161,17 @@ def test_widget_mode_updates_one_widget_in_place(monkeypatch):
 
 def test_widget_mode_without_anywidget_falls_back(monkeypatch):
     _kernel(monkeypatch)
-    monkeypatch.setattr(plots, "widget_available", lambda: False)
+    monkeypatch.setattr(live, "widget_available", lambda: False)
     with pytest.warns(UserWarning, match="anywidget"):
         chart = LiveChart("w", mode="widget", display=FakeDisplay())
     assert chart.mode == "html"
-    monkeypatch.setattr(plots, "in_kernel", lambda: False)
+    monkeypatch.setattr(live, "in_kernel", lambda: False)
     with pytest.warns(UserWarning, match="anywidget"):
         assert LiveChart("w", mode="widget").mode == "static"
 
 
 def test_real_figure_widget_if_installed(monkeypatch):
-    if not plots.widget_available():
+    if not live.widget_available():
         pytest.skip("plotly's FigureWidget needs anywidget here; the fallback is tested above")
     _kernel(monkeypatch)
     chart = LiveChart("w", mode="widget", display=FakeDisplay(), clock=FakeClock())
@@ -196,7 +197,7 @@ def test_html_mode_updates_a_display_handle_and_leaves_a_figure(monkeypatch):
     assert final.figure is fig
     bundle = final._repr_mimebundle_()
     assert bundle["application/vnd.plotly.v1+json"]["data"][0]["y"] == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert "cdn.plot.ly" in bundle["text/html"] and "text/plain" in bundle
+    assert "Plotly.newPlot" in bundle["text/html"] and "text/plain" in bundle
     assert list(fig.data[0].y) == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
@@ -301,7 +302,11 @@ def test_throughput_vs_n_marks_oom_without_plotting_zero():
     assert list(gen.x) == [8, 32, 64] and list(gen.y) == [1000.0, 3000.0, None]
     assert 0 not in [y for t in fig.data for y in t.y]
     texts = [a.text for a in fig.layout.annotations]
-    assert "generate: OOM" in texts and "1.25x" in texts
+    assert "generate: OOM" in texts and not any("x" in t for t in texts if "OOM" not in t)  # no label on a marker
+    # The ratio sits under its N, in CB's colour; N=64 has no ratio (generate() ran out of memory).
+    ticks = list(fig.layout.xaxis.ticktext)
+    assert ticks[1] == f"32<br><span style='color:{plots.BACKEND_COLORS['continuous']}'>1.25x</span>"
+    assert ticks[2] == "64"
     assert fig.layout.xaxis.title.text.startswith("N") and "tokens" in fig.layout.yaxis.title.text
 
 
@@ -341,14 +346,17 @@ def test_timeline_figure_from_a_hand_made_timeline():
     requests = [
         dict(id=0, group=0, prompt_len=3, start=t0, end=t0 + 0.3, token_times=[t0 + 0.1, t0 + 0.2, t0 + 0.3]),
         dict(id=1, group=0, prompt_len=3, start=t0, end=t0 + 0.1, token_times=[t0 + 0.1]),
-        dict(id=2, group=1, prompt_len=5, start=t0 + 0.1, end=t0 + 0.4, token_times=[t0 + 0.2, t0 + 0.4]),
+        dict(id=2, group=1, prompt_len=5, start=t0 + 0.1, end=t0 + 0.4, token_times=[t0 + 0.25, t0 + 0.4]),
     ]
     timeline = {"page_size": 4, "t0": t0, "requests": requests}
     occ = {"t": [0.0, 0.1, 0.3, 0.4], "running": [2, 2, 1, 0], "blocks_in_use": [2, 3, 2, 0], "pool_blocks": 4}
     fig = plots.timeline_figure(timeline, occ)
     bars = [t for t in fig.data if t.type == "bar"]
-    assert [b.name for b in bars] == ["group 0", "group 1"]
+    assert [b.name for b in bars] == ["group 0", "group 1", "admitted, waiting for its first token"]
     assert list(bars[0].base) == [0.0, 0.0] and list(bars[0].x) == pytest.approx([0.3, 0.1])
+    # Request 2 was admitted at 0.1 s and got its first token at 0.25 s: 0.15 s hatched from 0.1 s.
+    assert list(bars[2].base) == pytest.approx([0.0, 0.0, 0.1]) and list(bars[2].x) == pytest.approx([0.1, 0.1, 0.15])
+    assert plots.first_token_waits(timeline) == pytest.approx({0: 0.1, 1: 0.1, 2: 0.15})
     ticks = _trace(fig, "a generated token")
     assert len(ticks.x) == 6
     assert list(_trace(fig, "KV blocks in use").y) == [2, 3, 2, 0]
@@ -384,3 +392,71 @@ def test_padding_figure_refuses_a_cb_rollout():
     r = Rollout([Completion(0, (1,), (2,), (0.0,), "eos")], 1, "continuous", 0.1)
     with pytest.raises(ValueError, match="generate"):
         plots.padding_figure(r)
+
+
+# --- plotly.js once per notebook --------------------------------------------------------------------------------
+
+
+def test_embed_plotlyjs_puts_the_library_in_the_page_once_and_figures_use_it(monkeypatch):
+    import plotly.io as pio
+    from plotly.offline import get_plotlyjs
+
+    shown: list[str] = []
+    monkeypatch.setattr("IPython.display.display_html", lambda html, raw=False: shown.append(html))
+    monkeypatch.setattr(live, "_PLOTLYJS_IN_PAGE", False)
+    monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
+    _kernel(monkeypatch, colab=True)
+    assert not live.embed_plotlyjs() and shown == []  # Colab: every output is its own iframe
+    assert 'src="https://cdn.plot.ly' in live.figure_html(fig)
+    _kernel(monkeypatch)
+    assert live.embed_plotlyjs() and not live.embed_plotlyjs()  # once per kernel
+    library = get_plotlyjs()
+    assert len(shown) == 1 and library in shown[0]
+    assert pio.renderers.default == "plotly_mimetype+cbkit_notebook"
+    html = live.figure_html(fig)
+    assert "Plotly.newPlot" in html and "cdn" not in html and len(html) < len(library) / 100
+    # What a figure cell saves: the JSON mimetype and HTML that draws with the page's copy.
+    bundle = pio.renderers._build_mime_bundle(fig.to_dict(), renderers_string=pio.renderers.default)
+    assert "application/vnd.plotly.v1+json" in bundle and "<script src=" not in bundle["text/html"]
+
+
+def test_progress_bars_are_text_under_ci_and_widgets_in_front_of_a_person(monkeypatch):
+    import tqdm.asyncio
+    import tqdm.auto
+    import tqdm.autonotebook
+
+    widget_bar = tqdm.auto.tqdm
+    monkeypatch.setattr(tqdm.auto, "tqdm", widget_bar)  # both restored after the test
+    monkeypatch.setattr(tqdm.autonotebook, "tqdm", tqdm.autonotebook.tqdm)
+    _kernel(monkeypatch)
+    assert not live.text_progress_bars() and tqdm.auto.tqdm is widget_bar
+    _kernel(monkeypatch, ci=True)
+    assert live.text_progress_bars() and issubclass(tqdm.auto.tqdm, tqdm.asyncio.tqdm)
+    out = io.StringIO()
+    for _ in tqdm.auto.tqdm(range(3), desc="runs", file=out):
+        pass
+    assert out.getvalue().count("runs:") == 1 and " 100%|" in out.getvalue()  # one line: the last frame
+
+
+def test_one_legend_per_panel_and_a_minimum_span_for_flat_panels(no_kernel):
+    chart = LiveChart("t", ["reward", "IS ratio"], mode="static", y_min_span={"IS ratio": 0.1})
+    for step, (reward, ratio) in enumerate([(0.1, 1.00001), (0.4, 0.99998), (0.3, 1.00002)], start=1):
+        chart.add("cb: mean", step, reward, panel="reward")
+        chart.add("cb: ratio mean", step, ratio, panel="IS ratio")
+    fig = chart.figure()
+    assert [t.legend for t in fig.data] == ["legend", "legend2"]
+    assert fig.layout.legend2.y == pytest.approx(fig.layout.yaxis2.domain[1])  # beside its own panel
+    # 1e-5 noise around 1 is drawn inside 1 +- 0.05, not stretched over the panel; reward keeps autorange.
+    assert list(fig.layout.yaxis2.range) == pytest.approx([0.99998 + 0.00002 - 0.05, 1.00002 - 0.00002 + 0.05])
+    assert fig.layout.yaxis.range is None
+    chart.add("cb: ratio mean", 4, 1.3, panel="IS ratio")  # a real move: autorange again
+    assert chart.figure().layout.yaxis2.range is None
+
+
+def test_memory_vs_n_log_axis_and_a_marked_crossover():
+    fig = plots.memory_vs_n(POINTS, log_y=True, marks={"planner: N=19": 19, "measured: none": None})
+    assert fig.layout.yaxis.type == "log"
+    (line,) = [s for s in fig.layout.shapes if s.x0 == 19]  # plotly.js draws shapes in data units on a log axis
+    assert "planner: N=19" in [a.text for a in fig.layout.annotations]
+    assert "measured: none" not in [a.text for a in fig.layout.annotations]

@@ -1,0 +1,523 @@
+"""The live display: charts that update while work runs, in every place a notebook is opened.
+
+A live chart has to cope with four places, and no single plotly mechanism works in all of them:
+
+* JupyterLab / VS Code: ``go.FigureWidget`` updates in place. Since plotly 6 it is an ``anywidget``
+  widget, so it needs that package; without it plotly hands back a stand-in that cannot display.
+* Colab: the widget front end is ipywidgets 7 and plotly's FigureWidget does not render there. What works
+  everywhere is an IPython display handle whose HTML is replaced (``handle.update``).
+* nbmake / CI: nobody watches, but the executed notebook should keep the final figure as a static output,
+  and a widget's state is not saved into it.
+* scripts and terminals: nothing to display; ``close()`` returns the figure (and can save it as HTML).
+
+``LiveChart(mode="auto")`` picks one of these (``detect_mode`` says how), keeps every point in memory, and
+redraws at most once per ``min_interval_s``: sending a figure is expensive (the whole HTML, in html mode),
+adding a point is not.
+
+**Figures that survive the notebook.** An executed notebook is read in nbconvert's HTML, on GitHub, in
+nbviewer, offline. None of them draws plotly's JSON mimetype; they draw ``text/html``. ``embed_plotlyjs``
+(called by ``cbkit.notebook.setup``) puts plotly.js into the notebook once, as an output of the setup cell,
+and makes every later figure carry ``text/html`` that draws with that copy: no CDN, and a 4 MB library is not
+repeated per figure. Colab is the exception: each output there is its own iframe, so a figure must bring its
+own plotly.js (plotly's ``colab`` renderer does, and we leave it alone).
+
+The helpers at the bottom feed a chart from cbkit's loop (``LiveMetricsHook``) and from the sweep
+(``live_sweep``); `cbkit.notebook` re-exports them where the notebooks import them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import plotly.graph_objects as go
+from plotly.io.base_renderers import MimetypeRenderer
+from plotly.subplots import make_subplots
+
+from cbkit.hooks import StepHooks, StepRecord, TrainState
+from cbkit.plots import PALETTE, TEMPLATE, backend_color
+
+__all__ = ["FinalFigure", "LiveChart", "LiveMetricsHook", "TRAINING_PANELS", "detect_mode", "embed_plotlyjs",
+           "figure_html", "in_kernel", "live_sweep", "plotlyjs_embedded", "run_style", "text_progress_bars",
+           "under_ci", "widget_available"]
+
+Mode = Literal["auto", "widget", "html", "static"]
+
+# Set by embed_plotlyjs once plotly.js is in the page: from then on a figure's HTML needs no copy of its own.
+_PLOTLYJS_IN_PAGE = False
+
+
+# --- plotly.js, once per notebook -----------------------------------------------------------------------------
+
+
+RENDERER = "cbkit_notebook"
+
+
+class EmbeddedHTMLRenderer(MimetypeRenderer):
+    """plotly renderer for ``text/html`` that draws with the notebook's one copy of plotly.js.
+
+    plotly's own ``notebook`` renderer does the same but adds a MathJax ``<script>`` from a CDN to every
+    figure; cbkit's figures have no LaTeX, so this one adds nothing that needs the network."""
+
+    def to_mimebundle(self, fig_dict: Any) -> dict[str, str]:
+        return {"text/html": figure_html(fig_dict)}
+
+
+def embed_plotlyjs() -> bool:
+    """Put plotly.js into the notebook once and make every figure output carry HTML that uses it.
+
+    Displays the library now, as an output of the calling cell, and sets plotly's default renderer to
+    ``plotly_mimetype+cbkit_notebook``: the JSON mimetype for JupyterLab / VS Code, and ``text/html`` for
+    everything that reads the saved file. Returns whether it did anything: not outside a kernel, not on Colab
+    (see the module docstring), and not a second time in the same kernel.
+    """
+    global _PLOTLYJS_IN_PAGE
+    if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
+        return False
+    import plotly.io as pio
+    from IPython.display import display_html
+    from plotly.offline import get_plotlyjs
+
+    display_html(f"<script type=\"text/javascript\">{get_plotlyjs()}</script>", raw=True)
+    pio.renderers[RENDERER] = EmbeddedHTMLRenderer()
+    pio.renderers.default = f"plotly_mimetype+{RENDERER}"
+    _PLOTLYJS_IN_PAGE = True
+    return True
+
+
+def text_progress_bars() -> bool:
+    """Under CI (nbmake), make ``tqdm.auto`` draw text bars instead of notebook widgets; returns whether it did.
+
+    A saved notebook keeps a tqdm widget only as the text of its first frame ("0%"), because the widget's
+    later state lives in the front end nobody runs in CI. These bars write one line when they close, their
+    last frame: what every reader (nbconvert, GitHub, JupyterLab) then shows is where the run finished. In front of a person
+    (JupyterLab, Colab) the widget stays. ``tqdm.auto`` is looked up when a bar is made (transformers) or when
+    a module is imported (``cbkit.sweep``), so this runs in ``setup()``, before the notebook imports them.
+    """
+    if not (under_ci() and in_kernel()):
+        return False
+    import tqdm.auto
+    import tqdm.autonotebook
+
+    tqdm.auto.tqdm = tqdm.autonotebook.tqdm = _last_frame_bar()
+    return True
+
+
+def _last_frame_bar() -> type:
+    """tqdm's text bar (with ``tqdm.auto``'s asyncio support) that writes one line, its last frame, when it
+    closes: a saved notebook keeps every frame of a text bar as its own line, so only the last is written."""
+    import tqdm.asyncio
+
+    class LastFrameBar(tqdm.asyncio.tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("delay", math.inf)  # nothing is drawn while it runs
+            super().__init__(*args, **kwargs)
+
+        def close(self) -> None:
+            if self.delay == math.inf:
+                self.delay = 0  # close() draws the final frame once the delay has passed
+            super().close()
+
+    return LastFrameBar
+
+
+def plotlyjs_embedded() -> bool:
+    """Whether this kernel's notebook already holds plotly.js (``embed_plotlyjs`` ran)."""
+    return _PLOTLYJS_IN_PAGE
+
+
+def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
+    """A figure as an HTML fragment: using the notebook's plotly.js when it is embedded, else loading its own
+    from the CDN (Colab, where outputs do not share scripts, and where plotly's own renderer does the same)."""
+    import plotly.io as pio
+
+    return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
+                       include_mathjax=False, default_width="100%", validate=False)
+
+
+# --- where are we running? ---------------------------------------------------------------------------------
+
+
+def detect_mode() -> Literal["widget", "html", "static"]:
+    """Colab -> html; a Jupyter kernel with a working FigureWidget, not under CI -> widget; any other
+    kernel -> html; no kernel (script, terminal, plain IPython) -> static."""
+    if "google.colab" in sys.modules:
+        return "html"
+    if not in_kernel():
+        return "static"
+    if under_ci() or not widget_available():
+        return "html"
+    return "widget"
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel. Only looks at an IPython that is already imported: a script that never
+    imported it cannot be running in a kernel."""
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    shell = get() if get is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def under_ci() -> bool:
+    """CI or a notebook test run, where nobody watches a widget and its state would not be saved."""
+    if os.environ.get("CBKIT_PROFILE") == "ci" or os.environ.get("CI"):
+        return True
+    # nbmake runs the kernel as a child of pytest, which inherits the variable pytest sets during a test.
+    return "PYTEST_CURRENT_TEST" in os.environ
+
+
+def widget_available() -> bool:
+    """Whether plotly's FigureWidget can work: plotly >= 6 builds it on anywidget, older ones on ipywidgets."""
+    import plotly
+
+    major = int(plotly.__version__.split(".")[0])
+    return importlib.util.find_spec("anywidget" if major >= 6 else "ipywidgets") is not None
+
+
+# --- the live chart ------------------------------------------------------------------------------------------
+
+
+class LiveChart:
+    """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
+
+    ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
+    in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
+    quantity, as `cbkit.notebook.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
+    a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        title: str,
+        panels: Sequence[str] = ("",),
+        *,
+        x_title: str = "step",
+        mode: Mode = "auto",
+        min_interval_s: float = 1.0,
+        x_log: bool = False,
+        style: Callable[[str], Mapping[str, Any]] | None = None,
+        y_min_span: Mapping[str, float] | None = None,
+        save_html: str | os.PathLike | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        display: Callable[[Any], Any] | None = None,
+        figure_widget: Callable[[go.Figure], Any] | None = None,
+    ) -> None:
+        if mode not in ("auto", "widget", "html", "static"):
+            raise ValueError(f"mode must be auto, widget, html or static; got {mode!r}.")
+        if not panels:
+            raise ValueError("panels must name at least one panel.")
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}.")
+        self.title = title
+        self.panels = tuple(panels)
+        self.x_title = x_title
+        self.x_log = x_log
+        self._style = style
+        self.y_min_span = dict(y_min_span or {})
+        self.min_interval_s = min_interval_s
+        self.save_html = Path(save_html) if save_html is not None else None
+        self._clock = clock
+        self._display = display or _ipython_display
+        self._widget_cls = figure_widget
+        self.mode = self._resolve(mode)
+        self.updates = 0  # redraws sent to the display: what the throttle limits
+        self._series: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}
+        self._names: list[str] = []  # series names in order of appearance, for stable colours
+        self._dirty = False
+        self._last = -math.inf
+        self._handle: Any = None
+        self._widget: Any = None
+        self._trace_index: dict[tuple[str, str], int] = {}
+        self._final: go.Figure | None = None
+
+    def _resolve(self, mode: Mode) -> Literal["widget", "html", "static"]:
+        resolved = detect_mode() if mode == "auto" else mode
+        if resolved == "widget" and self._widget_cls is None:
+            if widget_available():
+                self._widget_cls = go.FigureWidget
+            else:
+                resolved = "html" if in_kernel() else "static"
+                if mode == "widget":
+                    warnings.warn(
+                        "plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
+                        f"showing the chart in {resolved} mode instead.",
+                        stacklevel=3,
+                    )
+        return resolved
+
+    def add(self, series: str, x: Any, y: Any, panel: str | None = None) -> None:
+        """Store one point of ``series`` in ``panel`` (default: the first); redraw if the interval has passed."""
+        if self._final is not None:
+            raise RuntimeError(f"LiveChart {self.title!r} is closed; create a new one to plot more.")
+        panel = self.panels[0] if panel is None else panel
+        if panel not in self.panels:
+            raise ValueError(f"Unknown panel {panel!r}; this chart has {list(self.panels)}.")
+        key = (panel, series)
+        if key not in self._series:
+            self._series[key] = ([], [])
+            if series not in self._names:
+                self._names.append(series)
+        xs, ys = self._series[key]
+        xs.append(x)
+        ys.append(y)
+        self._dirty = True
+        now = self._clock()
+        if now - self._last >= self.min_interval_s:
+            self._redraw(now)
+
+    def flush(self) -> None:
+        """Redraw now if anything arrived since the last redraw."""
+        if self._dirty and self._final is None:
+            self._redraw(self._clock())
+
+    def figure(self) -> go.Figure:
+        """The chart as a plain figure, with every point added so far."""
+        rows = len(self.panels)
+        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08 if rows > 1 else 0.0)
+        shown: set[str] = set()
+        for (panel, series), (xs, ys) in self._series.items():
+            fig.add_trace(self._trace(panel, series, xs, ys, first=series not in shown),
+                          row=self.panels.index(panel) + 1, col=1)
+            shown.add(series)
+        for i, panel in enumerate(self.panels, start=1):
+            fig.update_yaxes(title_text=panel, row=i, col=1)
+        self._apply_min_spans(fig)
+        fig.update_xaxes(title_text=self.x_title, row=rows, col=1)
+        xs = sorted({x for pts, _ in self._series.values() for x in pts if isinstance(x, int | float)})
+        if self.x_log and xs and xs[0] > 0:
+            fig.update_xaxes(type="log", tickvals=xs, ticktext=[f"{x:g}" for x in xs])
+        elif xs and all(float(x).is_integer() for x in xs):
+            fig.update_xaxes(dtick=max(1, math.ceil((xs[-1] - xs[0]) / 10)))  # steps are whole numbers
+        if rows > 1:  # one legend per panel, at the top right of its panel
+            for i in range(1, rows + 1):
+                top = fig.layout["yaxis" if i == 1 else f"yaxis{i}"].domain[1]
+                fig.update_layout({self._legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
+                                                     "font": {"size": 11}}})
+            fig.update_layout(margin={"r": 250})
+        else:
+            fig.update_layout(legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1})
+        fig.update_layout(title=self.title, template=TEMPLATE, height=160 + 260 * rows)
+        return fig
+
+    def _apply_min_spans(self, fig: Any) -> None:
+        for i, panel in enumerate(self.panels, start=1):
+            span = self.y_min_span.get(panel)
+            values = [y for (p, _), (_, ys) in self._series.items() if p == panel for y in ys
+                      if isinstance(y, int | float) and math.isfinite(y)]
+            if span and values:
+                lo, hi = min(values), max(values)
+                mid = (lo + hi) / 2
+                fig.update_yaxes(range=[mid - span / 2, mid + span / 2] if hi - lo < span else None, row=i, col=1)
+
+    @staticmethod
+    def _legend(row: int) -> str:
+        return "legend" if row == 1 else f"legend{row}"
+
+    def _trace(self, panel: str, series: str, xs: Sequence[Any], ys: Sequence[Any], *, first: bool) -> go.Scatter:
+        row = self.panels.index(panel) + 1
+        per_panel = len(self.panels) > 1
+        return go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", line=self._line(series),
+                          legend=self._legend(row) if per_panel else None,
+                          legendgroup=None if per_panel else series, showlegend=per_panel or first)
+
+    def _line(self, series: str) -> dict[str, Any]:
+        if self._style is not None:
+            return dict(self._style(series))
+        return {"color": PALETTE[self._names.index(series) % len(PALETTE)]}
+
+    def close(self) -> go.Figure:
+        """Final redraw; return the figure. In html and static mode show it as an ordinary figure output, so
+        an executed notebook keeps it; save it as HTML if ``save_html`` was given."""
+        if self._final is not None:
+            return self._final
+        fig = self.figure()
+        if self.mode == "widget":
+            self.flush()
+        elif self.mode == "html":
+            self._show_final(fig)
+        elif in_kernel():
+            self._display(fig)
+        if self.save_html is not None:
+            self.save_html.parent.mkdir(parents=True, exist_ok=True)
+            fig.write_html(self.save_html, include_plotlyjs=True)
+        self._dirty = False
+        self._final = fig
+        return fig
+
+    # --- display back ends ---
+
+    def _redraw(self, now: float) -> None:
+        self._last = now
+        self._dirty = False
+        if self.mode == "static":
+            return  # nothing live: the points wait for close()
+        self.updates += 1
+        if self.mode == "widget":
+            self._update_widget()
+        else:
+            self._update_html(self.figure())
+
+    def _update_widget(self) -> None:
+        if self._widget is None:
+            self._widget = self._widget_cls(self.figure())
+            self._trace_index = {key: i for i, key in enumerate(self._series)}
+            self._display(self._widget)
+            return
+        with self._widget.batch_update():
+            for key, (xs, ys) in self._series.items():
+                if key not in self._trace_index:
+                    panel, series = key
+                    first = not any(s == series for _, s in self._trace_index)
+                    self._widget.add_trace(self._trace(panel, series, xs, ys, first=first),
+                                           row=self.panels.index(panel) + 1, col=1)
+                    self._trace_index[key] = len(self._widget.data) - 1
+                else:
+                    trace = self._widget.data[self._trace_index[key]]
+                    trace.x, trace.y = list(xs), list(ys)
+            self._apply_min_spans(self._widget)
+
+    def _update_html(self, fig: go.Figure) -> None:
+        from IPython.display import HTML
+
+        # Each redraw is a fragment that uses the notebook's plotly.js (embed_plotlyjs): a redraw costs the
+        # figure's data, never the library.
+        content = HTML(figure_html(fig))
+        if self._handle is None:
+            self._handle = self._display(content)
+        else:
+            self._handle.update(content)
+
+    def _show_final(self, fig: go.Figure) -> None:
+        self.updates += 1
+        final = FinalFigure(fig)
+        if self._handle is None:
+            self._handle = self._display(final)
+        else:
+            self._handle.update(final)
+
+
+class FinalFigure:
+    """A figure as a display *bundle*, so a display handle can replace the live chart's last HTML snapshot
+    with it. A plotly figure cannot: it displays itself through its renderer and ignores the display id, so
+    the stale snapshot would stay above it. The bundle carries plotly's JSON (JupyterLab, VS Code) and HTML
+    (nbconvert, nbviewer, GitHub, Colab) drawn with the notebook's embedded plotly.js (``figure_html``)."""
+
+    def __init__(self, figure: go.Figure) -> None:
+        self.figure = figure
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        import json
+
+        return {
+            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
+            "text/html": figure_html(self.figure),
+            "text/plain": f"<plotly figure: {self.figure.layout.title.text}>",
+        }
+
+
+def _ipython_display(obj: Any) -> Any:
+    from IPython.display import display
+
+    return display(obj, display_id=True)
+
+
+# --- live charts fed by the loop and the sweep ---------------------------------------------------------------
+
+# (panel title, [(series label, metric key, scale)]): what the live training chart draws.
+TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
+    ("reward", (("mean", "reward/mean", 1.0), ("correctness", "reward/correctness", 1.0),
+                ("format", "reward/format", 1.0))),
+    ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
+    ("rollout tokens/s", (("tokens/s", "rollout/tokens_per_s", 1.0),)),
+    ("rollout peak memory (MiB)", (("peak memory", "rollout/peak_mem_bytes", 2.0**-20),)),
+    ("logprob drift (nats)", (("max |sampling - policy|", "logprob/max_abs_diff", 1.0),
+                              ("mean |sampling - policy|", "logprob/mean_abs_diff", 1.0))),
+    ("IS ratio", (("ratio mean", "is/ratio_mean", 1.0), ("ratio min", "is/ratio_min", 1.0),
+                  ("ratio max", "is/ratio_max", 1.0))),
+)
+
+
+_DASHES = ("solid", "dash", "dot", "dashdot")
+
+
+def run_style(series: str) -> dict[str, Any]:
+    """Line style of a "run: quantity" series: the colour says which run (a backend's own colour), the dash which
+    quantity within a panel, so two runs in one chart read apart at a glance."""
+    run, _, name = series.rpartition(": ")
+    color = backend_color(run)  # generate / continuous keep their colours from every other cbkit chart
+    position = next((i for _, qs in TRAINING_PANELS for i, (label, _, _) in enumerate(qs) if label == name), 0)
+    return {"color": color, "dash": _DASHES[position % len(_DASHES)]}
+
+
+class LiveMetricsHook(StepHooks):
+    """A live chart of the loop's metrics, one panel per quantity, redrawn as steps finish (throttled).
+
+    ``label`` prefixes every series, so two runs drawn into one chart (``chart=`` the same LiveChart) stay
+    apart, e.g. "continuous" and "generate". The chart is closed when training ends, which keeps its final
+    figure in an executed notebook; ``records`` holds every step's metrics for a later comparison.
+    """
+
+    def __init__(self, label: str = "", *, chart: Any = None, title: str = "GRPO, live",
+                 panels: Sequence[tuple[str, Sequence[tuple[str, str, float]]]] = TRAINING_PANELS,
+                 close_on_end: bool = True, **chart_kwargs: Any) -> None:
+        self.label = label
+        self.panels = tuple(panels)
+        chart_kwargs.setdefault("y_min_span", {"IS ratio": 0.1})  # 1 +- 0.05: bf16-sized mismatches show
+        self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
+                                        **chart_kwargs)
+        self.close_on_end = close_on_end
+        self.records: list[StepRecord] = []
+
+    def on_step_end(self, record: StepRecord) -> None:
+        self.records.append(record)
+        for panel, series in self.panels:
+            for name, key, scale in series:
+                value = record.metrics.get(key)
+                if isinstance(value, int | float) and value == value:  # NaN (no logprobs) is not a point
+                    label = f"{self.label}: {name}" if self.label else name
+                    self.chart.add(label, record.step, value * scale, panel=panel)
+
+    def on_train_end(self, state: TrainState) -> None:
+        if self.close_on_end:
+            self.chart.close()
+        else:
+            self.chart.flush()
+
+
+def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
+               on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """`cbkit.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
+    against N, one series per backend) the moment it lands. Returns the aggregated points. Runs already in
+    ``out`` are drawn first, so a resumed sweep shows everything it has."""
+    from cbkit.sweep import load_runs, run_sweep
+
+    chart = LiveChart("N-sweep, live: each point is one run", ["tokens/s", "peak memory (MiB)"],
+                      x_title="N (completions per prompt)", mode=mode, x_log=True,  # type: ignore[arg-type]
+                      style=lambda backend: {"color": backend_color(backend)})
+
+    def add(run: dict[str, Any]) -> None:
+        if run.get("status", "ok") != "ok":
+            return
+        chart.add(run["backend"], run["N"], run["tokens_per_s"], panel="tokens/s")
+        if run.get("peak_mem_bytes") is not None:
+            chart.add(run["backend"], run["N"], run["peak_mem_bytes"] / 2**20, panel="peak memory (MiB)")
+        if on_point is not None:
+            on_point(run)
+
+    if os.path.exists(out):
+        for run in load_runs(out):
+            add(run)
+    try:
+        points = run_sweep(cfg, out, on_point=add, policy=policy)
+    finally:
+        chart.close()
+    return points
