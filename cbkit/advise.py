@@ -199,7 +199,7 @@ def recommend(
         return _from_measured(measured, reasons)
     if n < CB_MIN_N:
         return Advice("generate", reasons + [
-            f"N={n} < {CB_MIN_N}: the seed measured parity at N=8; with few sequences per prompt the padded "
+            f"N={n} < {CB_MIN_N}: TRL's reported A100 benchmark measured parity at N=8; with few sequences per prompt the padded "
             "static batch wastes little and CB's per-step scheduling overhead is not paid back",
         ], SEED_BASIS)
     variable, spread = _spread(completion_cv, mean_completion_len, max_new_tokens)
@@ -210,7 +210,7 @@ def recommend(
         ], SEED_BASIS)
     return Advice("continuous", reasons + [
         f"N={n} >= {CB_MIN_N} with variable completion lengths ({spread}): generate() keeps finished rows "
-        "in the batch until the longest ends, CB recycles their blocks and slots (~1.25x at N=32/64 in the seed)",
+        "in the batch until the longest ends, CB recycles their blocks and slots (~1.25x at N=32/64 in TRL's reported A100 benchmark)",
         "text only, and the engine runs in the training process on the same weights: no weight sync",
     ], SEED_BASIS)
 

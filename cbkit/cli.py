@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     advise = sub.add_parser(
         "advise", help="predict both backends' peak memory and recommend generate, CB or vLLM",
         description="Reads only the model's config. Prints the planner's prediction for generate() and the CB "
-                    "engine, the N from which CB uses less memory, and the seed's decision guide applied (its "
+                    "engine, the N from which CB uses less memory, and the decision guide applied (its "
                     "thresholds from TRL's A100 benchmark), or with --from a sweep measured on this machine.",
     )
     advise.add_argument("--model", default=DEFAULT_MODEL,
@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--tensor-parallel", action="store_true", help="the model must be split over GPUs")
     advise.add_argument("--from", dest="results_from", default=None, metavar="SWEEP_JSONL",
                         help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
-                             "at the nearest N, and its length statistics) instead of the seed's A100 thresholds")
+                             "at the nearest N, and its length statistics) instead of the A100 thresholds")
     advise.set_defaults(func=_advise)
     for command in (parser, *sub.choices.values()):
         # A flag's bad value reaches main() as an ArgumentError, which prints it as the one line every other
