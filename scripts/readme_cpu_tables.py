@@ -1,0 +1,59 @@
+"""The README's CPU table, printed from the results files `scripts/cpu_sweeps.sh` wrote (nothing typed by hand).
+
+Usage: python scripts/readme_cpu_tables.py [docs/results]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cbkit.sweep import aggregate, load_runs, results_summary
+
+ROWS = [
+    ("`replay:gsm8k`", "cpu-replay.jsonl"),
+    ("`fixed`", "cpu-fixed.jsonl"),
+    ("`natural`", "cpu-natural.jsonl"),
+    ("`replay:gsm8k`, 4 prompts x N", "cpu-replay-4prompts.jsonl"),
+    ("`fixed`, `--cpu-attention per_sequence`", "cpu-fixed-n64-per_sequence.jsonl"),
+    ("`fixed`, `--cpu-attention engine`", "cpu-fixed-n64-engine.jsonl"),
+]
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def main() -> None:
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/results")
+    ns = (8, 32, 64)
+    head = ("| workload | " + " | ".join(f"N={n}" for n in ns) + " | CB peak memory vs generate at N=64 | "
+            "length mean / CV / max, static padding at N=64 | MFU generate / CB at N=64 | repeats |")
+    print(head)
+    print("|" + " --- |" * (head.count("|") - 1))
+    for label, name in ROWS:
+        path = folder / name
+        if not path.exists():
+            continue
+        points = aggregate(load_runs(path))
+        cb = {p["N"]: p for p in points if p["backend"] == "continuous"}
+        gen = {p["N"]: p for p in points if p["backend"] == "generate"}
+        speed = [_x(cb[n]["speed_vs_generate"]) if n in cb else "-" for n in ns]
+        c64, g64 = cb.get(64, {}), gen.get(64, {})
+        spread = "-"
+        if c64.get("length_mean") is not None:
+            spread = (f"{c64['length_mean']:.1f} / {c64['length_cv']:.2f} / {c64['length_max']:.0f}, "
+                      f"{c64['static_padding_share']:.2f}")
+        mfu = "-"
+        if c64.get("mfu") is not None and g64.get("mfu") is not None:
+            mfu = f"{g64['mfu']:.1%} / {c64['mfu']:.1%}"
+        print(f"| {label} | " + " | ".join(speed) + f" | {_x(c64.get('mem_vs_generate'))} | {spread} | {mfu} | "
+              f"{c64.get('repeats', '-')} |")
+    probe = folder / ROWS[0][1]
+    if probe.exists():
+        print()
+        print(results_summary(probe).splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
