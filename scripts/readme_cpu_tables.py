@@ -34,7 +34,7 @@ def main() -> None:
     peak = max(probes.values())
     ns = (8, 32, 64)
     head = ("| workload | " + " | ".join(f"N={n}" for n in ns) + " | at the largest N: CB peak memory vs generate | "
-            "length mean / CV / max, static batch padding | MFU generate / CB | repeats |")
+            "length mean / CV / max, static batch padding | MFU generate / CB | MFU at N=8 | repeats |")
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     for label, name in ROWS:
@@ -53,11 +53,15 @@ def main() -> None:
         if c64.get("length_mean") is not None:
             spread = (f"{c64['length_mean']:.1f} / {c64['length_cv']:.2f} / {c64['length_max']:.0f}, "
                       f"{c64['static_padding_share']:.2f}")
-        mfu = "-"
-        if c64.get("mfu") is not None and g64.get("mfu") is not None:
-            scale = probes[name] / peak  # this file's MFU was against its own probe
-            mfu = f"{g64['mfu'] * scale:.1%} / {c64['mfu'] * scale:.1%}"
-        print(f"| {label} | " + " | ".join(speed) + f" | N={top}: {_x(c64.get('mem_vs_generate'))} | {spread} | {mfu} | "
+        scale = probes[name] / peak  # this file's MFU was against its own probe
+
+        def mfu(g, c, scale=scale):
+            if c.get("mfu") is None or g.get("mfu") is None:
+                return "-"
+            return f"{g['mfu'] * scale:.1%} / {c['mfu'] * scale:.1%}"
+
+        print(f"| {label} | " + " | ".join(speed) + f" | N={top}: {_x(c64.get('mem_vs_generate'))} | {spread} | {mfu(g64, c64)} | "
+              f"{mfu(gen.get(8, {}), cb.get(8, {}))} | "
               f"{c64.get('repeats', '-')} |")
     print()
     print(f"MFU against {peak / 1e9:.0f} GFLOP/s, the highest fp32 matmul probe of these files (each file's: "
