@@ -247,8 +247,7 @@ def test_cb_pool_is_sized_by_the_limit_not_the_targets(tiny):
     """A replayed length stands in for an EOS the engine cannot foresee: the pool is the same as without it."""
     from cbkit.rollout.continuous import workload_blocks
 
-    # page 16: prompt 5 + target 3 -> 1 block, 5 + 20 -> 2 blocks, 5 + 40 -> 3 blocks; plus the trash block
-    assert workload_blocks([[1] * 5] * 3, [3, 20, 40], 16) == 1 + 2 + 3 + 1
+    # page 16: prompt 5 + limit 40 -> 3 blocks a row; plus the trash block
     assert workload_blocks([[1] * 5] * 3, 40, 16) == 3 * 3 + 1
     sp = _sampling(tiny.tokenizer, max_new_tokens=40)
     prompt = [[65] * 5]

@@ -420,11 +420,10 @@ def _reseed(manager, seed: int | None) -> None:
         torch.manual_seed(seed)
 
 
-def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], page_size: int) -> int:
+def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
     """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block).
-    ``max_new_tokens`` is one limit for every row or one target per row (a replayed length workload)."""
-    limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    return sum(-(-(len(r) + m) // page_size) for r, m in zip(rows, limits, strict=True)) + 1
+    Always the generation limit, never replayed targets: an engine cannot know a completion's length ahead."""
+    return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
 
 
 def _page_key() -> str:
