@@ -22,7 +22,7 @@ from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from cbkit.demo import format_table, run_demo
+    from cbkit.teach.demo import format_table, run_demo
 
     results = run_demo(
         model=args.model,
@@ -46,8 +46,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from cbkit import checkpoint
-    from cbkit.grpo import GRPOTrainer
+    from cbkit.train import checkpoint
+    from cbkit.train.grpo import GRPOTrainer
 
     config = train_config_from_args(args)
     if not config.output_dir:
@@ -74,8 +74,8 @@ def train_config(argv: Sequence[str]):
 def train_config_from_args(args: argparse.Namespace):
     """Layers, later ones winning: the config's defaults, the checkpoint's config (`--resume`), the recipe
     (`--config`), the flags given. Resuming then checks the result against the checkpoint."""
-    from cbkit import checkpoint
-    from cbkit.config import CBGRPOConfig, read_recipe
+    from cbkit.train import checkpoint
+    from cbkit.train.config import CBGRPOConfig, read_recipe
 
     values = read_recipe(args.config) if args.config else {}
     values.update(given_fields(args, CBGRPOConfig))
@@ -224,17 +224,8 @@ _SWEEP_HELP = {
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import (
-        DRY_RUN,
-        PRESETS,
-        SweepConfig,
-        check_preset_device,
-        points_table,
-        results_summary,
-        run_sweep,
-        seed_table,
-        write_csv,
-    )
+    from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
+    from cbkit.measure.tables import points_table, results_summary, seed_table, write_csv
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
@@ -254,7 +245,7 @@ def _sweep(args: argparse.Namespace) -> int:
     print(cfg.workload.describe(cfg.max_new_tokens))
     live = None
     if not args.no_live and _has_plotly():
-        from cbkit.plots import LiveChart
+        from cbkit.viz.live import LiveChart
 
         live = LiveChart("N-sweep: completion tokens/s", x_title="N")
 
@@ -281,7 +272,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _random_weights_note(model: str) -> None:
-    from cbkit.models import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
+    from cbkit.models.synthetic import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
 
     if model in RANDOM_SHAPES:
         print(f"model {model}: {RANDOM_WEIGHTS_NOTE}")
@@ -290,7 +281,7 @@ def _random_weights_note(model: str) -> None:
 def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
     """On a GPU run (or the seed preset's dry run): every memory counter beside the planner, and TRL PR #5765's
     table beside this run's."""
-    from cbkit.sweep import memory_table, trl_comparison_table
+    from cbkit.measure.tables import memory_table, trl_comparison_table
 
     if not force and not any(p.get("peak_reserved_bytes") is not None for p in points):
         return
@@ -298,7 +289,7 @@ def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
     print(memory_table(points))
     print("\nThis run beside TRL PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens)")
     print(trl_comparison_table(points))
-    from cbkit.models import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
+    from cbkit.models.synthetic import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
 
     if model in RANDOM_SHAPES:
         print(f"({model}: {RANDOM_WEIGHTS_NOTE}.)")
@@ -318,7 +309,7 @@ def _finish_report(points, out, meta) -> None:
         print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
               f"run `cbkit report {out}` on a machine that has it.")
         return
-    from cbkit.plots import write_report
+    from cbkit.viz.figures import write_report
 
     html = out.with_suffix(".html")
     write_report(points, html, meta)
@@ -328,7 +319,8 @@ def _finish_report(points, out, meta) -> None:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.sweep import aggregate, load_runs, points_table, results_summary, seed_table, write_csv
+    from cbkit.measure.results import aggregate, load_runs
+    from cbkit.measure.tables import points_table, results_summary, seed_table, write_csv
 
     out = Path(args.results)
     if not out.is_file():
@@ -346,7 +338,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from cbkit.advise import DTYPE_BYTES, crossover_n, load_config, measured_from_sweep, plan, recommend
+    from cbkit.measure.advise import measured_from_sweep, recommend
+    from cbkit.measure.planner import DTYPE_BYTES, crossover_n, plan
+    from cbkit.models.load import load_config
 
     if args.budget_gb is not None and not args.budget_gb > 0:
         raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {args.budget_gb}.")
@@ -382,7 +376,7 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cbkit.models import DEFAULT_MODEL
+    from cbkit.models.load import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="cbkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -405,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None, help="append one JSON line per backend to this file")
     demo.set_defaults(func=_demo)
 
-    from cbkit.sweep import SweepConfig
+    from cbkit.measure.sweep import SweepConfig
 
     sweep = sub.add_parser(
         "sweep", parents=[dataclass_flags(SweepConfig, _SWEEP_HELP)],
@@ -432,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("results", help="the sweep's JSONL")
     report.set_defaults(func=_report)
 
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     train = sub.add_parser(
         "train", parents=[dataclass_flags(CBGRPOConfig)], help="GRPO training with CB rollouts: metrics JSONL and checkpoints in --output-dir",

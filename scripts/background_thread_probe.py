@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from cbkit.workload import set_up_run
+from cbkit.train.setup import set_up_run
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import sys
 
 from transformers.generation.continuous_batching import continuous_api
 
-from cbkit.data import chat_prompt_ids, load_problems
-from cbkit.models import load_policy
+from cbkit.models.load import load_policy
 from cbkit.rollout import ContinuousBackend, SamplingParams
+from cbkit.tasks.data import chat_prompt_ids, load_problems
 
 seen = {"min_free": None, "steps": 0}
 _update = continuous_api.ContinuousBatchProcessor.update_batch

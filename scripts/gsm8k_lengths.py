@@ -29,7 +29,7 @@ def main() -> None:
     if not args.train.is_file():
         raise SystemExit(f"No GSM8K train split at {args.train}; pass --train /path/to/train.jsonl.")
 
-    from cbkit.models import load_policy
+    from cbkit.models.load import load_policy
 
     tok = load_policy("smollm2-offline").tokenizer
     answers = [json.loads(line)["answer"] for line in args.train.read_text().splitlines() if line.strip()]

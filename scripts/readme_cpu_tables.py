@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from cbkit.sweep import aggregate, load_runs
+from cbkit.measure.results import aggregate, load_runs
 
 ROWS = [
     ("`replay:gsm8k`", "cpu-replay.jsonl"),

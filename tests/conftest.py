@@ -19,14 +19,14 @@ def gsm8k_dir() -> Path | None:
 
 @pytest.fixture(scope="session")
 def tiny():
-    from cbkit.models import load_policy
+    from cbkit.models.load import load_policy
 
     return load_policy("tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from cbkit.models import load_policy
+    from cbkit.models.load import load_policy
 
     try:
         return load_policy("smollm2-offline")

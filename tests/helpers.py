@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cbkit.objective import processed_logprobs
 from cbkit.rollout import Completion, SamplingParams
+from cbkit.train.objective import processed_logprobs
 
 
 def teacher_forced_logprobs(model, c: Completion, sampling: SamplingParams) -> torch.Tensor:

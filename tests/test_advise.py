@@ -7,8 +7,10 @@ import types
 import pytest
 import torch
 
-from cbkit.advise import crossover_n, kv_bytes_per_token, plan, recommend
 from cbkit.cli import main
+from cbkit.measure.advise import recommend
+from cbkit.measure.planner import crossover_n, plan
+from cbkit.telemetry import kv_bytes_per_token
 
 GiB = 1024**3
 
@@ -284,7 +286,7 @@ def test_advice_without_a_sweep_names_its_source():
 
 
 def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
-    from cbkit.advise import measured_from_sweep
+    from cbkit.measure.advise import measured_from_sweep
 
     path = _sweep_file(tmp_path, {8: 0.8, 16: 1.3, 64: 1.4})
     a = recommend(64, measured=measured_from_sweep(str(path), 64))
@@ -299,7 +301,7 @@ def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
 
 
 def test_measured_parity_lets_memory_decide(tmp_path):
-    from cbkit.advise import measured_from_sweep
+    from cbkit.measure.advise import measured_from_sweep
 
     lighter = _sweep_file(tmp_path, {32: 1.02}, mems={32: 0.7})
     a = recommend(32, measured=measured_from_sweep(str(lighter), 32))
@@ -311,7 +313,7 @@ def test_measured_parity_lets_memory_decide(tmp_path):
 def test_bad_sweep_files(tmp_path):
     import json
 
-    from cbkit.advise import measured_from_sweep
+    from cbkit.measure.advise import measured_from_sweep
 
     with pytest.raises(FileNotFoundError, match="cbkit sweep --out"):
         measured_from_sweep(str(tmp_path / "none.jsonl"), 8)

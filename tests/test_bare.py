@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cbkit import cli, models
+from cbkit import cli
+from cbkit.models import load as models
+from cbkit.models import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the bare path must not import: none of it is torch's or transformers' requirement.
@@ -81,7 +83,7 @@ def test_gpu_script_dry_run_end_to_end(tmp_path):
     assert {"sweep.jsonl", "sweep.csv", "sweep.log", "env.txt"} <= files
     lines = [json.loads(x) for x in (tmp_path / "gpu" / "sweep.jsonl").read_text().splitlines()]
     fp = lines[0]["fingerprint"]
-    assert fp["model"] == models.RANDOM_TINY_NAME and fp["lengths"] == "replay:gsm8k"
+    assert fp["model"] == synthetic.RANDOM_TINY_NAME and fp["lengths"] == "replay:gsm8k"
     runs = [x for x in lines if x.get("kind") == "run"]
     # N=2 and 4 from the first call, N=3 added by the resumed second call, one run per backend each.
     assert sorted((r["N"], r["backend"]) for r in runs) == sorted(
@@ -113,7 +115,7 @@ def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "Tesla T4")
     assert cli.main(["sweep", "--preset", "seed", "--out", "/nonexistent/never-written.jsonl"]) == 2
     assert "Tesla T4 (compute capability 7.5) only emulates; add --dtype float16" in capsys.readouterr().err
-    from cbkit.sweep import check_preset_device
+    from cbkit.measure.sweep import check_preset_device
 
     check_preset_device("seed", dtype="float16")
 
@@ -150,7 +152,8 @@ def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
 def test_gpu_tables_from_hand_made_runs():
     """aggregate keeps the reserved, device and NVML counters (median over repeats), and the TRL table puts
     this run's seconds and CB-minus-generate deltas beside the PR's. Hand-made runs, numbers worked by hand."""
-    from cbkit.sweep import aggregate, memory_table, trl_comparison_table
+    from cbkit.measure.results import aggregate
+    from cbkit.measure.tables import memory_table, trl_comparison_table
 
     gib = 2**30
 

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from cbkit.batch import logits_bytes, micro_batches_for
-from cbkit.config import CBGRPOConfig
-from cbkit.data import load_problems
-from cbkit.grpo import GRPOTrainer
-from cbkit.notebook import weight_change
+from cbkit.tasks.data import load_problems
+from cbkit.teach.notebook import weight_change
+from cbkit.train.batch import logits_bytes, micro_batches_for
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.grpo import GRPOTrainer
 
 QWEN_VOCAB = 151_936
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""cbkit.checkpoint on its own: a checkpoint reads back exactly, is written atomically, and a resume with a config
+"""cbkit.train.checkpoint on its own: a checkpoint reads back exactly, is written atomically, and a resume with a config
 that computes something else is refused with the fields that differ."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from cbkit import checkpoint
-from cbkit.config import CBGRPOConfig
+from cbkit.train import checkpoint
+from cbkit.train.config import CBGRPOConfig
 
 
 def _model_and_optimizer(seed: int):

@@ -10,12 +10,12 @@ from cbkit.cli import main
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Bad input must be refused before the expensive part: loading a model fails the test."""
-    import cbkit.models
+    import cbkit.models.load
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(cbkit.models, "load_policy", refuse)
+    monkeypatch.setattr(cbkit.models.load, "load_policy", refuse)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -43,7 +43,7 @@ def test_a_mistyped_flag_value_is_refused_by_the_parser(capsys):
 def test_every_config_field_is_a_train_flag(capsys):
     import dataclasses
 
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
@@ -75,7 +75,7 @@ def test_a_recipe_flags_and_python_give_the_same_config(tmp_path):
     import dataclasses
 
     from cbkit.cli import train_config
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     python = CBGRPOConfig(model="tiny", num_generations=4, reward_weights=[1.0, 0.25], epsilon_high=None,
                           system_prompt=None, use_transformers_continuous_batching=False,
@@ -92,7 +92,7 @@ def test_a_recipe_flags_and_python_give_the_same_config(tmp_path):
     (parsed,) = trl.TrlParser(CBGRPOConfig).parse_args_and_config(["--config", str(recipe)])
     assert parsed == python
     # ...and the TRL bridge maps it as it maps the Python config.
-    from cbkit.trl_bridge import trl_grpo_config
+    from cbkit.trl.config import trl_grpo_config
 
     assert (trl_grpo_config(CBGRPOConfig.from_yaml(recipe), str(tmp_path)).to_dict()
             == trl_grpo_config(python, str(tmp_path)).to_dict())
@@ -117,7 +117,7 @@ def test_sweep_flags_are_the_sweep_config_fields():
     import dataclasses
 
     from cbkit.cli import build_parser, given_fields
-    from cbkit.sweep import SweepConfig
+    from cbkit.measure.sweep import SweepConfig
 
     args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--prompts", "3", "--dense-cpu-attention",
                                       "--cb-config", '{"num_blocks": 64}', "--backends", "generate,continuous"])

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from cbkit.config import CBGRPOConfig
-from cbkit.objective import IS_MODES
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.objective import IS_MODES
 
 
 def test_defaults_use_trl_names_and_cb_defaults():
@@ -94,7 +94,7 @@ def test_unknown_field_suggests_the_close_one():
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own
 def test_rloo_with_batch_scaling_is_accepted_and_means_trl_rloo_normalising(tmp_path):
     """RLOO has no per-group scaling, but batch scaling is TRL RLOO's `normalize_advantages`."""
-    from cbkit.trl_bridge import trl_rloo_config
+    from cbkit.trl.config import trl_rloo_config
 
     c = CBGRPOConfig(advantage_estimator="rloo", scale_rewards="batch")
     assert trl_rloo_config(c, str(tmp_path)).normalize_advantages is True
@@ -109,7 +109,7 @@ def test_trl_names_for_the_bridge():
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own
 def test_trl_bridge_maps_this_config():
-    from cbkit.trl_bridge import trl_grpo_config
+    from cbkit.trl.config import trl_grpo_config
 
     c = CBGRPOConfig(clip_max=2.0, clip_min=0.5, importance_sampling_mode="token_truncate", prompts_per_step=2,
                      num_generations=4, gradient_accumulation_steps=2, learning_rate=3e-5)

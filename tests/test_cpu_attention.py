@@ -87,8 +87,8 @@ def test_engine_with_batched_decode_equals_per_sequence_on_tiny(tiny):
 
 @pytest.mark.real_model
 def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8k_test_path):
-    from cbkit.data import chat_prompt_ids, load_gsm8k_jsonl
     from cbkit.rollout import SamplingParams
+    from cbkit.tasks.data import chat_prompt_ids, load_gsm8k_jsonl
 
     prompts = [chat_prompt_ids(smollm2.tokenizer, p) for p in load_gsm8k_jsonl(gsm8k_test_path, limit=2)]
     sp = SamplingParams(max_new_tokens=16, temperature=0.8, seed=0, eos_token_id=None,
@@ -99,8 +99,8 @@ def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8
 
 
 def test_unknown_cpu_attention_is_refused(tiny):
+    from cbkit.measure.sweep import SweepConfig
     from cbkit.rollout import ContinuousBackend
-    from cbkit.sweep import SweepConfig
 
     with pytest.raises(ValueError, match="cpu_attention must be one of batched, per_sequence, engine; got 'flash'"):
         ContinuousBackend(tiny.model, cpu_attention="flash")

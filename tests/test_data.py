@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import cbkit.data
-from cbkit.data import (
+import cbkit.tasks.data
+from cbkit.tasks.data import (
     SYSTEM_PROMPT,
     Problem,
     chat_prompt_ids,
@@ -20,7 +20,7 @@ from cbkit.data import (
     load_problems,
     synthetic_gsm,
 )
-from cbkit.rewards import extract_answer
+from cbkit.tasks.rewards import extract_answer
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -133,7 +133,7 @@ def test_gsm8k_local_candidates_order(tmp_path: Path, monkeypatch: pytest.Monkey
     assert gsm8k_local_candidates("train") == [
         tmp_path / "env" / "train.jsonl",
         tmp_path.parent / "shared/data/gsm8k/train.jsonl",
-        Path(cbkit.data.__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl",
+        Path(cbkit.tasks.data.__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl",
     ]
     monkeypatch.delenv("CBKIT_GSM8K_DIR")
     assert len(gsm8k_local_candidates()) == 2
@@ -141,7 +141,7 @@ def test_gsm8k_local_candidates_order(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_gsm8k_local_missing_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The real shared copy may exist on this machine, so point every candidate at an empty folder.
-    monkeypatch.setattr(cbkit.data, "gsm8k_local_candidates", lambda split: [tmp_path / f"{split}.jsonl"])
+    monkeypatch.setattr(cbkit.tasks.data, "gsm8k_local_candidates", lambda split: [tmp_path / f"{split}.jsonl"])
     with pytest.raises(FileNotFoundError, match=r"(?s)no train\.jsonl found.*CBKIT_GSM8K_DIR.*'synthetic'"):
         load_problems("gsm8k-local:train")
 

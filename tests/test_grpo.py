@@ -19,14 +19,14 @@ import warnings
 import pytest
 import torch
 
-from cbkit.batch import Batch, completion_logits
-from cbkit.config import CBGRPOConfig
-from cbkit.data import Problem
-from cbkit.grpo import GRPOTrainer
-from cbkit.hooks import StepHooks
-from cbkit.models import load_policy
-from cbkit.objective import importance_weights
+from cbkit.models.load import load_policy
 from cbkit.rollout import GenerateBackend, SamplingParams, make_backend
+from cbkit.tasks.data import Problem
+from cbkit.train.batch import Batch, completion_logits
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.grpo import GRPOTrainer
+from cbkit.train.hooks import StepHooks
+from cbkit.train.objective import importance_weights
 
 MAX_LEN = 8
 PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?", "ok", "go on"])]
@@ -212,7 +212,7 @@ def test_is_mask_mode_zeroes_sequences_outside_the_bounds():
 
 
 def test_top_p_is_compared_like_with_like_and_warned_once(record_property):
-    """The decision documented in cbkit.grpo: the IS reference uses the sampler's processed distribution."""
+    """The decision documented in cbkit.train.grpo: the IS reference uses the sampler's processed distribution."""
     with pytest.warns(UserWarning, match="truncated distribution") as caught:
         tr = trainer(config(top_p=0.7, temperature=1.0, use_transformers_continuous_batching=True))
     assert len([w for w in caught if "truncated" in str(w.message)]) == 1
@@ -286,7 +286,7 @@ def uneven_rollout():
     """4 prompts x 2 completions cut to different lengths, so micro-batches hold different token counts."""
     model, tok = load_policy("tiny", seed=0)
     prompts = [p.question for p in PROBLEMS]
-    from cbkit.data import chat_prompt_ids
+    from cbkit.tasks.data import chat_prompt_ids
 
     ids = [chat_prompt_ids(tok, q, system_prompt=None) for q in prompts]
     sp = SamplingParams(max_new_tokens=MAX_LEN, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=3)

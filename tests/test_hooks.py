@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from cbkit.config import CBGRPOConfig
-from cbkit.hooks import (
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.hooks import (
     CheckpointHook,
     JSONLHook,
     NaNGuardHook,
@@ -27,8 +27,8 @@ def _state(step=0, **kw):
 def test_a_hook_overrides_only_what_it_needs_and_sees_every_step():
     """The base class's methods are no-ops so that a hook can define one of them; the trainer then calls that
     one at every step, in order, with the step's record (here: a tiny two-step run)."""
-    from cbkit.data import Problem
-    from cbkit.grpo import GRPOTrainer
+    from cbkit.tasks.data import Problem
+    from cbkit.train.grpo import GRPOTrainer
 
     class Rewards(StepHooks):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""cbkit.logprobs checks the forward training runs (`cbkit.batch`), and that forward scores what a plain one does."""
+"""cbkit.train.logprobs checks the forward training runs (`cbkit.train.batch`), and that forward scores what a plain one does."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from cbkit import batch as batch_module
-from cbkit.logprobs import logprob_check, teacher_forced_logprobs
-from cbkit.models import load_policy
-from cbkit.objective import processed_logprobs
+from cbkit.models.load import load_policy
 from cbkit.rollout import Completion, Rollout, SamplingParams
+from cbkit.train import batch as batch_module
+from cbkit.train.logprobs import logprob_check, teacher_forced_logprobs
+from cbkit.train.objective import processed_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _completions(vocab: int) -> list[Completion]:
 
 
 def _right_padded(model, completions, sampling):
-    """The forward cbkit.logprobs ran before it used the training one: right padding, default positions."""
+    """The forward cbkit.train.logprobs ran before it used the training one: right padding, default positions."""
     seqs = [list(c.prompt_ids) + list(c.completion_ids) for c in completions]
     width = max(len(s) for s in seqs)
     ids = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -66,7 +66,7 @@ def test_training_forward_equals_the_old_right_padded_one(tiny, sampling):
 
 
 def test_the_check_runs_the_training_forward(tiny, monkeypatch):
-    """logprob_check goes through cbkit.batch.completion_logits: a change to the training forward reaches it."""
+    """logprob_check goes through cbkit.train.batch.completion_logits: a change to the training forward reaches it."""
     calls = []
     real = batch_module.completion_logits
 
@@ -74,7 +74,7 @@ def test_the_check_runs_the_training_forward(tiny, monkeypatch):
         calls.append(len(b))
         return real(model, b)
 
-    monkeypatch.setattr("cbkit.logprobs.completion_logits", spy)
+    monkeypatch.setattr("cbkit.train.logprobs.completion_logits", spy)
     completions = _completions(tiny.model.config.vocab_size)
     sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
     exact = teacher_forced_logprobs(tiny.model, completions, sampling)

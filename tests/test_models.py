@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from cbkit import models
+from cbkit.models import load as models
+from cbkit.models import synthetic
 
 
 def test_unknown_name_lists_accepted_forms():
@@ -32,7 +33,7 @@ def test_tiny_loads_fast_and_is_deterministic():
 
 
 def test_tiny_tokenizer_round_trips_and_speaks_chatml():
-    tok = models.tiny_tokenizer()
+    tok = synthetic.tiny_tokenizer()
     text = "Natalia sold 48 clips — ½ of them in May! #### 72"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
@@ -77,7 +78,7 @@ def test_bf16_only_from_compute_capability_8(monkeypatch, cc, native, auto):
 def test_llama_1b_random_has_llama_3_2_1b_shape():
     """Built on the meta device (no memory): the parameter count must be the published 1,235,814,400 of
     Llama-3.2-1B(-Instruct), which only the right shapes and a tied LM head give (untied: +262,668,288)."""
-    model = models.random_llama(models.RANDOM_1B_NAME, models.piece_tokenizer(), dtype=torch.bfloat16, device="meta")
+    model = synthetic.random_llama(synthetic.RANDOM_1B_NAME, synthetic.piece_tokenizer(), dtype=torch.bfloat16, device="meta")
     assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
     assert model.lm_head.weight is model.model.embed_tokens.weight
     c = model.config
@@ -92,10 +93,10 @@ def test_llama_1b_random_has_llama_3_2_1b_shape():
 
 
 def test_random_llama_is_seeded_and_built_in_the_requested_dtype():
-    tok = models.piece_tokenizer()
-    a = models.load_policy(models.RANDOM_TINY_NAME, seed=1, dtype="bfloat16", device="cpu")
-    b = models.random_llama(models.RANDOM_TINY_NAME, tok, seed=1, dtype=torch.bfloat16)
-    c = models.random_llama(models.RANDOM_TINY_NAME, tok, seed=2, dtype=torch.bfloat16)
+    tok = synthetic.piece_tokenizer()
+    a = models.load_policy(synthetic.RANDOM_TINY_NAME, seed=1, dtype="bfloat16", device="cpu")
+    b = synthetic.random_llama(synthetic.RANDOM_TINY_NAME, tok, seed=1, dtype=torch.bfloat16)
+    c = synthetic.random_llama(synthetic.RANDOM_TINY_NAME, tok, seed=2, dtype=torch.bfloat16)
     assert a.source == "random" and a.model.dtype == torch.bfloat16
     pa, pb, pc = (dict(m.named_parameters()) for m in (a.model, b, c))
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
@@ -108,7 +109,7 @@ def test_random_llama_is_seeded_and_built_in_the_requested_dtype():
 def test_piece_tokenizer_counts_pieces_like_a_real_bpe():
     """Hand-split with Llama-3's pre-tokenizer rules: words keep their leading space, numbers stand apart from
     the space before them and split in groups of three digits, punctuation runs are one piece."""
-    tok = models.piece_tokenizer()
+    tok = synthetic.piece_tokenizer()
     text = "Natalia sold 1234 clips in April, then 48 more."
     pieces = ["Natalia", " sold", " ", "123", "4", " clips", " in", " April", ",", " then", " ", "48", " more", "."]
     assert [piece for piece, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces
@@ -119,12 +120,12 @@ def test_piece_tokenizer_counts_pieces_like_a_real_bpe():
 
 
 def test_piece_tokenizer_on_prompts_stays_inside_the_vocabulary():
-    from cbkit.data import chat_prompt_ids, synthetic_gsm
+    from cbkit.tasks.data import chat_prompt_ids, synthetic_gsm
 
-    tok = models.piece_tokenizer()
+    tok = synthetic.piece_tokenizer()
     prompts = [chat_prompt_ids(tok, p) for p in synthetic_gsm(32, seed=7)]
     flat = [i for p in prompts for i in p]
-    assert max(flat) < models.RANDOM_SHAPES[models.RANDOM_TINY_NAME]["vocab_size"]
+    assert max(flat) < synthetic.RANDOM_SHAPES[synthetic.RANDOM_TINY_NAME]["vocab_size"]
     assert tok.unk_token_id not in flat  # the synthetic generator's words are all in the vocabulary
     assert len({tuple(p) for p in prompts}) == len(prompts)  # different prompts, different ids
     question = synthetic_gsm(32, seed=7)[0].question

@@ -10,12 +10,13 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from cbkit import notebook
-from cbkit.data import load_problems
-from cbkit.grpo import GRPOTrainer
-from cbkit.hooks import StepRecord
-from cbkit.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
 from cbkit.rollout import SamplingParams, make_backend
+from cbkit.tasks.data import load_problems
+from cbkit.teach import findings, notebook
+from cbkit.teach.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
+from cbkit.train.grpo import GRPOTrainer
+from cbkit.train.hooks import StepRecord
+from cbkit.viz import live
 
 # --- setup and profiles ----------------------------------------------------------------------------------
 
@@ -58,7 +59,7 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("Props", (), {"total_memory": memory_gib * 2**30})())
-    monkeypatch.setattr("cbkit.grpo.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.train.grpo.seed_everything", lambda seed: None)
     env = notebook.setup("full", verbose=False)
     assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
     assert env.model == notebook.GPU_MODEL
@@ -85,7 +86,7 @@ def test_check_fits_adds_training_memory_to_the_planners_rollout(tiny):
 
 
 def _train(tiny, hooks, **kw):
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     cfg = CBGRPOConfig(model="tiny", system_prompt=None, prompts_per_step=2, num_generations=4,
                        max_completion_length=8, max_steps=2, disable_tqdm=True, **kw)
@@ -95,13 +96,13 @@ def _train(tiny, hooks, **kw):
 
 
 def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
-    from cbkit.live import LiveChart
+    from cbkit.viz.live import LiveChart
 
-    chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
-    first = notebook.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
+    chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS], mode="static")
+    first = live.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
     recorder = notebook.RolloutRecorder()
     _train(tiny, [first, recorder], use_transformers_continuous_batching=True)
-    second = notebook.LiveMetricsHook("generate", chart=chart)
+    second = live.LiveMetricsHook("generate", chart=chart)
     _train(tiny, [second], use_transformers_continuous_batching=False)
     fig = chart._final
     assert isinstance(fig, go.Figure)  # closed when the second run ended
@@ -124,10 +125,10 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
 
 
 def test_nan_metrics_are_not_points():
-    from cbkit.live import LiveChart
+    from cbkit.viz.live import LiveChart
 
-    chart = LiveChart("t", [p for p, _ in notebook.TRAINING_PANELS], mode="static")
-    hook = notebook.LiveMetricsHook(chart=chart)
+    chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS], mode="static")
+    hook = live.LiveMetricsHook(chart=chart)
     hook.on_step_end(StepRecord(1, {"logprob/max_abs_diff": float("nan"), "reward/mean": 0.5}))
     names = {t.name for t in chart.figure().data}
     assert names == {"mean"}
@@ -155,15 +156,15 @@ def test_completions_table_scores_each_completion(tiny):
 
 
 def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
-    from cbkit.sweep import SweepConfig
+    from cbkit.measure.sweep import SweepConfig
 
     cfg = SweepConfig(model="tiny", ns=(1, 2), repeats=1, max_new_tokens=4, num_prompts=1)
     seen: list[dict] = []
-    points = notebook.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=seen.append)
+    points = live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=seen.append)
     assert {(p["backend"], p["N"]) for p in points} == {(b, n) for b in ("generate", "continuous") for n in (1, 2)}
     assert len(seen) == 4
     again: list[dict] = []
-    notebook.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=again.append)
+    live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=again.append)
     assert len(again) == 4  # nothing measured again, every finished run drawn
 
 
@@ -252,7 +253,7 @@ def test_explorer_headless_returns_the_figure_and_interactive_returns_sliders():
 
 
 def test_logprob_pairs_separate_the_truncation_from_the_engine(tiny):
-    from cbkit.logprobs import logprob_pairs, sequence_log_ratios
+    from cbkit.train.logprobs import logprob_pairs, sequence_log_ratios
 
     tok = tiny.tokenizer
     nucleus = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.7, top_k=0, eos_token_id=tok.eos_token_id,
@@ -281,7 +282,7 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
 
 
 def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
-    from cbkit.plots import logprob_scatter, ratio_histogram, ratio_summary
+    from cbkit.viz.figures import logprob_scatter, ratio_histogram, ratio_summary
 
     fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
     assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
@@ -304,8 +305,8 @@ def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
 
 
 def test_planned_points_feed_the_memory_figure(tiny):
-    from cbkit.advise import planned_points
-    from cbkit.plots import memory_vs_n
+    from cbkit.measure.planner import planned_points
+    from cbkit.viz.figures import memory_vs_n
 
     pts = planned_points(tiny.model.config, [4, 8], num_prompts=1, prompt_len=20, max_new_tokens=16, dtype_bytes=4,
                          device="cpu", cb_config={"num_blocks": 40, "page_size": 8})
@@ -342,16 +343,16 @@ def test_sweep_findings_say_what_the_points_say():
     points = [_pt("generate", 4, 10.0, 40), _pt("continuous", 4, 8.0, 100, speed_vs_generate=0.8, mem_vs_generate=2.5),
               _pt("generate", 16, 20.0, 160), _pt("continuous", 16, 30.0, 120, speed_vs_generate=1.5,
                                                    mem_vs_generate=0.75)]
-    text = notebook.sweep_findings(points)
+    text = findings.sweep_findings(points)
     assert "N=4: CB ran at 0.80x generate()'s speed (slower) and used 2.50x its peak memory (more)." in text
     assert "N=16: CB ran at 1.50x generate()'s speed (faster) and used 0.75x its peak memory (less)." in text
     assert "generate()'s 40 -> 160 MiB (4.00x) and CB's 100 -> 120 MiB (1.20x)" in text
     assert "CB used less peak memory than generate() from N=16 on." in text
-    assert notebook.measured_crossover(points, "speed_vs_generate") == 16
+    assert findings.measured_crossover(points, "speed_vs_generate") == 16
     # Ahead at N=4 but behind again at N=16: no crossover, since it does not stay on CB's side.
     back = [{**p, "mem_vs_generate": 0.9 if p["N"] == 4 else 1.1} for p in points]
-    assert notebook.measured_crossover(back) is None
-    assert "did not use less peak memory than generate() at the largest N measured (N=16)" in notebook.sweep_findings(back)
+    assert findings.measured_crossover(back) is None
+    assert "did not use less peak memory than generate() at the largest N measured (N=16)" in findings.sweep_findings(back)
 
 
 def test_runs_findings_compare_two_runs():
@@ -359,7 +360,7 @@ def test_runs_findings_compare_two_runs():
         return StepRecord(step, {"reward/mean": reward, "rollout/seconds": seconds, "rollout/peak_mem_bytes": mem,
                                  "train/loss": 0.01, "train/grad_norm": 2.0})
 
-    text = notebook.runs_findings({"continuous": [rec(1, 0.1, 3.0, 300), rec(2, 0.3, 3.0, 300)],
+    text = findings.runs_findings({"continuous": [rec(1, 0.1, 3.0, 300), rec(2, 0.3, 3.0, 300)],
                                    "generate": [rec(1, 0.2, 2.0, 200), rec(2, 0.2, 2.0, 200)]})
     assert "continuous: reward/mean 0.100 at step 1 -> 0.300 at step 2" in text
     assert "Mean reward: continuous 0.200, generate 0.200: the same." in text
@@ -372,12 +373,12 @@ def test_timeline_findings_count_recycling_and_waits():
                 dict(id=1, group=0, prompt_len=4, start=t0, end=t0 + 2.0, token_times=[t0 + 0.9, t0 + 2.0]),
                 dict(id=2, group=0, prompt_len=4, start=t0 + 1.0, end=t0 + 3.0, token_times=[t0 + 1.1, t0 + 3.0])]
     occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
-    text = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
+    text = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
     assert "1 of 3 requests were admitted only after another had finished" in text  # request 2, at 1.0 s
     # Page 4, no sharing: prompt 4 + 2 tokens is 2 blocks each, 6 in all against a pool of 2.
     assert "needed 6 blocks in all against the 2-block pool: at least 4 blocks were used by more than one" in text
     assert "1 requests sat admitted for more than 10% of the rollout (3.0 s)" in text  # request 1: 0.9 s
     assert "peaked at 3 of a 2-block pool" in text and "offloaded" in text
     # With prefix sharing the group's one complete prompt page is stored once: 1 + 3 x (2 - 1) = 4 blocks.
-    shared = notebook.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True}, occ)
+    shared = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True}, occ)
     assert "needed 4 blocks in all" in shared

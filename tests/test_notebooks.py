@@ -157,7 +157,7 @@ def test_executed_notebook_draws_every_figure_in_a_browser(path):
     figures = _figure_outputs(book)
     for out in figures:
         assert "text/html" in out.data, f"{path.name}: a figure saved only as plotly JSON, which nbconvert, " \
-            "GitHub and nbviewer do not draw (cbkit.notebook.setup() embeds plotly.js and adds HTML)"
+            "GitHub and nbviewer do not draw (cbkit.teach.notebook.setup() embeds plotly.js and adds HTML)"
     remote = re.findall(r"<script[^>]*\ssrc=[\\]?[\"']?(https?://[^\"'\s>\\]+)", nbformat.writes(book))
     assert not remote, f"{path.name}: outputs load scripts from the network (blank offline): {sorted(set(remote))}"
     library = [out for c in book.cells if c.cell_type == "code" for out in c.outputs

@@ -1,4 +1,4 @@
-"""cbkit.objective checked against TRL 1.16's own code, plus the invariants a reader can check by hand.
+"""cbkit.train.objective checked against TRL 1.16's own code, plus the invariants a reader can check by hand.
 
 The oracle is TRL itself, not a transcription of it. A tiny real `GRPOTrainer` (random 2-layer Llama, hidden
 32, byte-level tokenizer built here) runs its own `_generate_and_score_completions` on a hand-made rollout
@@ -27,7 +27,7 @@ import zlib
 import pytest
 import torch
 
-from cbkit.objective import (
+from cbkit.train.objective import (
     group_advantages,
     grpo_loss,
     importance_weights,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from cbkit.logprobs import teacher_forced_logprobs
-from cbkit.models import load_policy
+from cbkit.models.load import load_policy
 from cbkit.rollout import ContinuousBackend, GenerateBackend, SamplingParams
 from cbkit.rollout.continuous import engine_is_idle
+from cbkit.train.logprobs import teacher_forced_logprobs
 
 
 def _prompts(tok):

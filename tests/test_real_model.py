@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cbkit.data import chat_prompt_ids, load_gsm8k_jsonl
-from cbkit.logprobs import logprob_check
 from cbkit.rollout import SamplingParams, make_backend
+from cbkit.tasks.data import chat_prompt_ids, load_gsm8k_jsonl
+from cbkit.train.logprobs import logprob_check
 
 pytestmark = pytest.mark.real_model
 

@@ -1,10 +1,10 @@
-"""cbkit.recycling (the model notebook 01 draws) on cases worked by hand, independent of the notebook's numbers."""
+"""cbkit.teach.recycling (the model notebook 01 draws) on cases worked by hand, independent of the notebook's numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from cbkit.recycling import completion_lengths, paged_pool, static_batch
+from cbkit.teach.recycling import completion_lengths, paged_pool, static_batch
 
 
 def test_paged_pool_by_hand_with_a_running_cap():

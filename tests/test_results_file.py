@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cbkit.sweep import ResultsFile, load_runs
+from cbkit.measure.results import ResultsFile, load_runs
 
 FINGERPRINT = {"model": "tiny", "max_new_tokens": 8}
 

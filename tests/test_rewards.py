@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cbkit.rewards import (
+from cbkit.tasks.rewards import (
     DEFAULT_REWARDS,
     compute_rewards,
     correctness_reward,
@@ -182,17 +182,17 @@ def test_compute_rewards_weights_and_breakdown() -> None:
 
 def test_format_reward_does_not_pay_for_a_stack_of_answer_lines():
     """What a SmolLM2 GRPO run learned to emit when the last line alone was checked."""
-    from cbkit.rewards import format_reward
+    from cbkit.tasks.rewards import format_reward
 
     gamed = "#### 9\nSofia is 9 years old.\n#### 9\n#### 9"
     assert format_reward([gamed, "Sofia is 9.\n#### 9"], ["9", "9"]) == [0.5, 1.0]
 
 
-# --- the one combiner: used by the loop (cbkit.grpo), the TRL bridge and the demo -------------------------------
+# --- the one combiner: used by the loop (cbkit.train.grpo), the TRL bridge and the demo -------------------------------
 
 
 def test_resolve_rewards_names_and_weights() -> None:
-    from cbkit.rewards import resolve_rewards
+    from cbkit.tasks.rewards import resolve_rewards
 
     def length_reward(completions, answers):
         return [float(len(c)) for c in completions]

@@ -328,7 +328,7 @@ def _family_model(kind: str):
         MistralForCausalLM,
     )
 
-    from cbkit.models import TINY_SPECIALS
+    from cbkit.models.synthetic import TINY_SPECIALS
 
     eos, pad = 256 + TINY_SPECIALS.index("<|im_end|>"), 256 + TINY_SPECIALS.index("<pad>")
     common = dict(vocab_size=256 + len(TINY_SPECIALS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

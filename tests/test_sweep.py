@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-import cbkit.sweep as sweep
-from cbkit.sweep import ResultsFile, SweepConfig, aggregate, run_sweep, seed_table
+from cbkit.measure import probe, tables
+from cbkit.measure.results import ResultsFile, aggregate
+from cbkit.measure.sweep import SweepConfig, run_sweep
+from cbkit.measure.tables import seed_table
 
 
 def _cfg(**kw):
@@ -158,7 +160,7 @@ def _runs(path):
 
 
 def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny, tmp_path):
-    from cbkit.workload import parse_lengths
+    from cbkit.measure.workload import parse_lengths
 
     cfg = _cfg(ns=(3, 5), repeats=2, max_new_tokens=12, num_prompts=2)  # default: replay:gsm8k
     out = tmp_path / "s.jsonl"
@@ -183,15 +185,15 @@ def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny
         by_point.setdefault((r["N"], r["repeat"]), []).append(r["completion_lengths"])
     assert all(a == b for a, b in by_point.values())  # identical targets per request for both backends
     assert any(len(set(r["completion_lengths"])) > 1 for r in runs)  # a spread, not one length
-    table = sweep.points_table(points)
+    table = tables.points_table(points)
     assert "len" in table and "MFU" in table
     assert "of decode slots" in seed_table(points)
 
 
 def _blocks(tiny, lengths, n, page):
     """Blocks the planner predicts for the run's prompts at these per-row lengths (sector-rounded as the engine)."""
-    from cbkit.advise import plan
-    from cbkit.data import chat_prompt_ids, load_problems
+    from cbkit.measure.planner import plan
+    from cbkit.tasks.data import chat_prompt_ids, load_problems
 
     prompts = [chat_prompt_ids(tiny.tokenizer, p) for p in load_problems("synthetic", n=2, seed=0)]
     rows = [x for x in prompts for _ in range(n)]
@@ -212,14 +214,14 @@ def test_mfu_is_computed_from_the_recorded_numbers(tiny, tmp_path):
         assert r["completion_lengths"] == [6, 6]  # fixed: every completion runs to the limit
         assert r["matmul_params"] == params and r["peak_flops"] == probe["peak_flops"]
         assert r["mfu"] == pytest.approx(2 * params * r["completion_tokens"] / r["rollout_s"] / probe["peak_flops"])
-    assert "matmul probe:" in sweep.results_summary(out) and "lengths: fixed" in sweep.results_summary(out)
+    assert "matmul probe:" in tables.results_summary(out) and "lengths: fixed" in tables.results_summary(out)
 
 
 def test_matmul_probe_is_positive_and_takes_the_best(tiny):
-    probe = sweep.matmul_probe(tiny.model, rows=(8, 64), min_seconds=0.01)
-    assert probe["probe_shape"] == [64, 128] and probe["probe_dtype"] == "float32"
-    assert 0 < probe["peak_flops"] < float("inf")
-    assert probe["peak_flops"] == max(probe["probe_flops_by_rows"].values())
+    measured = probe.matmul_probe(tiny.model, rows=(8, 64), min_seconds=0.01)
+    assert measured["probe_shape"] == [64, 128] and measured["probe_dtype"] == "float32"
+    assert 0 < measured["peak_flops"] < float("inf")
+    assert measured["peak_flops"] == max(measured["probe_flops_by_rows"].values())
 
 
 def test_replaying_an_earlier_natural_sweep(tiny, tmp_path):

@@ -1,6 +1,6 @@
 """The TRL bridge: stock TRL 1.16 loses the CB sampling logprobs, the bridge keeps them and TRL's IS runs.
 
-Everything runs on the tiny random Llama from `cbkit.models` (byte tokenizer, ChatML template) in fp32 on
+Everything runs on the tiny random Llama from `cbkit.models.load` (byte tokenizer, ChatML template) in fp32 on
 CPU, with real `GRPOTrainer` / `RLOOTrainer` objects and real CB engine calls.
 
 Tolerances (fp32): the engine's logprob of a sampled token is log(softmax(processed logits))[token], the
@@ -24,23 +24,17 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOTrainer, RLOOTrainer
 
-from cbkit.models import load_policy
-from cbkit.objective import processed_logprobs
-from cbkit.rewards import correctness_reward, format_reward
-from cbkit.trl_bridge import (
-    CBKIT_FIELDS,
-    LOOP_ONLY,
+from cbkit.models.load import load_policy
+from cbkit.tasks.rewards import correctness_reward, format_reward
+from cbkit.train.objective import processed_logprobs
+from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config, trl_rloo_config
+from cbkit.trl.rewards import TRLReward, _trl_rewards, trl_dataset, trl_reward
+from cbkit.trl.trainers import (
     CBLogprobGRPOTrainer,
     CBRLOOTrainer,
-    TRLReward,
-    _trl_rewards,
     build_grpo_trainer,
     build_rloo_trainer,
     is_metrics,
-    trl_dataset,
-    trl_grpo_config,
-    trl_reward,
-    trl_rloo_config,
 )
 
 pytestmark = [
@@ -297,8 +291,8 @@ def test_bridge_refuses_what_it_does_not_handle(tmp_path, dataset):
 
 def test_bridge_from_a_model_directory(tmp_path):
     """docs/scale_out.md's form: TRL loads model and tokenizer itself (under ZeRO-3 that shards at load)."""
-    from cbkit.data import synthetic_gsm
-    from cbkit.rewards import DEFAULT_REWARD_WEIGHTS, DEFAULT_REWARDS
+    from cbkit.tasks.data import synthetic_gsm
+    from cbkit.tasks.rewards import DEFAULT_REWARD_WEIGHTS, DEFAULT_REWARDS
 
     model, tok = _policy()
     model.save_pretrained(tmp_path / "policy")
@@ -383,14 +377,14 @@ def _check_mapped(args, tmp_path):
 
 
 def test_config_mapping_from_kwargs_and_from_a_config_object(tmp_path):
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     _check_mapped(trl_grpo_config(CBKIT_RUN, str(tmp_path)), tmp_path)
     _check_mapped(trl_grpo_config(CBGRPOConfig(**CBKIT_RUN), str(tmp_path)), tmp_path)
 
 
 def test_every_cbkit_config_field_is_mapped_or_listed_as_loop_only():
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     fields = {f.name for f in dataclasses.fields(CBGRPOConfig)}
     assert not set(LOOP_ONLY) & set(CBKIT_FIELDS)
@@ -401,7 +395,7 @@ def test_every_cbkit_config_field_is_mapped_or_listed_as_loop_only():
 
 def test_a_real_config_maps_onto_trl_as_the_same_experiment(tmp_path):
     """Every mapped field of a CBGRPOConfig with non-default values, read back from TRL's own GRPOConfig."""
-    from cbkit.config import CBGRPOConfig
+    from cbkit.train.config import CBGRPOConfig
 
     cfg = CBGRPOConfig(**{**CBKIT_RUN, "prompts_per_step": 3, "max_steps": 7, "save_steps": 3, "save_total_limit": 2,
                           "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6,
@@ -425,8 +419,8 @@ def test_a_real_config_maps_onto_trl_as_the_same_experiment(tmp_path):
 
 
 def test_the_configs_reward_weights_follow_the_functions_by_name():
-    from cbkit.config import CBGRPOConfig
-    from cbkit.trl_bridge import _weights_for
+    from cbkit.train.config import CBGRPOConfig
+    from cbkit.trl.rewards import _weights_for
 
     cfg = CBGRPOConfig(reward_funcs=["correctness", "format"])
     funcs = {"format": format_reward, "correctness": correctness_reward}  # another order than the config's
@@ -514,7 +508,7 @@ def test_reward_adapter():
     def broken_reward(completions, answers):
         raise KeyError("boom")
 
-    # The loop's checks (cbkit.rewards.reward_scores): the failing function and completion are named, and a
+    # The loop's checks (cbkit.tasks.rewards.reward_scores): the failing function and completion are named, and a
     # non-finite score is an error rather than TRL's silent advantage 0.
     with pytest.raises(RuntimeError, match=r"Reward function 'broken_reward' raised KeyError(.|\n)*'no'"):
         trl_reward(broken_reward)(completions=["no"], answer=["1"])
@@ -542,7 +536,7 @@ def test_reward_list_and_weights():
 
 
 def test_trl_dataset_from_cbkit_problems():
-    from cbkit.data import SYSTEM_PROMPT, synthetic_gsm
+    from cbkit.tasks.data import SYSTEM_PROMPT, synthetic_gsm
 
     problems = synthetic_gsm(3, seed=0)
     ds = trl_dataset(problems)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cbkit.workload import (
+from cbkit.measure.workload import (
     gsm8k_solution_lengths,
     length_stats,
     p95,
@@ -120,7 +120,7 @@ def test_bad_specs_and_too_long_files(tmp_path):
 def test_pad_id_falls_back_to_eos_and_refuses_neither():
     from types import SimpleNamespace
 
-    from cbkit.workload import pad_token_id
+    from cbkit.train.setup import pad_token_id
 
     assert pad_token_id(SimpleNamespace(pad_token_id=7, eos_token_id=2)) == 7
     assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
@@ -129,8 +129,8 @@ def test_pad_id_falls_back_to_eos_and_refuses_neither():
 
 
 def test_run_setup_is_what_the_loop_sweep_and_demo_share(tiny):
-    from cbkit.data import chat_prompt_ids, load_problems
-    from cbkit.workload import set_up_run
+    from cbkit.tasks.data import chat_prompt_ids, load_problems
+    from cbkit.train.setup import set_up_run
 
     tiny.model.generation_config.eos_token_id = [tiny.tokenizer.eos_token_id, 5]
     try:

@@ -14,10 +14,10 @@ from statistics import mean
 
 from tqdm.auto import tqdm
 
-from cbkit.logprobs import logprob_check
-from cbkit.models import DEFAULT_MODEL, load_policy
-from cbkit.rewards import compute_rewards
-from cbkit.workload import set_up_run
+from cbkit.models.load import DEFAULT_MODEL, load_policy
+from cbkit.tasks.rewards import compute_rewards
+from cbkit.train.logprobs import logprob_check
+from cbkit.train.setup import set_up_run
 
 
 @dataclass

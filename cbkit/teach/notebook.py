@@ -32,17 +32,8 @@ from typing import Any
 
 import torch
 
-from cbkit.hooks import StepHooks, StepRecord
-
-# The live helpers live in cbkit.live; the notebooks import them from here.
-from cbkit.live import (  # noqa: F401
-    TRAINING_PANELS,
-    LiveMetricsHook,
-    embed_plotlyjs,
-    live_sweep,
-    run_style,
-    text_progress_bars,
-)
+from cbkit.train.hooks import StepHooks, StepRecord
+from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
@@ -51,10 +42,19 @@ PROFILES = ("ci", "full")
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 
-__all__ = ["LiveMetricsHook", "NotebookEnv", "RolloutRecorder", "compare_runs", "completions_table", "live_sweep",
-           "SHORT_ANSWER_PROMPT", "check_fits", "gpu_tier", "measured_crossover", "rounded", "runs_findings", "sweep_findings", "timeline_findings",
-           "weight_change",
-           "metrics_table", "setup"]
+__all__ = [
+    "NotebookEnv",
+    "RolloutRecorder",
+    "compare_runs",
+    "completions_table",
+    "SHORT_ANSWER_PROMPT",
+    "check_fits",
+    "gpu_tier",
+    "rounded",
+    "weight_change",
+    "metrics_table",
+    "setup",
+]
 
 
 GiB = 2**30
@@ -92,7 +92,7 @@ class NotebookEnv:
 
     def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
         """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
-        from cbkit.batch import micro_batches_for
+        from cbkit.train.batch import micro_batches_for
 
         return micro_batches_for(rows, completion_len, vocab_size, self.logits_budget_bytes)
 
@@ -132,8 +132,8 @@ class NotebookEnv:
 
 def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) -> NotebookEnv:
     """Decide profile, device, dtypes, model and data (see the module docstring); seed every RNG; print it."""
-    from cbkit.grpo import seed_everything
-    from cbkit.models import native_bf16
+    from cbkit.models.load import native_bf16
+    from cbkit.train.grpo import seed_everything
 
     profile = resolve_profile(profile)
     colab = "google.colab" in sys.modules
@@ -171,7 +171,7 @@ def resolve_profile(profile: str | None = None) -> str:
 
 
 def _local_data() -> str:
-    from cbkit.data import gsm8k_local_candidates
+    from cbkit.tasks.data import gsm8k_local_candidates
 
     return "gsm8k-local:train" if any(p.is_file() for p in gsm8k_local_candidates("train")) else "synthetic"
 
@@ -210,7 +210,7 @@ def completions_table(rollout: Any, tokenizer: Any, answers: Sequence[str], *, m
     each default reward; the text is cut to ``max_chars``. ``answers`` holds one gold answer per group."""
     import pandas as pd
 
-    from cbkit.rewards import DEFAULT_REWARDS, extract_answer
+    from cbkit.tasks.rewards import DEFAULT_REWARDS, extract_answer
 
     if len(answers) != rollout.num_prompts:
         raise ValueError(f"need one gold answer per prompt: {rollout.num_prompts} prompts, {len(answers)} answers.")
@@ -248,91 +248,6 @@ def compare_runs(records: Mapping[str, Sequence[StepRecord]], keys: Sequence[str
     return pd.DataFrame(table)
 
 
-# --- sentences printed from the run ----------------------------------------------------------------------------
-# A notebook's sentence about *this* run is computed here from the measured numbers, so it cannot disagree
-# with the figure above it; the markdown states the general idea and points at the printed line.
-
-
-def _more_less(ratio: float, more: str, less: str, same: str = "about the same as") -> str:
-    return same if abs(ratio - 1) < 0.02 else (more if ratio > 1 else less)
-
-
-def measured_crossover(points: Sequence[Mapping[str, Any]], key: str = "mem_vs_generate") -> int | None:
-    """The smallest N from which CB's ratio to generate() (``mem_vs_generate`` or ``speed_vs_generate``) stays
-    on CB's side (memory below 1, speed above 1) at every larger N measured; None if it never gets there."""
-    ratios = sorted((p["N"], p[key]) for p in points
-                    if p["backend"] == "continuous" and p.get("status", "ok") == "ok" and p.get(key) is not None)
-    good = [(n, (r < 1) if key == "mem_vs_generate" else (r > 1)) for n, r in ratios]
-    first = None
-    for n, ok in good:
-        first = (first if first is not None else n) if ok else None
-    return first
-
-
-def sweep_findings(points: Sequence[Mapping[str, Any]]) -> str:
-    """What a sweep measured, in sentences: CB vs generate() at each N, how each backend's peak memory grew
-    with N, and from which N (if any) CB was ahead on memory and on speed."""
-    ok = [p for p in points if p.get("status", "ok") == "ok"]
-    by = {(p["backend"], p["N"]): p for p in ok}
-    ns = sorted({n for b, n in by if b == "continuous" and ("generate", n) in by})
-    if not ns:
-        return "No N has a successful run of both backends: nothing to compare."
-    lines = []
-    for n in ns:
-        cb = by[("continuous", n)]
-        speed, mem = cb["speed_vs_generate"], cb["mem_vs_generate"]
-        lines.append(f"N={n}: CB ran at {speed:.2f}x generate()'s speed ({_more_less(speed, 'faster', 'slower')}) "
-                     f"and used {mem:.2f}x its peak memory ({_more_less(mem, 'more', 'less')}).")
-    if len(ns) > 1:
-        lo, hi = ns[0], ns[-1]
-        growth = []
-        for backend, name in (("generate", "generate()"), ("continuous", "CB")):
-            a, b = by[(backend, lo)]["peak_mem_bytes"], by[(backend, hi)]["peak_mem_bytes"]
-            if a and b:
-                growth.append(f"{name}'s {a / 2**20:.0f} -> {b / 2**20:.0f} MiB ({b / a:.2f}x)")
-        if growth:
-            lines.append(f"From N={lo} to N={hi} the measured peak went " + " and ".join(growth) + ".")
-    for key, yes, no in (("mem_vs_generate", "used less peak memory than", "did not use less peak memory than"),
-                         ("speed_vs_generate", "was faster than", "was not faster than")):
-        n = measured_crossover(ok, key)
-        lines.append(f"CB {yes} generate() from N={n} on." if n is not None
-                     else f"CB {no} generate() at the largest N measured (N={ns[-1]}).")
-    return "\n".join(lines)
-
-
-def runs_findings(records: Mapping[str, Sequence[StepRecord]]) -> str:
-    """Two or more training runs (label -> step records), in sentences: how each run's reward moved, whether
-    the runs' rewards differ, and the first run's rollout time and memory against each other run's."""
-    def mean(recs: Sequence[StepRecord], key: str) -> float:
-        vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
-                and r.metrics[key] == r.metrics[key]]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    lines = []
-    for label, recs in records.items():
-        if not recs:
-            lines.append(f"{label}: no step finished.")
-            continue
-        first, last = recs[0].metrics, recs[-1].metrics
-        lines.append(
-            f"{label}: reward/mean {first.get('reward/mean', float('nan')):.3f} at step {recs[0].step} -> "
-            f"{last.get('reward/mean', float('nan')):.3f} at step {recs[-1].step}; mean loss "
-            f"{mean(recs, 'train/loss'):.4f}, mean grad norm {mean(recs, 'train/grad_norm'):.3g}.")
-    labels = [label for label, recs in records.items() if recs]
-    if len(labels) >= 2:
-        a, others = labels[0], labels[1:]
-        for b in others:
-            ra, rb = mean(records[a], "reward/mean"), mean(records[b], "reward/mean")
-            same = abs(ra - rb) < 1e-9
-            lines.append(f"Mean reward: {a} {ra:.3f}, {b} {rb:.3f}: " + (
-                "the same." if same else "they differ (the two backends drew different samples)."))
-            t = mean(records[a], "rollout/seconds") / mean(records[b], "rollout/seconds")
-            m = mean(records[a], "rollout/peak_mem_bytes") / mean(records[b], "rollout/peak_mem_bytes")
-            lines.append(f"{a}'s rollouts took {t:.2f}x {b}'s time ({_more_less(t, 'slower', 'faster')}) and "
-                         f"used {m:.2f}x its peak memory ({_more_less(m, 'more', 'less')}).")
-    return "\n".join(lines)
-
-
 def weight_change(before: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, float]:
     """How far an update moved the weights: the share of weight elements that changed at all, and the
     relative norm of the change. ``before`` is a ``state_dict`` copy taken before the update."""
@@ -367,62 +282,15 @@ SHORT_ANSWER_PROMPT = (
 )
 
 
-def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None) -> str:
-    """What one CB rollout's timeline shows, in sentences: the pool against the blocks in use, how many
-    requests were admitted only after another had finished (recycling), and how long requests sat admitted
-    before their first token (the hatched part of their bars)."""
-    from cbkit.plots import first_token_waits
-    from cbkit.telemetry import occupancy as compute_occupancy
-
-    occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
-    requests = timeline["requests"]
-    if not requests:
-        return "The timeline has no request."
-    first_end = min(r["end"] for r in requests)
-    later = sum(r["start"] >= first_end for r in requests)
-    pool, peak = occupancy.get("pool_blocks") or 0, max(occupancy["blocks_in_use"], default=0)
-    # Blocks the requests needed in all, each at its final length (a group's shared prompt pages once, as in
-    # cbkit.telemetry.occupancy): more than the pool means some blocks served several requests in turn.
-    page, sharing = timeline["page_size"], bool(timeline.get("prefix_sharing", False))
-    groups: dict[int, list[Mapping[str, Any]]] = {}
-    for r in requests:
-        groups.setdefault(r["group"], []).append(r)
-    needed = 0
-    for rs in groups.values():
-        shared = min(r["prompt_len"] for r in rs) // page if sharing else 0
-        needed += shared + sum(-(-(r["prompt_len"] + len(r["token_times"])) // page) - shared for r in rs)
-    wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
-    waits = first_token_waits(timeline)
-    long = {i: w for i, w in waits.items() if w > 0.1 * wall}
-    lines = [f"KV blocks in use peaked at {peak}" + (f" of a {pool}-block pool." if pool else ".")]
-    if pool and peak > pool:
-        lines[0] += (" The count assumes every running request kept its blocks; above the pool, the engine must "
-                     "have offloaded requests and prefilled them again (their bars run longer).")
-    if pool:
-        lines.append(f"The {len(requests)} requests needed {needed} blocks in all against the {pool}-block pool: "
-                     + (f"at least {needed - pool} blocks were used by more than one request in turn (recycling)."
-                        if needed > pool else "they fit without any block serving two requests."))
-    lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished; the engine "
-                 "admits a request once its prompt fits, so the others wait admitted (hatched) for blocks to decode.")
-    if long:
-        worst = max(long, key=long.get)
-        lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "
-                     f"their first token, the longest {long[worst]:.1f} s (request {worst}): admitted, but "
-                     "waiting for a slot in the batch.")
-    else:
-        lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
-    return "\n".join(lines)
-
-
 def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous") -> str:
-    """Before a training run: will this tier hold it? Runs the planner (``cbkit.advise.plan``) for the rollout
+    """Before a training run: will this tier hold it? Runs the planner (``cbkit.measure.planner.plan``) for the rollout
     and adds what training holds at once (fp32 weights, gradients and AdamW's two moments: 16 bytes a
-    parameter, plus one micro-batch's logits, ``cbkit.batch.logits_bytes``). On a GPU, raises with what to
+    parameter, plus one micro-batch's logits, ``cbkit.train.batch.logits_bytes``). On a GPU, raises with what to
     change if the rollout does not fit the free memory or training does not fit the device; returns the
     estimate as one line either way (on a CPU nothing is refused: RAM is the limit, not a budget)."""
-    from cbkit.advise import plan
-    from cbkit.batch import logits_bytes
+    from cbkit.measure.planner import plan
+    from cbkit.train.batch import logits_bytes
 
     rows = len(prompt_ids) * num_generations
     params = sum(p.numel() for p in model.parameters())

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cbkit.batch import Batch, completion_logits
-from cbkit.objective import processed_logprobs
 from cbkit.rollout.base import Completion, Rollout, SamplingParams
+from cbkit.train.batch import Batch, completion_logits
+from cbkit.train.objective import processed_logprobs
 
 
 @torch.no_grad()
@@ -27,7 +27,7 @@ def teacher_forced_logprobs(
 ) -> list[torch.Tensor]:
     """Per completion, the logprob of each of its tokens, from the forward training runs.
 
-    Each micro-batch goes through `cbkit.batch`'s layout and `completion_logits` (left-padded prompts,
+    Each micro-batch goes through `cbkit.train.batch`'s layout and `completion_logits` (left-padded prompts,
     position ids that count real tokens, `logits_to_keep`), the exact forward behind the loop's old logprobs
     and loss, so every check built on this function (`logprob_check`, `logprob_pairs`, `cbkit demo`,
     notebook 02) checks the forward that training runs, not a second one beside it.

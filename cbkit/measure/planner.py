@@ -34,7 +34,7 @@ both backends, from nothing but the model's config:
     at large N.
 
 ``crossover_n`` is the smallest N at which CB's predicted peak is below ``generate()``'s. The decision guide
-that turns a plan into a backend (``recommend``) is `cbkit.advise`.
+that turns a plan into a backend (``recommend``) is `cbkit.measure.advise`.
 
 Accuracy. The CB block count is exact: tests/test_advise.py builds the engine on the tiny model (workload,
 ``num_blocks`` and memory sizing, default and small ``max_batch_tokens``) and compares. Peak *bytes* are
@@ -65,7 +65,6 @@ __all__ = [
     "Plan",
     "crossover_n",
     "fmt_bytes",
-    "kv_bytes_per_token",
     "plan",
     "planned_points",
 ]
@@ -209,7 +208,7 @@ def plan(
 
 def planned_points(config: Any, ns: Sequence[int], **plan_kwargs: Any) -> list[dict[str, Any]]:
     """The planner over a range of N, as sweep-shaped points (backend, N, planned_peak_bytes, kv_bytes) that
-    `cbkit.plots.memory_vs_n` draws next to, or instead of, measured ones. ``plan_kwargs`` go to `plan`
+    `cbkit.viz.figures.memory_vs_n` draws next to, or instead of, measured ones. ``plan_kwargs`` go to `plan`
     (everything but ``num_generations``)."""
     points = []
     for n in ns:

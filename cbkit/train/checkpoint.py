@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from cbkit.config import CBGRPOConfig
+from cbkit.train.config import CBGRPOConfig
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 

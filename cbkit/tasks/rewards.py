@@ -9,7 +9,7 @@ deterministic and strict enough to separate completions, and nothing else:
   135M model rarely follows the format at first, and we want "right but badly formatted" to still
   count as right; teaching the format is the other reward's job.
 - `format_reward`: graded 1.0 / 0.5 / 0.0.
-  1.0 when the last non-empty line is exactly `#### <number>` (what `cbkit.data.SYSTEM_PROMPT` asks
+  1.0 when the last non-empty line is exactly `#### <number>` (what `cbkit.tasks.data.SYSTEM_PROMPT` asks
   for); 0.5 when `#### <number>` appears but more text follows it; 0.0 otherwise. The half step is
   deliberate: a completion that answers and then keeps talking wastes completion tokens until EOS or
   `max_completion_length`, which is exactly the long tail that makes rollouts slow, and the extra

@@ -6,7 +6,7 @@ down, and a test can re-evaluate every step. Questions run from ~15 to ~80 words
 steps; number-free scene-setting sentences are mixed in because real GSM8K questions carry them, and their
 length (not their content) is what moves prompt lengths, which is what the rollout experiments need.
 
-The loader (`cbkit.data.synthetic_gsm`) wraps each `word_problem` into a `Problem`; this module knows nothing
+The loader (`cbkit.tasks.data.synthetic_gsm`) wraps each `word_problem` into a `Problem`; this module knows nothing
 about prompts, datasets or rewards.
 """
 

@@ -1,7 +1,7 @@
 """The objective: advantages, the clipped policy loss, KL and the importance-sampling (IS) correction.
 
 Everything here is a pure function on tensors: no model, no trainer, no process group. The loop
-(`cbkit/grpo.py`) hands in rewards and logprobs and gets back tensors and a dict of float metrics. TRL 1.16
+(`cbkit/train/grpo.py`) hands in rewards and logprobs and gets back tensors and a dict of float metrics. TRL 1.16
 is the definition we follow, and `tests/test_objective.py` runs TRL's own trainer code as the oracle, so
 "matches TRL" below is a tested claim, not a paraphrase.
 

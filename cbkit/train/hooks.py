@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from cbkit.config import CBGRPOConfig
     from cbkit.rollout import Rollout
+    from cbkit.train.config import CBGRPOConfig
 
 Metric = float | int | str
 

@@ -1,11 +1,11 @@
 """The static figures: the sweep's points, the engine timeline, a static batch's padding, logprobs and
 importance ratios; and the one palette every cbkit chart draws with.
 
-The figures read the sweep's points (one dict per backend x N, see ``cbkit.sweep``) and the engine timeline
+The figures read the sweep's points (one dict per backend x N, see ``cbkit.measure.sweep``) and the engine timeline
 (``cbkit.telemetry``). A run that ran out of memory or failed is *annotated* at its N and never drawn as a
 zero: a missing measurement is not a small one.
 
-The live display (``LiveChart``, the loop's and the sweep's live helpers) lives in ``cbkit.live``; its names
+The live display (``LiveChart``, the loop's and the sweep's live helpers) lives in ``cbkit.viz.live``; its names
 stay importable from here for code written before the split.
 """
 
@@ -15,7 +15,6 @@ import html
 import math
 import os
 import statistics
-import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,9 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
+
 __all__ = [
-    "BACKEND_COLORS",
-    "PALETTE",
-    "TEMPLATE",
-    "backend_color",
     "memory_vs_n",
     "logprob_scatter",
     "padding_figure",
@@ -39,30 +36,6 @@ __all__ = [
     "timeline_figure",
     "write_report",
 ]
-
-# The one palette: figures, live charts (cbkit.live), notebook helpers and the recycling model all draw with it,
-# so a backend or a group has the same colour in every chart of a notebook.
-PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
-           "#CCB974", "#64B5CD")
-BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
-TEMPLATE = "plotly_white"
-
-# Names that moved to cbkit.live, still importable from here (resolved lazily: cbkit.live imports the palette).
-_LIVE_NAMES = ("LiveChart", "FinalFigure", "detect_mode", "in_kernel", "under_ci", "widget_available")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LIVE_NAMES:
-        from cbkit import live
-
-        return getattr(live, name)
-    raise AttributeError(f"module 'cbkit.plots' has no attribute {name!r}")
-
-
-def backend_color(backend: str) -> str:
-    """A backend's colour: fixed for the three cbkit knows, else a stable pick from ``PALETTE``."""
-    # crc32, not hash(): str hashes change between processes, colours should not.
-    return BACKEND_COLORS.get(backend, PALETTE[zlib.crc32(backend.encode()) % len(PALETTE)])
 
 
 # --- the sweep's figures ------------------------------------------------------------------------------------

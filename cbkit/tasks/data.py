@@ -10,7 +10,7 @@ computed, not written down, and each problem carries a GSM8K-style worked soluti
 reward curve is the point: `load_problems("gsm8k")` on Colab, `"gsm8k-local"` or a `.jsonl` path here.
 
 Why `#### <number>`. It is GSM8K's own convention (every gold solution ends with `#### 72`), so one
-extractor (`cbkit.rewards.extract_answer`) reads both the gold answers and the model's completions,
+extractor (`cbkit.tasks.rewards.extract_answer`) reads both the gold answers and the model's completions,
 and the format reward has a single, checkable target: the last line. A fixed marker also tells a
 small model where to stop, which shortens the long tail of completions that dominates rollout time.
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cbkit.rewards import normalize_number
-from cbkit.wordproblems import word_problem
+from cbkit.tasks.rewards import normalize_number
+from cbkit.tasks.wordproblems import word_problem
 
 SYSTEM_PROMPT = (
     "You are a careful math tutor. Solve the problem with brief step-by-step reasoning, a few short "
@@ -183,7 +183,7 @@ def _load_gsm8k_local(split: str, limit: int | None) -> list[Problem]:
 
 
 def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
-    """`n` GSM-style word problems (`cbkit.wordproblems`) with computed non-negative integer answers,
+    """`n` GSM-style word problems (`cbkit.tasks.wordproblems`) with computed non-negative integer answers,
     reproducible from `seed`.
 
     Problem i depends only on (seed, i), so a larger `n` extends the list without changing its start.

@@ -1,8 +1,8 @@
 """Which rollout backend? The seed's decision guide as a function, with the memory plan as one input.
 
 ``recommend`` turns N, the spread of completion lengths, the modality, the need for throughput, the GPU count
-and (optionally) a memory plan (`cbkit.planner.plan`) into a backend with its reasons. The planner's names are
-re-exported here because notebooks and the CLI import them from ``cbkit.advise``.
+and (optionally) a memory plan (`cbkit.measure.planner.plan`) into a backend with its reasons. The planner's names are
+re-exported here because notebooks and the CLI import them from ``cbkit.measure.advise``.
 """
 
 from __future__ import annotations
@@ -10,33 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cbkit.models import load_config
-from cbkit.planner import (
-    DTYPE_BYTES,
-    ContinuousPlan,
-    GeneratePlan,
+from cbkit.measure.planner import (
     Plan,
     check_positive,
-    crossover_n,
     fmt_bytes,
-    kv_bytes_per_token,
-    plan,
-    planned_points,
 )
 
 __all__ = [
-    "DTYPE_BYTES",
     "Advice",
-    "ContinuousPlan",
-    "GeneratePlan",
     "Measured",
-    "Plan",
-    "crossover_n",
-    "kv_bytes_per_token",
-    "load_config",
     "measured_from_sweep",
-    "plan",
-    "planned_points",
     "recommend",
 ]
 
@@ -104,7 +87,7 @@ def measured_from_sweep(path: str, num_generations: int) -> Measured:
     import json
     from pathlib import Path
 
-    from cbkit.sweep import aggregate, load_runs
+    from cbkit.measure.results import aggregate, load_runs
 
     p = Path(path)
     if not p.is_file():
@@ -162,12 +145,12 @@ def recommend(
     if tensor_parallel:
         return Advice("vllm", [
             "tensor parallel (a model split over GPUs): cbkit's backends run one model copy on one device; "
-            "vLLM serves a tensor-parallel model, driven from TRL's GRPOTrainer (cbkit.trl_bridge)",
+            "vLLM serves a tensor-parallel model, driven from TRL's GRPOTrainer (cbkit.trl.config)",
         ])
     reasons: list[str] = []
     if num_gpus > 1:
         reasons.append(f"{num_gpus} GPUs: run data parallel through TRL's GRPOTrainer under accelerate "
-                       "(cbkit.trl_bridge); each GPU's rollout follows the rest of this advice")
+                       "(cbkit.trl.config); each GPU's rollout follows the rest of this advice")
     if need_max_throughput:
         return Advice("vllm", reasons + [
             "maximum rollout throughput: vLLM's kernels and scheduler beat transformers' CB engine; the price "

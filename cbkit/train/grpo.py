@@ -1,8 +1,8 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 
 Read `GRPOTrainer.step` first: it is the whole algorithm, one stage per line, and every stage is a method you
-can call on its own (the tests do). The maths lives in `cbkit.objective` (checked against TRL 1.16's own code);
-this file only moves data between the stages and makes them observable through `cbkit.hooks`.
+can call on its own (the tests do). The maths lives in `cbkit.train.objective` (checked against TRL 1.16's own code);
+this file only moves data between the stages and makes them observable through `cbkit.train.hooks`.
 
 What one step does
 ------------------
@@ -42,7 +42,7 @@ is correct for the truncation itself (tokens outside the nucleus are never sampl
 
 What this loop simplifies, relative to TRL's GRPOTrainer, and why
 -----------------------------------------------------------------
-* One process, one device. Scale-out is TRL's job (`cbkit.trl_bridge`, `accelerate launch`), not a second
+* One process, one device. Scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`), not a second
   distributed engine here.
 * One rollout per step, `num_iterations` updates per rollout. TRL's `steps_per_generation` /
   `generation_batch_size` decouple these; fixing them keeps "step" meaning one thing.
@@ -56,13 +56,13 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
   A reward that raises or returns a non-finite value stops the run with its name and the completion; TRL turns
   a None into NaN and the NaN into advantage 0.
 * Full fp32 logits per micro-batch (no chunked or Liger LM head, no padding-free packing): fine for the small
-  models this kit trains on one machine; `cbkit.batch.micro_batches_for` picks `gradient_accumulation_steps`
+  models this kit trains on one machine; `cbkit.train.batch.micro_batches_for` picks `gradient_accumulation_steps`
   for a logits budget (the notebooks' GPU tiers do), or lower `max_completion_length`.
 * Mixed precision is opt-in: `GRPOTrainer(..., autocast_dtype="bfloat16")` over fp32 weights (master weights,
   bf16 forwards); plain bf16 weights under AdamW lose updates smaller than bf16's resolution.
-* The loss variants, IS modes and what the objective leaves out are listed in `cbkit.objective`.
+* The loss variants, IS modes and what the objective leaves out are listed in `cbkit.train.objective`.
 
-Checkpoints (`cbkit.checkpoint`) hold the model, optimizer, step, data position, RNG states and config; resuming
+Checkpoints (`cbkit.train.checkpoint`) hold the model, optimizer, step, data position, RNG states and config; resuming
 with a config that computes something else is refused with the list of differing fields.
 """
 
@@ -82,11 +82,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cbkit import checkpoint
-from cbkit.batch import Batch, completion_logits
-from cbkit.config import CBGRPOConfig
-from cbkit.data import Problem
-from cbkit.hooks import (
+from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
+from cbkit.rollout.continuous import engine_is_idle
+from cbkit.tasks.data import Problem
+from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
+from cbkit.train import checkpoint
+from cbkit.train.batch import Batch, completion_logits
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.hooks import (
     CheckpointHook,
     JSONLHook,
     NaNGuardHook,
@@ -95,17 +98,14 @@ from cbkit.hooks import (
     StepRecord,
     TrainState,
 )
-from cbkit.objective import (
+from cbkit.train.objective import (
     group_advantages,
     grpo_loss,
     importance_weights,
     policy_logprobs,
     replayed_logprobs,
 )
-from cbkit.rewards import RewardFn, compute_rewards, resolve_rewards
-from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
-from cbkit.rollout.continuous import engine_is_idle
-from cbkit.workload import set_up_run
+from cbkit.train.setup import set_up_run
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -137,7 +137,7 @@ class GRPOTrainer:
         autocast_dtype: torch.dtype | str | None = None,
     ) -> None:
         if policy is None:
-            from cbkit.models import load_policy
+            from cbkit.models.load import load_policy
 
             policy = load_policy(config.model, dtype=config.dtype, seed=config.seed)
         model, tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
@@ -147,7 +147,7 @@ class GRPOTrainer:
                          problems=problems, system_prompt=config.system_prompt)
         self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
-        # Mixed precision: fp32 master weights, the training forwards under autocast (cbkit.batch explains why).
+        # Mixed precision: fp32 master weights, the training forwards under autocast (cbkit.train.batch explains why).
         self.autocast_dtype = _autocast_dtype(autocast_dtype, self.model)
         self.device = next(self.model.parameters()).device
         self.pad_token_id, self.stop_ids = run.pad_token_id, run.stop_ids
@@ -183,7 +183,7 @@ class GRPOTrainer:
                 "IS ratio measures engine-vs-trainer mismatch only (TRL compares with temperature-only logprobs, "
                 "which shrinks every ratio by the truncated mass). The loss's policy ratio stays temperature-only "
                 "and the truncation itself is not corrected; logprob/temperature_only_max_abs_diff shows its size. "
-                "See cbkit.grpo's docstring.",
+                "See cbkit.train.grpo's docstring.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -495,7 +495,7 @@ def check_text_only(processing_class: Any, model: Any, continuous_batching: bool
                   if continuous_batching else "cbkit's rollouts carry token ids only")
         raise ValueError(
             f"Got {what}: cbkit trains text-only policies; {engine}. Use a text-only model and its tokenizer, "
-            "or TRL's GRPOTrainer (cbkit.trl_bridge) for multimodal GRPO."
+            "or TRL's GRPOTrainer (cbkit.trl.config) for multimodal GRPO."
         )
 
 
@@ -536,6 +536,6 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def _resolve_rewards(
     config: CBGRPOConfig, reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None
 ) -> tuple[dict[str, RewardFn], list[float]]:
-    """Reward functions by name, and one weight each (`cbkit.rewards.resolve_rewards`: the config's names of
+    """Reward functions by name, and one weight each (`cbkit.tasks.rewards.resolve_rewards`: the config's names of
     built-ins unless callables are passed)."""
     return resolve_rewards(config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)

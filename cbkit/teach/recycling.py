@@ -1,7 +1,7 @@
 """KV slot recycling as a model with knobs: what a static batch and a paged pool hold, step by step, for the
 same completion lengths.
 
-The engine timeline (`cbkit.plots.timeline_figure`) shows what one real rollout did. This model lets a reader
+The engine timeline (`cbkit.viz.figures.timeline_figure`) shows what one real rollout did. This model lets a reader
 turn the knobs that decide whether continuous batching pays, N and the spread of completion lengths, and
 redraw in milliseconds. It is a model, and says so on its chart: time is counted in decode steps (one token
 per running sequence per step) and a sequence's prompt is filled in the step it is admitted. What it keeps
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from cbkit.plots import BACKEND_COLORS
+from cbkit.viz.palette import BACKEND_COLORS
 
 __all__ = ["Occupancy", "completion_lengths", "paged_pool", "recycling_explorer", "recycling_figure", "static_batch"]
 
@@ -61,7 +61,7 @@ def completion_lengths(n: int, max_len: int, spread: float, seed: int = 0,
     """N completion lengths. Spread 0 gives max_len for all (the ``fixed`` workload).
 
     Without ``replay``, spread s draws uniformly from [max_len * (1 - s), max_len], at least 1 token. With
-    ``replay`` (lengths already scaled to max_len, e.g. ``cbkit.workload``'s ``replay:gsm8k`` distribution),
+    ``replay`` (lengths already scaled to max_len, e.g. ``cbkit.measure.workload``'s ``replay:gsm8k`` distribution),
     each length is drawn from it (seeded) and moved towards the limit: ``max_len - s * (max_len - L)``, so
     spread 1 is exactly the replayed workload and spread 0 the fixed one."""
     if n < 1 or max_len < 1:
@@ -160,9 +160,9 @@ def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int
     workload (0) to that replayed one (1); see ``completion_lengths``.
 
     Where nobody can move a slider (CI, a script) it returns the figure for the given values instead, so the
-    executed notebook keeps a chart. ``interactive=None`` decides by `cbkit.plots.detect_mode`.
+    executed notebook keeps a chart. ``interactive=None`` decides by `cbkit.viz.figures.detect_mode`.
     """
-    from cbkit.live import detect_mode
+    from cbkit.viz.live import detect_mode
 
     def figure(n: int, spread: float, pool_share: float) -> go.Figure:
         lengths = completion_lengths(n, max_len, spread, seed, replay=replay)

@@ -14,7 +14,7 @@ How a sweep runs, and why:
 * a run that runs out of memory is recorded as `oom` with the memory figures it reached, and the sweep
   goes on to the next point;
 * speed and memory are reported as ratios to `generate()` at the same N, measured in the same process;
-* the length workload (`cbkit.workload`; default ``replay:gsm8k``) decides how long each completion runs.
+* the length workload (`cbkit.measure.workload`; default ``replay:gsm8k``) decides how long each completion runs.
   Both backends get the same targets at a point, and every run line records the workload, the
   per-completion lengths, their mean / CV / max and the share of a static batch's decode slots those
   lengths leave as padding: the spread CB has to win back, printed next to the speed it won;
@@ -27,10 +27,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +37,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from cbkit.measure.probe import matmul_params, matmul_probe, mfu
+from cbkit.measure.results import ResultsFile, aggregate
+from cbkit.measure.workload import LengthWorkload, length_stats, padding_share, parse_lengths
 from cbkit.rollout import BACKENDS, SamplingParams
-from cbkit.workload import LengthWorkload, length_stats, padding_share, parse_lengths
 
 DEFAULT_NS = (8, 16, 32, 64)
 
@@ -74,7 +74,7 @@ def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None
     """A GPU preset on a machine without CUDA fails here, naming the preset and what it needs, before
     anything is loaded; a dry run is the way to try it without one. So does a bf16 preset on a GPU that only
     emulates bf16 (a T4), where the timing would measure the emulation."""
-    from cbkit.models import native_bf16
+    from cbkit.models.load import native_bf16
 
     if dry_run:
         return
@@ -113,9 +113,9 @@ class SweepConfig:
     # decode batching) or "engine" (its own dense-mask SDPA): the "befores" of the CPU tuning, side by side.
     cpu_attention: str = "batched"
     # Time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) instead of the rollout
-    # alone, through cbkit.grpo; the weights are restored after every step so each point starts the same.
+    # alone, through cbkit.train.grpo; the weights are restored after every step so each point starts the same.
     full_step: bool = False
-    # How long each completion runs (cbkit.workload): natural | fixed | replay:gsm8k | replay:FILE. The default
+    # How long each completion runs (cbkit.measure.workload): natural | fixed | replay:gsm8k | replay:FILE. The default
     # replays GSM8K solution lengths, a spread like real math reasoning; natural lets EOS decide.
     lengths: str = "replay:gsm8k"
 
@@ -164,51 +164,6 @@ class SweepConfig:
                   if w.kind == "replay" else None)
         return {**keep, "lengths_digest": digest, "device": device, "torch": torch.__version__,
                 "transformers": transformers.__version__, "cbkit": cbkit.__version__}
-
-
-class ResultsFile:
-    """The sweep's JSONL: a header line with the fingerprint, then one line per finished run."""
-
-    def __init__(self, path: str | Path, fingerprint: dict[str, Any]) -> None:
-        self.path = Path(path)
-        self.fingerprint = fingerprint
-        self.runs: list[dict[str, Any]] = []
-        if self.path.exists() and self.path.stat().st_size > 0:
-            self._load()
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._append({"kind": "header", "fingerprint": fingerprint})
-
-    def _load(self) -> None:
-        lines = _read_jsonl(self.path, repair=True)
-        if not lines or lines[0].get("kind") != "header":
-            raise ValueError(f"{self.path} is not a cbkit sweep results file (no header line); use another --out.")
-        theirs = lines[0]["fingerprint"]
-        diff = {k: (theirs.get(k), v) for k, v in self.fingerprint.items() if theirs.get(k) != v}
-        if diff:
-            listed = "; ".join(f"{k}: file has {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
-            raise ValueError(
-                f"{self.path} holds results of a different configuration ({listed}). Mixing them would put "
-                "incomparable numbers in one table: use another --out, or rerun with the file's settings."
-            )
-        self.runs = [line for line in lines[1:] if line.get("kind") == "run"]
-
-    def _append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-
-    def done(self, backend: str, n: int, repeat: int) -> bool:
-        return any(r["backend"] == backend and r["N"] == n and r["repeat"] == repeat for r in self.runs)
-
-    def add(self, run: dict[str, Any]) -> None:
-        run = {"kind": "run", **run}
-        self._append(run)
-        self.runs.append(run)
-
-    def add_line(self, record: dict[str, Any]) -> None:
-        """A line that is not a run (the matmul probe): kept in the file, skipped by `done` and `aggregate`."""
-        self._append(record)
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -265,9 +220,9 @@ def lengths_record(lengths: Sequence[int]) -> dict[str, Any]:
 def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dict[str, Any]:
     """One GRPO step through cbkit's loop with this backend; rollout and training seconds come from its
     StepRecord, peak memory covers the whole step. The weights are put back afterwards."""
-    from cbkit.config import CBGRPOConfig
-    from cbkit.grpo import GRPOTrainer
     from cbkit.telemetry import PeakMemory
+    from cbkit.train.config import CBGRPOConfig
+    from cbkit.train.grpo import GRPOTrainer
 
     model, problems = setup.model, setup.problems
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -315,7 +270,7 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Run (or resume) the sweep; returns the aggregated points. `on_point` sees each run as it lands."""
     from cbkit.telemetry import cuda_peaks
-    from cbkit.workload import set_up_run
+    from cbkit.train.setup import set_up_run
 
     results = ResultsFile(out, cfg.fingerprint())
     todo = [(n, rep, b) for n_i, n in enumerate(cfg.ns) for rep in range(cfg.repeats)
@@ -361,74 +316,11 @@ def run_sweep(
     return aggregate(results.runs)
 
 
-# --- the limit beside the number: a matmul probe and MFU ----------------------------------------------------
-
-# Rows of the probe's [rows x hidden] @ [hidden x intermediate]: a decode step's MLP matmul at a few batch
-# sizes (a decode step has one row per running sequence), the largest near what the hardware sustains.
-PROBE_ROWS = (64, 512, 4096)
-
-
-def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0.25, rounds: int = 3) -> dict[str, Any]:
-    """This machine's matmul throughput at the model's dtype and width: the best FLOP/s of a
-    [rows x hidden] @ [hidden x intermediate] ``torch.mm`` over ``rows``, each timed over repeated calls
-    for at least ``min_seconds`` after one warm-up (CUDA synchronised before every clock read), the shapes
-    taken in turn for ``rounds`` rounds. (One 0.1 s pass per shape read 86 and 154 GFLOP/s in two sweeps on the
-    same quiet 2-core machine: a [4096 x 576] @ [576 x 1536] product runs twice in 0.1 s.)
-
-    It is the ceiling MFU is measured against: a run at MFU 0.3 did 30% of the matmul work this machine
-    can do per second. The same code runs on CUDA; on a shared CPU the probe is only as quiet as the machine.
-    """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden = cfg.hidden_size
-    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
-    device, dtype = model.device, model.dtype
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best, per_rows = 0.0, {}
-    for r in [r for _ in range(rounds) for r in rows]:
-        a = torch.randn(r, hidden, device=device, dtype=dtype)
-        b = torch.randn(hidden, inter, device=device, dtype=dtype)
-        with torch.no_grad():
-            torch.mm(a, b)
-            sync()
-            calls, start = 0, time.perf_counter()
-            while True:
-                torch.mm(a, b)
-                calls += 1
-                if device.type != "cuda" or calls % 4 == 0:  # on CUDA, not a sync per small kernel
-                    sync()
-                    elapsed = time.perf_counter() - start
-                    if elapsed >= min_seconds:
-                        break
-        flops = 2 * r * hidden * inter * calls / elapsed
-        per_rows[str(r)] = max(flops, per_rows.get(str(r), 0.0))
-        best = max(best, flops)
-        del a, b
-    return {"peak_flops": best, "probe_flops_by_rows": per_rows, "probe_shape": [hidden, inter],
-            "probe_dtype": str(dtype).removeprefix("torch."), "probe_device": device.type}
-
-
-def matmul_params(model) -> int:
-    """Parameters that take part in a matmul per token: every ``nn.Linear`` weight, the LM head included
-    (tied to the embedding or not, it multiplies the hidden state by vocab x hidden). The input embedding is
-    a lookup and not counted; attention's score and value products (which grow with context) are left out,
-    as in the usual 2 x parameters per token estimate."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops: float) -> float | None:
-    """Model FLOP utilisation: 2 x matmul params x useful completion tokens / seconds / probed peak FLOP/s.
-    Useful tokens are the completion tokens (padding never counts, the prompt's prefill neither), so a
-    static batch's padded slots lower its MFU, as they lower its throughput."""
-    if not seconds or seconds <= 0 or not peak_flops:
-        return None
-    return 2 * params * completion_tokens / seconds / peak_flops
-
-
 def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
     """The planner's prediction for this point, and its error against what was measured. With replayed
     targets the static batch runs to the longest one; the continuous backend's pool is sized from the
     generation limit as always (it cannot know the lengths in advance), which the planner does by itself."""
-    from cbkit.advise import plan
+    from cbkit.measure.planner import plan
 
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
     device = model.device.type if model.device.type == "cuda" else "cpu"
@@ -454,223 +346,9 @@ def _order(backends: Sequence[str], k: int) -> list[str]:
     return list(backends) if k % 2 == 0 else list(reversed(backends))
 
 
-def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median over repeats per (backend, N), then ratios to generate() at the same N."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault((r["backend"], r["N"]), []).append(r)
-    points = []
-    for (backend, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        ok = [r for r in rs if r["status"] == "ok"]
-        point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
-                                 "status": "ok" if ok else rs[0]["status"]}
-        for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "padding_share",
-                    "mean_completion_len", "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean",
-                    "length_cv", "length_max", "static_padding_share", "mfu", "peak_flops", "peak_reserved_bytes",
-                    "device_used_bytes", "nvml_bytes"):
-            vals = [r[key] for r in ok if r.get(key) is not None]
-            point[key] = statistics.median(vals) if vals else None
-        if not ok:
-            point["peak_mem_bytes"] = max((r["peak_mem_bytes"] or 0 for r in rs), default=None)
-        point["peak_mem_kind"] = next((r.get("peak_mem_kind") for r in rs if r.get("peak_mem_kind")), None)
-        point["lengths"] = next((r.get("lengths") for r in rs if r.get("lengths")), None)
-        points.append(point)
-    by_key = {(p["backend"], p["N"]): p for p in points}
-    for p in points:
-        g = by_key.get(("generate", p["N"]))
-        p["speed_vs_generate"] = _ratio(p["tokens_per_s"], g and g["tokens_per_s"])
-        p["mem_vs_generate"] = _ratio(p["peak_mem_bytes"], g and g["peak_mem_bytes"])
-    return points
-
-
-def _ratio(a, b) -> float | None:
-    if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
-        return None
-    return a / b
-
-
-def seed_table(points: list[dict[str, Any]], backend: str = "continuous") -> str:
-    """The seed's table: N | speed vs generate | memory behaviour, for one backend against generate(), and the
-    length spread of the point (generate()'s runs: the static batch is the one that pads)."""
-    rows = ["| N | speed vs generate | memory behaviour | lengths: mean, CV, max; static batch padding |",
-            "| --- | --- | --- | --- |"]
-    gen = {p["N"]: p for p in points if p["backend"] == "generate"}
-    for p in (p for p in points if p["backend"] == backend):
-        spread = _spread_cell(gen.get(p["N"]) or p)
-        if p["status"] != "ok":
-            rows.append(f"| {p['N']} | {p['status'].upper()} | — | {spread} |")
-            continue
-        speed = f"{p['speed_vs_generate']:.2f}x" if p["speed_vs_generate"] is not None else "n/a"
-        mem = p["mem_vs_generate"]
-        if mem is None:
-            behaviour = "n/a"
-        else:
-            word = "less than" if mem < 0.95 else "more than" if mem > 1.05 else "about the same as"
-            behaviour = f"{word} generate ({mem:.2f}x peak)"
-        rows.append(f"| {p['N']} | {speed} | {behaviour} | {spread} |")
-    return "\n".join(rows)
-
-
-def _spread_cell(p: dict[str, Any]) -> str:
-    if p.get("length_mean") is None:
-        return "—"
-    return (f"{p['length_mean']:.1f}, {p['length_cv']:.2f}, {p['length_max']:.0f}; "
-            f"{p['static_padding_share']:.0%} of decode slots")
-
-
-def points_table(points: list[dict[str, Any]]) -> str:
-    """Every point: speed, memory, the length spread it ran (mean, CV, max; pad = share of a static batch's
-    decode slots those lengths leave as padding) and its MFU against the sweep's matmul probe."""
-    head = f"{'N':>4} {'backend':<11} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} " \
-           f"{'KV MiB':>8} {'len':>6} {'CV':>5} {'max':>4} {'pad':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} " \
-           f"{'plan err':>8}"
-    lines = [head, "-" * len(head)]
-
-    def f(v, fmt):
-        return format(v, fmt) if v is not None else "-"
-
-    for p in points:
-        lines.append(
-            f"{p['N']:>4} {p['backend']:<11} {p['status']:<6} {f(p['tokens_per_s'], '8.1f'):>8} "
-            f"{f(p['rollout_s'], '9.1f'):>9} {f(p['peak_mem_bytes'] and p['peak_mem_bytes'] / 2**20, '9.0f'):>9} "
-            f"{f(p['kv_bytes'] and p['kv_bytes'] / 2**20, '8.1f'):>8} {f(p.get('length_mean'), '6.1f'):>6} "
-            f"{f(p.get('length_cv'), '5.2f'):>5} {f(p.get('length_max'), '4.0f'):>4} "
-            f"{f(p.get('static_padding_share'), '5.2f'):>5} "
-            f"{f(p['speed_vs_generate'], '7.2f'):>7} {f(p['mem_vs_generate'], '6.2f'):>6} "
-            f"{f(p.get('mfu'), '6.1%'):>6} {f(p.get('plan_error'), '+8.0%'):>8}"
-        )
-    return "\n".join(lines)
-
-
-def results_summary(path: str | Path) -> str:
-    """What a results file ran: its length workload (and how lengths were made) and its latest matmul probe,
-    for the lines printed above the tables."""
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    fp = lines[0].get("fingerprint", {}) if lines else {}
-    spec = fp.get("lengths")
-    if spec is None:
-        out = ["lengths: natural (a results file from before length workloads were recorded)"]
-    else:
-        try:
-            out = [parse_lengths(spec).describe(fp.get("max_new_tokens", 0))]
-        except ValueError:  # a replayed file that has moved since: the spec is still what ran
-            out = [f"lengths: {spec}"]
-    probe = next((x for x in reversed(lines) if x.get("kind") == "probe"), None)
-    if probe is not None:
-        hidden, inter = probe["probe_shape"]
-        out.append(f"matmul probe: {probe['peak_flops'] / 1e9:.1f} GFLOP/s ({probe['probe_device']}, "
-                   f"{probe['probe_dtype']}, [rows x {hidden}] @ [{hidden} x {inter}], best of rows "
-                   f"{', '.join(probe['probe_flops_by_rows'])}); MFU = 2 x matmul params x completion tokens / "
-                   "rollout seconds / this peak")
-    return "\n".join(out)
-
-
-def load_runs(path: str | Path) -> list[dict[str, Any]]:
-    return [r for r in _read_jsonl(Path(path)) if r.get("kind") == "run"]
-
-
-def _read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
-    """The records of a results file. A torn *last* line (a sweep killed mid-write: the run in flight) is dropped
-    with a warning, and with `repair` cut from the file, so the next append starts on a line of its own. Any other
-    unreadable line is an error that names the file and the line."""
-    text = path.read_text()
-    records, offset, last_good_end = [], 0, 0
-    lines = text.splitlines(keepends=True)
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        offset += len(line)
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i != last:
-                raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}). Fix or delete that line.") from None
-            warnings.warn(f"{path}, line {i + 1}: dropped a torn last line (a run interrupted while it was being "
-                          "written); that run will be measured again.", UserWarning, stacklevel=3)
-            if repair:
-                with open(path, "r+") as f:
-                    f.truncate(len(text[:last_good_end].encode()))
-            break
-        last_good_end = offset
-    return records
-
-
-def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
-    import csv
-
-    keys = ["N", "backend", "status", "repeats", "tokens_per_s", "rollout_s", "peak_mem_bytes", "peak_mem_kind",
-            "kv_bytes", "padding_share", "mean_completion_len", "completion_tokens", "speed_vs_generate",
-            "mem_vs_generate", "planned_peak_bytes", "plan_error", "lengths", "length_mean", "length_cv",
-            "length_max", "static_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
-            "nvml_bytes"]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(points)
-
-
 # --- the seed's GPU comparison: TRL PR #5765 beside this run ---------------------------------------------------
 
 # huggingface/trl PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens): seconds per
 # generation with generate() and with CB, and CB's VRAM minus generate()'s, in GB.
 TRL_PR_5765: dict[int, tuple[float, float, float]] = {8: (18.24, 18.16, 17.86), 32: (37.06, 29.91, 7.39),
                                                       64: (41.12, 32.84, -16.66)}
-
-
-def trl_comparison_table(points: list[dict[str, Any]]) -> str:
-    """This run's seconds and memory next to TRL PR #5765's, per N: the seed's claim and what was measured here.
-
-    Memory deltas are CB minus generate() at the same N, in GB (1e9 bytes, as the PR's table), for three
-    counters: the allocator's peak allocated above the weights, its peak reserved (what PyTorch held from the
-    driver) and the device's used memory after the call (cudaMemGetInfo: every process and the CUDA context,
-    what nvidia-smi shows). The PR does not say which counter its VRAM column is; reserved is the closest.
-    """
-    by = {(p["backend"], p["N"]): p for p in points}
-    head = ("| N | TRL generate s | TRL CB s | TRL CB speed-up | TRL CB VRAM delta GB | generate s | CB s | "
-            "CB speed-up | CB delta allocated / reserved / device GB |")
-    rows = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    ns = sorted({p["N"] for p in points} | set(TRL_PR_5765))
-    for n in ns:
-        trl = TRL_PR_5765.get(n)
-        trl_cells = (f"{trl[0]:.2f} | {trl[1]:.2f} | {trl[0] / trl[1]:.2f}x | {trl[2]:+.2f}" if trl
-                     else "— | — | — | —")
-        g, c = by.get(("generate", n)), by.get(("continuous", n))
-        if g is None or c is None:
-            rows.append(f"| {n} | {trl_cells} | not run | not run | — | — |")
-            continue
-        gs, cs = _seconds_cell(g), _seconds_cell(c)
-        ok = g["status"] == "ok" and c["status"] == "ok"
-        speed = f"{g['rollout_s'] / c['rollout_s']:.2f}x" if ok and g["rollout_s"] and c["rollout_s"] else "—"
-        deltas = " / ".join(_delta_gb(g.get(k), c.get(k)) for k in ("peak_mem_bytes", "peak_reserved_bytes",
-                                                                     "device_used_bytes"))
-        rows.append(f"| {n} | {trl_cells} | {gs} | {cs} | {speed} | {deltas} |")
-    return "\n".join(rows)
-
-
-def memory_table(points: list[dict[str, Any]]) -> str:
-    """The planner's prediction beside every memory counter measured, per point, in GiB."""
-    rows = ["| N | backend | planned peak | allocated peak | plan error | reserved peak | device used | "
-            "NVML process |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-
-    def gib(v) -> str:
-        return f"{v / 2**30:.2f}" if v is not None else "—"
-
-    for p in points:
-        err = f"{p['plan_error']:+.0%}" if p.get("plan_error") is not None else "—"
-        rows.append(f"| {p['N']} | {p['backend']} | {gib(p.get('planned_peak_bytes'))} | "
-                    f"{gib(p.get('peak_mem_bytes'))} | {err} | {gib(p.get('peak_reserved_bytes'))} | "
-                    f"{gib(p.get('device_used_bytes'))} | {gib(p.get('nvml_bytes'))} |")
-    return "\n".join(rows)
-
-
-def _seconds_cell(p: dict[str, Any]) -> str:
-    if p["status"] != "ok":
-        return p["status"].upper()
-    return f"{p['rollout_s']:.2f}" if p.get("rollout_s") is not None else "—"
-
-
-def _delta_gb(generate: float | None, continuous: float | None) -> str:
-    if generate is None or continuous is None:
-        return "—"
-    return f"{(continuous - generate) / 1e9:+.2f}"

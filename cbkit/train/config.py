@@ -1,7 +1,7 @@
 """The run's config: one dataclass, TRL's names, only the fields cbkit's loop reads.
 
 Names follow TRL 1.16's `GRPOConfig` wherever TRL has the concept (`num_generations`, `max_completion_length`,
-`beta`, `epsilon`, `loss_type`, ...), so a reader can move between the two and `cbkit.trl_bridge` can map
+`beta`, `epsilon`, `loss_type`, ...), so a reader can move between the two and `cbkit.trl.config` can map
 one onto the other field by field. Three groups have no TRL twin and say so in their help: where prompts come
 from (`data`, `num_problems`, `prompts_per_step`, `system_prompt`), the model (`model`, `dtype`), and the
 importance-sampling settings (`importance_sampling_correction`, `importance_sampling_mode`, `clip_max`,
@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbkit.objective import IS_MODES, LOSS_TYPES
+from cbkit.train.objective import IS_MODES, LOSS_TYPES
 
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
@@ -48,7 +48,7 @@ class CBGRPOConfig:
     num_problems: int | None = _help("Cap on the number of problems loaded (None: all; synthetic makes 256).",
                                      default=None)
     system_prompt: str | None = _help("System prompt for every chat prompt; None sends the user turn alone. "
-                                      "Default: cbkit.data.SYSTEM_PROMPT (asks for '#### <number>').",
+                                      "Default: cbkit.tasks.data.SYSTEM_PROMPT (asks for '#### <number>').",
                                       default="default")
     prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this "
                                   "from per_device_train_batch_size x steps_per_generation / num_generations.",
@@ -59,15 +59,15 @@ class CBGRPOConfig:
     max_completion_length: int = _help("Most tokens generated per completion.", default=256)
     temperature: float = _help("Sampling temperature; the training forward divides its logits by it too, as TRL.",
                                default=1.0)
-    top_p: float = _help("Nucleus sampling mass in (0, 1]; 1.0 disables it. See cbkit.grpo on top-p and the IS "
+    top_p: float = _help("Nucleus sampling mass in (0, 1]; 1.0 disables it. See cbkit.train.grpo on top-p and the IS "
                          "correction.", default=1.0)
     top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
-    reward_funcs: list[str] = _help("Reward functions by name (cbkit.rewards: 'correctness', 'format'). "
+    reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards: 'correctness', 'format'). "
                                     "GRPOTrainer(reward_funcs=...) takes callables instead.",
                                     default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
-                                               "cbkit.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
+                                               "cbkit.tasks.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
                                                "(correctness 1.0, format 0.5).", default=None)
     # --- the objective (TRL names and meanings) ---
     loss_type: str = _help(f"How the per-token loss becomes a scalar: one of {LOSS_TYPES} (TRL's definitions; "
@@ -132,7 +132,7 @@ class CBGRPOConfig:
 
     def __post_init__(self) -> None:
         if self.system_prompt == "default":
-            from cbkit.data import SYSTEM_PROMPT
+            from cbkit.tasks.data import SYSTEM_PROMPT
 
             self.system_prompt = SYSTEM_PROMPT
         if self.use_transformers_paged is not None:
@@ -226,13 +226,13 @@ class CBGRPOConfig:
     def per_device_train_batch_size(self) -> int:
         """TRL's name for the micro-batch, in completions: one step's rollout is gradient_accumulation_steps of
         them (TRL's steps_per_generation defaults to gradient_accumulation_steps), which is how
-        `cbkit.trl_bridge` maps prompts_per_step onto TRL."""
+        `cbkit.trl.config` maps prompts_per_step onto TRL."""
         return self.completions_per_step // self.gradient_accumulation_steps
 
     def resolved_reward_weights(self) -> list[float]:
         if self.reward_weights is not None:
             return list(self.reward_weights)
-        from cbkit.rewards import DEFAULT_REWARD_WEIGHTS
+        from cbkit.tasks.rewards import DEFAULT_REWARD_WEIGHTS
 
         return [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
 
@@ -268,7 +268,7 @@ class CBGRPOConfig:
     def from_yaml(cls, path: str | os.PathLike[str]) -> CBGRPOConfig:
         """Build from a run recipe: a YAML (or JSON) mapping of these fields, the file `cbkit train --config`
         reads. It is the format TRL's `TrlParser --config` reads for its own dataclasses, so a recipe is also
-        `trl_bridge.trl_grpo_config(CBGRPOConfig.from_yaml(path))`."""
+        `cbkit.trl.config.trl_grpo_config(CBGRPOConfig.from_yaml(path))`."""
         return cls.from_dict(read_recipe(path))
 
     def to_json(self) -> str:

@@ -16,13 +16,13 @@ adding a point is not.
 
 **Figures that survive the notebook.** An executed notebook is read in nbconvert's HTML, on GitHub, in
 nbviewer, offline. None of them draws plotly's JSON mimetype; they draw ``text/html``. ``embed_plotlyjs``
-(called by ``cbkit.notebook.setup``) puts plotly.js into the notebook once, as an output of the setup cell,
+(called by ``cbkit.teach.notebook.setup``) puts plotly.js into the notebook once, as an output of the setup cell,
 and makes every later figure carry ``text/html`` that draws with that copy: no CDN, and a 4 MB library is not
 repeated per figure. Colab is the exception: each output there is its own iframe, so a figure must bring its
 own plotly.js (plotly's ``colab`` renderer does, and we leave it alone).
 
 The helpers at the bottom feed a chart from cbkit's loop (``LiveMetricsHook``) and from the sweep
-(``live_sweep``); `cbkit.notebook` re-exports them where the notebooks import them.
+(``live_sweep``); `cbkit.teach.notebook` re-exports them where the notebooks import them.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import plotly.graph_objects as go
 from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
-from cbkit.hooks import StepHooks, StepRecord, TrainState
-from cbkit.plots import PALETTE, TEMPLATE, backend_color
+from cbkit.train.hooks import StepHooks, StepRecord, TrainState
+from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
 
 __all__ = ["FinalFigure", "LiveChart", "LiveMetricsHook", "TRAINING_PANELS", "detect_mode", "embed_plotlyjs",
            "figure_html", "in_kernel", "live_sweep", "plotlyjs_embedded", "run_style", "text_progress_bars",
@@ -99,7 +99,7 @@ def text_progress_bars() -> bool:
     later state lives in the front end nobody runs in CI. These bars write one line when they close, their
     last frame: what every reader (nbconvert, GitHub, JupyterLab) then shows is where the run finished. In front of a person
     (JupyterLab, Colab) the widget stays. ``tqdm.auto`` is looked up when a bar is made (transformers) or when
-    a module is imported (``cbkit.sweep``), so this runs in ``setup()``, before the notebook imports them.
+    a module is imported (``cbkit.measure.sweep``), so this runs in ``setup()``, before the notebook imports them.
     """
     if not (under_ci() and in_kernel()):
         return False
@@ -190,7 +190,7 @@ class LiveChart:
 
     ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
     in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
-    quantity, as `cbkit.notebook.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    quantity, as `cbkit.viz.live.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
     last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
     a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
     """
@@ -495,10 +495,11 @@ class LiveMetricsHook(StepHooks):
 
 def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
                on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """`cbkit.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
+    """`cbkit.measure.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
     against N, one series per backend) the moment it lands. Returns the aggregated points. Runs already in
     ``out`` are drawn first, so a resumed sweep shows everything it has."""
-    from cbkit.sweep import load_runs, run_sweep
+    from cbkit.measure.results import load_runs
+    from cbkit.measure.sweep import run_sweep
 
     chart = LiveChart("N-sweep, live: each point is one run", ["tokens/s", "peak memory (MiB)"],
                       x_title="N (completions per prompt)", mode=mode, x_log=True,  # type: ignore[arg-type]

@@ -1,0 +1,144 @@
+"""The roofline of a rollout: how fast its shape could go on a machine, by FLOPs and by bytes.
+
+A decode step over R rows multiplies every matmul weight by R hidden states (2 x matmul params x R FLOPs, plus
+the attention products that grow with context) and must read every weight once and each row's KV cache. Which of
+the two takes longer on a machine, compute at its peak FLOP/s or bytes at its bandwidth, is the roof that binds.
+Summed over a rollout's decode steps (rows drop out as their completions end) plus the prompts' prefill, that is the
+least time the rollout's work can take: the attainable tokens/s that each backend's speed is a share of.
+
+The roof is of the *work*, not of a backend: both backends are measured against the same number, so a backend's
+share says how much of the hardware it used, and one that pads or recomputes pays for it in its share.
+The peaks come from a probe on this machine (`measure/probe.py`) or, for a GPU not at hand, from its datasheet
+(`GPUS`, marked as such wherever it is printed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Peaks of one machine: FLOP/s by dtype name, memory bandwidth in bytes/s, device memory in bytes."""
+
+    name: str
+    peak_flops: dict[str, float]
+    bytes_per_s: float
+    memory_bytes: int | None = None
+    source: str = "probed"  # or "datasheet"
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no peak for {dtype!r}; known: {sorted(self.peak_flops)}.")
+        return self.peak_flops[dtype]
+
+
+# Dense tensor-core peaks and memory bandwidth from NVIDIA's datasheets (no sparsity). Colab's A100 is the 40 GB
+# SXM part. Memory is what the driver reports as total, rounded down.
+GPUS: dict[str, Machine] = {
+    "t4": Machine("NVIDIA T4", {"float16": 65e12, "float32": 8.1e12}, 320e9, 15 * GiB, "datasheet"),
+    "a100-40": Machine("NVIDIA A100-SXM4-40GB", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+                       1555e9, 40 * GiB, "datasheet"),
+    "a100-80": Machine("NVIDIA A100-SXM4-80GB", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+                       2039e9, 80 * GiB, "datasheet"),
+    "h200": Machine("NVIDIA H200", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 141 * GiB,
+                    "datasheet"),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a model config a roofline needs."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size,
+                   getattr(config, "intermediate_size", None) or 4 * config.hidden_size, config.vocab_size)
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights that multiply a hidden state once per token: q, k, v, o, the gated MLP's three, the LM head.
+        Equal to counting a Llama-family model's ``nn.Linear`` weights (`probe.matmul_params`)."""
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + self.vocab * self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+    def attention_flops(self, context: int) -> int:
+        """Score and value products of one query token against `context` keys, all layers."""
+        return 4 * self.layers * self.heads * self.head_dim * context
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+
+    def seconds(self, peak_flops: float, bytes_per_s: float) -> float:
+        return max(self.flops / peak_flops, self.bytes / bytes_per_s)
+
+    def compute_bound(self, peak_flops: float, bytes_per_s: float) -> bool:
+        return self.flops / peak_flops >= self.bytes / bytes_per_s
+
+
+def decode_step(shape: Shape, contexts: Sequence[int], dtype_bytes: int) -> StepCost:
+    """One decode step over rows whose KV holds `contexts` tokens each: every weight read once, each row's KV read."""
+    rows = len(contexts)
+    flops = 2 * shape.matmul_params * rows + sum(shape.attention_flops(c) for c in contexts)
+    weight_bytes = (shape.matmul_params + shape.hidden * rows) * dtype_bytes  # + the rows' embedding lookups
+    kv_bytes = shape.kv_bytes_per_token(dtype_bytes) * sum(contexts)
+    return StepCost(flops, weight_bytes + kv_bytes)
+
+
+def prefill(shape: Shape, prompt_lens: Sequence[int], dtype_bytes: int) -> StepCost:
+    """The prompts' forward: compute for every prompt token, the weights read once."""
+    flops = sum(2 * shape.matmul_params * p + sum(shape.attention_flops(c) for c in range(1, p + 1))
+                for p in prompt_lens)
+    return StepCost(flops, shape.matmul_params * dtype_bytes + shape.kv_bytes_per_token(dtype_bytes) * sum(prompt_lens))
+
+
+def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_lengths: Sequence[int],
+                     prompt_of: Sequence[int] | None = None, dtype_bytes: int, peak_flops: float,
+                     bytes_per_s: float) -> dict[str, Any]:
+    """The least time a rollout's work takes on a machine, and the tokens/s that makes.
+
+    `prompt_lens` are the distinct prompts (each prefilled once); `completion_lengths` the tokens each completion
+    generates; `prompt_of[i]` the prompt of completion i (default: completions split evenly, in order). Decode
+    step t runs every completion still going, at context prompt + t. Returns the attainable tokens/s, its
+    seconds, and how many of the decode steps are compute-bound (the rest are bandwidth-bound)."""
+    if peak_flops <= 0 or bytes_per_s <= 0:
+        raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
+    shape = Shape.of(config)
+    lengths = list(completion_lengths)
+    if prompt_of is None:
+        per = max(1, len(lengths) // max(1, len(prompt_lens)))
+        prompt_of = [min(i // per, len(prompt_lens) - 1) for i in range(len(lengths))]
+    seconds = prefill(shape, prompt_lens, dtype_bytes).seconds(peak_flops, bytes_per_s)
+    compute_steps = steps = 0
+    for t in range(max(lengths, default=0)):
+        contexts = [prompt_lens[prompt_of[i]] + t for i, n in enumerate(lengths) if n > t]
+        cost = decode_step(shape, contexts, dtype_bytes)
+        seconds += cost.seconds(peak_flops, bytes_per_s)
+        compute_steps += cost.compute_bound(peak_flops, bytes_per_s)
+        steps += 1
+    tokens = sum(lengths)
+    return {"attainable_tokens_per_s": tokens / seconds if seconds else None, "roof_seconds": seconds,
+            "decode_steps": steps, "compute_bound_steps": compute_steps, "completion_tokens": tokens}

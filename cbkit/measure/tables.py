@@ -1,0 +1,158 @@
+"""Text tables and CSV of a sweep's points, for the terminal and the README."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cbkit.measure.sweep import TRL_PR_5765
+from cbkit.measure.workload import parse_lengths
+
+
+def seed_table(points: list[dict[str, Any]], backend: str = "continuous") -> str:
+    """The seed's table: N | speed vs generate | memory behaviour, for one backend against generate(), and the
+    length spread of the point (generate()'s runs: the static batch is the one that pads)."""
+    rows = ["| N | speed vs generate | memory behaviour | lengths: mean, CV, max; static batch padding |",
+            "| --- | --- | --- | --- |"]
+    gen = {p["N"]: p for p in points if p["backend"] == "generate"}
+    for p in (p for p in points if p["backend"] == backend):
+        spread = _spread_cell(gen.get(p["N"]) or p)
+        if p["status"] != "ok":
+            rows.append(f"| {p['N']} | {p['status'].upper()} | — | {spread} |")
+            continue
+        speed = f"{p['speed_vs_generate']:.2f}x" if p["speed_vs_generate"] is not None else "n/a"
+        mem = p["mem_vs_generate"]
+        if mem is None:
+            behaviour = "n/a"
+        else:
+            word = "less than" if mem < 0.95 else "more than" if mem > 1.05 else "about the same as"
+            behaviour = f"{word} generate ({mem:.2f}x peak)"
+        rows.append(f"| {p['N']} | {speed} | {behaviour} | {spread} |")
+    return "\n".join(rows)
+
+
+def _spread_cell(p: dict[str, Any]) -> str:
+    if p.get("length_mean") is None:
+        return "—"
+    return (f"{p['length_mean']:.1f}, {p['length_cv']:.2f}, {p['length_max']:.0f}; "
+            f"{p['static_padding_share']:.0%} of decode slots")
+
+
+def points_table(points: list[dict[str, Any]]) -> str:
+    """Every point: speed, memory, the length spread it ran (mean, CV, max; pad = share of a static batch's
+    decode slots those lengths leave as padding) and its MFU against the sweep's matmul probe."""
+    head = f"{'N':>4} {'backend':<11} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} " \
+           f"{'KV MiB':>8} {'len':>6} {'CV':>5} {'max':>4} {'pad':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} " \
+           f"{'plan err':>8}"
+    lines = [head, "-" * len(head)]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    for p in points:
+        lines.append(
+            f"{p['N']:>4} {p['backend']:<11} {p['status']:<6} {f(p['tokens_per_s'], '8.1f'):>8} "
+            f"{f(p['rollout_s'], '9.1f'):>9} {f(p['peak_mem_bytes'] and p['peak_mem_bytes'] / 2**20, '9.0f'):>9} "
+            f"{f(p['kv_bytes'] and p['kv_bytes'] / 2**20, '8.1f'):>8} {f(p.get('length_mean'), '6.1f'):>6} "
+            f"{f(p.get('length_cv'), '5.2f'):>5} {f(p.get('length_max'), '4.0f'):>4} "
+            f"{f(p.get('static_padding_share'), '5.2f'):>5} "
+            f"{f(p['speed_vs_generate'], '7.2f'):>7} {f(p['mem_vs_generate'], '6.2f'):>6} "
+            f"{f(p.get('mfu'), '6.1%'):>6} {f(p.get('plan_error'), '+8.0%'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def results_summary(path: str | Path) -> str:
+    """What a results file ran: its length workload (and how lengths were made) and its latest matmul probe,
+    for the lines printed above the tables."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    fp = lines[0].get("fingerprint", {}) if lines else {}
+    spec = fp.get("lengths")
+    if spec is None:
+        out = ["lengths: natural (a results file from before length workloads were recorded)"]
+    else:
+        try:
+            out = [parse_lengths(spec).describe(fp.get("max_new_tokens", 0))]
+        except ValueError:  # a replayed file that has moved since: the spec is still what ran
+            out = [f"lengths: {spec}"]
+    probe = next((x for x in reversed(lines) if x.get("kind") == "probe"), None)
+    if probe is not None:
+        hidden, inter = probe["probe_shape"]
+        out.append(f"matmul probe: {probe['peak_flops'] / 1e9:.1f} GFLOP/s ({probe['probe_device']}, "
+                   f"{probe['probe_dtype']}, [rows x {hidden}] @ [{hidden} x {inter}], best of rows "
+                   f"{', '.join(probe['probe_flops_by_rows'])}); MFU = 2 x matmul params x completion tokens / "
+                   "rollout seconds / this peak")
+    return "\n".join(out)
+
+
+def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
+    import csv
+
+    keys = ["N", "backend", "status", "repeats", "tokens_per_s", "rollout_s", "peak_mem_bytes", "peak_mem_kind",
+            "kv_bytes", "padding_share", "mean_completion_len", "completion_tokens", "speed_vs_generate",
+            "mem_vs_generate", "planned_peak_bytes", "plan_error", "lengths", "length_mean", "length_cv",
+            "length_max", "static_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
+            "nvml_bytes"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(points)
+
+
+def trl_comparison_table(points: list[dict[str, Any]]) -> str:
+    """This run's seconds and memory next to TRL PR #5765's, per N: the seed's claim and what was measured here.
+
+    Memory deltas are CB minus generate() at the same N, in GB (1e9 bytes, as the PR's table), for three
+    counters: the allocator's peak allocated above the weights, its peak reserved (what PyTorch held from the
+    driver) and the device's used memory after the call (cudaMemGetInfo: every process and the CUDA context,
+    what nvidia-smi shows). The PR does not say which counter its VRAM column is; reserved is the closest.
+    """
+    by = {(p["backend"], p["N"]): p for p in points}
+    head = ("| N | TRL generate s | TRL CB s | TRL CB speed-up | TRL CB VRAM delta GB | generate s | CB s | "
+            "CB speed-up | CB delta allocated / reserved / device GB |")
+    rows = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ns = sorted({p["N"] for p in points} | set(TRL_PR_5765))
+    for n in ns:
+        trl = TRL_PR_5765.get(n)
+        trl_cells = (f"{trl[0]:.2f} | {trl[1]:.2f} | {trl[0] / trl[1]:.2f}x | {trl[2]:+.2f}" if trl
+                     else "— | — | — | —")
+        g, c = by.get(("generate", n)), by.get(("continuous", n))
+        if g is None or c is None:
+            rows.append(f"| {n} | {trl_cells} | not run | not run | — | — |")
+            continue
+        gs, cs = _seconds_cell(g), _seconds_cell(c)
+        ok = g["status"] == "ok" and c["status"] == "ok"
+        speed = f"{g['rollout_s'] / c['rollout_s']:.2f}x" if ok and g["rollout_s"] and c["rollout_s"] else "—"
+        deltas = " / ".join(_delta_gb(g.get(k), c.get(k)) for k in ("peak_mem_bytes", "peak_reserved_bytes",
+                                                                     "device_used_bytes"))
+        rows.append(f"| {n} | {trl_cells} | {gs} | {cs} | {speed} | {deltas} |")
+    return "\n".join(rows)
+
+
+def memory_table(points: list[dict[str, Any]]) -> str:
+    """The planner's prediction beside every memory counter measured, per point, in GiB."""
+    rows = ["| N | backend | planned peak | allocated peak | plan error | reserved peak | device used | "
+            "NVML process |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def gib(v) -> str:
+        return f"{v / 2**30:.2f}" if v is not None else "—"
+
+    for p in points:
+        err = f"{p['plan_error']:+.0%}" if p.get("plan_error") is not None else "—"
+        rows.append(f"| {p['N']} | {p['backend']} | {gib(p.get('planned_peak_bytes'))} | "
+                    f"{gib(p.get('peak_mem_bytes'))} | {err} | {gib(p.get('peak_reserved_bytes'))} | "
+                    f"{gib(p.get('device_used_bytes'))} | {gib(p.get('nvml_bytes'))} |")
+    return "\n".join(rows)
+
+
+def _seconds_cell(p: dict[str, Any]) -> str:
+    if p["status"] != "ok":
+        return p["status"].upper()
+    return f"{p['rollout_s']:.2f}" if p.get("rollout_s") is not None else "—"
+
+
+def _delta_gb(generate: float | None, continuous: float | None) -> str:
+    if generate is None or continuous is None:
+        return "—"
+    return f"{(continuous - generate) / 1e9:+.2f}"

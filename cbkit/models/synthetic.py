@@ -1,0 +1,195 @@
+"""Models and tokenizers built in code: no download, no files.
+
+`tiny` is a 2-layer random Llama over a byte tokenizer, for tests. `llama-1b-random` has Llama-3.2-1B's exact
+shape with random weights, for timing and memory on a machine with no hub access: rollout time and memory depend
+on shapes and token counts, not on weight values.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+# Llama-3's pre-tokenizer pattern (its tokenizer.json): words with their leading space, numbers in groups of
+# up to three digits, punctuation runs, newlines. Llama-3's 128k vocabulary holds nearly every common English
+# piece as one token, so one id per piece gives prompts about a real BPE's length. Measured on cbkit's chat
+# prompts (system prompt + question), mean tokens per prompt: 64 GSM8K test questions, 122.5 here against 131.6
+# with SmolLM2's 49k BPE and 498.6 with the byte tokenizer; 64 synthetic ones, 111.3 / 118.5 / 446.5.
+# (Llama-3's own template adds a ~25-token date header that ChatML has not.)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+TINY_NAME = "tiny"
+RANDOM_1B_NAME = "llama-1b-random"
+RANDOM_TINY_NAME = "llama-tiny-random"
+
+# ChatML, the format SmolLM2-Instruct uses; the tiny tokenizer speaks it too so prompts look alike.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# --- the tiny test model -------------------------------------------------------------------------------------
+
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer with ChatML specials, built in code: every string round-trips, no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for s in TINY_SPECIALS:
+        vocab[s] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: int = 1024):
+    """A 2-layer Llama with random weights over the tiny tokenizer's vocabulary.
+
+    The init scale is larger than a real model's so next-token distributions are peaked: greedy parity
+    between backends then tests the engines, not how they break near-ties in a flat distribution.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    vocab_size = 256 + len(TINY_SPECIALS)
+    eos_id = 256 + TINY_SPECIALS.index("<|im_end|>")
+    pad_id = 256 + TINY_SPECIALS.index("<pad>")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context_len,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id)
+    return model.to(dtype)
+
+
+# --- Llama-3.2-1B's shape with random weights -------------------------------------------------------------------
+
+# Llama-3.2-1B-Instruct's config.json, field by field (hub revision of 2024-09-25); the vocabulary keeps
+# Llama-3's 128256 rows so the embedding, the tied LM head and the sampling over the logits cost what they
+# cost in the real model. The test size keeps the family and shrinks every dimension.
+LLAMA_1B_SHAPE: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, initializer_range=0.02, hidden_act="silu", attention_bias=False, mlp_bias=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    RANDOM_1B_NAME: LLAMA_1B_SHAPE,
+    RANDOM_TINY_NAME: {**LLAMA_1B_SHAPE, "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 256,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+}
+RANDOM_WEIGHTS_NOTE = (
+    "random weights: rollout time and memory depend on the model's shapes and on how many tokens are "
+    "processed, not on the weight values; the completions themselves are meaningless"
+)
+
+
+def random_config(name: str, tokenizer=None):
+    """The LlamaConfig of a random-weight model, with the special ids of its tokenizer (built in code)."""
+    from transformers import LlamaConfig
+
+    tok = tokenizer or piece_tokenizer()
+    if len(tok) > RANDOM_SHAPES[name]["vocab_size"]:  # ids past the embedding would index out of range
+        raise ValueError(f"{name}: tokenizer has {len(tok)} ids, more than the model's vocabulary")
+    return LlamaConfig(**RANDOM_SHAPES[name], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+
+
+def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+    """A Llama with Llama-3.2-1B's shape (or the test size) and seeded random weights, built on ``device``.
+
+    Constructing under ``torch.device`` allocates and initialises the parameters where they will run, in
+    ``dtype``: on a GPU that takes well under a second, where building on the host in fp32 and moving it would
+    write 5 GB twice.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = random_config(name, tokenizer)
+    device = torch.device(device)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # seeds this build only, never the caller's generators
+        torch.manual_seed(seed)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id)
+    return model
+PIECE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<unk>")
+
+
+def piece_tokenizer():
+    """One id per Llama-3 pre-token: a word-level tokenizer whose vocabulary is built in code.
+
+    The vocabulary holds the ChatML specials, every printable ASCII character, the numbers 0-999 and every
+    piece of cbkit's system prompt and of 2000 synthetic problems with their solutions; a piece outside it
+    (a rare word of a GSM8K question) becomes ``<unk>``, which keeps the prompt's length right. Different
+    prompts keep different ids, so the CB engine's prefix sharing sees what it would see with a real
+    tokenizer.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=dict(_piece_vocab()), unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+    core.decoder = decoders.Fuse()  # pieces carry their own spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<pad>",
+        unk_token="<unk>", additional_special_tokens=["<|im_start|>"], padding_side="left",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+@functools.cache
+def _piece_vocab() -> tuple[tuple[str, int], ...]:
+    import regex
+
+    from cbkit.tasks.data import SYSTEM_PROMPT, synthetic_gsm
+
+    split = regex.compile(LLAMA3_SPLIT)
+    pieces: set[str] = {chr(c) for c in range(32, 127)} | {str(k) for k in range(1000)} | {"\n", "\n\n"}
+    texts = [SYSTEM_PROMPT, "system\n", "user\n", "assistant\n"]
+    texts += [t for p in synthetic_gsm(2000, seed=0) for t in (p.question, p.solution or "")]
+    for text in texts:
+        pieces.update(split.findall(text))
+    vocab = {s: i for i, s in enumerate(PIECE_SPECIALS)}
+    for piece in sorted(pieces):
+        vocab.setdefault(piece, len(vocab))
+    return tuple(vocab.items())

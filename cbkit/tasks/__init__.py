@@ -1,0 +1,1 @@
+"""Problems and their scoring: GSM8K and word problems, answer extraction, rewards."""

@@ -1,0 +1,79 @@
+"""The run set-up: policy, problems, prompt ids, stop and pad ids, sampling, warmed backends.
+
+One place decides these for the loop, the sweep and the demo, so the three entry points cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# --- the run set-up: model, prompts, stop and pad ids, sampling, warmed backends ---------------------------
+
+
+@dataclass
+class RunSetup:
+    """What every rollout of a run needs, built once by `set_up_run` for the loop, the sweep and the demo.
+
+    One place decides the stop ids (the tokenizer's EOS with the model's generation-config ids: Llama-3 and
+    Qwen2.5 list several), the pad id (the tokenizer's, else its EOS; a static batch needs one) and the
+    chat-formatted prompt ids, so the three entry points cannot drift apart.
+    """
+
+    model: Any
+    tokenizer: Any
+    problems: list[Any]  # cbkit.tasks.data.Problem
+    prompts: list[list[int]]
+    stop_ids: int | tuple[int, ...] | None
+    pad_token_id: int
+
+    def sampling(self, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 do_sample: bool = True, seed: int | None = None):
+        from cbkit.rollout import SamplingParams
+
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              do_sample=do_sample, eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
+                              seed=seed)
+
+    def backend(self, name: str, *, warm_up: bool = True, **kwargs):
+        """A rollout backend on this run's model; `warm_up` makes one short call first, so one-off costs
+        (allocator, kernels, the engine's first build) are not in what is measured next."""
+        import dataclasses
+
+        from cbkit.rollout import make_backend
+
+        backend = make_backend(name, self.model, pad_token_id=self.pad_token_id, **kwargs)
+        if warm_up:
+            backend.generate(self.prompts[:1], 1, dataclasses.replace(self.sampling(4), seed=0))
+        return backend
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its EOS (padding is masked out, so any id serves); neither is an error."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(f"{type(tokenizer).__name__} has neither a pad nor an EOS token; set tokenizer.pad_token.")
+    return pad
+
+
+_DEFAULT_SYSTEM = object()  # the data module's system prompt, without importing it here
+
+
+def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype: str | None = None,
+               policy: Any = None, problems: Sequence[Any] | None = None,
+               system_prompt: Any = _DEFAULT_SYSTEM) -> RunSetup:
+    """Load (or take: a LoadedPolicy or a (model, tokenizer) pair) the policy and the problems, and build
+    everything a rollout of the run needs."""
+    from cbkit.rollout.base import stop_token_ids
+    from cbkit.tasks.data import SYSTEM_PROMPT, chat_prompt_ids, load_problems
+
+    if policy is None:
+        from cbkit.models.load import load_policy
+
+        policy = load_policy(model, dtype=dtype, seed=seed)
+    lm, tok = policy
+    problems = list(problems) if problems is not None else load_problems(data, n=num_prompts, seed=seed)
+    system = SYSTEM_PROMPT if system_prompt is _DEFAULT_SYSTEM else system_prompt
+    prompts = [chat_prompt_ids(tok, p, system_prompt=system) for p in problems]
+    return RunSetup(lm, tok, problems, prompts, stop_token_ids(tok, lm), pad_token_id(tok))

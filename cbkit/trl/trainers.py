@@ -1,0 +1,309 @@
+"""TRL's trainers with CB rollouts that keep the engine's sampling logprobs.
+
+Released TRL asks the CB engine for no logprobs and gates its importance-sampling correction on vLLM, so with CB
+the correction never runs. `CBLogprobGRPOTrainer` makes the smallest change that lets it run; `CBRLOOTrainer` takes
+the same CB call (RLOO has no correction to feed). docs/trl_bridge.md lists the TRL lines this depends on and why
+each difference from TRL's own CB branch exists; tests/test_trl_bridge.py pins those lines.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from trl import GRPOTrainer, RLOOTrainer
+
+from cbkit.rollout.base import cut_at_eos
+from cbkit.rollout.continuous import make_cb_config
+from cbkit.trl.config import trl_grpo_config, trl_rloo_config
+from cbkit.trl.rewards import _trl_rewards, _weights_for
+
+# --- the trainer that keeps the CB logprobs -----------------------------------------------------------------
+
+
+class _CBRollouts:
+    """TRL's CB branch as both bridge trainers run it: cut at the stop ids, logprobs kept, failures raised, the KV
+    pool sized to the workload on CPU and a seed per call (see the module docstring). Mixed into a TRL trainer."""
+
+    _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
+
+    def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`."""
+        from trl.extras.profiling import profiling_context
+        from trl.models import unwrap_model_for_generation
+
+        max_new = self.max_completion_length
+        rows = [list(p) for p in prompt_ids]
+        with (
+            profiling_context(self, "transformers.generate_batch"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            # The same casts TRL's CB branch makes (in place, as there), so training sees what stock TRL sees.
+            if self.args.bf16:
+                unwrapped.to(torch.bfloat16)
+            elif self.args.fp16:
+                unwrapped.to(torch.float16)
+            if getattr(self.args, "cast_lm_head_to_fp32", False):
+                unwrapped.lm_head.to(torch.float32)
+            was_training = unwrapped.training
+            with _plain_forward(unwrapped):
+                results = unwrapped.generate_batch(
+                    rows,
+                    generation_config=self.generation_config,
+                    continuous_batching_config=self._cb_config(rows),
+                    progress_bar=False,
+                )
+            unwrapped.train(was_training)
+        outputs = list(results.values())  # generate_batch returns them in input order
+        failed = [o.request_id for o in outputs if o.error is not None]
+        if len(outputs) != len(rows) or failed:
+            # generate_batch logs lost or failed requests and returns the rest; the prompt/completion pairing
+            # downstream would silently shift, so stop here.
+            raise RuntimeError(
+                f"The CB engine returned {len(outputs) - len(failed)} usable completions for {len(rows)} prompts "
+                f"(failed: {failed}); see the log above."
+            )
+
+        eos = frozenset(self.eos_token_ids)
+        completion_ids, logprobs = [], []
+        for i, out in enumerate(outputs):
+            keep, _ = cut_at_eos(out.generated_tokens, eos, max_new)
+            lps = list(out.logprobs or [])
+            if len(lps) < keep:
+                raise RuntimeError(
+                    f"The CB engine returned {len(lps)} logprobs for {keep} tokens (request {i}); does this "
+                    "transformers version support ContinuousBatchingConfig.return_logprobs?"
+                )
+            completion_ids.append(list(out.generated_tokens[:keep]))
+            logprobs.append([float(x) for x in lps[:keep]])
+        return completion_ids, logprobs
+
+    def _cb_config(self, rows: list[list[int]]):
+        """This call's engine config: the user's keys, logprobs on, a per-call seed, the pool sized on CPU."""
+        overrides = dict(self.args.transformers_continuous_batching_config or {})
+        device = self.accelerator.device
+        if torch.device(device).type == "cpu" and "num_blocks" not in overrides:
+            # A share of host RAM is gigabytes of zeroed KV cache for a small model: size to the workload.
+            overrides.pop("max_memory_percent", None)
+        seed = (int(self.args.seed) * 1_000_003 + self.accelerator.process_index * 10_007 + self._cb_calls)
+        self._cb_calls += 1
+        return make_cb_config(
+            overrides,
+            seed=seed % (2**31 - 1),
+            device=device,
+            rows=rows,
+            max_new_tokens=self.max_completion_length,
+        )
+
+
+class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
+    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path.
+
+    Only for `use_transformers_continuous_batching=True` without vLLM (with vLLM, TRL already has the
+    logprobs; use `GRPOTrainer`). See the module docstring for what is overridden and why.
+    """
+
+    # Class defaults: TRL's __init__ reads `use_vllm` before this class's own attributes exist.
+    _is_gate_open = False
+    _scoring = False
+
+    def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
+        if args is None or not getattr(args, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                "CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
+                "use_transformers_continuous_batching=True (trl_grpo_config sets it)."
+            )
+        if getattr(args, "use_vllm", False):
+            raise ValueError(
+                "use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS correction; "
+                "use trl.GRPOTrainer (build_grpo_trainer picks it), or set use_vllm=False to generate with CB."
+            )
+        cb = dict(args.transformers_continuous_batching_config or {})
+        if cb.get("return_logprobs") is False:
+            raise ValueError(
+                "transformers_continuous_batching_config has return_logprobs=False; remove it (this trainer "
+                "exists to keep them)."
+            )
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        # TRL checks this in __init__ only when use_vllm is True (grpo_trainer.py, `loss_type == "vespo"`).
+        if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+            raise ValueError(
+                f"loss_type='vespo' needs importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                f"{self.vllm_importance_sampling_mode!r}."
+            )
+        if self.vllm_importance_sampling_correction and (
+            (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
+        ):
+            warnings.warn(
+                f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the engine's "
+                "sampling logprobs are under the truncated distribution, TRL's old logprobs under temperature "
+                "only, so the IS ratio is biased below 1 even on identical weights (TRL's vLLM path has the same "
+                "bias). Use top_p=1.0, top_k=0 for an unbiased correction, or read the sampling/* metrics with "
+                "that in mind.",
+                stacklevel=2,
+            )
+
+    # -- the gate: `use_vllm` reads True only where TRL computes and applies the IS ratio --
+
+    @property
+    def use_vllm(self) -> bool:
+        return self._is_gate_open
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:
+        if value:  # TRL's __init__ assigns args.use_vllm; __init__ above refused True already
+            raise ValueError("CBLogprobGRPOTrainer never runs vLLM; use trl.GRPOTrainer for use_vllm=True.")
+
+    @contextmanager
+    def _gate(self, is_open: bool):
+        before, self._is_gate_open = self._is_gate_open, is_open
+        try:
+            yield
+        finally:
+            self._is_gate_open = before
+
+    def _generate(self, prompts: list):
+        with self._gate(False):  # generation, weight sync, tool loop: vLLM-only code must not see True
+            out = super()._generate(prompts)
+        # out[4]: the per-token sampling logprobs (None from a rollout_func that has none). Open the gate for
+        # the rest of _generate_and_score_completions only when there is something to correct with.
+        if self._scoring:
+            self._is_gate_open = out[4] is not None and bool(self.vllm_importance_sampling_correction)
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        self._scoring = True
+        try:
+            with self._gate(False):  # closed again on the way out, whatever _generate opened
+                return super()._generate_and_score_completions(inputs)
+        finally:
+            self._scoring = False
+
+    def _compute_loss(self, model, inputs):
+        with self._gate("importance_sampling_ratio" in inputs):
+            return super()._compute_loss(model, inputs)
+
+    # -- generation: TRL's CB call, keeping the logprobs --
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
+        if images is not None and any(images):
+            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
+        return self._cb_generate(prompt_ids)
+
+
+@contextmanager
+def _plain_forward(model):
+    """Run the model's own `forward`, not the one accelerate installs under mixed precision.
+
+    With `mixed_precision` bf16/fp16 (TRL's `bf16=True`), `Accelerator.prepare_model` replaces the instance's
+    `forward` by autocast + `convert_outputs_to_fp32`, which walks the outputs and calls `.float()` on anything
+    with a half `dtype`, including the CB engine's `PagedAttentionCache`: the generation loop dies with
+    "'PagedAttentionCache' object has no attribute 'float'" and stock TRL then fails later with an IndexError.
+    The weights were just cast to the half dtype in place, so autocast has nothing left to do here.
+    """
+    wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
+    if wrapped is None:
+        yield
+        return
+    del model.forward  # the class's forward shows through
+    try:
+        yield
+    finally:
+        model.forward = wrapped
+
+
+class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
+    """`trl.RLOOTrainer` with the GRPO bridge's CB call: it survives bf16/fp16 mixed precision (`_plain_forward`),
+    sizes the CPU pool to the workload (TRL's `max_memory_percent=0.5` there means half of host RAM), seeds each
+    call, and raises on a failed request.
+
+    RLOO in TRL 1.16 has no IS correction, so unlike `CBLogprobGRPOTrainer` the logprobs are dropped.
+    """
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        if not self.use_transformers_continuous_batching or self.use_vllm:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+        if images is not None and any(images):
+            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
+        return self._cb_generate(prompt_ids)[0]
+
+
+# --- building trainers --------------------------------------------------------------------------------------
+
+
+def build_grpo_trainer(
+    model,
+    tokenizer,
+    reward_funcs,
+    train_dataset,
+    cfg: Any = None,
+    *,
+    output_dir: str = "cbkit-trl",
+    reward_weights: Mapping[str, float] | Sequence[float] | None = None,
+    answer_column: str = "answer",
+    eval_dataset=None,
+    callbacks=None,
+    **overrides: Any,
+):
+    """TRL's GRPO trainer for a cbkit run: `CBLogprobGRPOTrainer` on the CB path, stock `GRPOTrainer` otherwise.
+
+    `reward_funcs`: cbkit rewards (`fn(completions, answers)`, adapted with `trl_reward`), TRL-native ones
+    (taking `**kwargs`, passed as they are), or cbkit's name -> fn dict (then `reward_weights` may be by name).
+    `overrides`: `GRPOConfig` arguments under TRL's names.
+    """
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
+    if weights is not None:
+        overrides = {**overrides, "reward_weights": weights}
+    args = trl_grpo_config(cfg, output_dir, **overrides)
+    cls = CBLogprobGRPOTrainer if args.use_transformers_continuous_batching and not args.use_vllm else GRPOTrainer
+    return cls(
+        model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, callbacks=callbacks,
+    )
+
+
+def build_rloo_trainer(
+    model,
+    tokenizer,
+    reward_funcs,
+    train_dataset,
+    cfg: Any = None,
+    *,
+    output_dir: str = "cbkit-trl-rloo",
+    reward_weights: Mapping[str, float] | Sequence[float] | None = None,
+    answer_column: str = "answer",
+    eval_dataset=None,
+    callbacks=None,
+    **overrides: Any,
+):
+    """TRL's RLOO trainer for a cbkit run, on the CB path: `CBRLOOTrainer`, stock but for the mixed-precision fix.
+
+    RLOO in TRL 1.16 has no IS correction to feed, so its rollouts' logprobs are not kept.
+    """
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
+    if weights is not None:
+        overrides = {**overrides, "reward_weights": weights}
+    args = trl_rloo_config(cfg, output_dir, **overrides)
+    cls = CBRLOOTrainer if args.use_transformers_continuous_batching and not args.use_vllm else RLOOTrainer
+    return cls(
+        model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, callbacks=callbacks,
+    )
+
+
+def is_metrics(logs: Mapping[str, float]) -> dict[str, float]:
+    """TRL's importance-sampling metrics from a log record (empty when the correction did not run)."""
+    return {k: v for k, v in logs.items() if k.startswith("sampling/") and not math.isnan(float(v))}

@@ -1,0 +1,1 @@
+"""Figures: the palette, static plotly figures, live charts."""

@@ -1,0 +1,97 @@
+"""Every import inside cbkit runs down the layers declared in `cbkit.LAYERS`, and no two modules import each
+other, directly or round a loop; imports inside functions count the same as those at the top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import cbkit
+
+PACKAGE = Path(cbkit.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cbkit_imports(path: Path) -> set[str]:
+    """The cbkit modules a file imports, resolved to modules (``from cbkit.x import y`` counts ``cbkit.x.y``
+    when that is a module, else ``cbkit.x``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "cbkit":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "cbkit"}
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {m: {d for d in cbkit_imports(p) if d != m} for m, p in MODULES.items()}
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for rank, (_, prefixes) in enumerate(cbkit.LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (rank, len(prefix))
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add its folder to cbkit.LAYERS")
+    return best[0]
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_import_runs_up_a_layer(module):
+    mine = layer_of(module)
+    upward = sorted(d for d in GRAPH[module] if layer_of(d) > mine)
+    assert not upward, (f"{module} ({cbkit.LAYERS[mine][0]}) imports {upward} from a layer above; move the shared "
+                        "piece down, or the caller up")
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_loop_and_passes_a_tree():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_few_modules_sit_at_the_top():
+    top = sorted(m for m, p in MODULES.items() if p.parent == PACKAGE and m != "cbkit")
+    assert len(top) <= 8, top
