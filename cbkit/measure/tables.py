@@ -185,6 +185,7 @@ def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, 
     rows.append(f"\nAssumed: {prompts} prompts x N per step, {prompt_len}-token prompts, up to {max_new_tokens} new "
                 f"tokens, a CB pool of {pool / 1e9:.1f} GB = {pool_share:.0%} x ({memory_bytes / 1e9:.0f} GB - "
                 f"{TRAIN_STATE_BYTES_PER_PARAM * params / 1e9:.1f} GB of the training step's fp32 weights, gradients "
-                "and AdamW state). Neither the prompts per step nor the pool is stated in the PR: these are the "
+                f"and AdamW state), {attn_implementation} attention (no dense mask; under SDPA the engine also "
+                "reserves a mask that grows with the pool). Neither the prompts per step nor the pool is stated in the PR: these are the "
                 "planner's reading of its numbers, not a reproduction.")
     return "\n".join(rows)
