@@ -215,3 +215,8 @@ def test_colab_restart_finds_exactly_the_replaced_packages():
             "pytest": types.SimpleNamespace(__version__=colab.metadata.version("pytest")),
             "torch.nn": types.SimpleNamespace(__version__="0")}  # submodules are not packages
     assert colab.replaced_packages(fake) == {"torch": ("0.0.1", installed)}
+
+
+def test_the_logprob_notebook_says_it_scores_in_fp32_and_samples_a_bf16_copy():
+    env = dataclasses.replace(_gpu_env("t4"), notebook="02_logprob_correctness", trains=False)
+    assert "section 2 from a bfloat16 copy" in env.precision and "teacher-forced in float32" in env.precision

@@ -169,6 +169,12 @@ class NotebookEnv:
                      f"at fp32 rounding ({eps:.1e} relative; the engine's packed attention and the trainer's "
                      "forward add up their floats in different orders), which logprob/max_abs_diff measures every step")
             return f"rollout samples {sampler}; old and policy logprobs {logprobs}; drift to expect: {drift}"
+        if self.notebook is not None and _kind(self.notebook) == "logprobs":
+            low = "bfloat16"  # section 2's copy, whatever the tier: the mismatch every reader should see
+            return (f"the policy keeps {self.train_dtype} weights and scores every rollout teacher-forced in "
+                    f"{self.train_dtype}; sections 1 and 4 sample from those weights, section 2 from a {low} copy "
+                    f"({torch.finfo(torch.bfloat16).eps:.1e} relative resolution against fp32's "
+                    f"{torch.finfo(torch.float32).eps:.1e}): the drift each section prints comes from that gap")
         eps = torch.finfo(getattr(torch, self.rollout_dtype)).eps
         return (f"rollouts sample from {self.rollout_dtype} weights ({eps:.1e} relative resolution); nothing "
                 "trains here")
@@ -203,7 +209,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
     if torch.cuda.is_available():
         cc, memory = torch.cuda.get_device_capability(0), torch.cuda.get_device_properties(0).total_memory
         tier = forced or ("ci" if profile == "ci" else gpu_tier(memory, cc))
-        bf16 = native_bf16(0) and tier != "t4"  # a forced t4 tier rehearses a T4: no bf16
+        bf16 = native_bf16(0) and forced != "t4"  # a forced t4 tier rehearses a T4: no bf16
         env = NotebookEnv(
             profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0), compute_capability=cc,
             colab=colab, rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="float32",
@@ -279,6 +285,12 @@ def _trains(notebook: str) -> bool:
     from cbkit.teach.tiers import notebook_spec
 
     return notebook_spec(notebook).trains
+
+
+def _kind(notebook: str) -> str:
+    from cbkit.teach.tiers import notebook_spec
+
+    return notebook_spec(notebook).kind
 
 
 def resolve_profile(profile: str | None = None) -> str:
