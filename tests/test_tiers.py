@@ -220,3 +220,12 @@ def test_colab_restart_finds_exactly_the_replaced_packages():
 def test_the_logprob_notebook_says_it_scores_in_fp32_and_samples_a_bf16_copy():
     env = dataclasses.replace(_gpu_env("t4"), notebook="02_logprob_correctness", trains=False)
     assert "section 2 from a bfloat16 copy" in env.precision and "teacher-forced in float32" in env.precision
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_colab_runtime_without_a_gpu_is_told_how_to_switch(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.delenv("CBKIT_TIER", raising=False)
+    env = notebook.setup("00_quickstart", profile="full", verbose=False)
+    assert env.colab and env.tier == "cpu"
+    assert "Runtime > Change runtime type" in capsys.readouterr().out

@@ -214,6 +214,12 @@ def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows:
 # --- the plan of one notebook on one GPU -----------------------------------------------------------------------
 
 
+# The part of a plan that is too large -> the sizes that shrink it.
+_LOWER = {"rollout": "N (n, sweep_ns), the prompts or the new tokens", "weights": "the model",
+          "optimizer": "the model", "loss logits": "max_new_tokens (or the tier's logits budget)",
+          "activations": "N or the prompts per step", "teacher-forced": "max_new_tokens", "bf16": "the model"}
+
+
 @dataclass
 class TierPlan:
     notebook: str
@@ -248,8 +254,9 @@ class TierPlan:
         out = []
         if not self.fits:
             big = max(self.parts, key=self.parts.get)
+            lower = next((v for k, v in _LOWER.items() if big.startswith(k)), "the model")
             out.append(f"does not fit: planned {fmt_bytes(self.peak_bytes)} > {fmt_bytes(self.memory_bytes)}; the "
-                       f"largest part is {big} ({fmt_bytes(self.parts[big])}): lower the sizes behind it")
+                       f"largest part is {big} ({fmt_bytes(self.parts[big])}): lower {lower}")
         if not self.in_budget:
             out.append(f"over budget: ~{self.seconds / 60:.1f} min > {self.budget_s / 60:.0f} min; lower N, the "
                        "prompts, the steps or the new tokens")
