@@ -35,7 +35,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from cbkit.measure import roofline
-from cbkit.measure.planner import crossover_n, fmt_bytes, plan, pool_blocks, training_bytes
+from cbkit.measure.planner import crossover_n, plan, pool_blocks, training_bytes
+from cbkit.telemetry import fmt_bytes
 
 GiB = 2**30
 TIERS = ("ci", "cpu", "t4", "a100")
