@@ -65,8 +65,11 @@ __all__ = [
     "GeneratePlan",
     "Plan",
     "crossover_n",
+    "crossover_vs_pool",
     "plan",
     "planned_points",
+    "pool_blocks",
+    "training_bytes",
 ]
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -235,6 +238,22 @@ def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | 
         if p.continuous.peak_bytes < p.generate.peak_bytes:
             return n
     return None
+
+
+def crossover_vs_pool(config: Any, pools_bytes: Sequence[int], *, page_size: int, max_n: int = 1024,
+                      **plan_kwargs: Any) -> list[dict[str, Any]]:
+    """The pool as a fixed price: for each pool size (bytes of KV, fixed as ``num_blocks``), the crossover N
+    (`crossover_n`). A bigger pool costs more at every N, so generate() outgrows it later. ``plan_kwargs`` go to
+    `plan` (``dtype_bytes`` among them); their ``cb_config`` may set other engine keys."""
+    base = dict(plan_kwargs.pop("cb_config", None) or {})
+    out = []
+    for pool in pools_bytes:
+        blocks = pool_blocks(config, int(pool), page_size=page_size, dtype_bytes=plan_kwargs["dtype_bytes"])
+        cfg = {**base, "page_size": page_size, "num_blocks": blocks}
+        out.append({"pool_bytes": blocks * page_size * kv_bytes_per_token(config, plan_kwargs["dtype_bytes"]),
+                    "num_blocks": blocks,
+                    "crossover_n": crossover_n(config, max_n=max_n, cb_config=cfg, **plan_kwargs)})
+    return out
 
 
 @dataclass(frozen=True)
@@ -428,6 +447,40 @@ def check_positive(**values: int) -> None:
 
 def _given(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
+
+
+# --- the training step beside the rollout ----------------------------------------------------------------------
+
+# fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8 bytes a parameter.
+TRAIN_STATE_BYTES_PER_PARAM = 16
+
+
+def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
+                   autocast: bool) -> dict[str, int]:
+    """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one micro-batch's
+    loss logits (`cbkit.train.batch.logits_bytes`) and its saved activations. Activations: 34 x hidden bytes per
+    token per layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation", without the attention
+    scores SDPA never stores), scaled by the MLP's width over GPT's 4 x hidden and doubled in fp32 (no autocast).
+    An estimate: the loop's other buffers are not counted."""
+    from cbkit.train.batch import logits_bytes
+
+    s = _Shape.of(config.get_text_config() if hasattr(config, "get_text_config") else config, 2)
+    width = max(1.0, s.intermediate / (4 * s.hidden))
+    per_token_layer = 34 * s.hidden * width * (1 if autocast else 2)
+    parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
+             "logits": logits_bytes(micro_batch_rows, completion_len, s.vocab),
+             "activations": int(micro_batch_rows * tokens_per_row * s.layers * per_token_layer)}
+    return {**parts, "total": sum(parts.values())}
+
+
+def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: int) -> int:
+    """The CB engine's ``num_blocks`` for a pool of ``pool_bytes`` of KV: a pool fixed in bytes, whatever the GPU's
+    free memory (the engine's own sizing takes a share of whatever is free)."""
+    per_block = kv_bytes_per_token(config, dtype_bytes) * page_size
+    if pool_bytes < per_block:
+        raise ValueError(f"a pool of {fmt_bytes(pool_bytes)} holds no block of {page_size} tokens "
+                         f"({fmt_bytes(per_block)}); give it more memory.")
+    return pool_bytes // per_block
 
 
 # --- formatting ---------------------------------------------------------------------------------------------
