@@ -38,11 +38,9 @@ that turns a plan into a backend (``recommend``) is `cbkit.measure.advise`.
 
 Accuracy. The CB block count is exact: tests/test_advise.py builds the engine on the tiny model (workload,
 ``num_blocks`` and memory sizing, default and small ``max_batch_tokens``) and compares. Peak *bytes* are
-an estimate. On this repo's 2-core CPU with SmolLM2-135M (2 prompts of 80 tokens, 96 new tokens, N=4
-and 16), measured RSS ran 1.4-1.6x above the plan for generate() and 2-3x above it for CB. Not profiled;
-likely RSS-only effects the plan does not model (allocator slack, a malloc arena for the engine's decode
-thread, SDPA's CPU kernels). On CPU treat the plan as a lower bound; GPU peaks (``max_memory_allocated``)
-have not been checked against it yet.
+an estimate, and on CPU a lower bound: RSS counts what the plan does not model (allocator slack, the engine
+thread's malloc arena); docs/cpu_results.md has how far apart they were. Every sweep run records its
+``plan_error``.
 
 Simplifications: full and sliding-window attention only (no MLA, no linear attention); activations are
 counted for inference without gradients; prefix sharing (blocks shared between a group's identical
@@ -51,6 +49,7 @@ prompts) is ignored, so CB's *use* of its pool is overestimated, never its size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -197,7 +196,7 @@ def plan(
         raise ValueError(
             f"mean_completion_len must be between 1 and max_new_tokens={max_new_tokens}, got {mean_completion_len}."
         )
-    shape = _Shape.of(text, dtype_bytes)
+    shape = _Shape.read(text, dtype_bytes)
     rows = num_prompts * num_generations
     gen = _plan_generate(shape, rows, max(lens), max_new_tokens, budget_bytes)
     cb, notes = _plan_continuous(
@@ -258,24 +257,18 @@ def crossover_vs_pool(config: Any, pools_bytes: Sequence[int], *, page_size: int
 
 
 @dataclass(frozen=True)
-class _Shape:
-    """The numbers of a config the planner needs, read the way transformers' CB engine reads them."""
+class _Shape(Shape):
+    """Roofline's `Shape` plus what the planner reads the way transformers' CB engine reads it: which layers
+    attend to a sliding window, and the dtype's bytes."""
 
-    layers: int
     full_layers: int
     sliding_layers: int
     sliding_window: int | None
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
     a: int  # dtype bytes
 
     @classmethod
-    def of(cls, cfg: Any, a: int) -> _Shape:
-        base = Shape.of(cfg)  # roofline's reading of heads, widths and layers; the layer types are the planner's
+    def read(cls, cfg: Any, a: int) -> _Shape:
+        base = Shape.of(cfg)
         layers = base.layers
         types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None)
@@ -287,8 +280,8 @@ class _Shape:
             if unknown:
                 raise ValueError(f"The planner knows full and sliding-window attention only, not {sorted(unknown)}.")
             sliding = sum(t == "sliding_attention" for t in types)
-        return cls(layers, layers - sliding, sliding, window if sliding else None, base.heads, base.kv_heads,
-                   base.head_dim, base.hidden, base.intermediate, base.vocab, a)
+        return cls(**dataclasses.asdict(base), full_layers=layers - sliding, sliding_layers=sliding,
+                   sliding_window=window if sliding else None, a=a)
 
     @property
     def kv_layer_token(self) -> int:
@@ -362,7 +355,8 @@ def _plan_continuous(
     tokens_per_sector = max((sector // b) * page for b in group_block_bytes)
     block = s.layers * page_bytes
 
-    # PagedAttentionMemoryHandler (cache.py)
+    # PagedAttentionMemoryHandler (cache.py), mirrored: its constructor reads *this* machine's free memory (the plan is
+    # for a budget, often another GPU's) and its inputs exist only inside PagedAttentionCache on a loaded model.
     i32, i64, groups = 4, 8, len(group_block_bytes)
     io_mult = 2 if use_async else 1
     kv_heads_at_peak = 2 * s.kv_heads if flash else 2 * s.heads + s.kv_heads

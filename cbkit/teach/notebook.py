@@ -407,8 +407,7 @@ def rounded(values: Mapping[str, Any], digits: int = 4) -> dict[str, Any]:
 # A system prompt a 135M model can follow within a few dozen tokens: one worked example of the answer line.
 # Under cbkit's default prompt SmolLM2 rarely reaches "#### <number>" inside a CI-sized budget (32 tokens), so
 # every reward, advantage, loss and gradient would be zero and "one update" would change nothing. With the
-# example, some completions end on the answer line early (measured: a quarter of 16 synthetic-problem
-# completions at 24 tokens, against none under the default prompt), so rewards differ within a group.
+# example, some completions end on the answer line early, so rewards differ within a group (docs/cpu_results.md).
 SHORT_ANSWER_PROMPT = (
     "Answer with one short line of working, then the final line '#### <number>'.\n"
     "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
