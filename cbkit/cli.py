@@ -225,7 +225,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
-    from cbkit.measure.tables import points_table, results_summary, seed_table, write_csv
+    from cbkit.measure.tables import points_table, results_summary, roof_table, seed_table, write_csv
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
@@ -265,6 +265,8 @@ def _sweep(args: argparse.Namespace) -> int:
     print(points_table(points))
     print()
     print(seed_table(points))
+    print()
+    print(roof_table(points))
     write_csv(points, out.with_suffix(".csv"))
     _gpu_tables(points, cfg.model, force=args.preset == "seed")
     _finish_report(points, out, cfg.fingerprint())
@@ -320,7 +322,7 @@ def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.results import aggregate, load_runs
-    from cbkit.measure.tables import points_table, results_summary, seed_table, write_csv
+    from cbkit.measure.tables import points_table, results_summary, roof_table, seed_table, write_csv
 
     out = Path(args.results)
     if not out.is_file():
@@ -332,6 +334,8 @@ def _report(args: argparse.Namespace) -> int:
     print(points_table(points))
     print()
     print(seed_table(points))
+    print()
+    print(roof_table(points))
     _gpu_tables(points, header.get("fingerprint", {}).get("model"))
     _finish_report(points, out, header.get("fingerprint", {}))
     return 0

@@ -32,6 +32,28 @@ def seed_table(points: list[dict[str, Any]], backend: str = "continuous") -> str
     return "\n".join(rows)
 
 
+def roof_table(points: list[dict[str, Any]]) -> str:
+    """Every backend at every N against the roofline of its shape: speed vs generate(), MFU, the attainable tokens/s
+    on the probed machine (and which roof binds), and the share of it reached. An empty cell is a roof that
+    could not be probed (the results summary says why), never a zero."""
+    rows = ["| N | backend | tok/s | speed vs generate | MFU | roof tok/s (bound) | share of roof |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "—"
+
+    for p in sorted(points, key=lambda p: (p["N"], p["backend"])):
+        if p["status"] != "ok":
+            rows.append(f"| {p['N']} | {p['backend']} | {p['status'].upper()} | — | — | — | — |")
+            continue
+        roof = (f"{p['roof_tokens_per_s']:.0f} ({p.get('roof_bound') or '?'})"
+                if p.get("roof_tokens_per_s") is not None else "—")
+        speed = f(p.get("speed_vs_generate"), ".2f") + ("x" if p.get("speed_vs_generate") is not None else "")
+        rows.append(f"| {p['N']} | {p['backend']} | {f(p.get('tokens_per_s'), '.1f')} | {speed} | "
+                    f"{f(p.get('mfu'), '.1%')} | {roof} | {f(p.get('roof_share'), '.1%')} |")
+    return "\n".join(rows)
+
+
 def _spread_cell(p: dict[str, Any]) -> str:
     if p.get("length_mean") is None:
         return "—"
