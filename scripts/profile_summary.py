@@ -49,8 +49,10 @@ def categorise(frames: list[str]) -> str:
 
 def summarise(path: str) -> str:
     by_thread: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for line in open(path):
-        stack, _, count = line.rstrip("\n").rpartition(" ")
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
         if not any(any(r in f for r in ROLLOUT) for f in frames):
             continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from cbkit.measure.results import aggregate, load_runs
+from cbkit.measure.results import aggregate, read_results
 from cbkit.measure.tables import results_summary, roof_table
 
 
@@ -33,9 +33,10 @@ def ratio_table(points) -> str:
 
 def main() -> None:
     for path in sys.argv[1:]:
-        points = aggregate(load_runs(path))
+        results = read_results(path)
+        points = aggregate(results.runs)
         print(f"### `{path}`\n")
-        print("```\n" + results_summary(path) + "\n```\n")
+        print("```\n" + results_summary(results) + "\n```\n")
         print(ratio_table(points) + "\n")
         print(roof_table(points) + "\n")
 
