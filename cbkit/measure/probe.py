@@ -1,7 +1,9 @@
-"""What this machine can do: a matmul probe at the model's dtype and width, and MFU against it.
+"""What this machine can do: a matmul probe at the model's dtype and width, a read-bandwidth probe, and MFU.
 
 A run's model FLOP utilisation is 2 x matmul parameters x completion tokens / seconds, over the probed peak: the
-number that says how far a backend is from the hardware, next to its speed.
+number that says how far a backend is from the hardware, next to its speed. The two probes together are the roofs
+`measure/roofline.py` turns into the attainable tokens/s of a run's shape; `machine_probe` takes both, with the
+spread of their rounds, and records a probe that cannot run instead of guessing its number.
 """
 
 from __future__ import annotations
