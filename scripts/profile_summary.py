@@ -59,6 +59,8 @@ def summarise(path: str) -> str:
         thread = "engine thread" if any("_run_generation_loop" in f for f in frames) else "caller thread"
         by_thread[thread][categorise(frames[1:])] += int(count)
     out = []
+    if len(by_thread) > 1:  # the whole rollout: what the caller's thread does around the engine thread counts too
+        by_thread["all threads"] = sum(by_thread.values(), collections.Counter())
     for thread, counts in sorted(by_thread.items()):
         total = sum(counts.values())
         out.append(f"{thread}: {total} samples")
