@@ -160,8 +160,8 @@ class ContinuousBackend:
         if cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {cpu_attention!r}.")
         self.cpu_attention = cpu_attention
-        # Who runs the engine's loop: on CPU the caller's thread, else transformers' background thread
-        # (cbkit/rollout/engine_loop.py says why). Checked now, resolved per call against the model's device.
+        # Who runs the engine's loop: transformers' background thread unless "caller" is asked for
+        # (cbkit/rollout/engine_loop.py says why, with what was measured). Checked now, resolved per call.
         resolve_engine_loop(engine_loop, torch.device("cpu"), cb_config)
         self.engine_loop = engine_loop
         self.cb_overrides = dict(cb_config or {})
@@ -501,8 +501,8 @@ def engine_is_idle(model) -> bool:
 
 
 class ThreadedContinuousBackend(ContinuousBackend):
-    """The CB engine on transformers' background thread on every device: cbkit's driver before the caller's-thread
-    loop (`engine_loop.py`), kept as a backend of its own so one sweep measures both side by side."""
+    """The CB engine on transformers' background thread whatever `engine_loop` says: a backend of its own, so one
+    sweep can measure it beside `continuous` run with another loop (`engine_loop.py`)."""
 
     name = "continuous-thread"
 

@@ -1,25 +1,22 @@
 """Who runs the CB engine's generation loop: transformers' background thread, or the caller's own thread.
 
 transformers' `ContinuousBatchingManager.start()` runs the loop (schedule a batch, pack it, one forward, sample,
-update the requests) in a background thread, and the caller waits on an output queue. That is the right shape for
-a server, and on a GPU, where the thread keeps the device fed while Python does other work. A rollout has nothing
-else to do while it waits, and on a small CPU the thread costs more than it gives:
+update the requests) in a background thread, and the caller waits on an output queue. A rollout has nothing else
+to do while it waits, so the loop can as well run in the caller's thread: no second OpenMP team beside the
+caller's, no queue hand-off per finished request, no `pause()` round trip to queue requests, one `gc.collect()`
+fewer per call. That was the hypothesis of issue 20 (a probe on a quiet machine had put plain `generate()` 10-20%
+slower in a fresh thread). On the shared 2-core machine it was measured on, the opposite held, by far: the same
+`generate()` rollout ran 151 s in the main thread and 20 s in a fresh thread, and the CB engine driven from the
+caller's thread as slowly as `generate()` (docs/small_n.md, with the commands and the load). So `"auto"` keeps
+transformers' thread everywhere, and `"caller"` is there to measure the other side on a machine of your own.
 
-* torch's CPU kernels run on an OpenMP team per calling thread. The engine's thread gets a team of its own next to
-  the caller's, whose workers stay spinning for a while after each of the caller's parallel regions; on a 2-core
-  machine the two teams take cores from each other (`scripts/background_thread_probe.py` times plain `generate()`
-  in the main thread and in a fresh thread, alternating);
-* the caller wakes up on the queue (a lock hand-off and a GIL switch per finished request), and a request joins or
-  leaves the loop only after a `pause()` round trip.
-
-`CallerLoop` drives the same loop body from the caller's thread instead: the manager's own
-`ContinuousBatchProcessor` schedules, packs, runs and samples exactly as in the thread (same scheduler, cache,
-sampler, seeds and prefix sharing), one step per iteration, until the requests asked for are done. A failing step
-raises in the caller (with the thread, transformers logs it, fails the requests and the caller reads the failure
-from the queue). Nothing runs between two calls, so queuing requests needs no pause. It needs what the thread
-does without async batching or tensor parallelism (`caller_loop_unsupported_reason`); anywhere else, and with
-``engine_loop="thread"``, `ThreadLoop` keeps transformers' own thread: the "before", measurable side by side
-(`cbkit sweep --backends generate,continuous,continuous-thread`).
+`CallerLoop` drives the same loop body from the caller's thread: the manager's own `ContinuousBatchProcessor`
+schedules, packs, runs and samples exactly as in the thread (same scheduler, cache, sampler, seeds and prefix
+sharing), one step per iteration, until the requests asked for are done (`tests/test_engine_loop.py` checks it
+draws the thread's tokens and logprobs). A failing step raises in the caller; with the thread, transformers logs
+it, fails the requests and the caller reads the failure from the queue. It needs what the thread does without
+async batching or tensor parallelism (`caller_loop_unsupported_reason`). The backend `continuous-thread` pins the
+thread whatever `engine_loop` says; `scripts/profile_small_n.py continuous 8 --driver caller` runs the other side.
 """
 
 from __future__ import annotations
@@ -31,22 +28,19 @@ from typing import Any
 
 import torch
 
-# "auto": the caller's thread on CPU, transformers' background thread elsewhere (a GPU overlaps it with the host).
+# "auto": transformers' background thread (measured faster on CPU too, see the module docstring); "caller" on request.
 ENGINE_LOOPS = ("auto", "caller", "thread")
 
 
 def resolve_engine_loop(engine_loop: str, device: torch.device, cb_overrides: Mapping[str, Any] | None = None) -> str:
-    """"caller" or "thread" for a call on `device`. "auto" takes the thread wherever the caller's loop would not
-    run the engine as the thread does: off CPU, or with async batching asked for."""
+    """"caller" or "thread" for a call on `device`: "auto" is the thread (see the module docstring); "caller" is
+    refused where it would not run the engine as the thread does (async batching)."""
     if engine_loop not in ENGINE_LOOPS:
         raise ValueError(f"engine_loop must be one of {', '.join(ENGINE_LOOPS)}; got {engine_loop!r}.")
     if engine_loop == "caller" and (cb_overrides or {}).get("use_async_batching"):
         raise ValueError("engine_loop='caller' cannot run async batching (use_async_batching=True overlaps two "
                          "batches across the loop's iterations); use engine_loop='thread', or drop the override.")
-    if engine_loop == "auto":
-        cpu = torch.device(device).type == "cpu"
-        return "caller" if cpu and not (cb_overrides or {}).get("use_async_batching") else "thread"
-    return engine_loop
+    return "thread" if engine_loop == "auto" else engine_loop
 
 
 def caller_loop_unsupported_reason(manager) -> str | None:
