@@ -9,10 +9,12 @@ STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
 # Executed copies of the notebooks (CI's artefact: open them to see every figure of the run).
 EXECUTED ?= runs/notebooks
+# The workshop book: the executed notebooks and docs/workshop.md as a static site (make book).
+BOOK ?= runs/book
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup sweep demo test test-bare test-notebooks lint clean
+.PHONY: setup sweep demo test test-bare test-notebooks book lint clean
 
 setup: $(STAMP)
 
@@ -59,6 +61,15 @@ test-notebooks: $(STAMP)
 		$(EXECUTED)
 	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_notebooks.py -k executed_notebook
+
+# The workshop book (issue 19): the notebooks executed by test-notebooks, with a PNG of every figure added for
+# viewers without JavaScript (cbkit.viz.static: kaleido on the installed Chromium), and docs/workshop.md,
+# rendered by Sphinx + myst-nb (furo theme, nothing downloaded) into $(BOOK)/index.html, then opened offline in
+# headless Chromium, which must draw every figure. Needs $(EXECUTED) from `make test-notebooks` first.
+book: $(STAMP)
+	$(BIN)/python scripts/build_book.py --notebooks $(EXECUTED) --out $(BOOK)
+	CBKIT_BOOK=$(BOOK) CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
+		tests/test_book.py
 
 clean:
 	rm -rf $(VENV) $(BARE) .pytest_cache .ruff_cache
