@@ -80,3 +80,28 @@ def test_the_executed_notebooks_keep_their_png_fallbacks():
         figures = [out for c in book.cells if c.cell_type == "code" for out in c.outputs
                    if PLOTLY_JSON in out.get("data", {})]
         assert all("image/png" in out["data"] for out in figures), stem
+
+
+def test_figure_pngs_draws_offline_at_the_figure_size(tmp_path):
+    """kaleido on the installed Chromium, no network: the PNG header's size is the one asked for (width given,
+    height from the figure's layout), and add_png_fallbacks puts one PNG in each figure output, once."""
+    import shutil
+    import struct
+
+    import plotly.graph_objects as go
+
+    from cbkit.viz.static import add_png_fallbacks, figure_pngs
+
+    if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("no Chromium installed")
+    fig = go.Figure(go.Bar(x=["a", "b"], y=[3, 5])).update_layout(height=321)
+    (png,) = figure_pngs([fig], width=654)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    assert struct.unpack(">II", png[16:24]) == (654, 321)
+    book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("fig")])
+    book.cells[0].outputs = [nbformat.v4.new_output("display_data", data={
+        PLOTLY_JSON: fig.to_plotly_json(), "text/html": "<div></div>"})]
+    path = tmp_path / "x.ipynb"
+    nbformat.write(book, path)
+    assert add_png_fallbacks(path) == 1 and add_png_fallbacks(path) == 0
+    assert "image/png" in nbformat.read(path, as_version=4).cells[0].outputs[0].data

@@ -167,3 +167,34 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     else:
         lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
     return "\n".join(lines)
+
+
+def engine_trace_findings(trace: Any, step: Any = None) -> str:
+    """What the engine's own record (``cbkit.rollout.engine_trace.EngineTrace``) shows, in sentences: what one
+    step held (``step``, default the trace's ``mixed_step``), how many blocks passed from one request to another,
+    the first such hand-over, and the requests the engine offloaded and computed again."""
+    if not trace.steps:
+        return "The engine scheduled no step inside the recorder."
+    step = step if step is not None else trace.mixed_step()
+    prefill = [r for r in step.requests if r.phase == "prefill"]
+    decode = [r for r in step.requests if r.phase == "decode"]
+    chunks = ", ".join(f"{r.request_id}: {r.query_len} tokens at positions {r.past_len}..{r.past_len + r.query_len - 1}"
+                       for r in prefill)
+    lines = [f"Step {step.index} of {len(trace.steps)}: {len(decode)} requests brought one decode token each"
+             + (f" and {len(prefill)} a prefill chunk ({chunks})" if prefill else "")
+             + f": {step.tokens} tokens in one forward, packed back to back, none of them padding."]
+    reuses = trace.reuses()
+    pool = f" of the {trace.pool_blocks}-block pool" if trace.pool_blocks else ""
+    if reuses:
+        first = min(reuses, key=lambda r: (r.first_step, r.block))
+        lines.append(f"Over the rollout the engine handed {len(reuses)} times a block one request had released to "
+                     f"another ({len({r.block for r in reuses})} distinct blocks{pool}): recycling, in its own "
+                     f"block ids. The first: block {first.block}, held by {first.released_by} until step "
+                     f"{first.last_step}, taken by {first.taken_by} at step {first.first_step}.")
+    else:
+        lines.append(f"No block passed from one request to another{pool}: the pool held every request at once.")
+    again = trace.restarts()
+    if again:
+        lines.append(f"{len(again)} requests were offloaded when the pool ran out and computed again from position "
+                     f"0 later ({sum(again.values())} tokens computed twice): the cost of a starved pool.")
+    return "\n".join(lines)

@@ -53,7 +53,10 @@ __all__ = [
     "rounded",
     "weight_change",
     "metrics_table",
+    "record_phenomena",
     "setup",
+    "stock_trl_cb_rollout",
+    "update_with_and_without_is",
 ]
 
 
@@ -313,3 +316,99 @@ def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[in
             raise MemoryError(f"{line}: training needs more than this GPU's {total / GiB:.1f} GiB. Use a smaller "
                               "model or raise gradient_accumulation_steps.")
     return line
+
+
+# --- what the notebooks' text relies on, recorded for the guards -----------------------------------------------
+# A notebook's text says "the static batch pads", "blocks are recycled", "CB is ahead at the largest N". Those are
+# measured at CI size every time CI runs the notebooks, and tests/test_notebooks.py (the phenomenon guards) reads
+# them back from the executed notebook: when a change of sizes, engine or model makes one disappear, the guard
+# fails and names it, instead of the text quietly describing something the run no longer shows.
+
+PHENOMENA_MIME = "application/vnd.cbkit.phenomena+json"
+
+
+def record_phenomena(**values: float | int | bool | str) -> None:
+    """Display the measured numbers a notebook's text relies on as one output: JSON the guards read
+    (``PHENOMENA_MIME``) and a line a reader sees. Numbers only as measured, never thresholds: those are the
+    guards'."""
+    import json
+    import math
+
+    from IPython.display import display
+
+    clean = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"record_phenomena: {key} is {value}; a phenomenon needs a measured number.")
+        clean[key] = value
+    text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in clean.items())
+    display({PHENOMENA_MIME: json.loads(json.dumps(clean)), "text/plain": f"recorded for the checks: {text}"},
+            raw=True)
+
+
+# --- 02: what the IS correction does to the update itself -----------------------------------------------------
+
+
+def update_with_and_without_is(trainer: Any, kept: Any, dropped: Any) -> dict[str, float]:
+    """The gradient of one GRPO update computed twice on the same rollout and weights: with the IS weights
+    (``kept``, a ``Prepared`` whose rollout had its sampling logprobs) and without (``dropped``). Returns their
+    cosine, the norm of each and the norm ratio (without / with); the model's weights and gradients are left as
+    they were (no optimizer step is taken)."""
+    def grad() -> torch.Tensor:
+        trainer.accumulate_gradients(prepared)
+        flat = torch.cat([p.grad.detach().flatten().double() for p in trainer.model.parameters() if p.grad is not None])
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return flat
+
+    prepared = kept
+    with_is = grad()
+    prepared = dropped
+    without = grad()
+    if with_is.norm() == 0 or without.norm() == 0:
+        raise ValueError("one of the two gradients is zero (every group scored the same?): nothing to compare; "
+                         "raise N or the prompts so that rewards differ within a group.")
+    cosine = float(torch.nn.functional.cosine_similarity(with_is, without, dim=0))
+    return {"cosine": cosine, "norm_with_is": float(with_is.norm()), "norm_without_is": float(without.norm()),
+            "norm_ratio": float(without.norm() / with_is.norm())}
+
+
+def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
+                         **overrides: Any) -> dict[str, Any]:
+    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path (not cbkit's
+    ``CBLogprobGRPOTrainer``), recording what its rollout returned: the completions and the logprobs, which that
+    path sets to None (``_generate_single_turn`` in TRL's grpo_trainer.py). Runs on a copy of ``model``, so the
+    caller's weights do not move. Returns the completions' count, the logprobs as TRL got them, and the step's
+    logged ``sampling/*`` metrics (TRL's importance-sampling diagnostics: absent when it had nothing to correct
+    with)."""
+    import copy
+
+    from trl import GRPOTrainer as StockGRPOTrainer
+
+    from cbkit.trl.config import trl_grpo_config
+    from cbkit.trl.rewards import _trl_rewards, _weights_for
+
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
+    args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
+    if not args.use_transformers_continuous_batching:
+        raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
+                         "use_transformers_continuous_batching=True.")
+    trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
+                               processing_class=tokenizer)
+    seen: dict[str, Any] = {}
+    generate = trainer._generate_single_turn
+
+    def recording(*a: Any, **k: Any):
+        completion_ids, logprobs = generate(*a, **k)
+        seen.update(completions=len(completion_ids), logprobs=logprobs,
+                    tokens=sum(len(c) for c in completion_ids))
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = recording
+    trainer.train()
+    logs = trainer.state.log_history[0] if trainer.state.log_history else {}
+    seen["sampling_metrics"] = {k: v for k, v in logs.items() if k.startswith("sampling/")}
+    seen["trainer"] = type(trainer).__module__ + "." + type(trainer).__name__
+    del trainer
+    return seen
