@@ -297,3 +297,36 @@ def test_every_notebook_records_what_its_guards_read():
         for _, _, edit in GUARDS[path.stem]:
             for name in edit:
                 assert name in source or f'{name.split("_")[0]}' in source, f"{path.name}: nothing records {name}"
+
+
+# --- teaching defects that must not come back (issue 19) ----------------------------------------------------------
+
+TYPED_CLAIMS = ["should be ~1e-5", "agree to ~1e-5", "stays a flat line at 1", "train the same way.",
+                "most telling on a GPU", "past some N it uses *less*"]
+
+
+def _sources(stem: str, kind: str | None = None) -> list[str]:
+    book = nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4)
+    return [c.source for c in book.cells if kind is None or c.cell_type == kind]
+
+
+def test_no_result_is_typed_before_the_run():
+    """A sentence about this run's result is printed from it or asked as a question, never typed ahead."""
+    for stem in EXPECTED:
+        text = "\n".join(_sources(stem))
+        found = [claim for claim in TYPED_CLAIMS if claim in text]
+        assert not found, f"{stem}: typed claims {found}; print them from the run or ask the question"
+
+
+def test_01_gives_no_speed_verdict_from_its_cold_starved_call():
+    (cell,) = [s for s in _sources("01_kv_slot_recycling", "code") if "quarter_pool" in s and "generate(" in s]
+    assert "faster" not in cell and "slower" not in cell and "static.wall_s" not in cell
+
+
+def test_03_decision_guide_reads_the_measured_sweep_and_exercises_rest_on_true_premises():
+    (cell,) = [s for s in _sources("03_n_sweep", "code") if "recommend(" in s]
+    assert "measured=measured_from_sweep(" in cell
+    exercises = _sources("03_n_sweep", "markdown")[-1]
+    # Under replayed lengths EOS is ignored (temperature cannot shorten them) and lengths scale with the limit.
+    assert "temperature=0.7" not in exercises and "Completions get shorter" not in exercises
+    assert "scaled to the limit" in exercises
