@@ -411,3 +411,28 @@ def test_timeline_findings_count_recycling_and_waits():
     none_waited = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": together}, occ)
     assert "admitted only after" not in none_waited and "fits the free blocks" not in none_waited
     assert "All 3 requests were admitted before the first one finished" in none_waited
+
+
+def test_update_with_and_without_is_by_hand():
+    """Weights of 1 everywhere give the unweighted gradient itself (cosine 1, ratio 1); weights of 2 everywhere
+    double it (cosine 1, ratio 0.5); weights that zero one completion turn the gradient away from the unweighted
+    one (cosine below 1). The model's gradients are left cleared."""
+    import dataclasses
+
+    from tests.test_grpo import PROBLEMS, config, trainer
+
+    tr = trainer(config(use_transformers_continuous_batching=True))
+    rollout = tr.rollout([0, 1], 0)
+    kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
+    ones = dataclasses.replace(kept, is_weights=torch.ones_like(kept.loss_mask, dtype=torch.float32))
+    g = notebook.update_with_and_without_is(tr, ones)
+    assert g["cosine"] == pytest.approx(1, abs=1e-9) and g["norm_ratio"] == pytest.approx(1, abs=1e-9)
+    twice = notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=2 * ones.is_weights))
+    assert twice["cosine"] == pytest.approx(1, abs=1e-9) and twice["norm_ratio"] == pytest.approx(0.5, rel=1e-6)
+    one_out = ones.is_weights.clone()
+    one_out[0] = 0
+    away = notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
+    assert away["cosine"] < 1 - 1e-4
+    assert all(p.grad is None for p in tr.model.parameters())
+    with pytest.raises(ValueError, match="needs IS weights"):
+        notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))

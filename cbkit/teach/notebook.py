@@ -351,24 +351,43 @@ def record_phenomena(**values: float | int | bool | str) -> None:
 # --- 02: what the IS correction does to the update itself -----------------------------------------------------
 
 
-def update_with_and_without_is(trainer: Any, kept: Any, dropped: Any) -> dict[str, float]:
-    """The gradient of one GRPO update computed twice on the same rollout and weights: with the IS weights
-    (``kept``, a ``Prepared`` whose rollout had its sampling logprobs) and without (``dropped``). Returns their
-    cosine, the norm of each and the norm ratio (without / with); the model's weights and gradients are left as
-    they were (no optimizer step is taken)."""
-    def grad() -> torch.Tensor:
-        trainer.accumulate_gradients(prepared)
-        flat = torch.cat([p.grad.detach().flatten().double() for p in trainer.model.parameters() if p.grad is not None])
-        trainer.optimizer.zero_grad(set_to_none=True)
+def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
+    """How the IS weights change the update on one rollout: the gradient of the weighted log-likelihood of its
+    completions, sum_i w_i sum_t log pi(y_it) over the loss's tokens, computed with the rollout's IS weights
+    (``prepared.is_weights``, a ``Prepared`` from ``GRPOTrainer.prepare`` on a rollout with sampling logprobs)
+    and with every weight 1 (the logprobs dropped). These are the terms the IS weights act on in GRPO's policy
+    gradient, before the advantages scale them, so the comparison needs no reward spread: a CI-sized rollout of a
+    135M model, whose rewards are often all 0, still shows it. Returns the two gradients' cosine, their norms and
+    the norm ratio (without / with); micro-batched as the trainer's own updates are, and the model's gradients
+    are left cleared (no optimizer step)."""
+    from cbkit.train.batch import completion_logits
+    from cbkit.train.objective import policy_logprobs
+
+    if prepared.is_weights is None:
+        raise ValueError("update_with_and_without_is needs IS weights: prepare a rollout that kept its sampling "
+                         "logprobs, with importance_sampling_correction on.")
+    model, batch, mask = trainer.model, prepared.batch, prepared.loss_mask
+    ga = trainer.config.gradient_accumulation_steps
+    size = max(1, len(batch) // ga)
+
+    def grad(weighted: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for start in range(0, len(batch), size):
+            mb = batch.rows(start, min(start + size, len(batch)))
+            t = mb.completion_width
+            logps = policy_logprobs(completion_logits(model, mb, trainer.autocast_dtype), mb.completion_ids,
+                                    trainer.config.temperature)
+            rows = slice(start, start + len(mb))
+            w = prepared.is_weights[rows, :t] if weighted else 1.0
+            (-(logps * w * mask[rows, :t]).sum() / mask.sum()).backward()
+        flat = torch.cat([p.grad.detach().flatten().double() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
         return flat
 
-    prepared = kept
-    with_is = grad()
-    prepared = dropped
-    without = grad()
+    with_is, without = grad(True), grad(False)
     if with_is.norm() == 0 or without.norm() == 0:
-        raise ValueError("one of the two gradients is zero (every group scored the same?): nothing to compare; "
-                         "raise N or the prompts so that rewards differ within a group.")
+        raise ValueError("a gradient is zero: every IS weight is 0 (all completions masked?), so there is nothing "
+                         "to compare; widen the band (clip_max) or use a rollout closer to the policy.")
     cosine = float(torch.nn.functional.cosine_similarity(with_is, without, dim=0))
     return {"cosine": cosine, "norm_with_is": float(with_is.norm()), "norm_without_is": float(without.norm()),
             "norm_ratio": float(without.norm() / with_is.norm())}
