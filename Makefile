@@ -9,10 +9,12 @@ STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
 # Executed copies of the notebooks (CI's artefact: open them to see every figure of the run).
 EXECUTED ?= runs/notebooks
+# The workshop book: the executed notebooks and docs/workshop.md as a static site (make book).
+BOOK ?= runs/book
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup sweep demo test test-bare test-notebooks test-tiers lint clean
+.PHONY: setup sweep demo test test-bare test-notebooks test-tiers book lint clean
 
 setup: $(STAMP)
 
@@ -72,6 +74,14 @@ test-tiers: $(STAMP)
 		CBKIT_PROFILE=ci CBKIT_TIER=$$tier $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 \
 			--overwrite -n 2 --durations=0 $(TIERS_EXECUTED)/$$tier || exit 1; \
 	done
+# The workshop book (issue 19): the notebooks executed by test-notebooks, with a PNG of every figure added for
+# viewers without JavaScript (cbkit.viz.static: kaleido on the installed Chromium), and docs/workshop.md,
+# rendered by Sphinx + myst-nb (furo theme, nothing downloaded) into $(BOOK)/index.html, then opened offline in
+# headless Chromium, which must draw every figure. Needs $(EXECUTED) from `make test-notebooks` first.
+book: $(STAMP)
+	$(BIN)/python scripts/build_book.py --notebooks $(EXECUTED) --out $(BOOK)
+	CBKIT_BOOK=$(BOOK) CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
+		tests/test_book.py
 
 clean:
 	rm -rf $(VENV) $(BARE) .pytest_cache .ruff_cache

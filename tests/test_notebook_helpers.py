@@ -356,15 +356,38 @@ def test_sweep_findings_say_what_the_points_say():
 
 
 def test_runs_findings_compare_two_runs():
-    def rec(step, reward, seconds, mem):
-        return StepRecord(step, {"reward/mean": reward, "rollout/seconds": seconds, "rollout/peak_mem_bytes": mem,
+    def rec(step, reward, tps, mem):
+        return StepRecord(step, {"reward/mean": reward, "rollout/tokens_per_s": tps, "rollout/peak_mem_bytes": mem,
                                  "train/loss": 0.01, "train/grad_norm": 2.0})
 
-    text = findings.runs_findings({"continuous": [rec(1, 0.1, 3.0, 300), rec(2, 0.3, 3.0, 300)],
-                                   "generate": [rec(1, 0.2, 2.0, 200), rec(2, 0.2, 2.0, 200)]})
-    assert "continuous: reward/mean 0.100 at step 1 -> 0.300 at step 2" in text
+    # Step 1 is each run's warm-up: continuous's is 10x slow, and counting it would flip the verdict
+    # (mean 37 vs 40 tokens/s); after it, continuous runs at 60 against generate's 40 tokens/s.
+    text = findings.runs_findings({"continuous": [rec(1, 0.1, 6.0, 300), rec(2, 0.3, 60.0, 300), rec(3, 0.2, 60.0, 300)],
+                                   "generate": [rec(1, 0.2, 40.0, 200), rec(2, 0.2, 40.0, 200), rec(3, 0.2, 40.0, 200)]})
+    assert "continuous: reward/mean 0.100 at step 1 -> 0.200 at step 3" in text
     assert "Mean reward: continuous 0.200, generate 0.200: the same." in text
-    assert "continuous's rollouts took 1.50x generate's time (slower) and used 1.50x its peak memory (more)." in text
+    assert ("continuous's rollouts ran at 1.50x generate's completion tokens/s (after each run's first (warm-up) "
+            "step: faster) and used 1.50x its peak memory (more).") in text
+    # One step each: nothing to leave out, and the sentence says the warm-up is in.
+    one = findings.runs_findings({"continuous": [rec(1, 0.1, 41.0, 300)], "generate": [rec(1, 0.1, 40.0, 300)]})
+    assert "1.02x generate's completion tokens/s (one step each, warm-up included: about the same: within 5%)" in one
+
+
+def test_one_about_equal_rule_for_sentences_crossover_and_advice():
+    """A ratio inside the parity band is "about the same" in the sentences, never a crossover, and parity in the
+    advice: the three places read one rule (cbkit.measure.advise.versus_parity)."""
+    from cbkit.measure.advise import Measured, _from_measured, versus_parity
+
+    assert [versus_parity(r) for r in (0.94, 0.96, 1.0, 1.04, 1.06)] == [-1, 0, 0, 0, 1]
+    points = [_pt("generate", 8, 10.0, 40), _pt("continuous", 8, 10.3, 40, speed_vs_generate=1.03, mem_vs_generate=0.97)]
+    text = findings.sweep_findings(points)
+    assert "CB ran at 1.03x generate()'s speed (about the same: within 5%)" in text
+    assert "0.97x its peak memory (about the same: within 5%)" in text
+    assert findings.measured_crossover(points, "speed_vs_generate") is None
+    assert findings.measured_crossover(points) is None
+    assert "was not faster than generate() at the largest N measured" in text
+    advice = _from_measured(Measured("x", 8, 8, "fixed", "cpu", 1.03, 0.97, 16.0, 0.0, 16.0, 0.0), [])
+    assert "parity within 5%" in str(advice)
 
 
 def test_timeline_findings_count_recycling_and_waits():
@@ -375,6 +398,7 @@ def test_timeline_findings_count_recycling_and_waits():
     occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
     text = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
     assert "1 of 3 requests were admitted only after another had finished" in text  # request 2, at 1.0 s
+    assert "prompt chunk fits the free blocks" in text
     # Page 4, no sharing: prompt 4 + 2 tokens is 2 blocks each, 6 in all against a pool of 2.
     assert "needed 6 blocks in all against the 2-block pool: at least 4 blocks were used by more than one" in text
     assert "1 requests sat admitted for more than 10% of the rollout (3.0 s)" in text  # request 1: 0.9 s
@@ -382,3 +406,33 @@ def test_timeline_findings_count_recycling_and_waits():
     # With prefix sharing the group's one complete prompt page is stored once: 1 + 3 x (2 - 1) = 4 blocks.
     shared = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True}, occ)
     assert "needed 4 blocks in all" in shared
+    # Nobody waited for another's blocks (all admitted at t0): no admission sentence, the opposite one instead.
+    together = [dict(r, start=t0) for r in requests]
+    none_waited = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": together}, occ)
+    assert "admitted only after" not in none_waited and "fits the free blocks" not in none_waited
+    assert "All 3 requests were admitted before the first one finished" in none_waited
+
+
+def test_update_with_and_without_is_by_hand():
+    """Weights of 1 everywhere give the unweighted gradient itself (cosine 1, ratio 1); weights of 2 everywhere
+    double it (cosine 1, ratio 0.5); weights that zero one completion turn the gradient away from the unweighted
+    one (cosine below 1). The model's gradients are left cleared."""
+    import dataclasses
+
+    from tests.test_grpo import PROBLEMS, config, trainer
+
+    tr = trainer(config(use_transformers_continuous_batching=True))
+    rollout = tr.rollout([0, 1], 0)
+    kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
+    ones = dataclasses.replace(kept, is_weights=torch.ones_like(kept.loss_mask, dtype=torch.float32))
+    g = notebook.update_with_and_without_is(tr, ones)
+    assert g["cosine"] == pytest.approx(1, abs=1e-9) and g["norm_ratio"] == pytest.approx(1, abs=1e-9)
+    twice = notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=2 * ones.is_weights))
+    assert twice["cosine"] == pytest.approx(1, abs=1e-9) and twice["norm_ratio"] == pytest.approx(0.5, rel=1e-6)
+    one_out = ones.is_weights.clone()
+    one_out[0] = 0
+    away = notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
+    assert away["cosine"] < 1 - 1e-4
+    assert all(p.grad is None for p in tr.model.parameters())
+    with pytest.raises(ValueError, match="needs IS weights"):
+        notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))

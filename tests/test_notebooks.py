@@ -196,3 +196,154 @@ def test_executed_notebook_draws_every_figure_in_a_browser(path):
     _browser(html_path.resolve().as_uri(), f"--screenshot={path.with_suffix('.png').resolve()}",
              f"--window-size=1280,{min(height, 30000)}")
     assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+# --- phenomenon guards: what the text relies on, still there at CI size -------------------------------------------
+# Each notebook records, as it runs, the measured numbers its text relies on (cbkit.teach.notebook.record_phenomena,
+# a JSON output). The guards below read them back from the executed notebook and fail, naming the phenomenon,
+# when one has disappeared: a change of sizes, engine or model that makes 01's pool fit everything, 03's CB fall
+# behind, or 00's rewards all zero, fails here instead of leaving text that describes what the run no longer shows.
+# The thresholds are the guards' own, never the notebooks'.
+
+from cbkit.measure.advise import versus_parity  # noqa: E402
+from cbkit.teach.notebook import PHENOMENA_MIME  # noqa: E402
+
+# stem -> [(what the text says, check over the recorded values, what would hide it: an edit to the recorded
+# numbers that the phenomenon's disappearing gives, e.g. a `fixed` workload's zero padding)]
+GUARDS = {
+    "00_quickstart": [
+        ("some completion earns a reward", lambda v: v["reward_mean"] > 0, {"reward_mean": 0.0}),
+        ("the update has a nonzero gradient", lambda v: v["grad_norm"] > 0 and v["changed_share"] > 0,
+         {"grad_norm": 0.0, "changed_share": 0.0}),
+    ],
+    "01_kv_slot_recycling": [
+        ("the static batch pads (padding share clearly above zero)", lambda v: v["static_padding_share"] >= 0.05,
+         {"static_padding_share": 0.0}),
+        ("the requests need more blocks than the pool holds", lambda v: v["blocks_needed"] > v["pool_blocks"],
+         {"blocks_needed": 20, "pool_blocks": 25}),
+        ("the engine hands a released block to another request", lambda v: v["engine_block_reuses"] >= 1,
+         {"engine_block_reuses": 0}),
+    ],
+    "02_logprob_correctness": [
+        ("fp32 sampling and teacher-forced logprobs agree to ~1e-4", lambda v: v["fp32_max_abs_diff"] <= 1e-4,
+         {"fp32_max_abs_diff": 3e-3}),
+        ("the bf16 rollout is measurably off-policy (10x fp32's gap or more)",
+         lambda v: v["bf16_max_abs_diff"] >= 10 * max(v["fp32_max_abs_diff"], 1e-7), {"bf16_max_abs_diff": 2e-5}),
+        ("the IS weights change the update", lambda v: v["gradient_cosine"] < 1 - 1e-6
+         or abs(v["gradient_norm_ratio"] - 1) > 1e-6, {"gradient_cosine": 1.0, "gradient_norm_ratio": 1.0}),
+        ("stock TRL's CB rollout carries no logprobs", lambda v: v["stock_trl_logprobs_missing"] is True,
+         {"stock_trl_logprobs_missing": False}),
+    ],
+    "03_n_sweep": [
+        ("CB is ahead on the replayed workload at the largest N", lambda v: versus_parity(v["replay_speed_at_max_n"]) > 0,
+         {"replay_speed_at_max_n": 1.02}),
+        ("the replayed workload pads a static batch", lambda v: v["replay_padding_share"] >= 0.05,
+         {"replay_padding_share": 0.0}),
+    ],
+    "04_grpo_live": [
+        ("both runs earn some reward", lambda v: v["continuous_reward_max"] > 0 and v["generate_reward_max"] > 0,
+         {"continuous_reward_max": 0.0}),
+        ("both runs have nonzero gradients", lambda v: v["continuous_grad_norm_max"] > 0
+         and v["generate_grad_norm_max"] > 0, {"generate_grad_norm_max": 0.0}),
+    ],
+}
+
+
+def recorded_phenomena(book) -> dict:
+    """Every value the notebook recorded (later outputs win on a repeated name)."""
+    values: dict = {}
+    for cell in book.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            values.update(out.get("data", {}).get(PHENOMENA_MIME, {}))
+    return values
+
+
+def guard_failures(stem: str, book) -> list[str]:
+    values = recorded_phenomena(book)
+    failures = []
+    for claim, holds, _ in GUARDS[stem]:
+        try:
+            ok = holds(values)
+        except KeyError as missing:
+            failures.append(f"{claim}: the notebook recorded no {missing} (record_phenomena in its cells)")
+            continue
+        if not ok:
+            failures.append(f"{claim}: not at CI size; recorded {values}")
+    return failures
+
+
+@pytest.mark.parametrize("path", _executed(), ids=lambda p: p.stem)
+def test_executed_notebook_still_shows_the_phenomena_its_text_relies_on(path):
+    failures = guard_failures(path.stem, nbformat.read(path, as_version=4))
+    assert not failures, f"{path.name}: " + "; ".join(failures)
+
+
+def _hide(book, edit: dict):
+    """The executed notebook, edited so its recorded numbers are those of a run without the phenomenon."""
+    import copy
+
+    book = copy.deepcopy(book)
+    for cell in book.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            data = out.get("data", {}).get(PHENOMENA_MIME)
+            if data is not None:
+                data.update({k: v for k, v in edit.items() if k in data})
+    return book
+
+
+@pytest.mark.parametrize("path", _executed(), ids=lambda p: p.stem)
+def test_executed_notebook_guards_fail_when_the_phenomenon_is_hidden(path, tmp_path):
+    """Each guard, on a copy of the executed notebook edited to hide its phenomenon (written and read back as a
+    file, as the guard reads a notebook), fails, and names that phenomenon; the other guards still pass."""
+    book = nbformat.read(path, as_version=4)
+    assert not guard_failures(path.stem, book)
+    for claim, _, edit in GUARDS[path.stem]:
+        hidden = tmp_path / path.name
+        nbformat.write(_hide(book, edit), hidden)
+        failures = guard_failures(path.stem, nbformat.read(hidden, as_version=4))
+        assert [f.split(":")[0] for f in failures] == [claim], (claim, failures)
+
+
+def test_every_notebook_records_what_its_guards_read():
+    """The committed notebooks call record_phenomena with every name their guards read (so a guard never
+    silently reads nothing), and every notebook has guards."""
+    assert sorted(GUARDS) == EXPECTED
+    for path in NOTEBOOKS:
+        source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+        assert "record_phenomena(" in source, path.name
+        for _, _, edit in GUARDS[path.stem]:
+            for name in edit:
+                assert name in source or f'{name.split("_")[0]}' in source, f"{path.name}: nothing records {name}"
+
+
+# --- teaching defects that must not come back (issue 19) ----------------------------------------------------------
+
+TYPED_CLAIMS = ["should be ~1e-5", "agree to ~1e-5", "stays a flat line at 1", "train the same way.",
+                "most telling on a GPU", "past some N it uses *less*"]
+
+
+def _sources(stem: str, kind: str | None = None) -> list[str]:
+    book = nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4)
+    return [c.source for c in book.cells if kind is None or c.cell_type == kind]
+
+
+def test_no_result_is_typed_before_the_run():
+    """A sentence about this run's result is printed from it or asked as a question, never typed ahead."""
+    for stem in EXPECTED:
+        text = "\n".join(_sources(stem))
+        found = [claim for claim in TYPED_CLAIMS if claim in text]
+        assert not found, f"{stem}: typed claims {found}; print them from the run or ask the question"
+
+
+def test_01_gives_no_speed_verdict_from_its_cold_starved_call():
+    (cell,) = [s for s in _sources("01_kv_slot_recycling", "code") if "quarter_pool" in s and "generate(" in s]
+    assert "faster" not in cell and "slower" not in cell and "static.wall_s" not in cell
+
+
+def test_03_decision_guide_reads_the_measured_sweep_and_exercises_rest_on_true_premises():
+    (cell,) = [s for s in _sources("03_n_sweep", "code") if "recommend(" in s]
+    assert "measured=measured_from_sweep(" in cell
+    exercises = _sources("03_n_sweep", "markdown")[-1]
+    # Under replayed lengths EOS is ignored (temperature cannot shorten them) and lengths scale with the limit.
+    assert "temperature=0.7" not in exercises and "Completions get shorter" not in exercises
+    assert "scaled to the limit" in exercises

@@ -461,3 +461,45 @@ def test_memory_vs_n_log_axis_and_a_marked_crossover():
     (line,) = [s for s in fig.layout.shapes if s.x0 == 19]  # plotly.js draws shapes in data units on a log axis
     assert "planner: N=19" in [a.text for a in fig.layout.annotations]
     assert "measured: none" not in [a.text for a in fig.layout.annotations]
+
+
+def test_workloads_figure_draws_both_workloads_with_their_padding():
+    from cbkit.viz.figures import workloads_figure
+
+    def pts(speed, pad):
+        return [{"backend": "continuous", "N": n, "status": "ok", "speed_vs_generate": s} for n, s in speed.items()] + [
+            {"backend": "generate", "N": n, "status": "ok", "decode_padding_share": p} for n, p in pad.items()]
+
+    fig = workloads_figure({"fixed": pts({8: 0.8, 32: 1.5}, {8: 0.0, 32: 0.0}),
+                            "replay:gsm8k": pts({8: 0.9, 32: 1.9}, {8: 0.41, 32: 0.45})})
+    lines = {t.name: list(t.y) for t in fig.data if t.type == "scatter" and t.mode == "lines+markers"}
+    bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
+    assert lines == {"fixed": [0.8, 1.5], "replay:gsm8k": [0.9, 1.9]}
+    assert bars == {"fixed: padding share": [0.0, 0.0], "replay:gsm8k: padding share": [0.41, 0.45]}
+    band = [t for t in fig.data if t.name and t.name.startswith("about equal")]
+    assert band and sorted(set(band[0].y)) == [0.95, 1.05]
+
+
+def test_live_sweep_titles_its_chart_by_workload(monkeypatch):
+    import cbkit.viz.live as live
+
+    titles = []
+
+    class Chart:
+        def __init__(self, title, *a, **k):
+            titles.append(title)
+
+        def add(self, *a, **k):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(live, "LiveChart", Chart)
+    monkeypatch.setattr("cbkit.measure.sweep.run_sweep", lambda cfg, out, **k: [])
+
+    class Cfg:
+        lengths = "replay:gsm8k"
+
+    live.live_sweep(Cfg(), "/nonexistent/x.jsonl")
+    assert titles == ["N-sweep, live, workload replay:gsm8k: each point is one run"]

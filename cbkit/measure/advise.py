@@ -18,6 +18,7 @@ __all__ = [
     "Measured",
     "measured_from_sweep",
     "recommend",
+    "versus_parity",
 ]
 
 Backend = Literal["generate", "continuous", "vllm"]
@@ -39,9 +40,17 @@ TRL_BENCHMARK_BASIS = (
     "N=8, ~1.25x at N=32 and N=64), not from this machine; give --from runs/sweep.jsonl to decide from a sweep "
     "measured here"
 )
-# Measured speed ratios within this margin of 1.0 count as parity: repeats of one point on a shared machine
-# differ by a few percent, so a 3% "win" is not one.
+# Measured ratios within this margin of 1.0 count as parity: repeats of one point on a shared machine differ
+# by a few percent, so a 3% "win" is not one. The one "about equal" rule of cbkit: the advice, the sentences
+# printed under a run (cbkit.teach.findings) and the measured crossover all call `versus_parity`.
 PARITY_MARGIN = 0.05
+
+
+def versus_parity(ratio: float, margin: float = PARITY_MARGIN) -> int:
+    """1 if ``ratio`` is above parity by more than ``margin``, -1 if below by more, 0 if about equal."""
+    if ratio != ratio:  # NaN: nothing measured, so nothing to call above or below
+        raise ValueError("versus_parity: the ratio is NaN; a ratio needs two measured numbers.")
+    return 1 if ratio > 1 + margin else -1 if ratio < 1 - margin else 0
 
 
 @dataclass(frozen=True)
@@ -196,16 +205,16 @@ def _from_measured(m: Measured, reasons: list[str]) -> Advice:
         raise ValueError(f"--from: {m.path} has no speed ratio at N={m.n}.")
     mem_text = f", {mem:.2f}x its peak memory" if mem is not None else ""
     said = f"CB measured {speed:.2f}x generate()'s completion tokens/s at N={m.n}{mem_text}"
-    if speed > 1 + PARITY_MARGIN:
+    if versus_parity(speed) > 0:
         return Advice("continuous", reasons + [
             f"{said}: recycling finished rows' slots pays for the engine's overhead at this length spread",
             "text only, and the engine runs in the training process on the same weights: no weight sync",
         ], basis)
-    if speed < 1 - PARITY_MARGIN:
+    if versus_parity(speed) < 0:
         return Advice("generate", reasons + [
             f"{said}: at this length spread the engine's per-step overhead costs more than the padding it saves",
         ], basis)
-    lighter: Backend = "continuous" if mem is not None and mem < 1 - PARITY_MARGIN else "generate"
+    lighter: Backend = "continuous" if mem is not None and versus_parity(mem) < 0 else "generate"
     return Advice(lighter, reasons + [
         f"{said}: parity within {PARITY_MARGIN:.0%}, so memory decides"
         + (": CB's pool is the lighter" if lighter == "continuous" else ": generate() is no heavier"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cbkit.measure.advise import PARITY_MARGIN, versus_parity
 from cbkit.train.hooks import StepRecord
 
 # The live helpers live in cbkit.viz.live; the notebooks import them from here.
@@ -14,16 +15,19 @@ from cbkit.train.hooks import StepRecord
 # with the figure above it; the markdown states the general idea and points at the printed line.
 
 
-def _more_less(ratio: float, more: str, less: str, same: str = "about the same as") -> str:
-    return same if abs(ratio - 1) < 0.02 else (more if ratio > 1 else less)
+def _more_less(ratio: float, more: str, less: str, same: str = "about the same") -> str:
+    """The word for a ratio to 1, by cbkit's one "about equal" rule (`cbkit.measure.advise.versus_parity`)."""
+    return {1: more, -1: less, 0: f"{same}: within {PARITY_MARGIN:.0%}"}[versus_parity(ratio)]
 
 
 def measured_crossover(points: Sequence[Mapping[str, Any]], key: str = "mem_vs_generate") -> int | None:
     """The smallest N from which CB's ratio to generate() (``mem_vs_generate`` or ``speed_vs_generate``) stays
-    on CB's side (memory below 1, speed above 1) at every larger N measured; None if it never gets there."""
+    on CB's side (memory below parity, speed above it, by `versus_parity`'s margin, so a point the sentences
+    call "about the same" is never a crossover) at every larger N measured; None if it never gets there."""
     ratios = sorted((p["N"], p[key]) for p in points
                     if p["backend"] == "continuous" and p.get("status", "ok") == "ok" and p.get(key) is not None)
-    good = [(n, (r < 1) if key == "mem_vs_generate" else (r > 1)) for n, r in ratios]
+    side = -1 if key == "mem_vs_generate" else 1
+    good = [(n, versus_parity(r) == side) for n, r in ratios]
     first = None
     for n, ok in good:
         first = (first if first is not None else n) if ok else None
@@ -63,7 +67,9 @@ def sweep_findings(points: Sequence[Mapping[str, Any]]) -> str:
 
 def runs_findings(records: Mapping[str, Sequence[StepRecord]]) -> str:
     """Two or more training runs (label -> step records), in sentences: how each run's reward moved, whether
-    the runs' rewards differ, and the first run's rollout time and memory against each other run's."""
+    the runs' rewards differ, and the first run's rollout speed (completion tokens/s, so runs whose completions
+    differ in length compare fairly) and memory against each other run's. A run's first step is its warm-up
+    (the engine's first call builds its cache and kernels) and is left out of the speed when there are more."""
     def mean(recs: Sequence[StepRecord], key: str) -> float:
         vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
                 and r.metrics[key] == r.metrics[key]]
@@ -82,16 +88,39 @@ def runs_findings(records: Mapping[str, Sequence[StepRecord]]) -> str:
     labels = [label for label, recs in records.items() if recs]
     if len(labels) >= 2:
         a, others = labels[0], labels[1:]
+        warm = {label: list(records[label][1:]) or list(records[label]) for label in labels}
+        warmed = all(len(records[label]) > 1 for label in labels)
         for b in others:
             ra, rb = mean(records[a], "reward/mean"), mean(records[b], "reward/mean")
             same = abs(ra - rb) < 1e-9
             lines.append(f"Mean reward: {a} {ra:.3f}, {b} {rb:.3f}: " + (
                 "the same." if same else "they differ (the two backends drew different samples)."))
-            t = mean(records[a], "rollout/seconds") / mean(records[b], "rollout/seconds")
+            sa, sb = mean(warm[a], "rollout/tokens_per_s"), mean(warm[b], "rollout/tokens_per_s")
             m = mean(records[a], "rollout/peak_mem_bytes") / mean(records[b], "rollout/peak_mem_bytes")
-            lines.append(f"{a}'s rollouts took {t:.2f}x {b}'s time ({_more_less(t, 'slower', 'faster')}) and "
-                         f"used {m:.2f}x its peak memory ({_more_less(m, 'more', 'less')}).")
+            steps = "after each run's first (warm-up) step" if warmed else "one step each, warm-up included"
+            if sa == sa and sb == sb and sb > 0:
+                lines.append(f"{a}'s rollouts ran at {sa / sb:.2f}x {b}'s completion tokens/s ({steps}: "
+                             f"{_more_less(sa / sb, 'faster', 'slower')}) and used {m:.2f}x its peak memory "
+                             f"({_more_less(m, 'more', 'less')}).")
+            else:
+                lines.append(f"{a}'s rollouts used {m:.2f}x {b}'s peak memory ({_more_less(m, 'more', 'less')}); "
+                             "no rollout/tokens_per_s was logged to compare their speed.")
     return "\n".join(lines)
+
+
+def blocks_needed(timeline: Mapping[str, Any]) -> int:
+    """KV blocks a CB rollout's requests needed in all, each at its final length, a group's shared complete
+    prompt pages counted once (as `cbkit.telemetry.occupancy` does). More than the pool means some blocks
+    served several requests in turn."""
+    page, sharing = timeline["page_size"], bool(timeline.get("prefix_sharing", False))
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for r in timeline["requests"]:
+        groups.setdefault(r["group"], []).append(r)
+    needed = 0
+    for rs in groups.values():
+        shared = min(r["prompt_len"] for r in rs) // page if sharing else 0
+        needed += shared + sum(-(-(r["prompt_len"] + len(r["token_times"])) // page) - shared for r in rs)
+    return needed
 
 
 def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None) -> str:
@@ -108,16 +137,7 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     first_end = min(r["end"] for r in requests)
     later = sum(r["start"] >= first_end for r in requests)
     pool, peak = occupancy.get("pool_blocks") or 0, max(occupancy["blocks_in_use"], default=0)
-    # Blocks the requests needed in all, each at its final length (a group's shared prompt pages once, as in
-    # cbkit.telemetry.occupancy): more than the pool means some blocks served several requests in turn.
-    page, sharing = timeline["page_size"], bool(timeline.get("prefix_sharing", False))
-    groups: dict[int, list[Mapping[str, Any]]] = {}
-    for r in requests:
-        groups.setdefault(r["group"], []).append(r)
-    needed = 0
-    for rs in groups.values():
-        shared = min(r["prompt_len"] for r in rs) // page if sharing else 0
-        needed += shared + sum(-(-(r["prompt_len"] + len(r["token_times"])) // page) - shared for r in rs)
+    needed = blocks_needed(timeline)
     wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
     waits = first_token_waits(timeline)
     long = {i: w for i, w in waits.items() if w > 0.1 * wall}
@@ -129,8 +149,16 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
         lines.append(f"The {len(requests)} requests needed {needed} blocks in all against the {pool}-block pool: "
                      + (f"at least {needed - pool} blocks were used by more than one request in turn (recycling)."
                         if needed > pool else "they fit without any block serving two requests."))
-    lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished; the engine "
-                 "admits a request once its prompt fits, so the others wait admitted (hatched) for blocks to decode.")
+    if later:
+        # transformers' scheduler (FIFOScheduler): a waiting request joins a step when its next prompt chunk fits
+        # the free blocks; under 15% free (its safety margin) a prefill joins only a step nothing else is in. It
+        # reserves nothing for the tokens still to come, unlike cbkit.teach.recycling's model (see there).
+        lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished: the "
+                     "engine admits a waiting request when its prompt chunk fits the free blocks, so with the pool "
+                     "full they waited for a finished request's blocks.")
+    else:
+        lines.append(f"All {len(requests)} requests were admitted before the first one finished: none waited for "
+                     "another's blocks.")
     if long:
         worst = max(long, key=long.get)
         lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "
@@ -138,4 +166,35 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
                      "waiting for a slot in the batch.")
     else:
         lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
+    return "\n".join(lines)
+
+
+def engine_trace_findings(trace: Any, step: Any = None) -> str:
+    """What the engine's own record (``cbkit.rollout.engine_trace.EngineTrace``) shows, in sentences: what one
+    step held (``step``, default the trace's ``mixed_step``), how many blocks passed from one request to another,
+    the first such hand-over, and the requests the engine offloaded and computed again."""
+    if not trace.steps:
+        return "The engine scheduled no step inside the recorder."
+    step = step if step is not None else trace.mixed_step()
+    prefill = [r for r in step.requests if r.phase == "prefill"]
+    decode = [r for r in step.requests if r.phase == "decode"]
+    chunks = ", ".join(f"{r.request_id}: {r.query_len} tokens at positions {r.past_len}..{r.past_len + r.query_len - 1}"
+                       for r in prefill)
+    lines = [f"Step {step.index} of {len(trace.steps)}: {len(decode)} requests brought one decode token each"
+             + (f" and {len(prefill)} a prefill chunk ({chunks})" if prefill else "")
+             + f": {step.tokens} tokens in one forward, packed back to back, none of them padding."]
+    reuses = trace.reuses()
+    pool = f" of the {trace.pool_blocks}-block pool" if trace.pool_blocks else ""
+    if reuses:
+        first = min(reuses, key=lambda r: (r.first_step, r.block))
+        lines.append(f"Over the rollout the engine handed {len(reuses)} times a block one request had released to "
+                     f"another ({len({r.block for r in reuses})} distinct blocks{pool}): recycling, in its own "
+                     f"block ids. The first: block {first.block}, held by {first.released_by} until step "
+                     f"{first.last_step}, taken by {first.taken_by} at step {first.first_step}.")
+    else:
+        lines.append(f"No block passed from one request to another{pool}: the pool held every request at once.")
+    again = trace.restarts()
+    if again:
+        lines.append(f"{len(again)} requests were offloaded when the pool ran out and computed again from position "
+                     f"0 later ({sum(again.values())} tokens computed twice): the cost of a starved pool.")
     return "\n".join(lines)

@@ -66,9 +66,12 @@ __all__ = [
     "rounded",
     "weight_change",
     "metrics_table",
+    "record_phenomena",
     "setup",
     "trl_step_overrides",
     "trl_step_sizes",
+    "stock_trl_cb_rollout",
+    "update_with_and_without_is",
 ]
 
 
@@ -504,3 +507,116 @@ def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_
     return (f"TRL generates {generated} completions a step ({prompts} prompts x N={num_generations}), trained in "
             f"{args.steps_per_generation} micro-batches of {args.per_device_train_batch_size} ({micro / GiB:.2f} GiB "
             f"of logits each, budget {logits_budget_bytes / GiB:.0f})")
+# --- what the notebooks' text relies on, recorded for the guards -----------------------------------------------
+# A notebook's text says "the static batch pads", "blocks are recycled", "CB is ahead at the largest N". Those are
+# measured at CI size every time CI runs the notebooks, and tests/test_notebooks.py (the phenomenon guards) reads
+# them back from the executed notebook: when a change of sizes, engine or model makes one disappear, the guard
+# fails and names it, instead of the text quietly describing something the run no longer shows.
+
+PHENOMENA_MIME = "application/vnd.cbkit.phenomena+json"
+
+
+def record_phenomena(**values: float | int | bool | str) -> None:
+    """Display the measured numbers a notebook's text relies on as one output: JSON the guards read
+    (``PHENOMENA_MIME``) and a line a reader sees. Numbers only as measured, never thresholds: those are the
+    guards'."""
+    import json
+    import math
+
+    from IPython.display import display
+
+    clean = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"record_phenomena: {key} is {value}; a phenomenon needs a measured number.")
+        clean[key] = value
+    text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in clean.items())
+    display({PHENOMENA_MIME: json.loads(json.dumps(clean)), "text/plain": f"recorded for the checks: {text}"},
+            raw=True)
+
+
+# --- 02: what the IS correction does to the update itself -----------------------------------------------------
+
+
+def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
+    """How the IS weights change the update on one rollout: the gradient of the weighted log-likelihood of its
+    completions, sum_i w_i sum_t log pi(y_it) over the loss's tokens, computed with the rollout's IS weights
+    (``prepared.is_weights``, a ``Prepared`` from ``GRPOTrainer.prepare`` on a rollout with sampling logprobs)
+    and with every weight 1 (the logprobs dropped). These are the terms the IS weights act on in GRPO's policy
+    gradient, before the advantages scale them, so the comparison needs no reward spread: a CI-sized rollout of a
+    135M model, whose rewards are often all 0, still shows it. Returns the two gradients' cosine, their norms and
+    the norm ratio (without / with); micro-batched as the trainer's own updates are, and the model's gradients
+    are left cleared (no optimizer step)."""
+    from cbkit.train.batch import completion_logits
+    from cbkit.train.objective import policy_logprobs
+
+    if prepared.is_weights is None:
+        raise ValueError("update_with_and_without_is needs IS weights: prepare a rollout that kept its sampling "
+                         "logprobs, with importance_sampling_correction on.")
+    model, batch, mask = trainer.model, prepared.batch, prepared.loss_mask
+    ga = trainer.config.gradient_accumulation_steps
+    size = max(1, len(batch) // ga)
+
+    def grad(weighted: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for start in range(0, len(batch), size):
+            mb = batch.rows(start, min(start + size, len(batch)))
+            t = mb.completion_width
+            logps = policy_logprobs(completion_logits(model, mb, trainer.autocast_dtype), mb.completion_ids,
+                                    trainer.config.temperature)
+            rows = slice(start, start + len(mb))
+            w = prepared.is_weights[rows, :t] if weighted else 1.0
+            (-(logps * w * mask[rows, :t]).sum() / mask.sum()).backward()
+        flat = torch.cat([p.grad.detach().flatten().double() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return flat
+
+    with_is, without = grad(True), grad(False)
+    if with_is.norm() == 0 or without.norm() == 0:
+        raise ValueError("a gradient is zero: every IS weight is 0 (all completions masked?), so there is nothing "
+                         "to compare; widen the band (clip_max) or use a rollout closer to the policy.")
+    cosine = float(torch.nn.functional.cosine_similarity(with_is, without, dim=0))
+    return {"cosine": cosine, "norm_with_is": float(with_is.norm()), "norm_without_is": float(without.norm()),
+            "norm_ratio": float(without.norm() / with_is.norm())}
+
+
+def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
+                         **overrides: Any) -> dict[str, Any]:
+    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path (not cbkit's
+    ``CBLogprobGRPOTrainer``), recording what its rollout returned: the completions and the logprobs, which that
+    path sets to None (``_generate_single_turn`` in TRL's grpo_trainer.py). Runs on a copy of ``model``, so the
+    caller's weights do not move. Returns the completions' count, the logprobs as TRL got them, and the step's
+    logged ``sampling/*`` metrics (TRL's importance-sampling diagnostics: absent when it had nothing to correct
+    with)."""
+    import copy
+
+    from trl import GRPOTrainer as StockGRPOTrainer
+
+    from cbkit.trl.config import trl_grpo_config
+    from cbkit.trl.rewards import _trl_rewards, _weights_for
+
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
+    args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
+    if not args.use_transformers_continuous_batching:
+        raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
+                         "use_transformers_continuous_batching=True.")
+    trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
+                               processing_class=tokenizer)
+    seen: dict[str, Any] = {}
+    generate = trainer._generate_single_turn
+
+    def recording(*a: Any, **k: Any):
+        completion_ids, logprobs = generate(*a, **k)
+        seen.update(completions=len(completion_ids), logprobs=logprobs,
+                    tokens=sum(len(c) for c in completion_ids))
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = recording
+    trainer.train()
+    logs = trainer.state.log_history[0] if trainer.state.log_history else {}
+    seen["sampling_metrics"] = {k: v for k, v in logs.items() if k.startswith("sampling/")}
+    seen["trainer"] = type(trainer).__module__ + "." + type(trainer).__name__
+    del trainer
+    return seen

@@ -15,6 +15,12 @@ from the two engines is their memory policy:
   (prompt + max_len): the scheduler cannot know a length in advance, and reserving it means a running
   sequence never waits for a block.
 
+That admission rule is the model's, the conservative one. transformers' engine is more optimistic: it admits a
+waiting request as soon as its prompt chunk fits the free blocks (keeping a 15% safety margin free for running
+requests), reserves nothing for the tokens to come, and when a running request then finds no free block it
+offloads one and prefills it again later (`cbkit.teach.findings.timeline_findings` says so under a real
+timeline). So for the same pool the model queues somewhat more than the engine and never offloads.
+
 So the pool's peak follows the tokens actually alive, and a pool smaller than the static batch's peak makes
 sequences queue: less memory, more steps. `paged_pool(..., pool_blocks=None)` is a pool big enough for all.
 """

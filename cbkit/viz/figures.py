@@ -26,6 +26,8 @@ from cbkit.telemetry import fmt_bytes
 from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
 
 __all__ = [
+    "block_ids_figure",
+    "engine_step_figure",
     "memory_vs_n",
     "logprob_scatter",
     "padding_figure",
@@ -35,6 +37,7 @@ __all__ = [
     "throughput_vs_n",
     "first_token_waits",
     "timeline_figure",
+    "workloads_figure",
     "write_report",
 ]
 
@@ -500,4 +503,130 @@ def crossover_vs_pool_figure(rows: Sequence[Mapping[str, Any]], *, swept: Sequen
     fig.update_layout(template=TEMPLATE, title="The pool is a fixed price: where CB's peak drops below generate()'s",
                       xaxis_title="CB pool (GiB of KV, fixed up front)", yaxis_title="crossover N (planner)",
                       showlegend=False)
+# --- the engine's mechanism, observed (cbkit.rollout.engine_trace) ---------------------------------------------
+
+
+def engine_step_figure(step: Any, page_size: int | None = None) -> go.Figure:
+    """One step of transformers' CB engine as its scheduler built it (an ``EngineStep`` from
+    ``cbkit.rollout.engine_trace``): on top, the step's query tokens packed back to back, a bar per request,
+    prefill chunks next to single decode tokens, no padding anywhere; below, the block table each request reads
+    in that step, the engine's own block ids, a block that several requests read at once (a shared prompt page)
+    marked as shared."""
+    requests = list(step.requests)
+    if not requests:
+        raise ValueError("engine_step_figure: the step scheduled no request.")
+    labels = [f"{r.request_id} ({r.phase})" for r in requests]
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.3, row_heights=[0.3, 0.7],
+                        subplot_titles=("the packed batch: each request's query tokens, back to back",
+                                        "the block table each request reads (engine block ids)"))
+    colors = {"prefill": PALETTE[1], "decode": PALETTE[0]}
+    offset = 0
+    for r, label in zip(requests, labels, strict=True):
+        what = (f"prompt tokens {r.past_len}..{r.past_len + r.query_len - 1}" if r.phase == "prefill"
+                else f"1 token at position {r.past_len}")
+        fig.add_trace(go.Bar(x=[r.query_len], y=["batch"], base=[offset], orientation="h", name=r.phase,
+                             marker={"color": colors[r.phase], "line": {"color": "white", "width": 1}},
+                             legendgroup=r.phase, showlegend=False, text=[r.request_id], textposition="inside",
+                             insidetextanchor="middle",
+                             hovertemplate=f"{label}: {what}<br>batch positions {offset}..{offset + r.query_len - 1}"
+                                           "<extra></extra>"), row=1, col=1)
+        offset += r.query_len
+    for phase, color in colors.items():  # one legend entry per phase
+        fig.add_trace(go.Bar(x=[None], y=["batch"], name=f"{phase} tokens", marker={"color": color},
+                             orientation="h"), row=1, col=1)
+    readers: dict[int, int] = {}
+    for r in requests:
+        for b in r.blocks:
+            readers[b] = readers.get(b, 0) + 1
+    width = max(len(r.blocks) for r in requests)
+    z = [[(1 if readers[b] > 1 else 0) for b in r.blocks] + [None] * (width - len(r.blocks)) for r in requests]
+    text = [[str(b) for b in r.blocks] + [""] * (width - len(r.blocks)) for r in requests]
+    fig.add_trace(go.Heatmap(z=z, text=text, texttemplate="%{text}", zmin=0, zmax=1, showscale=False,
+                             colorscale=[[0, "#d9e3f0"], [0.5, "#d9e3f0"], [0.5, "#f3d9c4"], [1, "#f3d9c4"]],
+                             x=[f"page {i}" for i in range(width)], y=labels, xgap=2, ygap=2,
+                             hovertemplate="%{y}, %{x}: block %{text}<extra></extra>"), row=2, col=1)
+    fig.update_yaxes(autorange="reversed", row=2, col=1)
+    fig.update_xaxes(title_text="position in the packed batch (tokens)", row=1, col=1)
+    pages = f" of {page_size} tokens" if page_size else ""
+    fig.update_xaxes(title_text=f"the request's KV pages{pages}, in order (shaded orange: read by several "
+                                "requests of this step, a shared prompt page)", row=2, col=1)
+    phases = {p: sum(r.phase == p for r in requests) for p in ("prefill", "decode")}
+    fig.update_layout(barmode="overlay", template=TEMPLATE, height=260 + 28 * len(requests),
+                      title=f"Engine step {step.index}: {step.tokens} tokens from {len(requests)} requests "
+                            f"({phases['prefill']} prefilling, {phases['decode']} decoding), no padding",
+                      legend={"orientation": "h", "y": 1.12, "x": 0}, margin={"t": 110})
+    return fig
+
+
+def block_ids_figure(trace: Any) -> go.Figure:
+    """Every KV block id the engine gave each request, over the engine's steps (an ``EngineTrace``): one line
+    per (request, block) for as long as the request's block table held it, coloured by request. A cross marks
+    recycling as the engine did it: a block taken by a request after another had released it."""
+    held = trace.holdings()
+    order = list(dict.fromkeys(r.request_id for s in trace.steps for r in s.requests))
+    fig = go.Figure()
+    for i, rid in enumerate(order):
+        xs: list[Any] = []
+        ys: list[Any] = []
+        for b, (first, last, _) in sorted(held.get(rid, {}).items()):
+            xs += [first - 0.4, last + 0.4, None]
+            ys += [b, b, None]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=rid, showlegend=False,
+                                 line={"color": PALETTE[i % len(PALETTE)], "width": 5},
+                                 hovertemplate=f"{rid}: block %{{y}}, step %{{x:.0f}}<extra></extra>"))
+    reuses = trace.reuses()
+    if reuses:
+        fig.add_trace(go.Scatter(
+            x=[r.first_step for r in reuses], y=[r.block for r in reuses], mode="markers",
+            name="recycled: taken after another request released it",
+            marker={"symbol": "x", "size": 9, "color": "black"},
+            text=[f"block {r.block}: {r.released_by} held it to step {r.last_step}, {r.taken_by} from step "
+                  f"{r.first_step}" for r in reuses], hovertemplate="%{text}<extra></extra>"))
+    pool = f" of a {trace.pool_blocks}-block pool" if trace.pool_blocks else ""
+    fig.update_layout(
+        title=f"The engine's own block ids per request over {len(trace.steps)} steps: {len(reuses)} hand-overs"
+              f" of {len({r.block for r in reuses})} distinct blocks{pool}",
+        template=TEMPLATE, height=520, legend={"orientation": "h", "y": -0.15, "x": 0})
+    fig.update_xaxes(title_text="engine step (one forward pass)")
+    fig.update_yaxes(title_text="KV block id")
+    return fig
+
+
+def workloads_figure(by_workload: Mapping[str, Sequence[Mapping[str, Any]]]) -> go.Figure:
+    """Several workloads' sweeps in one figure (workload -> its points): CB's speed relative to generate() at
+    each N (top, the parity band of `cbkit.measure.advise.versus_parity` shaded) next to the static batch's
+    padding share at the same N (bottom), so the one thing that differs between the workloads, the length
+    spread, sits under the speed it buys."""
+    from cbkit.measure.advise import PARITY_MARGIN
+
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.6, 0.4])
+    ns: set[int] = set()
+    for i, (workload, points) in enumerate(by_workload.items()):
+        color = PALETTE[(i + 2) % len(PALETTE)]
+        cb = sorted((p for p in points if _ok(p) and p["backend"] == "continuous"
+                     and p.get("speed_vs_generate") is not None), key=lambda p: p["N"])
+        gen = sorted((p for p in points if _ok(p) and p["backend"] == "generate"
+                      and p.get("decode_padding_share") is not None), key=lambda p: p["N"])
+        ns |= {p["N"] for p in cb} | {p["N"] for p in gen}
+        fig.add_trace(go.Scatter(x=[p["N"] for p in cb], y=[p["speed_vs_generate"] for p in cb], name=workload,
+                                 mode="lines+markers", line={"color": color, "width": 2.5}, legendgroup=workload,
+                                 hovertemplate=f"{workload}, N=%{{x}}: CB at %{{y:.2f}}x generate()<extra></extra>"),
+                      row=1, col=1)
+        fig.add_trace(go.Bar(x=[p["N"] for p in gen], y=[p["decode_padding_share"] for p in gen],
+                             name=f"{workload}: padding share", marker={"color": color}, legendgroup=workload,
+                             showlegend=False, offsetgroup=workload,
+                             hovertemplate=f"{workload}, N=%{{x}}: %{{y:.0%}} of the static batch's decode slots "
+                                           "are padding<extra></extra>"), row=2, col=1)
+    if ns:
+        lo, hi = min(ns), max(ns)
+        fig.add_trace(go.Scatter(x=[lo, hi, hi, lo], y=[1 - PARITY_MARGIN] * 2 + [1 + PARITY_MARGIN] * 2,
+                                 fill="toself", mode="none", fillcolor="rgba(0,0,0,0.08)",
+                                 name=f"about equal (within {PARITY_MARGIN:.0%})", hoverinfo="skip"), row=1, col=1)
+    fig.update_xaxes(type="log", tickvals=sorted(ns), title_text="N (completions per prompt)", row=2, col=1)
+    fig.update_xaxes(type="log", tickvals=sorted(ns), row=1, col=1)
+    fig.update_yaxes(title_text="CB speed / generate()", row=1, col=1)
+    fig.update_yaxes(title_text="static batch padding", tickformat=".0%", rangemode="tozero", row=2, col=1)
+    fig.update_layout(title="CB against generate() for each workload, and the padding each workload gives a "
+                            "static batch", template=TEMPLATE, height=560, barmode="group",
+                      legend={"orientation": "h", "y": -0.15, "x": 0})
     return fig

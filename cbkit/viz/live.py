@@ -494,14 +494,17 @@ class LiveMetricsHook(StepHooks):
 
 
 def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
-               on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+               on_point: Callable[[dict[str, Any]], None] | None = None,
+               title: str | None = None) -> list[dict[str, Any]]:
     """`cbkit.measure.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
     against N, one series per backend) the moment it lands. Returns the aggregated points. Runs already in
     ``out`` are drawn first, so a resumed sweep shows everything it has."""
     from cbkit.measure.results import load_runs
     from cbkit.measure.sweep import run_sweep
 
-    chart = LiveChart("N-sweep, live: each point is one run", ["tokens/s", "peak memory (MiB)"],
+    workload = getattr(cfg, "lengths", None)
+    title = title or ("N-sweep, live" + (f", workload {workload}" if workload else "") + ": each point is one run")
+    chart = LiveChart(title, ["tokens/s", "peak memory (MiB)"],
                       x_title="N (completions per prompt)", mode=mode, x_log=True,  # type: ignore[arg-type]
                       style=lambda backend: {"color": backend_color(backend)})
 

@@ -1,0 +1,187 @@
+"""What transformers' CB engine scheduled, step by step, read from the engine itself: an opt-in recorder.
+
+The engine timeline (`cbkit.rollout.continuous`'s ``record_timestamps``) says when each request ran; it cannot
+say what one forward pass held, nor which KV blocks a request used. Both live inside the engine, and this module
+reads them there, so the pictures in notebook 01 are observed, not modelled:
+
+* **one step as the scheduler built it.** After the engine's ``ContinuousBatchProcessor.prepare_next_batch``
+  has scheduled a batch (``scheduler.schedule_batch``: decoding requests first, then prefill chunks of the
+  waiting ones while the token budget lasts) and laid it out (``inputs_and_outputs.prepare_batch_tensors``),
+  the batch's ``requests_in_batch`` says, per request, how many query tokens it brought and from which position:
+  a prefill chunk (positions inside the prompt) or one decode token. They are packed back to back, with no
+  padding (the engine's ``cumulative_seqlens_q``).
+* **the block table each request reads**: the KV cache allocator's ``block_table[request_id]``, the engine's
+  own block ids, as they stand after this step's allocation (``can_store_request_tokens`` allocates them while
+  scheduling). Recorded at every step, they show recycling itself: a block id that one request held until it
+  finished appears later in another request's table.
+
+``record_engine_steps()`` wraps the engine's method for the duration of a ``with`` block, in whatever thread
+the engine runs, and puts it back afterwards; nothing in cbkit's backend changes and nothing is recorded
+outside the block. It reads engine internals, so `tests/test_engine_trace.py` pins them against the installed
+transformers: an upgrade that renames them fails there, loudly, not here silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["BlockReuse", "EngineStep", "EngineTrace", "ScheduledRequest", "record_engine_steps", "request_order"]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of one engine step."""
+
+    request_id: str
+    prompt_len: int
+    prompt_hash: int  # the same for the N requests of one prompt
+    past_len: int  # tokens already in its KV cache before this step
+    query_len: int  # tokens it brings to this step's forward: a prefill chunk, or 1 when decoding
+    blocks: tuple[int, ...]  # the engine's block ids this request reads and writes, in order
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.past_len < self.prompt_len else "decode"
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    index: int
+    t: float  # perf_counter seconds when the batch was scheduled
+    requests: tuple[ScheduledRequest, ...]  # in the order the engine packed them
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.query_len for r in self.requests)
+
+
+@dataclass(frozen=True)
+class BlockReuse:
+    """A block one request held and released, later held by another: recycling, as the engine did it."""
+
+    block: int
+    released_by: str
+    last_step: int  # the last step the first request held it
+    taken_by: str
+    first_step: int  # the first step the second request held it
+
+
+@dataclass
+class EngineTrace:
+    """Every step the engine scheduled inside ``record_engine_steps``, and the pool it scheduled them into."""
+
+    steps: list[EngineStep] = field(default_factory=list)
+    pool_blocks: int | None = None
+    page_size: int | None = None
+
+    def mixed_step(self) -> EngineStep:
+        """The step that best shows the packing: prefill chunks next to decode tokens, most requests first."""
+        if not self.steps:
+            raise ValueError("the trace has no step: run the engine inside `with record_engine_steps() as trace:`.")
+
+        def score(step: EngineStep) -> tuple[int, int, int]:
+            phases = {r.phase for r in step.requests}
+            return (len(phases), len(step.requests), step.tokens)
+
+        return max(self.steps, key=score)
+
+    def restarts(self) -> dict[str, int]:
+        """request -> KV tokens it had to compute again: under memory pressure the engine offloads a running
+        request (its blocks go back to the pool) and later prefills its prompt and the tokens it had generated
+        again, from position 0. Requests never restarted are absent."""
+        reached: dict[str, int] = {}
+        again: dict[str, int] = {}
+        for step in self.steps:
+            for r in step.requests:
+                before = reached.get(r.request_id, 0)
+                if r.past_len < before:
+                    again[r.request_id] = again.get(r.request_id, 0) + before - r.past_len
+                reached[r.request_id] = r.past_len + r.query_len
+        return again
+
+    def holdings(self) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """request -> block -> (first step, last step, position in its block table) for every block the
+        request's block table held."""
+        held: dict[str, dict[int, tuple[int, int, int]]] = {}
+        for step in self.steps:
+            for r in step.requests:
+                mine = held.setdefault(r.request_id, {})
+                for pos, b in enumerate(r.blocks):
+                    first, _, _ = mine.get(b, (step.index, step.index, pos))
+                    mine[b] = (first, step.index, pos)
+        return held
+
+    def reuses(self) -> list[BlockReuse]:
+        """Each time a block passed to a request after the previous holder had stopped holding it, to hold
+        other tokens: recycling. Not counted: a block two requests hold at once (prefix sharing), and a prompt
+        page found again in the engine's prefix cache by a request of the same prompt at the same place (the
+        same KV, kept, not recycled)."""
+        info = {r.request_id: (r.prompt_hash, r.prompt_len) for step in self.steps for r in step.requests}
+        page = self.page_size or 0
+        spans = sorted((first, last, pos, b, rid) for rid, blocks in self.holdings().items()
+                       for b, (first, last, pos) in blocks.items())
+        last_holder: dict[int, tuple[str, int, int]] = {}
+        out = []
+        for first, last, pos, b, rid in spans:
+            prev = last_holder.get(b)
+            if prev is not None and prev[0] != rid and prev[1] < first:
+                (h0, n0), (h1, _) = info[prev[0]], info[rid]
+                cached_prompt_page = h0 == h1 and pos == prev[2] and page and pos < n0 // page
+                if not cached_prompt_page:
+                    out.append(BlockReuse(b, prev[0], prev[1], rid, first))
+            if prev is None or last > prev[1]:
+                last_holder[b] = (rid, last, pos)
+        return out
+
+
+def _scheduled(processor, index: int) -> EngineStep:
+    cache = processor.cache
+    allocator = next(iter(cache.cache_allocators.values()))  # full attention: the one every layer of Llama uses
+    requests = []
+    for future in list(processor.inputs_and_outputs.requests_in_batch):
+        state = future.state
+        query = int(future.query_length)
+        past = int(state.position_offset) - query  # prepare_batch_tensors has already advanced it
+        requests.append(ScheduledRequest(
+            request_id=str(state.request_id), prompt_len=len(state.initial_tokens),
+            prompt_hash=hash(tuple(state.initial_tokens)), past_len=past, query_len=query,
+            blocks=tuple(int(b) for b in allocator.block_table.get(state.request_id, ()))))
+    return EngineStep(index=index, t=time.perf_counter(), requests=tuple(requests))
+
+
+@contextlib.contextmanager
+def record_engine_steps() -> Iterator[EngineTrace]:
+    """Record every batch transformers' CB engine schedules inside the block (see the module docstring)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+    trace = EngineTrace()
+    lock = threading.Lock()
+    original = ContinuousBatchProcessor.prepare_next_batch
+
+    def prepare_next_batch(self, *args, **kwargs):
+        scheduled = original(self, *args, **kwargs)
+        if scheduled:
+            with lock:
+                trace.steps.append(_scheduled(self, len(trace.steps)))
+                trace.pool_blocks = int(self.cache.num_blocks)
+                trace.page_size = int(next(iter(self.cache.cache_allocators.values())).tokens_per_page)
+        return scheduled
+
+    ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch
+    try:
+        yield trace
+    finally:
+        ContinuousBatchProcessor.prepare_next_batch = original
+
+
+def request_order(trace: EngineTrace) -> Sequence[str]:
+    """Request ids in the order the engine first scheduled them."""
+    seen: dict[str, None] = {}
+    for step in trace.steps:
+        for r in step.requests:
+            seen.setdefault(r.request_id, None)
+    return list(seen)
