@@ -22,7 +22,7 @@ from cbkit.rollout.continuous import ContinuousBackend
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepHooks, StepRecord
-from cbkit.train.offpolicy import versioned_logprobs
+from cbkit.train.offpolicy import LaggedRollouts, versioned_logprobs
 
 
 def lowercase_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -66,6 +66,10 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
         rec = Recorder()
         trainer = GRPOTrainer(dataclasses.replace(base, **fields), policy=policy, hooks=[rec],
                               reward_funcs=reward_funcs)
+        if trainer.offpolicy is None and not fields.get("async_rollouts"):
+            # Staleness 0 through the snapshot machinery, so it logs offpolicy/* like the others; the same run as
+            # the plain loop to float noise (tests/test_offpolicy.py checks it).
+            trainer.offpolicy = LaggedRollouts(trainer, 0, None)
         trainer.train()
         rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
         out[name] = rec
