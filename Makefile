@@ -40,7 +40,7 @@ test: lint
 	$(MAKE) test-bare
 	$(MAKE) test-notebooks
 
-# The bare path (issue 12): sweep, advise, report and `scripts/gpu_sweep.sh`'s dry run in a fresh venv holding only
+# The bare path (a GPU machine with torch and transformers only): sweep, advise, report and `scripts/gpu_sweep.sh`'s dry run in a fresh venv holding only
 # torch + transformers (linked from .venv by scripts/bare_venv.py; BARE_FROM_INDEX=1 pip-installs them instead) and
 # cbkit installed with --no-deps. --no-build-isolation: a machine without a package index cannot fetch setuptools.
 test-bare: $(STAMP)

@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 # The layers, bottom first: a module imports from its own layer or the ones below, never above
 # (tests/test_layers.py checks every import; docs/ARCHITECTURE.md draws them).
 LAYERS = (
-    ("foundation", ("cbkit", "cbkit.telemetry")),
+    ("foundation", ("cbkit", "cbkit.jsonl", "cbkit.telemetry")),
     ("tasks", ("cbkit.tasks",)),
     ("models", ("cbkit.models",)),
     ("rollout", ("cbkit.rollout",)),

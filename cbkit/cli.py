@@ -17,7 +17,7 @@ import dataclasses
 import json
 import sys
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -93,17 +93,17 @@ def given_fields(args: argparse.Namespace, dtype: type) -> dict[str, Any]:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(dtype) if f.name in vars(args)}
 
 
-def dataclass_flags(dtype: type, help: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+def dataclass_flags(dtype: type) -> argparse.ArgumentParser:
     """One flag per field of `dtype`, made by `HfArgumentParser` and adapted by `_given_flags_only`: a parent
     parser for `add_parser(..., parents=[...])`, argparse's own way of sharing arguments."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(dtype, add_help=False)
-    _given_flags_only(parser, dtype, help or {})
+    _given_flags_only(parser, dtype)
     return parser
 
 
-def _given_flags_only(parser: argparse.ArgumentParser, dtype: type, help: Mapping[str, str]) -> None:
+def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
     """What `HfArgumentParser` cannot express, fixed on the flags it made:
 
     * Defaults. It fills every field's default into the namespace, so a flag left out is indistinguishable
@@ -126,7 +126,7 @@ def _given_flags_only(parser: argparse.ArgumentParser, dtype: type, help: Mappin
         action.default, action.required = argparse.SUPPRESS, False
         if isinstance(action, argparse._StoreFalseAction):  # the --no-<flag> twin of a boolean
             continue
-        text = help.get(f.name) or f.metadata.get("help") or f"{dtype.__name__}.{f.name}"
+        text = f.metadata.get("help") or f"{dtype.__name__}.{f.name}"
         action.help = f"{text} (default: {default!r})".replace("%", "%%")
         base, optional = _strip_optional(hints[f.name])
         flag = action.option_strings[-1]
@@ -196,39 +196,14 @@ def _or_none(parse):
     return _named(convert, getattr(parse, "__name__", "value"))
 
 
-# Help for SweepConfig's fields, which carry none of their own.
-_SWEEP_HELP = {
-    "model": "smollm2-offline, tiny, a hub id or a local directory",
-    "data": "synthetic (offline), gsm8k-local, gsm8k[:split] (hub), or a .jsonl path",
-    "num_prompts": "prompts per rollout",
-    "ns": "N values (completions per prompt), comma- or space-separated",
-    "backends": "backends to compare; generate must be one (ratios are to it)",
-    "repeats": "runs per point; the median is reported",
-    "max_new_tokens": "most tokens generated per completion",
-    "temperature": "sampling temperature",
-    "top_p": "nucleus sampling mass; 1.0 disables it",
-    "top_k": "keep the top_k most likely tokens; 0 disables it",
-    "seed": "seeds the prompts and every rollout's sampler",
-    "dtype": "float32 / bfloat16 / float16 (None: fp32 on CPU, bf16 or fp16 on CUDA)",
-    "cb_config": "JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
-    "cpu_attention": "the CB engine's attention on CPU: batched (decoding sequences in one call), per_sequence "
-                     "(one call per sequence, cbkit's earlier default) or engine (its own dense block-diagonal "
-                     "mask, quadratic in the batch)",
-    "full_step": "time a whole GRPO step (rollout + training forward/backward) through cbkit's loop",
-    "lengths": "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
-               "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides; the default with "
-               "--full-step), or replay:FILE (a natural sweep's JSONL or a list of lengths, replayed as they are)",
-}
-
-
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
-    from cbkit.measure.tables import points_table, results_summary, seed_table, write_csv
+    from cbkit.measure.tables import points_table, results_summary, trl_benchmark_table, write_csv
 
     if args.dry_run and not args.preset:
-        raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset seed).")
+        raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
     if args.preset:
         check_preset_device(args.preset, dry_run=args.dry_run, dtype=getattr(args, "dtype", None))  # before any model is loaded
     fields = dict(PRESETS[args.preset]) if args.preset else {}
@@ -264,9 +239,9 @@ def _sweep(args: argparse.Namespace) -> int:
     print(results_summary(out))
     print(points_table(points))
     print()
-    print(seed_table(points))
+    print(trl_benchmark_table(points))
     write_csv(points, out.with_suffix(".csv"))
-    _gpu_tables(points, cfg.model, force=args.preset == "seed")
+    _gpu_tables(points, cfg.model, force=args.preset == "trl-benchmark")
     _finish_report(points, out, cfg.fingerprint())
     return 0
 
@@ -279,7 +254,7 @@ def _random_weights_note(model: str) -> None:
 
 
 def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
-    """On a GPU run (or the seed preset's dry run): every memory counter beside the planner, and TRL PR #5765's
+    """On a GPU run (or the trl-benchmark preset's dry run): every memory counter beside the planner, and TRL PR #5765's
     table beside this run's."""
     from cbkit.measure.tables import memory_table, trl_comparison_table
 
@@ -343,21 +318,19 @@ def _plot(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.measure.results import aggregate, load_runs
-    from cbkit.measure.tables import points_table, results_summary, seed_table, write_csv
+    from cbkit.measure.results import aggregate, read_results
+    from cbkit.measure.tables import points_table, results_summary, trl_benchmark_table, write_csv
 
     out = Path(args.results)
-    if not out.is_file():
-        raise FileNotFoundError(f"No results file at {out}; run `cbkit sweep --out {out}` first.")
-    header = json.loads(out.read_text().splitlines()[0])
-    points = aggregate(load_runs(out))
+    results = read_results(out)
+    points = aggregate(results.runs)
     write_csv(points, out.with_suffix(".csv"))
-    print(results_summary(out))
+    print(results_summary(results))
     print(points_table(points))
     print()
-    print(seed_table(points))
-    _gpu_tables(points, header.get("fingerprint", {}).get("model"))
-    _finish_report(points, out, header.get("fingerprint", {}))
+    print(trl_benchmark_table(points))
+    _gpu_tables(points, results.fingerprint.get("model"))
+    _finish_report(points, out, results.fingerprint)
     return 0
 
 
@@ -426,22 +399,17 @@ def build_parser() -> argparse.ArgumentParser:
     from cbkit.measure.sweep import SweepConfig
 
     sweep = sub.add_parser(
-        "sweep", parents=[dataclass_flags(SweepConfig, _SWEEP_HELP)],
+        "sweep", parents=[dataclass_flags(SweepConfig)],
         help="the N-sweep: both backends side by side at growing N (the main job)",
         description="Every SweepConfig field is a flag. Lists take commas or spaces (--ns 8,16,32), dicts JSON.",
     )
-    sweep.add_argument("--preset", choices=["seed", "a100", "t4"], default=None,
-                       help="sizes for one GPU: seed (Llama-3.2-1B's shape, random weights, no download; "
-                            "scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given explicitly override it")
+    sweep.add_argument("--preset", choices=["trl-benchmark", "a100", "t4"], default=None,
+                       help="sizes for one GPU: trl-benchmark (TRL PR #5765's setting: Llama-3.2-1B's shape, random "
+                            "weights, no download; scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given "
+                            "explicitly override it")
     sweep.add_argument("--dry-run", action="store_true",
                        help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 8 "
                             "tokens): proves a GPU script end to end without a GPU")
-    # Earlier names, kept so existing commands and scripts still run.
-    sweep.add_argument("--prompts", dest="num_prompts", type=int, default=argparse.SUPPRESS,
-                       help="same as --num-prompts")
-    sweep.add_argument("--dense-cpu-attention", dest="cpu_attention", action="store_const", const="engine",
-                       default=argparse.SUPPRESS, help="same as --cpu-attention engine: the first 'before' of "
-                       "cbkit's CPU tuning")
     sweep.add_argument("--out", default="runs/sweep.jsonl", help="results JSONL (appended; a rerun resumes)")
     sweep.add_argument("--no-live", action="store_true", help="no live chart")
     sweep.set_defaults(func=_sweep)

@@ -169,6 +169,16 @@ def nvml_process_bytes(device_index: int = 0) -> int | None:
         return None
 
 
+def fmt_bytes(n: int | float | None) -> str:
+    """Bytes in binary units, 2 decimals: "1.50 GiB"; None is "n/a"."""
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 # --- KV-cache accounting --------------------------------------------------------------------------------------
 
 
@@ -194,11 +204,11 @@ def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | 
     if rollout.backend == "generate":
         slots = cfg["batch_rows"] * (cfg["padded_prompt_len"] + cfg["steps"])
         return {"kv_bytes": slots * per_token, "kv_bytes_per_token": per_token, "token_slots": slots,
-                "padding_share": 1 - useful / slots}
+                "kv_padding_share": 1 - useful / slots}
     if "num_blocks" in cfg and "page_size" in cfg:
         return {"kv_bytes": cfg["num_blocks"] * cfg["page_size"] * per_token, "kv_bytes_per_token": per_token,
-                "token_slots": cfg["num_blocks"] * cfg["page_size"], "padding_share": 0.0}
-    return {"kv_bytes": None, "kv_bytes_per_token": per_token, "token_slots": None, "padding_share": None}
+                "token_slots": cfg["num_blocks"] * cfg["page_size"], "kv_padding_share": 0.0}
+    return {"kv_bytes": None, "kv_bytes_per_token": per_token, "token_slots": None, "kv_padding_share": None}
 
 
 # --- the engine timeline: recycling made visible ----------------------------------------------------------------

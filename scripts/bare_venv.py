@@ -1,5 +1,5 @@
-"""Make a venv that holds torch, transformers and what they require, and nothing else: the GPU machine of
-issue 12 (no trl, plotly, datasets, gguf, widgets, psutil). `make test-bare` runs the bare-path tests in it.
+"""Make a venv that holds torch, transformers and what they require, and nothing else: a GPU machine
+with no network (no trl, plotly, datasets, gguf, widgets, psutil). `make test-bare` runs the bare-path tests in it.
 
     python scripts/bare_venv.py .venv-bare            # link from the running venv (~2 s)
     python scripts/bare_venv.py .venv-bare --from-index   # pip install torch==2.13.0 transformers (slow)

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 "$CBKIT" sweep "${common[@]}" --lengths replay:gsm8k --ns 8,32,64 --repeats 2 --out "$OUT/cpu-replay.jsonl"
 "$CBKIT" sweep "${common[@]}" --lengths fixed --ns 8,32,64 --repeats 2 --out "$OUT/cpu-fixed.jsonl"
 "$CBKIT" sweep "${common[@]}" --lengths natural --ns 8,32,64 --repeats 1 --out "$OUT/cpu-natural.jsonl"
-"$CBKIT" sweep "${common[@]}" --lengths replay:gsm8k --prompts 4 --ns 8,32 --repeats 1 \
+"$CBKIT" sweep "${common[@]}" --lengths replay:gsm8k --num-prompts 4 --ns 8,32 --repeats 1 \
     --out "$OUT/cpu-replay-4prompts.jsonl"
 for attn in per_sequence engine; do
   "$CBKIT" sweep "${common[@]}" --lengths fixed --ns 64 --repeats 1 --cpu-attention "$attn" \

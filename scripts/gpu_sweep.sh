@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The seed's measurement on one GPU, in one call, on a machine with torch and transformers and nothing else
+# TRL's benchmark (PR #5765) measured on one GPU, in one call, on a machine with torch and transformers and nothing else
 # (no model hub, no dataset hub, no package index):
 #
 #   bash scripts/gpu_sweep.sh                   # one A100/H100/H200: <= 8 min; everything lands in runs/gpu/
 #   CBKIT_DRY_RUN=1 bash scripts/gpu_sweep.sh   # the same script at test size on CPU (CI runs it)
 #
-# It runs `cbkit sweep --preset seed` from this checkout (no install needed): Llama-3.2-1B-Instruct's exact
+# It runs `cbkit sweep --preset trl-benchmark` from this checkout (no install needed): Llama-3.2-1B-Instruct's exact
 # shape with random weights (`llama-1b-random`, built on the GPU in bf16, no download), 4 synthetic GSM-style
 # prompts, N = 8, 32, 64, both backends, and completion lengths replayed from GSM8K's solutions scaled so
-# their p95 is the seed's 2048 new tokens (EOS ignored: both backends do the same useful work). Timing and
-# memory depend on the shapes and the token counts, not on the weight values. It prints the seed-shaped
+# their p95 is the benchmark's 2048 new tokens (EOS ignored: both backends do the same useful work). Timing and
+# memory depend on the shapes and the token counts, not on the weight values. It prints the benchmark-shaped
 # table, the planner's predictions beside the measured peaks (allocated, reserved, device used, NVML when
 # nvidia-ml-py is there), and TRL PR #5765's table beside this run's. Then, if under EXTRA_IF_UNDER_S
 # seconds have passed, it adds N=16 to the same results file (the sweep resumes, so only N=16 runs).
@@ -47,8 +47,8 @@ start=$(date +%s)
 } 2>&1 | tee "$OUT/env.txt"
 
 sweep() {
-  "$PYTHON" -m cbkit.cli sweep --preset seed "${dry[@]}" --no-live --out "$OUT/sweep.jsonl" \
-    ${PROMPTS:+--prompts "$PROMPTS"} ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} \
+  "$PYTHON" -m cbkit.cli sweep --preset trl-benchmark "${dry[@]}" --no-live --out "$OUT/sweep.jsonl" \
+    ${PROMPTS:+--num-prompts "$PROMPTS"} ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} \
     ${REPEATS:+--repeats "$REPEATS"} ${MODEL:+--model "$MODEL"} ${DATA:+--data "$DATA"} ${DTYPE:+--dtype "$DTYPE"} \
     ${LENGTHS:+--lengths "$LENGTHS"} "$@" 2>&1 | tee -a "$OUT/sweep.log"
 }

@@ -52,7 +52,7 @@ def main() -> None:
         spread = "-"
         if c64.get("length_mean") is not None:
             spread = (f"{c64['length_mean']:.1f} / {c64['length_cv']:.2f} / {c64['length_max']:.0f}, "
-                      f"{c64['static_padding_share']:.2f}")
+                      f"{c64['decode_padding_share']:.2f}")
         scale = probes[name] / peak  # this file's MFU was against its own probe
 
         def mfu(g, c, scale=scale):

@@ -273,7 +273,7 @@ def _sweep_file(tmp_path, speeds, mems=None, lengths=(10, 30, 50, 30)):
         for backend, tps, mem in (("generate", 100.0, 1000), ("continuous", 100.0 * speed, 1000 * mems.get(n, 1.0))):
             lines.append({"kind": "run", "backend": backend, "N": n, "repeat": 0, "status": "ok",
                           "tokens_per_s": tps, "peak_mem_bytes": mem, "length_mean": 30.0,
-                          "length_cv": 0.42, "length_max": 50, "static_padding_share": 0.4,
+                          "length_cv": 0.42, "length_max": 50, "decode_padding_share": 0.4,
                           "completion_lengths": list(lengths)})
     path = tmp_path / "sweep.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -293,7 +293,7 @@ def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
     assert a.backend == "continuous" and "1.40x" in a.reasons[0] and a.basis.startswith("measured")
     assert "CV 0.42" in a.basis and "static batch padding 40%" in a.basis and "replay:gsm8k" in a.basis
     assert recommend(8, measured=measured_from_sweep(str(path), 8)).backend == "generate"
-    # below the seed's N=32 threshold, but measured faster here: the measurement wins
+    # below TRL's benchmark's N=32 threshold, but measured faster here: the measurement wins
     assert recommend(16, measured=measured_from_sweep(str(path), 16)).backend == "continuous"
     # N=40 was not measured: the nearest N (64, 24 away; 16 is 24 away too, the larger wins the tie)
     m = measured_from_sweep(str(path), 40)
@@ -337,4 +337,4 @@ def test_cli_advise_from_a_sweep(tmp_path, capsys):
     assert main(["advise", "--model", "tiny", "-N", "64"]) == 0
     assert "basis: thresholds from TRL's reported A100 benchmark" in capsys.readouterr().out
     assert main(["advise", "--model", "tiny", "-N", "8", "--from", str(tmp_path / "missing.jsonl")]) == 2
-    assert "no sweep results" in capsys.readouterr().err
+    assert "--from: No results file at" in capsys.readouterr().err

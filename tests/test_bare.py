@@ -1,4 +1,4 @@
-"""The bare path (issue 12): what a GPU machine with only torch + transformers can run from a clone.
+"""The bare path: what a GPU machine with only torch + transformers can run from a clone.
 
 The tests that need the bare venv run under `make test-bare`, which builds it (scripts/bare_venv.py) and
 points CBKIT_BARE_PYTHON at its interpreter; in a plain `pytest` run they skip with that reason. The check
@@ -74,7 +74,7 @@ def test_sweep_advise_report_run_bare_and_import_nothing_optional(tmp_path):
 
 @needs_bare
 def test_gpu_script_dry_run_end_to_end(tmp_path):
-    """scripts/gpu_sweep.sh as a GPU machine runs it, at test size on CPU: the seed preset's code path, the
+    """scripts/gpu_sweep.sh as a GPU machine runs it, at test size on CPU: the trl-benchmark preset's code path, the
     extra N added by resuming, every table, and the results in one folder."""
     out = _run(["bash", "scripts/gpu_sweep.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, OUT=str(tmp_path / "gpu"),
                EXTRA_IF_UNDER_S="100000")
@@ -96,16 +96,16 @@ def test_gpu_script_dry_run_end_to_end(tmp_path):
 
 
 def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
-    """No CUDA here: the seed preset must stop with the preset's name and what it needs, before a model loads."""
+    """No CUDA here: the trl-benchmark preset must stop with the preset's name and what it needs, before a model loads."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the device check")
 
     monkeypatch.setattr(models, "load_policy", no_load)
-    assert cli.main(["sweep", "--preset", "seed", "--out", "/nonexistent/never-written.jsonl"]) == 2
+    assert cli.main(["sweep", "--preset", "trl-benchmark", "--out", "/nonexistent/never-written.jsonl"]) == 2
     err = capsys.readouterr().err
-    assert "--preset seed needs one CUDA GPU" in err and "no CUDA device is visible" in err
+    assert "--preset trl-benchmark needs one CUDA GPU" in err and "no CUDA device is visible" in err
     assert "--dry-run" in err
     assert cli.main(["sweep", "--dry-run"]) == 2
     assert "--dry-run runs a preset" in capsys.readouterr().err
@@ -113,11 +113,11 @@ def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "Tesla T4")
-    assert cli.main(["sweep", "--preset", "seed", "--out", "/nonexistent/never-written.jsonl"]) == 2
+    assert cli.main(["sweep", "--preset", "trl-benchmark", "--out", "/nonexistent/never-written.jsonl"]) == 2
     assert "Tesla T4 (compute capability 7.5) only emulates; add --dtype float16" in capsys.readouterr().err
     from cbkit.measure.sweep import check_preset_device
 
-    check_preset_device("seed", dtype="float16")
+    check_preset_device("trl-benchmark", dtype="float16")
 
 
 

@@ -113,13 +113,13 @@ def test_a_bad_recipe_says_what_to_change(tmp_path, capsys):
 
 
 def test_sweep_flags_are_the_sweep_config_fields():
-    """Every SweepConfig field is a flag (a field added later too); the earlier names still work."""
+    """Every SweepConfig field is a flag (a field added later too), with its field's help."""
     import dataclasses
 
     from cbkit.cli import build_parser, given_fields
     from cbkit.measure.sweep import SweepConfig
 
-    args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--prompts", "3", "--dense-cpu-attention",
+    args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--cpu-attention", "engine",
                                       "--cb-config", '{"num_blocks": 64}', "--backends", "generate,continuous"])
     given = given_fields(args, SweepConfig)
     assert given == {"ns": [8, 16, 32], "num_prompts": 3, "cpu_attention": "engine",
@@ -128,6 +128,9 @@ def test_sweep_flags_are_the_sweep_config_fields():
     flags = {s for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions
              for s in a.option_strings}
     assert {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SweepConfig)} <= flags
+    helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions}
+    for f in dataclasses.fields(SweepConfig):
+        assert helps[f.name].startswith(f.metadata["help"].replace("%", "%%")), f.name
 
 
 def test_the_shipped_recipe_is_the_readme_run():

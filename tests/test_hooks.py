@@ -64,10 +64,21 @@ def test_jsonl_appends_and_flushes_each_step(tmp_path):
 def test_jsonl_drops_steps_after_the_resume_point(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "rew')
-    JSONLHook(path).on_train_begin(_state(step=2))
+    with pytest.warns(UserWarning, match="metrics.jsonl, line 4: dropped a torn last line"):
+        JSONLHook(path).on_train_begin(_state(step=2))
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     JSONLHook(path).on_train_begin(_state(step=0))  # a fresh run starts an empty log
     assert path.read_text() == ""
+
+
+def test_jsonl_refuses_a_log_damaged_before_its_last_line(tmp_path):
+    """Only the last line can be torn by a crash; a bad line before it is named, and the log is left as it was."""
+    path = tmp_path / "metrics.jsonl"
+    text = json.dumps({"step": 1}) + "\n" + "{not json\n" + json.dumps({"step": 2}) + "\n"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="metrics.jsonl, line 2: not a JSON record"):
+        JSONLHook(path).on_train_begin(_state(step=2))
+    assert path.read_text() == text
 
 
 @pytest.mark.parametrize("key", ["train/loss", "train/grad_norm"])

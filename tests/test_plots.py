@@ -271,18 +271,18 @@ def test_live_chart_rejects_unknown_panel_and_mode():
 
 def _point(backend, n, status="ok", **kw):
     base = dict(backend=backend, N=n, status=status, tokens_per_s=None, rollout_s=None, peak_mem_bytes=None,
-                peak_mem_kind="cuda_allocated", kv_bytes=None, padding_share=None, speed_vs_generate=None,
+                peak_mem_kind="cuda_allocated", kv_bytes=None, kv_padding_share=None, speed_vs_generate=None,
                 mem_vs_generate=None, planned_peak_bytes=None)
     return {**base, **kw}
 
 
 POINTS = [
     _point("generate", 8, tokens_per_s=1000.0, rollout_s=2.0, peak_mem_bytes=3 * GiB, kv_bytes=2 * GiB,
-           padding_share=0.3, planned_peak_bytes=3 * GiB),
+           kv_padding_share=0.3, planned_peak_bytes=3 * GiB),
     _point("continuous", 8, tokens_per_s=1000.0, rollout_s=2.0, peak_mem_bytes=20 * GiB, kv_bytes=19 * GiB,
            speed_vs_generate=1.0, mem_vs_generate=6.67, planned_peak_bytes=21 * GiB),
     _point("generate", 32, tokens_per_s=3000.0, rollout_s=3.0, peak_mem_bytes=12 * GiB, kv_bytes=10 * GiB,
-           padding_share=0.4, planned_peak_bytes=12 * GiB),
+           kv_padding_share=0.4, planned_peak_bytes=12 * GiB),
     _point("continuous", 32, tokens_per_s=3750.0, rollout_s=2.4, peak_mem_bytes=21 * GiB, kv_bytes=19 * GiB,
            speed_vs_generate=1.25, mem_vs_generate=1.75, planned_peak_bytes=21 * GiB),
     _point("generate", 64, status="oom", kv_bytes=20 * GiB, planned_peak_bytes=24 * GiB),
@@ -383,7 +383,7 @@ def test_padding_figure_from_a_real_generate_rollout(tiny):
     for row, c in zip(z, rollout.completions, strict=True):
         assert row.count(1) == len(c.prompt_ids) and row.count(2) == len(c.completion_ids)
         assert row[cfg["padded_prompt_len"] - 1] == 1  # every prompt ends where generation starts
-    share = kv_accounting(rollout, tiny.model.config, 4)["padding_share"]
+    share = kv_accounting(rollout, tiny.model.config, 4)["kv_padding_share"]
     assert f"{share:.0%} of token slots are padding" in fig.layout.title.text
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from cbkit.cli import main
 from cbkit.measure.results import ResultsFile, load_runs
 
 FINGERPRINT = {"model": "tiny", "max_new_tokens": 8}
@@ -40,3 +42,42 @@ def test_any_other_unreadable_line_names_the_file_and_the_line(tmp_path):
         load_runs(path)
     with pytest.raises(ValueError, match="line 2"):
         ResultsFile(path, FINGERPRINT)
+
+
+# --- `cbkit report` on a damaged file, and on one written by an older cbkit ---------------------------------
+
+OLD_FILE = Path(__file__).parent.parent / "docs" / "results" / "cpu-replay.jsonl"
+
+
+def test_report_reads_an_old_file_with_a_torn_last_line_under_todays_names(tmp_path, capsys):
+    """docs/results/cpu-replay.jsonl was written before run lines kept one field per fact; cut inside its last
+    run line, `cbkit report` still prints every finished run, with the padding under today's names."""
+    lines = OLD_FILE.read_text().splitlines(keepends=True)
+    old_runs = [json.loads(x) for x in lines if json.loads(x)["kind"] == "run"]
+    assert "static_padding_share" in old_runs[0] and "mean_completion_len" in old_runs[0]  # the old names
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out
+    kept = old_runs[:-1]
+    with pytest.warns(UserWarning, match="torn last line"):
+        runs = load_runs(path)
+    assert [(r["backend"], r["N"]) for r in runs] == [(r["backend"], r["N"]) for r in kept]
+    assert [r["decode_padding_share"] for r in runs] == [r["static_padding_share"] for r in kept]
+    assert [r["kv_padding_share"] for r in runs] == [r["padding_share"] for r in kept]
+    assert not any(k in r for r in runs for k in ("mean_completion_len", "static_padding_share", "padding_share"))
+    csv = path.with_suffix(".csv").read_text().splitlines()
+    assert len(csv) == 1 + len({(r["backend"], r["N"]) for r in kept})  # a header and one row per point
+
+
+@pytest.mark.parametrize(("content", "said"), [("", "is empty: no header line and no runs"),
+                                                ("\n\n", "is empty: no header line and no runs"),
+                                                ('{"kind": "run", "N": 1}\n', "not a cbkit sweep results file")])
+def test_report_on_an_empty_or_foreign_file_says_what_is_wrong(tmp_path, capsys, content, said):
+    path = tmp_path / "sweep.jsonl"
+    path.write_text(content)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and str(path) in err and "Traceback" not in err

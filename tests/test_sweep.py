@@ -10,7 +10,7 @@ import torch
 from cbkit.measure import probe, tables
 from cbkit.measure.results import ResultsFile, aggregate
 from cbkit.measure.sweep import SweepConfig, run_sweep
-from cbkit.measure.tables import seed_table
+from cbkit.measure.tables import trl_benchmark_table
 
 
 def _cfg(**kw):
@@ -93,7 +93,7 @@ def test_oom_is_recorded_and_the_sweep_goes_on(tiny, tmp_path, counting):
     oom = next(r for r in runs if r["status"] == "oom")
     assert "out of memory" in oom["error"] and "peak_mem_bytes" in oom
     assert any(p["status"] == "oom" for p in points)
-    assert "OOM" in seed_table(points) or oom["backend"] == "generate"
+    assert "OOM" in trl_benchmark_table(points) or oom["backend"] == "generate"
 
 
 def test_ctrl_c_keeps_finished_runs_and_rerun_resumes(tiny, tmp_path, counting):
@@ -111,7 +111,7 @@ def test_ctrl_c_keeps_finished_runs_and_rerun_resumes(tiny, tmp_path, counting):
 def test_aggregate_takes_medians_and_ratios():
     def run(b, n, rep, tps, mem):
         return {"backend": b, "N": n, "repeat": rep, "status": "ok", "tokens_per_s": tps, "rollout_s": 1.0,
-                "peak_mem_bytes": mem, "kv_bytes": 10, "padding_share": 0.1}
+                "peak_mem_bytes": mem, "kv_bytes": 10, "kv_padding_share": 0.1}
 
     runs = [run("generate", 8, r, t, 100) for r, t in enumerate([10, 30, 20])]
     runs += [run("continuous", 8, r, t, 50) for r, t in enumerate([25, 5, 30])]
@@ -119,7 +119,7 @@ def test_aggregate_takes_medians_and_ratios():
     assert pts["generate"]["tokens_per_s"] == 20 and pts["continuous"]["tokens_per_s"] == 25
     assert pts["continuous"]["speed_vs_generate"] == pytest.approx(1.25)
     assert pts["continuous"]["mem_vs_generate"] == pytest.approx(0.5)
-    assert "| 8 | 1.25x | less than generate (0.50x peak) |" in seed_table(list(pts.values()))
+    assert "| 8 | 1.25x | less than generate (0.50x peak) |" in trl_benchmark_table(list(pts.values()))
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny
         assert lengths == gsm.targets(2 * r["N"], 12, seed=cfg.seed + r["repeat"])
         assert r["length_max"] == max(lengths) and r["length_mean"] == pytest.approx(sum(lengths) / len(lengths))
         # the static batch runs every row to the longest: its padding, from the recorded lengths
-        assert r["static_padding_share"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
+        assert r["decode_padding_share"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
         assert r["completion_tokens"] == sum(lengths)
         if r["backend"] == "continuous":
             # the CPU pool follows the targets: the engine's own block count, next to the per-row sizing
@@ -187,7 +187,7 @@ def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny
     assert any(len(set(r["completion_lengths"])) > 1 for r in runs)  # a spread, not one length
     table = tables.points_table(points)
     assert "len" in table and "MFU" in table
-    assert "of decode slots" in seed_table(points)
+    assert "of decode slots" in trl_benchmark_table(points)
 
 
 def _blocks(tiny, lengths, n, page):

@@ -40,8 +40,8 @@ def test_static_batch_accounting(tiny, rollouts):
     assert acc["token_slots"] == rows * (width + steps)
     assert acc["kv_bytes"] == acc["token_slots"] * 512
     useful = sum(len(c.prompt_ids) + len(c.completion_ids) for c in g.completions)
-    assert acc["padding_share"] == pytest.approx(1 - useful / (rows * (width + steps)))
-    assert acc["padding_share"] > 0.2  # prompts of very different lengths: a third of the rows is left pad
+    assert acc["kv_padding_share"] == pytest.approx(1 - useful / (rows * (width + steps)))
+    assert acc["kv_padding_share"] > 0.2  # prompts of very different lengths: a third of the rows is left pad
 
 
 def test_pool_accounting_and_timeline(tiny, rollouts):

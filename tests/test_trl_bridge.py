@@ -32,8 +32,7 @@ from cbkit.trl.rewards import TRLReward, _trl_rewards, trl_dataset, trl_reward
 from cbkit.trl.trainers import (
     CBLogprobGRPOTrainer,
     CBRLOOTrainer,
-    build_grpo_trainer,
-    build_rloo_trainer,
+    build_trainer,
     is_metrics,
 )
 
@@ -102,7 +101,7 @@ def _policy():
 
 def _bridge(tmp_path, dataset, callbacks=None, rewards=None, trl_overrides=None, **run):
     model, tok = _policy()
-    return build_grpo_trainer(
+    return build_trainer(
         model, tok, rewards or {"correctness": correctness_reward, "format": format_reward}, dataset,
         {**RUN, **run}, output_dir=str(tmp_path / "bridge"), callbacks=callbacks, **TRL_ONLY, **(trl_overrides or {}),
     )
@@ -282,9 +281,9 @@ def test_bridge_refuses_what_it_does_not_handle(tmp_path, dataset):
     vllm.use_vllm = True  # set after validation: GRPOConfig would otherwise want a vLLM install
     with pytest.raises(ValueError, match="use_vllm=True"):
         CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], vllm, train_dataset=dataset, processing_class=tok)
-    # Without CB, build_grpo_trainer falls back to the stock trainer.
+    # Without CB, build_trainer falls back to the stock trainer.
     no_cb_run = dict(RUN, use_transformers_continuous_batching=False)
-    tr = build_grpo_trainer(model, tok, [format_reward], dataset, no_cb_run,
+    tr = build_trainer(model, tok, [format_reward], dataset, no_cb_run,
                             output_dir=str(tmp_path), **TRL_ONLY)
     assert type(tr) is GRPOTrainer
 
@@ -298,7 +297,7 @@ def test_bridge_from_a_model_directory(tmp_path):
     model.save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
     logs = Logs()
-    tr = build_grpo_trainer(
+    tr = build_trainer(
         str(tmp_path / "policy"), None, DEFAULT_REWARDS, trl_dataset(synthetic_gsm(2), system_prompt=None),
         dict(RUN, max_completion_length=4), reward_weights=DEFAULT_REWARD_WEIGHTS, output_dir=str(tmp_path / "run"),
         callbacks=[logs], model_init_kwargs={"dtype": "float32"}, **TRL_ONLY,
@@ -455,7 +454,7 @@ def test_config_errors_say_what_to_change(tmp_path):
         trl_grpo_config(dict(temprature=0.7), str(tmp_path))
     with pytest.raises(ValueError, match=r"did you mean 'vllm_importance_sampling_mode'"):
         trl_grpo_config(None, str(tmp_path), vllm_importance_sampling_mod="token_mask")
-    with pytest.raises(ValueError, match="build_rloo_trainer"):
+    with pytest.raises(ValueError, match="build_trainer"):
         trl_grpo_config(dict(advantage_estimator="rloo"), str(tmp_path))
     with pytest.warns(FutureWarning, match="use_transformers_paged"):
         args = trl_grpo_config(dict(use_transformers_paged=True, use_transformers_continuous_batching=False),
@@ -563,9 +562,9 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
         return original(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "generate_batch", spy)
-    tr = build_rloo_trainer(
+    tr = build_trainer(
         model, tok, {"correctness": correctness_reward, "format": format_reward}, dataset,
-        dict(RUN, beta=0.0, scale_rewards="none", max_steps=2), output_dir=str(tmp_path), callbacks=[logs],
+        dict(RUN, advantage_estimator="rloo", beta=0.0, scale_rewards="none", max_steps=2), output_dir=str(tmp_path), callbacks=[logs],
         reward_weights={"format": 0.5}, bf16=True, use_cpu=True, **TRL_ONLY,
     )
     assert type(tr) is CBRLOOTrainer and tr.continuous_batching_config is not None
@@ -585,8 +584,9 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
 
 def test_rloo_trainer_raises_on_a_failed_request(tmp_path, dataset, monkeypatch):
     model, tok = _policy()
-    tr = build_rloo_trainer(model, tok, format_reward, dataset, dict(RUN, beta=0.0, scale_rewards="none"),
-                            output_dir=str(tmp_path), **TRL_ONLY)
+    tr = build_trainer(model, tok, format_reward, dataset,
+                       dict(RUN, advantage_estimator="rloo", beta=0.0, scale_rewards="none"),
+                       output_dir=str(tmp_path), **TRL_ONLY)
     original = type(model).generate_batch
 
     def lose_one(self, inputs, *args, **kwargs):

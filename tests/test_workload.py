@@ -7,10 +7,10 @@ import json
 import pytest
 
 from cbkit.measure.workload import (
+    decode_padding_share,
     gsm8k_solution_lengths,
     length_stats,
     p95,
-    padding_share,
     parse_lengths,
     scale_to_limit,
 )
@@ -36,15 +36,15 @@ def test_length_stats_and_padding_share_by_hand():
     assert s["mean"] == 4 and s["max"] == 6
     assert s["cv"] == pytest.approx((8 / 3) ** 0.5 / 4)  # population sd sqrt(8/3) over mean 4
     # one batch: 3 rows x 6 steps = 18 slots for 12 useful tokens
-    assert padding_share([2, 4, 6]) == pytest.approx(1 / 3)
+    assert decode_padding_share([2, 4, 6]) == pytest.approx(1 / 3)
     # batches of 2: [2, 4] -> 8 slots, [6] -> 6 slots; 12 useful of 14
-    assert padding_share([2, 4, 6], batch_rows=2) == pytest.approx(1 / 7)
-    assert padding_share([5, 5, 5]) == 0
+    assert decode_padding_share([2, 4, 6], batch_rows=2) == pytest.approx(1 / 7)
+    assert decode_padding_share([5, 5, 5]) == 0
 
 
 def test_shipped_gsm8k_lengths():
-    """The packaged file holds every GSM8K train solution; its statistics are the ones measured independently
-    for issue 9 (SmolLM2 tokenizer: mean 125, CV 0.44, p95 232, max 454)."""
+    """The packaged file holds every GSM8K train solution; its statistics are the ones measured when the workload
+    was designed, before this file existed (SmolLM2 tokenizer: mean 125, CV 0.44, p95 232, max 454)."""
     lengths = gsm8k_solution_lengths()
     assert len(lengths) == 7473
     s = length_stats(lengths)
@@ -62,10 +62,10 @@ def test_kinds_and_draws():
     pool = set(scale_to_limit(gsm.source_lengths, 96))
     assert set(t) <= pool
     # Scaled so p95 is the limit: ~5% of the distribution is at the limit, and a static batch with these
-    # lengths wastes about 47% of its decode slots (issue 9's independent estimate for this scaling).
+    # lengths wastes about 47% of its decode slots (the estimate made for this scaling when the workload was designed).
     dist = gsm.distribution(96)
     assert p95(dist) == 96 and 0.05 <= dist.count(96) / len(dist) < 0.07
-    assert round(padding_share(dist), 2) == 0.47
+    assert round(decode_padding_share(dist), 2) == 0.47
     assert "scaled x96/232" in gsm.describe(96) and "EOS ignored" in fixed.describe(96)
 
 
@@ -92,7 +92,7 @@ def test_replay_file_forms(tmp_path):
     [("", "no usable lengths"), ("# nothing\n\n", "no usable lengths"), ("5\nabc\n", r"line 2: 'abc' is not"),
      ("[3, 0]", r"item 1: 0 is not"), ("[3, 2.5]", r"item 1: 2.5 is not"),
      ('{"kind": "header"}\n{"kind": "run", "status": "ok"}\n', "no usable lengths"),
-     ('{"kind": "header"}\nnot json\n', "line 2: not JSON")],
+     ('{"kind": "header"}\nnot json\n{"kind": "run"}\n', "line 2: not a JSON record")],
 )
 def test_bad_files_say_what_is_wrong(tmp_path, content, message):
     f = tmp_path / "bad.txt"

@@ -1,4 +1,4 @@
-"""Which rollout backend? The seed's decision guide as a function, with the memory plan as one input.
+"""Which rollout backend? TRL's benchmark's decision guide as a function, with the memory plan as one input.
 
 ``recommend`` turns N, the spread of completion lengths, the modality, the need for throughput, the GPU count
 and (optionally) a memory plan (`cbkit.measure.planner.plan`) into a backend with its reasons. The planner's names are
@@ -10,11 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cbkit.measure.planner import (
-    Plan,
-    check_positive,
-    fmt_bytes,
-)
+from cbkit.measure.planner import Plan, check_positive
+from cbkit.telemetry import fmt_bytes
 
 __all__ = [
     "Advice",
@@ -25,7 +22,7 @@ __all__ = [
 
 Backend = Literal["generate", "continuous", "vllm"]
 
-# The seed measured parity at N=8 and a ~1.25x speed-up from N=32 on an A100; below 32 the engine's
+# TRL's benchmark (PR #5765) measured parity at N=8 and a ~1.25x speed-up from N=32 on an A100; below 32 the engine's
 # per-step overhead is not paid back by recycling.
 CB_MIN_N = 32
 # Share of generate()'s decode slots wasted on rows that already finished (1 - mean/max completion
@@ -37,7 +34,7 @@ VARIABLE_CV = 0.2
 
 
 # Where the N and length-spread thresholds come from when no sweep of this machine is given.
-SEED_BASIS = (
+TRL_BENCHMARK_BASIS = (
     "thresholds from TRL's reported A100 benchmark (Llama-3.2-1B-Instruct, GSM8K: parity with generate() at "
     "N=8, ~1.25x at N=32 and N=64), not from this machine; give --from runs/sweep.jsonl to decide from a sweep "
     "measured here"
@@ -72,44 +69,36 @@ class Measured:
     length_mean: float | None  # generate()'s runs: the static batch is the one that pads
     length_cv: float | None
     length_max: float | None
-    static_padding_share: float | None
+    decode_padding_share: float | None
 
     def describe(self) -> str:
         where = f"N={self.n}" + (f" (nearest measured to N={self.asked_n})" if self.n != self.asked_n else "")
         spread = (f"lengths mean {self.length_mean:.1f}, CV {self.length_cv:.2f}, max {self.length_max:.0f}, "
-                  f"static batch padding {self.static_padding_share:.0%}" if self.length_mean is not None
+                  f"static batch padding {self.decode_padding_share:.0%}" if self.length_mean is not None
                   else "no length statistics recorded")
         return f"{self.path}: {where}, {self.workload or 'natural'} workload on {self.device or 'unknown'}; {spread}"
 
 
 def measured_from_sweep(path: str, num_generations: int) -> Measured:
     """Read a `cbkit sweep` results file and take its medians at N (or the nearest measured N, larger on a tie)."""
-    import json
-    from pathlib import Path
+    from cbkit.measure.results import aggregate, read_results
 
-    from cbkit.measure.results import aggregate, load_runs
-
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"--from: no sweep results at {p}; run `cbkit sweep --out {p}` first.")
-    first = next((line for line in p.read_text().splitlines() if line.strip()), "")
     try:
-        header = json.loads(first)
-    except json.JSONDecodeError:
-        header = {}
-    if header.get("kind") != "header":
-        raise ValueError(f"--from: {p} is not a cbkit sweep results file (no header line).")
-    points = aggregate(load_runs(p))
+        results = read_results(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"--from: {e}") from None
+    p = results.path
+    points = aggregate(results.runs)
     by = {(q["backend"], q["N"]): q for q in points if q["status"] == "ok"}
     ns = sorted(n for (b, n) in by if b == "continuous" and ("generate", n) in by)
     if not ns:
         raise ValueError(f"--from: {p} has no N at which both generate and continuous finished; nothing to compare.")
     n = min(ns, key=lambda x: (abs(x - num_generations), -x))
     cb, gen = by[("continuous", n)], by[("generate", n)]
-    fp = header.get("fingerprint", {})
+    fp = results.fingerprint
     return Measured(str(p), n, num_generations, fp.get("lengths"), fp.get("device"), cb.get("speed_vs_generate"),
                     cb.get("mem_vs_generate"), gen.get("length_mean"), gen.get("length_cv"), gen.get("length_max"),
-                    gen.get("static_padding_share"))
+                    gen.get("decode_padding_share"))
 
 
 # --- the decision guide -------------------------------------------------------------------------------------
@@ -128,7 +117,7 @@ def recommend(
     memory: Plan | None = None,
     measured: Measured | None = None,
 ) -> Advice:
-    """The seed's guide: generate() for N < 32; CB for N >= 32 with variable completion lengths, text only,
+    """TRL's benchmark's guide: generate() for N < 32; CB for N >= 32 with variable completion lengths, text only,
     in-process (no weight sync); vLLM for maximum throughput or tensor parallel / multi-node. A plan with a
     budget adds the memory rule: when generate() won't fit and CB will, CB.
 
@@ -136,7 +125,7 @@ def recommend(
     ``max_new_tokens`` (generate()'s wasted decode slots are about 1 - mean/max); unknown counts as
     variable, as GRPO completions usually are, and the reasons say it was assumed.
 
-    Those N and spread thresholds are the seed's GPU measurements (``Advice.basis`` says so). ``measured``, a
+    Those N and spread thresholds are TRL's benchmark's GPU measurements (``Advice.basis`` says so). ``measured``, a
     sweep of this machine (`measured_from_sweep`), replaces them: its speed and memory ratios at the nearest
     N, under the length workload it ran, decide instead.
     """
@@ -178,28 +167,28 @@ def recommend(
             f"(generate {fmt_bytes(memory.generate.peak_bytes)}, CB {fmt_bytes(memory.continuous.peak_bytes)}); "
             f"{lighter} is the lighter. Lower N, the prompts per step or max_new_tokens",
         ])
-    if measured is not None:  # this machine's sweep replaces the seed's N and spread thresholds
+    if measured is not None:  # this machine's sweep replaces TRL's benchmark's N and spread thresholds
         return _from_measured(measured, reasons)
     if n < CB_MIN_N:
         return Advice("generate", reasons + [
             f"N={n} < {CB_MIN_N}: TRL's reported A100 benchmark measured parity at N=8; with few sequences per prompt the padded "
             "static batch wastes little and CB's per-step scheduling overhead is not paid back",
-        ], SEED_BASIS)
+        ], TRL_BENCHMARK_BASIS)
     variable, spread = _spread(completion_cv, mean_completion_len, max_new_tokens)
     if not variable:
         return Advice("generate", reasons + [
             f"N={n} >= {CB_MIN_N} but completion lengths are uniform ({spread}): generate() wastes few decode "
             "slots, so there is little for recycling to win back",
-        ], SEED_BASIS)
+        ], TRL_BENCHMARK_BASIS)
     return Advice("continuous", reasons + [
         f"N={n} >= {CB_MIN_N} with variable completion lengths ({spread}): generate() keeps finished rows "
         "in the batch until the longest ends, CB recycles their blocks and slots (~1.25x at N=32/64 in TRL's reported A100 benchmark)",
         "text only, and the engine runs in the training process on the same weights: no weight sync",
-    ], SEED_BASIS)
+    ], TRL_BENCHMARK_BASIS)
 
 
 def _from_measured(m: Measured, reasons: list[str]) -> Advice:
-    """The speed rule from a sweep of this machine instead of the seed's thresholds: CB when it measured
+    """The speed rule from a sweep of this machine instead of TRL's benchmark's thresholds: CB when it measured
     faster than generate() by more than the parity margin, generate() when slower; at parity the lighter."""
     basis = f"measured: {m.describe()}"
     speed, mem = m.speed_vs_generate, m.mem_vs_generate

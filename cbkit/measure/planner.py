@@ -56,7 +56,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cbkit.telemetry import kv_bytes_per_token
+from cbkit.measure.roofline import Shape
+from cbkit.models.load import DTYPES
+from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
 __all__ = [
     "DTYPE_BYTES",
@@ -64,12 +66,11 @@ __all__ = [
     "GeneratePlan",
     "Plan",
     "crossover_n",
-    "fmt_bytes",
     "plan",
     "planned_points",
 ]
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 # transformers' defaults the engine falls back to (initialization.py FALLBACK_DEFAULTS, cache.py).
 _DEFAULT_MAX_BATCH_TOKENS = 8192
@@ -255,10 +256,8 @@ class _Shape:
 
     @classmethod
     def of(cls, cfg: Any, a: int) -> _Shape:
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        layers = cfg.num_hidden_layers
+        base = Shape.of(cfg)  # roofline's reading of heads, widths and layers; the layer types are the planner's
+        layers = base.layers
         types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None)
         # Mirrors group_layers_by_attn_type (cache.py): no layer_types + a sliding window = all sliding.
@@ -269,9 +268,8 @@ class _Shape:
             if unknown:
                 raise ValueError(f"The planner knows full and sliding-window attention only, not {sorted(unknown)}.")
             sliding = sum(t == "sliding_attention" for t in types)
-        return cls(layers, layers - sliding, sliding, window if sliding else None, heads, kv_heads, head_dim,
-                   cfg.hidden_size, getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
-                   cfg.vocab_size, a)
+        return cls(layers, layers - sliding, sliding, window if sliding else None, base.heads, base.kv_heads,
+                   base.head_dim, base.hidden, base.intermediate, base.vocab, a)
 
     @property
     def kv_layer_token(self) -> int:
@@ -439,16 +437,6 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 # --- formatting ---------------------------------------------------------------------------------------------
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    """Bytes in binary units, 2 decimals: "1.50 GiB"."""
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _fit(fits: bool | None) -> str:

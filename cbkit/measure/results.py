@@ -1,19 +1,59 @@
 """The sweep's results file: one JSONL line per run, appended as it finishes.
 
 The first line records the configuration, so a rerun resumes (skipping what is there) or refuses to mix a different
-configuration into the same table; a torn last line, left by a crash mid-write, is dropped with a warning rather
-than failing the whole file. `aggregate` turns runs into points: the median of a backend's repeats at one N, with
-its ratios to generate() measured in the same process.
+configuration into the same table; a torn last line, left by a crash mid-write, is dropped with a warning
+(`cbkit.jsonl`) rather than failing the whole file. `aggregate` turns runs into points: the median of a backend's
+repeats at one N, with its ratios to generate() measured in the same process.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cbkit.jsonl import append_jsonl, read_jsonl
+
+
+@dataclass
+class Results:
+    """A results file read: its configuration (the header's fingerprint), its runs and its matmul probes."""
+
+    path: Path
+    fingerprint: dict[str, Any]
+    runs: list[dict[str, Any]]
+    probes: list[dict[str, Any]]
+
+
+def read_results(path: str | Path, *, repair: bool = False) -> Results:
+    """A sweep results file, a torn last line dropped (`cbkit.jsonl.read_jsonl`), run lines of older cbkit
+    versions read under today's names. A missing, empty or foreign file is an error that says what to do."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No results file at {path}; run `cbkit sweep --out {path}` first.")
+    lines = read_jsonl(path, repair=repair, what="run")
+    if not lines:
+        raise ValueError(f"{path} is empty: no header line and no runs (a sweep stopped before it wrote anything). "
+                         f"Delete it and run `cbkit sweep --out {path}` again.")
+    if lines[0].get("kind") != "header":
+        raise ValueError(f"{path} is not a cbkit sweep results file (its first line is no header); use another "
+                         "--out, or give the file `cbkit sweep` wrote.")
+    return Results(path, lines[0].get("fingerprint", {}),
+                   [_current_names(x) for x in lines[1:] if x.get("kind") == "run"],
+                   [x for x in lines[1:] if x.get("kind") == "probe"])
+
+
+# Run-line keys of older cbkit versions -> today's: one field per fact, and padding named by the slots it counts.
+RENAMED_KEYS = {"mean_completion_len": "length_mean", "max_completion_len": "length_max",
+                "padding_share": "kv_padding_share", "static_padding_share": "decode_padding_share"}
+
+
+def _current_names(run: dict[str, Any]) -> dict[str, Any]:
+    if not any(k in run for k in RENAMED_KEYS):
+        return run
+    return {RENAMED_KEYS.get(k, k): v for k, v in run.items() if k not in RENAMED_KEYS or RENAMED_KEYS[k] not in run}
 
 
 class ResultsFile:
@@ -30,23 +70,19 @@ class ResultsFile:
             self._append({"kind": "header", "fingerprint": fingerprint})
 
     def _load(self) -> None:
-        lines = _read_jsonl(self.path, repair=True)
-        if not lines or lines[0].get("kind") != "header":
-            raise ValueError(f"{self.path} is not a cbkit sweep results file (no header line); use another --out.")
-        theirs = lines[0]["fingerprint"]
-        diff = {k: (theirs.get(k), v) for k, v in self.fingerprint.items() if theirs.get(k) != v}
+        theirs = read_results(self.path, repair=True)
+        diff = {k: (theirs.fingerprint.get(k), v) for k, v in self.fingerprint.items()
+                if theirs.fingerprint.get(k) != v}
         if diff:
             listed = "; ".join(f"{k}: file has {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(
                 f"{self.path} holds results of a different configuration ({listed}). Mixing them would put "
                 "incomparable numbers in one table: use another --out, or rerun with the file's settings."
             )
-        self.runs = [line for line in lines[1:] if line.get("kind") == "run"]
+        self.runs = theirs.runs
 
     def _append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        append_jsonl(self.path, record)
 
     def done(self, backend: str, n: int, repeat: int) -> bool:
         return any(r["backend"] == backend and r["N"] == n and r["repeat"] == repeat for r in self.runs)
@@ -71,9 +107,9 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = [r for r in rs if r["status"] == "ok"]
         point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
                                  "status": "ok" if ok else rs[0]["status"]}
-        for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "padding_share",
-                    "mean_completion_len", "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean",
-                    "length_cv", "length_max", "static_padding_share", "mfu", "peak_flops", "peak_reserved_bytes",
+        for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes",
+                    "kv_padding_share", "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean",
+                    "length_cv", "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes",
                     "device_used_bytes", "nvml_bytes"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
@@ -97,31 +133,4 @@ def _ratio(a, b) -> float | None:
 
 
 def load_runs(path: str | Path) -> list[dict[str, Any]]:
-    return [r for r in _read_jsonl(Path(path)) if r.get("kind") == "run"]
-
-
-def _read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
-    """The records of a results file. A torn *last* line (a sweep killed mid-write: the run in flight) is dropped
-    with a warning, and with `repair` cut from the file, so the next append starts on a line of its own. Any other
-    unreadable line is an error that names the file and the line."""
-    text = path.read_text()
-    records, offset, last_good_end = [], 0, 0
-    lines = text.splitlines(keepends=True)
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        offset += len(line)
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i != last:
-                raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}). Fix or delete that line.") from None
-            warnings.warn(f"{path}, line {i + 1}: dropped a torn last line (a run interrupted while it was being "
-                          "written); that run will be measured again.", UserWarning, stacklevel=3)
-            if repair:
-                with open(path, "r+") as f:
-                    f.truncate(len(text[:last_good_end].encode()))
-            break
-        last_good_end = offset
-    return records
+    return read_results(path).runs

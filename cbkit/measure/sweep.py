@@ -30,7 +30,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +39,19 @@ from tqdm.auto import tqdm
 
 from cbkit.measure.probe import matmul_params, matmul_probe, mfu
 from cbkit.measure.results import ResultsFile, aggregate
-from cbkit.measure.workload import LengthWorkload, length_stats, padding_share, parse_lengths
+from cbkit.measure.workload import LengthWorkload, decode_padding_share, length_stats, parse_lengths
 from cbkit.rollout import BACKENDS, SamplingParams
+from cbkit.train.config import _help
 
 DEFAULT_NS = (8, 16, 32, 64)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The seed's setting on a GPU machine with no network (scripts/gpu_sweep.sh): Llama-3.2-1B-Instruct's exact
-    # shape with random weights, synthetic GSM-style prompts, GSM8K solution lengths replayed up to the seed's
+    # TRL's benchmark setting (PR #5765) on a GPU machine with no network (scripts/gpu_sweep.sh): Llama-3.2-1B-Instruct's exact
+    # shape with random weights, synthetic GSM-style prompts, GSM8K solution lengths replayed up to the benchmark's
     # 2048 new tokens. Sized for <= 8 minutes on one A100/H100/H200 (the estimate is in the script).
-    "seed": dict(model="llama-1b-random", data="synthetic", num_prompts=4, ns=(8, 32, 64), max_new_tokens=2048,
+    "trl-benchmark": dict(model="llama-1b-random", data="synthetic", num_prompts=4, ns=(8, 32, 64), max_new_tokens=2048,
                  repeats=1, dtype="bfloat16", lengths="replay:gsm8k"),
-    # The seed's setting with the real model from the hub; sized for an A100-80GB (about 10 minutes).
+    # TRL's benchmark setting with the real model from the hub; sized for an A100-80GB (about 10 minutes).
     "a100": dict(model="meta-llama/Llama-3.2-1B-Instruct", data="gsm8k:test", num_prompts=8,
                  max_new_tokens=512, repeats=3, dtype="bfloat16"),
     # A Colab T4 (16 GB, no bf16): a smaller model in fp16.
@@ -59,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # What a preset needs, said before any model is loaded.
 PRESET_NEEDS = {
-    "seed": "one CUDA GPU with bf16 and ~40 GB free (A100/H100/H200-class): Llama-3.2-1B's shape at N up to 64 "
+    "trl-benchmark": "one CUDA GPU with bf16 and ~40 GB free (A100/H100/H200-class): Llama-3.2-1B's shape at N up to 64 "
             "and 2048 new tokens",
     "a100": "one CUDA GPU with bf16 and ~40 GB free (A100-class), and Llama-3.2-1B-Instruct from the hub or its cache",
     "t4": "one CUDA GPU with ~12 GB free (a Colab T4), and SmolLM2-360M-Instruct from the hub or its cache",
@@ -74,12 +75,12 @@ def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None
     """A GPU preset on a machine without CUDA fails here, naming the preset and what it needs, before
     anything is loaded; a dry run is the way to try it without one. So does a bf16 preset on a GPU that only
     emulates bf16 (a T4), where the timing would measure the emulation."""
-    from cbkit.models.load import native_bf16
+    from cbkit.models.load import DTYPES, native_bf16
 
     if dry_run:
         return
     if torch.cuda.is_available():
-        if (dtype or PRESETS[preset].get("dtype")) in ("bfloat16", "bf16") and not native_bf16():
+        if DTYPES.get(dtype or PRESETS[preset].get("dtype")) == torch.bfloat16 and not native_bf16():
             major, minor = torch.cuda.get_device_capability()
             raise ValueError(
                 f"--preset {preset} runs in bfloat16, which {torch.cuda.get_device_name()} (compute capability "
@@ -96,28 +97,35 @@ def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None
 
 @dataclass
 class SweepConfig:
-    model: str = "smollm2-offline"
-    data: str = "synthetic"
-    num_prompts: int = 1
-    ns: tuple[int, ...] = DEFAULT_NS
-    backends: tuple[str, ...] = ("generate", "continuous")
-    repeats: int = 2
-    max_new_tokens: int = 96
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    dtype: str | None = None
-    cb_config: dict[str, Any] = field(default_factory=dict)
-    # The CB engine's attention on CPU: "batched" (cbkit's default), "per_sequence" (cbkit's loop before the
-    # decode batching) or "engine" (its own dense-mask SDPA): the "befores" of the CPU tuning, side by side.
-    cpu_attention: str = "batched"
-    # Time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) instead of the rollout
-    # alone, through cbkit.train.grpo; the weights are restored after every step so each point starts the same.
-    full_step: bool = False
-    # How long each completion runs (cbkit.measure.workload): natural | fixed | replay:gsm8k | replay:FILE. The default
-    # replays GSM8K solution lengths, a spread like real math reasoning; natural lets EOS decide.
-    lengths: str = "replay:gsm8k"
+    """What one sweep measures; every field is a `cbkit sweep` flag with this help."""
+
+    model: str = _help("smollm2-offline, tiny, a hub id or a local directory", default="smollm2-offline")
+    data: str = _help("synthetic (offline), gsm8k-local, gsm8k[:split] (hub), or a .jsonl path", default="synthetic")
+    num_prompts: int = _help("prompts per rollout", default=1)
+    ns: tuple[int, ...] = _help("N values (completions per prompt), comma- or space-separated", default=DEFAULT_NS)
+    backends: tuple[str, ...] = _help("backends to compare; generate must be one (ratios are to it)",
+                                      default=("generate", "continuous"))
+    repeats: int = _help("runs per point; the median is reported", default=2)
+    max_new_tokens: int = _help("most tokens generated per completion", default=96)
+    temperature: float = _help("sampling temperature", default=1.0)
+    top_p: float = _help("nucleus sampling mass; 1.0 disables it", default=1.0)
+    top_k: int = _help("keep the top_k most likely tokens; 0 disables it", default=0)
+    seed: int = _help("seeds the prompts and every rollout's sampler", default=0)
+    dtype: str | None = _help("float32 / bfloat16 / float16 (None: fp32 on CPU, bf16 or fp16 on CUDA)", default=None)
+    cb_config: dict[str, Any] = _help("JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
+                                      default_factory=dict)
+    cpu_attention: str = _help(
+        "the CB engine's attention on CPU: batched (decoding sequences in one call, cbkit's default), per_sequence "
+        "(one call per sequence) or engine (its own dense block-diagonal mask, quadratic in the batch): the "
+        "'befores' of the CPU tuning, side by side", default="batched")
+    full_step: bool = _help(
+        "time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) through cbkit's loop "
+        "instead of the rollout alone; the weights are restored after every step", default=False)
+    lengths: str = _help(
+        "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
+        "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides; the default with "
+        "--full-step), or replay:FILE (a natural sweep's JSONL or a list of lengths, replayed as they are)",
+        default="replay:gsm8k")
 
     def __post_init__(self) -> None:
         from cbkit.rollout.cpu_attention import CPU_ATTENTION
@@ -199,8 +207,6 @@ def measure_run(backend, prompts, n: int, sampling: SamplingParams, config, dtyp
         "peak_mem_bytes": rollout.peak_mem_bytes,
         "peak_mem_kind": rollout.peak_mem_kind,
         "nvml_bytes": nvml_process_bytes(),
-        "mean_completion_len": statistics.mean(lengths),
-        "max_completion_len": max(lengths),
         "truncated_share": statistics.mean(c.finish_reason == "length" for c in rollout.completions),
         **lengths_record(lengths),
         "engine_config": rollout.engine_config,
@@ -214,7 +220,7 @@ def lengths_record(lengths: Sequence[int]) -> dict[str, Any]:
     every row, as generate() runs them)."""
     stats = length_stats(lengths)
     return {"completion_lengths": list(lengths), "length_mean": stats["mean"], "length_cv": stats["cv"],
-            "length_max": stats["max"], "static_padding_share": padding_share(lengths)}
+            "length_max": stats["max"], "decode_padding_share": decode_padding_share(lengths)}
 
 
 def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dict[str, Any]:
@@ -256,7 +262,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dic
         "tokens_per_s": tokens / m["step/seconds"],  # completion tokens per second of whole step
         "peak_mem_bytes": mem.peak_bytes,
         "peak_mem_kind": mem.kind,
-        "mean_completion_len": m["completion/mean_length"],
+        "length_mean": m["completion/mean_length"],
         "reward_mean": m.get("reward/mean"),
     }
 
@@ -282,7 +288,7 @@ def run_sweep(
     model, prompts = setup.model, setup.prompts
     sampling = setup.sampling(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               seed=cfg.seed)
-    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    dtype_bytes = model.dtype.itemsize
     workload = cfg.workload
     # The limit beside the number: measured once per session, recorded as its own line and in every run.
     probe = matmul_probe(model)
@@ -346,7 +352,7 @@ def _order(backends: Sequence[str], k: int) -> list[str]:
     return list(backends) if k % 2 == 0 else list(reversed(backends))
 
 
-# --- the seed's GPU comparison: TRL PR #5765 beside this run ---------------------------------------------------
+# --- TRL's benchmark: TRL PR #5765 beside this run ----------------------------------------------------------------
 
 # huggingface/trl PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens): seconds per
 # generation with generate() and with CB, and CB's VRAM minus generate()'s, in GB.

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from cbkit.measure.results import Results, read_results
 from cbkit.measure.sweep import TRL_PR_5765
 from cbkit.measure.workload import parse_lengths
 
 
-def seed_table(points: list[dict[str, Any]], backend: str = "continuous") -> str:
-    """The seed's table: N | speed vs generate | memory behaviour, for one backend against generate(), and the
+def trl_benchmark_table(points: list[dict[str, Any]], backend: str = "continuous") -> str:
+    """TRL's benchmark table (PR #5765's format): N | speed vs generate | memory behaviour, for one backend against generate(), and the
     length spread of the point (generate()'s runs: the static batch is the one that pads)."""
     rows = ["| N | speed vs generate | memory behaviour | lengths: mean, CV, max; static batch padding |",
             "| --- | --- | --- | --- |"]
@@ -36,7 +36,7 @@ def _spread_cell(p: dict[str, Any]) -> str:
     if p.get("length_mean") is None:
         return "—"
     return (f"{p['length_mean']:.1f}, {p['length_cv']:.2f}, {p['length_max']:.0f}; "
-            f"{p['static_padding_share']:.0%} of decode slots")
+            f"{p['decode_padding_share']:.0%} of decode slots")
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
@@ -56,18 +56,18 @@ def points_table(points: list[dict[str, Any]]) -> str:
             f"{f(p['rollout_s'], '9.1f'):>9} {f(p['peak_mem_bytes'] and p['peak_mem_bytes'] / 2**20, '9.0f'):>9} "
             f"{f(p['kv_bytes'] and p['kv_bytes'] / 2**20, '8.1f'):>8} {f(p.get('length_mean'), '6.1f'):>6} "
             f"{f(p.get('length_cv'), '5.2f'):>5} {f(p.get('length_max'), '4.0f'):>4} "
-            f"{f(p.get('static_padding_share'), '5.2f'):>5} "
+            f"{f(p.get('decode_padding_share'), '5.2f'):>5} "
             f"{f(p['speed_vs_generate'], '7.2f'):>7} {f(p['mem_vs_generate'], '6.2f'):>6} "
             f"{f(p.get('mfu'), '6.1%'):>6} {f(p.get('plan_error'), '+8.0%'):>8}"
         )
     return "\n".join(lines)
 
 
-def results_summary(path: str | Path) -> str:
+def results_summary(results: Results | str | Path) -> str:
     """What a results file ran: its length workload (and how lengths were made) and its latest matmul probe,
     for the lines printed above the tables."""
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    fp = lines[0].get("fingerprint", {}) if lines else {}
+    results = results if isinstance(results, Results) else read_results(results)
+    fp = results.fingerprint
     spec = fp.get("lengths")
     if spec is None:
         out = ["lengths: natural (a results file from before length workloads were recorded)"]
@@ -76,7 +76,7 @@ def results_summary(path: str | Path) -> str:
             out = [parse_lengths(spec).describe(fp.get("max_new_tokens", 0))]
         except ValueError:  # a replayed file that has moved since: the spec is still what ran
             out = [f"lengths: {spec}"]
-    probe = next((x for x in reversed(lines) if x.get("kind") == "probe"), None)
+    probe = results.probes[-1] if results.probes else None
     if probe is not None:
         hidden, inter = probe["probe_shape"]
         out.append(f"matmul probe: {probe['peak_flops'] / 1e9:.1f} GFLOP/s ({probe['probe_device']}, "
@@ -90,9 +90,9 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
     import csv
 
     keys = ["N", "backend", "status", "repeats", "tokens_per_s", "rollout_s", "peak_mem_bytes", "peak_mem_kind",
-            "kv_bytes", "padding_share", "mean_completion_len", "completion_tokens", "speed_vs_generate",
+            "kv_bytes", "kv_padding_share", "completion_tokens", "speed_vs_generate",
             "mem_vs_generate", "planned_peak_bytes", "plan_error", "lengths", "length_mean", "length_cv",
-            "length_max", "static_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
+            "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
             "nvml_bytes"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
@@ -101,7 +101,7 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
 
 
 def trl_comparison_table(points: list[dict[str, Any]]) -> str:
-    """This run's seconds and memory next to TRL PR #5765's, per N: the seed's claim and what was measured here.
+    """This run's seconds and memory next to TRL PR #5765's, per N: TRL's claim and what was measured here.
 
     Memory deltas are CB minus generate() at the same N, in GB (1e9 bytes, as the PR's table), for three
     counters: the allocator's peak allocated above the weights, its peak reserved (what PyTorch held from the

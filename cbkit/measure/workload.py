@@ -43,6 +43,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from cbkit.jsonl import read_jsonl
+
 Kind = Literal["natural", "fixed", "replay"]
 KINDS = ("natural", "fixed", "replay:gsm8k", "replay:FILE")
 GSM8K_RESOURCE = "resources/gsm8k_train_solution_lengths.json"
@@ -153,7 +155,7 @@ def read_lengths_file(path: str | Path) -> list[int]:
     text = p.read_text()
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if first.startswith("{"):
-        values, where = _from_sweep_jsonl(text, p)
+        values, where = _from_sweep_jsonl(p)
     elif first.startswith("["):
         try:
             values = json.loads(text)
@@ -183,20 +185,14 @@ def read_lengths_file(path: str | Path) -> list[int]:
     return out
 
 
-def _from_sweep_jsonl(text: str, p: Path) -> tuple[list[Any], list[str]]:
+def _from_sweep_jsonl(p: Path) -> tuple[list[Any], list[str]]:
     values: list[Any] = []
     where: list[str] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}, line {n}: not JSON ({e}); expected a cbkit sweep results JSONL.") from None
+    for n, rec in enumerate(read_jsonl(p, what="run"), 1):
         if rec.get("kind") == "run" and rec.get("status") == "ok":
             lengths = rec.get("completion_lengths") or []
             values += lengths
-            where += [f"line {n}"] * len(lengths)
+            where += [f"record {n}"] * len(lengths)
     return values, where
 
 
@@ -240,7 +236,7 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
     return {"mean": mean, "cv": statistics.pstdev(lengths) / mean if mean else 0.0, "max": max(lengths)}
 
 
-def padding_share(lengths: Sequence[int], batch_rows: int | None = None) -> float:
+def decode_padding_share(lengths: Sequence[int], batch_rows: int | None = None) -> float:
     """Share of a static batch's decode slots that compute padding, for these completion lengths.
 
     Each batch (consecutive ``batch_rows`` rows; one batch of all rows when None) runs rows x its longest
@@ -248,7 +244,7 @@ def padding_share(lengths: Sequence[int], batch_rows: int | None = None) -> floa
     Prompt padding is not counted: it is the same for both backends' prefill.
     """
     if not lengths:
-        raise ValueError("padding_share of no lengths.")
+        raise ValueError("decode_padding_share of no lengths.")
     if batch_rows is not None and batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}.")
     size = batch_rows or len(lengths)

@@ -12,7 +12,7 @@ Three kinds of name, because cbkit runs in three places:
   under a second and exists for unit tests, where what matters is that both backends see the same model,
   not that the model is any good;
 * ``llama-1b-random``: Llama-3.2-1B-Instruct's exact shape (config written out below) with random weights
-  and a word-piece tokenizer built in code, so the seed's setting can be measured on a GPU machine that has
+  and a word-piece tokenizer built in code, so TRL's benchmark setting can be measured on a GPU machine that has
   no model hub. Rollout time and memory depend on the shapes and the number of tokens, not on the weight
   values; random weights never emit EOS on purpose, so it goes with a replayed length workload.
   ``llama-tiny-random`` is the same family at test size (the GPU script's dry run on CPU).
@@ -124,15 +124,26 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+# The dtype names cbkit accepts wherever a dtype is given by name (configs, the CLI, the planner).
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def dtype_named(name: str, *, what: str = "dtype", allowed: tuple[str, ...] = ()) -> torch.dtype:
+    """The torch dtype a name means; an unknown name is an error listing the known ones (``allowed`` adds
+    names the caller handles itself, such as "auto", to that list)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        names = ", ".join(("float32", "bfloat16", "float16") + allowed)
+        raise ValueError(f"Unknown {what} {name!r}; use {names} (fp32, bf16, fp16 also work).") from None
+
+
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype != "auto":
-        try:
-            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-        except KeyError:
-            raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16 or auto.") from None
+        return dtype_named(dtype, allowed=("auto",))
     if device.type == "cuda":
         return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32

@@ -56,7 +56,6 @@ import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
 from cbkit.rollout.continuous import (
-    _context_len,
     _paused,
     _refuse_softcap_on_cpu,
     _reseed,
@@ -163,7 +162,7 @@ class AsyncEngine:
         """Queue P prompts x N completions; the engine starts on them at once. Only one rollout at a time."""
         if self._pending is not None and not self._pending.done:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
-        check_request(prompts, num_generations, sampling, _context_len(self.snapshot), prompt_names)
+        check_request(prompts, num_generations, sampling, self.snapshot, prompt_names)
         rows = [list(p) for p in prompts for _ in range(num_generations)]
         manager = self._start(sampling, rows)
         with _paused(manager):  # all requests queued while the loop is parked: one drain, a seeded order

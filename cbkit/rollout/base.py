@@ -206,11 +206,12 @@ def check_request(
     prompts: Sequence[Sequence[int]],
     num_generations: int,
     sampling: SamplingParams,
-    context_len: int | None,
+    model: Any,
     prompt_names: Sequence[str] | None = None,
     target_lengths: Sequence[int] | None = None,
 ) -> None:
-    """Refuse a request no backend can serve, before any compute is spent on it."""
+    """Refuse a request no backend can serve on `model`, before any compute is spent on it."""
+    context_len = getattr(model.config, "max_position_embeddings", None)
     if num_generations < 1:
         raise ValueError(f"num_generations (N) must be >= 1, got {num_generations}.")
     if not prompts:

@@ -69,28 +69,9 @@ def cb_config_keys() -> list[str]:
     return sorted(f.name for f in dataclasses.fields(ContinuousBatchingConfig))
 
 
-def make_cb_config(
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    seed: int | None = None,
-    device: torch.device | None = None,
-    rows: Sequence[Sequence[int]] | None = None,
-    max_new_tokens: int | None = None,
-    warn: bool = True,
-):
-    """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
-
-    On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
-    a 24 GB machine, most of the call's time spent zeroing it). There cbkit sizes the pool to the workload
-    instead: enough blocks for every request (`rows`) to run to `max_new_tokens` at once -- the generation
-    limit, never a replayed length, which a real engine cannot know in advance -- unless the user set
-    `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size: see that constant. `max_memory_percent` means a share of free *GPU* memory wherever it is written
-    (TRL, the seed); honouring it on a CPU turned a copied 0.4 into a 5.3 GiB pool for 8 sequences and a
-    rollout 4x slower than generate() (notebook 04), so on CPU it is ignored with a warning.
-    `{"num_blocks": None}` lets the engine size the pool from memory anyway.
-    """
-    from transformers import ContinuousBatchingConfig
-
+def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """cbkit's defaults + the user's keys + `return_logprobs=True`, checked: the device-independent part of
+    `make_cb_config`, and what the TRL bridge writes into TRL's config."""
     overrides = dict(overrides or {})
     valid = cb_config_keys()
     unknown = sorted(set(overrides) - set(valid))
@@ -110,6 +91,33 @@ def make_cb_config(
         raise ValueError(
             f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
         )
+    return values
+
+
+def make_cb_config(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    seed: int | None = None,
+    device: torch.device | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
+    max_new_tokens: int | None = None,
+    warn: bool = True,
+):
+    """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
+
+    On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
+    a 24 GB machine, most of the call's time spent zeroing it). There cbkit sizes the pool to the workload
+    instead: enough blocks for every request (`rows`) to run to `max_new_tokens` at once -- the generation
+    limit, never a replayed length, which a real engine cannot know in advance -- unless the user set
+    `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size: see that constant. `max_memory_percent` means a share of free *GPU* memory wherever it is written
+    (TRL's CB config too); honouring it on a CPU turned a copied 0.4 into a 5.3 GiB pool for 8 sequences and a
+    rollout 4x slower than generate() (notebook 04), so on CPU it is ignored with a warning.
+    `{"num_blocks": None}` lets the engine size the pool from memory anyway.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    overrides = dict(overrides or {})
+    values = cb_config_values(overrides)
     cpu = device is not None and torch.device(device).type == "cpu"
     key = _page_key()
     if cpu and "page_size" not in overrides and "block_size" not in overrides:
@@ -182,7 +190,7 @@ class ContinuousBackend:
         prompt_names: Sequence[str] | None = None,
         target_lengths: Sequence[int] | None = None,
     ) -> Rollout:
-        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names, target_lengths)
+        check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
         gen_config = sampling.generation_config()
         # Each prompt submitted N times in a row; results are put back in this order below, whatever
         # order the engine finishes them in.
@@ -500,10 +508,6 @@ def _refuse_softcap_on_cpu(model) -> None:
             "continuous batching engine does not apply on CPU (its paged eager attention skips it), so rollouts "
             "would not come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention."
         )
-
-
-def _context_len(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
 
 
 def engine_is_idle(model) -> bool:

@@ -52,7 +52,7 @@ class GenerateBackend:
         prompt_names: Sequence[str] | None = None,
         target_lengths: Sequence[int] | None = None,
     ) -> Rollout:
-        check_request(prompts, num_generations, sampling, _context_len(self.model), prompt_names, target_lengths)
+        check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
         gen_config = sampling.generation_config()
         pad_id = self.pad_token_id if self.pad_token_id is not None else gen_config.pad_token_id
         if pad_id is None:
@@ -158,5 +158,3 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     return ids.to(device), mask.to(device)
 
 
-def _context_len(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)

@@ -38,7 +38,7 @@ from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
 # Ungated, so Colab needs no hub token, and 0.5B parameters (about 2 GB of fp32 weights, plus AdamW's 4 GB). Not
-# yet run by this project: no GPU has been available. The seed's Llama-3.2-1B-Instruct is gated.
+# yet run by this project: no GPU has been available. TRL's benchmark model, Llama-3.2-1B-Instruct, is gated.
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CPU_MODEL = "smollm2-offline"
 

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.train.objective import IS_MODES, LOSS_TYPES
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -50,7 +51,7 @@ class CBGRPOConfig:
                                      default=None)
     system_prompt: str | None = _help("System prompt for every chat prompt; None sends the user turn alone. "
                                       "Default: cbkit.tasks.data.SYSTEM_PROMPT (asks for '#### <number>').",
-                                      default="default")
+                                      default=SYSTEM_PROMPT)
     prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this "
                                   "from per_device_train_batch_size x steps_per_generation / num_generations.",
                                   default=2)
@@ -149,10 +150,6 @@ class CBGRPOConfig:
     disable_tqdm: bool = _help("No progress bar.", default=False)
 
     def __post_init__(self) -> None:
-        if self.system_prompt == "default":
-            from cbkit.tasks.data import SYSTEM_PROMPT
-
-            self.system_prompt = SYSTEM_PROMPT
         if self.use_transformers_paged is not None:
             warnings.warn(
                 "use_transformers_paged is deprecated (as in TRL); use use_transformers_continuous_batching. "

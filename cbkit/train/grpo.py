@@ -82,6 +82,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cbkit.models.load import DTYPES
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.rollout.continuous import engine_is_idle
 from cbkit.tasks.data import Problem
@@ -147,6 +148,7 @@ class GRPOTrainer:
         # The run set-up the sweep and the demo share: problems, prompt ids, stop and pad ids.
         run = set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
                          problems=problems, system_prompt=config.system_prompt)
+        self.run_setup = run
         self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
         # Mixed precision: fp32 master weights, the training forwards under autocast (cbkit.train.batch explains why).
@@ -279,12 +281,9 @@ class GRPOTrainer:
 
     def sampling_params(self, step: int) -> SamplingParams:
         c = self.config
-        return SamplingParams(
-            max_new_tokens=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
-            # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
-            seed=c.seed * 1_000_003 + step,
-        )
+        # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
+        return self.run_setup.sampling(c.max_completion_length, temperature=c.temperature, top_p=c.top_p,
+                                       top_k=c.top_k, seed=mix_seed(c.seed, step))
 
     def rollout(self, indices: Sequence[int], step: int, backend: RolloutBackend | None = None) -> Rollout:
         """N completions for each prompt, checked against the contract and against what was asked."""
@@ -507,7 +506,7 @@ class PromptOrder:
     def _epoch(self, epoch: int) -> list[int]:
         if epoch not in self._epochs:
             order = list(range(self.n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(mix_seed(self.seed, epoch)).shuffle(order)
             self._epochs[epoch] = order
         return self._epochs[epoch]
 
@@ -530,6 +529,14 @@ def check_text_only(processing_class: Any, model: Any, continuous_batching: bool
         )
 
 
+def mix_seed(seed: int, *counters: int) -> int:
+    """One seed per (run seed, counter, ...): a stream per step, epoch or process that a rerun draws again, and
+    that two runs with different seeds do not share. Below 2**31 - 1, which every sampler accepts."""
+    for c in counters:
+        seed = seed * 1_000_003 + int(c)
+    return seed % (2**31 - 1)
+
+
 def seed_everything(seed: int) -> None:
     """torch, python `random` and numpy (if installed) from one seed: what a fresh run starts from."""
     random.seed(seed)
@@ -547,8 +554,7 @@ def _autocast_dtype(dtype: torch.dtype | str | None, model: torch.nn.Module) -> 
     keeps bf16 master weights, whose small updates are lost, which is what it is for avoiding)."""
     if dtype is None:
         return None
-    resolved = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    resolved = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if resolved not in (torch.bfloat16, torch.float16):
         raise ValueError(f"autocast_dtype={dtype!r}; use 'bfloat16', 'float16' or None.")
     weights = next(model.parameters()).dtype

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from cbkit.jsonl import read_jsonl
+
 if TYPE_CHECKING:
     from cbkit.rollout import Rollout
     from cbkit.train.config import CBGRPOConfig
@@ -115,15 +117,10 @@ class JSONLHook(StepHooks):
     def on_train_begin(self, state: TrainState) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= state.step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut short by a crash
+        if self.path.exists():  # a torn last line (a crash mid-write) is dropped by read_jsonl
+            kept = [r for r in read_jsonl(self.path, what="step") if r.get("step", state.step + 1) <= state.step]
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
 
     def on_step_end(self, record: StepRecord) -> None:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cbkit.tasks.data import SYSTEM_PROMPT
+
 # --- the run set-up: model, prompts, stop and pad ids, sampling, warmed backends ---------------------------
 
 
@@ -57,16 +59,13 @@ def pad_token_id(tokenizer: Any) -> int:
     return pad
 
 
-_DEFAULT_SYSTEM = object()  # the data module's system prompt, without importing it here
-
-
 def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype: str | None = None,
                policy: Any = None, problems: Sequence[Any] | None = None,
-               system_prompt: Any = _DEFAULT_SYSTEM) -> RunSetup:
+               system_prompt: str | None = SYSTEM_PROMPT) -> RunSetup:
     """Load (or take: a LoadedPolicy or a (model, tokenizer) pair) the policy and the problems, and build
     everything a rollout of the run needs."""
     from cbkit.rollout.base import stop_token_ids
-    from cbkit.tasks.data import SYSTEM_PROMPT, chat_prompt_ids, load_problems
+    from cbkit.tasks.data import chat_prompt_ids, load_problems
 
     if policy is None:
         from cbkit.models.load import load_policy
@@ -74,6 +73,5 @@ def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype:
         policy = load_policy(model, dtype=dtype, seed=seed)
     lm, tok = policy
     problems = list(problems) if problems is not None else load_problems(data, n=num_prompts, seed=seed)
-    system = SYSTEM_PROMPT if system_prompt is _DEFAULT_SYSTEM else system_prompt
-    prompts = [chat_prompt_ids(tok, p, system_prompt=system) for p in problems]
+    prompts = [chat_prompt_ids(tok, p, system_prompt=system_prompt) for p in problems]
     return RunSetup(lm, tok, problems, prompts, stop_token_ids(tok, lm), pad_token_id(tok))

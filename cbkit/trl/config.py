@@ -17,7 +17,7 @@ from typing import Any
 from trl import GRPOConfig, RLOOConfig
 
 from cbkit.models.load import native_bf16
-from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config
+from cbkit.rollout.continuous import cb_config_values
 
 # cbkit field -> TRL field. Everything not listed keeps its name (see _SAME_NAME).
 _RENAMED: dict[str, str] = {
@@ -42,10 +42,10 @@ CBKIT_FIELDS: tuple[str, ...] = _SAME_NAME + tuple(_RENAMED) + _SPECIAL
 # cbkit config fields with no TRL config field, and why. tests/test_trl_bridge.py checks that every field of
 # cbkit.train.config.CBGRPOConfig is either mapped (CBKIT_FIELDS) or listed here.
 LOOP_ONLY: dict[str, str] = {
-    "model": "the model (or its id) is build_grpo_trainer's first argument; TRL loads an id itself",
+    "model": "the model (or its id) is build_trainer's first argument; TRL loads an id itself",
     "dtype": "the caller loads the model; for an id, pass model_init_kwargs={'dtype': ...} under TRL's name",
-    "data": "the dataset is build_grpo_trainer's train_dataset (trl_dataset(load_problems(...)))",
-    "num_problems": "the dataset is build_grpo_trainer's train_dataset: cut it before",
+    "data": "the dataset is build_trainer's train_dataset (trl_dataset(load_problems(...)))",
+    "num_problems": "the dataset is build_trainer's train_dataset: cut it before",
     "system_prompt": "trl_dataset(problems, system_prompt=...) puts it in the prompts",
     "output_dir": "trl_grpo_config's output_dir argument (a TRL run writes TRL's checkpoints, not cbkit's)",
 }
@@ -64,9 +64,9 @@ def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **
     estimator = values.pop("advantage_estimator", "grpo")
     if estimator != "grpo":
         raise ValueError(
-            f"advantage_estimator={estimator!r}: TRL's GRPOTrainer has only the group-mean "
-            "baseline. Use build_rloo_trainer / trl_rloo_config for the leave-one-out estimator, or set "
-            "advantage_estimator='grpo'."
+            f"advantage_estimator={estimator!r}: TRL's GRPOTrainer has only the group-mean baseline. Use "
+            "build_trainer (which picks TRL's RLOOTrainer for it) or trl_rloo_config for the leave-one-out "
+            "estimator, or set advantage_estimator='grpo'."
         )
     return _trl_config(GRPOConfig, values, output_dir, overrides)
 
@@ -212,9 +212,7 @@ def cb_config_dict(overrides: Mapping[str, Any] | str | None = None) -> dict[str
         import json
 
         overrides = json.loads(overrides)
-    overrides = dict(overrides or {})
-    make_cb_config(overrides)  # raises on unknown keys, a bad max_memory_percent, or return_logprobs=False
-    return {**CB_DEFAULTS, **overrides, "return_logprobs": True}
+    return cb_config_values(overrides)  # raises on unknown keys, a bad max_memory_percent, or return_logprobs=False
 
 
 __all__ = [

@@ -13,23 +13,21 @@ from typing import Any
 
 import torch
 
+from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.tasks.rewards import resolve_rewards, reward_scores
 
 # --- data ---------------------------------------------------------------------------------------------------
 
 
-def trl_dataset(problems, system_prompt: str | None = "default"):
+def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
     """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column and the gold `answer`.
 
-    TRL applies the tokenizer's chat template itself; `system_prompt="default"` uses `cbkit.tasks.data.SYSTEM_PROMPT`
+    TRL applies the tokenizer's chat template itself; the default system prompt is `cbkit.tasks.data.SYSTEM_PROMPT`
     (the `#### <number>` instruction the format reward checks), None sends the user turn alone.
     """
     from datasets import Dataset
 
-    from cbkit.tasks.data import SYSTEM_PROMPT
-
-    system = SYSTEM_PROMPT if system_prompt == "default" else system_prompt
-    head = [{"role": "system", "content": system}] if system is not None else []
+    head = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     return Dataset.from_dict({
         "prompt": [head + [{"role": "user", "content": p.question}] for p in problems],
         "answer": [p.answer for p in problems],

@@ -19,6 +19,7 @@ from trl import GRPOTrainer, RLOOTrainer
 
 from cbkit.rollout.base import cut_at_eos
 from cbkit.rollout.continuous import make_cb_config
+from cbkit.train.grpo import mix_seed
 from cbkit.trl.config import trl_grpo_config, trl_rloo_config
 from cbkit.trl.rewards import _trl_rewards, _weights_for
 
@@ -90,20 +91,17 @@ class _CBRollouts:
         return completion_ids, logprobs
 
     def _cb_config(self, rows: list[list[int]]):
-        """This call's engine config: the user's keys, logprobs on, a per-call seed, the pool sized on CPU."""
-        overrides = dict(self.args.transformers_continuous_batching_config or {})
-        device = self.accelerator.device
-        if torch.device(device).type == "cpu" and "num_blocks" not in overrides:
-            # A share of host RAM is gigabytes of zeroed KV cache for a small model: size to the workload.
-            overrides.pop("max_memory_percent", None)
-        seed = (int(self.args.seed) * 1_000_003 + self.accelerator.process_index * 10_007 + self._cb_calls)
+        """This call's engine config: the user's keys, logprobs on, a per-call seed, the pool sized on CPU
+        (`make_cb_config`'s rules, the rollout backend's own; its CPU pool warning once per trainer)."""
+        seed = mix_seed(int(self.args.seed), self.accelerator.process_index, self._cb_calls)
         self._cb_calls += 1
         return make_cb_config(
-            overrides,
-            seed=seed % (2**31 - 1),
-            device=device,
+            self.args.transformers_continuous_batching_config,
+            seed=seed,
+            device=self.accelerator.device,
             rows=rows,
             max_new_tokens=self.max_completion_length,
+            warn=self._cb_calls == 1,
         )
 
 
@@ -127,7 +125,7 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
         if getattr(args, "use_vllm", False):
             raise ValueError(
                 "use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS correction; "
-                "use trl.GRPOTrainer (build_grpo_trainer picks it), or set use_vllm=False to generate with CB."
+                "use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False to generate with CB."
             )
         cb = dict(args.transformers_continuous_batching_config or {})
         if cb.get("return_logprobs") is False:
@@ -244,60 +242,41 @@ class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
 # --- building trainers --------------------------------------------------------------------------------------
 
 
-def build_grpo_trainer(
+def build_trainer(
     model,
     tokenizer,
     reward_funcs,
     train_dataset,
     cfg: Any = None,
     *,
-    output_dir: str = "cbkit-trl",
+    output_dir: str | None = None,
     reward_weights: Mapping[str, float] | Sequence[float] | None = None,
     answer_column: str = "answer",
     eval_dataset=None,
     callbacks=None,
     **overrides: Any,
 ):
-    """TRL's GRPO trainer for a cbkit run: `CBLogprobGRPOTrainer` on the CB path, stock `GRPOTrainer` otherwise.
+    """TRL's trainer for a cbkit run: the config's `advantage_estimator` picks GRPO ("grpo", the default) or RLOO
+    ("rloo"); on the CB path it is the subclass that runs cbkit's CB call (`CBLogprobGRPOTrainer`, whose
+    sampling logprobs feed TRL's IS correction, or `CBRLOOTrainer`, which has no correction to feed), otherwise
+    the stock trainer.
 
     `reward_funcs`: cbkit rewards (`fn(completions, answers)`, adapted with `trl_reward`), TRL-native ones
     (taking `**kwargs`, passed as they are), or cbkit's name -> fn dict (then `reward_weights` may be by name).
-    `overrides`: `GRPOConfig` arguments under TRL's names.
+    `overrides`: `GRPOConfig` / `RLOOConfig` arguments under TRL's names.
     """
+    estimator = (cfg.get("advantage_estimator") if isinstance(cfg, Mapping)
+                 else getattr(cfg, "advantage_estimator", None)) or "grpo"
+    if estimator not in ("grpo", "rloo"):
+        raise ValueError(f"advantage_estimator={estimator!r}: TRL has trainers for 'grpo' and 'rloo'.")
+    rloo = estimator == "rloo"
     funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
-    args = trl_grpo_config(cfg, output_dir, **overrides)
-    cls = CBLogprobGRPOTrainer if args.use_transformers_continuous_batching and not args.use_vllm else GRPOTrainer
-    return cls(
-        model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, callbacks=callbacks,
-    )
-
-
-def build_rloo_trainer(
-    model,
-    tokenizer,
-    reward_funcs,
-    train_dataset,
-    cfg: Any = None,
-    *,
-    output_dir: str = "cbkit-trl-rloo",
-    reward_weights: Mapping[str, float] | Sequence[float] | None = None,
-    answer_column: str = "answer",
-    eval_dataset=None,
-    callbacks=None,
-    **overrides: Any,
-):
-    """TRL's RLOO trainer for a cbkit run, on the CB path: `CBRLOOTrainer`, stock but for the mixed-precision fix.
-
-    RLOO in TRL 1.16 has no IS correction to feed, so its rollouts' logprobs are not kept.
-    """
-    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
-    if weights is not None:
-        overrides = {**overrides, "reward_weights": weights}
-    args = trl_rloo_config(cfg, output_dir, **overrides)
-    cls = CBRLOOTrainer if args.use_transformers_continuous_batching and not args.use_vllm else RLOOTrainer
+    to_args = trl_rloo_config if rloo else trl_grpo_config
+    args = to_args(cfg, output_dir or ("cbkit-trl-rloo" if rloo else "cbkit-trl"), **overrides)
+    stock, cb = (RLOOTrainer, CBRLOOTrainer) if rloo else (GRPOTrainer, CBLogprobGRPOTrainer)
+    cls = cb if args.use_transformers_continuous_batching and not args.use_vllm else stock
     return cls(
         model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, callbacks=callbacks,

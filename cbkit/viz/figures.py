@@ -22,6 +22,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from cbkit.telemetry import fmt_bytes
 from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
 
 __all__ = [
@@ -129,9 +130,9 @@ def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-swee
     meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in (meta or {}).items())
     cols = [("backend", "backend", str), ("N", "N", str), ("status", "status", str),
             ("tokens_per_s", "tokens/s", lambda v: f"{v:.1f}"), ("rollout_s", "rollout s", lambda v: f"{v:.2f}"),
-            ("peak_mem_bytes", "peak memory", _bytes), ("peak_mem_kind", "measured as", _kind),
-            ("kv_bytes", "KV (analytic)", _bytes), ("planned_peak_bytes", "planner", _bytes),
-            ("padding_share", "padding share", lambda v: f"{v:.0%}"),
+            ("peak_mem_bytes", "peak memory", fmt_bytes), ("peak_mem_kind", "measured as", _kind),
+            ("kv_bytes", "KV (analytic)", fmt_bytes), ("planned_peak_bytes", "planner", fmt_bytes),
+            ("kv_padding_share", "KV slots padding", lambda v: f"{v:.0%}"),
             ("speed_vs_generate", "speed vs generate", _ratio), ("mem_vs_generate", "memory vs generate", _ratio)]
     head = "".join(f"<th>{esc(label)}</th>" for _, label, _ in cols)
     body = "".join(
@@ -478,8 +479,3 @@ def _ratio(v: float | None) -> str:
     return "" if v is None else f"{v:.2f}x"
 
 
-def _bytes(v: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(v) >= size:
-            return f"{v / size:.2f} {unit}"
-    return f"{int(v)} B"

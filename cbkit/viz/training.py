@@ -8,27 +8,21 @@ policy version that sampled it, the moment each update landed, and the training 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 
+from cbkit.jsonl import read_jsonl
 from cbkit.viz.palette import PALETTE, TEMPLATE
 
 REWARD_KEYS = ("reward/mean", "reward/format", "reward/correctness")
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of a `metrics.jsonl`, skipping a line a crash cut short."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    """The rows of a `metrics.jsonl` (`cbkit.jsonl.read_jsonl`: a torn last line dropped); an empty file is refused."""
+    rows = read_jsonl(path, what="step")
     if not rows:
         raise ValueError(f"{path} holds no metrics rows; is it a cbkit metrics.jsonl (cbkit train --output-dir)?")
     return rows

@@ -1,0 +1,56 @@
+"""Reading the JSONL files cbkit appends to (the sweep's results, the loop's metrics): one home for one rule.
+
+Both files are appended one line per finished run or step, so a crash mid-write leaves at most a torn *last* line:
+the record in flight. That line is dropped with a warning (and, with ``repair``, cut from the file so the next
+append starts on a line of its own); any other unreadable line is an error naming the file and the line, because
+it means the file was edited or mixed up, not interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl(path: str | Path, *, repair: bool = False, what: str = "record") -> list[dict[str, Any]]:
+    """The records of a JSONL file, a torn last line dropped (see the module docstring). ``what`` names a record in
+    the warning ("run", "step")."""
+    path = Path(path)
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict[str, Any]] = []
+    offset = good_end = 0
+    for i, line in enumerate(lines):
+        offset += len(line)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i != last:
+                raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}). Fix or delete that line.") from None
+            warnings.warn(f"{path}, line {i + 1}: dropped a torn last line (a {what} interrupted while it was being "
+                          "written).", UserWarning, stacklevel=2)
+            if repair:
+                with open(path, "r+") as f:
+                    f.truncate(len(text[:good_end].encode()))
+            break
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {i + 1}: a JSON {type(record).__name__}, not a record (an object).")
+        records.append(record)
+        good_end = offset
+    return records
+
+
+def append_jsonl(path: str | Path, record: dict[str, Any], *, fsync: bool = False) -> None:
+    """One record as one line, flushed (and with ``fsync`` on disk) before this returns."""
+    import os
+
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
