@@ -307,7 +307,7 @@ def _plot(args: argparse.Namespace) -> int:
     if len(absent) == len(keys):
         raise ValueError(f"None of {keys} is in {path}; it has e.g. {sorted(rows[0])[:8]}. Choose --keys from those.")
     out = Path(args.out) if args.out else path.with_name("reward.html")
-    reward_curve(rows, keys, title=f"Reward per step: {path.parent.name or path.name}").write_html(
+    reward_curve(rows, keys, title=f"Reward per step: {path}").write_html(
         out, include_plotlyjs=True)  # plotly.js embedded: the file opens offline
     first, last = rows[0], rows[-1]
     said = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys if k in first and k in last)

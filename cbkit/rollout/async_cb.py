@@ -103,6 +103,7 @@ class AsyncEngine:
         self.cpu_attention = cpu_attention
         self.record_timestamps = record_timestamps
         self.version = 0
+        self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
         self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)
         self._lock = threading.Lock()
         self._go, self._parked = threading.Event(), threading.Event()
@@ -241,14 +242,16 @@ class AsyncEngine:
     def _start(self, sampling: SamplingParams, rows: list[list[int]]):
         """The running manager for these sampling settings (a new one if they changed), started on the snapshot."""
         gen_config = sampling.generation_config()
-        key = (repr({k: v for k, v in gen_config.to_dict().items()}), len(rows), max(map(len, rows)))
+        longest = max(self.max_prompt_len, *map(len, rows))
+        key = (repr(gen_config.to_dict()), len(rows), longest)
         if self._manager is not None and key == self._key:
             return self._manager
         self.close()
         model = self.snapshot
         _refuse_softcap_on_cpu(model)
-        # The pool: every row at the longest prompt seen so far, run to the limit (`make_cb_config` on CPU).
-        bound = [[0] * max(map(len, rows))] * len(rows)
+        # The pool: every row at the longest prompt it may get, run to the limit (`make_cb_config` on CPU), so one
+        # engine serves the whole run instead of being rebuilt whenever a longer prompt comes.
+        bound = [[0] * longest] * len(rows)
         cb_config = make_cb_config(self.cb_overrides, seed=sampling.seed, device=model.device, rows=bound,
                                    max_new_tokens=sampling.max_new_tokens, warn=False)
         stack = contextlib.ExitStack()

@@ -156,6 +156,7 @@ class AsyncRollouts:
     def __init__(self, trainer: GRPOTrainer) -> None:
         c = trainer.config
         self.engine = AsyncEngine(trainer.model, c.cb_overrides())
+        self.engine.max_prompt_len = max(map(len, trainer.prompt_ids))
         self.pending = None
         self.resume_update: int | None = None  # a resumed run first replays the update its pending rollout met
 
