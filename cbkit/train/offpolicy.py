@@ -253,6 +253,10 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
     if len(position_versions) != n_in:
         raise ValueError(f"position_versions has {len(position_versions)} entries for {n_in} input positions.")
     device = next(model.parameters()).device
+    import inspect
+
+    # transformers 5.x renames `past_key_values` to `cache`; the DynamicCache is filled in place either way.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache, logits, start = DynamicCache(), [], 0
     while start < n_in:
         version = position_versions[start]
@@ -260,9 +264,8 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
         while end < n_in and position_versions[end] == version:
             end += 1
         model.load_state_dict(weights[version])
-        out = model(input_ids=torch.tensor([ids[start:end]], device=device), past_key_values=cache, use_cache=True,
-                    position_ids=torch.arange(start, end, device=device)[None])
-        cache = out.past_key_values
+        out = model(input_ids=torch.tensor([ids[start:end]], device=device), use_cache=True,
+                    position_ids=torch.arange(start, end, device=device)[None], **{name: cache})
         logits.append(out.logits[0].float())
         start = end
     p = len(prompt_ids)
