@@ -8,6 +8,7 @@ same seed, so the runs differ only in the setting the experiment varies.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import string
 import time
@@ -121,6 +122,7 @@ def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: in
     "vs replay"}: mean |logprob difference|.
     """
     old = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scratch = copy.deepcopy(model).eval()  # for the replays; copied now, before an engine is attached to the model
     backend = ContinuousBackend(model, persistent=True)
     results = {}
     try:
@@ -132,16 +134,15 @@ def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: in
                             ("fixed", contextlib.nullcontext())):
             with patch:
                 rollout = backend.generate(prompts, num_generations, sampling)
-            results[name] = _gaps(model, rollout, old, new, sampling, int(rollout.engine_config["page_size"]))
+            results[name] = _gaps(scratch, rollout, old, new, sampling, int(rollout.engine_config["page_size"]))
     finally:
         backend.close()
     model.load_state_dict(new)
     return results
 
 
-def _gaps(model, rollout, old, new, sampling, page: int) -> dict[str, float]:
+def _gaps(scratch, rollout, old, new, sampling, page: int) -> dict[str, float]:
     out: dict[str, list[float]] = {"vs new": [], "vs old": [], "vs replay": []}
-    scratch = _scratch(model)
     for c in rollout.completions:
         got = torch.tensor(c.sampling_logprobs)
         n_in = len(c.prompt_ids) + len(c.completion_ids) - 1
@@ -152,9 +153,3 @@ def _gaps(model, rollout, old, new, sampling, page: int) -> dict[str, float]:
                                      sampling.temperature)
             out[key].append((ref - got).abs().mean().item())
     return {k: sum(v) / len(v) for k, v in out.items()}
-
-
-def _scratch(model):
-    import copy
-
-    return copy.deepcopy(model).eval()
