@@ -12,7 +12,7 @@ EXECUTED ?= runs/notebooks
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup sweep demo test test-bare test-notebooks lint clean
+.PHONY: setup sweep demo test test-bare test-notebooks test-tiers lint clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,19 @@ test-notebooks: $(STAMP)
 		$(EXECUTED)
 	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_notebooks.py -k executed_notebook
+
+# The GPU tiers without a GPU (issue 16): `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
+# estimate, crossover inside the sweep; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
+# the a100 code paths on this CPU: CBKIT_TIER under CBKIT_PROFILE=ci is a dry run (the tier's presets, branches,
+# pools and TRL config at CI sizes, on a 2-layer random model), two notebooks at a time.
+TIERS_EXECUTED ?= runs/notebooks-tiers
+test-tiers: $(STAMP)
+	$(BIN)/cbkit tiers
+	for tier in t4 a100; do \
+		rm -rf $(TIERS_EXECUTED)/$$tier && mkdir -p $(TIERS_EXECUTED)/$$tier && cp notebooks/*.ipynb $(TIERS_EXECUTED)/$$tier/ && \
+		CBKIT_PROFILE=ci CBKIT_TIER=$$tier $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 \
+			--overwrite -n 2 --durations=0 $(TIERS_EXECUTED)/$$tier || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) $(BARE) .pytest_cache .ruff_cache

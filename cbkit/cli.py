@@ -372,6 +372,26 @@ def _advise(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiers(args: argparse.Namespace) -> int:
+    from cbkit.teach.tiers import MACHINES, NOTEBOOKS, plan_all, tiers_report
+
+    def names(value: str | None, valid, what: str) -> list[str] | None:
+        if not value:
+            return None
+        chosen = [v.strip() for v in value.split(",") if v.strip()]
+        unknown = [v for v in chosen if v not in valid]
+        if unknown:
+            raise ValueError(f"unknown {what} {unknown}; choose from {', '.join(valid)}.")
+        return chosen
+
+    plans = plan_all(names(args.notebooks, list(NOTEBOOKS), "notebook(s)"), names(args.gpus, list(MACHINES), "GPU(s)"))
+    print(tiers_report(plans))
+    failed = [p for p in plans if not p.ok]
+    print(f"\n{len(plans) - len(failed)} of {len(plans)} notebook x GPU plans fit, finish within budget and show "
+          "their phenomenon" + ("." if not failed else f"; {len(failed)} do not (above)."))
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cbkit.models.load import DEFAULT_MODEL
 
@@ -470,6 +490,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
                              "at the nearest N, and its length statistics) instead of the A100 thresholds")
     advise.set_defaults(func=_advise)
+    tiers = sub.add_parser(
+        "tiers", help="plan every notebook on a T4 and an A100 (40/80 GB): fit, runtime, crossover; no GPU needed",
+        description="For every notebook and GPU tier (t4: 15 GiB fp16; a100: 40 and 80 GiB bf16): the planned peak "
+                    "against memory (the training step included where the notebook trains), the estimated runtime "
+                    "against the budget (~10 min on a T4, ~5 on an A100), and whether each memory sweep's "
+                    "crossover lies inside its swept N. Exits 1 where a configuration does not fit, overruns its "
+                    "budget or hides its phenomenon. Sizes: cbkit/teach/tiers.py.",
+    )
+    tiers.add_argument("--notebooks", default=None, help="comma-separated notebook names (default: all)")
+    tiers.add_argument("--gpus", default=None, help="comma-separated: t4, a100-40, a100-80 (default: all)")
+    tiers.set_defaults(func=_tiers)
     for command in (parser, *sub.choices.values()):
         # A flag's bad value reaches main() as an ArgumentError, which prints it as the one line every other
         # bad input gets, instead of argparse's usage dump.

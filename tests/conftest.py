@@ -42,6 +42,31 @@ def gsm8k_test_path() -> Path:
     return d / "test.jsonl"
 
 
+def _written_in_the_checkout() -> dict[str, tuple[int, int]]:
+    """Every file under the repository's runs/ and every untracked, not ignored file, with its size and mtime."""
+    import subprocess
+
+    found = {str(p.relative_to(REPO)): p for p in (REPO / "runs").rglob("*") if p.is_file()}
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60).stdout
+        found |= {line[3:]: REPO / line[3:] for line in out.splitlines() if line.startswith("?? ")}
+    except (OSError, subprocess.SubprocessError):  # not a git checkout: runs/ alone
+        pass
+    return {k: (p.stat().st_size, p.stat().st_mtime_ns) for k, p in found.items() if p.is_file()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leave_the_checkout_alone():
+    """Tests write under a temporary folder only: a test that writes into the checkout (runs/ above all, where
+    `make sweep` keeps its results) fails the run here, naming the files."""
+    before = _written_in_the_checkout()
+    yield
+    after = _written_in_the_checkout()
+    written = sorted(k for k, v in after.items() if before.get(k) != v)
+    assert not written, f"tests wrote into the checkout (write under tmp_path instead): {written}"
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)

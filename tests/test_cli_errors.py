@@ -14,10 +14,11 @@ from cbkit.cli import main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_an_unknown_hub_model_offline_says_what_to_use_instead():
+def test_an_unknown_hub_model_offline_says_what_to_use_instead(tmp_path):
     # A subprocess: huggingface_hub reads HF_HUB_OFFLINE when it is imported.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "cbkit.cli", "sweep", "--model", "does-not/exist"],
+    done = subprocess.run([sys.executable, "-m", "cbkit.cli", "sweep", "--model", "does-not/exist",
+                           "--out", str(tmp_path / "sweep.jsonl")],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

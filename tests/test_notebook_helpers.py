@@ -60,7 +60,7 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("Props", (), {"total_memory": memory_gib * 2**30})())
     monkeypatch.setattr("cbkit.train.grpo.seed_everything", lambda seed: None)
-    env = notebook.setup("full", verbose=False)
+    env = notebook.setup(profile="full", verbose=False)
     assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
     assert env.model == notebook.GPU_MODEL
     assert env.pick(ci=1, cpu=2, gpu=3) == 3
@@ -323,7 +323,7 @@ def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
     gpu = notebook.NotebookEnv("full", "cuda", "Fake", (7, 5), False, "float16", "float32", "tiny", "d",
                                tier="t4", gpu_memory_bytes=2**20)  # 1 MiB: the weights alone do not fit
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # the rollout fits anything
-    with pytest.raises(MemoryError, match="training needs more than this GPU's 0.0 GiB"):
+    with pytest.raises(MemoryError, match="needs more than this GPU.s 0.0 GiB"):
         notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
                             gradient_accumulation_steps=1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**10, 2**40))  # 1 KiB free: no KV pool fits

@@ -54,12 +54,12 @@ def test_shape_title_setup_parameters_markdown_summary_exercises(nb):
     for part in ("What you will see", "Runtime", "Hardware"):
         assert part in title, f"{path.name}: the opening cell must say {part!r}"
     code = [c for c in cells if c.cell_type == "code"]
-    setup = [c for c in code if "env = setup()" in c.source]
+    setup = [c for c in code if f'env = setup("{path.stem}")' in c.source]
     assert len(setup) == 1 and setup[0] is code[0], f"{path.name}: one setup cell, first"
     assert "pip" in setup[0].source and "google.colab" in setup[0].source
     params = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## Parameters")]
     assert len(params) == 1 and cells[params[0] + 1].cell_type == "code", f"{path.name}: one parameters cell"
-    assert "env.pick(" in cells[params[0] + 1].source
+    assert "env.sizes" in cells[params[0] + 1].source, f"{path.name}: sizes from cbkit.teach.tiers (env.sizes)"
     for i, cell in enumerate(cells):
         if cell.cell_type == "code":
             assert cells[i - 1].cell_type == "markdown", f"{path.name}: cell {i} has no markdown before it"
@@ -76,6 +76,23 @@ def test_colab_install_points_at_the_repository(nb):
     path, book = nb
     assert f"git+{repository_url()}" in book.cells[2].source or any(
         f"git+{repository_url()}" in c.source for c in book.cells if c.cell_type == "code"), path.name
+
+
+def test_colab_asks_for_a_gpu_and_restarts_after_replacing_a_package(nb):
+    path, book = nb
+    assert book.metadata.get("accelerator") == "GPU", f"{path.name}: metadata must request a GPU runtime"
+    assert "colab" in book.metadata and book.metadata["colab"].get("gpuType"), path.name
+    assert "restart_if_replaced()" in book.cells[2].source, f"{path.name}: the install must handle Colab's restart"
+
+
+def test_notebook_text_links_instead_of_repository_paths(nb):
+    # A pip-installed kit has no docs/ or cbkit/*.py next to the notebook: cite them as links to the repository.
+    path, book = nb
+    bare = re.compile(r"(?<![\[/])`((?:docs|cbkit|scripts)/[\w/.-]+\.(?:py|md|sh))`(?!\])")
+    for i, cell in enumerate(book.cells):
+        if cell.cell_type == "markdown":
+            found = bare.findall(cell.source)
+            assert not found, f"{path.name} cell {i}: link {found} to {repository_url()}/blob/main/..."
 
 
 def test_readme_lists_every_notebook_with_a_colab_badge():

@@ -38,11 +38,9 @@ that turns a plan into a backend (``recommend``) is `cbkit.measure.advise`.
 
 Accuracy. The CB block count is exact: tests/test_advise.py builds the engine on the tiny model (workload,
 ``num_blocks`` and memory sizing, default and small ``max_batch_tokens``) and compares. Peak *bytes* are
-an estimate. On this repo's 2-core CPU with SmolLM2-135M (2 prompts of 80 tokens, 96 new tokens, N=4
-and 16), measured RSS ran 1.4-1.6x above the plan for generate() and 2-3x above it for CB. Not profiled;
-likely RSS-only effects the plan does not model (allocator slack, a malloc arena for the engine's decode
-thread, SDPA's CPU kernels). On CPU treat the plan as a lower bound; GPU peaks (``max_memory_allocated``)
-have not been checked against it yet.
+an estimate, and on CPU a lower bound: RSS counts what the plan does not model (allocator slack, the engine
+thread's malloc arena); docs/cpu_results.md has how far apart they were. Every sweep run records its
+``plan_error``.
 
 Simplifications: full and sliding-window attention only (no MLA, no linear attention); activations are
 counted for inference without gradients; prefix sharing (blocks shared between a group's identical
@@ -51,6 +49,7 @@ prompts) is ignored, so CB's *use* of its pool is overestimated, never its size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,8 +65,11 @@ __all__ = [
     "GeneratePlan",
     "Plan",
     "crossover_n",
+    "crossover_vs_pool",
     "plan",
     "planned_points",
+    "pool_blocks",
+    "training_bytes",
 ]
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -194,7 +196,7 @@ def plan(
         raise ValueError(
             f"mean_completion_len must be between 1 and max_new_tokens={max_new_tokens}, got {mean_completion_len}."
         )
-    shape = _Shape.of(text, dtype_bytes)
+    shape = _Shape.read(text, dtype_bytes)
     rows = num_prompts * num_generations
     gen = _plan_generate(shape, rows, max(lens), max_new_tokens, budget_bytes)
     cb, notes = _plan_continuous(
@@ -238,25 +240,35 @@ def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | 
     return None
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """The numbers of a config the planner needs, read the way transformers' CB engine reads them."""
+def crossover_vs_pool(config: Any, pools_bytes: Sequence[int], *, page_size: int, max_n: int = 1024,
+                      **plan_kwargs: Any) -> list[dict[str, Any]]:
+    """The pool as a fixed price: for each pool size (bytes of KV, fixed as ``num_blocks``), the crossover N
+    (`crossover_n`). A bigger pool costs more at every N, so generate() outgrows it later. ``plan_kwargs`` go to
+    `plan` (``dtype_bytes`` among them); their ``cb_config`` may set other engine keys."""
+    base = dict(plan_kwargs.pop("cb_config", None) or {})
+    out = []
+    for pool in pools_bytes:
+        blocks = pool_blocks(config, int(pool), page_size=page_size, dtype_bytes=plan_kwargs["dtype_bytes"])
+        cfg = {**base, "page_size": page_size, "num_blocks": blocks}
+        out.append({"pool_bytes": blocks * page_size * kv_bytes_per_token(config, plan_kwargs["dtype_bytes"]),
+                    "num_blocks": blocks,
+                    "crossover_n": crossover_n(config, max_n=max_n, cb_config=cfg, **plan_kwargs)})
+    return out
 
-    layers: int
+
+@dataclass(frozen=True)
+class _Shape(Shape):
+    """Roofline's `Shape` plus what the planner reads the way transformers' CB engine reads it: which layers
+    attend to a sliding window, and the dtype's bytes."""
+
     full_layers: int
     sliding_layers: int
     sliding_window: int | None
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
     a: int  # dtype bytes
 
     @classmethod
-    def of(cls, cfg: Any, a: int) -> _Shape:
-        base = Shape.of(cfg)  # roofline's reading of heads, widths and layers; the layer types are the planner's
+    def read(cls, cfg: Any, a: int) -> _Shape:
+        base = Shape.of(cfg)
         layers = base.layers
         types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None)
@@ -268,8 +280,8 @@ class _Shape:
             if unknown:
                 raise ValueError(f"The planner knows full and sliding-window attention only, not {sorted(unknown)}.")
             sliding = sum(t == "sliding_attention" for t in types)
-        return cls(layers, layers - sliding, sliding, window if sliding else None, base.heads, base.kv_heads,
-                   base.head_dim, base.hidden, base.intermediate, base.vocab, a)
+        return cls(**dataclasses.asdict(base), full_layers=layers - sliding, sliding_layers=sliding,
+                   sliding_window=window if sliding else None, a=a)
 
     @property
     def kv_layer_token(self) -> int:
@@ -343,7 +355,8 @@ def _plan_continuous(
     tokens_per_sector = max((sector // b) * page for b in group_block_bytes)
     block = s.layers * page_bytes
 
-    # PagedAttentionMemoryHandler (cache.py)
+    # PagedAttentionMemoryHandler (cache.py), mirrored: its constructor reads *this* machine's free memory (the plan is
+    # for a budget, often another GPU's) and its inputs exist only inside PagedAttentionCache on a loaded model.
     i32, i64, groups = 4, 8, len(group_block_bytes)
     io_mult = 2 if use_async else 1
     kv_heads_at_peak = 2 * s.kv_heads if flash else 2 * s.heads + s.kv_heads
@@ -434,6 +447,40 @@ def check_positive(**values: int) -> None:
 
 def _given(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
+
+
+# --- the training step beside the rollout ----------------------------------------------------------------------
+
+# fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8 bytes a parameter.
+TRAIN_STATE_BYTES_PER_PARAM = 16
+
+
+def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
+                   autocast: bool) -> dict[str, int]:
+    """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one micro-batch's
+    loss logits (`cbkit.train.batch.logits_bytes`) and its saved activations. Activations: 34 x hidden bytes per
+    token per layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation", without the attention
+    scores SDPA never stores), scaled by the MLP's width over GPT's 4 x hidden and doubled in fp32 (no autocast).
+    An estimate: the loop's other buffers are not counted."""
+    from cbkit.train.batch import logits_bytes
+
+    s = _Shape.of(config.get_text_config() if hasattr(config, "get_text_config") else config, 2)
+    width = max(1.0, s.intermediate / (4 * s.hidden))
+    per_token_layer = 34 * s.hidden * width * (1 if autocast else 2)
+    parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
+             "logits": logits_bytes(micro_batch_rows, completion_len, s.vocab),
+             "activations": int(micro_batch_rows * tokens_per_row * s.layers * per_token_layer)}
+    return {**parts, "total": sum(parts.values())}
+
+
+def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: int) -> int:
+    """The CB engine's ``num_blocks`` for a pool of ``pool_bytes`` of KV: a pool fixed in bytes, whatever the GPU's
+    free memory (the engine's own sizing takes a share of whatever is free)."""
+    per_block = kv_bytes_per_token(config, dtype_bytes) * page_size
+    if pool_bytes < per_block:
+        raise ValueError(f"a pool of {fmt_bytes(pool_bytes)} holds no block of {page_size} tokens "
+                         f"({fmt_bytes(per_block)}); give it more memory.")
+    return pool_bytes // per_block
 
 
 # --- formatting ---------------------------------------------------------------------------------------------

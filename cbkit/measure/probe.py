@@ -23,8 +23,8 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
     """This machine's matmul throughput at the model's dtype and width: the best FLOP/s of a
     [rows x hidden] @ [hidden x intermediate] ``torch.mm`` over ``rows``, each timed over repeated calls
     for at least ``min_seconds`` after one warm-up (CUDA synchronised before every clock read), the shapes
-    taken in turn for ``rounds`` rounds. (One 0.1 s pass per shape read 86 and 154 GFLOP/s in two sweeps on the
-    same quiet 2-core machine: a [4096 x 576] @ [576 x 1536] product runs twice in 0.1 s.)
+    taken in turn for ``rounds`` rounds: one short pass per shape reads low and unevenly on a CPU
+    (docs/cpu_results.md).
 
     It is the ceiling MFU is measured against: a run at MFU 0.3 did 30% of the matmul work this machine
     can do per second. The same code runs on CUDA; on a shared CPU the probe is only as quiet as the machine.

