@@ -200,7 +200,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
-    from cbkit.measure.tables import points_table, results_summary, trl_benchmark_table, write_csv
+    from cbkit.measure.tables import points_table, results_summary, roof_table, trl_benchmark_table, write_csv
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
@@ -240,6 +240,8 @@ def _sweep(args: argparse.Namespace) -> int:
     print(points_table(points))
     print()
     print(trl_benchmark_table(points))
+    print()
+    print(roof_table(points))
     write_csv(points, out.with_suffix(".csv"))
     _gpu_tables(points, cfg.model, force=args.preset == "trl-benchmark")
     _finish_report(points, out, cfg.fingerprint())
@@ -319,7 +321,7 @@ def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.results import aggregate, read_results
-    from cbkit.measure.tables import points_table, results_summary, trl_benchmark_table, write_csv
+    from cbkit.measure.tables import points_table, results_summary, roof_table, trl_benchmark_table, write_csv
 
     out = Path(args.results)
     results = read_results(out)
@@ -329,6 +331,8 @@ def _report(args: argparse.Namespace) -> int:
     print(points_table(points))
     print()
     print(trl_benchmark_table(points))
+    print()
+    print(roof_table(points))
     _gpu_tables(points, results.fingerprint.get("model"))
     _finish_report(points, out, results.fingerprint)
     return 0

@@ -264,3 +264,77 @@ def test_cli_says_which_workload_ran(tmp_path, capsys):
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "lengths: replay:gsm8k" in printed and "scaled x8/232" in printed and "matmul probe:" in printed
+
+
+def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp_path, monkeypatch, capsys):
+    def no_bandwidth(*a, **k):
+        raise RuntimeError("no bandwidth here")
+
+    monkeypatch.setattr(probe, "bandwidth_probe", no_bandwidth)
+    out = tmp_path / "s.jsonl"
+    points = run_sweep(_cfg(ns=(2,), repeats=1, lengths="fixed"), out, policy=tiny)
+    runs = _runs(out)
+    assert len(runs) == 2 and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in runs)  # still measured
+    for r in runs:
+        assert r["roof_tokens_per_s"] is None and r["roof_share"] is None and r["bytes_per_s"] is None
+        assert "bytes_per_s: bandwidth probe failed: RuntimeError: no bandwidth here" in r["roof_missing"]
+        assert r["mfu"] is not None  # the matmul roof was probed: MFU stands without the other one
+    assert all(p["roof_share"] is None and "no bandwidth here" in p["roof_missing"] for p in points)
+    assert "no bytes_per_s (bandwidth probe failed" in capsys.readouterr().out
+    summary = tables.results_summary(out)
+    assert "read bandwidth (sum over a 256 MiB tensor): missing in 1 probe(s)" in summary
+    row = next(line for line in tables.points_table(points).splitlines() if " generate " in line)
+    assert row.split()[-3:-1] == ["-", "-"]  # roof and share of it: empty, not zero
+
+
+def test_without_a_matmul_probe_there_is_no_mfu_and_no_roof(tiny, tmp_path, monkeypatch):
+    def no_matmul(*a, **k):
+        raise torch.OutOfMemoryError("probe did not fit")
+
+    monkeypatch.setattr(probe, "matmul_probe", no_matmul)
+    out = tmp_path / "s.jsonl"
+    run_sweep(_cfg(ns=(1,), repeats=1, lengths="fixed"), out, policy=tiny)
+    for r in _runs(out):
+        assert r["status"] == "ok" and r["peak_flops"] is None and r["mfu"] is None
+        assert r["roof_tokens_per_s"] is None and "peak_flops: matmul probe failed: OutOfMemoryError" in r["roof_missing"]
+        assert r["bytes_per_s"] > 0  # the probe that ran is kept
+
+
+def test_each_n_is_probed_again_and_its_runs_carry_that_probe(tiny, tmp_path, monkeypatch):
+    import cbkit.measure.sweep as sweep_module
+    from cbkit.measure.roofline import rollout_roofline
+
+    probes = iter([(5e8, 1e12), (1e15, 2e6)])  # start: compute binds; before N=2: bandwidth binds
+
+    def fake(model, **k):
+        flops, bw = next(probes)
+        return {"peak_flops": flops, "bytes_per_s": bw, "probe_missing": {}, "peak_flops_spread": 0.1,
+                "bytes_per_s_spread": 0.2}
+
+    monkeypatch.setattr(sweep_module, "machine_probe", fake)
+    out = tmp_path / "s.jsonl"
+    run_sweep(_cfg(ns=(1, 2), repeats=1, lengths="fixed"), out, policy=tiny)
+    lines = [x for x in _lines(out) if x["kind"] == "probe"]
+    assert [x["before_N"] for x in lines] == [None, 2]
+    for r in _runs(out):
+        flops, bw = (5e8, 1e12) if r["N"] == 1 else (1e15, 2e6)
+        assert r["peak_flops"] == flops and r["bytes_per_s"] == bw
+        assert r["roof_bound"] == ("compute" if r["N"] == 1 else "bandwidth")
+        roof = rollout_roofline(tiny.model.config, prompt_lens=[len(r_) for r_ in _prompt_ids(tiny)],
+                                completion_lengths=r["completion_lengths"], dtype_bytes=4, peak_flops=flops,
+                                bytes_per_s=bw)
+        assert r["roof_tokens_per_s"] == pytest.approx(roof["attainable_tokens_per_s"])
+        assert r["roof_share"] == pytest.approx(r["tokens_per_s"] / roof["attainable_tokens_per_s"])
+
+
+def _prompt_ids(tiny):
+    from cbkit.train.setup import set_up_run
+
+    return set_up_run("tiny", "synthetic", 1, seed=0, policy=tiny).prompts
+
+
+def test_bandwidth_probe_keeps_every_round_and_the_spread_is_worked_by_hand():
+    measured = probe.bandwidth_probe("cpu", nbytes=8 * 2**20, min_seconds=0.01, rounds=3)
+    assert len(measured["bandwidth_rounds"]) == 3 and measured["bytes_per_s"] == max(measured["bandwidth_rounds"])
+    assert 1e7 < measured["bytes_per_s"] < 1e13  # 10 MB/s .. 10 TB/s: a CPU reads somewhere in between
+    assert probe.spread([4.0, 3.0, 2.0]) == 0.5 and probe.spread([2.0, 2.0]) == 0.0 and probe.spread([]) is None

@@ -464,7 +464,7 @@ def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, c
     An estimate: the loop's other buffers are not counted."""
     from cbkit.train.batch import logits_bytes
 
-    s = _Shape.of(config.get_text_config() if hasattr(config, "get_text_config") else config, 2)
+    s = Shape.of(config)  # roofline's reading of the widths and layers (text config included)
     width = max(1.0, s.intermediate / (4 * s.hidden))
     per_token_layer = 34 * s.hidden * width * (1 if autocast else 2)
     parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,

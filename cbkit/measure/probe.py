@@ -1,7 +1,9 @@
-"""What this machine can do: a matmul probe at the model's dtype and width, and MFU against it.
+"""What this machine can do: a matmul probe at the model's dtype and width, a read-bandwidth probe, and MFU.
 
 A run's model FLOP utilisation is 2 x matmul parameters x completion tokens / seconds, over the probed peak: the
-number that says how far a backend is from the hardware, next to its speed.
+number that says how far a backend is from the hardware, next to its speed. The two probes together are the roofs
+`measure/roofline.py` turns into the attainable tokens/s of a run's shape; `machine_probe` takes both, with the
+spread of their rounds, and records a probe that cannot run instead of guessing its number.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
     inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
     device, dtype = model.device, model.dtype
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best, per_rows = 0.0, {}
+    best, per_rows, rounds_by_rows = 0.0, {}, {}
     for r in [r for _ in range(rounds) for r in rows]:
         a = torch.randn(r, hidden, device=device, dtype=dtype)
         b = torch.randn(hidden, inter, device=device, dtype=dtype)
@@ -52,9 +54,12 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
                         break
         flops = 2 * r * hidden * inter * calls / elapsed
         per_rows[str(r)] = max(flops, per_rows.get(str(r), 0.0))
+        rounds_by_rows.setdefault(str(r), []).append(flops)
         best = max(best, flops)
         del a, b
+    best_rows = max(per_rows, key=per_rows.get)
     return {"peak_flops": best, "probe_flops_by_rows": per_rows, "probe_shape": [hidden, inter],
+            "peak_flops_rounds": rounds_by_rows[best_rows], "peak_flops_spread": spread(rounds_by_rows[best_rows]),
             "probe_dtype": str(dtype).removeprefix("torch."), "probe_device": device.type}
 
 
@@ -73,3 +78,64 @@ def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops
     if not seconds or seconds <= 0 or not peak_flops:
         return None
     return 2 * params * completion_tokens / seconds / peak_flops
+
+
+# --- the other roof: memory bandwidth ---------------------------------------------------------------------------
+
+# The bandwidth probe reads this many bytes per pass: far more than any last-level cache, so it times DRAM (or HBM),
+# as a decode step does when it reads every weight once.
+BANDWIDTH_BYTES = 256 * 2**20
+
+
+def bandwidth_probe(device: torch.device | str = "cpu", nbytes: int = BANDWIDTH_BYTES, min_seconds: float = 0.1,
+                    rounds: int = 3) -> dict[str, Any]:
+    """This machine's read bandwidth: a sum over an ``nbytes`` float32 tensor (every byte read once, almost no
+    arithmetic), repeated for at least ``min_seconds`` per round after one warm-up pass; the best round is the
+    roof, every round is kept so the spread of a noisy machine shows. Reading is what a decode step does with the
+    weights and the KV cache; a copy would also time writes, which it barely has."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    per_round = []
+    with torch.no_grad():
+        x.sum()
+        sync()
+        for _ in range(rounds):
+            passes, start = 0, time.perf_counter()
+            while True:
+                x.sum()
+                passes += 1
+                sync()
+                elapsed = time.perf_counter() - start
+                if elapsed >= min_seconds:
+                    break
+            per_round.append(x.numel() * 4 * passes / elapsed)
+    del x
+    return {"bytes_per_s": max(per_round), "bandwidth_rounds": per_round, "bandwidth_bytes": nbytes,
+            "bandwidth_device": device.type}
+
+
+def spread(values: Sequence[float]) -> float | None:
+    """(best - worst) / best over a probe's rounds: 0 on a quiet machine, growing with the noise."""
+    values = [v for v in values if v]
+    return (max(values) - min(values)) / max(values) if values else None
+
+
+def machine_probe(model, *, matmul_rounds: int = 3, matmul_seconds: float = 0.25,
+                  bandwidth_rounds: int = 3) -> dict[str, Any]:
+    """Both roofs of this machine, probed now: matmul FLOP/s at the model's dtype and width and read bandwidth,
+    with the spread of each over its rounds. A probe that cannot run leaves its fields None and says why under
+    ``probe_missing`` (name -> reason): a roof is never made up, and whatever does not need it is still measured."""
+    out: dict[str, Any] = {"peak_flops": None, "bytes_per_s": None, "probe_missing": {}}
+    try:
+        mm = matmul_probe(model, min_seconds=matmul_seconds, rounds=matmul_rounds)
+        out.update(mm)
+    except Exception as e:  # a probe is a measurement like any other: its failure is recorded, not fatal
+        out["probe_missing"]["peak_flops"] = f"matmul probe failed: {type(e).__name__}: {str(e)[:200]}"
+    try:
+        bw = bandwidth_probe(model.device, rounds=bandwidth_rounds)
+        out.update(bw)
+        out["bytes_per_s_spread"] = spread(bw["bandwidth_rounds"])
+    except Exception as e:
+        out["probe_missing"]["bytes_per_s"] = f"bandwidth probe failed: {type(e).__name__}: {str(e)[:200]}"
+    return out

@@ -93,7 +93,7 @@ class ResultsFile:
         self.runs.append(run)
 
     def add_line(self, record: dict[str, Any]) -> None:
-        """A line that is not a run (the matmul probe): kept in the file, skipped by `done` and `aggregate`."""
+        """A line that is not a run (a probe of the machine): kept in the file, skipped by `done` and `aggregate`."""
         self._append(record)
 
 
@@ -110,13 +110,15 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes",
                     "kv_padding_share", "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean",
                     "length_cv", "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes",
-                    "device_used_bytes", "nvml_bytes"):
+                    "device_used_bytes", "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
         if not ok:
             point["peak_mem_bytes"] = max((r["peak_mem_bytes"] or 0 for r in rs), default=None)
         point["peak_mem_kind"] = next((r.get("peak_mem_kind") for r in rs if r.get("peak_mem_kind")), None)
         point["lengths"] = next((r.get("lengths") for r in rs if r.get("lengths")), None)
+        for key in ("roof_bound", "roof_missing"):  # what bound the roof, or why there is none: the same every repeat
+            point[key] = next((r.get(key) for r in ok if r.get(key)), None)
         points.append(point)
     by_key = {(p["backend"], p["N"]): p for p in points}
     for p in points:

@@ -18,8 +18,11 @@ How a sweep runs, and why:
   Both backends get the same targets at a point, and every run line records the workload, the
   per-completion lengths, their mean / CV / max and the share of a static batch's decode slots those
   lengths leave as padding: the spread CB has to win back, printed next to the speed it won;
-* the limit beside the number: a short matmul probe at the sweep's start measures what this machine can
-  do at the model's dtype and width, and each run reports its model FLOP utilisation (MFU) against it.
+* the limit beside the number: a probe of both roofs of this machine (matmul FLOP/s at the model's dtype and width,
+  read bandwidth) runs at the sweep's start and again before every N, so a noisy machine shows as the spread of
+  the probes; each run records the probe next to it, its model FLOP utilisation (MFU) and its share of the
+  attainable tokens/s of its own shape (`measure/roofline.py`: FLOPs and bytes of every decode step, the lower
+  roof binding). A probe that cannot run leaves those columns empty and the run line says why: no roof is made up.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from cbkit.measure.probe import matmul_params, matmul_probe, mfu
+from cbkit.measure.probe import machine_probe, matmul_params, mfu
 from cbkit.measure.results import ResultsFile, aggregate
 from cbkit.measure.workload import LengthWorkload, decode_padding_share, length_stats, parse_lengths
 from cbkit.rollout import BACKENDS, SamplingParams
@@ -290,16 +293,19 @@ def run_sweep(
                               seed=cfg.seed)
     dtype_bytes = model.dtype.itemsize
     workload = cfg.workload
-    # The limit beside the number: measured once per session, recorded as its own line and in every run.
-    probe = matmul_probe(model)
-    results.add_line({"kind": "probe", "time": time.time(), "lengths": workload.describe(cfg.max_new_tokens),
-                      **probe})
+    # The limit beside the number: probed at the start and again before every N (a shared machine's roofs move),
+    # each probe recorded as its own line; a run carries the probe taken next to it.
+    probe = _probe_line(results, model, workload.describe(cfg.max_new_tokens), point=None)
     params = matmul_params(model)
     # Each backend is warmed up with one short call: first calls pay one-off costs, not what we compare.
     backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention) for b in cfg.backends}
 
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
+    probed_at = None
     for n, rep, b in tqdm(todo, desc="sweep runs"):
+        if probed_at is not None and probed_at != n:
+            probe = _probe_line(results, model, workload.describe(cfg.max_new_tokens), point=n)
+        probed_at = n
         run_sampling = dataclasses.replace(sampling, seed=cfg.seed + rep)
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
         targets = workload.targets(len(prompts) * n, cfg.max_new_tokens, seed=run_sampling.seed)
@@ -313,13 +319,48 @@ def run_sweep(
             seconds = measured.get("rollout_s")
             run.update(matmul_params=params, peak_flops=probe["peak_flops"],
                        mfu=mfu(params, measured["completion_tokens"], seconds, probe["peak_flops"])
-                       if not cfg.full_step else None)
+                       if not cfg.full_step and probe["peak_flops"] else None)
+            if not cfg.full_step:
+                run.update(roof_record(model.config, prompts, measured, probe, dtype_bytes))
         if not cfg.full_step:  # the planner predicts a rollout, not a training step
             run.update(_planned(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets))
         results.add(run)
         if on_point is not None:
             on_point(run)
     return aggregate(results.runs)
+
+
+def _probe_line(results: ResultsFile, model, lengths: str, point: int | None) -> dict[str, Any]:
+    probe = machine_probe(model)
+    results.add_line({"kind": "probe", "time": time.time(), "lengths": lengths, "before_N": point, **probe})
+    for name, why in probe["probe_missing"].items():
+        print(f"probe: no {name} ({why}); the columns that need it stay empty", flush=True)
+    return probe
+
+
+def roof_record(config, prompts, measured: dict[str, Any], probe: dict[str, Any], dtype_bytes: int) -> dict[str, Any]:
+    """A run's roofline fields: the attainable tokens/s of its shape (its prompts, its completions' lengths) on
+    the probed machine, the share of it the run reached, and which roof bound most decode steps. Without both
+    peaks the fields are None and ``roof_missing`` says which probe failed and why."""
+    from cbkit.measure.roofline import rollout_roofline
+
+    empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
+    missing = {k: v for k, v in (probe.get("probe_missing") or {}).items()}
+    for key in ("peak_flops", "bytes_per_s"):
+        if not probe.get(key) and key not in missing:
+            missing[key] = "not probed"
+    if missing:
+        return {**empty, "roof_missing": "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))}
+    roof = rollout_roofline(config, prompt_lens=[len(p) for p in prompts],
+                            completion_lengths=measured["completion_lengths"], dtype_bytes=dtype_bytes,
+                            peak_flops=probe["peak_flops"], bytes_per_s=probe["bytes_per_s"])
+    attainable = roof["attainable_tokens_per_s"]
+    share = measured["tokens_per_s"] / attainable if attainable and measured.get("tokens_per_s") else None
+    bound = "compute" if roof["compute_bound_steps"] * 2 > roof["decode_steps"] else "bandwidth"
+    return {**empty, "roof_tokens_per_s": attainable, "roof_share": share, "roof_bound": bound,
+            "roof_seconds": roof["roof_seconds"], "roof_compute_bound_steps": roof["compute_bound_steps"],
+            "roof_decode_steps": roof["decode_steps"], "peak_flops_spread": probe.get("peak_flops_spread"),
+            "bytes_per_s_spread": probe.get("bytes_per_s_spread")}
 
 
 def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:

@@ -32,6 +32,28 @@ def trl_benchmark_table(points: list[dict[str, Any]], backend: str = "continuous
     return "\n".join(rows)
 
 
+def roof_table(points: list[dict[str, Any]]) -> str:
+    """Every backend at every N against the roofline of its shape: speed vs generate(), MFU, the attainable tokens/s
+    on the probed machine (and which roof binds), and the share of it reached. An empty cell is a roof that
+    could not be probed (the results summary says why), never a zero."""
+    rows = ["| N | backend | tok/s | speed vs generate | MFU | roof tok/s (bound) | share of roof |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "—"
+
+    for p in sorted(points, key=lambda p: (p["N"], p["backend"])):
+        if p["status"] != "ok":
+            rows.append(f"| {p['N']} | {p['backend']} | {p['status'].upper()} | — | — | — | — |")
+            continue
+        roof = (f"{p['roof_tokens_per_s']:.0f} ({p.get('roof_bound') or '?'})"
+                if p.get("roof_tokens_per_s") is not None else "—")
+        speed = f(p.get("speed_vs_generate"), ".2f") + ("x" if p.get("speed_vs_generate") is not None else "")
+        rows.append(f"| {p['N']} | {p['backend']} | {f(p.get('tokens_per_s'), '.1f')} | {speed} | "
+                    f"{f(p.get('mfu'), '.1%')} | {roof} | {f(p.get('roof_share'), '.1%')} |")
+    return "\n".join(rows)
+
+
 def _spread_cell(p: dict[str, Any]) -> str:
     if p.get("length_mean") is None:
         return "—"
@@ -41,10 +63,11 @@ def _spread_cell(p: dict[str, Any]) -> str:
 
 def points_table(points: list[dict[str, Any]]) -> str:
     """Every point: speed, memory, the length spread it ran (mean, CV, max; pad = share of a static batch's
-    decode slots those lengths leave as padding) and its MFU against the sweep's matmul probe."""
-    head = f"{'N':>4} {'backend':<11} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} " \
+    decode slots those lengths leave as padding), its MFU against the sweep's matmul probe, and its share of the
+    roofline of its shape (roof = attainable tok/s on the probed machine; bound: c = compute, b = bandwidth)."""
+    head = f"{'N':>4} {'backend':<17} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} " \
            f"{'KV MiB':>8} {'len':>6} {'CV':>5} {'max':>4} {'pad':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} " \
-           f"{'plan err':>8}"
+           f"{'roof':>7} {'of roof':>7} {'plan err':>8}"
     lines = [head, "-" * len(head)]
 
     def f(v, fmt):
@@ -52,15 +75,22 @@ def points_table(points: list[dict[str, Any]]) -> str:
 
     for p in points:
         lines.append(
-            f"{p['N']:>4} {p['backend']:<11} {p['status']:<6} {f(p['tokens_per_s'], '8.1f'):>8} "
+            f"{p['N']:>4} {p['backend']:<17} {p['status']:<6} {f(p['tokens_per_s'], '8.1f'):>8} "
             f"{f(p['rollout_s'], '9.1f'):>9} {f(p['peak_mem_bytes'] and p['peak_mem_bytes'] / 2**20, '9.0f'):>9} "
             f"{f(p['kv_bytes'] and p['kv_bytes'] / 2**20, '8.1f'):>8} {f(p.get('length_mean'), '6.1f'):>6} "
             f"{f(p.get('length_cv'), '5.2f'):>5} {f(p.get('length_max'), '4.0f'):>4} "
             f"{f(p.get('decode_padding_share'), '5.2f'):>5} "
             f"{f(p['speed_vs_generate'], '7.2f'):>7} {f(p['mem_vs_generate'], '6.2f'):>6} "
-            f"{f(p.get('mfu'), '6.1%'):>6} {f(p.get('plan_error'), '+8.0%'):>8}"
+            f"{f(p.get('mfu'), '6.1%'):>6} {_roof_cell(p):>7} {f(p.get('roof_share'), '7.1%'):>7} "
+            f"{f(p.get('plan_error'), '+8.0%'):>8}"
         )
     return "\n".join(lines)
+
+
+def _roof_cell(p: dict[str, Any]) -> str:
+    if p.get("roof_tokens_per_s") is None:
+        return "-"
+    return f"{p['roof_tokens_per_s']:.0f} {(p.get('roof_bound') or '?')[0]}"
 
 
 def results_summary(results: Results | str | Path) -> str:
@@ -76,14 +106,40 @@ def results_summary(results: Results | str | Path) -> str:
             out = [parse_lengths(spec).describe(fp.get("max_new_tokens", 0))]
         except ValueError:  # a replayed file that has moved since: the spec is still what ran
             out = [f"lengths: {spec}"]
-    probe = results.probes[-1] if results.probes else None
-    if probe is not None:
+    probes = results.probes
+    probe = next((x for x in reversed(probes) if x.get("peak_flops")), probes[-1] if probes else None)
+    if probe is not None and probe.get("peak_flops"):
         hidden, inter = probe["probe_shape"]
         out.append(f"matmul probe: {probe['peak_flops'] / 1e9:.1f} GFLOP/s ({probe['probe_device']}, "
                    f"{probe['probe_dtype']}, [rows x {hidden}] @ [{hidden} x {inter}], best of rows "
                    f"{', '.join(probe['probe_flops_by_rows'])}); MFU = 2 x matmul params x completion tokens / "
                    "rollout seconds / this peak")
+    out.extend(_probe_lines(probes))
     return "\n".join(out)
+
+
+def _probe_lines(probes: list[dict[str, Any]]) -> list[str]:
+    """Both roofs over every probe of the file (one at the start, one before each N): the range they moved in,
+    the rounds' spread inside a probe, and any probe that could not run, with its reason."""
+    out = []
+    for key, unit, scale, what in (("peak_flops", "GFLOP/s", 1e9, "matmul"),
+                                   ("bytes_per_s", "GB/s", 1e9, "read bandwidth (sum over a 256 MiB tensor)")):
+        vals = [p[key] for p in probes if p.get(key)]
+        spreads = [p[f"{key}_spread"] for p in probes if p.get(f"{key}_spread") is not None]
+        failed = [p["probe_missing"][key] for p in probes if key in (p.get("probe_missing") or {})]
+        missing = sorted(set(failed))
+        if vals:
+            line = (f"{what}: {len(vals)} probe(s), {min(vals) / scale:.2f}-{max(vals) / scale:.2f} {unit}"
+                    + (f", spread within a probe up to {max(spreads):.0%}" if spreads else ""))
+            out.append(line)
+        if missing:
+            out.append(f"{what}: missing in {len(failed)} probe(s): {'; '.join(missing)} -- its columns stay empty")
+        if not vals and not missing and probes:
+            out.append(f"{what}: not probed in this file (a sweep from before that probe) -- its columns stay empty")
+    if probes:
+        out.append("roof = attainable completion tokens/s of each run's shape on the probe next to it "
+                   "(cbkit/measure/roofline.py); of roof = the run's tokens/s over it")
+    return out
 
 
 def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
@@ -93,7 +149,7 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
             "kv_bytes", "kv_padding_share", "completion_tokens", "speed_vs_generate",
             "mem_vs_generate", "planned_peak_bytes", "plan_error", "lengths", "length_mean", "length_cv",
             "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
-            "nvml_bytes"]
+            "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

@@ -37,6 +37,7 @@ import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
 from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine, varlen_unsupported_reason
+from cbkit.rollout.engine_loop import engine_loop, resolve_engine_loop
 from cbkit.telemetry import PeakMemory
 
 # cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
@@ -138,6 +139,7 @@ class ContinuousBackend:
         record_timestamps: bool = False,
         persistent: bool = False,
         cpu_attention: str = "batched",
+        engine_loop: str = "auto",
     ) -> None:
         self.model = model
         # On CPU, run the engine with cbkit's varlen attention instead of its dense block-diagonal mask, whose
@@ -145,6 +147,10 @@ class ContinuousBackend:
         if cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {cpu_attention!r}.")
         self.cpu_attention = cpu_attention
+        # Who runs the engine's loop: transformers' background thread unless "caller" is asked for
+        # (cbkit/rollout/engine_loop.py says why, with what was measured). Checked now, resolved per call.
+        resolve_engine_loop(engine_loop, torch.device("cpu"), cb_config)
+        self.engine_loop = engine_loop
         self.cb_overrides = dict(cb_config or {})
         self.record_timestamps = record_timestamps  # per-token clocks for the engine timeline
         # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of
@@ -222,6 +228,7 @@ class ContinuousBackend:
             outputs, resolved = _run_engine(
                 self.model, rows, gen_config, cb_config, sampling.max_new_tokens, self.record_timestamps,
                 persistent=self.persistent, targets=targets,
+                loop=resolve_engine_loop(self.engine_loop, self.model.device, self.cb_overrides),
             )
             mem.synchronize()
             wall = time.perf_counter() - start
@@ -259,6 +266,7 @@ def _run_engine(
     model, rows: list[list[int]], gen_config, cb_config, max_new_tokens: int, record_timestamps: bool,
     persistent: bool = False,
     targets: list[int] | None = None,
+    loop: str = "thread",
 ):
     """Submit every row, collect every result, and return them in submission order with the resolved config.
 
@@ -268,14 +276,9 @@ def _run_engine(
     target (`update_and_check_completion` in transformers' requests.py) and its blocks are freed then.
     """
     hints = _workload_hints(rows, max(targets) if targets else max_new_tokens)
-    with model.continuous_batching_context_manager(
-        generation_config=gen_config,
-        continuous_batching_config=cb_config,
-        block=True,
-        timeout=5,
-        workload_hints=hints,
-        persistent_manager=persistent,
-    ) as manager:
+    with engine_loop(loop, model, persistent, generation_config=gen_config, continuous_batching_config=cb_config,
+                     workload_hints=hints) as engine:
+        manager = engine.manager
         # With prefix sharing on (`allow_block_sharing`, the engine's default), each prompt is prefilled once.
         prefill_once = bool(getattr(manager, "_use_prefix_sharing", False))
         if prefill_once:
@@ -284,12 +287,12 @@ def _run_engine(
             # distinct prompt is prefilled first, alone, and its N completions then find its pages in the cache
             # and compute only their last, incomplete page. Two tokens, thrown away: the engine registers the
             # pages a forward completed only for a request still running after it (`mark_complete_blocks`).
-            with _paused(manager):
+            with engine.paused():
                 _reseed(manager, cb_config.seed)
                 prefill = [manager.add_request(list(p), max_new_tokens=2, eos_token_id=-1)
                            for p in _shared_prompts(rows, page_size(cb_config))]
-            _collect(manager, prefill)
-        with _paused(manager):
+            engine.collect(prefill)
+        with engine.paused():
             # All requests are queued while the loop is parked, so it takes them in one drain: how they are grouped
             # into batches, and so the order random numbers are drawn in, no longer depends on thread timing.
             if not prefill_once:
@@ -299,27 +302,9 @@ def _run_engine(
                                            record_timestamps=record_timestamps)
             else:
                 ids = _add_with_targets(manager, rows, targets, record_timestamps)
-        results = _collect(manager, ids)
+        results = engine.collect(ids)
         resolved = _resolved_config(manager)
     return [results[i] for i in ids], resolved
-
-
-def _collect(manager, ids: list[str]) -> dict[str, Any]:
-    """Wait for every request in `ids` to finish; raise on a failed one or a stopped engine."""
-    results: dict[str, Any] = {}
-    while len(results) < len(ids):
-        out = manager.get_result(timeout=1)
-        if out is None:
-            if not manager.is_running():
-                raise RuntimeError(
-                    f"The CB engine stopped after {len(results)} of {len(ids)} requests; see the log above."
-                )
-            continue
-        if out.is_finished():
-            if out.error is not None:
-                raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
-            results[out.request_id] = out
-    return results
 
 
 def _shared_prompts(rows: list[list[int]], page: int) -> list[tuple[int, ...]]:
@@ -386,13 +371,6 @@ def forget_cached_kv(manager) -> None:
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
     if cache is not None:
         cache.reset()
-
-
-@contextlib.contextmanager
-def _paused(manager):
-    pause = getattr(manager, "pause", None)  # transformers >= 5.2x; older engines take requests as they come
-    with pause() if pause is not None else contextlib.nullcontext():
-        yield
 
 
 def _reseed(manager, seed: int | None) -> None:
@@ -503,3 +481,13 @@ def engine_is_idle(model) -> bool:
     return not running and not str(model.config._attn_implementation).startswith("paged")
 
 
+
+
+class ThreadedContinuousBackend(ContinuousBackend):
+    """The CB engine on transformers' background thread whatever `engine_loop` says: a backend of its own, so one
+    sweep can measure it beside `continuous` run with another loop (`engine_loop.py`)."""
+
+    name = "continuous-thread"
+
+    def __init__(self, model, cb_config: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(model, cb_config, engine_loop="thread", **kwargs)

@@ -1,0 +1,104 @@
+"""The CB engine's loop driven from the caller's thread: the same rollout as transformers' thread, failures raise.
+
+The thread driver is the reference: both run the manager's own scheduler, cache and sampler, so with one seed they
+must draw the same tokens with the same logprobs, with and without prefix sharing and with a kept engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbkit.rollout import ContinuousBackend, SamplingParams, ThreadedContinuousBackend, make_backend
+from cbkit.rollout.continuous import engine_is_idle
+from cbkit.rollout.engine_loop import resolve_engine_loop
+
+
+def _prompts(tok):
+    # The second prompt is long enough to fill KV pages of 4 tokens: shared among its N completions.
+    return [tok("hi")["input_ids"], tok("what is 12 + 30? answer with a number")["input_ids"]]
+
+
+def _rollout(backend, tok, n=3, seed=5, targets=None):
+    sp = SamplingParams(max_new_tokens=10, temperature=1.3, seed=seed, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    return backend.generate(_prompts(tok), n, sp, target_lengths=targets)
+
+
+def _same(a, b):
+    assert [c.completion_ids for c in a.completions] == [c.completion_ids for c in b.completions]
+    assert [c.sampling_logprobs for c in a.completions] == [c.sampling_logprobs for c in b.completions]
+    assert [c.finish_reason for c in a.completions] == [c.finish_reason for c in b.completions]
+
+
+@pytest.mark.parametrize("cb_config", [{}, {"page_size": 4}, {"allow_block_sharing": False}])
+def test_caller_loop_samples_what_the_thread_samples(tiny, cb_config):
+    tok, model = tiny.tokenizer, tiny.model
+    caller = ContinuousBackend(model, cb_config, engine_loop="caller")
+    thread = ThreadedContinuousBackend(model, cb_config)
+    a, b = _rollout(caller, tok), _rollout(thread, tok)
+    _same(a, b)
+    assert len({c.completion_ids for c in a.completions}) > 1, "sampling drew one sequence: the test cannot tell"
+    # Replayed targets take the per-request path (EOS off, one max_new_tokens each).
+    targets = [3, 9, 5, 10, 1, 7]
+    a, b = _rollout(caller, tok, targets=targets), _rollout(thread, tok, targets=targets)
+    _same(a, b)
+    assert [len(c.completion_ids) for c in a.completions] == targets
+    assert engine_is_idle(model)
+
+
+def test_kept_engine_on_the_caller_loop_matches_a_fresh_thread_engine(tiny):
+    tok, model = tiny.tokenizer, tiny.model
+    reference = _rollout(ThreadedContinuousBackend(model), tok)
+    kept = ContinuousBackend(model, persistent=True, engine_loop="caller")
+    try:
+        first, second = _rollout(kept, tok), _rollout(kept, tok)
+        assert getattr(model, "_cached_continuous_batching_manager", None) is not None, "engine was not kept"
+        assert engine_is_idle(model)
+    finally:
+        kept.close()
+    _same(first, reference)
+    _same(second, reference)
+
+
+def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, monkeypatch):
+    tok, model = tiny.tokenizer, tiny.model
+    original_impl = model.config._attn_implementation
+    backend = ContinuousBackend(model, engine_loop="caller")
+    layer = model.model.layers[0].mlp
+    real = layer.forward
+    calls = {"n": 0}
+
+    def broken(x):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a few steps in: requests are running when it fails
+            raise RuntimeError("injected failure in the MLP")
+        return real(x)
+
+    monkeypatch.setattr(layer, "forward", broken)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _rollout(backend, tok)
+    monkeypatch.setattr(layer, "forward", real)
+    assert model.config._attn_implementation == original_impl and engine_is_idle(model)
+    # Nothing the failed call queued leaks into the next one.
+    _same(_rollout(backend, tok), _rollout(ThreadedContinuousBackend(model), tok))
+
+
+def test_which_loop_runs_where():
+    # The thread by default everywhere: the caller's loop was measured slower on CPU (docs/small_n.md).
+    assert resolve_engine_loop("auto", torch.device("cpu")) == "thread"
+    assert resolve_engine_loop("auto", torch.device("cuda")) == "thread"
+    assert resolve_engine_loop("caller", torch.device("cpu")) == "caller"
+    assert resolve_engine_loop("auto", torch.device("cpu"), {"use_async_batching": True}) == "thread"
+    assert resolve_engine_loop("thread", torch.device("cpu")) == "thread"
+    with pytest.raises(ValueError, match="cannot run async batching"):
+        resolve_engine_loop("caller", torch.device("cpu"), {"use_async_batching": True})
+    with pytest.raises(ValueError, match="engine_loop must be one of auto, caller, thread"):
+        resolve_engine_loop("inline", torch.device("cpu"))
+
+
+def test_the_thread_backend_is_a_backend_of_its_own(tiny):
+    backend = make_backend("continuous-thread", tiny.model)
+    assert backend.name == "continuous-thread" and backend.engine_loop == "thread"
+    with pytest.raises(ValueError, match="engine_loop must be one of"):
+        ContinuousBackend(tiny.model, engine_loop="background")
