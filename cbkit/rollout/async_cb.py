@@ -56,7 +56,6 @@ import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
 from cbkit.rollout.continuous import (
-    _paused,
     _refuse_softcap_on_cpu,
     _reseed,
     _resolved_config,
@@ -289,6 +288,13 @@ class AsyncEngine:
         with self._lock, torch.no_grad():
             self.snapshot.load_state_dict(state)
             self.version = version
+
+
+@contextlib.contextmanager
+def _paused(manager):
+    """transformers' own pause: the engine thread parks between two steps (this engine runs on that thread)."""
+    with manager.pause():
+        yield
 
 
 def _stop(manager) -> None:
