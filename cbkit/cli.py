@@ -293,6 +293,30 @@ def _finish_report(points, out, meta) -> None:
     print(f"results: {out} (JSONL), {csv} (CSV), {html} (plotly report)")
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if not _has_plotly():
+        raise ModuleNotFoundError("cbkit plot draws with plotly: pip install plotly.")
+    from cbkit.viz.training import read_metrics, reward_curve
+
+    path = Path(args.metrics)
+    if not path.is_file():
+        raise FileNotFoundError(f"No metrics file at {path}; `cbkit train --output-dir DIR` writes DIR/metrics.jsonl.")
+    rows = read_metrics(path)
+    keys = [k for k in args.keys.split(",") if k]
+    absent = [k for k in keys if not any(k in r for r in rows)]
+    if len(absent) == len(keys):
+        raise ValueError(f"None of {keys} is in {path}; it has e.g. {sorted(rows[0])[:8]}. Choose --keys from those.")
+    out = Path(args.out) if args.out else path.with_name("reward.html")
+    reward_curve(rows, keys, title=f"Reward per step: {path}").write_html(
+        out, include_plotlyjs=True)  # plotly.js embedded: the file opens offline
+    first, last = rows[0], rows[-1]
+    said = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys if k in first and k in last)
+    print(f"{len(rows)} steps ({said}, first -> last step); figure: {out}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -417,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="table, CSV and plotly HTML from a sweep results file")
     report.add_argument("results", help="the sweep's JSONL")
     report.set_defaults(func=_report)
+
+    plot = sub.add_parser("plot", help="the reward curve of a training run, as plotly HTML, from its metrics.jsonl")
+    plot.add_argument("metrics", help="a run's metrics.jsonl (cbkit train --output-dir DIR writes DIR/metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="HTML file to write (default: reward.html beside the metrics)")
+    plot.add_argument("--keys", default=",".join(("reward/mean", "reward/format", "reward/correctness")),
+                      help="comma-separated metrics to draw (default: the reward and its two built-in parts)")
+    plot.set_defaults(func=_plot)
 
     from cbkit.train.config import CBGRPOConfig
 

@@ -94,6 +94,11 @@ class Completion:
     completion_ids: tuple[int, ...]  # generated tokens up to and including EOS, never padding
     sampling_logprobs: tuple[float, ...] | None  # same length as completion_ids, or None (see Rollout)
     finish_reason: FinishReason
+    # Async rollouts (cbkit.rollout.async_cb): per completion token, the policy version (optimizer updates so far)
+    # of the weights whose forward sampled it; per prompt token, the version its KV was computed with. None for
+    # backends whose weights cannot change during a call.
+    policy_versions: tuple[int, ...] | None = None
+    prompt_versions: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -166,6 +171,9 @@ class Rollout:
                     f"{where}: sampling_logprobs has {len(c.sampling_logprobs)} entries for "
                     f"{len(c.completion_ids)} completion tokens."
                 )
+            if c.policy_versions is not None and len(c.policy_versions) != len(c.completion_ids):
+                raise ValueError(f"{where}: policy_versions has {len(c.policy_versions)} entries for "
+                                 f"{len(c.completion_ids)} completion tokens.")
         return self
 
 

@@ -135,6 +135,13 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "cpu": Sizes(_SMOL, 2, 8, 48, steps=5, learning_rate=5e-5),
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6)}),
+    # Off-policy: one run per staleness (4), two at the correction's staleness, one async; the CI size trains the
+    # random tiny model, which shows the mechanics (drift, ratios, versions), not learning.
+    NotebookSpec("05_off_policy", "train", {
+        "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
+        "cpu": Sizes(_SMOL, 2, 8, 48, steps=10, learning_rate=5e-5),
+        "t4": Sizes(GPU_MODEL, 4, 8, 128, steps=8, learning_rate=3e-6),
+        "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6)}),
 )}
 
 

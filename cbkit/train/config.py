@@ -27,6 +27,7 @@ from cbkit.train.objective import IS_MODES, LOSS_TYPES
 
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+STALE_ROLLOUTS = ("regenerate", "drop")
 # Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm")
 
@@ -103,6 +104,23 @@ class CBGRPOConfig:
     clip_min: float | None = _help("Lower bound of the importance-sampling ratio (TRL's "
                                    "vllm_importance_sampling_clip_min); None: no lower bound.",
                                                        default=None)
+    # --- off-policy rollouts (cbkit.train.offpolicy; TRL's AsyncGRPOConfig names where it has the concept) ---
+    rollout_staleness: int = _help("Sample step t's rollout from the policy of this many optimizer updates earlier "
+                                   "(an exact weight snapshot) while the loss uses the current one; 0 is the "
+                                   "on-policy loop. No TRL twin: TRL's staleness is whatever its async queue gives.",
+                                   default=0)
+    async_rollouts: bool = _help("Queue step t+1's rollout in the CB engine while step t trains, on an in-process "
+                                 "weight snapshot refreshed after every update, so a completion can straddle an "
+                                 "update (TRL: AsyncGRPOTrainer, with a vLLM server). Needs the continuous backend.",
+                                 default=False)
+    async_update_at: int = _help("Async only: the engine forward of the next rollout before which the new weights "
+                                 "land (the engine waits there for the update). Pinning it makes an async run "
+                                 "reproducible and resumable; on a real GPU run the update lands when training ends.",
+                                 default=8)
+    max_staleness: int = _help("Async only: a rollout holding a token sampled more than this many updates before "
+                               "the loss's policy is too old (TRL AsyncGRPOConfig's name and meaning).", default=4)
+    stale_rollouts: str = _help(f"What to do with a too-old rollout: one of {STALE_ROLLOUTS}: sample it again on "
+                                "the current weights, or drop its groups (TRL drops).", default="regenerate")
     # --- rollout engine (TRL names) ---
     use_transformers_continuous_batching: bool = _help("Roll out with transformers' continuous batching engine "
                                                        "(True) or one static padded generate() batch (False).",
@@ -202,6 +220,21 @@ class CBGRPOConfig:
         if cmin is not None and not 0 <= cmin <= cmax:
             bad(f"clip_min={cmin} must be in [0, clip_max={cmax}]; "
                 "lower it, raise clip_max, or set it to None.")
+        one_of("stale_rollouts", STALE_ROLLOUTS)
+        for name in ("rollout_staleness", "max_staleness"):
+            if getattr(self, name) < 0:
+                bad(f"{name}={getattr(self, name)} must be >= 0 (0: the rollout comes from the policy the loss uses).")
+        if self.async_rollouts:
+            if not self.use_transformers_continuous_batching:
+                bad("async_rollouts=True queues requests in transformers' continuous batching engine; the 'generate' "
+                    "backend has no queue. Set use_transformers_continuous_batching=True, or async_rollouts=False.")
+            if self.rollout_staleness:
+                bad(f"async_rollouts=True with rollout_staleness={self.rollout_staleness}: choose one. Async "
+                    "rollouts are as stale as the overlap makes them (bounded by max_staleness); rollout_staleness "
+                    "fixes the lag of a synchronous loop. Set rollout_staleness=0 or async_rollouts=False.")
+            if self.async_update_at < 1:
+                bad(f"async_update_at={self.async_update_at} must be >= 1 (the engine forwards of the next rollout "
+                    "that run on the old weights before the update lands).")
         if not self.reward_funcs:
             bad("reward_funcs is empty; name at least one reward function (e.g. 'correctness').")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):

@@ -106,6 +106,8 @@ from cbkit.train.objective import (
     policy_logprobs,
     replayed_logprobs,
 )
+from cbkit.train.offpolicy import STATE_FILE as OFFPOLICY_STATE
+from cbkit.train.offpolicy import AsyncRollouts, LaggedRollouts, drift_metrics
 from cbkit.train.setup import set_up_run
 
 METRICS_FILE = "metrics.jsonl"
@@ -162,6 +164,7 @@ class GRPOTrainer:
         self.problems, self.prompt_ids = run.problems, run.prompts
         self.order = PromptOrder(len(self.problems), config.seed)
 
+        backend_given = backend is not None
         if backend is None:
             backend = make_backend(config.backend, self.model, cb_config=config.cb_overrides(),
                                    pad_token_id=self.pad_token_id)
@@ -172,6 +175,9 @@ class GRPOTrainer:
                 f"{type(backend).__name__}."
             )
         self.backend = backend
+        # Off-policy rollouts (cbkit.train.offpolicy): None is the on-policy loop, untouched.
+        self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
+        self.offpolicy = _offpolicy(self, backend_given=backend_given)
         self.ref_model = _frozen_copy(self.model) if config.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
@@ -227,7 +233,13 @@ class GRPOTrainer:
             self.state.status = status
             for h in self.hooks:
                 h.on_train_end(self.state)
+            self.close()
         return self.state
+
+    def close(self) -> None:
+        """Stop an async rollout engine's thread (a no-op for the on-policy loop); `train()` calls it at the end."""
+        if self.offpolicy is not None:
+            self.offpolicy.close()
 
     def step(self) -> StepRecord:
         """One GRPO step. Each line is a stage; each stage is a method below."""
@@ -236,14 +248,20 @@ class GRPOTrainer:
         for h in self.hooks:
             h.on_step_begin(step)
         indices = self.order.indices(self.data_position, self.config.prompts_per_step)
-        rollout = self.rollout(indices, step)
+        if self.offpolicy is None:
+            rollout, offpolicy_metrics, scored = self.rollout(indices, step), {}, indices
+        else:  # an older policy's rollout, or the one that decoded while the last step trained
+            rollout, offpolicy_metrics, scored = self.offpolicy.rollout(self, indices, step)
         for h in self.hooks:
             h.on_rollout_end(rollout)
-        rewards, metrics = self.score(rollout, [self.problems[i] for i in indices])
+        rewards, metrics = self.score(rollout, [self.problems[i] for i in scored])
+        metrics.update(offpolicy_metrics)
         train_start = time.perf_counter()  # training = old-logprob forward + updates: what the rollout is not
         prepared = self.prepare(rollout, rewards)
         metrics.update(prepared.metrics)
         metrics.update(self.optimize(prepared))
+        if self.offpolicy is not None:
+            metrics.update(self.offpolicy.after_step(self, step))
         metrics["train/seconds"] = time.perf_counter() - train_start
         metrics["step/seconds"] = time.perf_counter() - start
 
@@ -267,17 +285,18 @@ class GRPOTrainer:
         return self.run_setup.sampling(c.max_completion_length, temperature=c.temperature, top_p=c.top_p,
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
-    def rollout(self, indices: Sequence[int], step: int) -> Rollout:
+    def rollout(self, indices: Sequence[int], step: int, backend: RolloutBackend | None = None) -> Rollout:
         """N completions for each prompt, checked against the contract and against what was asked."""
         n = self.config.num_generations
-        rollout = self.backend.generate(
+        backend = self.backend if backend is None else backend
+        rollout = backend.generate(
             [self.prompt_ids[i] for i in indices], n, self.sampling_params(step),
             prompt_names=[self.problems[i].id for i in indices],
         )
         rollout.validate()
         if rollout.num_generations != n or len(rollout.completions) != n * len(indices):
             raise ValueError(
-                f"Backend {self.backend.name!r} returned {len(rollout.completions)} completions in groups of "
+                f"Backend {backend.name!r} returned {len(rollout.completions)} completions in groups of "
                 f"{rollout.num_generations} for {len(indices)} prompts x num_generations={n}; expected "
                 f"{n * len(indices)} in groups of {n}."
             )
@@ -328,6 +347,9 @@ class GRPOTrainer:
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
             # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
             metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
+        if self.offpolicy is not None:
+            metrics.update(drift_metrics(old_processed, batch.sampling_logps, batch.completion_mask,
+                                         c.importance_sampling_mode))
         if not c.importance_sampling_correction:
             weights, metrics["is/skipped"] = None, 1.0
         loss_mask = batch.completion_mask
@@ -385,6 +407,9 @@ class GRPOTrainer:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
         self.state.resumable = False  # from here until the step ends, the weights belong to no finished step
         self.optimizer.step()
+        self.policy_version += 1
+        if self.offpolicy is not None:
+            self.offpolicy.after_update(self)
         return norm
 
     # --- checkpoints ----------------------------------------------------------------------------------------
@@ -392,11 +417,14 @@ class GRPOTrainer:
     def save_checkpoint(self, step: int) -> Path:
         if self.state.output_dir is None:
             raise ValueError("save_checkpoint needs config.output_dir.")
-        return checkpoint.save_checkpoint(
+        path = checkpoint.save_checkpoint(
             self.state.output_dir, step, model=self.model, optimizer=self.optimizer, config=self.config,
             trainer_state={"data_position": self.data_position}, rng=self._rng_at_step_end,
             keep=self.config.save_total_limit,
         )
+        if self.offpolicy is not None:  # the older weights the next rollout starts from
+            torch.save(self.offpolicy.state_dict(), path / OFFPOLICY_STATE)
+        return path
 
     def resume(self, resume_from: str | Path | bool) -> Path:
         """Load a checkpoint (True: the newest in output_dir) after checking it was made with this config."""
@@ -412,6 +440,9 @@ class GRPOTrainer:
         trainer_state, rng = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.state.step, self.data_position = trainer_state["step"], trainer_state["data_position"]
         self.state.resumed_from = path
+        self.policy_version = self.state.step * self.config.num_iterations
+        if self.offpolicy is not None:
+            self.offpolicy.load_state_dict(torch.load(path / OFFPOLICY_STATE, weights_only=True), self)
         checkpoint.restore_rng(rng)
         self._rng_at_step_end = rng
         return path
@@ -531,6 +562,17 @@ def _autocast_dtype(dtype: torch.dtype | str | None, model: torch.nn.Module) -> 
         raise ValueError(f"autocast_dtype={dtype!r} needs fp32 (master) weights, but the policy is {weights}; "
                          "load it with dtype='float32'.")
     return resolved
+
+
+def _offpolicy(trainer: GRPOTrainer, backend_given: bool):
+    """The off-policy rollout source the config asks for, or None for the on-policy loop."""
+    c = trainer.config
+    if not (c.rollout_staleness or c.async_rollouts):
+        return None
+    if backend_given:
+        raise ValueError("rollout_staleness > 0 and async_rollouts=True sample from a copy of the policy's weights "
+                         "with a backend cbkit builds on that copy; pass no backend (backend=None).")
+    return AsyncRollouts(trainer) if c.async_rollouts else LaggedRollouts(trainer, c.rollout_staleness, None)
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,7 +12,8 @@ Hooks run in list order. The built-ins are ordered by the loop so that `NaNGuard
 JSONL writer and the checkpoint hook do: a diverged step is neither logged nor saved. A live chart is one
 more `on_step_end` that reads `record.metrics`.
 
-Metric names are namespaced: `reward/*`, `completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`.
+Metric names are namespaced: `reward/*`, `completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`, and
+`offpolicy/*` when the rollout comes from older weights (`cbkit.train.offpolicy`).
 """
 
 from __future__ import annotations

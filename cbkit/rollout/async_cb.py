@@ -1,0 +1,303 @@
+"""Async rollouts on transformers' CB engine, in one process: the next rollout decodes while this step trains.
+
+`continuous.py` starts the engine for a rollout and stops it after; here it keeps running. The loop submits step
+t+1's requests, trains step t on the policy while the engine thread decodes them, and publishes the updated
+weights between two engine forwards, so a completion can straddle an optimizer update. Every token records the
+*policy version* (the count of optimizer updates) of the weights whose forward sampled it.
+
+Why a snapshot, not the training weights themselves
+---------------------------------------------------
+transformers' manager has a `pause()` made for updating a model in place between engine steps, so sharing one
+copy looks possible. Two things block it for a trainer that runs *while* the engine decodes:
+
+* the attention implementation is a field of the model's config (`config._attn_implementation`), read by every
+  attention layer at every call. A running engine needs it switched (to `paged|eager`, a flash kernel, or on
+  CPU cbkit's varlen attention) until it stops; a training forward on the same module meanwhile runs that
+  attention, without a causal mask (transformers #48296; `GRPOTrainer._check_attention` refuses it);
+* `optimizer.step()` writes the parameters in place while the engine thread reads them: without a barrier a
+  forward can see some layers updated and others not.
+
+So the engine decodes on an in-process copy of the weights, `snapshot`: its own module and config (the attention
+switch stays on it), refreshed after each update by a device-to-device `copy_`. No server, no second engine,
+one extra copy of the weights (no gradients, no optimizer state).
+
+No forward sees a half-applied update
+-------------------------------------
+A forward pre-hook on the snapshot takes a lock that its forward post-hook (`always_call`) releases, and
+`publish` copies the weights under the same lock: a forward runs entirely before or entirely after a copy. The
+pre-hook also writes down, for every request in the batch, the positions that forward computes and the version
+it computes them with: the token it samples and the KV it writes. `tests/test_async_rollouts.py` checks the
+versions, and fingerprints the weights every forward saw.
+
+Where the update lands, and why it is pinned
+--------------------------------------------
+On a GPU the update would land whenever training finishes: a matter of timing, so two runs would differ in
+which tokens came from which weights. cbkit pins it: the engine runs `update_at` forwards of the next rollout
+on the old weights and waits before the next one until the update is published (or the rollout finishes
+first). The overlap is real -- those forwards run while the trainer computes -- and a run is reproducible and
+resumable (`state_dict` keeps the weights a pending rollout started on).
+
+Prefix sharing is off here (`allow_block_sharing=False`): a request admitted after an update would otherwise
+read a prompt page another request computed before it, KV from weights it does not know it used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
+from cbkit.rollout.continuous import (
+    _refuse_softcap_on_cpu,
+    _reseed,
+    _resolved_config,
+    _workload_hints,
+    make_cb_config,
+)
+from cbkit.rollout.cpu_attention import varlen_attention_for_engine, varlen_unsupported_reason
+from cbkit.telemetry import PeakMemory
+
+
+@dataclass
+class Pending:
+    """A rollout queued in the engine: what was asked, and the results it has delivered so far."""
+
+    prompts: list[list[int]]
+    num_generations: int
+    sampling: SamplingParams
+    ids: list[str]
+    submitted_at: float
+    update_at: int | None
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.ids)
+
+
+class AsyncEngine:
+    """A CB engine kept running on a snapshot of `model`'s weights, refreshed by `publish` between its forwards."""
+
+    name = "continuous-async"
+
+    def __init__(self, model: torch.nn.Module, cb_config: Mapping[str, Any] | None = None, *,
+                 cpu_attention: str = "batched", record_timestamps: bool = True) -> None:
+        if cb_config and cb_config.get("allow_block_sharing"):
+            raise ValueError("allow_block_sharing=True with async rollouts: a request admitted after an update "
+                             "would read prompt KV computed with older weights. Remove it from the continuous "
+                             "batching config (async rollouts turn prefix sharing off).")
+        self.policy = model
+        self.snapshot = copy.deepcopy(model).eval().requires_grad_(False)
+        self._pairs = [(self.snapshot.get_parameter(n), p) for n, p in model.named_parameters()]
+        self.cb_overrides = {**dict(cb_config or {}), "allow_block_sharing": False}
+        make_cb_config(self.cb_overrides)  # bad keys fail now, not at the first rollout
+        self.cpu_attention = cpu_attention
+        self.record_timestamps = record_timestamps
+        self.version = 0
+        self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
+        self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)
+        self._lock = threading.Lock()
+        self._go, self._parked = threading.Event(), threading.Event()
+        self._update_at: int | None = None
+        self._forwards = 0
+        self._positions: dict[str, dict[int, int]] = {}  # request id -> {position: version that computed it}
+        self._manager: Any = None
+        self._stack: contextlib.ExitStack | None = None
+        self._key: tuple | None = None
+        self.snapshot.register_forward_pre_hook(self._before_forward)
+        self.snapshot.register_forward_hook(self._after_forward, always_call=True)
+
+    # --- the engine's side (its thread) ---------------------------------------------------------------------
+
+    def _before_forward(self, module, args) -> None:
+        if self._update_at is not None and self._forwards >= self._update_at:
+            self._parked.set()
+            self._go.wait()  # publish() copies the new weights now, then opens the gate
+        self._lock.acquire()
+        batch = getattr(getattr(self._manager, "batch_processor", None), "inputs_and_outputs", None)
+        for future in getattr(batch, "requests_in_batch", None) or ():
+            state = future.state
+            end = state.position_offset  # already advanced past this forward's query tokens
+            seen = self._positions.setdefault(state.request_id, {})
+            for pos in range(end - future.query_length, end):
+                seen[pos] = self.version
+        self._forwards += 1
+
+    def _after_forward(self, module, args, output) -> None:
+        self._lock.release()
+
+    # --- the trainer's side ---------------------------------------------------------------------------------
+
+    def publish(self, version: int) -> float:
+        """Copy the policy's weights into the snapshot between two engine forwards; returns seconds waited.
+
+        With a rollout queued with `update_at`, waits until the engine has run that many forwards of it (or the
+        rollout finished first), so the update lands at the same token in every run."""
+        start = time.perf_counter()
+        pending = self._pending
+        if pending is not None and pending.update_at is not None:
+            while not self._parked.is_set() and not pending.done:
+                self._take_result(pending, timeout=0.01)
+        waited = time.perf_counter() - start
+        with self._lock, torch.no_grad():
+            for dst, src in self._pairs:
+                dst.copy_(src)
+            self.version = version
+            self.swaps.append((time.perf_counter(), version))
+            self._update_at = None
+            self._parked.clear()
+        self._go.set()
+        return waited
+
+    def submit(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
+               update_at: int | None = None, prompt_names: Sequence[str] | None = None) -> Pending:
+        """Queue P prompts x N completions; the engine starts on them at once. Only one rollout at a time."""
+        if self._pending is not None and not self._pending.done:
+            raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
+        check_request(prompts, num_generations, sampling, self.snapshot, prompt_names)
+        rows = [list(p) for p in prompts for _ in range(num_generations)]
+        manager = self._start(sampling, rows)
+        with _paused(manager):  # all requests queued while the loop is parked: one drain, a seeded order
+            _reseed(manager, sampling.seed)
+            self._forwards, self._positions = 0, {}
+            self._go.clear()
+            self._parked.clear()
+            self._update_at = update_at
+            ids = manager.add_requests(inputs=rows, max_new_tokens=sampling.max_new_tokens,
+                                       record_timestamps=self.record_timestamps)
+        self._pending = Pending([list(p) for p in prompts], num_generations, sampling, list(ids),
+                                time.perf_counter(), update_at)
+        return self._pending
+
+    def collect(self, pending: Pending) -> Rollout:
+        """Wait for every completion of `pending`; each carries the policy versions of its tokens."""
+        with PeakMemory(self.snapshot.device) as mem:
+            while not pending.done:
+                self._take_result(pending, timeout=1.0)
+            mem.synchronize()
+        wall = time.perf_counter() - pending.submitted_at
+        completions, sampling = [], pending.sampling
+        for i, rid in enumerate(pending.ids):
+            out, prompt = pending.results[rid], pending.prompts[i // pending.num_generations]
+            keep, reason = cut_completion(out.generated_tokens, sampling, None)
+            seen = self._positions.get(rid, {})
+            needed = len(prompt) + keep - 1  # the last sampled token is never fed back
+            missing = [p for p in range(needed) if p not in seen]
+            if missing:
+                raise RuntimeError(f"Request {rid}: no engine forward recorded positions {missing[:5]}...; "
+                                   "the policy versions of its tokens are unknown.")
+            completions.append(Completion(
+                group=i // pending.num_generations, prompt_ids=tuple(prompt),
+                completion_ids=tuple(out.generated_tokens[:keep]),
+                sampling_logprobs=tuple(float(x) for x in out.logprobs[:keep]), finish_reason=reason,
+                policy_versions=tuple(seen[len(prompt) + j - 1] for j in range(keep)),
+                prompt_versions=tuple(seen[p] for p in range(len(prompt))),
+            ))
+        self._pending = None
+        return Rollout(
+            completions=completions, num_generations=pending.num_generations, backend=self.name, wall_s=wall,
+            peak_mem_bytes=mem.peak_bytes, peak_mem_kind=mem.kind, engine_config=_resolved_config(self._manager),
+            timeline=self._timeline(pending, completions) if self.record_timestamps else None,
+        ).validate()
+
+    def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
+                 prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
+        """The synchronous call of the `RolloutBackend` protocol: submit, then collect, on the current snapshot."""
+        if target_lengths is not None:
+            raise ValueError("AsyncEngine does not replay target lengths; use ContinuousBackend for benchmarks.")
+        return self.collect(self.submit(prompts, num_generations, sampling, prompt_names=prompt_names))
+
+    def close(self) -> None:
+        """Stop the engine thread and restore the snapshot's attention; the snapshot itself is kept."""
+        self._go.set()  # a forward parked at the gate must not wait forever
+        if self._stack is not None:
+            self._stack.close()
+        self._stack, self._manager, self._key, self._pending = None, None, None, None
+
+    _pending: Pending | None = None
+
+    # --- helpers --------------------------------------------------------------------------------------------
+
+    def _take_result(self, pending: Pending, timeout: float) -> None:
+        out = self._manager.get_result(timeout=timeout)
+        if out is None:
+            if not self._manager.is_running():
+                raise RuntimeError(f"The CB engine stopped after {len(pending.results)} of {len(pending.ids)} "
+                                   "requests; see the log above.")
+            return
+        if out.is_finished():
+            if out.error is not None:
+                raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
+            pending.results[out.request_id] = out
+
+    def _start(self, sampling: SamplingParams, rows: list[list[int]]):
+        """The running manager for these sampling settings (a new one if they changed), started on the snapshot."""
+        gen_config = sampling.generation_config()
+        longest = max(self.max_prompt_len, *map(len, rows))
+        key = (repr(gen_config.to_dict()), len(rows), longest)
+        if self._manager is not None and key == self._key:
+            return self._manager
+        self.close()
+        model = self.snapshot
+        _refuse_softcap_on_cpu(model)
+        # The pool: every row at the longest prompt it may get, run to the limit (`make_cb_config` on CPU), so one
+        # engine serves the whole run instead of being rebuilt whenever a longer prompt comes.
+        bound = [[0] * longest] * len(rows)
+        cb_config = make_cb_config(self.cb_overrides, seed=sampling.seed, device=model.device, rows=bound,
+                                   max_new_tokens=sampling.max_new_tokens, warn=False)
+        stack = contextlib.ExitStack()
+        if model.device.type == "cpu" and self.cpu_attention != "engine" and not varlen_unsupported_reason(model):
+            if "max_blocks_per_request" not in self.cb_overrides:
+                cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
+            stack.enter_context(varlen_attention_for_engine(model, self.cpu_attention))
+        manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config,
+                                                 workload_hints=_workload_hints(bound, sampling.max_new_tokens))
+        manager.start()
+        stack.callback(_stop, manager)
+        self._manager, self._stack, self._key = manager, stack, key
+        weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
+        return manager
+
+    def _timeline(self, pending: Pending, completions: list[Completion]) -> dict[str, Any]:
+        """Per request: start, end, token clocks and token versions; plus when each update landed."""
+        requests = []
+        for i, (rid, c) in enumerate(zip(pending.ids, completions, strict=True)):
+            out = pending.results[rid]
+            start, end = out.lifespan
+            requests.append({"id": i, "group": c.group, "prompt_len": len(c.prompt_ids), "start": start, "end": end,
+                             "token_times": list(out.timestamps or [])[: len(c.completion_ids)],
+                             "token_versions": list(c.policy_versions or ())})
+        return {"t0": pending.submitted_at, "requests": requests,
+                "swaps": [s for s in self.swaps if s[0] >= pending.submitted_at]}
+
+    # --- resume ---------------------------------------------------------------------------------------------
+
+    def snapshot_state(self) -> dict[str, torch.Tensor]:
+        """The weights the engine samples with now, on CPU: what a checkpoint keeps to resume a pending rollout."""
+        return {n: t.detach().to("cpu", copy=True) for n, t in self.snapshot.state_dict().items()}
+
+    def load_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._lock, torch.no_grad():
+            self.snapshot.load_state_dict(state)
+            self.version = version
+
+
+@contextlib.contextmanager
+def _paused(manager):
+    """transformers' own pause: the engine thread parks between two steps (this engine runs on that thread)."""
+    with manager.pause():
+        yield
+
+
+def _stop(manager) -> None:
+    if manager.is_running():
+        manager.stop(block=True, timeout=10)
+    manager.destroy()

@@ -1,0 +1,155 @@
+"""Notebook 05's experiments, each one call: staleness sweep, correction on/off, an async run, the stale-KV bug.
+
+Every function trains or rolls out for real and returns what it measured; the notebook draws it
+(`cbkit.viz.training`) and prints its sentences from it. Each run starts from the same initial weights with the
+same seed, so the runs differ only in the setting the experiment varies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import string
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+from unittest import mock
+
+import torch
+
+from cbkit.rollout import SamplingParams
+from cbkit.rollout.continuous import ContinuousBackend
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.grpo import GRPOTrainer
+from cbkit.train.hooks import StepHooks, StepRecord
+from cbkit.train.offpolicy import LaggedRollouts, versioned_logprobs
+
+
+def lowercase_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """Share of lowercase ASCII letters in a completion. The random tiny model (CI) writes ~1 in 10, with spread,
+    so its groups have nonzero advantages from step 1 and the updates move the weights: what off-policy needs."""
+    return [sum(ch in string.ascii_lowercase for ch in c) / max(1, len(c)) for c in completions]
+
+
+class Recorder(StepHooks):
+    """Keeps each step's metrics and rollout, and the perf_counter span each step spent training."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+        self.rollouts: list[Any] = []
+        self.train_spans: list[tuple[float, float, str]] = []
+        self._train_start = 0.0
+        self.final: dict[str, torch.Tensor] = {}  # the weights the run ended with (`train_runs` fills it)
+
+    def on_rollout_end(self, rollout) -> None:
+        self.rollouts.append(rollout)
+        self._train_start = time.perf_counter()
+
+    def on_step_end(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.train_spans.append((self._train_start, time.perf_counter(), f"training step {record.step}"))
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"step": r.step, **r.metrics} for r in self.records]
+
+
+def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
+               variants: Mapping[str, Mapping[str, Any]], reward_funcs=None) -> dict[str, Recorder]:
+    """One run per variant (config fields over `base`), each from `initial` weights; their recorders by name, each
+    holding the run's metrics, rollouts and final weights. The policy is put back to `initial` at the end."""
+    from tqdm.auto import tqdm
+
+    out = {}
+    for name, fields in tqdm(list(variants.items()), desc="runs", unit="run"):
+        policy.model.load_state_dict(initial)
+        rec = Recorder()
+        trainer = GRPOTrainer(dataclasses.replace(base, **fields), policy=policy, hooks=[rec],
+                              reward_funcs=reward_funcs)
+        if trainer.offpolicy is None and not fields.get("async_rollouts"):
+            # Staleness 0 through the snapshot machinery, so it logs offpolicy/* like the others; the same run as
+            # the plain loop to float noise (tests/test_offpolicy.py checks it).
+            trainer.offpolicy = LaggedRollouts(trainer, 0, None)
+        trainer.train()
+        rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        out[name] = rec
+    policy.model.load_state_dict(initial)
+    return out
+
+
+def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """||a - b|| / ||a|| over all weights: how far two runs' updates took them apart."""
+    num = sum(((a[k].float() - b[k].float()) ** 2).sum().item() for k in a)
+    den = sum((a[k].float() ** 2).sum().item() for k in a)
+    return (num / den) ** 0.5
+
+
+def straddler(rollout) -> int | None:
+    """Index of the first completion whose tokens came from more than one policy version, or None."""
+    for i, c in enumerate(rollout.completions):
+        if c.policy_versions and len(set(c.policy_versions)) > 1:
+            return i
+    return None
+
+
+def tokens_by_version(completion, tokenizer) -> str:
+    """The completion as HTML, each token on the colour of the policy version that sampled it."""
+    import html
+
+    from cbkit.viz.palette import PALETTE
+
+    spans = []
+    for tok, v in zip(completion.completion_ids, completion.policy_versions, strict=True):
+        text = html.escape(tokenizer.decode([tok])).replace("\n", "&#8629;")
+        spans.append(f'<span style="background:{PALETTE[v % len(PALETTE)]}55;padding:1px" '
+                     f'title="version {v}">{text}</span>')
+    legend = " ".join(f'<span style="background:{PALETTE[v % len(PALETTE)]}55">version {v}</span>'
+                      for v in sorted(set(completion.policy_versions)))
+    return f'<div style="font-family:monospace;line-height:1.8">{"".join(spans)}</div><div>{legend}</div>'
+
+
+def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams,
+                    update) -> dict[str, dict[str, float]]:
+    """The stale-prefix-KV bug, reproduced and caught.
+
+    A kept engine rolls `prompts` out, `update()` changes the weights, and the engine rolls them out again: once
+    with its prefix cache emptied first (cbkit's `forget_cached_kv`), once with that call patched out, so full
+    prompt pages computed with the old weights are read again. For each, `drift_metrics` of the engine's
+    logprobs against the new weights (the policy the loss would use: the loop's `offpolicy/*` and `logprob/*`
+    see this), against the old ones, and against a replay whose cached pages come from the old weights and
+    everything else from the new ones. Returns {"fixed": ..., "stale KV": ...}, each {"vs new", "vs old",
+    "vs replay"}: mean |logprob difference|.
+    """
+    old = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scratch = copy.deepcopy(model).eval()  # for the replays; copied now, before an engine is attached to the model
+    backend = ContinuousBackend(model, persistent=True)
+    results = {}
+    try:
+        backend.generate(prompts, num_generations, sampling)  # fills the prefix cache with old-weight pages
+        update()
+        new = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # The buggy call first, while the cache still holds the old weights' pages; the fixed one empties it.
+        for name, patch in (("stale KV", mock.patch("cbkit.rollout.continuous.forget_cached_kv")),
+                            ("fixed", contextlib.nullcontext())):
+            with patch:
+                rollout = backend.generate(prompts, num_generations, sampling)
+            results[name] = _gaps(scratch, rollout, old, new, sampling, int(rollout.engine_config["page_size"]))
+    finally:
+        backend.close()
+    model.load_state_dict(new)
+    return results
+
+
+def _gaps(scratch, rollout, old, new, sampling, page: int) -> dict[str, float]:
+    out: dict[str, list[float]] = {"vs new": [], "vs old": [], "vs replay": []}
+    for c in rollout.completions:
+        got = torch.tensor(c.sampling_logprobs)
+        n_in = len(c.prompt_ids) + len(c.completion_ids) - 1
+        cached = (len(c.prompt_ids) // page) * page  # full prompt pages: what a prefix-cache hit reuses
+        for key, versions in (("vs new", [1] * n_in), ("vs old", [0] * n_in),
+                              ("vs replay", [0] * cached + [1] * (n_in - cached))):
+            ref = versioned_logprobs(scratch, {0: old, 1: new}, c.prompt_ids, c.completion_ids, versions,
+                                     sampling.temperature)
+            out[key].append((ref - got).abs().mean().item())
+    return {k: sum(v) / len(v) for k, v in out.items()}

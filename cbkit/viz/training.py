@@ -1,0 +1,114 @@
+"""Figures of training runs, drawn from what the loop logged: `metrics.jsonl` rows and rollouts' timelines.
+
+`reward_curve` is the learning figure (`cbkit plot runs/learn/metrics.jsonl`); `runs_curves` puts one metric of
+several runs side by side (notebook 05's corrected vs uncorrected runs); `drift_figure` plots the off-policy
+metrics against staleness; `async_timeline` draws an async rollout's requests with each token coloured by the
+policy version that sampled it, the moment each update landed, and the training it overlapped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from cbkit.jsonl import read_jsonl
+from cbkit.viz.palette import PALETTE, TEMPLATE
+
+REWARD_KEYS = ("reward/mean", "reward/format", "reward/correctness")
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a `metrics.jsonl` (`cbkit.jsonl.read_jsonl`: a torn last line dropped); an empty file is refused."""
+    rows = read_jsonl(path, what="step")
+    if not rows:
+        raise ValueError(f"{path} holds no metrics rows; is it a cbkit metrics.jsonl (cbkit train --output-dir)?")
+    return rows
+
+
+def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = REWARD_KEYS, *, window: int = 3,
+                 title: str = "Reward per step") -> go.Figure:
+    """Each reward metric per step (dots) and its trailing mean over `window` steps (line): a step's reward is the
+    mean of one rollout's completions, so the dots are noisy and the line shows the trend."""
+    fig = go.Figure()
+    steps = [r["step"] for r in rows]
+    for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
+        color = PALETTE[i % len(PALETTE)]
+        values = [r.get(key) for r in rows]
+        fig.add_scatter(x=steps, y=values, mode="markers", name=key, marker=dict(color=color, size=7),
+                        legendgroup=key)
+        smooth = [step_mean(values[max(0, j - window + 1): j + 1]) for j in range(len(values))]
+        fig.add_scatter(x=steps, y=smooth, mode="lines", name=f"{key} ({window}-step mean)",
+                        line=dict(color=color, width=2), legendgroup=key)
+    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="step", yaxis_title="reward", height=420,
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def runs_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str, *, title: str | None = None,
+                window: int = 1) -> go.Figure:
+    """One metric of several runs against step, one colour per run (trailing mean over `window` steps)."""
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(runs.items()):
+        values = [r.get(key) for r in rows]
+        smooth = [step_mean(values[max(0, j - window + 1): j + 1]) for j in range(len(values))]
+        fig.add_scatter(x=[r["step"] for r in rows], y=smooth, mode="lines+markers", name=name,
+                        line=dict(color=PALETTE[i % len(PALETTE)]))
+    fig.update_layout(template=TEMPLATE, title=title or key, xaxis_title="step", yaxis_title=key, height=380)
+    return fig
+
+
+def drift_figure(by_staleness: Mapping[int, Sequence[Mapping[str, Any]]],
+                 keys: Sequence[str] = ("offpolicy/logprob_mean_abs_diff", "offpolicy/kl", "offpolicy/ratio_std"),
+                 ) -> go.Figure:
+    """Per staleness, each off-policy metric averaged over the run's steps after the lag has filled (a run with
+    staleness k samples from the initial weights for its first k steps, which are less stale than k)."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=list(keys))
+    ks = sorted(by_staleness)
+    for col, key in enumerate(keys, start=1):
+        ys = []
+        for k in ks:
+            rows = [r for r in by_staleness[k] if r.get("offpolicy/staleness_max", 0) >= k] or list(by_staleness[k])
+            ys.append(step_mean([r.get(key) for r in rows]))
+        fig.add_scatter(x=ks, y=ys, mode="lines+markers", row=1, col=col, showlegend=False,
+                        line=dict(color=PALETTE[col - 1]))
+        fig.update_xaxes(title_text="staleness (updates)", row=1, col=col, tickvals=ks)
+    fig.update_layout(template=TEMPLATE, title="How far the rollout is from the policy the loss uses", height=360)
+    return fig
+
+
+def async_timeline(timeline: Mapping[str, Any], train: Sequence[tuple[float, float, str]] = (), *,
+                   title: str = "Async rollout: tokens coloured by the policy version that sampled them") -> go.Figure:
+    """Requests as rows, one dot per token at the time the engine sampled it, coloured by its policy version;
+    a vertical line where each update landed; shaded spans for training (`train`: (start, end, label) on the same
+    perf_counter clock)."""
+    t0 = timeline["t0"]
+    fig = go.Figure()
+    versions = sorted({v for r in timeline["requests"] for v in r["token_versions"]})
+    for i, version in enumerate(versions):
+        xs, ys = [], []
+        for r in timeline["requests"]:
+            for t, v in zip(r["token_times"], r["token_versions"], strict=False):
+                if v == version:
+                    xs.append(t - t0)
+                    ys.append(r["id"])
+        fig.add_scatter(x=xs, y=ys, mode="markers", name=f"policy version {version}",
+                        marker=dict(color=PALETTE[i % len(PALETTE)], size=6, symbol="square"))
+    for start, end, label in train:
+        fig.add_vrect(x0=start - t0, x1=end - t0, fillcolor="#8C8C8C", opacity=0.15, line_width=0,
+                      annotation_text=label, annotation_position="top left")
+    for t, version in timeline.get("swaps", ()):
+        fig.add_vline(x=t - t0, line=dict(color="#C44E52", dash="dash"),
+                      annotation_text=f"update -> v{version}", annotation_position="bottom right")
+    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="seconds since the rollout was queued",
+                      yaxis_title="request", height=max(300, 18 * len(timeline["requests"]) + 160))
+    return fig
+
+
+def step_mean(values: Sequence[Any]) -> float | None:
+    xs = [float(v) for v in values if isinstance(v, int | float)]
+    return sum(xs) / len(xs) if xs else None

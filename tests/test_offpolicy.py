@@ -1,0 +1,145 @@
+"""Rollouts from an older policy on purpose (`rollout_staleness`): exact, measured, resumable, refused when wrong.
+
+Runs on the tiny model with the `generate` backend (seeded per step, deterministic on a torch build) unless a
+test says otherwise. The checks compare with things computed apart from the code under test: a policy rebuilt
+from a checkpoint file, a case worked by hand, the plain loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_model
+
+from cbkit.models.load import load_policy
+from cbkit.rollout import make_backend
+from cbkit.train.hooks import StepHooks
+from cbkit.train.offpolicy import LaggedRollouts, drift_metrics
+from tests.test_grpo import TIMING, _metrics, _same_weights, config, trainer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Keep(StepHooks):
+    def __init__(self) -> None:
+        self.rollouts = []
+
+    def on_rollout_end(self, rollout) -> None:
+        self.rollouts.append(rollout)
+
+
+def test_drift_metrics_on_a_case_worked_by_hand():
+    # Two scored tokens: current - sampling = ln 2 and 0; a third is padding and must not count.
+    current = torch.tensor([[math.log(2) - 1.0, -0.5, 9.0]])
+    sampling = torch.tensor([[-1.0, -0.5, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    m = drift_metrics(current, sampling, mask, "token_truncate")
+    assert m["offpolicy/logprob_mean_abs_diff"] == pytest.approx(math.log(2) / 2)
+    assert m["offpolicy/logprob_max_abs_diff"] == pytest.approx(math.log(2))
+    assert m["offpolicy/kl"] == pytest.approx((2 - 1 - math.log(2)) / 2)  # k3 = r - 1 - ln r, r = 2 and 1
+    assert (m["offpolicy/ratio_min"], m["offpolicy/ratio_max"]) == pytest.approx((1.0, 2.0))
+    seq = drift_metrics(current, sampling, mask, "sequence_mask")  # one sequence: ratio = 2 * 1
+    assert seq["offpolicy/ratio_mean"] == pytest.approx(2.0) and seq["offpolicy/ratio_std"] == 0.0
+
+
+def test_staleness_zero_builds_nothing_and_is_the_on_policy_loop():
+    tr = trainer(config())
+    assert tr.offpolicy is None and tr.backend.model is tr.model
+    record = tr.step()
+    assert not any(k.startswith("offpolicy/") for k in record.metrics)
+
+
+def test_a_lag_of_zero_through_the_snapshot_machinery_changes_no_number():
+    """The same loop with its rollout sampled from a snapshot copy of the current weights (k = 0) draws the same
+    tokens and rewards, and every other metric agrees to float noise. Not to the bit: the copy's tensors sit
+    elsewhere in memory, and the CPU kernels' reduction order moves the sampling logprobs by ~5e-8 (measured)."""
+    plain, lagged = trainer(config()), trainer(config())
+    lagged.offpolicy = LaggedRollouts(lagged, 0, None)
+    a = [plain.step().metrics for _ in range(2)]
+    b = [lagged.step().metrics for _ in range(2)]
+    for x, y in zip(a, b, strict=True):
+        assert set(x) == {k for k in y if not k.startswith("offpolicy/")}
+        for k in set(x) - set(TIMING):
+            exact = k.startswith(("reward/", "completion/")) or isinstance(x[k], str)
+            assert x[k] == (y[k] if exact else pytest.approx(y[k], rel=1e-3, abs=1e-5)), k
+        assert y["offpolicy/staleness_max"] == 0.0 and y["offpolicy/logprob_max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["generate", "continuous"])
+def test_staleness_k_samples_from_the_checkpoint_of_k_updates_earlier(tmp_path, backend):
+    """k = 2: step 4 (3 updates done) samples from the weights after update 1, i.e. checkpoint-1 on disk. A policy
+    rebuilt from that file, rolled out with step 4's seed, draws the same tokens with the same logprobs; the
+    current weights (checkpoint-3) draw others."""
+    keep = Keep()
+    cfg = config(max_steps=4, rollout_staleness=2, save_steps=1, save_total_limit=10, output_dir=str(tmp_path),
+                 use_transformers_continuous_batching=backend == "continuous")
+    tr = trainer(cfg, hooks=[keep])
+    tr.train()
+    rows = _metrics(tmp_path / "metrics.jsonl")
+    assert [r["offpolicy/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert rows[0]["offpolicy/logprob_max_abs_diff"] < 1e-4 < rows[2]["offpolicy/logprob_max_abs_diff"]
+    assert all(c.policy_versions == (1,) * len(c.completion_ids) for c in keep.rollouts[3].completions)
+
+    def replay(step_dir):
+        model, _ = load_policy("tiny", seed=0)
+        load_model(model, str(tmp_path / step_dir / "model.safetensors"))
+        indices = tr.order.indices(6, 2)  # step 4's prompts: positions 6 and 7
+        return make_backend(backend, model, pad_token_id=tr.pad_token_id).generate(
+            [tr.prompt_ids[i] for i in indices], 4, tr.sampling_params(4))
+
+    got, old = keep.rollouts[3].completions, replay("checkpoint-1").completions
+    now = replay("checkpoint-3").completions
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in old]
+    gaps = [abs(a - b) for c, d in zip(got, old, strict=True)
+            for a, b in zip(c.sampling_logprobs, d.sampling_logprobs, strict=True)]
+    assert max(gaps) < 1e-5
+    assert [c.completion_ids for c in got] != [c.completion_ids for c in now]
+
+
+def test_resume_with_staleness_draws_what_the_uninterrupted_run_drew(tmp_path):
+    def run(out, steps, resume=False):
+        tr = trainer(config(max_steps=steps, rollout_staleness=2, save_steps=2, output_dir=str(out)))
+        tr.train(resume_from=resume or None)
+        return tr
+
+    straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 4, resume=True)
+    assert _metrics(tmp_path / "resumed" / "metrics.jsonl") == _metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert _same_weights(straight.model.state_dict(), resumed.model.state_dict())
+
+
+def test_resuming_with_a_different_staleness_is_refused(tmp_path):
+    trainer(config(max_steps=1, rollout_staleness=1, save_steps=1, output_dir=str(tmp_path))).train()
+    with pytest.raises(ValueError, match=r"rollout_staleness: checkpoint has 1, this run has 2"):
+        trainer(config(max_steps=2, rollout_staleness=2, save_steps=1, output_dir=str(tmp_path))).train(True)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"rollout_staleness": -1}, r"rollout_staleness=-1 must be >= 0"),
+    ({"max_staleness": -2}, r"max_staleness=-2 must be >= 0"),
+    ({"async_rollouts": True, "use_transformers_continuous_batching": False},
+     r"async_rollouts=True .* 'generate' backend has no queue\. Set use_transformers_continuous_batching=True"),
+    ({"async_rollouts": True, "use_transformers_continuous_batching": True, "rollout_staleness": 1},
+     r"choose one\. .*Set rollout_staleness=0 or async_rollouts=False"),
+    ({"stale_rollouts": "skip"}, r"stale_rollouts='skip' is not supported; use one of 'regenerate', 'drop'"),
+    ({"async_rollouts": True, "use_transformers_continuous_batching": True, "async_update_at": 0},
+     r"async_update_at=0 must be >= 1"),
+])
+def test_bad_off_policy_settings_name_the_field_and_the_choice(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config(**fields)
+
+
+def test_a_backend_passed_with_staleness_is_refused():
+    model, tok = load_policy("tiny", seed=0)
+    with pytest.raises(ValueError, match=r"pass no backend"):
+        trainer(config(rollout_staleness=1), policy=(model, tok), backend=make_backend("generate", model))
