@@ -41,6 +41,8 @@ test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-bare
 	$(MAKE) test-notebooks
+	$(MAKE) book
+	$(MAKE) test-tiers
 
 # The bare path (a GPU machine with torch and transformers only): sweep, advise, report and `scripts/gpu_sweep.sh`'s dry run in a fresh venv holding only
 # torch + transformers (linked from .venv by scripts/bare_venv.py; BARE_FROM_INDEX=1 pip-installs them instead) and
