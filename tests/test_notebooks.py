@@ -247,6 +247,15 @@ GUARDS = {
         ("both runs have nonzero gradients", lambda v: v["continuous_grad_norm_max"] > 0
          and v["generate_grad_norm_max"] > 0, {"generate_grad_norm_max": 0.0}),
     ],
+    "05_off_policy": [
+        ("rollouts one update stale drift measurably from the current policy",
+         lambda v: v["drift_at_1"] > 10 * max(v["drift_at_0"], 1e-7), {"drift_at_1": 1e-7}),
+        ("the IS correction changes the update", lambda v: v["weights_apart"] > 0, {"weights_apart": 0.0}),
+        ("an async completion straddles an optimizer update", lambda v: v["straddling_frac"] > 0,
+         {"straddling_frac": 0.0}),
+        ("the drift metric catches stale prefix KV", lambda v: v["stale_kv_drift_ratio"] > 10,
+         {"stale_kv_drift_ratio": 1.0}),
+    ],
 }
 
 

@@ -48,6 +48,12 @@ LOOP_ONLY: dict[str, str] = {
     "num_problems": "the dataset is build_trainer's train_dataset: cut it before",
     "system_prompt": "trl_dataset(problems, system_prompt=...) puts it in the prompts",
     "output_dir": "trl_grpo_config's output_dir argument (a TRL run writes TRL's checkpoints, not cbkit's)",
+    "rollout_staleness": "cbkit's loop samples from a k-updates-old snapshot; TRL's GRPOTrainer always rolls out "
+                         "from the current weights",
+    "async_rollouts": "TRL's async GRPO (AsyncGRPOTrainer) needs a vLLM server; its CB path is synchronous",
+    "async_update_at": "pins where cbkit's async update lands inside the queued rollout; TRL has no async CB path",
+    "max_staleness": "bounds cbkit's async and stale rollouts; TRL's max_staleness belongs to AsyncGRPOConfig (vLLM)",
+    "stale_rollouts": "what cbkit's loop does with a rollout older than max_staleness; no TRL GRPOConfig field",
 }
 
 
