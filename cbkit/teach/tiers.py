@@ -84,12 +84,14 @@ class Sizes:
     pool_share: float | None = None
     pool_sequences: int | None = None
     learning_rate: float = 5e-6
+    # Steps at dry-run size: one shows every branch, but 05 needs staleness 4 reached (5 steps, as at CI size).
+    dry_steps: int = 1
 
     def dry(self) -> Sizes:
         """The same code path at CI size on a CPU: a 2-layer random model, two prompts, a few tokens."""
         ns = tuple(sorted({min(n, 2 * (i + 1)) for i, n in enumerate(self.sweep_ns)}))
         return dataclasses.replace(self, model=DRY_MODEL, prompts=min(self.prompts, 2), n=min(self.n, 4),
-                                   max_new_tokens=min(self.max_new_tokens, 12), steps=1, sweep_ns=ns,
+                                   max_new_tokens=min(self.max_new_tokens, 12), steps=self.dry_steps, sweep_ns=ns,
                                    sweep_prompts=min(self.sweep_prompts, 2),
                                    sweep_new_tokens=min(self.sweep_new_tokens, 8), repeats=1)
 
@@ -140,8 +142,8 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     NotebookSpec("05_off_policy", "train", {
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
         "cpu": Sizes(_SMOL, 2, 8, 48, steps=10, learning_rate=5e-5),
-        "t4": Sizes(GPU_MODEL, 4, 8, 128, steps=8, learning_rate=3e-6),
-        "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6)}),
+        "t4": Sizes(GPU_MODEL, 4, 8, 128, steps=8, learning_rate=3e-6, dry_steps=5),
+        "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5)}),
 )}
 
 
