@@ -74,3 +74,13 @@ def _leave_the_checkout_alone():
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: two OpenMP threads on a 2-core machine shared with other jobs thrash (the tiny
+    model ran ~30x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

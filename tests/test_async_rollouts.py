@@ -27,12 +27,7 @@ UPDATE_AT = 4
 WAITS = (*TIMING, "offpolicy/rollout_wait_s", "offpolicy/publish_wait_s")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sampling(max_new_tokens: int = 12, seed: int = 3) -> SamplingParams:

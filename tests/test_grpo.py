@@ -34,13 +34,7 @@ PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?"
 TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two OpenMP threads on a 2-core machine shared with other jobs thrash: the tiny model runs ~30x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def letters_reward(completions: list[str], answers: list[str]) -> list[float]:

@@ -19,13 +19,7 @@ from cbkit.train.hooks import StepHooks
 from cbkit.train.offpolicy import LaggedRollouts, drift_metrics
 from tests.test_grpo import TIMING, _metrics, _same_weights, config, trainer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Keep(StepHooks):
