@@ -1,8 +1,9 @@
 """docs/small_n.md's tables, printed from the sweeps' results files (nothing typed by hand).
 
 For each results file: what ran and the probes (`results_summary`), then one row per N with CB (caller's-thread
-loop) and CB on transformers' thread against generate(), the caller/thread ratio measured in the same process, and
-the repeats behind each median; then every backend against the roofline of its shape.
+loop, the default on CPU) and CB on transformers' thread against generate(), the caller/thread ratio measured in
+the same process, CB's peak memory against generate()'s, and the repeats behind each median; then every backend
+against the roofline of its shape.
 Usage: python scripts/small_n_report.py docs/results/small-n-fixed.jsonl docs/results/small-n-replay.jsonl
 """
 
@@ -16,8 +17,9 @@ from cbkit.measure.tables import results_summary, roof_table
 
 def ratio_table(points) -> str:
     by = {(p["backend"], p["N"]): p for p in points}
-    rows = ["| N | CB vs generate | CB on the thread vs generate | CB caller / thread | repeats (gen, CB, thread) |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = ["| N | CB vs generate | CB on the thread vs generate | CB caller / thread | CB peak memory vs generate "
+            "| repeats (gen, CB, thread) |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for n in sorted({p["N"] for p in points}):
         g, c, t = (by.get((b, n)) for b in ("generate", "continuous", "continuous-thread"))
 
@@ -27,7 +29,8 @@ def ratio_table(points) -> str:
         ct = (f"{c['tokens_per_s'] / t['tokens_per_s']:.2f}x" if c and t and c.get("tokens_per_s")
               and t.get("tokens_per_s") else "—")
         reps = ", ".join(str(p["repeats"]) if p else "0" for p in (g, c, t))
-        rows.append(f"| {n} | {x(c)} | {x(t)} | {ct} | {reps} |")
+        mem = f"{c['mem_vs_generate']:.2f}x" if c and c.get("mem_vs_generate") is not None else "—"
+        rows.append(f"| {n} | {x(c)} | {x(t)} | {ct} | {mem} | {reps} |")
     return "\n".join(rows)
 
 

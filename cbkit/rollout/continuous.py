@@ -147,7 +147,7 @@ class ContinuousBackend:
         if cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {cpu_attention!r}.")
         self.cpu_attention = cpu_attention
-        # Who runs the engine's loop: transformers' background thread unless "caller" is asked for
+        # Who runs the engine's loop: the caller's thread on CPU, transformers' background thread elsewhere
         # (cbkit/rollout/engine_loop.py says why, with what was measured). Checked now, resolved per call.
         resolve_engine_loop(engine_loop, torch.device("cpu"), cb_config)
         self.engine_loop = engine_loop

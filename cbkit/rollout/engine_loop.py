@@ -4,11 +4,13 @@ transformers' `ContinuousBatchingManager.start()` runs the loop (schedule a batc
 update the requests) in a background thread, and the caller waits on an output queue. A rollout has nothing else
 to do while it waits, so the loop can as well run in the caller's thread: no second OpenMP team beside the
 caller's, no queue hand-off per finished request, no `pause()` round trip to queue requests, one `gc.collect()`
-fewer per call. That was the hypothesis of issue 20 (a probe on a quiet machine had put plain `generate()` 10-20%
-slower in a fresh thread). On the shared 2-core machine it was measured on, the opposite held, by far: the same
-`generate()` rollout ran 151 s in the main thread and 20 s in a fresh thread, and the CB engine driven from the
-caller's thread as slowly as `generate()` (docs/small_n.md, with the commands and the load). So `"auto"` keeps
-transformers' thread everywhere, and `"caller"` is there to measure the other side on a machine of your own.
+fewer per call. That was the hypothesis of issue 20. On a quiet 2-core machine it holds: `scripts/engine_loop_ab.py`
+(SmolLM2 fp32, one prompt, `fixed` lengths, the two drivers alternating in one process) measured the caller's loop
+1.43x faster at N=8 x 96 tokens (8.1 s against 11.7 s, three pairs) and 1.29x at N=64 (23.5 s against 30.3 s), see
+docs/small_n.md. On the same machine shared five ways (load 10-40) the opposite held, by far (13x), so the speed of
+the main thread under heavy load is the price. `"auto"` runs the caller's loop on CPU, where the measurement was
+made, and transformers' thread on a GPU, where cbkit has not measured the difference; `"thread"` (or the backend
+`continuous-thread`) pins the thread.
 
 `CallerLoop` drives the same loop body from the caller's thread: the manager's own `ContinuousBatchProcessor`
 schedules, packs, runs and samples exactly as in the thread (same scheduler, cache, sampler, seeds and prefix
@@ -28,19 +30,22 @@ from typing import Any
 
 import torch
 
-# "auto": transformers' background thread (measured faster on CPU too, see the module docstring); "caller" on request.
+# "auto": the caller's loop on CPU (measured faster there, see the module docstring), transformers' thread elsewhere.
 ENGINE_LOOPS = ("auto", "caller", "thread")
 
 
 def resolve_engine_loop(engine_loop: str, device: torch.device, cb_overrides: Mapping[str, Any] | None = None) -> str:
-    """"caller" or "thread" for a call on `device`: "auto" is the thread (see the module docstring); "caller" is
-    refused where it would not run the engine as the thread does (async batching)."""
+    """"caller" or "thread" for a call on `device`: "auto" is the caller's loop on CPU and the thread elsewhere, and
+    the thread wherever the caller's loop cannot run the engine as the thread does (async batching); an explicit
+    "caller" is refused there."""
     if engine_loop not in ENGINE_LOOPS:
         raise ValueError(f"engine_loop must be one of {', '.join(ENGINE_LOOPS)}; got {engine_loop!r}.")
     if engine_loop == "caller" and (cb_overrides or {}).get("use_async_batching"):
         raise ValueError("engine_loop='caller' cannot run async batching (use_async_batching=True overlaps two "
                          "batches across the loop's iterations); use engine_loop='thread', or drop the override.")
-    return "thread" if engine_loop == "auto" else engine_loop
+    if engine_loop == "auto":
+        return "caller" if device.type == "cpu" and not (cb_overrides or {}).get("use_async_batching") else "thread"
+    return engine_loop
 
 
 def caller_loop_unsupported_reason(manager) -> str | None:
