@@ -309,11 +309,16 @@ def _plot(args: argparse.Namespace) -> int:
     if len(absent) == len(keys):
         raise ValueError(f"None of {keys} is in {path}; it has e.g. {sorted(rows[0])[:8]}. Choose --keys from those.")
     out = Path(args.out) if args.out else path.with_name("reward.html")
-    reward_curve(rows, keys, title=f"Reward per step: {path}").write_html(
-        out, include_plotlyjs=True)  # plotly.js embedded: the file opens offline
+    fig = reward_curve(rows, keys, title=f"Reward per step: {path}")
+    fig.write_html(out, include_plotlyjs=True)  # plotly.js embedded: the file opens offline
     first, last = rows[0], rows[-1]
     said = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys if k in first and k in last)
     print(f"{len(rows)} steps ({said}, first -> last step); figure: {out}")
+    if args.png:  # the same figure as a static image (a README, a slide), drawn by the installed Chromium
+        from cbkit.viz.static import figure_pngs
+
+        Path(args.png).write_bytes(figure_pngs([fig])[0])
+        print(f"image: {args.png}")
     return 0
 
 
@@ -447,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="HTML file to write (default: reward.html beside the metrics)")
     plot.add_argument("--keys", default=",".join(("reward/mean", "reward/format", "reward/correctness")),
                       help="comma-separated metrics to draw (default: the reward and its two built-in parts)")
+    plot.add_argument("--png", default=None, metavar="FILE.png",
+                      help="also write the figure as a PNG (kaleido on the installed Chromium; for a README or a slide)")
     plot.set_defaults(func=_plot)
 
     from cbkit.train.config import CBGRPOConfig

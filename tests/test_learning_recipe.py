@@ -5,8 +5,11 @@ metrics.jsonl into an HTML file that embeds plotly.js."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from cbkit.cli import main
@@ -46,3 +49,14 @@ def test_cbkit_plot_writes_the_reward_curve(tmp_path, capsys):
     assert "plotly.js" in html.lower() or "Plotly.newPlot" in html
     assert "reward/format 0.300 -> 0.900" in capsys.readouterr().out
     assert main(["plot", str(path), "--keys", "nope"]) == 2  # a clear error, not a traceback
+
+
+def test_cbkit_plot_png_writes_the_same_figure_as_an_image(tmp_path, capsys):
+    if shutil.which("chromium") is None and not os.environ.get("BROWSER_PATH"):
+        pytest.skip("no Chromium here: kaleido draws PNGs with the installed one")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward/mean": r}) + "\n" for s, r in [(1, 0.1), (2, 0.4)]))
+    png = tmp_path / "reward.png"
+    assert main(["plot", str(path), "--keys", "reward/mean", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert f"image: {png}" in capsys.readouterr().out

@@ -117,8 +117,9 @@ def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: in
     with its prefix cache emptied first (cbkit's `forget_cached_kv`), once with that call patched out, so full
     prompt pages computed with the old weights are read again. For each, `drift_metrics` of the engine's
     logprobs against the new weights (the policy the loss would use: the loop's `offpolicy/*` and `logprob/*`
-    see this), against the old ones, and against a replay whose cached pages come from the old weights and
-    everything else from the new ones. Returns {"fixed": ..., "stale KV": ...}, each {"vs new", "vs old",
+    see this), against the old ones, and against a replay whose full prompt pages come from the old weights and
+    everything else from the new ones (the closest simple mix; the engine may also reuse completed pages of
+    completion tokens it sampled identically before, so the replay need not reach kernel noise). Returns {"fixed": ..., "stale KV": ...}, each {"vs new", "vs old",
     "vs replay"}: mean |logprob difference|.
     """
     old = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -101,6 +101,10 @@ class NotebookSpec:
     name: str
     kind: str  # "step", "recycling", "logprobs", "sweep", "train": what `plan_notebook` adds up
     sizes: dict[str, Sizes]
+    # Where it trains: one training run per entry, on that rollout backend, of `Sizes.steps` steps each, and
+    # whether a TRL step follows them (04 runs CB, then generate(), then one TRL step).
+    train_runs: tuple[str, ...] = ("continuous",)
+    trl_step: bool = False
 
     @property
     def trains(self) -> bool:
@@ -132,17 +136,17 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
                     workloads=("fixed", "replay:gsm8k"), pool_share=POOL_SHARE),
         "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(16, 64), sweep_prompts=6, sweep_new_tokens=2048,
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
-    NotebookSpec("04_grpo_live", "train", {
+    NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, sizes={
         "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5),
         "cpu": Sizes(_SMOL, 2, 8, 48, steps=5, learning_rate=5e-5),
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6)}),
-    # Off-policy: one run per staleness (4), two at the correction's staleness, one async; the CI size trains the
-    # random tiny model, which shows the mechanics (drift, ratios, versions), not learning.
-    NotebookSpec("05_off_policy", "train", {
+    # Off-policy: one run per staleness (4), two at the correction's staleness, one async: seven training runs. The
+    # CI size trains the random tiny model, which shows the mechanics (drift, ratios, versions), not learning.
+    NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 7, sizes={
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
         "cpu": Sizes(_SMOL, 2, 8, 48, steps=10, learning_rate=5e-5),
-        "t4": Sizes(GPU_MODEL, 4, 8, 128, steps=8, learning_rate=3e-6, dry_steps=5),
+        "t4": Sizes(GPU_MODEL, 2, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5),
         "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5)}),
 )}
 
@@ -326,13 +330,12 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         ga = _micro_batches(rows, s.max_new_tokens, config, tier)
         train = training_bytes(params, micro_batch_rows=rows // ga, tokens_per_row=PROMPT_LEN + s.max_new_tokens,
                                completion_len=s.max_new_tokens, config=config, autocast=tier == "a100")
-        runs = 2 if spec.kind == "train" else 1  # 04: a CB run, then the same run with generate()
         step_s = estimated_train_step(config, rows, s.max_new_tokens, gpu, compute)
-        for backend in ("continuous", "generate")[:runs]:
+        for backend in spec.train_runs:
             for _ in range(s.steps):
                 rollout(s.prompts, s.n, s.max_new_tokens, backend)
                 seconds += step_s
-        if spec.kind == "train":  # one TRL step: its rollout and update
+        if spec.trl_step:  # one TRL step: its rollout and update
             rollout(s.prompts, s.n, s.max_new_tokens, "continuous")
             seconds += step_s
         parts.update({"rollout": rollout_peak, "optimizer state (weights counted above)":
