@@ -226,7 +226,9 @@ GUARDS = {
          {"engine_block_reuses": 0}),
     ],
     "02_logprob_correctness": [
-        ("fp32 sampling and teacher-forced logprobs agree to ~1e-4", lambda v: v["fp32_max_abs_diff"] <= 1e-4,
+        # Max over the rollout's tokens: 1.6e-5 in one clean-clone CI run and 4.4e-4 in the next, same commit (the
+        # mean 2.6e-6 against 4.8e-5); a bf16 rollout's is ~0.16. The guard sits between the two regimes.
+        ("fp32 sampling and teacher-forced logprobs agree within 1e-3 nats", lambda v: v["fp32_max_abs_diff"] <= 1e-3,
          {"fp32_max_abs_diff": 3e-3}),
         ("the bf16 rollout is measurably off-policy (10x fp32's gap or more)",
          lambda v: v["bf16_max_abs_diff"] >= 10 * max(v["fp32_max_abs_diff"], 1e-7), {"bf16_max_abs_diff": 2e-5}),
