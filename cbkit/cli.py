@@ -311,9 +311,13 @@ def _plot(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else path.with_name("reward.html")
     fig = reward_curve(rows, keys, title=f"Reward per step: {path}")
     fig.write_html(out, include_plotlyjs=True)  # plotly.js embedded: the file opens offline
-    first, last = rows[0], rows[-1]
-    said = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys if k in first and k in last)
-    print(f"{len(rows)} steps ({said}, first -> last step); figure: {out}")
+    said = []
+    for k in keys:  # each metric's first and last measured value (eval/* only exists on the steps that evaluated)
+        have = [r for r in rows if isinstance(r.get(k), int | float)]
+        if have:
+            said.append(f"{k} {have[0][k]:.3f} -> {have[-1][k]:.3f} (step {have[0]['step']} -> {have[-1]['step']})")
+    trained = sum(r["step"] > 0 for r in rows)
+    print(f"{trained} steps: {', '.join(said)}; figure: {out}")
     if args.png:  # the same figure as a static image (a README, a slide), drawn by the installed Chromium
         from cbkit.viz.static import figure_pngs
 
@@ -450,8 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="the reward curve of a training run, as plotly HTML, from its metrics.jsonl")
     plot.add_argument("metrics", help="a run's metrics.jsonl (cbkit train --output-dir DIR writes DIR/metrics.jsonl)")
     plot.add_argument("--out", default=None, help="HTML file to write (default: reward.html beside the metrics)")
-    plot.add_argument("--keys", default=",".join(("reward/mean", "reward/format", "reward/correctness")),
-                      help="comma-separated metrics to draw (default: the reward and its two built-in parts)")
+    plot.add_argument("--keys", default=",".join(("reward/mean", "reward/format", "reward/correctness",
+                                                  "eval/accuracy")),
+                      help="comma-separated metrics to draw (default: the reward, its two built-in parts and held-out accuracy)")
     plot.add_argument("--png", default=None, metavar="FILE.png",
                       help="also write the figure as a PNG (kaleido on the installed Chromium; for a README or a slide)")
     plot.set_defaults(func=_plot)

@@ -45,6 +45,7 @@ ACCEPTED_SOURCES = (
     "'gsm8k', 'gsm8k:test' or 'gsm8k:train' (Hugging Face hub, needs network)",
     f"'gsm8k-local' or 'gsm8k-local:train' (a local copy found via ${GSM8K_DIR_ENV} or ../shared/data/gsm8k)",
     "a path to a GSM8K-format .jsonl file",
+    "'reasoning-gym:<dataset>' (a procedural task, e.g. reasoning-gym:chain_sum; its knobs in data_options)",
 )
 
 
@@ -199,14 +200,23 @@ def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
 # ------------------------------------------------------------------------------------------ one door
 
 
-def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0) -> list[Problem]:
-    """The one entry point. `n` caps the count (fewer if the data has fewer); `seed` is for synthetic.
+def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0,
+                  options: Mapping[str, Any] | None = None) -> list[Problem]:
+    """The one entry point. `n` caps the count (fewer if the data has fewer); `seed` is for generated sources
+    (synthetic, reasoning-gym), `options` for reasoning-gym's difficulty knobs (`cbkit.tasks.procedural`).
 
     Real GSM8K rows come in file order, so `n` always picks the same first rows.
     """
     _check_limit(n, "n")
+    from cbkit.tasks.procedural import is_procedural, procedural_problems
+
+    if options and not is_procedural(source):
+        raise ValueError(f"data_options {dict(options)} are knobs of a reasoning-gym source; {source!r} takes none. "
+                         "Remove data_options, or use data='reasoning-gym:<dataset>'.")
     kind, _, split = source.partition(":")
-    if source == "synthetic":
+    if is_procedural(source):
+        problems = procedural_problems(source, DEFAULT_SYNTHETIC_N if n is None else n, seed, options)
+    elif source == "synthetic":
         problems = synthetic_gsm(DEFAULT_SYNTHETIC_N if n is None else n, seed=seed)
     elif kind in ("gsm8k", "gsm8k-local") and split in ("", *GSM8K_SPLITS):
         split = split or "test"

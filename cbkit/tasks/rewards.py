@@ -24,8 +24,10 @@ Fractions ("3/4") are not parsed: GSM8K's gold answers are all integers.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -168,6 +170,37 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     return out
 
 
+def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where math-verify (the verifier TRL and open-r1 score answers with) finds the gold answer as the
+    completion's final answer, else 0.0.
+
+    math-verify reads the last `\\boxed{}` if there is one, else the last number or expression: "7 + 5 = 12" is
+    right for 12, "12, or maybe 13" is not. Held-out accuracy (`eval/accuracy`) is always this score, whatever a
+    run is trained on, so it cannot be gamed through a format the training reward pays for.
+    """
+    _check_lengths(completions, answers)
+    try:
+        from math_verify import parse, verify
+    except ImportError as e:
+        raise ModuleNotFoundError("verified_reward needs math-verify: pip install math-verify "
+                                  "(cbkit's default install has it).") from e
+    # math-verify times out with SIGALRM, which only the main thread may use; elsewhere (a notebook's or TRL's
+    # reward call) it runs without one, and would log that for every call: the inputs are short completions.
+    main = threading.current_thread() is threading.main_thread()
+    timeout = 5 if main else None
+    if not main:
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+    out = []
+    for completion, gold in zip(completions, answers, strict=True):
+        try:
+            found = parse(completion, parsing_timeout=timeout)
+            ok = bool(found) and verify(parse(gold, parsing_timeout=timeout), found, timeout_seconds=timeout)
+        except Exception:  # math-verify raises on inputs it cannot parse: an answer it cannot read is not right
+            ok = False
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
 def reward_metric_name(fn: Callable[..., object]) -> str:
     """`correctness_reward` -> `reward/correctness`."""
     name = getattr(fn, "__name__", type(fn).__name__)
@@ -175,6 +208,8 @@ def reward_metric_name(fn: Callable[..., object]) -> str:
 
 
 DEFAULT_REWARDS: dict[str, RewardFn] = {"correctness": correctness_reward, "format": format_reward}
+# Every reward a recipe can name; `reward_funcs: None` means DEFAULT_REWARDS.
+BUILTIN_REWARDS: dict[str, RewardFn] = {**DEFAULT_REWARDS, "verified": verified_reward}
 # Correctness dominates: a perfectly formatted wrong answer (0.5) must never beat a right one (1.0).
 DEFAULT_REWARD_WEIGHTS: dict[str, float] = {"correctness": 1.0, "format": 0.5}
 
@@ -205,11 +240,11 @@ def resolve_rewards(
         funcs = {}
         for fn in reward_funcs:
             if isinstance(fn, str) and names_are_builtin:
-                if fn not in DEFAULT_REWARDS:
-                    unknown = [n for n in reward_funcs if isinstance(n, str) and n not in DEFAULT_REWARDS]
-                    raise ValueError(f"Unknown reward function(s) {unknown}; built-in: {sorted(DEFAULT_REWARDS)}. "
+                if fn not in BUILTIN_REWARDS:
+                    unknown = [n for n in reward_funcs if isinstance(n, str) and n not in BUILTIN_REWARDS]
+                    raise ValueError(f"Unknown reward function(s) {unknown}; built-in: {sorted(BUILTIN_REWARDS)}. "
                                      "Pass your own callables with GRPOTrainer(reward_funcs=...).")
-                name, fn = fn, DEFAULT_REWARDS[fn]
+                name, fn = fn, BUILTIN_REWARDS[fn]
                 builtin.add(name)
             else:
                 name = fn if isinstance(fn, str) else reward_metric_name(fn).removeprefix("reward/")

@@ -29,7 +29,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 STALE_ROLLOUTS = ("regenerate", "drop")
 # Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
-RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm")
+RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm", "eval_steps")
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -47,7 +47,10 @@ class CBGRPOConfig:
                        default="auto")
     data: str = _help("Prompt source: 'synthetic' (offline), 'gsm8k-local[:split]', 'gsm8k[:split]' (hub) or a "
                       ".jsonl path.", default="synthetic")
-    num_problems: int | None = _help("Cap on the number of problems loaded (None: all; synthetic makes 256).",
+    data_options: dict[str, Any] = _help("A reasoning-gym source's difficulty knobs (reasoning_gym.create_dataset "
+                                         "config), e.g. {min_digits: 1, max_digits: 1}; empty for other sources.",
+                                         default_factory=dict)
+    num_problems: int | None = _help("Cap on the number of problems loaded (None: all; generated sources make 256).",
                                      default=None)
     system_prompt: str | None = _help("System prompt for every chat prompt; None sends the user turn alone. "
                                       "Default: cbkit.tasks.data.SYSTEM_PROMPT (asks for '#### <number>').",
@@ -65,7 +68,8 @@ class CBGRPOConfig:
                          "correction.", default=1.0)
     top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
-    reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards: 'correctness', 'format'). "
+    reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards: 'correctness', 'format', "
+                                    "'verified' (math-verify)). "
                                     "GRPOTrainer(reward_funcs=...) takes callables instead.",
                                     default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
@@ -148,6 +152,17 @@ class CBGRPOConfig:
                             default=10)
     save_total_limit: int = _help("Keep this many newest checkpoints.", default=1)
     disable_tqdm: bool = _help("No progress bar.", default=False)
+    # --- held-out evaluation (cbkit.train.evaluate; TRL: eval_strategy='steps', eval_steps) ---
+    eval_steps: int = _help("Evaluate on the held-out set before training and every eval_steps steps (and after the "
+                            "last); 0 disables it. eval/accuracy is math-verify's score, whatever the training "
+                            "reward.", default=0)
+    eval_data: str | None = _help("Source of the held-out problems; None: the training source (with another seed "
+                                  "for generated ones). Their questions are removed from the training problems.",
+                                  default=None)
+    eval_num_problems: int = _help("Held-out problems (distinct questions; fewer if the source has fewer).",
+                                   default=64)
+    eval_num_generations: int = _help("Completions sampled per held-out problem, at the training temperature.",
+                                      default=4)
 
     def __post_init__(self) -> None:
         if self.use_transformers_paged is not None:
@@ -235,6 +250,20 @@ class CBGRPOConfig:
             if self.async_update_at < 1:
                 bad(f"async_update_at={self.async_update_at} must be >= 1 (the engine forwards of the next rollout "
                     "that run on the old weights before the update lands).")
+        if self.eval_steps < 0:
+            bad(f"eval_steps={self.eval_steps} must be >= 0 (0: no held-out evaluation).")
+        for name in ("eval_num_problems", "eval_num_generations"):
+            if getattr(self, name) < 1:
+                bad(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.eval_steps and self.async_rollouts:
+            bad("eval_steps with async_rollouts=True: the held-out evaluation would sample while the async engine "
+                "decodes the next rollout on the same cores and random-number stream. Set eval_steps=0 and "
+                "evaluate the run's checkpoints, or use the synchronous loop.")
+        if not isinstance(self.data_options, dict):
+            bad(f"data_options={self.data_options!r} must be a mapping of a reasoning-gym dataset's config fields.")
+        if self.data_options and not self.data.startswith("reasoning-gym:"):
+            bad(f"data_options are knobs of a reasoning-gym source, but data={self.data!r}; remove data_options or "
+                "use data='reasoning-gym:<dataset>'.")
         if not self.reward_funcs:
             bad("reward_funcs is empty; name at least one reward function (e.g. 'correctness').")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):

@@ -90,6 +90,7 @@ from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.train import checkpoint
 from cbkit.train.batch import Batch, completion_logits
 from cbkit.train.config import CBGRPOConfig
+from cbkit.train.evaluate import build_held_out, eval_sampling, without_held_out
 from cbkit.train.hooks import (
     CheckpointHook,
     JSONLHook,
@@ -147,7 +148,13 @@ class GRPOTrainer:
         check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
         # The run set-up the sweep and the demo share: problems, prompt ids, stop and pad ids.
         run = set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
-                         problems=problems, system_prompt=config.system_prompt)
+                         problems=problems, system_prompt=config.system_prompt, options=config.data_options)
+        # The held-out set is drawn first and its questions leave the training problems (cbkit.train.evaluate).
+        self.held_out = build_held_out(config, run.tokenizer) if config.eval_steps else None
+        if self.held_out is not None:
+            kept = without_held_out(run.problems, self.held_out.problems)
+            run.prompts = [run.prompts[i] for i, p in enumerate(run.problems) if p in kept]
+            run.problems = kept
         self.run_setup = run
         self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
@@ -175,6 +182,12 @@ class GRPOTrainer:
                 f"{type(backend).__name__}."
             )
         self.backend = backend
+        # Held-out evaluation runs through the CB engine whatever the training rollouts use, so runs that train
+        # with generate() and with CB are scored by the same sampler; a CB training backend is reused.
+        self.eval_backend = None
+        if self.held_out is not None:
+            self.eval_backend = backend if backend.name == "continuous" else make_backend(
+                "continuous", self.model, cb_config=config.cb_overrides(), pad_token_id=self.pad_token_id)
         # Off-policy rollouts (cbkit.train.offpolicy): None is the on-policy loop, untouched.
         self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
         self.offpolicy = _offpolicy(self, backend_given=backend_given)
@@ -223,6 +236,10 @@ class GRPOTrainer:
         try:
             for h in self.hooks:
                 h.on_train_begin(self.state)
+            if self.held_out is not None and self.state.step == 0:  # the step-0 point of every held-out curve
+                record = StepRecord(0, self.evaluate())
+                for h in self.hooks:
+                    h.on_step_end(record)
             while self.state.step < self.config.max_steps:
                 self.step()
             status = "finished"
@@ -264,6 +281,8 @@ class GRPOTrainer:
             metrics.update(self.offpolicy.after_step(self, step))
         metrics["train/seconds"] = time.perf_counter() - train_start
         metrics["step/seconds"] = time.perf_counter() - start
+        if self.held_out is not None and (step % self.config.eval_steps == 0 or step == self.config.max_steps):
+            metrics.update(self.evaluate())  # timed on its own: eval/seconds, not in step/seconds
 
         self.state.step, self.data_position = step, self.data_position + len(indices)
         self._rng_at_step_end = checkpoint.capture_rng()
@@ -276,6 +295,15 @@ class GRPOTrainer:
             self.state.resumable = False  # e.g. the NaN guard: this step's update is in the weights, keep it off disk
             raise
         return record
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
+        if self.held_out is None:
+            raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
+        sampling = eval_sampling(self.sampling_params(0))
+        return self.held_out.evaluate(self.eval_backend, sampling,
+                                      lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                                      self.reward_funcs)
 
     # --- the stages -----------------------------------------------------------------------------------------
 

@@ -5,15 +5,18 @@ A hook subclasses `StepHooks` and overrides only what it needs; the others are n
     on_train_begin(state)            once, after a resume has been applied (state.step is where it starts)
     on_step_begin(step)              per step, before the rollout
     on_rollout_end(rollout)          the validated `Rollout`, before rewards
-    on_step_end(record)              the finished step's `StepRecord` (weights already updated)
+    on_step_end(record)              the finished step's `StepRecord` (weights already updated); with held-out
+                                     evaluation on, also once before the first step with step 0 and the
+                                     `eval/*` metrics alone
     on_train_end(state)              once, also after an error or an interrupt (state.status says which)
 
 Hooks run in list order. The built-ins are ordered by the loop so that `NaNGuardHook` sees a step before the
 JSONL writer and the checkpoint hook do: a diverged step is neither logged nor saved. A live chart is one
 more `on_step_end` that reads `record.metrics`.
 
-Metric names are namespaced: `reward/*`, `completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`, and
-`offpolicy/*` when the rollout comes from older weights (`cbkit.train.offpolicy`).
+Metric names are namespaced: `reward/*`, `completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`,
+`offpolicy/*` when the rollout comes from older weights (`cbkit.train.offpolicy`), and `eval/*` on the steps that
+ran the held-out evaluation (`cbkit.train.evaluate`).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class ProgressBarHook(StepHooks):
         self.bar = tqdm(total=state.max_steps, initial=state.step, desc="GRPO", unit="step", **self.tqdm_kwargs)
 
     def on_step_end(self, record: StepRecord) -> None:
-        if self.bar is None:
+        if self.bar is None or record.step == 0:  # step 0: the evaluation before training, not a step
             return
         m = record.metrics
         shown = {"reward": "reward/mean", "tok/s": "rollout/tokens_per_s", "loss": "train/loss"}
@@ -147,7 +150,7 @@ class CheckpointHook(StepHooks):
         self.last_saved = state.step if state.resumed_from is not None else None
 
     def on_step_end(self, record: StepRecord) -> None:
-        if self.save_steps and record.step % self.save_steps == 0:
+        if self.save_steps and record.step and record.step % self.save_steps == 0:
             self.save(record.step)
             self.last_saved = record.step
 

@@ -61,7 +61,7 @@ def pad_token_id(tokenizer: Any) -> int:
 
 def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype: str | None = None,
                policy: Any = None, problems: Sequence[Any] | None = None,
-               system_prompt: str | None = SYSTEM_PROMPT) -> RunSetup:
+               system_prompt: str | None = SYSTEM_PROMPT, options: dict | None = None) -> RunSetup:
     """Load (or take: a LoadedPolicy or a (model, tokenizer) pair) the policy and the problems, and build
     everything a rollout of the run needs."""
     from cbkit.rollout.base import stop_token_ids
@@ -72,6 +72,7 @@ def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype:
 
         policy = load_policy(model, dtype=dtype, seed=seed)
     lm, tok = policy
-    problems = list(problems) if problems is not None else load_problems(data, n=num_prompts, seed=seed)
+    problems = list(problems) if problems is not None else load_problems(data, n=num_prompts, seed=seed,
+                                                                               options=options)
     prompts = [chat_prompt_ids(tok, p, system_prompt=system_prompt) for p in problems]
     return RunSetup(lm, tok, problems, prompts, stop_token_ids(tok, lm), pad_token_id(tok))

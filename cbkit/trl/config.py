@@ -37,7 +37,7 @@ _SAME_NAME: tuple[str, ...] = (
 )
 # Read by the bridge itself rather than copied (see `_trl_config`): TRL counts them in other units.
 _SPECIAL: tuple[str, ...] = ("advantage_estimator", "use_transformers_paged", "prompts_per_step", "max_steps",
-                             "save_steps", "reward_funcs")
+                             "save_steps", "reward_funcs", "eval_steps", "eval_num_generations")
 CBKIT_FIELDS: tuple[str, ...] = _SAME_NAME + tuple(_RENAMED) + _SPECIAL
 # cbkit config fields with no TRL config field, and why. tests/test_trl_bridge.py checks that every field of
 # cbkit.train.config.CBGRPOConfig is either mapped (CBKIT_FIELDS) or listed here.
@@ -54,6 +54,10 @@ LOOP_ONLY: dict[str, str] = {
     "async_update_at": "pins where cbkit's async update lands inside the queued rollout; TRL has no async CB path",
     "max_staleness": "bounds cbkit's async and stale rollouts; TRL's max_staleness belongs to AsyncGRPOConfig (vLLM)",
     "stale_rollouts": "what cbkit's loop does with a rollout older than max_staleness; no TRL GRPOConfig field",
+    "data_options": "the dataset is build_trainer's train_dataset (trl_dataset(load_problems(..., options=...)))",
+    "eval_data": "the held-out set is build_trainer's eval_dataset (trl_dataset(HeldOut.problems)); TRL scores it "
+                 "with the training rewards, not math-verify's held-out accuracy",
+    "eval_num_problems": "the held-out set is build_trainer's eval_dataset: cut it before",
 }
 
 
@@ -199,6 +203,13 @@ def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
             out["save_strategy"] = "no"
         else:
             out["save_steps"] = save * iterations
+    if "eval_steps" in values:  # TRL evaluates eval_dataset every eval_steps updates, and before the first one
+        every = int(values.pop("eval_steps"))
+        out["eval_strategy"] = "steps" if every else "no"
+        if every:
+            out.update(eval_steps=every * iterations, eval_on_start=True)
+    if "eval_num_generations" in values:
+        out["num_generations_eval"] = int(values.pop("eval_num_generations"))
     if "prompts_per_step" in values:
         completions = int(values.pop("prompts_per_step")) * int(values.get("num_generations", 8))
         ga = int(values.get("gradient_accumulation_steps", 1) or 1)

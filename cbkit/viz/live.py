@@ -435,7 +435,8 @@ def _ipython_display(obj: Any) -> Any:
 # (panel title, [(series label, metric key, scale)]): what the live training chart draws.
 TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
     ("reward", (("mean", "reward/mean", 1.0), ("correctness", "reward/correctness", 1.0),
-                ("format", "reward/format", 1.0))),
+                ("format", "reward/format", 1.0), ("verified", "reward/verified", 1.0))),
+    ("held-out accuracy", (("held-out accuracy", "eval/accuracy", 1.0),)),
     ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
     ("rollout tokens/s", (("tokens/s", "rollout/tokens_per_s", 1.0),)),
     ("rollout peak memory (MiB)", (("peak memory", "rollout/peak_mem_bytes", 2.0**-20),)),
