@@ -170,6 +170,16 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     return out
 
 
+def format_if_correct_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """`format_reward`, paid only where `correctness_reward` is 1: the fix for a format reward that is gamed.
+
+    A format reward paid whatever the number teaches a small model to write `#### 13` and nothing else, right or
+    wrong (docs/learning.md measured it). Gated by correctness, the format can only be earned by being right.
+    """
+    return [f * c for f, c in zip(format_reward(completions, answers), correctness_reward(completions, answers),
+                                  strict=True)]
+
+
 def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 where math-verify (the verifier TRL and open-r1 score answers with) finds the gold answer as the
     completion's final answer, else 0.0.
@@ -209,7 +219,8 @@ def reward_metric_name(fn: Callable[..., object]) -> str:
 
 DEFAULT_REWARDS: dict[str, RewardFn] = {"correctness": correctness_reward, "format": format_reward}
 # Every reward a recipe can name; `reward_funcs: None` means DEFAULT_REWARDS.
-BUILTIN_REWARDS: dict[str, RewardFn] = {**DEFAULT_REWARDS, "verified": verified_reward}
+BUILTIN_REWARDS: dict[str, RewardFn] = {**DEFAULT_REWARDS, "verified": verified_reward,
+                                        "format_if_correct": format_if_correct_reward}
 # Correctness dominates: a perfectly formatted wrong answer (0.5) must never beat a right one (1.0).
 DEFAULT_REWARD_WEIGHTS: dict[str, float] = {"correctness": 1.0, "format": 0.5}
 
