@@ -386,7 +386,7 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from cbkit.teach.tiers import MACHINES, NOTEBOOKS, plan_all, tiers_report
+    from cbkit.teach.tiers import MACHINES, NOTEBOOKS, plan_all, plan_recipes, tiers_report
 
     def names(value: str | None, valid, what: str) -> list[str] | None:
         if not value:
@@ -402,6 +402,13 @@ def _tiers(args: argparse.Namespace) -> int:
     failed = [p for p in plans if not p.ok]
     print(f"\n{len(plans) - len(failed)} of {len(plans)} notebook x GPU plans fit, finish within budget and show "
           "their phenomenon" + ("." if not failed else f"; {len(failed)} do not (above)."))
+    if not args.notebooks:  # the learning recipe on the same GPUs: its CB and generate() runs with evaluations
+        recipes = plan_recipes(names(args.gpus, list(MACHINES), "GPU(s)"))
+        print("\nThe learning recipe (recipes/smollm2_arith.yaml) on the GPU tiers: one CB run with its held-out "
+              "evaluations. AN ESTIMATE: no GPU has run it; the GPU model needs its difficulty measured "
+              "first (docs/learning.md).\n" + "\n".join(p.line() for p in recipes))
+        for p in recipes:
+            print("\n".join(f"  {p.notebook} on {p.machine}: {problem}" for problem in p.problems()))
     return 1 if failed else 0
 
 

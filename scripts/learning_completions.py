@@ -1,10 +1,11 @@
 """Completions before and after a `cbkit train` run, on problems the run never trained on.
 
-    OMP_NUM_THREADS=2 nice -n -10 python scripts/learning_completions.py runs/learn [PROMPTS] [N]
+    OMP_NUM_THREADS=2 python scripts/learning_completions.py runs/arith [PROMPTS] [N]
 
-Loads the run's recipe (its checkpoint's config.json), samples N completions for each of PROMPTS synthetic
-problems drawn with another seed than the run's (so none is a training prompt), once with the initial weights
-and once with the run's last checkpoint, with the same sampling seed; prints the rewards of both and a few
+Loads the run's recipe (its checkpoint's config.json) and its held-out set (`cbkit.train.evaluate`: the problems
+removed from its training set; for a run without one, problems of its source drawn with the evaluation seed),
+samples N completions for each of the first PROMPTS, once with the initial weights and once with the run's last
+checkpoint, with the same sampling seed; prints held-out accuracy (math-verify) and the run's rewards for both, and
 completions side by side as Markdown (docs/learning.md quotes it).
 """
 
@@ -18,19 +19,19 @@ from safetensors.torch import load_model
 from cbkit.models.load import load_policy
 from cbkit.rollout import make_backend
 from cbkit.rollout.base import SamplingParams, stop_token_ids
-from cbkit.tasks.data import chat_prompt_ids, load_problems
-from cbkit.tasks.rewards import compute_rewards, resolve_rewards
+from cbkit.tasks.rewards import compute_rewards, resolve_rewards, verified_reward
 from cbkit.train import checkpoint
+from cbkit.train.evaluate import build_held_out
 
 
-def main(run_dir: str, prompts: int = 8, n: int = 4) -> None:
+def main(run_dir: str, prompts: int = 16, n: int = 4) -> None:
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         raise SystemExit(f"No checkpoint in {run_dir}: train with save_steps > 0 first.")
     config = checkpoint.read_config(last)
     policy = load_policy(config.model, dtype=config.dtype, seed=config.seed)
-    problems = load_problems(config.data, n=prompts, seed=config.seed + 1000)  # another seed: unseen problems
-    ids = [chat_prompt_ids(policy.tokenizer, p.question, config.system_prompt) for p in problems]
+    held_out = build_held_out(config, policy.tokenizer)
+    problems, ids = held_out.problems[:prompts], held_out.prompts[:prompts]
     sampling = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               eos_token_id=stop_token_ids(policy.tokenizer, policy.model),
                               pad_token_id=policy.tokenizer.pad_token_id, seed=12345)
@@ -45,10 +46,12 @@ def main(run_dir: str, prompts: int = 8, n: int = 4) -> None:
         answers = [problems[c.group].answer for c in rollout.completions]
         total, parts = compute_rewards(texts[name], answers, funcs, weights, num_generations=n)
         said = ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in parts.items())
-        print(f"{name} ({'initial weights' if name == 'before' else last.name}): reward/mean "
-              f"{sum(total) / len(total):.3f}, {said} over {len(total)} completions of {prompts} unseen problems")
+        accuracy = sum(verified_reward(texts[name], answers)) / len(answers)
+        print(f"{name} ({'initial weights' if name == 'before' else last.name}): held-out accuracy {accuracy:.3f}, "
+              f"reward/mean {sum(total) / len(total):.3f}, {said} over {len(total)} completions of "
+              f"{len(problems)} held-out problems")
     print("\n| problem | before | after |\n| --- | --- | --- |")
-    for i in range(0, min(len(problems), 3) * n, n):
+    for i in range(0, min(len(problems), 8) * n, n):
         q = problems[i // n].question.replace("\n", " ")
         cell = [t.strip().replace("\n", "<br>").replace("|", "\\|") for t in (texts["before"][i], texts["after"][i])]
         print(f"| {q[:90]}{'...' if len(q) > 90 else ''} (answer {problems[i // n].answer}) | {cell[0]} | {cell[1]} |")

@@ -144,3 +144,22 @@ def test_the_trl_bridge_evaluates_every_eval_steps_updates_and_at_the_start():
     assert (args.eval_strategy, args.eval_steps, args.eval_on_start) == ("steps", 10, True)  # TRL counts updates
     assert args.num_generations_eval == 4
     assert trl_grpo_config(config(eval_steps=0), output_dir="unused").eval_strategy == "no"
+
+
+def test_cbkit_tiers_plans_the_learning_recipe_with_its_evaluations(monkeypatch):
+    import dataclasses
+
+    from cbkit.teach import tiers
+
+    name = next(iter(tiers.RECIPES))
+    spec = tiers.RECIPES[name]
+    with_eval = tiers.plan_notebook(name, "t4")
+    no_eval = dataclasses.replace(spec, sizes={t: dataclasses.replace(s, eval_every=0) for t, s in spec.sizes.items()})
+    monkeypatch.setitem(tiers.RECIPES, name, no_eval)
+    without = tiers.plan_notebook(name, "t4")
+    assert with_eval.seconds > without.seconds and with_eval.budget_s == tiers.RECIPE_BUDGET_S
+    recipe = CBGRPOConfig.from_yaml(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "smollm2_arith.yaml")
+    cpu = spec.sizes["cpu"]  # the CPU row is the recipe itself
+    assert (cpu.prompts, cpu.n, cpu.max_new_tokens, cpu.steps, cpu.eval_every, cpu.eval_prompts, cpu.eval_n) == (
+        recipe.prompts_per_step, recipe.num_generations, recipe.max_completion_length, recipe.max_steps,
+        recipe.eval_steps, recipe.eval_num_problems, recipe.eval_num_generations)

@@ -20,11 +20,22 @@ from tests.test_grpo import _metrics, config, trainer
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_recipe_is_the_run_the_docs_describe():
-    c = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_learn.yaml")
-    assert c.model == "smollm2-offline" and c.system_prompt == SHORT_ANSWER_PROMPT
-    assert (c.prompts_per_step, c.num_generations, c.max_completion_length, c.max_steps) == (2, 8, 48, 15)
-    assert c.resolved_reward_weights() == [0.5, 1.0]  # format, correctness: the kit's default weights
+def test_the_learning_recipe_is_the_run_the_docs_describe():
+    c = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_arith.yaml")
+    assert (c.model, c.data, c.reward_funcs) == ("smollm2-offline", "reasoning-gym:chain_sum", ["verified"])
+    assert c.data_options == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    assert (c.prompts_per_step, c.num_generations, c.max_completion_length, c.max_steps) == (2, 8, 32, 40)
+    assert (c.eval_steps, c.eval_num_problems, c.eval_num_generations, c.temperature) == (8, 64, 2, 1.0)
+
+
+def test_the_hacking_lesson_and_its_fix_differ_only_in_the_format_gate():
+    hack = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_format_hack.yaml")
+    fixed = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_format_fixed.yaml")
+    assert hack.system_prompt == SHORT_ANSWER_PROMPT
+    assert hack.resolved_reward_weights() == fixed.resolved_reward_weights() == [0.5, 1.0]
+    assert hack.diff(fixed, ignore=("output_dir",)) == {
+        "reward_funcs": (["format", "correctness"], ["format_if_correct", "correctness"]),
+        "reward_weights": (None, [0.5, 1.0])}
 
 
 def test_two_identical_runs_write_identical_metrics(tmp_path):
@@ -41,13 +52,17 @@ def test_two_identical_runs_write_identical_metrics(tmp_path):
 
 
 def test_cbkit_plot_writes_the_reward_curve(tmp_path, capsys):
-    rows = [{"step": s, "reward/mean": r, "reward/format": f} for s, r, f in [(1, 0.2, 0.3), (2, 0.5, 0.9)]]
+    rows = [{"step": 0, "eval/accuracy": 0.25}]  # the evaluation before training, then two steps
+    rows += [{"step": s, "reward/mean": r, "reward/format": f} for s, r, f in [(1, 0.2, 0.3), (2, 0.5, 0.9)]]
+    rows[-1]["eval/accuracy"] = 0.5
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')  # a torn last line
     assert main(["plot", str(path)]) == 0
     html = (tmp_path / "reward.html").read_text()
     assert "plotly.js" in html.lower() or "Plotly.newPlot" in html
-    assert "reward/format 0.300 -> 0.900" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "2 steps: " in said and "reward/format 0.300 -> 0.900 (step 1 -> 2)" in said
+    assert "eval/accuracy 0.250 -> 0.500 (step 0 -> 2)" in said
     assert main(["plot", str(path), "--keys", "nope"]) == 2  # a clear error, not a traceback
 
 

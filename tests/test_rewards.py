@@ -221,3 +221,11 @@ def test_combiner_refuses_a_bad_score_and_names_the_completion(value) -> None:
 
     with pytest.raises(ValueError, match=r"'flaky' returned .*completion 3 \(prompt 1, answer '8'\)"):
         compute_rewards(["a", "b", "c", "d"], ["7", "7", "8", "8"], [flaky_reward], num_generations=2)
+
+
+def test_format_if_correct_pays_the_format_only_with_the_right_answer():
+    from cbkit.tasks.rewards import format_if_correct_reward, format_reward
+
+    texts = ["3 + 4 = 7\n#### 7", "#### 13", "7", "It is 7.\n#### 7 apples and more"]
+    assert format_reward(texts, ["7"] * 4) == [1.0, 1.0, 0.0, 0.5]
+    assert format_if_correct_reward(texts, ["7"] * 4) == [1.0, 0.0, 0.0, 0.5]

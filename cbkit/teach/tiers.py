@@ -84,6 +84,11 @@ class Sizes:
     pool_share: float | None = None
     pool_sequences: int | None = None
     learning_rate: float = 5e-6
+    # Held-out evaluation (a recipe's eval_steps): every `eval_every` steps and before the first, `eval_prompts` x
+    # `eval_n` completions through the CB engine. 0: none.
+    eval_every: int = 0
+    eval_prompts: int = 0
+    eval_n: int = 0
     # Steps at dry-run size: one shows every branch, but 05 needs staleness 4 reached (5 steps, as at CI size).
     dry_steps: int = 1
 
@@ -105,6 +110,7 @@ class NotebookSpec:
     # whether a TRL step follows them (04 runs CB, then generate(), then one TRL step).
     train_runs: tuple[str, ...] = ("continuous",)
     trl_step: bool = False
+    budget_s: dict[str, float] | None = None  # per tier; None: BUDGET_S (a notebook's slot in a workshop)
 
     @property
     def trains(self) -> bool:
@@ -151,7 +157,25 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
 )}
 
 
+# The learning recipe (recipes/smollm2_arith.yaml) on the GPU tiers, planned like a notebook that trains: one CB run
+# of `steps` steps with its held-out evaluations, in the 15 minutes the CPU recipe may take. A GPU trains the hub model, on which one-digit sums are too easy: its difficulty (data_options) is chosen
+# by the same base-model measurement as on the CPU (docs/learning.md). An estimate until a GPU runs it.
+RECIPE_BUDGET_S = 15 * 60
+RECIPES: dict[str, NotebookSpec] = {spec.name: spec for spec in (
+    NotebookSpec("recipe smollm2_arith", "train", train_runs=("continuous",),
+                 budget_s={"t4": RECIPE_BUDGET_S, "a100": RECIPE_BUDGET_S}, sizes={
+                     "cpu": Sizes(_SMOL, 2, 8, 32, steps=40, learning_rate=3e-5, eval_every=8, eval_prompts=64,
+                                  eval_n=2),
+                     "t4": Sizes(GPU_MODEL, 4, 8, 128, steps=40, learning_rate=1e-6, eval_every=8, eval_prompts=64,
+                                 eval_n=4),
+                     "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=40, learning_rate=1e-6, eval_every=8,
+                                   eval_prompts=64, eval_n=4)}),
+)}
+
+
 def notebook_spec(name: str) -> NotebookSpec:
+    if name in RECIPES:
+        return RECIPES[name]
     if name not in NOTEBOOKS:
         raise ValueError(f"no notebook {name!r}; the notebooks are {', '.join(NOTEBOOKS)}.")
     return NOTEBOOKS[name]
@@ -335,6 +359,8 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
             for _ in range(s.steps):
                 rollout(s.prompts, s.n, s.max_new_tokens, backend)
                 seconds += step_s
+            for _ in range(s.steps // s.eval_every + 1 if s.eval_every else 0):  # held-out, through the CB engine
+                rollout(s.eval_prompts, s.eval_n, s.max_new_tokens, "continuous")
         if spec.trl_step:  # one TRL step: its rollout and update
             rollout(s.prompts, s.n, s.max_new_tokens, "continuous")
             seconds += step_s
@@ -370,8 +396,9 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         notes.append(f"pool {fmt_bytes(pool['num_blocks'] * GPU_PAGE_SIZE * _kv(config, weight_bytes))} "
                      f"({s.pool_share or POOL_SHARE:.0%} of what a training step leaves on {TIER_MEMORY[tier] // GiB}"
                      " GiB)")
+    budget = (spec.budget_s or BUDGET_S)[tier]
     return TierPlan(name, tier, machine, compute, sum(parts.values()), gpu.memory_bytes, seconds,
-                    BUDGET_S[tier], crossovers, parts, notes)
+                    budget, crossovers, parts, notes)
 
 
 def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.Machine, dtype: str) -> float:
@@ -416,6 +443,11 @@ def _running(rows: int, new: int, backend: str, lengths: str, num_blocks: int, b
 
 def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | None = None) -> list[TierPlan]:
     return [plan_notebook(nb, m) for nb in (notebooks or list(NOTEBOOKS)) for m in (machines or list(MACHINES))]
+
+
+def plan_recipes(machines: Sequence[str] | None = None) -> list[TierPlan]:
+    """The learning recipes (``RECIPES``) on every GPU: an estimate until a GPU runs them."""
+    return [plan_notebook(r, m) for r in RECIPES for m in (machines or list(MACHINES))]
 
 
 def tiers_report(plans: Sequence[TierPlan]) -> str:

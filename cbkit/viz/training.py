@@ -58,14 +58,20 @@ def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = REWARD
 
 
 def runs_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str, *, title: str | None = None,
-                window: int = 1) -> go.Figure:
-    """One metric of several runs against step, one colour per run (trailing mean over `window` steps)."""
+                window: int = 1, dashes: Mapping[str, str] | None = None,
+                colors: Mapping[str, str] | None = None) -> go.Figure:
+    """One metric of several runs against step, one colour per run (trailing mean over `window` steps). Rows
+    without the metric are left out, so a held-out metric (`eval/*`, on the evaluated steps only) draws as a line
+    through its evaluations. `dashes` and `colors` give a run a line dash (e.g. "dot" for a second seed) and colour
+(e.g. its backend's, `cbkit.viz.palette.backend_color`)."""
     fig = go.Figure()
     for i, (name, rows) in enumerate(runs.items()):
-        values = [r.get(key) for r in rows]
+        have = [r for r in rows if isinstance(r.get(key), int | float)]
+        values = [r[key] for r in have]
         smooth = [step_mean(values[max(0, j - window + 1): j + 1]) for j in range(len(values))]
-        fig.add_scatter(x=[r["step"] for r in rows], y=smooth, mode="lines+markers", name=name,
-                        line=dict(color=PALETTE[i % len(PALETTE)]))
+        fig.add_scatter(x=[r["step"] for r in have], y=smooth, mode="lines+markers", name=name,
+                        line=dict(color=(colors or {}).get(name, PALETTE[i % len(PALETTE)]),
+                                  dash=(dashes or {}).get(name, "solid")))
     fig.update_layout(template=TEMPLATE, title=title or key, xaxis_title="step", yaxis_title=key, height=380)
     return fig
 
