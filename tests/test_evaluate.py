@@ -131,6 +131,10 @@ def test_an_unknown_reasoning_gym_option_names_the_dataset():
     ("\\boxed{-4} and some text 9", "-4", 1.0),
     ("#### 12", "12", 1.0),
     ("twelve", "12", 0.0),
+    # What a run learned to game: ending on the question's expression, which math-verify would evaluate to 14.
+    ("7 + 7 equals 8. The answer to 7 + 7 is", "14", 0.0),
+    ("1 + 9 equals 2. Therefore, the answer to 1 + 9 is", "10", 0.0),
+    ("It's 1,234 apples", "1234", 1.0),
     ("", "3", 0.0),
 ])
 def test_verified_reward_reads_the_final_answer(text, gold, expected):

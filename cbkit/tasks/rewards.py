@@ -181,12 +181,15 @@ def format_if_correct_reward(completions: list[str], answers: list[str]) -> list
 
 
 def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 where math-verify (the verifier TRL and open-r1 score answers with) finds the gold answer as the
-    completion's final answer, else 0.0.
+    """1.0 where math-verify (the checker TRL and open-r1 score answers with) finds the gold answer as the
+    completion's final answer, written as a number; else 0.0.
 
     math-verify reads the last `\\boxed{}` if there is one, else the last number or expression: "7 + 5 = 12" is
-    right for 12, "12, or maybe 13" is not. Held-out accuracy (`eval/accuracy`) is always this score, whatever a
-    run is trained on, so it cannot be gamed through a format the training reward pays for.
+    right for 12, "12, or maybe 13" is not. The answer must be a number as written: math-verify also reads a final
+    *expression* and evaluates it, so "The answer to 7 + 7 is" ends on `7 + 7` and is "right" for 14. A GRPO run
+    on one-digit sums learned exactly that, echoing the question last (docs/learning.md, "The verifier gamed"), so
+    an expression is not an answer here. Held-out accuracy (`eval/accuracy`) is always this score, whatever a run is
+    trained on.
     """
     _check_lengths(completions, answers)
     try:
@@ -204,7 +207,9 @@ def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
     for completion, gold in zip(completions, answers, strict=True):
         try:
             found = parse(completion, parsing_timeout=timeout)
-            ok = bool(found) and verify(parse(gold, parsing_timeout=timeout), found, timeout_seconds=timeout)
+            # found = [the parsed value, the text it was read from]: an answer is a number, not "7 + 7".
+            ok = (len(found) == 2 and normalize_number(str(found[1])) is not None
+                  and verify(parse(gold, parsing_timeout=timeout), found, timeout_seconds=timeout))
         except Exception:  # math-verify raises on inputs it cannot parse: an answer it cannot read is not right
             ok = False
         out.append(1.0 if ok else 0.0)
