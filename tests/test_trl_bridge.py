@@ -184,6 +184,25 @@ def test_bridge_logprobs_match_teacher_forced(tmp_path, dataset, knobs):
         assert raw_diff > 0.1
 
 
+def test_the_models_generation_config_does_not_reach_the_bridges_sampler(tmp_path, dataset):
+    """A checkpoint's generation advice (repetition penalty, n-gram bans, min_p, ...) on the model: the bridge samples
+    from TRL's config alone, so its logprobs still match a teacher-forced forward at temperature 1."""
+    model, tok = _policy()
+    advice = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 1, "typical_p": 0.5, "min_p": 0.2, "top_k": 5,
+              "top_p": 0.5, "temperature": 0.5, "bad_words_ids": [[71]], "suppress_tokens": list(range(60, 120)),
+              "sequence_bias": {(71,): 5.0}, "min_new_tokens": 6, "exponential_decay_length_penalty": (1, 3.0)}
+    for k, v in advice.items():
+        setattr(model.generation_config, k, v)
+    tr = build_trainer(model, tok, [format_reward], dataset, dict(RUN, temperature=1.0),
+                       output_dir=str(tmp_path), **TRL_ONLY)
+    prompts = _prompt_ids(tok)
+    completions, logprobs = tr._generate_single_turn(prompts, None, {}, N)
+    model = tr.model.eval()
+    diff = max((torch.tensor(lp) - _teacher_forced(model, p, c, 1.0)).abs().max().item()
+               for p, c, lp in zip(prompts, completions, logprobs, strict=True))
+    assert diff < LOGPROB_ATOL
+
+
 def test_bridge_scoring_hands_logprobs_to_trl_is(tmp_path, dataset, monkeypatch):
     """`_generate_and_score_completions` returns TRL's IS ratio; the gate is shut during generation."""
     seen = {}
