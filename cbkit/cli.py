@@ -17,7 +17,6 @@ import dataclasses
 import json
 import sys
 import typing
-from collections.abc import Sequence
 from typing import Any
 
 
@@ -64,11 +63,6 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trained {state.step} steps; metrics: {config.output_dir}/metrics.jsonl; "
           f"checkpoint: {checkpoint.latest_checkpoint(config.output_dir)}")
     return 0
-
-
-def train_config(argv: Sequence[str]):
-    """The `CBGRPOConfig` that `cbkit train <argv>` would run, without running it."""
-    return train_config_from_args(build_parser().parse_args(["train", *argv]))
 
 
 def train_config_from_args(args: argparse.Namespace):

@@ -121,6 +121,9 @@ class SweepConfig:
         "the CB engine's attention on CPU: batched (decoding sequences in one call, cbkit's default), per_sequence "
         "(one call per sequence) or engine (its own dense block-diagonal mask, quadratic in the batch): the "
         "'befores' of the CPU tuning, side by side", default="batched")
+    engine_loop: str = _help(
+        "who runs the CB engine's loop: auto (the caller's thread on CPU, transformers' thread on a GPU), caller "
+        "or thread", default="auto")
     full_step: bool = _help(
         "time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) through cbkit's loop "
         "instead of the rollout alone; the weights are restored after every step", default=False)
@@ -132,9 +135,11 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         from cbkit.rollout.cpu_attention import CPU_ATTENTION
+        from cbkit.rollout.engine_config import resolve_engine_loop
 
         if self.cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {self.cpu_attention!r}.")
+        resolve_engine_loop(self.engine_loop, torch.device("cpu"), self.cb_config)
         self.ns = tuple(self.ns)
         self.backends = tuple(self.backends)
         if not self.ns or any(not isinstance(n, int) or n < 1 for n in self.ns):
@@ -168,6 +173,8 @@ class SweepConfig:
         import cbkit
 
         keep = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ns", "backends", "repeats")}
+        if keep["engine_loop"] == "auto":  # what every file written before the knob ran: they stay resumable
+            del keep["engine_loop"]
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         # A replayed file may change under the same name: its contents are part of what makes runs comparable.
         w = self._workload
@@ -298,7 +305,8 @@ def run_sweep(
     probe = _probe_line(results, model, workload.describe(cfg.max_new_tokens), point=None)
     params = matmul_params(model)
     # Each backend is warmed up with one short call: first calls pay one-off costs, not what we compare.
-    backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention) for b in cfg.backends}
+    backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention,
+                                 engine_loop=cfg.engine_loop) for b in cfg.backends}
 
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
     probed_at = None
