@@ -54,6 +54,8 @@ LOOP_ONLY: dict[str, str] = {
     "async_update_at": "pins where cbkit's async update lands inside the queued rollout; TRL has no async CB path",
     "max_staleness": "bounds cbkit's async and stale rollouts; TRL's max_staleness belongs to AsyncGRPOConfig (vLLM)",
     "stale_rollouts": "what cbkit's loop does with a rollout older than max_staleness; no TRL GRPOConfig field",
+    "forward_chunk_rows": "TRL's chunk of rows is its micro-batch (per_device_train_batch_size, mapped) and its fused "
+                          "LM head streams the vocabulary; no GRPOConfig field splits a micro-batch further",
 }
 
 
