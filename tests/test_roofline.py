@@ -3,7 +3,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cbkit.measure.probe import matmul_params
-from cbkit.measure.roofline import GPUS, Shape, decode_step, rollout_roofline
+from cbkit.measure.roofline import (
+    GPUS,
+    Shape,
+    decode_step,
+    rollout_roofline,
+    teacher_forced_forward,
+    training_roofline,
+)
 
 
 def _config(**kw):
@@ -57,3 +64,26 @@ def test_bad_peaks_are_refused_and_datasheet_gpus_say_so():
     assert all(m.source == "datasheet" for m in GPUS.values())
     with pytest.raises(ValueError, match="no peak for 'bfloat16'"):
         GPUS["t4"].flops("bfloat16")
+
+
+def test_the_training_phases_roofs_worked_by_hand():
+    """The 592-matmul-parameter shape above (LM head 20 x 8 = 160 of them): one row of a 3-token prompt and a
+    2-token completion, forwarded in one call."""
+    config = _config(vocab_size=20, hidden_size=8, intermediate_size=10, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1)
+    cost = teacher_forced_forward(Shape.of(config), [(3, 2)], dtype_bytes=4, forwards=1)
+    # body 432 params x 5 tokens x 2, head 160 x 3 positions (logits_to_keep = 2 + 1) x 2, attention 4 x 1 x 2 x 4
+    # = 32 FLOPs a key, over 1 + 2 + 3 + 4 + 5 = 15 keys (causal)
+    assert cost.flops == 2 * 432 * 5 + 2 * 160 * 3 + 32 * 15
+    assert cost.bytes == 592 * 4
+    # two chunks read the weights twice; the FLOPs are the tokens', the same however they are chunked
+    two = teacher_forced_forward(Shape.of(config), [(3, 2), (3, 2)], dtype_bytes=4, forwards=2)
+    assert two.flops == 2 * cost.flops and two.bytes == 2 * cost.bytes
+    roofs = training_roofline(config, rows=[(3, 2)], forwards=1, params=700, dtype_bytes=4, peak_flops=1e3,
+                              bytes_per_s=1e6)
+    assert roofs["old_logprob_roof_s"] == pytest.approx(cost.flops / 1e3)  # compute-bound at these peaks
+    # forward + backward = 3 forwards' FLOPs, then AdamW: 7 fp32 reads and writes a parameter
+    assert roofs["update_roof_s"] == pytest.approx(3 * cost.flops / 1e3 + 700 * 28 / 1e6)
+    assert roofs["update_compute_roof_s"] == pytest.approx(3 * cost.flops / 1e3)
+    with pytest.raises(ValueError, match="positive peaks"):
+        training_roofline(config, rows=[(3, 2)], forwards=1, params=700, dtype_bytes=4, peak_flops=0, bytes_per_s=1)

@@ -144,6 +144,39 @@ def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_leng
             "decode_steps": steps, "compute_bound_steps": compute_steps, "completion_tokens": tokens}
 
 
+# --- the training step's roofs: the old-logprob forward and the update ------------------------------------------
+
+# AdamW on fp32 weights reads the weight, its gradient and both moments and writes the weight and both moments.
+ADAMW_BYTES_PER_PARAM = 7 * 4
+
+
+def teacher_forced_forward(shape: Shape, rows: Sequence[tuple[int, int]], dtype_bytes: int, forwards: int) -> StepCost:
+    """The work of one teacher-forced forward over ``rows`` of (prompt tokens, completion tokens): every matmul weight
+    over every real token (the LM head only over the completion's positions and the one before them, as
+    ``logits_to_keep`` does), the causal attention products, and the weights read once per forward call
+    (``forwards``: one per chunk of rows). Padding is not work: the roof is of the tokens, not of a layout."""
+    head = shape.vocab * shape.hidden
+    body = shape.matmul_params - head
+    flops = sum(2 * body * (p + c) + 2 * head * (c + 1) + shape.attention_flops((p + c) * (p + c + 1) // 2)
+                for p, c in rows)
+    return StepCost(flops, shape.matmul_params * dtype_bytes * forwards)
+
+
+def training_roofline(config: Any, *, rows: Sequence[tuple[int, int]], forwards: int, params: int, dtype_bytes: int,
+                      peak_flops: float, bytes_per_s: float, num_iterations: int = 1) -> dict[str, float]:
+    """The least seconds of a GRPO step's two training phases on a machine: the old-logprob forward (one no-grad
+    forward of every row), and the update (``num_iterations`` x a forward and its backward, which costs two more
+    forwards' FLOPs and reads the weights twice more, then AdamW's pass over every parameter, bandwidth-bound)."""
+    if peak_flops <= 0 or bytes_per_s <= 0:
+        raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
+    fwd = teacher_forced_forward(Shape.of(config), rows, dtype_bytes, forwards)
+    fwd_bwd = StepCost(3 * fwd.flops, 3 * fwd.bytes)
+    adamw = params * ADAMW_BYTES_PER_PARAM / bytes_per_s
+    return {"old_logprob_roof_s": fwd.seconds(peak_flops, bytes_per_s),
+            "update_roof_s": num_iterations * (fwd_bwd.seconds(peak_flops, bytes_per_s) + adamw),
+            "update_compute_roof_s": num_iterations * 3 * fwd.flops / peak_flops}
+
+
 # --- an estimate of wall time, from the roof --------------------------------------------------------------------
 # A roof is the least time; an estimate needs two more numbers, both assumptions and named as such wherever
 # printed. `efficiency`: the share of the lower roof a step reaches. `step_floor_s`: the least a step takes

@@ -55,10 +55,43 @@ def roof_table(points: list[dict[str, Any]]) -> str:
 
 
 def _spread_cell(p: dict[str, Any]) -> str:
+    """Mean, CV, max; padding share: each a dash where the run did not record it (a full-step run from before
+    full steps recorded their lengths has a mean only)."""
     if p.get("length_mean") is None:
         return "—"
-    return (f"{p['length_mean']:.1f}, {p['length_cv']:.2f}, {p['length_max']:.0f}; "
-            f"{p['decode_padding_share']:.0%} of decode slots")
+
+    def f(key: str, fmt: str) -> str:
+        return format(p[key], fmt) if p.get(key) is not None else "—"
+
+    return (f"{f('length_mean', '.1f')}, {f('length_cv', '.2f')}, {f('length_max', '.0f')}; "
+            f"{f('decode_padding_share', '.0%')} of decode slots")
+
+
+def step_split_table(points: list[dict[str, Any]]) -> str:
+    """A full GRPO step per backend and N (`cbkit sweep --full-step`), split into the rollout, the old-logprob
+    forward, the update and the rest, each phase's seconds with its share of its roof (the probe of the same run);
+    the rollout's share of the step; the step's speed-up over generate(); and the Amdahl ceiling, the speed-up the
+    rollout's speed-up alone predicts (`results.amdahl_ceiling`), with the share of it reached."""
+    rows = ["| N | backend | step s | rollout s (of roof) | old-logprob fwd s (of roof) | update s (of roof) | other s "
+            "| rollout share | step speed-up | Amdahl ceiling | of ceiling |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "—"
+
+    def phase(p, key):
+        return f"{f(p.get(key + '_s'), '.2f')} ({f(p.get(key + '_roof_share'), '.0%')})"
+
+    for p in sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"])):
+        if p["status"] != "ok":
+            rows.append(f"| {p['N']} | {p['backend']} | {p['status'].upper()} |" + " — |" * 8)
+            continue
+        speed = f(p.get("step_speedup"), ".2f") + ("x" if p.get("step_speedup") is not None else "")
+        ceiling = f(p.get("amdahl_ceiling"), ".2f") + ("x" if p.get("amdahl_ceiling") is not None else "")
+        rows.append(f"| {p['N']} | {p['backend']} | {f(p.get('step_s'), '.2f')} | {phase(p, 'rollout')} | "
+                    f"{phase(p, 'old_logprob')} | {phase(p, 'update')} | {f(p.get('other_s'), '.2f')} | "
+                    f"{f(p.get('rollout_share'), '.0%')} | {speed} | {ceiling} | {f(p.get('of_ceiling'), '.0%')} |")
+    return "\n".join(rows)
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
@@ -149,7 +182,10 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
             "kv_bytes", "kv_padding_share", "completion_tokens", "speed_vs_generate",
             "mem_vs_generate", "planned_peak_bytes", "plan_error", "lengths", "length_mean", "length_cv",
             "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
-            "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing"]
+            "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing",
+            "step_s", "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
+            "old_logprob_roof_share", "update_roof_share", "step_speedup", "rollout_speedup", "amdahl_ceiling",
+            "of_ceiling", "planned_phase"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
