@@ -248,12 +248,30 @@ def _sweep(args: argparse.Namespace) -> int:
         print("One GRPO step split by phase; (of roof) = the phase's roof seconds on this run's probe over its "
               "seconds; Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
         print(step_split_table(points))
+        _estimated_split(out, cfg.model)
     else:
         print(roof_table(points))
     write_csv(points, out.with_suffix(".csv"))
     _gpu_tables(points, cfg.model, force=args.preset == "trl-benchmark")
     _finish_report(points, out, cfg.fingerprint())
     return 0
+
+
+def _estimated_split(out, model: str) -> None:
+    """Below a full-step sweep: the same steps (this model, these prompts, the lengths each N ran with) on a T4 and
+    an A100, estimated from the roofline's assumptions and printed as such."""
+    from cbkit.measure.results import read_results
+    from cbkit.measure.tables import estimated_step_table
+    from cbkit.models.load import load_config
+
+    runs = [r for r in read_results(out).runs if r.get("status") == "ok" and r.get("prompt_lens")
+            and r.get("completion_lengths")]
+    if not runs:
+        return
+    lengths = {r["N"]: r["completion_lengths"] for r in runs if r["backend"] == "generate"}
+    print("\nThe same steps on GPUs: an ESTIMATE from the roofline's assumptions (cbkit/measure/roofline.py: "
+          "DECODE_EFFICIENCY, TRAIN_EFFICIENCY, the launch floor), not a measurement")
+    print(estimated_step_table(load_config(model), prompt_lens=runs[0]["prompt_lens"], lengths_by_n=lengths))
 
 
 def _random_weights_note(model: str) -> None:

@@ -7,6 +7,8 @@ from cbkit.measure.roofline import (
     GPUS,
     Shape,
     decode_step,
+    estimated_rollout_seconds,
+    estimated_step_split,
     rollout_roofline,
     teacher_forced_forward,
     training_roofline,
@@ -87,3 +89,27 @@ def test_the_training_phases_roofs_worked_by_hand():
     assert roofs["update_compute_roof_s"] == pytest.approx(3 * cost.flops / 1e3)
     with pytest.raises(ValueError, match="positive peaks"):
         training_roofline(config, rows=[(3, 2)], forwards=1, params=700, dtype_bytes=4, peak_flops=0, bytes_per_s=1)
+
+
+def test_the_estimated_step_split_differs_only_in_the_rollout():
+    """Targets 1, 2 and 3: the static batch decodes 3 rows for 3 steps, the pool 3, 2, then 1; the training phases
+    are the same work for both backends, the old-logprob forward a third of the update's FLOPs. On a machine slow
+    enough that a step's compute beats the launch floor, the pool's shorter steps show."""
+    from cbkit.measure.roofline import Machine
+
+    config = _config()
+    slow = Machine("slow", {"float16": 1e6, "float32": 1e6}, 1e12)
+    kw = dict(prompt_lens=[4], machine=slow, rollout_dtype="float16", train_dtype="float32", dtype_bytes=2)
+    split = estimated_step_split(config, targets=[1, 2, 3], **kw)
+    g, c = split["generate"], split["continuous"]
+    assert g["rollout_s"] == pytest.approx(estimated_rollout_seconds(
+        config, prompt_lens=[4], running=[3, 3, 3], context=5, dtype_bytes=2, machine=slow, dtype="float16"))
+    assert c["rollout_s"] == pytest.approx(estimated_rollout_seconds(
+        config, prompt_lens=[4], running=[3, 2, 1], context=5, dtype_bytes=2, machine=slow, dtype="float16"))
+    assert c["rollout_s"] < g["rollout_s"]
+    # on a T4 this tiny shape is bound by the launch floor: every step costs the same, rows or not
+    t4 = estimated_step_split(config, targets=[1, 2, 3], **{**kw, "machine": GPUS["t4"]})
+    assert t4["continuous"]["rollout_s"] == pytest.approx(t4["generate"]["rollout_s"])
+    assert g["update_s"] == c["update_s"] and g["old_logprob_s"] == pytest.approx(g["update_s"] / 3)
+    same = estimated_step_split(config, targets=[3, 3, 3], **kw)  # no spread: nothing for CB to win back
+    assert same["generate"]["rollout_s"] == pytest.approx(same["continuous"]["rollout_s"])

@@ -14,6 +14,7 @@ The peaks come from a probe on this machine (`measure/probe.py`) or, for a GPU n
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -220,3 +221,24 @@ def estimated_train_seconds(config: Any, *, rows: int, tokens_per_row: int, mach
         raise ValueError(f"efficiency is a share of the peak in (0, 1], got {efficiency}.")
     flops = (2 * forwards + 4) * Shape.of(config).matmul_params * rows * tokens_per_row
     return flops / (machine.flops(dtype) * efficiency)
+
+
+def estimated_step_split(config: Any, *, prompt_lens: Sequence[int], targets: Sequence[int], machine: Machine,
+                         rollout_dtype: str, train_dtype: str, dtype_bytes: int) -> dict[str, dict[str, float]]:
+    """An estimate (not a measurement) of one GRPO step's phases on ``machine``, per backend: the rollout
+    (`estimated_rollout_seconds`: a static batch runs every row until the longest target ends; the CB pool, taken
+    as large enough for every row, runs each row until its own), the old-logprob forward (one forward's FLOPs)
+    and the update (a forward and its backward), both at ``TRAIN_EFFICIENCY`` of ``train_dtype``'s peak.
+    ``targets``: one completion length per row, prompts in ``prompt_lens`` split evenly over the rows."""
+    rows, longest = len(targets), max(targets)
+    context = round(statistics.mean(prompt_lens)) + longest // 2
+    tokens_per_row = round(statistics.mean(prompt_lens)) + round(statistics.mean(targets))
+    update = estimated_train_seconds(config, rows=rows, tokens_per_row=tokens_per_row, machine=machine,
+                                     dtype=train_dtype, forwards=1)
+    running = {"generate": [rows] * longest, "continuous": [sum(t > i for t in targets) for i in range(longest)]}
+    return {backend: {"rollout_s": estimated_rollout_seconds(config, prompt_lens=prompt_lens, running=steps,
+                                                             context=context, dtype_bytes=dtype_bytes,
+                                                             machine=machine, dtype=rollout_dtype),
+                      "old_logprob_s": update / 3,  # 2 of the update's 6 FLOPs a weight a token
+                      "update_s": update}
+            for backend, steps in running.items()}

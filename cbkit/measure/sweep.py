@@ -326,6 +326,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
         **lengths_record(lengths),
         "reward_mean": m.get("reward/mean"),
         "forward_chunk_rows": cfg.forward_chunk_rows,
+        "prompt_lens": [len(c.prompt_ids) for c in rollout.completions[::n]],  # one per prompt (group order)
         "engine_config": rollout.engine_config,
     }
     if probe is not None:

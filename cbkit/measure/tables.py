@@ -281,3 +281,30 @@ def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, 
                 "reserves a mask that grows with the pool). Neither the prompts per step nor the pool is stated in the PR: these are the "
                 "planner's reading of its numbers, not a reproduction.")
     return "\n".join(rows)
+
+
+# The GPUs of `cbkit tiers` and their dtypes there: the rollout in fp16 on a T4 (no bf16) and bf16 on an A100; the
+# training forwards in fp32 on a T4 and under bf16 autocast on an A100.
+ESTIMATE_GPUS = {"t4": ("float16", "float32"), "a100-40": ("bfloat16", "bfloat16")}
+
+
+def estimated_step_table(config: Any, *, prompt_lens: list[int], lengths_by_n: dict[int, list[int]]) -> str:
+    """The full step's split on a T4 and an A100, **estimated** from the roofline's assumptions
+    (`roofline.estimated_step_split`: DECODE_EFFICIENCY, TRAIN_EFFICIENCY, the per-step launch floor), never
+    measured: where the rollout's share, and so what a faster rollout can buy, moves on a GPU. ``lengths_by_n``:
+    the completion lengths each N ran with (a sweep's own). In an estimate only the rollout differs between the
+    backends, so the step's speed-up is its Amdahl ceiling."""
+    from cbkit.measure.roofline import GPUS, estimated_step_split
+
+    rows = ["| GPU (estimate, not measured) | N | backend | step s | rollout s | old-logprob fwd s | update s | "
+            "rollout share | step speed-up (= Amdahl ceiling) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for gpu, (rollout_dtype, train_dtype) in ESTIMATE_GPUS.items():
+        for n, lengths in sorted(lengths_by_n.items()):
+            split = estimated_step_split(config, prompt_lens=prompt_lens, targets=lengths, machine=GPUS[gpu],
+                                         rollout_dtype=rollout_dtype, train_dtype=train_dtype, dtype_bytes=2)
+            step = {b: sum(v.values()) for b, v in split.items()}
+            for b, v in split.items():
+                rows.append(f"| {GPUS[gpu].name} ({rollout_dtype} rollout) | {n} | {b} | {step[b]:.2f} | "
+                            f"{v['rollout_s']:.2f} | {v['old_logprob_s']:.2f} | {v['update_s']:.2f} | "
+                            f"{v['rollout_s'] / step[b]:.0%} | {step['generate'] / step[b]:.2f}x |")
+    return "\n".join(rows)
