@@ -1,6 +1,6 @@
 """The committed notebooks: stripped of outputs, kernelspec python3, shaped the way STYLE.md asks (title and
-what/runtime/hardware, one setup cell, one parameters cell, markdown before every code cell, Summary and
-Exercises, no long cells), and listed in the README with a working Colab badge. Running them is nbmake's job
+what/runtime/hardware, one setup cell, one parameters cell, markdown before every code cell, Summary, graded
+Exercises and Questions, no long cells), and listed in the README with a working Colab badge. Running them is nbmake's job
 (`make test` executes every notebook at CI sizes)."""
 
 from __future__ import annotations
@@ -66,10 +66,15 @@ def test_shape_title_setup_parameters_markdown_summary_exercises(nb):
             lines = len(cell.source.splitlines())
             assert lines <= MAX_CELL_LINES, (
                 f"{path.name} cell {i} has {lines} lines; logic that long belongs in cbkit/")
-    headings = [c.source.splitlines()[0] for c in cells if c.cell_type == "markdown"]
-    assert "## Summary" in "\n".join(c.source for c in cells[-2:])
-    assert headings[-1].startswith("## Summary") or "## Exercises" in cells[-1].source
-    assert "## Exercises" in cells[-1].source
+    # The end: a Summary, graded Exercises (a stub, then its check: tests/test_exercises.py), then the open Questions.
+    ends = [[i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith(heading)]
+            for heading in ("## Summary", "## Exercises", "## Questions")]
+    assert all(len(found) == 1 for found in ends), f"{path.name}: one Summary, one Exercises, one Questions: {ends}"
+    summary, exercises, questions = (found[0] for found in ends)
+    assert summary < exercises < questions == len(cells) - 1, f"{path.name}: Summary, Exercises, Questions, in order"
+    graded = [c.source for c in cells[exercises:questions] if c.cell_type == "code"]
+    assert any("raise NotImplementedError" in c for c in graded), f"{path.name}: no exercise stub"
+    assert any("from cbkit.teach.exercises import check_" in c for c in graded), f"{path.name}: no exercise check"
 
 
 def test_colab_install_points_at_the_repository(nb):

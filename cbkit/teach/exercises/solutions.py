@@ -17,8 +17,8 @@ def format_score(completion: str) -> float:
     only answer line; 0.5 when `#### <number>` appears anywhere else; 0.0 otherwise.
 
     `#### <number>` means four hashes, optional spaces, then a number (an optional minus sign, then a digit):
-    `#### Step 1` is a heading, not an answer; for the full reward the last line holds nothing but the answer. Special tokens left at the end of decoded text (`<|im_end|>`,
-    `</s>`) are not part of the last line.
+    `#### Step 1` is a heading, not an answer. For the full reward the last line holds the answer and nothing else.
+    Special tokens left at the end of decoded text (`<|im_end|>`, `</s>`) are not part of the last line.
     """
     import re
 
