@@ -44,6 +44,19 @@ def test_front_page_links_the_guide_and_every_notebook():
 
 
 @needs_book
+def test_the_solutions_book_is_built_beside_with_every_exercise_answered():
+    solutions = BOOK.with_name(BOOK.name + "-solutions")
+    html = (solutions / "index.html").read_text(encoding="utf-8")
+    assert "solutions edition" in html
+    for stem in EXPECTED:
+        assert f'href="notebooks/{stem}.html' in html and (solutions / "notebooks" / f"{stem}.html").is_file()
+        staged = nbformat.read(solutions.with_name(solutions.name + "-src") / "notebooks" / f"{stem}.ipynb", 4)
+        assert "raise NotImplementedError" not in "\n".join(c.source for c in staged.cells), stem
+        learners = nbformat.read(_staged(stem), as_version=4)
+        assert "raise NotImplementedError" in "\n".join(c.source for c in learners.cells), stem
+
+
+@needs_book
 @pytest.mark.parametrize("page", ["index.html", "docs/workshop.html"] + [f"notebooks/{s}.html" for s in EXPECTED])
 def test_no_page_loads_anything_from_the_network(page):
     html = (BOOK / page).read_text(encoding="utf-8")

@@ -244,3 +244,20 @@ def test_the_notebook_asks_with_the_solutions_signature_and_docstring(item):
     assert len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])
     assert f"{check.__name__}({name})" in check_cell.source, f"{stem}: the cell after {name} must run {check.__name__}"
     assert "solutions" not in stub.source + check_cell.source, f"{stem}: a notebook never holds the solution"
+
+
+@pytest.mark.parametrize("stem", list(EXERCISES))
+def test_the_solutions_edition_answers_and_passes_every_exercise(stem):
+    """What `make book` shows facilitators (cbkit.teach.exercises.book): each stub replaced by the solution's source,
+    which runs on its own, and each check's output that check's PASS on it."""
+    from cbkit.teach.exercises.book import with_solutions
+
+    book = with_solutions(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), stem)
+    assert "raise NotImplementedError" not in "\n".join(c.source for c in book.cells)
+    for name, check in EXERCISES[stem]:
+        answer, graded = _stub_and_check(book, name)
+        scope: dict = {}
+        exec(compile(answer.source, f"<{stem}: {name}>", "exec"), scope)  # self-contained, imports included
+        assert check(scope[name], seed=11, quiet=True).passed
+        (out,) = graded.outputs
+        assert out["text"].startswith(f"PASS  {name}: correct"), out["text"]
