@@ -2,7 +2,7 @@
 
 `make book` builds the site from the executed notebooks and then runs this file with CBKIT_BOOK=runs/book.
 Every notebook page must draw every figure its notebook has (plotly, from the one copy of plotly.js in the
-page, no CDN), the front page must link the guide and all five notebooks, no page may load a script or a
+page, no CDN), the front page must link the guide and every notebook, no page may load a script or a
 style sheet from the network, and every figure must carry a PNG fallback (cbkit.viz.static) for viewers that
 run no JavaScript. Without the variable (plain `pytest`) there is no book to look at and the tests skip."""
 

@@ -261,3 +261,27 @@ def test_the_solutions_edition_answers_and_passes_every_exercise(stem):
         assert check(scope[name], seed=11, quiet=True).passed
         (out,) = graded.outputs
         assert out["text"].startswith(f"PASS  {name}: correct"), out["text"]
+
+
+def test_the_guide_lists_every_exercise_and_every_notebook_in_both_agendas():
+    import re
+
+    guide = (REPO / "docs" / "workshop.md").read_text()
+    for stem, name, _ in ALL:
+        row = next((line for line in guide.splitlines() if f"`{name}`" in line and line.startswith("|")), "")
+        assert f"`{stem}`" in row and re.search(r"\| \d+ \|", row), f"workshop.md: no row for {stem}'s {name} with minutes"
+    words = {5: "Five", 6: "Six", 7: "Seven"}
+    assert guide.split("\n\n")[1].startswith(f"{words[len(EXERCISES)]} notebooks"), "workshop.md miscounts the notebooks"
+    agendas = guide.split("## Agendas")[1].split("\n## ")[0].split("**Half a day**")
+    for agenda in agendas:
+        for stem in EXERCISES:
+            assert f"`{stem}`" in agenda, f"workshop.md: an agenda leaves out {stem}"
+
+
+def test_the_setup_text_asks_for_the_torch_pyproject_requires():
+    import re
+
+    floor = re.search(r'"torch>=([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        said = set(re.findall(r"torch>=([\d.]+)", nbformat.read(path, as_version=4).cells[1].source))
+        assert said <= {floor}, f"{path.name} says torch>={said}, pyproject.toml asks for torch>={floor}"
