@@ -407,3 +407,28 @@ def test_what_follows_a_skippable_section_reads_nothing_only_it_defines():
                 missing = _bound_and_read(cell.source)[1] & only_skipped
                 assert not missing, f"{stem} cell {cell.id} reads {sorted(missing)}, bound only in {headings}"
         assert f"`{stem}`" in guide
+
+
+# --- the Questions' edits ----------------------------------------------------------------------------------------
+
+
+def test_every_question_edit_applies_says_what_the_question_says_and_compiles():
+    """scripts/question_edits.py holds each Question's code edit; `make test-notebooks` runs them. Here, cheaply: the
+    edit still applies to exactly one place, the Question's text names it, and every code cell of the edited notebook
+    compiles (a keyword given twice, as 03's second Question once asked for, is a SyntaxError)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from question_edits import EDITS, apply
+
+    assert sorted(EDITS) == EXPECTED
+    for stem, edits in EDITS.items():
+        book = nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4)
+        items = dict(re.findall(r"^(\d+)\. (.*?)(?=^\d+\. |\Z)", book.cells[-1].source, re.M | re.S))
+        for edit in edits:
+            text = " ".join(items[str(edit.question)].split())
+            assert edit.said in text, f"{stem} question {edit.question} does not say {edit.said}: {text}"
+            edited = apply(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), edit)
+            for cell in edited.cells:
+                if cell.cell_type == "code":
+                    compile(cell.source, f"{stem} question {edit.question}, cell {cell.id}", "exec")
