@@ -210,7 +210,8 @@ def check_token_is_weights(fn: Callable[..., Any], seed: int | None = None, *, q
         return importance_weights(old, sampled, mask, "token_truncate", clip_max=clip_max)[0].where(mask, 0.0)
 
     def learner(old, sampled, mask, clip_max):
-        return torch.as_tensor(fn(old, sampled, mask, clip_max)).where(mask, 0.0)
+        got = torch.as_tensor(fn(old, sampled, mask, clip_max))
+        return got.where(mask, 0.0) if got.shape == mask.shape else got  # a wrong shape: the comparison says so
 
     return grade("token_is_weights", learner, _is_cases(seed, False), reference, close, seed=seed,
                  check="check_token_is_weights", quiet=quiet)

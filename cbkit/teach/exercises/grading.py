@@ -122,7 +122,7 @@ def close(expected: Any, got: Any, *, rtol: float = 1e-4, atol: float = 1e-6) ->
             got = torch.as_tensor(got)
         if tuple(got.shape) != tuple(expected.shape):
             return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
-        e, g = expected.double(), got.detach().double()
+        e, g = expected.detach().cpu().double(), got.detach().cpu().double()
         if not torch.allclose(g, e, rtol=rtol, atol=atol, equal_nan=True):
             where = (~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)).nonzero()[0].tolist()
             return f"at index {tuple(where)} {g[tuple(where)].item():.6g}, expected {e[tuple(where)].item():.6g}"
