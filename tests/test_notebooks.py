@@ -432,3 +432,17 @@ def test_every_question_edit_applies_says_what_the_question_says_and_compiles():
             for cell in edited.cells:
                 if cell.cell_type == "code":
                     compile(cell.source, f"{stem} question {edit.question}, cell {cell.id}", "exec")
+
+
+def test_05_says_its_drift_sentences_when_a_gap_is_exactly_zero(capsys):
+    """05 divides by the staleness-0 noise and by a correct engine's gap; either can be exactly 0 (identical kernels),
+    and then the cell must still print its sentence, not raise ZeroDivisionError."""
+    book = nbformat.read(REPO / "notebooks" / "05_off_policy.ipynb", as_version=4)
+    drift = next(c.source for c in book.cells if c.cell_type == "code" and "gap = {k: step_mean" in c.source)
+    stale = next(c.source for c in book.cells if c.cell_type == "code" and "stale_gap, fixed_gap" in c.source)
+    rows = {k: [{"offpolicy/logprob_mean_abs_diff": 0.1 * k, "offpolicy/kl": 0.0, "offpolicy/staleness_max": k}]
+            for k in (0, 1, 2, 4)}
+    exec(drift, {"by_k": rows})
+    exec(stale, {"gaps": {"stale KV": {"vs new": 1.3}, "fixed": {"vs new": 0.0}}})
+    out = capsys.readouterr().out
+    assert "the gap is exactly 0" in out and "exactly 0." in out
