@@ -9,8 +9,13 @@ STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
 # Executed copies of the notebooks (CI's artefact: open them to see every figure of the run).
 EXECUTED ?= runs/notebooks
-# The workshop book: the executed notebooks and docs/workshop.md as a static site (make book).
+# The workshop book: the executed notebooks and docs/workshop.md as a static site (make book); the solutions
+# book, each exercise answered, beside it in $(BOOK)-solutions.
 BOOK ?= runs/book
+# Copies of the notebooks without the sections the guide lets a session skip (scripts/skip_sections.py).
+SKIPPED ?= runs/notebooks-skipped
+# One copy per Question, its code edit applied (scripts/question_edits.py).
+QUESTIONS ?= runs/notebooks-questions
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
@@ -77,6 +82,13 @@ test-notebooks: $(STAMP) browser
 		$(EXECUTED)
 	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_notebooks.py -k executed_notebook
+	# The sections docs/workshop.md lets a session skip, taken out: what follows them must run without them.
+	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
+	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
+	# Each Question's code edit (scripts/question_edits.py), run up to the cell the Question reads.
+	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
+	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
+		-n 2 $(QUESTIONS)
 
 # The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
 # estimate, crossover inside the sweep; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
