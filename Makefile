@@ -9,12 +9,17 @@ STAMP := $(VENV)/.cbkit-installed
 PYTEST_ARGS ?=
 # Executed copies of the notebooks (CI's artefact: open them to see every figure of the run).
 EXECUTED ?= runs/notebooks
-# The workshop book: the executed notebooks and docs/workshop.md as a static site (make book).
+# The workshop book: the executed notebooks and docs/workshop.md as a static site (make book); the solutions
+# book, each exercise answered, beside it in $(BOOK)-solutions.
 BOOK ?= runs/book
+# Copies of the notebooks without the sections the guide lets a session skip (scripts/skip_sections.py).
+SKIPPED ?= runs/notebooks-skipped
+# One copy per Question, its code edit applied (scripts/question_edits.py).
+QUESTIONS ?= runs/notebooks-questions
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup sweep demo test test-bare test-notebooks test-tiers book lint clean
+.PHONY: setup browser sweep demo test test-bare test-notebooks test-tiers book lint clean
 
 setup: $(STAMP)
 
@@ -28,6 +33,20 @@ $(STAMP): pyproject.toml
 	if git rev-parse --git-dir >/dev/null 2>&1; then $(BIN)/nbstripout --install; fi
 	touch $(STAMP)
 
+# A headless Chromium, which the tests open the executed notebooks, the book and the figures in. Installed here when
+# none is on PATH and this is a root shell with apt-get (a fresh container, CI); elsewhere the message says what to do.
+BROWSERS := chromium chromium-browser google-chrome
+browser:
+	@if (for b in $(BROWSERS); do command -v $$b >/dev/null && exit 0; done; exit 1); then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing a headless Chromium (apt-get install chromium)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+		echo "make test needs a headless Chromium on PATH (one of: $(BROWSERS)), and this shell cannot install it" \
+			"(not root, or no apt-get). Install it, e.g. 'sudo apt-get install -y chromium' or 'brew install --cask chromium'." >&2; \
+		exit 1; \
+	fi
+
 sweep: $(STAMP)
 	$(BIN)/cbkit sweep
 
@@ -37,7 +56,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: lint
+test: lint browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-bare
 	$(MAKE) test-notebooks
@@ -57,14 +76,21 @@ test-bare: $(STAMP)
 # on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes.
 # Then each executed copy is rendered to HTML (nbconvert) and opened offline in headless Chromium, which must
 # draw every figure; the HTML and a screenshot of each stay next to it (runs/notebooks/*.html, *.png).
-test-notebooks: $(STAMP)
+test-notebooks: $(STAMP) browser
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 \
 		$(EXECUTED)
 	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_notebooks.py -k executed_notebook
+	# The sections docs/workshop.md lets a session skip, taken out: what follows them must run without them.
+	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
+	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
+	# Each Question's code edit (scripts/question_edits.py), run up to the cell the Question reads.
+	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
+	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
+		-n 2 $(QUESTIONS)
 
-# The GPU tiers without a GPU (issue 16): `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
+# The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
 # estimate, crossover inside the sweep; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
 # the a100 code paths on this CPU: CBKIT_TIER under CBKIT_PROFILE=ci is a dry run (the tier's presets, branches,
 # pools and TRL config at CI sizes, on a 2-layer random model), two notebooks at a time.
@@ -76,11 +102,11 @@ test-tiers: $(STAMP)
 		CBKIT_PROFILE=ci CBKIT_TIER=$$tier $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 \
 			--overwrite -n 2 --durations=0 $(TIERS_EXECUTED)/$$tier || exit 1; \
 	done
-# The workshop book (issue 19): the notebooks executed by test-notebooks, with a PNG of every figure added for
+# The workshop book: the notebooks executed by test-notebooks, with a PNG of every figure added for
 # viewers without JavaScript (cbkit.viz.static: kaleido on the installed Chromium), and docs/workshop.md,
 # rendered by Sphinx + myst-nb (furo theme, nothing downloaded) into $(BOOK)/index.html, then opened offline in
 # headless Chromium, which must draw every figure. Needs $(EXECUTED) from `make test-notebooks` first.
-book: $(STAMP)
+book: $(STAMP) browser
 	$(BIN)/python scripts/build_book.py --notebooks $(EXECUTED) --out $(BOOK)
 	CBKIT_BOOK=$(BOOK) CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_book.py

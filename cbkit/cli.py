@@ -17,7 +17,6 @@ import dataclasses
 import json
 import sys
 import typing
-from collections.abc import Sequence
 from typing import Any
 
 
@@ -64,11 +63,6 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trained {state.step} steps; metrics: {config.output_dir}/metrics.jsonl; "
           f"checkpoint: {checkpoint.latest_checkpoint(config.output_dir)}")
     return 0
-
-
-def train_config(argv: Sequence[str]):
-    """The `CBGRPOConfig` that `cbkit train <argv>` would run, without running it."""
-    return train_config_from_args(build_parser().parse_args(["train", *argv]))
 
 
 def train_config_from_args(args: argparse.Namespace):
@@ -200,7 +194,14 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
-    from cbkit.measure.tables import points_table, results_summary, roof_table, trl_benchmark_table, write_csv
+    from cbkit.measure.tables import (
+        points_table,
+        results_summary,
+        roof_table,
+        step_split_table,
+        trl_benchmark_table,
+        write_csv,
+    )
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
@@ -209,11 +210,7 @@ def _sweep(args: argparse.Namespace) -> int:
     fields = dict(PRESETS[args.preset]) if args.preset else {}
     if args.dry_run:
         fields.update(DRY_RUN)
-    given = given_fields(args, SweepConfig)
-    # The GRPO loop's completions end at EOS, so a full step runs the natural workload unless told otherwise.
-    if given.get("full_step") and "lengths" not in given:
-        given["lengths"] = "natural"
-    fields.update(given)
+    fields.update(given_fields(args, SweepConfig))
     cfg = SweepConfig(**fields)
     out = Path(args.out)
     _random_weights_note(cfg.model)
@@ -241,11 +238,34 @@ def _sweep(args: argparse.Namespace) -> int:
     print()
     print(trl_benchmark_table(points))
     print()
-    print(roof_table(points))
+    if cfg.full_step:
+        print("One GRPO step split by phase; (of roof) = the phase's roof seconds on this run's probe over its "
+              "seconds; Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
+        print(step_split_table(points))
+        _estimated_split(out, cfg.model)
+    else:
+        print(roof_table(points))
     write_csv(points, out.with_suffix(".csv"))
     _gpu_tables(points, cfg.model, force=args.preset == "trl-benchmark")
     _finish_report(points, out, cfg.fingerprint())
     return 0
+
+
+def _estimated_split(out, model: str) -> None:
+    """Below a full-step sweep: the same steps (this model, these prompts, the lengths each N ran with) on a T4 and
+    an A100, estimated from the roofline's assumptions and printed as such."""
+    from cbkit.measure.results import read_results
+    from cbkit.measure.tables import estimated_step_table
+    from cbkit.models.load import load_config
+
+    runs = [r for r in read_results(out).runs if r.get("status") == "ok" and r.get("prompt_lens")
+            and r.get("completion_lengths")]
+    if not runs:
+        return
+    lengths = {r["N"]: r["completion_lengths"] for r in runs if r["backend"] == "generate"}
+    print("\nThe same steps on GPUs: an ESTIMATE from the roofline's assumptions (cbkit/measure/roofline.py: "
+          "DECODE_EFFICIENCY, TRAIN_EFFICIENCY, the launch floor), not a measurement")
+    print(estimated_step_table(load_config(model), prompt_lens=runs[0]["prompt_lens"], lengths_by_n=lengths))
 
 
 def _random_weights_note(model: str) -> None:
@@ -330,7 +350,14 @@ def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.results import aggregate, read_results
-    from cbkit.measure.tables import points_table, results_summary, roof_table, trl_benchmark_table, write_csv
+    from cbkit.measure.tables import (
+        points_table,
+        results_summary,
+        roof_table,
+        step_split_table,
+        trl_benchmark_table,
+        write_csv,
+    )
 
     out = Path(args.results)
     results = read_results(out)
@@ -342,6 +369,9 @@ def _report(args: argparse.Namespace) -> int:
     print(trl_benchmark_table(points))
     print()
     print(roof_table(points))
+    if any(p.get("step_s") is not None for p in points):
+        print()
+        print(step_split_table(points))
     _gpu_tables(points, results.fingerprint.get("model"))
     _finish_report(points, out, results.fingerprint)
     return 0

@@ -6,6 +6,10 @@ docs/workshop.md and docs/book/ into one source folder laid out as the repositor
 ../notebooks/ work on GitHub and in the book alike), and runs Sphinx with myst-nb on it, without executing
 anything again. The site's front page is <out>/index.html.
 
+Beside it, the facilitators' solutions book (<out>-solutions/index.html): the same executed notebooks with each
+exercise's stub replaced by the package's solution and each check's output by that check grading it
+(`cbkit.teach.exercises.book.with_solutions`, which runs the checks only, offline, in seconds).
+
     python scripts/build_book.py [--notebooks runs/notebooks] [--out runs/book]
 """
 
@@ -43,10 +47,14 @@ def executed_notebooks(folder: Path) -> list[Path]:
 FRONT_END_ONLY = ("application/vnd.plotly.v1+json", "application/vnd.cbkit.phenomena+json")
 
 
-def stage_notebook(path: Path, dest: Path) -> None:
+def stage_notebook(path: Path, dest: Path, solutions: bool = False) -> None:
     import nbformat
 
     book = nbformat.read(path, as_version=4)
+    if solutions:
+        from cbkit.teach.exercises.book import with_solutions
+
+        with_solutions(book, path.stem)
     for cell in book.cells:
         for out in cell.get("outputs", []):
             for mime in FRONT_END_ONLY:
@@ -59,29 +67,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebooks", type=Path, default=REPO / "runs" / "notebooks")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "book")
     args = parser.parse_args(argv)
-    from sphinx.cmd.build import build_main
-
     from cbkit.viz.static import add_png_fallbacks
 
     start = time.perf_counter()
     paths = executed_notebooks(args.notebooks)
     drawn = sum(add_png_fallbacks(p) for p in paths)
     print(f"build_book: {drawn} figures drawn as PNG fallbacks in {time.perf_counter() - start:.1f} s")
-    src = args.out.with_name(args.out.name + "-src")
+    rc = build(paths, args.out, solutions=False)
+    if rc == 0:
+        print(f"build_book: {args.out / 'index.html'} in {time.perf_counter() - start:.1f} s")
+        solutions_out = args.out.with_name(args.out.name + "-solutions")
+        rc = build(paths, solutions_out, solutions=True)
+        if rc == 0:
+            print(f"build_book: the solutions book, {solutions_out / 'index.html'}, in "
+                  f"{time.perf_counter() - start:.1f} s")
+    return rc
+
+
+SOLUTIONS_NOTE = (
+    "\n**The solutions edition**, for facilitators: each exercise's stub is replaced by its solution from "
+    "`cbkit.teach.exercises.solutions`, and the check under it shows that check grading the solution. Learners "
+    "get the other edition, where every stub is still to write.\n")
+
+
+def build(paths: list[Path], out: Path, solutions: bool) -> int:
+    """Stage the notebooks (the solutions edition when `solutions`) with the guide and run Sphinx into `out`."""
+    from sphinx.cmd.build import build_main
+
+    src = out.with_name(out.name + "-src")
     shutil.rmtree(src, ignore_errors=True)
     (src / "notebooks").mkdir(parents=True)
     (src / "docs").mkdir()
-    for name in ("conf.py", "index.md"):
-        shutil.copy(REPO / "docs" / "book" / name, src / name)
+    shutil.copy(REPO / "docs" / "book" / "conf.py", src / "conf.py")
+    index = (REPO / "docs" / "book" / "index.md").read_text()
+    if solutions:
+        title, rest = index.split("\n", 1)
+        index = f"{title} (solutions)\n{SOLUTIONS_NOTE}{rest}"
+    (src / "index.md").write_text(index)
     shutil.copy(REPO / "docs" / "workshop.md", src / "docs" / "workshop.md")
     for p in paths:
-        stage_notebook(p, src / "notebooks" / p.name)
-    shutil.rmtree(args.out, ignore_errors=True)
+        stage_notebook(p, src / "notebooks" / p.name, solutions=solutions)
+    shutil.rmtree(out, ignore_errors=True)
     # -W: a warning (a broken toctree, an output it cannot render) fails the build; -n: nitpicky off.
-    rc = build_main(["-b", "html", "-q", "-W", "--keep-going", str(src), str(args.out)])
-    if rc == 0:
-        print(f"build_book: {args.out / 'index.html'} in {time.perf_counter() - start:.1f} s")
-    return rc
+    return build_main(["-b", "html", "-q", "-W", "--keep-going", str(src), str(out)])
 
 
 if __name__ == "__main__":

@@ -338,3 +338,34 @@ def test_cli_advise_from_a_sweep(tmp_path, capsys):
     assert "basis: thresholds from TRL's reported A100 benchmark" in capsys.readouterr().out
     assert main(["advise", "--model", "tiny", "-N", "8", "--from", str(tmp_path / "missing.jsonl")]) == 2
     assert "--from: No results file at" in capsys.readouterr().err
+
+
+def test_the_step_peak_grows_with_the_chunk_not_with_n():
+    """`planner.step_peak_bytes` on SmolLM2-135M's shape (fp32, 96-token completions, 100-token prompts): the
+    forward's logits and activations are one chunk's, so past the chunk the step's peak moves with N only through
+    the rollout's own peak; without chunks it moves with every row. Each part checked against its pieces."""
+    from transformers import LlamaConfig
+
+    from cbkit.measure.planner import step_peak_bytes, training_bytes
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    params, kw = 134_515_008, dict(tokens_per_row=196, completion_len=96, config=config, autocast=False)
+
+    def peak(rows, chunk):
+        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=chunk, **kw)
+
+    # a chunk of 4 rows is a micro-batch of 4 rows, to the byte
+    chunk4 = training_bytes(params, micro_batch_rows=32, chunk_rows=4, **kw)
+    assert chunk4 == training_bytes(params, micro_batch_rows=4, **kw)
+    assert peak(32, 4)["backward"] == 4 * params + chunk4["logits"] + chunk4["activations"]
+    assert peak(32, 4)["optimizer_step"] == 12 * params  # gradients beside AdamW's two moments
+    assert peak(32, 4) == peak(64, 4) and peak(8, 4) == peak(64, 4)  # N moves nothing but the rollout
+    assert peak(32, None)["backward"] > 3 * peak(32, 4)["backward"]  # unchunked: every row's activations
+    assert peak(32, 4)["peak"] < 4 * 2**30 < peak(32, None)["peak"]
+    # the rollout's own peak is one of the phases: a large KV sets the step's peak
+    big = step_peak_bytes(params, rollout_peak_bytes=10 * 2**30, micro_batch_rows=32, chunk_rows=4, **kw)
+    assert big["peak"] == big["rollout"] == 10 * 2**30
+    resident = step_peak_bytes(params, rollout_peak_bytes=2**30, micro_batch_rows=32, chunk_rows=4,
+                               optimizer_state_resident=True, **kw)
+    assert resident["rollout"] == 2**30 + 8 * params  # a later step holds the moments through the rollout too

@@ -2,7 +2,7 @@
 
 `make book` builds the site from the executed notebooks and then runs this file with CBKIT_BOOK=runs/book.
 Every notebook page must draw every figure its notebook has (plotly, from the one copy of plotly.js in the
-page, no CDN), the front page must link the guide and all five notebooks, no page may load a script or a
+page, no CDN), the front page must link the guide and every notebook, no page may load a script or a
 style sheet from the network, and every figure must carry a PNG fallback (cbkit.viz.static) for viewers that
 run no JavaScript. Without the variable (plain `pytest`) there is no book to look at and the tests skip."""
 
@@ -41,6 +41,19 @@ def test_front_page_links_the_guide_and_every_notebook():
     for page in ["docs/workshop.html"] + [f"notebooks/{stem}.html" for stem in EXPECTED]:
         assert f'href="{page}' in html, f"index.html does not link {page}"
         assert (BOOK / page).is_file(), f"{page} was not built"
+
+
+@needs_book
+def test_the_solutions_book_is_built_beside_with_every_exercise_answered():
+    solutions = BOOK.with_name(BOOK.name + "-solutions")
+    html = (solutions / "index.html").read_text(encoding="utf-8")
+    assert "solutions edition" in html
+    for stem in EXPECTED:
+        assert f'href="notebooks/{stem}.html' in html and (solutions / "notebooks" / f"{stem}.html").is_file()
+        staged = nbformat.read(solutions.with_name(solutions.name + "-src") / "notebooks" / f"{stem}.ipynb", 4)
+        assert "raise NotImplementedError" not in "\n".join(c.source for c in staged.cells), stem
+        learners = nbformat.read(_staged(stem), as_version=4)
+        assert "raise NotImplementedError" in "\n".join(c.source for c in learners.cells), stem
 
 
 @needs_book

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cbkit.cli import main
+from cbkit.cli import build_parser, main, train_config_from_args
+
+
+def train_config(argv):
+    """The `CBGRPOConfig` that `cbkit train <argv>` would run, without running it."""
+    return train_config_from_args(build_parser().parse_args(["train", *argv]))
 
 
 @pytest.fixture
@@ -74,7 +79,6 @@ FLAGS = ["--model", "tiny", "--num-generations", "4", "--reward-funcs", "correct
 def test_a_recipe_flags_and_python_give_the_same_config(tmp_path):
     import dataclasses
 
-    from cbkit.cli import train_config
     from cbkit.train.config import CBGRPOConfig
 
     python = CBGRPOConfig(model="tiny", num_generations=4, reward_weights=[1.0, 0.25], epsilon_high=None,
@@ -104,7 +108,6 @@ def test_a_bad_recipe_says_what_to_change(tmp_path, capsys):
     assert main(["train", "--config", str(recipe)]) == 2
     assert "'num_generation' (did you mean 'num_generations'?)" in capsys.readouterr().err
     recipe.write_text("learning_rate: 5e-5\noutput_dir: x\n")  # YAML 1.1 reads 5e-5 as a string
-    from cbkit.cli import train_config
 
     assert train_config(["--config", str(recipe)]).learning_rate == 5e-5
     recipe.write_text("- model: tiny\n")
@@ -136,7 +139,6 @@ def test_sweep_flags_are_the_sweep_config_fields():
 def test_the_shipped_recipe_is_the_readme_run():
     from pathlib import Path
 
-    from cbkit.cli import train_config
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_cpu.yaml"
     flags = ["--model", "smollm2-offline", "--data", "synthetic", "--prompts-per-step", "2", "--num-generations", "8",

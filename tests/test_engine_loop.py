@@ -9,9 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbkit.rollout import ContinuousBackend, SamplingParams, ThreadedContinuousBackend, make_backend
-from cbkit.rollout.continuous import engine_is_idle
-from cbkit.rollout.engine_loop import resolve_engine_loop
+from cbkit.rollout import BACKENDS, ContinuousBackend, SamplingParams, make_backend
+from cbkit.rollout.engine import engine_is_idle
+from cbkit.rollout.engine_config import resolve_engine_loop
+
+
+def _threaded(model, cb_config=None):
+    return ContinuousBackend(model, cb_config, engine_loop="thread")
 
 
 def _prompts(tok):
@@ -35,7 +39,7 @@ def _same(a, b):
 def test_caller_loop_samples_what_the_thread_samples(tiny, cb_config):
     tok, model = tiny.tokenizer, tiny.model
     caller = ContinuousBackend(model, cb_config, engine_loop="caller")
-    thread = ThreadedContinuousBackend(model, cb_config)
+    thread = _threaded(model, cb_config)
     a, b = _rollout(caller, tok), _rollout(thread, tok)
     _same(a, b)
     assert len({c.completion_ids for c in a.completions}) > 1, "sampling drew one sequence: the test cannot tell"
@@ -49,7 +53,7 @@ def test_caller_loop_samples_what_the_thread_samples(tiny, cb_config):
 
 def test_kept_engine_on_the_caller_loop_matches_a_fresh_thread_engine(tiny):
     tok, model = tiny.tokenizer, tiny.model
-    reference = _rollout(ThreadedContinuousBackend(model), tok)
+    reference = _rollout(_threaded(model), tok)
     kept = ContinuousBackend(model, persistent=True, engine_loop="caller")
     try:
         first, second = _rollout(kept, tok), _rollout(kept, tok)
@@ -81,7 +85,7 @@ def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, m
     monkeypatch.setattr(layer, "forward", real)
     assert model.config._attn_implementation == original_impl and engine_is_idle(model)
     # Nothing the failed call queued leaks into the next one.
-    _same(_rollout(backend, tok), _rollout(ThreadedContinuousBackend(model), tok))
+    _same(_rollout(backend, tok), _rollout(_threaded(model), tok))
 
 
 def test_which_loop_runs_where():
@@ -97,8 +101,9 @@ def test_which_loop_runs_where():
         resolve_engine_loop("inline", torch.device("cpu"))
 
 
-def test_the_thread_backend_is_a_backend_of_its_own(tiny):
-    backend = make_backend("continuous-thread", tiny.model)
-    assert backend.name == "continuous-thread" and backend.engine_loop == "thread"
+def test_the_thread_is_a_knob_not_a_backend(tiny):
+    assert sorted(BACKENDS) == ["continuous", "generate"]
+    backend = make_backend("continuous", tiny.model, engine_loop="thread")
+    assert backend.name == "continuous" and backend.engine.engine_loop == "thread"
     with pytest.raises(ValueError, match="engine_loop must be one of"):
         ContinuousBackend(tiny.model, engine_loop="background")

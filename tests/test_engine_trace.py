@@ -70,15 +70,6 @@ def test_a_pool_smaller_than_the_workload_recycles_blocks(tiny, prompts):
     assert {r.phase for r in mixed.requests} == {"prefill", "decode"}  # a later prompt joined decoding requests
 
 
-def test_the_recorder_puts_the_engine_back():
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
-
-    before = ContinuousBatchProcessor.prepare_next_batch
-    with record_engine_steps():
-        assert ContinuousBatchProcessor.prepare_next_batch is not before
-    assert ContinuousBatchProcessor.prepare_next_batch is before
-
-
 def _req(rid, blocks, prompt=1, prompt_len=32, past=40):
     return ScheduledRequest(rid, prompt_len, prompt, past, 1, tuple(blocks))
 

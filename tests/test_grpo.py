@@ -316,6 +316,47 @@ def test_bnpo_normalises_per_micro_batch_so_accumulation_differs(uneven_rollout)
     assert max((a - b).abs().max().item() for a, b in zip(one, two, strict=True)) > 1e-5
 
 
+def _chunked_run(loss_type: str, ga: int, chunk: int | None, rollout):
+    """Old logprobs, update metrics and gradients of one update on a policy moved away from the rollout's (so the
+    clip and the KL bite), the micro-batches scored `chunk` rows at a time."""
+    tr = trainer(config(prompts_per_step=4, num_generations=2, gradient_accumulation_steps=ga, loss_type=loss_type,
+                        forward_chunk_rows=chunk, beta=0.1, epsilon=0.02, mask_truncated_completions=True),
+                 backend=Replay(rollout))
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.2, 1.0, 0.0, 0.3, 0.9], dtype=torch.float64)
+    prepared = tr.prepare(rollout, rewards)
+    _perturb(tr.model)()
+    metrics = tr.accumulate_gradients(prepared)
+    return prepared, metrics, [p.grad.clone() for p in tr.model.parameters()]
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_chunked_forward_gives_the_same_old_logprobs_loss_and_gradients(loss_type, ga, uneven_rollout):
+    """`forward_chunk_rows` 1 and 3 (chunks that do not divide the micro-batch; with 1, chunks of a masked truncated
+    completion hold no loss token) against None (the whole micro-batch in one forward, the path the TRL tests
+    check): old logprobs, loss, metrics and every gradient equal to float rounding."""
+    whole, whole_metrics, whole_grads = _chunked_run(loss_type, ga, None, uneven_rollout)
+    assert whole_metrics["train/clip_ratio/region_mean"] > 0 and whole_metrics["train/kl"] > 0
+    for chunk in (1, 3):
+        prepared, metrics, grads = _chunked_run(loss_type, ga, chunk, uneven_rollout)
+        real = whole.batch.completion_mask  # past a completion's end the logprobs are padding, never read
+        torch.testing.assert_close(prepared.old_logps[real], whole.old_logps[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(prepared.ref_logps[real], whole.ref_logps[real], atol=1e-5, rtol=1e-5)
+        assert metrics["train/loss"] == pytest.approx(whole_metrics["train/loss"], rel=1e-4, abs=1e-6)
+        for key in ("train/kl", "train/clip_ratio/region_mean", "train/clip_ratio/low_mean"):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-4, abs=1e-6), key
+        worst = max((a - b).abs().max().item() for a, b in zip(grads, whole_grads, strict=True))
+        print(f"{loss_type} GA={ga} chunk={chunk}: max |grad - grad(whole)| = {worst:.1e}")
+        for a, b in zip(grads, whole_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_forward_chunk_rows_is_checked_and_may_change_on_resume():
+    with pytest.raises(ValueError, match="forward_chunk_rows=0"):
+        config(forward_chunk_rows=0)
+    assert config(forward_chunk_rows=2).diff(config(forward_chunk_rows=None)) == {}
+
+
 def test_num_iterations_reuses_one_rollout_for_several_updates():
     model, tok = load_policy("tiny", seed=0)
     backend = Wrapped(GenerateBackend(model, pad_token_id=tok.pad_token_id))

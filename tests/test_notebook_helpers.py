@@ -436,3 +436,14 @@ def test_update_with_and_without_is_by_hand():
     assert all(p.grad is None for p in tr.model.parameters())
     with pytest.raises(ValueError, match="needs IS weights"):
         notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
+
+
+def test_trl_step_findings_says_why_a_step_without_reward_spread_changed_nothing():
+    from cbkit.teach.findings import trl_step_findings
+
+    flat = trl_step_findings({"reward": 0.0, "frac_reward_zero_std": 1.0, "loss": 0.0, "grad_norm": 0.0})
+    assert "every group's rewards were 0" in flat and "changed nothing" in flat
+    assert "were equal" in trl_step_findings({"reward": 0.5, "frac_reward_zero_std": 1.0, "loss": 0.0,
+                                              "grad_norm": 0.0})
+    moved = trl_step_findings({"reward": 0.25, "frac_reward_zero_std": 0.5, "loss": 0.01, "grad_norm": 0.3})
+    assert "50% of its groups" in moved and "changed nothing" not in moved

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from cbkit.train.objective import (
+    chunk_share,
     group_advantages,
     grpo_loss,
     importance_weights,
@@ -520,3 +521,57 @@ def test_loss_by_hand_and_errors():
         grpo_loss(pol, pol, adv, mask, loss_type="dapo", gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="loss_type"):
         grpo_loss(pol, pol, adv, mask, loss_type="ppo")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_chunks_scaled_by_their_share_add_up_to_the_micro_batch(loss_type, beta):
+    """A micro-batch scored a chunk of rows at a time (the loop's `forward_chunk_rows`): the chunks' losses times
+    `chunk_share` add up to the whole micro-batch's loss, their gradients to its gradient, and their token-share
+    metrics to its metrics. Chunks of 3, 3, 1 rows of a 7-row batch with uneven lengths, two rows with no token
+    in the loss (masked truncated completions) and a chunk made only of one of them."""
+    g = torch.Generator().manual_seed(7)
+    b, t, ga = 7, 6, 2
+    lengths = torch.tensor([6, 0, 2, 5, 1, 3, 0])
+    mask = torch.arange(t)[None] < lengths[:, None]
+    pol = torch.randn(b, t, generator=g, dtype=torch.float64)
+    old = pol + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    ref = pol + 0.5 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    is_w = 0.5 + torch.rand(b, t, generator=g, dtype=torch.float64)
+    # dapo's count spans the whole optimizer step: here, pretend the other micro-batch held 9 tokens.
+    kw = dict(loss_type=loss_type, beta=beta, ref_logps=ref, is_weights=is_w, max_completion_length=8,
+              num_items_in_batch=mask.sum() + 9, gradient_accumulation_steps=ga, epsilon=0.2)
+
+    whole_pol = pol.clone().requires_grad_(True)
+    whole, whole_metrics = grpo_loss(whole_pol, old, adv, mask, **kw)
+    whole.backward()
+
+    chunk_pol = pol.clone().requires_grad_(True)
+    total, metrics = torch.zeros((), dtype=torch.float64), {}
+    for rows in (slice(0, 3), slice(3, 6), slice(6, 7)):
+        k = {**kw, "ref_logps": ref[rows], "is_weights": is_w[rows]}
+        loss, m = grpo_loss(chunk_pol[rows], old[rows], adv[rows], mask[rows], **k)
+        loss_share, token_share = chunk_share(loss_type, mask[rows], mask)
+        (loss * loss_share).backward()
+        total += loss.detach() * loss_share
+        for key, v in m.items():
+            metrics[key] = metrics.get(key, 0.0) + v * token_share
+    assert whole.item() != 0.0 and whole_metrics["train/clip_ratio/region_mean"] > 0
+    torch.testing.assert_close(total, whole.detach(), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(chunk_pol.grad, whole_pol.grad, atol=1e-12, rtol=1e-10)
+    assert metrics.keys() == whole_metrics.keys()
+    for key, v in whole_metrics.items():
+        assert metrics[key] == pytest.approx(v, abs=1e-12), key
+
+
+def test_chunk_share_by_hand():
+    """Rows 0-1 of a 4-row micro-batch holding 2 of its 8 loss tokens."""
+    micro = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 1, 1]]).bool()
+    assert chunk_share("grpo", micro[:2], micro) == (0.5, 0.25)
+    assert chunk_share("dr_grpo", micro[:2], micro) == (0.5, 0.25)
+    assert chunk_share("bnpo", micro[:2], micro) == (0.25, 0.25)
+    assert chunk_share("dapo", micro[:2], micro) == (1.0, 0.25)
+    assert chunk_share("bnpo", micro[1:2], micro) == (1 / 8, 0.0)  # no tokens: grpo_loss of the chunk is 0 anyway
+    with pytest.raises(ValueError, match="loss_type"):
+        chunk_share("ppo", micro, micro)

@@ -122,7 +122,7 @@ def test_a_new_backend_never_runs_on_another_backends_kept_engine():
         assert other.engine_config["page_size"] == 32
         assert [c.completion_ids for c in other.completions] == _generate_ids(model, tok, prompt, sp)
         # ...and leave the persistent backend's engine where it was, alive and still its owner's.
-        assert model._cached_continuous_batching_manager is engine and kept._manager is engine
+        assert model._cached_continuous_batching_manager is engine and kept.engine.manager is engine
         again = kept.generate([prompt], 1, sp)
         assert model._cached_continuous_batching_manager is engine
         assert [c.completion_ids for c in again.completions] == [c.completion_ids for c in other.completions]

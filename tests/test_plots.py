@@ -503,3 +503,27 @@ def test_live_sweep_titles_its_chart_by_workload(monkeypatch):
 
     live.live_sweep(Cfg(), "/nonexistent/x.jsonl")
     assert titles == ["N-sweep, live, workload replay:gsm8k: each point is one run"]
+
+
+STEP_POINTS = [
+    _point("generate", 8, step_s=30.0, rollout_s=10.0, old_logprob_s=4.0, update_s=15.0, other_s=1.0,
+           rollout_share=1 / 3, rollout_roof_share=0.05, old_logprob_roof_share=0.4, update_roof_share=0.45,
+           step_speedup=1.0, amdahl_ceiling=1.0),
+    _point("continuous", 8, step_s=25.0, rollout_s=5.0, old_logprob_s=4.0, update_s=15.0, other_s=1.0,
+           rollout_share=0.2, step_speedup=1.2, amdahl_ceiling=1.2),
+    _point("generate", 32, status="oom"),
+]
+
+
+def test_step_split_stacks_the_phases_and_names_the_ceiling(tmp_path):
+    fig = plots.step_split_figure(STEP_POINTS)
+    assert [t.name for t in fig.data] == ["rollout", "old-logprob forward", "update", "other"]
+    assert list(fig.data[0].y) == ["N=8 generate", "N=8 continuous", "N=32 generate"]
+    assert list(_trace(fig, "update").x) == [15.0, 15.0, None]  # the OOM point is an empty bar, not a zero
+    assert fig.data[0].text[0] == "10.0 s (5% of roof)" and fig.data[0].text[1] == "5.0 s"
+    notes = [a.text for a in fig.layout.annotations]
+    assert notes == ["step 30 s, rollout 33% of it", "step 1.20x vs Amdahl ceiling 1.20x", "OOM"]
+    assert fig.layout.barmode == "stack"
+    html = plots.write_report(STEP_POINTS, tmp_path / "r.html").read_text()
+    assert "One GRPO step, split by phase" in html
+    assert "split by phase" not in plots.sweep_report(POINTS)  # a rollout-only sweep has no step to split

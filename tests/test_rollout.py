@@ -134,7 +134,7 @@ def test_cb_refuses_dropping_logprobs(tiny):
 
 
 def test_unknown_backend(tiny):
-    with pytest.raises(ValueError, match=r"choose from \['continuous', 'continuous-thread', 'generate'\]"):
+    with pytest.raises(ValueError, match=r"choose from \['continuous', 'generate'\]"):
         make_backend("vllm", tiny.model)
 
 

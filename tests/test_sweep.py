@@ -147,9 +147,108 @@ def test_full_step_times_a_grpo_step_and_restores_the_weights(tiny, tmp_path):
     assert len(runs) == 2 and all(r["status"] == "ok" for r in runs)
     for r in runs:
         assert 0 < r["rollout_s"] < r["step_s"] and r["train_s"] > 0
+        # the phases are disjoint parts of the step: what is left for "other" is the rewards and the bookkeeping
+        assert r["old_logprob_s"] > 0 and r["update_s"] > 0 and r["other_s"] >= 0
+        assert r["rollout_s"] + r["old_logprob_s"] + r["update_s"] + r["other_s"] == pytest.approx(r["step_s"])
+        assert r["train_s"] >= r["old_logprob_s"] + r["update_s"]
+        assert r["completion_tokens"] == sum(r["completion_lengths"])  # natural: EOS decided each length
     assert {p["backend"] for p in points} == {"generate", "continuous"}
     for k, v in tiny.model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_full_step_replays_the_workload_and_splits_the_step_against_its_roofs(tiny, tmp_path):
+    """--full-step --lengths replay:gsm8k: every completion of the step stops at the target the workload drew for
+    its row (the same targets for both backends), each phase gets its share of its roof, and each point the
+    Amdahl ceiling its rollout speed-up predicts."""
+    from cbkit.measure.results import amdahl_ceiling
+    from cbkit.measure.workload import parse_lengths
+
+    cfg = _cfg(ns=(3,), repeats=1, full_step=True, max_new_tokens=10, num_prompts=2, forward_chunk_rows=2)
+    points = run_sweep(cfg, tmp_path / "s.jsonl", policy=tiny)
+    runs = _runs(tmp_path / "s.jsonl")
+    want = parse_lengths("replay:gsm8k").targets(6, 10, seed=cfg.seed)
+    assert len(set(want)) > 1  # a spread, not one length
+    for r in runs:
+        assert r["status"] == "ok" and r["lengths"] == "replay:gsm8k" and r["forward_chunk_rows"] == 2
+        # the trainer visits the prompts in its own seeded order: the same targets, per row of that order
+        assert sorted(r["completion_lengths"]) == sorted(want) and r["truncated_share"] == 1.0
+        assert r["completion_tokens"] == sum(want)
+        for phase in ("rollout", "old_logprob", "update"):
+            assert 0 < r[f"{phase}_roof_share"] < 1, phase  # no phase beats its roof; each has one
+        assert r["rollout_share"] == pytest.approx(r["rollout_s"] / r["step_s"])
+        assert r["planned_peak_bytes"] > 0 and r["planned_phase"] in ("rollout", "backward", "optimizer_step")
+    assert runs[0]["completion_lengths"] == runs[1]["completion_lengths"]
+    by = {p["backend"]: p for p in points}
+    g, c = by["generate"], by["continuous"]
+    assert c["step_speedup"] == pytest.approx(g["step_s"] / c["step_s"])
+    assert c["amdahl_ceiling"] == pytest.approx(amdahl_ceiling(g["rollout_share"], g["rollout_s"] / c["rollout_s"]))
+    assert g["amdahl_ceiling"] == pytest.approx(1.0)
+    table = tables.step_split_table(points)
+    assert table.count("\n") == 3 and "Amdahl ceiling" in table
+    assert f"| 3 | continuous | {c['step_s']:.2f} |" in table
+    assert "of decode slots" in trl_benchmark_table(points)  # the spread recorded by the step, too
+
+
+def test_amdahl_ceiling_by_hand():
+    from cbkit.measure.results import amdahl_ceiling
+
+    # a rollout a quarter of the step, made twice as fast: the step takes 0.75 + 0.125 of its time
+    assert amdahl_ceiling(0.25, 2.0) == pytest.approx(1 / 0.875)
+    assert amdahl_ceiling(1.0, 3.0) == pytest.approx(3.0) and amdahl_ceiling(0.0, 3.0) == 1.0
+    assert amdahl_ceiling(0.8, 1e9) == pytest.approx(5.0)  # the update's fifth bounds any rollout speed-up
+    with pytest.raises(ValueError, match="rollout share"):
+        amdahl_ceiling(1.5, 2.0)
+
+
+def _old_full_step_runs() -> list[dict]:
+    """Full-step run lines as cbkit wrote them before full steps recorded their lengths and phases: a mean
+    length and no CV, max or padding share."""
+    return [{"kind": "run", "backend": b, "N": 8, "repeat": 0, "status": "ok", "step_s": step, "rollout_s": roll,
+             "train_s": step - roll, "completion_tokens": 700.0, "tokens_per_s": 700.0 / step,
+             "peak_mem_bytes": 3 * 2**30, "peak_mem_kind": "cpu_rss", "length_mean": 87.5, "reward_mean": 0.1,
+             "lengths": "natural"}
+            for b, step, roll in (("generate", 29.1, 10.9), ("continuous", 32.5, 16.1))]
+
+
+def test_full_step_tables_on_results_without_lengths(tmp_path, capsys):
+    """The tables `cbkit sweep --full-step` prints, on runs lacking the length columns: no TypeError (it used to
+    end the command in a traceback), a dash where a column is missing, and the split of what there is."""
+    from cbkit.cli import main
+
+    points = aggregate(_old_full_step_runs())
+    bench = trl_benchmark_table(points)
+    assert "| 8 | 0.90x | about the same as generate (1.00x peak) | 87.5, —, —; — of decode slots |" in bench
+    split = tables.step_split_table(points)
+    assert "| 8 | continuous | 32.50 | 16.10 (—) | — (—) | — (—) | — |" in split
+    # generate()'s rollout was 10.9 / 29.1 of its step; CB's rollout 10.9 / 16.1 as fast
+    ceiling = 1 / ((1 - 10.9 / 29.1) + (10.9 / 29.1) * 16.1 / 10.9)
+    assert f"| {ceiling:.2f}x |" in split
+    tables.points_table(points)
+    path = tmp_path / "old.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [{"kind": "header", "fingerprint": {"model": "tiny",
+                                                                                           "full_step": True}},
+                                                      *_old_full_step_runs()]) + "\n")
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out and "Amdahl ceiling" in out
+
+
+def test_cli_full_step_replay_runs_end_to_end(tmp_path, capsys):
+    """`cbkit sweep --full-step --lengths replay:gsm8k` on the tiny model: every table and the split printed, the
+    report written with the split figure, no traceback."""
+    from cbkit.cli import main
+
+    out = tmp_path / "s.jsonl"
+    assert main(["sweep", "--full-step", "--lengths", "replay:gsm8k", "--model", "tiny", "--ns", "2",
+                 "--repeats", "1", "--max-new-tokens", "6", "--no-live", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Traceback" not in printed and "One GRPO step split by phase" in printed
+    assert "| 2 | continuous |" in printed
+    assert "One GRPO step, split by phase" in out.with_suffix(".html").read_text()
+    # the same steps on a T4 and an A100, printed as an estimate, one line per GPU x backend
+    assert "an ESTIMATE from the roofline's assumptions" in printed
+    assert printed.count("(estimate, not measured)") == 1 and printed.count("| NVIDIA T4 (float16 rollout) | 2 |") == 2
 
 
 # --- length workloads and MFU -------------------------------------------------------------------------------
@@ -250,8 +349,8 @@ def test_bad_workloads_fail_before_model_time(tmp_path):
     long.write_text("3\n40\n")
     with pytest.raises(ValueError, match=r"exceed max_new_tokens=6 \(longest 40\)"):
         _cfg(lengths=f"replay:{long}")
-    with pytest.raises(ValueError, match="lengths='natural'"):
-        _cfg(full_step=True)
+    with pytest.raises(ValueError, match="forward_chunk_rows"):
+        _cfg(full_step=True, forward_chunk_rows=0)
 
 
 def test_cli_says_which_workload_ran(tmp_path, capsys):

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer, RLOOTrainer
 
 from cbkit.models.load import load_policy
+from cbkit.rollout.engine import Engine
 from cbkit.tasks.rewards import correctness_reward, format_reward
 from cbkit.train.objective import processed_logprobs
 from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config, trl_rloo_config
@@ -181,6 +182,25 @@ def test_bridge_logprobs_match_teacher_forced(tmp_path, dataset, knobs):
     assert diff < LOGPROB_ATOL
     if knobs["temperature"] != 1.0:
         assert raw_diff > 0.1
+
+
+def test_the_models_generation_config_does_not_reach_the_bridges_sampler(tmp_path, dataset):
+    """A checkpoint's generation advice (repetition penalty, n-gram bans, min_p, ...) on the model: the bridge samples
+    from TRL's config alone, so its logprobs still match a teacher-forced forward at temperature 1."""
+    model, tok = _policy()
+    advice = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 1, "typical_p": 0.5, "min_p": 0.2, "top_k": 5,
+              "top_p": 0.5, "temperature": 0.5, "bad_words_ids": [[71]], "suppress_tokens": list(range(60, 120)),
+              "sequence_bias": {(71,): 5.0}, "min_new_tokens": 6, "exponential_decay_length_penalty": (1, 3.0)}
+    for k, v in advice.items():
+        setattr(model.generation_config, k, v)
+    tr = build_trainer(model, tok, [format_reward], dataset, dict(RUN, temperature=1.0),
+                       output_dir=str(tmp_path), **TRL_ONLY)
+    prompts = _prompt_ids(tok)
+    completions, logprobs = tr._generate_single_turn(prompts, None, {}, N)
+    model = tr.model.eval()
+    diff = max((torch.tensor(lp) - _teacher_forced(model, p, c, 1.0)).abs().max().item()
+               for p, c, lp in zip(prompts, completions, logprobs, strict=True))
+    assert diff < LOGPROB_ATOL
 
 
 def test_bridge_scoring_hands_logprobs_to_trl_is(tmp_path, dataset, monkeypatch):
@@ -555,13 +575,14 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
     logs = Logs()
     model, tok = _policy()
     seen = []
-    original = type(model).generate_batch
+    original = Engine.config
 
-    def spy(self, inputs, *args, **kwargs):
-        seen.append((len(inputs), kwargs["continuous_batching_config"]))
-        return original(self, inputs, *args, **kwargs)
+    def spy(self, rows, max_new_tokens, seed):
+        cb = original(self, rows, max_new_tokens, seed)
+        seen.append((len(rows), cb))
+        return cb
 
-    monkeypatch.setattr(type(model), "generate_batch", spy)
+    monkeypatch.setattr(Engine, "config", spy)
     tr = build_trainer(
         model, tok, {"correctness": correctness_reward, "format": format_reward}, dataset,
         dict(RUN, advantage_estimator="rloo", beta=0.0, scale_rewards="none", max_steps=2), output_dir=str(tmp_path), callbacks=[logs],
@@ -583,17 +604,21 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
 
 
 def test_rloo_trainer_raises_on_a_failed_request(tmp_path, dataset, monkeypatch):
+    """A forward that fails a few steps in fails the call; transformers' `generate_batch` (what TRL calls) logs it
+    and returns fewer completions, which would shift every prompt/completion pair after the lost one."""
     model, tok = _policy()
     tr = build_trainer(model, tok, format_reward, dataset,
                        dict(RUN, advantage_estimator="rloo", beta=0.0, scale_rewards="none"),
                        output_dir=str(tmp_path), **TRL_ONLY)
-    original = type(model).generate_batch
+    layer = model.model.layers[0].mlp
+    real, calls = layer.forward, {"n": 0}
 
-    def lose_one(self, inputs, *args, **kwargs):
-        results = original(self, inputs, *args, **kwargs)
-        results.pop(next(iter(results)))  # what generate_batch does with a request that failed: log, drop
-        return results
+    def broken(x):
+        calls["n"] += 1
+        if calls["n"] == 3:  # requests are running when it fails
+            raise RuntimeError("injected failure in the MLP")
+        return real(x)
 
-    monkeypatch.setattr(type(model), "generate_batch", lose_one)
-    with pytest.raises(RuntimeError, match=f"returned {2 * N - 1} usable completions for {2 * N} prompts"):
+    monkeypatch.setattr(layer, "forward", broken)
+    with pytest.raises(RuntimeError, match="injected failure|failed request"):
         tr._generate_single_turn(_prompt_ids(tok), None, {})

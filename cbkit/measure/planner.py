@@ -456,21 +456,48 @@ TRAIN_STATE_BYTES_PER_PARAM = 16
 
 
 def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
-                   autocast: bool) -> dict[str, int]:
-    """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one micro-batch's
-    loss logits (`cbkit.train.batch.logits_bytes`) and its saved activations. Activations: 34 x hidden bytes per
-    token per layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation", without the attention
-    scores SDPA never stores), scaled by the MLP's width over GPT's 4 x hidden and doubled in fp32 (no autocast).
-    An estimate: the loop's other buffers are not counted."""
+                   autocast: bool, chunk_rows: int | None = None) -> dict[str, int]:
+    """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one forward's
+    loss logits (`cbkit.train.batch.logits_bytes`) and its saved activations. A forward is the micro-batch, or
+    `chunk_rows` of its rows (the loop's `forward_chunk_rows`: each chunk is back-propagated before the next is
+    forwarded). Activations: 34 x hidden bytes per token per layer in 16-bit (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation", without the attention scores SDPA never stores), scaled by the MLP's width over
+    GPT's 4 x hidden and doubled in fp32 (no autocast). An estimate: the loop's other buffers are not counted."""
     from cbkit.train.batch import logits_bytes
 
+    rows = micro_batch_rows if chunk_rows is None else min(chunk_rows, micro_batch_rows)
     s = Shape.of(config)  # roofline's reading of the widths and layers (text config included)
     width = max(1.0, s.intermediate / (4 * s.hidden))
     per_token_layer = 34 * s.hidden * width * (1 if autocast else 2)
     parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
-             "logits": logits_bytes(micro_batch_rows, completion_len, s.vocab),
-             "activations": int(micro_batch_rows * tokens_per_row * s.layers * per_token_layer)}
+             "logits": logits_bytes(rows, completion_len, s.vocab),
+             "activations": int(rows * tokens_per_row * s.layers * per_token_layer)}
     return {**parts, "total": sum(parts.values())}
+
+
+# fp32 gradients (4 bytes a parameter) and AdamW's two fp32 moments (8): what an update adds beside the weights.
+GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
+
+
+def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
+                    tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
+                    optimizer_state_resident: bool = False) -> dict[str, int]:
+    """The peak one GRPO step holds above its loaded weights, and the phase that sets it.
+
+    The phases come one after another, so the peak is the largest of them, not their sum: the rollout's own peak
+    (the planner's KV and logits for the backend, `plan`); the backward of one forward (the gradients, which live
+    from the first backward to the update, plus one chunk's logits and activations, `training_bytes`); and the
+    optimizer step (the gradients beside AdamW's two moments). With `optimizer_state_resident` (every step of a
+    run after the first) the moments are held through the whole step; without (a fresh trainer, as the full-step
+    sweep builds for every run) they appear at the update. The old-logprob forward keeps no activations."""
+    train = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens_per_row,
+                           completion_len=completion_len, config=config, autocast=autocast, chunk_rows=chunk_rows)
+    grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
+    resident = moments if optimizer_state_resident else 0
+    parts = {"rollout": rollout_peak_bytes + resident,
+             "backward": grads + train["logits"] + train["activations"] + resident,
+             "optimizer_step": grads + moments}
+    return {**parts, "peak": max(parts.values())}
 
 
 def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: int) -> int:

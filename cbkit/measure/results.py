@@ -110,14 +110,20 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes",
                     "kv_padding_share", "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean",
                     "length_cv", "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes",
-                    "device_used_bytes", "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share"):
+                    "device_used_bytes", "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share",
+                    # a full step's phases (`cbkit sweep --full-step`), and each one's share of its roof
+                    "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
+                    "old_logprob_roof_share", "update_roof_share", "rollout_roof_s", "old_logprob_roof_s",
+                    "update_roof_s", "planned_rollout_peak_bytes"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
+        if point["rollout_share"] is None and point["step_s"] and point["rollout_s"] is not None:
+            point["rollout_share"] = point["rollout_s"] / point["step_s"]  # a full step written before the split
         if not ok:
             point["peak_mem_bytes"] = max((r["peak_mem_bytes"] or 0 for r in rs), default=None)
         point["peak_mem_kind"] = next((r.get("peak_mem_kind") for r in rs if r.get("peak_mem_kind")), None)
         point["lengths"] = next((r.get("lengths") for r in rs if r.get("lengths")), None)
-        for key in ("roof_bound", "roof_missing"):  # what bound the roof, or why there is none: the same every repeat
+        for key in ("roof_bound", "roof_missing", "planned_phase"):  # the same every repeat
             point[key] = next((r.get(key) for r in ok if r.get(key)), None)
         points.append(point)
     by_key = {(p["backend"], p["N"]): p for p in points}
@@ -125,7 +131,23 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         g = by_key.get(("generate", p["N"]))
         p["speed_vs_generate"] = _ratio(p["tokens_per_s"], g and g["tokens_per_s"])
         p["mem_vs_generate"] = _ratio(p["peak_mem_bytes"], g and g["peak_mem_bytes"])
+        if p.get("step_s") is not None:  # a full step: the step's speed-up beside the one the rollout alone predicts
+            p["step_speedup"] = _ratio(g and g["step_s"], p["step_s"])
+            p["rollout_speedup"] = _ratio(g and g["rollout_s"], p["rollout_s"])
+            p["amdahl_ceiling"] = (amdahl_ceiling(g["rollout_share"], p["rollout_speedup"])
+                                   if g and g.get("rollout_share") is not None and p["rollout_speedup"] else None)
+            p["of_ceiling"] = _ratio(p["step_speedup"], p["amdahl_ceiling"])
     return points
+
+
+def amdahl_ceiling(rollout_share: float, rollout_speedup: float) -> float:
+    """The step speed-up that speeding the rollout alone up by ``rollout_speedup`` gives, when the rollout is
+    ``rollout_share`` of the reference step (Amdahl's law): 1 / ((1 - r) + r / s). A backend whose step beats it
+    also sped up something besides the rollout; one that falls short pays for something outside the rollout."""
+    if not 0 <= rollout_share <= 1 or rollout_speedup <= 0:
+        raise ValueError(f"need a rollout share in [0, 1] and a positive speed-up, got {rollout_share}, "
+                         f"{rollout_speedup}.")
+    return 1 / ((1 - rollout_share) + rollout_share / rollout_speedup)
 
 
 def _ratio(a, b) -> float | None:

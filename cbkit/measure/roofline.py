@@ -14,6 +14,7 @@ The peaks come from a probe on this machine (`measure/probe.py`) or, for a GPU n
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,39 @@ def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_leng
             "decode_steps": steps, "compute_bound_steps": compute_steps, "completion_tokens": tokens}
 
 
+# --- the training step's roofs: the old-logprob forward and the update ------------------------------------------
+
+# AdamW on fp32 weights reads the weight, its gradient and both moments and writes the weight and both moments.
+ADAMW_BYTES_PER_PARAM = 7 * 4
+
+
+def teacher_forced_forward(shape: Shape, rows: Sequence[tuple[int, int]], dtype_bytes: int, forwards: int) -> StepCost:
+    """The work of one teacher-forced forward over ``rows`` of (prompt tokens, completion tokens): every matmul weight
+    over every real token (the LM head only over the completion's positions and the one before them, as
+    ``logits_to_keep`` does), the causal attention products, and the weights read once per forward call
+    (``forwards``: one per chunk of rows). Padding is not work: the roof is of the tokens, not of a layout."""
+    head = shape.vocab * shape.hidden
+    body = shape.matmul_params - head
+    flops = sum(2 * body * (p + c) + 2 * head * (c + 1) + shape.attention_flops((p + c) * (p + c + 1) // 2)
+                for p, c in rows)
+    return StepCost(flops, shape.matmul_params * dtype_bytes * forwards)
+
+
+def training_roofline(config: Any, *, rows: Sequence[tuple[int, int]], forwards: int, params: int, dtype_bytes: int,
+                      peak_flops: float, bytes_per_s: float, num_iterations: int = 1) -> dict[str, float]:
+    """The least seconds of a GRPO step's two training phases on a machine: the old-logprob forward (one no-grad
+    forward of every row), and the update (``num_iterations`` x a forward and its backward, which costs two more
+    forwards' FLOPs and reads the weights twice more, then AdamW's pass over every parameter, bandwidth-bound)."""
+    if peak_flops <= 0 or bytes_per_s <= 0:
+        raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
+    fwd = teacher_forced_forward(Shape.of(config), rows, dtype_bytes, forwards)
+    fwd_bwd = StepCost(3 * fwd.flops, 3 * fwd.bytes)
+    adamw = params * ADAMW_BYTES_PER_PARAM / bytes_per_s
+    return {"old_logprob_roof_s": fwd.seconds(peak_flops, bytes_per_s),
+            "update_roof_s": num_iterations * (fwd_bwd.seconds(peak_flops, bytes_per_s) + adamw),
+            "update_compute_roof_s": num_iterations * 3 * fwd.flops / peak_flops}
+
+
 # --- an estimate of wall time, from the roof --------------------------------------------------------------------
 # A roof is the least time; an estimate needs two more numbers, both assumptions and named as such wherever
 # printed. `efficiency`: the share of the lower roof a step reaches. `step_floor_s`: the least a step takes
@@ -187,3 +221,24 @@ def estimated_train_seconds(config: Any, *, rows: int, tokens_per_row: int, mach
         raise ValueError(f"efficiency is a share of the peak in (0, 1], got {efficiency}.")
     flops = (2 * forwards + 4) * Shape.of(config).matmul_params * rows * tokens_per_row
     return flops / (machine.flops(dtype) * efficiency)
+
+
+def estimated_step_split(config: Any, *, prompt_lens: Sequence[int], targets: Sequence[int], machine: Machine,
+                         rollout_dtype: str, train_dtype: str, dtype_bytes: int) -> dict[str, dict[str, float]]:
+    """An estimate (not a measurement) of one GRPO step's phases on ``machine``, per backend: the rollout
+    (`estimated_rollout_seconds`: a static batch runs every row until the longest target ends; the CB pool, taken
+    as large enough for every row, runs each row until its own), the old-logprob forward (one forward's FLOPs)
+    and the update (a forward and its backward), both at ``TRAIN_EFFICIENCY`` of ``train_dtype``'s peak.
+    ``targets``: one completion length per row, prompts in ``prompt_lens`` split evenly over the rows."""
+    rows, longest = len(targets), max(targets)
+    context = round(statistics.mean(prompt_lens)) + longest // 2
+    tokens_per_row = round(statistics.mean(prompt_lens)) + round(statistics.mean(targets))
+    update = estimated_train_seconds(config, rows=rows, tokens_per_row=tokens_per_row, machine=machine,
+                                     dtype=train_dtype, forwards=1)
+    running = {"generate": [rows] * longest, "continuous": [sum(t > i for t in targets) for i in range(longest)]}
+    return {backend: {"rollout_s": estimated_rollout_seconds(config, prompt_lens=prompt_lens, running=steps,
+                                                             context=context, dtype_bytes=dtype_bytes,
+                                                             machine=machine, dtype=rollout_dtype),
+                      "old_logprob_s": update / 3,  # 2 of the update's 6 FLOPs a weight a token
+                      "update_s": update}
+            for backend, steps in running.items()}

@@ -121,20 +121,28 @@ class SweepConfig:
         "the CB engine's attention on CPU: batched (decoding sequences in one call, cbkit's default), per_sequence "
         "(one call per sequence) or engine (its own dense block-diagonal mask, quadratic in the batch): the "
         "'befores' of the CPU tuning, side by side", default="batched")
+    engine_loop: str = _help(
+        "who runs the CB engine's loop: auto (the caller's thread on CPU, transformers' thread on a GPU), caller "
+        "or thread", default="auto")
     full_step: bool = _help(
         "time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) through cbkit's loop "
-        "instead of the rollout alone; the weights are restored after every step", default=False)
+        "instead of the rollout alone, split by phase; the weights are restored after every step", default=False)
+    forward_chunk_rows: int | None = _help(
+        "--full-step only: completions per teacher-forced forward of the step (the loop's forward_chunk_rows; "
+        "None: all rows in one forward)", default=4)
     lengths: str = _help(
         "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
-        "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides; the default with "
-        "--full-step), or replay:FILE (a natural sweep's JSONL or a list of lengths, replayed as they are)",
+        "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides), or replay:FILE (a "
+        "natural sweep's JSONL or a list of lengths, replayed as they are)",
         default="replay:gsm8k")
 
     def __post_init__(self) -> None:
         from cbkit.rollout.cpu_attention import CPU_ATTENTION
+        from cbkit.rollout.engine_config import resolve_engine_loop
 
         if self.cpu_attention not in CPU_ATTENTION:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {self.cpu_attention!r}.")
+        resolve_engine_loop(self.engine_loop, torch.device("cpu"), self.cb_config)
         self.ns = tuple(self.ns)
         self.backends = tuple(self.backends)
         if not self.ns or any(not isinstance(n, int) or n < 1 for n in self.ns):
@@ -151,11 +159,8 @@ class SweepConfig:
         # Read and checked here, before any model time: a missing file or a too-long length fails now.
         self._workload = parse_lengths(self.lengths)
         self._workload.check(self.max_new_tokens)
-        if self.full_step and self._workload.kind != "natural":
-            raise ValueError(
-                f"full_step times cbkit's GRPO loop, whose completions end at EOS; lengths={self.lengths!r} "
-                "cannot be replayed there. Use lengths='natural' (--lengths natural) with full_step."
-            )
+        if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
+            raise ValueError(f"forward_chunk_rows must be >= 1 or None, got {self.forward_chunk_rows}.")
 
     @property
     def workload(self) -> LengthWorkload:
@@ -168,6 +173,10 @@ class SweepConfig:
         import cbkit
 
         keep = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ns", "backends", "repeats")}
+        if keep["engine_loop"] == "auto":  # what every file written before the knob ran: they stay resumable
+            del keep["engine_loop"]
+        if not self.full_step:  # a rollout-only sweep runs no training forward: files from before the field resume
+            keep.pop("forward_chunk_rows")
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         # A replayed file may change under the same name: its contents are part of what makes runs comparable.
         w = self._workload
@@ -226,12 +235,57 @@ def lengths_record(lengths: Sequence[int]) -> dict[str, Any]:
             "length_max": stats["max"], "decode_padding_share": decode_padding_share(lengths)}
 
 
-def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dict[str, Any]:
-    """One GRPO step through cbkit's loop with this backend; rollout and training seconds come from its
-    StepRecord, peak memory covers the whole step. The weights are put back afterwards."""
+class _Replayed:
+    """A backend whose every rollout stops each completion at its drawn target: the length workload replayed inside
+    the GRPO loop, which asks for rollouts without targets."""
+
+    def __init__(self, backend, targets: Sequence[int]) -> None:
+        self.backend, self.targets, self.name = backend, list(targets), backend.name
+
+    def generate(self, prompts, num_generations, sampling, *, prompt_names=None, target_lengths=None):
+        return self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
+                                     target_lengths=self.targets if target_lengths is None else target_lengths)
+
+
+def _time_phases(trainer) -> dict[str, float]:
+    """Seconds spent in this trainer's `prepare` (the old-logprob forward, with the advantages and IS weights around
+    it) and `optimize` (forwards, backwards and the optimizer step): the instance's methods wrapped, nothing else
+    changed. CUDA is synchronised before each clock is read, so queued kernels count in their own phase."""
+    spent = {"old_logprob_s": 0.0, "update_s": 0.0}
+
+    def timed(inner, key: str):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                spent[key] += time.perf_counter() - start
+        return run
+
+    trainer.prepare = timed(trainer.prepare, "old_logprob_s")
+    trainer.optimize = timed(trainer.optimize, "update_s")
+    return spent
+
+
+def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, targets: Sequence[int] | None = None,
+                      probe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One GRPO step through cbkit's loop with this backend, split by phase: the rollout (its own wall clock),
+    the old-logprob forward, the update, and the rest (rewards, batching, bookkeeping: what none of the three
+    is). Peak memory covers the whole step. ``targets`` replays a length workload (each completion stops at its
+    target); None lets EOS decide. With a ``probe``, each phase gets its share of its roof. The weights are put
+    back afterwards."""
     from cbkit.telemetry import PeakMemory
     from cbkit.train.config import CBGRPOConfig
     from cbkit.train.grpo import GRPOTrainer
+    from cbkit.train.hooks import StepHooks
+
+    class Seen(StepHooks):
+        rollout = None
+
+        def on_rollout_end(self, rollout) -> None:
+            Seen.rollout = rollout
 
     model, problems = setup.model, setup.problems
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -239,9 +293,12 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dic
         model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(problems),
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         use_transformers_continuous_batching=backend.name == "continuous", seed=cfg.seed + rep,
-        output_dir=None, disable_tqdm=True, max_steps=1,
+        output_dir=None, disable_tqdm=True, max_steps=1, forward_chunk_rows=cfg.forward_chunk_rows,
     )
-    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=backend, problems=problems)
+    step_backend = backend if targets is None else _Replayed(backend, targets)
+    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=step_backend, problems=problems,
+                          hooks=[Seen()])
+    spent = _time_phases(trainer)
     try:
         with PeakMemory(model.device) as mem:
             record = trainer.step()
@@ -254,20 +311,65 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int) -> dic
     finally:
         model.load_state_dict(saved)
         model.zero_grad(set_to_none=True)
-    m = record.metrics
-    tokens = m["completion/mean_length"] * n * len(problems)
-    return {
+    m, rollout = record.metrics, Seen.rollout
+    lengths = [len(c.completion_ids) for c in rollout.completions]
+    tokens = sum(lengths)
+    step_s, rollout_s = m["step/seconds"], m["rollout/seconds"]
+    measured = {
         "status": "ok",
-        "step_s": m["step/seconds"],
-        "rollout_s": m["rollout/seconds"],
+        "step_s": step_s,
+        "rollout_s": rollout_s,
         "train_s": m["train/seconds"],
+        "old_logprob_s": spent["old_logprob_s"],
+        "update_s": spent["update_s"],
+        "other_s": step_s - rollout_s - spent["old_logprob_s"] - spent["update_s"],
+        "rollout_share": rollout_s / step_s,
         "completion_tokens": tokens,
-        "tokens_per_s": tokens / m["step/seconds"],  # completion tokens per second of whole step
+        "tokens_per_s": tokens / step_s,  # completion tokens per second of whole step
+        "rollout_tokens_per_s": tokens / rollout_s if rollout_s else None,
         "peak_mem_bytes": mem.peak_bytes,
         "peak_mem_kind": mem.kind,
-        "length_mean": m["completion/mean_length"],
+        "truncated_share": statistics.mean(c.finish_reason == "length" for c in rollout.completions),
+        **lengths_record(lengths),
         "reward_mean": m.get("reward/mean"),
+        "forward_chunk_rows": cfg.forward_chunk_rows,
+        "prompt_lens": [len(c.prompt_ids) for c in rollout.completions[::n]],  # one per prompt (group order)
+        "engine_config": rollout.engine_config,
     }
+    if probe is not None:
+        measured.update(step_roof_record(model, rollout, measured, probe, config))
+    return measured
+
+
+def step_roof_record(model, rollout, measured: dict[str, Any], probe: dict[str, Any], config) -> dict[str, Any]:
+    """Each phase of a full step against its roof on the probed machine: the rollout's (`roof_record`: the decode
+    steps of its shape), the old-logprob forward's and the update's (`roofline.training_roofline`: the FLOPs of
+    every real token, the weights read once a chunk, AdamW's pass). A share is roof seconds over measured seconds.
+    Without both peaks every share is None and ``roof_missing`` says why."""
+    from cbkit.measure.roofline import training_roofline
+
+    comps, n = rollout.completions, rollout.num_generations
+    prompts = [comps[g * n].prompt_ids for g in range(len(comps) // n)]  # completions come in group order
+    dtype_bytes = model.dtype.itemsize
+    roll = roof_record(model.config, prompts, {"completion_lengths": measured["completion_lengths"],
+                                               "tokens_per_s": measured["rollout_tokens_per_s"]}, probe, dtype_bytes)
+    out = {"rollout_roof_s": roll.get("roof_seconds"), "rollout_roof_share": roll["roof_share"],
+           "rollout_roof_bound": roll["roof_bound"], "bytes_per_s": probe.get("bytes_per_s"),
+           "old_logprob_roof_s": None, "old_logprob_roof_share": None, "update_roof_s": None,
+           "update_roof_share": None}
+    if "roof_missing" in roll:
+        return {**out, "roof_missing": roll["roof_missing"]}
+    micro = len(comps) // config.gradient_accumulation_steps
+    chunk = micro if config.forward_chunk_rows is None else min(config.forward_chunk_rows, micro)
+    forwards = config.gradient_accumulation_steps * -(-micro // chunk)
+    roofs = training_roofline(model.config, rows=[(len(c.prompt_ids), len(c.completion_ids)) for c in comps],
+                              forwards=forwards, params=sum(p.numel() for p in model.parameters()),
+                              dtype_bytes=dtype_bytes, peak_flops=probe["peak_flops"],
+                              bytes_per_s=probe["bytes_per_s"], num_iterations=config.num_iterations)
+    old_s, update_s = measured["old_logprob_s"], measured["update_s"]
+    return {**out, "old_logprob_roof_s": roofs["old_logprob_roof_s"], "update_roof_s": roofs["update_roof_s"],
+            "old_logprob_roof_share": roofs["old_logprob_roof_s"] / old_s if old_s else None,
+            "update_roof_share": roofs["update_roof_s"] / update_s if update_s else None}
 
 
 def run_sweep(
@@ -298,7 +400,8 @@ def run_sweep(
     probe = _probe_line(results, model, workload.describe(cfg.max_new_tokens), point=None)
     params = matmul_params(model)
     # Each backend is warmed up with one short call: first calls pay one-off costs, not what we compare.
-    backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention) for b in cfg.backends}
+    backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention,
+                                 engine_loop=cfg.engine_loop) for b in cfg.backends}
 
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
     probed_at = None
@@ -310,7 +413,7 @@ def run_sweep(
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
         targets = workload.targets(len(prompts) * n, cfg.max_new_tokens, seed=run_sampling.seed)
         if cfg.full_step:
-            measured = measure_full_step(cfg, setup, backends[b], n, rep)
+            measured = measure_full_step(cfg, setup, backends[b], n, rep, targets, probe)
         else:
             measured = measure_run(backends[b], prompts, n, run_sampling, model.config, dtype_bytes, targets)
         run = {"backend": b, "N": n, "repeat": rep, "num_prompts": len(prompts), "time": time.time(),
@@ -322,8 +425,9 @@ def run_sweep(
                        if not cfg.full_step and probe["peak_flops"] else None)
             if not cfg.full_step:
                 run.update(roof_record(model.config, prompts, measured, probe, dtype_bytes))
-        if not cfg.full_step:  # the planner predicts a rollout, not a training step
-            run.update(_planned(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets))
+        planned = _planned(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets)
+        run.update(_planned_step(cfg, model, prompts, n, run, planned, targets) if cfg.full_step
+                   else planned)
         results.add(run)
         if on_point is not None:
             on_point(run)
@@ -387,6 +491,24 @@ def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=
     measured = run.get("peak_mem_bytes")
     error = measured / planned - 1 if measured and planned else None
     return {"planned_peak_bytes": planned, "plan_error": error}
+
+
+def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[str, Any]:
+    """The planner's peak for a whole GRPO step (`planner.step_peak_bytes`: the rollout's planned peak, one
+    chunk's backward beside the gradients, the optimizer step; the sweep's trainer is fresh, so AdamW's moments
+    appear at the update), the phase that sets it, and its error against the step's measured peak."""
+    from cbkit.measure.planner import step_peak_bytes
+
+    rows = len(prompts) * n
+    longest = max(targets) if targets and cfg.workload.kind != "natural" else cfg.max_new_tokens
+    step = step_peak_bytes(sum(p.numel() for p in model.parameters()), rollout_peak_bytes=planned["planned_peak_bytes"],
+                           micro_batch_rows=rows, chunk_rows=cfg.forward_chunk_rows,
+                           tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
+                           config=model.config, autocast=False)
+    measured = run.get("peak_mem_bytes")
+    return {"planned_peak_bytes": step["peak"], "planned_rollout_peak_bytes": planned["planned_peak_bytes"],
+            "planned_phase": max(("rollout", "backward", "optimizer_step"), key=step.__getitem__),
+            "plan_error": measured / step["peak"] - 1 if measured and step["peak"] else None}
 
 
 def _order(backends: Sequence[str], k: int) -> list[str]:

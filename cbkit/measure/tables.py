@@ -55,10 +55,43 @@ def roof_table(points: list[dict[str, Any]]) -> str:
 
 
 def _spread_cell(p: dict[str, Any]) -> str:
+    """Mean, CV, max; padding share: each a dash where the run did not record it (a full-step run from before
+    full steps recorded their lengths has a mean only)."""
     if p.get("length_mean") is None:
         return "—"
-    return (f"{p['length_mean']:.1f}, {p['length_cv']:.2f}, {p['length_max']:.0f}; "
-            f"{p['decode_padding_share']:.0%} of decode slots")
+
+    def f(key: str, fmt: str) -> str:
+        return format(p[key], fmt) if p.get(key) is not None else "—"
+
+    return (f"{f('length_mean', '.1f')}, {f('length_cv', '.2f')}, {f('length_max', '.0f')}; "
+            f"{f('decode_padding_share', '.0%')} of decode slots")
+
+
+def step_split_table(points: list[dict[str, Any]]) -> str:
+    """A full GRPO step per backend and N (`cbkit sweep --full-step`), split into the rollout, the old-logprob
+    forward, the update and the rest, each phase's seconds with its share of its roof (the probe of the same run);
+    the rollout's share of the step; the step's speed-up over generate(); and the Amdahl ceiling, the speed-up the
+    rollout's speed-up alone predicts (`results.amdahl_ceiling`), with the share of it reached."""
+    rows = ["| N | backend | step s | rollout s (of roof) | old-logprob fwd s (of roof) | update s (of roof) | other s "
+            "| rollout share | step speed-up | Amdahl ceiling | of ceiling |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "—"
+
+    def phase(p, key):
+        return f"{f(p.get(key + '_s'), '.2f')} ({f(p.get(key + '_roof_share'), '.0%')})"
+
+    for p in sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"])):
+        if p["status"] != "ok":
+            rows.append(f"| {p['N']} | {p['backend']} | {p['status'].upper()} |" + " — |" * 8)
+            continue
+        speed = f(p.get("step_speedup"), ".2f") + ("x" if p.get("step_speedup") is not None else "")
+        ceiling = f(p.get("amdahl_ceiling"), ".2f") + ("x" if p.get("amdahl_ceiling") is not None else "")
+        rows.append(f"| {p['N']} | {p['backend']} | {f(p.get('step_s'), '.2f')} | {phase(p, 'rollout')} | "
+                    f"{phase(p, 'old_logprob')} | {phase(p, 'update')} | {f(p.get('other_s'), '.2f')} | "
+                    f"{f(p.get('rollout_share'), '.0%')} | {speed} | {ceiling} | {f(p.get('of_ceiling'), '.0%')} |")
+    return "\n".join(rows)
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
@@ -149,7 +182,10 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
             "kv_bytes", "kv_padding_share", "completion_tokens", "speed_vs_generate",
             "mem_vs_generate", "planned_peak_bytes", "plan_error", "lengths", "length_mean", "length_cv",
             "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
-            "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing"]
+            "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing",
+            "step_s", "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
+            "old_logprob_roof_share", "update_roof_share", "step_speedup", "rollout_speedup", "amdahl_ceiling",
+            "of_ceiling", "planned_phase"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -244,4 +280,31 @@ def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, 
                 f"and AdamW state), {attn_implementation} attention (no dense mask; under SDPA the engine also "
                 "reserves a mask that grows with the pool). Neither the prompts per step nor the pool is stated in the PR: these are the "
                 "planner's reading of its numbers, not a reproduction.")
+    return "\n".join(rows)
+
+
+# The GPUs of `cbkit tiers` and their dtypes there: the rollout in fp16 on a T4 (no bf16) and bf16 on an A100; the
+# training forwards in fp32 on a T4 and under bf16 autocast on an A100.
+ESTIMATE_GPUS = {"t4": ("float16", "float32"), "a100-40": ("bfloat16", "bfloat16")}
+
+
+def estimated_step_table(config: Any, *, prompt_lens: list[int], lengths_by_n: dict[int, list[int]]) -> str:
+    """The full step's split on a T4 and an A100, **estimated** from the roofline's assumptions
+    (`roofline.estimated_step_split`: DECODE_EFFICIENCY, TRAIN_EFFICIENCY, the per-step launch floor), never
+    measured: where the rollout's share, and so what a faster rollout can buy, moves on a GPU. ``lengths_by_n``:
+    the completion lengths each N ran with (a sweep's own). In an estimate only the rollout differs between the
+    backends, so the step's speed-up is its Amdahl ceiling."""
+    from cbkit.measure.roofline import GPUS, estimated_step_split
+
+    rows = ["| GPU (estimate, not measured) | N | backend | step s | rollout s | old-logprob fwd s | update s | "
+            "rollout share | step speed-up (= Amdahl ceiling) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for gpu, (rollout_dtype, train_dtype) in ESTIMATE_GPUS.items():
+        for n, lengths in sorted(lengths_by_n.items()):
+            split = estimated_step_split(config, prompt_lens=prompt_lens, targets=lengths, machine=GPUS[gpu],
+                                         rollout_dtype=rollout_dtype, train_dtype=train_dtype, dtype_bytes=2)
+            step = {b: sum(v.values()) for b, v in split.items()}
+            for b, v in split.items():
+                rows.append(f"| {GPUS[gpu].name} ({rollout_dtype} rollout) | {n} | {b} | {step[b]:.2f} | "
+                            f"{v['rollout_s']:.2f} | {v['old_logprob_s']:.2f} | {v['update_s']:.2f} | "
+                            f"{v['rollout_s'] / step[b]:.0%} | {step['generate'] / step[b]:.2f}x |")
     return "\n".join(rows)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from cbkit.rollout.base import Completion, Rollout, RolloutBackend, SamplingParams
-from cbkit.rollout.continuous import ContinuousBackend, ThreadedContinuousBackend
+from cbkit.rollout.continuous import ContinuousBackend
 from cbkit.rollout.generate import GenerateBackend
 
-BACKENDS = {GenerateBackend.name: GenerateBackend, ContinuousBackend.name: ContinuousBackend,
-            ThreadedContinuousBackend.name: ThreadedContinuousBackend}
+BACKENDS = {GenerateBackend.name: GenerateBackend, ContinuousBackend.name: ContinuousBackend}
 
 
 def make_backend(
@@ -21,15 +20,13 @@ def make_backend(
     cpu_attention: str = "batched",
     engine_loop: str = "auto",
 ) -> RolloutBackend:
-    """Build a backend by name; the one place that maps names to classes."""
+    """Build a backend by name; the one place that maps names to classes. `engine_loop` ("auto", "caller" or
+    "thread") says who runs the CB engine's loop (`cbkit.rollout.engine`)."""
     if name == GenerateBackend.name:
         return GenerateBackend(model, pad_token_id=pad_token_id)
     if name == ContinuousBackend.name:
         return ContinuousBackend(model, cb_config, record_timestamps=record_timestamps, persistent=persistent,
                                  cpu_attention=cpu_attention, engine_loop=engine_loop)
-    if name == ThreadedContinuousBackend.name:  # the background-thread driver whatever engine_loop says
-        return ThreadedContinuousBackend(model, cb_config, record_timestamps=record_timestamps, persistent=persistent,
-                                         cpu_attention=cpu_attention)
     raise ValueError(f"Unknown backend {name!r}; choose from {sorted(BACKENDS)}.")
 
 
@@ -41,6 +38,5 @@ __all__ = [
     "Rollout",
     "RolloutBackend",
     "SamplingParams",
-    "ThreadedContinuousBackend",
     "make_backend",
 ]

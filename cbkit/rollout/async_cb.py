@@ -43,26 +43,18 @@ read a prompt page another request computed before it, KV from weights it does n
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import dataclasses
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
-from cbkit.rollout.continuous import (
-    _refuse_softcap_on_cpu,
-    _reseed,
-    _resolved_config,
-    _workload_hints,
-    make_cb_config,
-)
-from cbkit.rollout.cpu_attention import varlen_attention_for_engine, varlen_unsupported_reason
+from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
+from cbkit.rollout.engine import Engine, resolved_config, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 
@@ -97,10 +89,9 @@ class AsyncEngine:
         self.policy = model
         self.snapshot = copy.deepcopy(model).eval().requires_grad_(False)
         self._pairs = [(self.snapshot.get_parameter(n), p) for n, p in model.named_parameters()]
-        self.cb_overrides = {**dict(cb_config or {}), "allow_block_sharing": False}
-        make_cb_config(self.cb_overrides)  # bad keys fail now, not at the first rollout
-        self.cpu_attention = cpu_attention
-        self.record_timestamps = record_timestamps
+        # transformers' thread runs the loop: the trainer trains while it decodes. Bad keys fail now.
+        self.engine = Engine(self.snapshot, {**dict(cb_config or {}), "allow_block_sharing": False},
+                             cpu_attention=cpu_attention, engine_loop="thread", record_timestamps=record_timestamps)
         self.version = 0
         self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
         self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)
@@ -109,8 +100,6 @@ class AsyncEngine:
         self._update_at: int | None = None
         self._forwards = 0
         self._positions: dict[str, dict[int, int]] = {}  # request id -> {position: version that computed it}
-        self._manager: Any = None
-        self._stack: contextlib.ExitStack | None = None
         self._key: tuple | None = None
         self.snapshot.register_forward_pre_hook(self._before_forward)
         self.snapshot.register_forward_hook(self._after_forward, always_call=True)
@@ -122,12 +111,9 @@ class AsyncEngine:
             self._parked.set()
             self._go.wait()  # publish() copies the new weights now, then opens the gate
         self._lock.acquire()
-        batch = getattr(getattr(self._manager, "batch_processor", None), "inputs_and_outputs", None)
-        for future in getattr(batch, "requests_in_batch", None) or ():
-            state = future.state
-            end = state.position_offset  # already advanced past this forward's query tokens
-            seen = self._positions.setdefault(state.request_id, {})
-            for pos in range(end - future.query_length, end):
+        for r in self.engine.scheduled():  # the positions this forward computes: the token it samples, the KV
+            seen = self._positions.setdefault(r.request_id, {})
+            for pos in range(r.past_len, r.past_len + r.query_len):
                 seen[pos] = self.version
         self._forwards += 1
 
@@ -145,7 +131,7 @@ class AsyncEngine:
         pending = self._pending
         if pending is not None and pending.update_at is not None:
             while not self._parked.is_set() and not pending.done:
-                self._take_result(pending, timeout=0.01)
+                self.engine.take(pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
         with self._lock, torch.no_grad():
             for dst, src in self._pairs:
@@ -164,16 +150,14 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
         check_request(prompts, num_generations, sampling, self.snapshot, prompt_names)
         rows = [list(p) for p in prompts for _ in range(num_generations)]
-        manager = self._start(sampling, rows)
-        with _paused(manager):  # all requests queued while the loop is parked: one drain, a seeded order
-            _reseed(manager, sampling.seed)
+        self._start(sampling, rows)
+        with self.engine.paused():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
             self._go.clear()
             self._parked.clear()
             self._update_at = update_at
-            ids = manager.add_requests(inputs=rows, max_new_tokens=sampling.max_new_tokens,
-                                       record_timestamps=self.record_timestamps)
-        self._pending = Pending([list(p) for p in prompts], num_generations, sampling, list(ids),
+            ids = self.engine.queue(rows, sampling.max_new_tokens, sampling.seed)
+        self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
                                 time.perf_counter(), update_at)
         return self._pending
 
@@ -181,31 +165,21 @@ class AsyncEngine:
         """Wait for every completion of `pending`; each carries the policy versions of its tokens."""
         with PeakMemory(self.snapshot.device) as mem:
             while not pending.done:
-                self._take_result(pending, timeout=1.0)
+                self.engine.take(pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
-        completions, sampling = [], pending.sampling
-        for i, rid in enumerate(pending.ids):
-            out, prompt = pending.results[rid], pending.prompts[i // pending.num_generations]
-            keep, reason = cut_completion(out.generated_tokens, sampling, None)
-            seen = self._positions.get(rid, {})
-            needed = len(prompt) + keep - 1  # the last sampled token is never fed back
-            missing = [p for p in range(needed) if p not in seen]
-            if missing:
-                raise RuntimeError(f"Request {rid}: no engine forward recorded positions {missing[:5]}...; "
-                                   "the policy versions of its tokens are unknown.")
-            completions.append(Completion(
-                group=i // pending.num_generations, prompt_ids=tuple(prompt),
-                completion_ids=tuple(out.generated_tokens[:keep]),
-                sampling_logprobs=tuple(float(x) for x in out.logprobs[:keep]), finish_reason=reason,
-                policy_versions=tuple(seen[len(prompt) + j - 1] for j in range(keep)),
-                prompt_versions=tuple(seen[p] for p in range(len(prompt))),
-            ))
+        rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
+        outputs = [pending.results[rid] for rid in pending.ids]
+        completions = [self._versioned(c, rid) for c, rid in zip(
+            to_completions(rows, outputs, pending.num_generations, pending.sampling), pending.ids, strict=True)]
         self._pending = None
+        resolved = resolved_config(self.engine.manager)
         return Rollout(
             completions=completions, num_generations=pending.num_generations, backend=self.name, wall_s=wall,
-            peak_mem_bytes=mem.peak_bytes, peak_mem_kind=mem.kind, engine_config=_resolved_config(self._manager),
-            timeline=self._timeline(pending, completions) if self.record_timestamps else None,
+            peak_mem_bytes=mem.peak_bytes, peak_mem_kind=mem.kind, engine_config=resolved,
+            timeline=timeline(outputs, completions, pending.submitted_at, resolved,
+                              swaps=[s for s in self.swaps if s[0] >= pending.submitted_at])
+            if self.engine.record_timestamps else None,
         ).validate()
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
@@ -218,65 +192,36 @@ class AsyncEngine:
     def close(self) -> None:
         """Stop the engine thread and restore the snapshot's attention; the snapshot itself is kept."""
         self._go.set()  # a forward parked at the gate must not wait forever
-        if self._stack is not None:
-            self._stack.close()
-        self._stack, self._manager, self._key, self._pending = None, None, None, None
+        self.engine.close()
+        self._key, self._pending = None, None
 
     _pending: Pending | None = None
 
     # --- helpers --------------------------------------------------------------------------------------------
 
-    def _take_result(self, pending: Pending, timeout: float) -> None:
-        out = self._manager.get_result(timeout=timeout)
-        if out is None:
-            if not self._manager.is_running():
-                raise RuntimeError(f"The CB engine stopped after {len(pending.results)} of {len(pending.ids)} "
-                                   "requests; see the log above.")
-            return
-        if out.is_finished():
-            if out.error is not None:
-                raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
-            pending.results[out.request_id] = out
+    def _versioned(self, c: Completion, rid: str) -> Completion:
+        """`c` with the policy version of every token: the one whose forward sampled it, and for each prompt token
+        the one its KV was computed with."""
+        seen, n = self._positions.get(rid, {}), len(c.prompt_ids)
+        missing = [p for p in range(n + len(c.completion_ids) - 1) if p not in seen]  # the last token is not fed
+        if missing:
+            raise RuntimeError(f"Request {rid}: no engine forward recorded positions {missing[:5]}...; "
+                               "the policy versions of its tokens are unknown.")
+        return dataclasses.replace(c, policy_versions=tuple(seen[n + j - 1] for j in range(len(c.completion_ids))),
+                                   prompt_versions=tuple(seen[p] for p in range(n)))
 
-    def _start(self, sampling: SamplingParams, rows: list[list[int]]):
-        """The running manager for these sampling settings (a new one if they changed), started on the snapshot."""
+    def _start(self, sampling: SamplingParams, rows: list[list[int]]) -> None:
+        """A running engine for these sampling settings (a new one if they changed), started on the snapshot."""
         gen_config = sampling.generation_config()
         longest = max(self.max_prompt_len, *map(len, rows))
         key = (repr(gen_config.to_dict()), len(rows), longest)
-        if self._manager is not None and key == self._key:
-            return self._manager
+        if self.engine.manager is not None and key == self._key:
+            return
         self.close()
-        model = self.snapshot
-        _refuse_softcap_on_cpu(model)
         # The pool: every row at the longest prompt it may get, run to the limit (`make_cb_config` on CPU), so one
         # engine serves the whole run instead of being rebuilt whenever a longer prompt comes.
-        bound = [[0] * longest] * len(rows)
-        cb_config = make_cb_config(self.cb_overrides, seed=sampling.seed, device=model.device, rows=bound,
-                                   max_new_tokens=sampling.max_new_tokens, warn=False)
-        stack = contextlib.ExitStack()
-        if model.device.type == "cpu" and self.cpu_attention != "engine" and not varlen_unsupported_reason(model):
-            if "max_blocks_per_request" not in self.cb_overrides:
-                cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
-            stack.enter_context(varlen_attention_for_engine(model, self.cpu_attention))
-        manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config,
-                                                 workload_hints=_workload_hints(bound, sampling.max_new_tokens))
-        manager.start()
-        stack.callback(_stop, manager)
-        self._manager, self._stack, self._key = manager, stack, key
-        weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
-        return manager
-
-    def _timeline(self, pending: Pending, completions: list[Completion]) -> dict[str, Any]:
-        """Per request: start, end, token clocks and token versions; plus when each update landed."""
-        requests = []
-        for i, (rid, c) in enumerate(zip(pending.ids, completions, strict=True)):
-            out = pending.results[rid]
-            start, end = out.lifespan
-            requests.append({"id": i, "group": c.group, "prompt_len": len(c.prompt_ids), "start": start, "end": end,
-                             "token_times": list(out.timestamps or [])[: len(c.completion_ids)],
-                             "token_versions": list(c.policy_versions or ())})
-        return {"t0": pending.submitted_at, "requests": requests,
-                "swaps": [s for s in self.swaps if s[0] >= pending.submitted_at]}
+        self.engine.start(gen_config, [[0] * longest] * len(rows), sampling.max_new_tokens, sampling.seed)
+        self._key = key
 
     # --- resume ---------------------------------------------------------------------------------------------
 
@@ -288,16 +233,3 @@ class AsyncEngine:
         with self._lock, torch.no_grad():
             self.snapshot.load_state_dict(state)
             self.version = version
-
-
-@contextlib.contextmanager
-def _paused(manager):
-    """transformers' own pause: the engine thread parks between two steps (this engine runs on that thread)."""
-    with manager.pause():
-        yield
-
-
-def _stop(manager) -> None:
-    if manager.is_running():
-        manager.stop(block=True, timeout=10)
-    manager.destroy()

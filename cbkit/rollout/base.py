@@ -12,8 +12,11 @@ order the engine finished them in. Everything that consumes a rollout may rely o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
+import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -60,7 +63,8 @@ class SamplingParams:
         return frozenset(self.eos_token_id)
 
     def generation_config(self):
-        """The transformers `GenerationConfig` both backends hand to the model: one source of truth."""
+        """The transformers `GenerationConfig` both backends hand to the model: one source of truth. It is complete:
+        nothing in the model's own `generation_config` changes what is sampled (`rollout_generation_config`)."""
         from transformers import GenerationConfig
 
         eos = self.eos_token_id if isinstance(self.eos_token_id, int | None) else list(self.eos_token_id)
@@ -77,6 +81,47 @@ class SamplingParams:
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         return GenerationConfig(**kwargs)
+
+
+# What a rollout takes from the model's own `generation_config`: token ids and cache / compile settings, none of which
+# changes the distribution a token is drawn from. Everything else there (repetition_penalty, no_repeat_ngram_size,
+# min_p, typical_p, epsilon/eta cutoffs, bad_words_ids, suppress_tokens, sequence_bias, min_new_tokens, forced
+# tokens, guidance, watermarking: every field transformers' `_get_logits_processor` turns into a processor; and
+# beams, extra return sequences, stop strings, time limits) is the checkpoint's advice for chat, not the rollout's.
+# `generate()` fills every field its config leaves unset from the model's, so without this a rollout would sample
+# from another distribution than its SamplingParams say (Qwen2.5-Instruct ships repetition_penalty=1.05): off-policy
+# by a knob nobody set. The CB engine reads only the config it is given.
+GENERATION_CONFIG_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache",
+                          "cache_implementation", "cache_config", "compile_config", "disable_compile")
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were named (once each)
+
+
+@contextlib.contextmanager
+def rollout_generation_config(model: Any):
+    """For the length of a rollout, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`: sampling comes
+    from the rollout's `SamplingParams` alone. What is dropped is named once per model in a warning."""
+    from transformers import GenerationConfig
+
+    original = getattr(model, "generation_config", None)
+    if original is None:
+        yield
+        return
+    default = GenerationConfig()
+    dropped = {k: v for k, v in original.to_diff_dict().items()
+               if k not in GENERATION_CONFIG_KEPT and not k.startswith("_") and k != "transformers_version"
+               and getattr(default, k, None) != v}
+    if dropped and model not in _WARNED:
+        _WARNED.add(model)
+        warnings.warn(f"The model's generation_config sets {dropped}; rollouts sample from their own settings "
+                      "(temperature, top_p, top_k) alone, so these are ignored while they run. To sample with one of "
+                      "them, make it a rollout setting; cbkit's loss assumes the distribution it describes.",
+                      UserWarning, stacklevel=3)
+    model.generation_config = GenerationConfig(**{k: getattr(original, k, None) for k in GENERATION_CONFIG_KEPT
+                                                  if getattr(original, k, None) is not None})
+    try:
+        yield
+    finally:
+        model.generation_config = original
 
 
 def _first(eos: int | list[int] | None) -> int | None:

@@ -1,26 +1,23 @@
-"""Varlen attention for the CB engine on CPU: why CB lost to `generate()` there, and the two fixes.
+"""Varlen attention for the CB engine on CPU: each packed sequence attends to its own keys, as on a GPU.
 
 transformers' CB engine packs every running sequence into one row of tokens. With flash attention (CUDA
 only) a varlen kernel attends each sequence to its own keys. With SDPA or eager -- all a CPU has -- the
 engine instead builds one dense [all queries x all keys] mask that is block-diagonal across sequences
 (`build_attention_mask` in transformers/generation/continuous_batching/input_outputs.py) and runs one
 masked attention over it. Decoding B sequences of length L then costs B x (B x L) instead of B x L: the
-work grows with the *square* of the batch, and attention, not the linear layers, took most of the engine's time
-(docs/cpu_results.md has the profiles).
+work grows with the *square* of the batch.
 
-Fix one gives the engine what it gets on a GPU: a varlen attention. It registers an attention function
-that splits the packed batch at the engine's `cu_seq_lens_q` / `cu_seq_lens_k`. Its registered name
-contains "flash" because that is how the engine recognises a varlen kernel: it then skips the dense mask
-(which also frees its memory) and passes the sequence boundaries. The model's own attention is switched
-only while the engine runs and restored after it, so training forwards are untouched.
+So cbkit registers an attention function that splits the packed batch at the engine's `cu_seq_lens_q` /
+`cu_seq_lens_k`. Its registered name contains "flash" because that is how the engine recognises a varlen kernel:
+it then skips the dense mask (which also frees its memory) and passes the sequence boundaries. The model's own
+attention is switched only while the engine runs and restored after it, so training forwards are untouched.
 
-Fix two: the first version ran SDPA once per sequence (`per_sequence_attention`, kept beside the fast one
-to read and to test against), 64 sequences x 30 layers = 1920 small calls per decode step. Nearly every
-step of a rollout is decode-only -- one new query token per sequence -- so `varlen_attention` now gathers
-the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
-call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) still runs on
-its own. After it the linear layers take most of the time, as in `generate()`. `ContinuousBackend(cpu_attention=...)` and
-`cbkit sweep --cpu-attention` choose between the three, so the "befores" stay measurable.
+Nearly every step of a rollout is decode-only -- one new query token per sequence -- so `varlen_attention`
+gathers the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
+call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) runs on its own.
+`per_sequence_attention` is the plain loop, one SDPA call per sequence: the reference to read and to test against.
+`cpu_attention=` ("batched", the default; "per_sequence"; "engine", the engine's own dense mask) chooses;
+docs/cpu_results.md has what each costs.
 """
 
 from __future__ import annotations
@@ -173,8 +170,7 @@ def varlen_unsupported_reason(model) -> str | None:
 
 
 # What `ContinuousBackend(cpu_attention=...)` and `cbkit sweep --cpu-attention` choose from on CPU; "engine" is
-# the engine's own dense-mask SDPA (the first "before"), "per_sequence" the loop cbkit ran until the decode
-# batching (the second "before").
+# the engine's own dense-mask SDPA, "per_sequence" the reference loop.
 CPU_ATTENTION = ("batched", "per_sequence", "engine")
 
 

@@ -17,19 +17,20 @@ reads them there, so the pictures in notebook 01 are observed, not modelled:
 
 ``record_engine_steps()`` wraps the engine's method for the duration of a ``with`` block, in whatever thread
 the engine runs, and puts it back afterwards; nothing in cbkit's backend changes and nothing is recorded
-outside the block. It reads engine internals, so `tests/test_engine_trace.py` pins them against the installed
-transformers: an upgrade that renames them fails there, loudly, not here silently.
+outside the block. The engine internals it reads are read by `cbkit.rollout.engine` (`watch_batches`), and
+`tests/test_engine_contract.py` pins them against the installed transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["BlockReuse", "EngineStep", "EngineTrace", "ScheduledRequest", "record_engine_steps", "request_order"]
+from cbkit.rollout.engine import watch_batches
+
+__all__ = ["BlockReuse", "EngineStep", "EngineTrace", "ScheduledRequest", "record_engine_steps"]
 
 
 @dataclass(frozen=True)
@@ -138,50 +139,16 @@ class EngineTrace:
         return out
 
 
-def _scheduled(processor, index: int) -> EngineStep:
-    cache = processor.cache
-    allocator = next(iter(cache.cache_allocators.values()))  # full attention: the one every layer of Llama uses
-    requests = []
-    for future in list(processor.inputs_and_outputs.requests_in_batch):
-        state = future.state
-        query = int(future.query_length)
-        past = int(state.position_offset) - query  # prepare_batch_tensors has already advanced it
-        requests.append(ScheduledRequest(
-            request_id=str(state.request_id), prompt_len=len(state.initial_tokens),
-            prompt_hash=hash(tuple(state.initial_tokens)), past_len=past, query_len=query,
-            blocks=tuple(int(b) for b in allocator.block_table.get(state.request_id, ()))))
-    return EngineStep(index=index, t=time.perf_counter(), requests=tuple(requests))
-
-
 @contextlib.contextmanager
 def record_engine_steps() -> Iterator[EngineTrace]:
     """Record every batch transformers' CB engine schedules inside the block (see the module docstring)."""
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
-
     trace = EngineTrace()
-    lock = threading.Lock()
-    original = ContinuousBatchProcessor.prepare_next_batch
 
-    def prepare_next_batch(self, *args, **kwargs):
-        scheduled = original(self, *args, **kwargs)
-        if scheduled:
-            with lock:
-                trace.steps.append(_scheduled(self, len(trace.steps)))
-                trace.pool_blocks = int(self.cache.num_blocks)
-                trace.page_size = int(next(iter(self.cache.cache_allocators.values())).tokens_per_page)
-        return scheduled
+    def record(requests, pool_blocks: int, page_size: int) -> None:
+        trace.steps.append(EngineStep(index=len(trace.steps), t=time.perf_counter(), requests=tuple(
+            ScheduledRequest(request_id=r.request_id, prompt_len=len(r.prompt), prompt_hash=hash(r.prompt),
+                             past_len=r.past_len, query_len=r.query_len, blocks=r.blocks) for r in requests)))
+        trace.pool_blocks, trace.page_size = pool_blocks, page_size
 
-    ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch
-    try:
+    with watch_batches(record):
         yield trace
-    finally:
-        ContinuousBatchProcessor.prepare_next_batch = original
-
-
-def request_order(trace: EngineTrace) -> Sequence[str]:
-    """Request ids in the order the engine first scheduled them."""
-    seen: dict[str, None] = {}
-    for step in trace.steps:
-        for r in step.requests:
-            seen.setdefault(r.request_id, None)
-    return list(seen)

@@ -32,7 +32,14 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
+from cbkit.rollout.base import (
+    Completion,
+    Rollout,
+    SamplingParams,
+    check_request,
+    cut_completion,
+    rollout_generation_config,
+)
 from cbkit.telemetry import PeakMemory
 
 
@@ -74,7 +81,7 @@ class GenerateBackend:
             start = time.perf_counter()
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            with torch.no_grad():
+            with torch.no_grad(), rollout_generation_config(self.model):
                 out = self.model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,

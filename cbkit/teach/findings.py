@@ -198,3 +198,20 @@ def engine_trace_findings(trace: Any, step: Any = None) -> str:
         lines.append(f"{len(again)} requests were offloaded when the pool ran out and computed again from position "
                      f"0 later ({sum(again.values())} tokens computed twice): the cost of a starved pool.")
     return "\n".join(lines)
+
+
+def trl_step_findings(logs: Mapping[str, Any]) -> str:
+    """What one logged TRL GRPO step says, in a sentence: when no group's rewards had any spread, every advantage
+    was 0, and so were the loss and the gradient (with beta = 0): the step ran, and changed nothing."""
+    zero_std, reward = logs.get("frac_reward_zero_std"), logs.get("reward")
+    loss, grad = logs.get("loss", float("nan")), logs.get("grad_norm", float("nan"))
+    if zero_std is None:
+        return f"TRL's step logged loss {loss:.4g} and grad norm {grad:.3g}."
+    if zero_std >= 1.0:
+        same = "0" if reward == 0 else "equal"
+        return (f"TRL's step: every group's rewards were {same} (frac_reward_zero_std = 1), so every advantage was 0, "
+                f"and with it the loss ({loss:.4g}) and the gradient norm ({grad:.3g}): the step ran end to end and "
+                "changed nothing. One step of a few prompts on a small model often draws no reward difference; "
+                "the runs above show the loop learning over many steps.")
+    return (f"TRL's step: {zero_std:.0%} of its groups had no reward spread; the others' advantages gave loss "
+            f"{loss:.4g} and grad norm {grad:.3g}.")

@@ -50,7 +50,7 @@ PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")
 TIER_ENV = "CBKIT_TIER"
 # GPU_MODEL (cbkit.teach.tiers): ungated, so Colab needs no hub token, and 0.5B parameters (about 2 GB of fp32
-# weights, plus AdamW's 4 GB). Not yet run by this project: no GPU has been available.
+# weights, plus AdamW's 4 GB).
 CPU_MODEL = "smollm2-offline"
 NO_GPU_HELP = ("On Colab: Runtime > Change runtime type > T4 GPU (or A100), then Runtime > Run all. Elsewhere: a "
                "machine with a CUDA GPU and a CUDA build of torch.")

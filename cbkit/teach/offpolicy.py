@@ -131,7 +131,7 @@ def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: in
         update()
         new = {k: v.detach().clone() for k, v in model.state_dict().items()}
         # The buggy call first, while the cache still holds the old weights' pages; the fixed one empties it.
-        for name, patch in (("stale KV", mock.patch("cbkit.rollout.continuous.forget_cached_kv")),
+        for name, patch in (("stale KV", mock.patch("cbkit.rollout.engine.forget_cached_kv")),
                             ("fixed", contextlib.nullcontext())):
             with patch:
                 rollout = backend.generate(prompts, num_generations, sampling)

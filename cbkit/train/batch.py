@@ -109,8 +109,9 @@ def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = 
     return out.logits[:, :-1].float()
 
 
-# fp32 [rows, T, V] tensors alive at once in the loss of one micro-batch: the logits, their log-softmax, and
-# the gradient of each during backward.
+# fp32 [rows, T, V] tensors alive at once in the loss of one forward (a micro-batch, or a chunk of its rows): the
+# logits, their log-softmax, and the gradient of each during backward. An upper bound since policy logprobs are a
+# selective log-softmax (`objective.policy_logprobs` keeps the scores, not a log-softmax beside them).
 LOGIT_COPIES = 4
 
 

@@ -29,7 +29,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 STALE_ROLLOUTS = ("regenerate", "drop")
 # Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
-RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm", "eval_steps")
+# forward_chunk_rows changes only how many rows one forward holds: the loss is the same to float rounding.
+RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm",
+                     "forward_chunk_rows", "eval_steps")
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -93,6 +95,12 @@ class CBGRPOConfig:
                                 "times.", default=1)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer update; must divide "
                                              "prompts_per_step x num_generations.", default=1)
+    forward_chunk_rows: int | None = _help(
+        "Completions per teacher-forced forward inside a micro-batch: the old-logprob forward and the loss run chunk "
+        "by chunk, each chunk's loss scaled to its share of the micro-batch's and back-propagated at once, so only "
+        "one chunk's activations and logits are alive (the loss and gradient are the micro-batch's, to float "
+        "rounding). None: the whole micro-batch in one forward. No TRL twin: TRL's chunk of rows is its "
+        "micro-batch (per_device_train_batch_size), and its fused LM head streams the vocabulary.", default=4)
     mask_truncated_completions: bool = _help("Leave completions that hit max_completion_length out of the loss "
                                              "(they still count in the advantages).", default=False)
     # --- importance-sampling correction (TRL: vllm_importance_sampling_*) ---
@@ -203,6 +211,8 @@ class CBGRPOConfig:
                      "max_steps", "save_total_limit"):
             if getattr(self, name) < 1:
                 bad(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
+            bad(f"forward_chunk_rows={self.forward_chunk_rows} must be >= 1, or None for the whole micro-batch.")
         batch = self.prompts_per_step * self.num_generations
         if batch % self.gradient_accumulation_steps:
             divisors = [d for d in range(1, batch + 1) if batch % d == 0]

@@ -55,9 +55,11 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
 * Text only, single turn, no tools; reward functions take `(completions, answers)` rather than TRL's kwargs.
   A reward that raises or returns a non-finite value stops the run with its name and the completion; TRL turns
   a None into NaN and the NaN into advantage 0.
-* Full fp32 logits per micro-batch (no chunked or Liger LM head, no padding-free packing): fine for the small
-  models this kit trains on one machine; `cbkit.train.batch.micro_batches_for` picks `gradient_accumulation_steps`
-  for a logits budget (the notebooks' GPU tiers do), or lower `max_completion_length`.
+* Full fp32 logits per chunk of `forward_chunk_rows` completions (each chunk forwarded, scored and back-propagated
+  on its own, so the step's memory grows with the chunk, not with N; no vocabulary-streaming or Liger LM head, no
+  padding-free packing): fine for the small models this kit trains on one machine;
+  `cbkit.train.batch.micro_batches_for` picks `gradient_accumulation_steps` for a logits budget (the notebooks' GPU
+  tiers do), or lower `max_completion_length`.
 * Mixed precision is opt-in: `GRPOTrainer(..., autocast_dtype="bfloat16")` over fp32 weights (master weights,
   bf16 forwards); plain bf16 weights under AdamW lose updates smaller than bf16's resolution.
 * The loss variants, IS modes and what the objective leaves out are listed in `cbkit.train.objective`.
@@ -101,6 +103,7 @@ from cbkit.train.hooks import (
     TrainState,
 )
 from cbkit.train.objective import (
+    chunk_share,
     group_advantages,
     grpo_loss,
     importance_weights,
@@ -409,23 +412,27 @@ class GRPOTrainer:
         num_items = p.loss_mask.sum()
         loss_sum, sums = 0.0, {}
         for k in range(ga):
-            rows = slice(k * size, (k + 1) * size)
-            mb = p.batch.rows(rows.start, rows.stop)
-            t = mb.completion_width
-            logps = policy_logprobs(completion_logits(self.model, mb, self.autocast_dtype), mb.completion_ids,
-                                    c.temperature)
-            loss, metrics = grpo_loss(
-                logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
-                loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
-                ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
-                is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
-                max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
-                gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
-            )
-            loss.backward()
-            loss_sum += loss.item()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value / ga
+            micro_mask = p.loss_mask[k * size : (k + 1) * size]
+            # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
+            # and back-propagated at once: only one chunk's activations and logits are alive (objective.chunk_share).
+            for rows in _chunks(k * size, (k + 1) * size, c.forward_chunk_rows):
+                mb = p.batch.rows(rows.start, rows.stop)
+                t = mb.completion_width
+                logps = policy_logprobs(completion_logits(self.model, mb, self.autocast_dtype), mb.completion_ids,
+                                        c.temperature)
+                loss, metrics = grpo_loss(
+                    logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
+                    loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
+                    ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
+                    is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
+                    max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
+                    gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
+                )
+                loss_share, token_share = chunk_share(c.loss_type, p.loss_mask[rows], micro_mask)
+                (loss * loss_share).backward()
+                loss_sum += loss.item() * loss_share
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value * token_share / ga
         return {"train/loss": loss_sum, **sums}
 
     def optimizer_step(self) -> float:
@@ -479,7 +486,8 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per micro-batch; and [B, T]
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk of a micro-batch
+        (`forward_chunk_rows`); and [B, T]
         True where a sampled token lay outside the trainer's replayed nucleus (kept in it, see `replayed_logprobs`)."""
         self._check_attention()
         c = self.config
@@ -487,14 +495,16 @@ class GRPOTrainer:
         plain = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=self.device)
         processed = plain.clone() if self.truncates else plain
         outside = torch.zeros(batch.completion_ids.shape, dtype=torch.bool, device=self.device)
-        for start in range(0, len(batch), size):
-            mb = batch.rows(start, start + size)
+        for rows in (r for start in range(0, len(batch), size)
+                     for r in _chunks(start, start + size, c.forward_chunk_rows)):
+            mb = batch.rows(rows.start, rows.stop)
             t = mb.completion_width
             logits = completion_logits(model, mb, self.autocast_dtype)
-            plain[start : start + size, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
+            plain[rows, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
             if self.truncates:
-                processed[start : start + size, :t], outside[start : start + size, :t] = replayed_logprobs(
+                processed[rows, :t], outside[rows, :t] = replayed_logprobs(
                     logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
+            del logits  # one chunk's logits alive at a time
         return plain, processed, outside
 
     def _check_attention(self) -> None:
@@ -555,6 +565,12 @@ def check_text_only(processing_class: Any, model: Any, continuous_batching: bool
             f"Got {what}: cbkit trains text-only policies; {engine}. Use a text-only model and its tokenizer, "
             "or TRL's GRPOTrainer (cbkit.trl.config) for multimodal GRPO."
         )
+
+
+def _chunks(start: int, stop: int, rows: int | None) -> list[slice]:
+    """Rows [start, stop) in slices of at most `rows` (None: one slice); the last may be shorter."""
+    step = stop - start if rows is None else rows
+    return [slice(i, min(i + step, stop)) for i in range(start, stop, step)]
 
 
 def mix_seed(seed: int, *counters: int) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams
 from cbkit.train.batch import Batch, completion_logits
-from cbkit.train.objective import processed_logprobs
+from cbkit.train.objective import policy_logprobs, processed_logprobs
 
 
 @torch.no_grad()
@@ -48,7 +48,7 @@ def teacher_forced_logprobs(
             step_logits = logits[i, :n]
             tokens = batch.completion_ids[i, :n]
             if sampling is None or not sampling.do_sample:
-                lp = torch.log_softmax(step_logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+                lp = policy_logprobs(step_logits, tokens)  # selective: no [n, V] log-softmax beside the logits
             else:
                 lp = processed_logprobs(step_logits, tokens, sampling.temperature, sampling.top_k, sampling.top_p)
             out.append(lp.cpu())

@@ -174,8 +174,14 @@ def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float
 
 
 def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """What TRL's training forward computes: log_softmax(logits / temperature), no top-k/top-p, in fp32."""
-    return processed_logprobs(logits, tokens, temperature)
+    """What TRL's training forward computes: log_softmax(logits / temperature) at the token, no top-k/top-p, in fp32.
+
+    Selectively: the token's score minus the logsumexp over the vocabulary, so no [..., V] log-softmax is made
+    beside the logits (TRL's `selective_log_softmax`); autograd keeps the scores once for the backward."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
+    scores = logits.float() if temperature == 1 else logits.float() / temperature
+    return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
 # --- importance-sampling correction -------------------------------------------------------------------------
@@ -237,6 +243,28 @@ def importance_weights(
 
 
 # --- the loss -----------------------------------------------------------------------------------------------
+
+
+def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tensor) -> tuple[float, float]:
+    """What `grpo_loss` of a chunk of a micro-batch's rows is multiplied by to be that chunk's part of the
+    micro-batch's `grpo_loss`, and the same for its token-share metrics (`train/clip_ratio/*`, `train/kl`).
+
+    So a micro-batch can be forwarded, scored and back-propagated a chunk of rows at a time, and the chunks' scaled
+    losses (and gradients) add up to the micro-batch's. grpo and dr_grpo average over rows: a chunk weighs its rows'
+    share. bnpo divides by the micro-batch's tokens: a chunk weighs its tokens' share. dapo already divides by
+    the step's token count (`num_items_in_batch`): 1. The metrics are shares of the micro-batch's tokens.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")
+    tokens = float(chunk_mask.sum())
+    all_tokens = max(float(micro_batch_mask.sum()), 1.0)
+    if loss_type in ("grpo", "dr_grpo"):
+        loss_share = chunk_mask.size(0) / micro_batch_mask.size(0)
+    elif loss_type == "bnpo":  # grpo_loss divides the chunk by max(its tokens, 1); a chunk of no tokens adds 0
+        loss_share = max(tokens, 1.0) / all_tokens
+    else:  # dapo
+        loss_share = 1.0
+    return loss_share, tokens / all_tokens
 
 
 def per_token_loss(

@@ -93,6 +93,17 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
             "offpolicy/straddling_frac": straddling / len(rollout.completions)}
 
 
+def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
+    """The indices of the groups to keep: those whose every token is at most `max_staleness` updates old.
+
+    `group_versions[g][c]` is the policy version of each token of completion c of group g; `now` is the version
+    the loss is computed with. A group is the unit: one too-old token drops its whole group, because GRPO's
+    advantages compare a completion with its siblings and a group with a member missing has another baseline.
+    """
+    return [g for g, group in enumerate(group_versions)
+            if all(now - v <= max_staleness for versions in group for v in versions)]
+
+
 def _stamped(rollout: Rollout, version: int) -> Rollout:
     """The rollout with every token marked as sampled by `version` (a backend whose weights held still)."""
     import dataclasses
@@ -207,8 +218,8 @@ class AsyncRollouts:
         dropping would leave no group: a step needs one). Returns the rollout, its problems, and if it was resampled."""
         c = trainer.config
         if c.stale_rollouts == "drop":
-            fresh = [i for i, g in enumerate(rollout.groups())
-                     if all(now - v <= c.max_staleness for comp in g for v in comp.policy_versions)]
+            fresh = fresh_groups([[comp.policy_versions for comp in g] for g in rollout.groups()], now,
+                                 c.max_staleness)
             if fresh:
                 import dataclasses
 

@@ -58,6 +58,8 @@ LOOP_ONLY: dict[str, str] = {
     "eval_data": "the held-out set is build_trainer's eval_dataset (trl_dataset(HeldOut.problems)); TRL scores it "
                  "with the training rewards, not math-verify's held-out accuracy",
     "eval_num_problems": "the held-out set is build_trainer's eval_dataset: cut it before",
+    "forward_chunk_rows": "TRL's chunk of rows is its micro-batch (per_device_train_batch_size, mapped) and its fused "
+                          "LM head streams the vocabulary; no GRPOConfig field splits a micro-batch further",
 }
 
 

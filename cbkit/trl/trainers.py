@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from trl import GRPOTrainer, RLOOTrainer
 
-from cbkit.rollout.base import cut_at_eos
-from cbkit.rollout.continuous import make_cb_config
+from cbkit.rollout.base import SamplingParams
+from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.grpo import mix_seed
 from cbkit.trl.config import trl_grpo_config, trl_rloo_config
 from cbkit.trl.rewards import _trl_rewards, _weights_for
@@ -27,17 +27,18 @@ from cbkit.trl.rewards import _trl_rewards, _weights_for
 
 
 class _CBRollouts:
-    """TRL's CB branch as both bridge trainers run it: cut at the stop ids, logprobs kept, failures raised, the KV
-    pool sized to the workload on CPU and a seed per call (see the module docstring). Mixed into a TRL trainer."""
+    """TRL's CB branch as both bridge trainers run it, through cbkit's engine (`cbkit.rollout.engine`): cut at the
+    stop ids, logprobs kept, failures raised, the KV pool sized to the workload on CPU and a seed per call (see the
+    module docstring). Mixed into a TRL trainer."""
 
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
+    _cb_engine: Engine | None = None
 
     def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
         """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`."""
         from trl.extras.profiling import profiling_context
         from trl.models import unwrap_model_for_generation
 
-        max_new = self.max_completion_length
         rows = [list(p) for p in prompt_ids]
         with (
             profiling_context(self, "transformers.generate_batch"),
@@ -59,50 +60,24 @@ class _CBRollouts:
                 unwrapped.lm_head.to(torch.float32)
             was_training = unwrapped.training
             with _plain_forward(unwrapped):
-                results = unwrapped.generate_batch(
-                    rows,
-                    generation_config=self.generation_config,
-                    continuous_batching_config=self._cb_config(rows),
-                    progress_bar=False,
-                )
+                outputs, _ = self._engine_for(unwrapped).run(
+                    rows, self.generation_config, max_new_tokens=self.max_completion_length, seed=self._cb_seed())
             unwrapped.train(was_training)
-        outputs = list(results.values())  # generate_batch returns them in input order
-        failed = [o.request_id for o in outputs if o.error is not None]
-        if len(outputs) != len(rows) or failed:
-            # generate_batch logs lost or failed requests and returns the rest; the prompt/completion pairing
-            # downstream would silently shift, so stop here.
-            raise RuntimeError(
-                f"The CB engine returned {len(outputs) - len(failed)} usable completions for {len(rows)} prompts "
-                f"(failed: {failed}); see the log above."
-            )
+        # The rows arrive repeated N times already; group indices do not matter here.
+        sampling = SamplingParams(max_new_tokens=self.max_completion_length, eos_token_id=tuple(self.eos_token_ids))
+        completions = to_completions(rows, outputs, 1, sampling)
+        return [list(c.completion_ids) for c in completions], [list(c.sampling_logprobs) for c in completions]
 
-        eos = frozenset(self.eos_token_ids)
-        completion_ids, logprobs = [], []
-        for i, out in enumerate(outputs):
-            keep, _ = cut_at_eos(out.generated_tokens, eos, max_new)
-            lps = list(out.logprobs or [])
-            if len(lps) < keep:
-                raise RuntimeError(
-                    f"The CB engine returned {len(lps)} logprobs for {keep} tokens (request {i}); does this "
-                    "transformers version support ContinuousBatchingConfig.return_logprobs?"
-                )
-            completion_ids.append(list(out.generated_tokens[:keep]))
-            logprobs.append([float(x) for x in lps[:keep]])
-        return completion_ids, logprobs
+    def _engine_for(self, model) -> Engine:
+        """One engine per trainer, on the model TRL generates with (its CPU pool warning once per trainer)."""
+        if self._cb_engine is None or self._cb_engine.model is not model:
+            self._cb_engine = Engine(model, self.args.transformers_continuous_batching_config)
+        return self._cb_engine
 
-    def _cb_config(self, rows: list[list[int]]):
-        """This call's engine config: the user's keys, logprobs on, a per-call seed, the pool sized on CPU
-        (`make_cb_config`'s rules, the rollout backend's own; its CPU pool warning once per trainer)."""
+    def _cb_seed(self) -> int:
         seed = mix_seed(int(self.args.seed), self.accelerator.process_index, self._cb_calls)
         self._cb_calls += 1
-        return make_cb_config(
-            self.args.transformers_continuous_batching_config,
-            seed=seed,
-            device=self.accelerator.device,
-            rows=rows,
-            max_new_tokens=self.max_completion_length,
-            warn=self._cb_calls == 1,
-        )
+        return seed
 
 
 class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):

@@ -33,6 +33,7 @@ __all__ = [
     "padding_figure",
     "ratio_histogram",
     "ratio_summary",
+    "step_split_figure",
     "sweep_report",
     "throughput_vs_n",
     "first_token_waits",
@@ -121,6 +122,44 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
     return fig
 
 
+STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
+               ("other_s", "other"))
+
+
+def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """A full GRPO step per backend and N (`cbkit sweep --full-step`) as one stacked bar of its phases (rollout,
+    old-logprob forward, update, other), with the step's speed-up over generate() beside the Amdahl ceiling its
+    rollout's speed-up predicts. Failed points are a labelled empty bar, never a zero-length one."""
+    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)),
+                 key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))
+    labels = [f"N={p['N']} {p['backend']}" for p in pts]
+    fig = go.Figure()
+    for i, (key, name) in enumerate(STEP_PHASES):
+        xs = [p.get(key) if _ok(p) else None for p in pts]
+        shares = [p.get(key.replace("_s", "_roof_share")) if _ok(p) else None for p in pts]
+        text = [f"{x:.1f} s" + (f" ({r:.0%} of roof)" if r is not None else "") if x is not None else ""
+                for x, r in zip(xs, shares, strict=True)]
+        fig.add_trace(go.Bar(y=labels, x=xs, name=name, orientation="h", marker={"color": PALETTE[i]},
+                             text=text, textposition="inside", insidetextanchor="middle", textangle=0,
+                             hovertemplate=f"{name}<br>%{{y}}<br>%{{x:.2f}} s<extra></extra>"))
+    for label, p in zip(labels, pts, strict=True):
+        if not _ok(p):
+            note = str(p.get("status", "error")).upper()
+        elif p["backend"] == "generate" or p.get("step_speedup") is None:
+            note = f"step {p['step_s']:.3g} s, rollout {p.get('rollout_share') or 0:.0%} of it"
+        else:
+            ceiling = p.get("amdahl_ceiling")
+            note = f"step {p['step_speedup']:.2f}x" + (f" vs Amdahl ceiling {ceiling:.2f}x" if ceiling else "")
+        fig.add_annotation(y=label, x=1.0, xref="paper", xanchor="left", text=note, showarrow=False,
+                           font={"size": 12, "color": "#b00" if not _ok(p) else "#222"})
+    fig.update_layout(template=TEMPLATE, barmode="stack", title="One GRPO step, split by phase",
+                      xaxis_title="seconds", height=max(300, 60 * len(pts) + 140),
+                      legend={"orientation": "h", "y": -0.15, "x": 0, "traceorder": "normal"},
+                      uniformtext={"minsize": 10, "mode": "hide"}, margin={"r": 260, "t": 60})
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
 def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-sweep",
                  meta: Mapping[str, Any] | None = None) -> str:
     """One self-contained HTML page: the run's settings, both charts (plotly's JS inline, so it opens
@@ -129,6 +168,9 @@ def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-swee
         throughput_vs_n(points).to_html(full_html=False, include_plotlyjs=True),
         memory_vs_n(points).to_html(full_html=False, include_plotlyjs=False),
     ]
+    if any(p.get("step_s") is not None for p in points):  # a full-step sweep: where the step's time went
+        charts.append(step_split_figure(points).to_html(full_html=False, include_plotlyjs=False))
+    charts_html = "\n".join(charts)
     esc = html.escape
     meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in (meta or {}).items())
     cols = [("backend", "backend", str), ("N", "N", str), ("status", "status", str),
@@ -158,8 +200,7 @@ th {{ background: #f3f3f3; }} tr.failed td {{ color: #b00; }}
 process (medians of repeats). Absolute times mean something only on a GPU; on a CPU, memory is RSS and
 indicative. Points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
 <table>{meta_rows}</table>
-{charts[0]}
-{charts[1]}
+{charts_html}
 <h2>Points</h2>
 <table><tr>{head}</tr>{body}</table>
 {_ratio_table(points)}

@@ -45,7 +45,7 @@ from cbkit.train.hooks import StepHooks, StepRecord, TrainState
 from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
 
 __all__ = ["FinalFigure", "LiveChart", "LiveMetricsHook", "TRAINING_PANELS", "detect_mode", "embed_plotlyjs",
-           "figure_html", "in_kernel", "live_sweep", "plotlyjs_embedded", "run_style", "text_progress_bars",
+           "figure_html", "in_kernel", "live_sweep", "run_style", "text_progress_bars",
            "under_ci", "widget_available"]
 
 Mode = Literal["auto", "widget", "html", "static"]
@@ -126,11 +126,6 @@ def _last_frame_bar() -> type:
             super().close()
 
     return LastFrameBar
-
-
-def plotlyjs_embedded() -> bool:
-    """Whether this kernel's notebook already holds plotly.js (``embed_plotlyjs`` ran)."""
-    return _PLOTLYJS_IN_PAGE
 
 
 def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:

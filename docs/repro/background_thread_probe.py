@@ -2,7 +2,7 @@
 
 transformers' CB engine runs its loop in a background thread; this measures what that costs on this machine
 with no engine involved (SmolLM2, one GSM8K prompt x N, EOS off, TOKENS new tokens, 96 by default).
-Usage: python scripts/background_thread_probe.py [N] [TOKENS]
+Usage: python docs/repro/background_thread_probe.py [N] [TOKENS]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The on-policy loop's metrics, to compare two versions of cbkit: 3 steps on the tiny model, both backends.
 
     git archive 811cb17 | tar -x -C /tmp/base
-    PYTHONPATH=/tmp/base python scripts/onpolicy_parity.py /tmp/par_base
-    PYTHONPATH=$PWD     python scripts/onpolicy_parity.py /tmp/par_new
+    PYTHONPATH=/tmp/base python docs/repro/onpolicy_parity.py /tmp/par_base
+    PYTHONPATH=$PWD     python docs/repro/onpolicy_parity.py /tmp/par_new
     # then compare OUT/cb0/metrics.jsonl and OUT/cb1/metrics.jsonl without the timing keys
 
 docs/off_policy.md reports the comparison of the off-policy work against the commit before it.

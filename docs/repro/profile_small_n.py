@@ -2,9 +2,9 @@
 
 SmolLM2 (`smollm2-offline`, fp32), one GSM8K prompt, 96 new tokens, the `fixed` workload (every completion runs to
 the limit, EOS off): what `cbkit sweep --lengths fixed --data gsm8k-local` times. Run it under py-spy, e.g.
-    py-spy record -r 100 --threads --format raw -o cb8.txt -- python scripts/profile_small_n.py continuous 8
-and summarise the folded stacks with `python scripts/profile_summary.py cb8.txt`.
-Usage: python scripts/profile_small_n.py BACKEND N [ROLLOUTS] [--driver caller|thread]
+    py-spy record -r 100 --threads --format raw -o cb8.txt -- python docs/repro/profile_small_n.py continuous 8
+and summarise the folded stacks with `python docs/repro/profile_summary.py cb8.txt`.
+Usage: python docs/repro/profile_small_n.py BACKEND N [ROLLOUTS] [--driver caller|thread]
 """
 
 from __future__ import annotations

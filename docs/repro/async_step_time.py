@@ -1,6 +1,6 @@
 """Step time of async rollouts against the synchronous loop, side by side in one process.
 
-    OMP_NUM_THREADS=2 nice -n -10 python scripts/async_step_time.py [STEPS] [OUT.jsonl]
+    OMP_NUM_THREADS=2 nice -n -10 python docs/repro/async_step_time.py [STEPS] [OUT.jsonl]
 
 Same model, data, seed and sizes; the two loops alternate (sync, async, sync, async) from the same initial
 weights, and each run's steps after the first are kept (an async run's first rollout has nothing to overlap).

@@ -1,7 +1,7 @@
 """The CB engine's loop in transformers' thread and in the caller's thread, alternating, in one process.
 
 SmolLM2 (`smollm2-offline`, fp32), one GSM8K prompt x N, EOS off, TOKENS new tokens each (the `fixed` workload).
-Usage: python scripts/engine_loop_ab.py [N] [TOKENS] [PAIRS]
+Usage: python docs/repro/engine_loop_ab.py [N] [TOKENS] [PAIRS]
 """
 
 from __future__ import annotations

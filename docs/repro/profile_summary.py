@@ -4,7 +4,7 @@ Each sample is put in the category of its innermost frame that names one (a q/k/
 layer, not as attention), then shares are over the samples of the rollout's working thread: the engine thread
 for transformers' driver, the caller's thread otherwise. Only rollout samples count (under a backend's
 `generate`, or the engine's loop); model loading and warm-up set-up do not.
-Usage: python scripts/profile_summary.py PROFILE.txt [--rollouts-only]
+Usage: python docs/repro/profile_summary.py PROFILE.txt [--rollouts-only]
 """
 
 from __future__ import annotations

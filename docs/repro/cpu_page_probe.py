@@ -2,7 +2,7 @@
 
 Prints, per setting, the pool the backend resolved, the engine's least free capacity, its step count, how
 many requests started late (queued for blocks) and the peak RSS above the post-load baseline.
-Usage: python scripts/cpu_page_probe.py [N] [MAX_NEW_TOKENS]
+Usage: python docs/repro/cpu_page_probe.py [N] [MAX_NEW_TOKENS]
 """
 
 from __future__ import annotations

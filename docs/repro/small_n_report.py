@@ -4,7 +4,7 @@ For each results file: what ran and the probes (`results_summary`), then one row
 loop, the default on CPU) and CB on transformers' thread against generate(), the caller/thread ratio measured in
 the same process, CB's peak memory against generate()'s, and the repeats behind each median; then every backend
 against the roofline of its shape.
-Usage: python scripts/small_n_report.py docs/results/small-n-fixed.jsonl docs/results/small-n-replay.jsonl
+Usage: python docs/repro/small_n_report.py docs/results/small-n-fixed.jsonl docs/results/small-n-replay.jsonl
 """
 
 from __future__ import annotations

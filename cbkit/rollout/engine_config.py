@@ -1,0 +1,143 @@
+"""The CB engine's settings, resolved once: cbkit's defaults, the CPU pool rule, the page size, who runs the loop.
+
+Everything here works on transformers' public `ContinuousBatchingConfig` and plain values, so the planner, the
+training config and the TRL bridge can resolve a config without a model; `cbkit.rollout.engine` is the one module
+that hands it to an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+# cbkit's defaults, overridable key by key like TRL's `transformers_continuous_batching_config`.
+# max_memory_percent: half the free memory for the KV pool leaves the other half to the training step
+# that shares the process (transformers' own default, 0.9, assumes inference alone).
+# use_cuda_graph: graphs are captured per shape and re-captured as shapes drift; with weights changing
+# every step and short runs, capture time is rarely paid back.
+CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
+# Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A page is
+# the unit a request allocates and a group's prompt is shared in: with the engine's 256, a GSM8K prompt is never
+# shared and every request holds 256 tokens from its first (docs/cpu_results.md has the RSS it costs).
+CPU_PAGE_SIZE = 32
+# Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: docs/small_n.md), transformers'
+# background thread elsewhere.
+ENGINE_LOOPS = ("auto", "caller", "thread")
+
+
+def resolve_engine_loop(engine_loop: str, device: torch.device, cb_overrides: Mapping[str, Any] | None = None) -> str:
+    """"caller" or "thread" for a call on `device`: "auto" is the caller's loop on CPU and the thread elsewhere, and
+    the thread wherever the caller's loop cannot run the engine as the thread does (async batching); an explicit
+    "caller" is refused there."""
+    if engine_loop not in ENGINE_LOOPS:
+        raise ValueError(f"engine_loop must be one of {', '.join(ENGINE_LOOPS)}; got {engine_loop!r}.")
+    if engine_loop == "caller" and (cb_overrides or {}).get("use_async_batching"):
+        raise ValueError("engine_loop='caller' cannot run async batching (use_async_batching=True overlaps two "
+                         "batches across the loop's iterations); use engine_loop='thread', or drop the override.")
+    if engine_loop == "auto":
+        return "caller" if device.type == "cpu" and not (cb_overrides or {}).get("use_async_batching") else "thread"
+    return engine_loop
+
+
+def cb_config_keys() -> list[str]:
+    from transformers import ContinuousBatchingConfig
+
+    return sorted(f.name for f in dataclasses.fields(ContinuousBatchingConfig))
+
+
+def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """cbkit's defaults + the user's keys + `return_logprobs=True`, checked: the device-independent part of
+    `make_cb_config`, and what the TRL bridge writes into TRL's config."""
+    overrides = dict(overrides or {})
+    valid = cb_config_keys()
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"Unknown continuous batching config key(s) {unknown}. transformers' ContinuousBatchingConfig "
+            f"accepts: {', '.join(valid)}."
+        )
+    if overrides.get("return_logprobs") is False:
+        raise ValueError(
+            "return_logprobs=False would drop the sampling logprobs the importance-sampling correction needs; "
+            "remove it from the continuous batching config (cbkit always sets it to True)."
+        )
+    values = {**CB_DEFAULTS, **overrides, "return_logprobs": True}
+    mmp = values.get("max_memory_percent")
+    if mmp is not None and not (isinstance(mmp, int | float) and 0 < mmp <= 1):
+        raise ValueError(
+            f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
+        )
+    return values
+
+
+def make_cb_config(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    seed: int | None = None,
+    device: torch.device | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
+    max_new_tokens: int | None = None,
+    warn: bool = True,
+):
+    """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
+
+    On CPU the engine would size its pool as a share of *host RAM*: gigabytes of zeroed KV for a small model. There
+    cbkit sizes the pool to the workload instead: enough blocks for every request (`rows`) to run to
+    `max_new_tokens` at once (the generation limit, never a replayed length, which a real engine cannot know in
+    advance), unless the user set `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size.
+    `max_memory_percent` means a share of free *GPU* memory wherever it is written (TRL's CB config too), so on CPU
+    it is ignored with a warning; `{"num_blocks": None}` lets the engine size the pool from memory anyway.
+    docs/cpu_results.md has what the host-RAM sizing cost.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    overrides = dict(overrides or {})
+    values = cb_config_values(overrides)
+    cpu = device is not None and torch.device(device).type == "cpu"
+    if cpu and "page_size" not in overrides and "block_size" not in overrides:
+        values[_page_key()] = CPU_PAGE_SIZE
+    mmp_default = CB_DEFAULTS["max_memory_percent"]
+    workload = workload_blocks(rows, max_new_tokens, page_size(values)) if rows and max_new_tokens else None
+    if cpu and workload and "num_blocks" not in overrides:
+        # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
+        if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
+            warnings.warn(
+                f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
+                f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
+                f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
+                "to let the engine size it from max_memory_percent.",
+                UserWarning, stacklevel=3,
+            )
+        values["num_blocks"] = workload
+    if seed is not None and "seed" not in overrides:
+        values["seed"] = seed
+    return ContinuousBatchingConfig(**values)
+
+
+def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
+    """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block).
+    Always the generation limit, never replayed targets: an engine cannot know a completion's length ahead."""
+    return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
+
+
+def _page_key() -> str:
+    from transformers import ContinuousBatchingConfig
+
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    return "page_size" if "page_size" in names else "block_size"  # block_size before transformers 5.17
+
+
+def page_size(config) -> int:
+    """Tokens per KV page of a resolved ContinuousBatchingConfig or a dict of engine keys (the engine's default
+    where none is set). The one page-size lookup: the backend, the planner and the TRL bridge call it."""
+    from transformers import ContinuousBatchingConfig
+
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+    for key in ("page_size", "block_size"):
+        if get(key):
+            return int(get(key))
+    return int(getattr(ContinuousBatchingConfig(), _page_key()))

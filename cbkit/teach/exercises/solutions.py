@@ -1,0 +1,139 @@
+"""The facilitator's answers to the notebooks' exercises, written the way a learner would write them.
+
+Each function here has the signature and docstring of its stub in the notebook (tests/test_exercises.py compares
+them), and is self-contained, imports included, so the solutions book (`make book`) can show its source in place
+of the stub. They are *answers*, not the kit's references: each check grades them against the package's own code
+(`cbkit.teach.exercises.checks`), exactly as it grades a learner's.
+"""
+
+from __future__ import annotations
+
+__all__ = ["aggregate_loss", "blocks_in_use", "format_score", "fresh_groups", "group_advantages", "padding_share",
+           "sequence_mask_weights", "static_kv_bytes", "token_is_weights"]
+
+
+def format_score(completion: str) -> float:
+    """The format reward of one completion: 1.0 when its last non-empty line is `#### <number>` and that is its
+    only answer line; 0.5 when `#### <number>` appears anywhere else; 0.0 otherwise.
+
+    `#### <number>` means four hashes, optional spaces, then a number (an optional minus sign, then a digit):
+    `#### Step 1` is a heading, not an answer. For the full reward the last line holds the answer and nothing else.
+    Special tokens left at the end of decoded text (`<|im_end|>`, `</s>`) are not part of the last line.
+    """
+    import re
+
+    answer = re.compile(r"####\s*-?\d")
+    text = re.sub(r"(\s*(<\|[^|<>]*\|>|</s>))+\s*$", "", completion)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    last_is_answer = bool(lines) and re.fullmatch(r"####\s*-?\d+(\.\d+)?", lines[-1]) is not None
+    if last_is_answer and len(answer.findall(completion)) == 1:
+        return 1.0
+    return 0.5 if answer.search(completion) else 0.0
+
+
+def padding_share(prompt_lens: list[int], completion_lens: list[int]) -> float:
+    """The share of a static batch's KV token slots that hold padding, for one row per (prompt, completion).
+
+    `generate()` left-pads every prompt to the longest and keeps every row until the longest completion ends, so
+    it allocates rows x (longest prompt + longest completion) slots; each row's useful ones are its own prompt and
+    completion tokens.
+    """
+    slots = len(prompt_lens) * (max(prompt_lens) + max(completion_lens))
+    return 1 - (sum(prompt_lens) + sum(completion_lens)) / slots
+
+
+def blocks_in_use(prompt_len: int, lengths: list[int], page_size: int, pool_blocks: int) -> list[int]:
+    """KV blocks held at every decode step by a paged pool of `pool_blocks` blocks of `page_size` tokens.
+
+    Sequence i wants `lengths[i]` tokens after a prompt of `prompt_len`. Every step: (1) admit waiting sequences in
+    order while the blocks reserved for the running ones plus a newcomer's worst case, ceil((prompt_len +
+    max(lengths)) / page_size), fit in the pool; (2) every running sequence generates one token; (3) record the
+    blocks held, each running sequence holding ceil((prompt_len + generated) / page_size); (4) the sequences that
+    reached their length leave and their reservation returns to the pool. Stop when none waits or runs.
+    """
+    worst = -(-(prompt_len + max(lengths)) // page_size)
+    waiting, running, held = list(range(len(lengths))), {}, []
+    while waiting or running:
+        while waiting and (len(running) + 1) * worst <= pool_blocks:
+            running[waiting.pop(0)] = 0
+        for seq in running:
+            running[seq] += 1
+        held.append(sum(-(-(prompt_len + g) // page_size) for g in running.values()))
+        running = {seq: g for seq, g in running.items() if g < lengths[seq]}
+    return held
+
+
+def token_is_weights(old, sampled, mask, clip_max: float):
+    """Per-token truncated importance-sampling weights, [B, T]: rho = exp(old - sampled) for each completion token,
+    truncated to at most `clip_max` (no lower clip).
+
+    `old` are the training forward's logprobs of the sampled tokens, `sampled` the rollout engine's, `mask` is True
+    on completion tokens; only those positions are graded.
+    """
+    import torch
+
+    return torch.exp(old - sampled).clamp(max=clip_max) * mask
+
+
+def sequence_mask_weights(old, sampled, mask, clip_max: float):
+    """One importance-sampling weight per completion, [B]: the sequence's ratio rho = exp(sum over its tokens of
+    (old - sampled)), or 0 when rho is above `clip_max` (masked, not truncated). Padding (mask False) counts for
+    nothing.
+    """
+    import torch
+
+    rho = torch.exp(((old - sampled) * mask).sum(dim=-1))
+    return torch.where(rho > clip_max, torch.zeros_like(rho), rho)
+
+
+def static_kv_bytes(config, rows: int, prompt_len: int, max_new_tokens: int, dtype_bytes: int) -> int:
+    """Bytes of KV cache a static batch of `rows` rows holds at its end: every row at prompt_len + max_new_tokens.
+
+    From the model's config: `num_hidden_layers`, `num_key_value_heads`, `head_dim` (None: hidden_size /
+    num_attention_heads), `sliding_window` (None, or the most tokens a sliding layer keeps) and `layer_types` (None:
+    every layer slides when there is a window; else one "full_attention" / "sliding_attention" per layer).
+    """
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    per_layer_token = 2 * config.num_key_value_heads * head_dim * dtype_bytes  # K and V
+    length = prompt_len + max_new_tokens
+    kinds = config.layer_types or (["sliding_attention" if config.sliding_window else "full_attention"]
+                                   * config.num_hidden_layers)
+    tokens = sum(min(length, config.sliding_window) if kind == "sliding_attention" else length for kind in kinds)
+    return rows * tokens * per_layer_token
+
+
+def group_advantages(rewards, num_generations: int):
+    """GRPO's advantages for rewards laid out group after group, [B]: each reward minus its group's mean, divided by
+    the group's sample standard deviation (Bessel-corrected) plus 1e-4."""
+    groups = rewards.view(-1, num_generations)
+    adv = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + 1e-4)
+    return adv.flatten()
+
+
+def aggregate_loss(loss, mask, loss_type: str, max_completion_length: int) -> float:
+    """The scalar loss from the per-token loss [B, T] and the completion mask [B, T], for one micro-batch:
+
+    grpo:    the mean over sequences of (the sequence's summed loss / its token count, at least 1)
+    bnpo:    summed loss / the batch's token count
+    dr_grpo: summed loss / (B x max_completion_length)
+    dapo:    summed loss / the token count of the optimizer step (one micro-batch here: the batch's)
+    """
+    m = mask.float()
+    total = (loss * m).sum()
+    if loss_type == "grpo":
+        return ((loss * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean().item()
+    if loss_type in ("bnpo", "dapo"):
+        return (total / m.sum().clamp(min=1)).item()
+    if loss_type == "dr_grpo":
+        return (total / (loss.shape[0] * max_completion_length)).item()
+    raise ValueError(loss_type)
+
+
+def fresh_groups(group_versions: list[list[list[int]]], now: int, max_staleness: int) -> list[int]:
+    """The indices of the groups async GRPO keeps: those whose every token is at most `max_staleness` updates older
+    than `now`. `group_versions[g][c]` lists the policy version of each token of completion c of group g."""
+    keep = []
+    for g, group in enumerate(group_versions):
+        if all(now - v <= max_staleness for completion in group for v in completion):
+            keep.append(g)
+    return keep

@@ -1,0 +1,120 @@
+"""Each notebook Question's code edit, applied, so CI runs it: a Question a learner cannot run as worded is a bug.
+
+Every notebook ends with open Questions ("set N = 32: what changes?"). `EDITS` holds the edit each Question asks
+for, as a text replacement in one code cell; tests/test_notebooks.py checks that each edit still applies, that its
+words are the Question's, and that the edited notebook compiles (03's "add cb_config=..." beside an existing
+`cb_config=POOL` was a SyntaxError). This script writes one copy per edit, cut after the cell the Question reads
+(`until`), and `make test-notebooks` executes them at CI sizes, so the edit also runs: configs validate, shapes fit.
+
+    python scripts/question_edits.py --out runs/notebooks-questions
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Edit:
+    question: int
+    old: str  # the text in one code cell that the edit replaces (it must occur exactly once in the notebook)
+    new: str
+    said: str  # what the Question's text says, so its words and the edit cannot drift apart
+    until: str = ""  # run up to the cell containing this (default: the edited cell)
+    gpu_only: bool = False  # compiled in CI, not executed (the Question asks for a GPU)
+    raises: bool = False  # the Question asks the learner to read the error the edited cell raises
+
+
+EDITS = {
+    "00_quickstart": [
+        Edit(1, "N = S.n  # completions per prompt", "N = 32  # completions per prompt", "`N = 32`"),
+        Edit(2, "temperature=1.0, learning_rate", "temperature=0.7, learning_rate", "`temperature=0.7`"),
+        Edit(3, "transformers_continuous_batching_config=env.pool_config(policy.model),",
+             'transformers_continuous_batching_config={**env.pool_config(policy.model), "return_logprobs": False},',
+             '"return_logprobs": False', raises=True),
+    ],
+    "01_kv_slot_recycling": [
+        Edit(1, 'cb_config={"page_size": PAGE_SIZE, "num_blocks": quarter_pool})',
+             'cb_config={"page_size": PAGE_SIZE, "num_blocks": quarter_pool, "allow_block_sharing": False})',
+             '"allow_block_sharing": False'),
+        Edit(3, "SWEEP_NEW_TOKENS = S.sweep_new_tokens", "SWEEP_NEW_TOKENS = 4 * S.sweep_new_tokens",
+             "`SWEEP_NEW_TOKENS`", until="crossover_n(model.config"),
+    ],
+    "02_logprob_correctness": [
+        Edit(1, "TOP_P = 0.7", "TOP_P = 0.95", "`TOP_P = 0.95`", until="sequence_log_ratios(tp"),
+        Edit(2, "max_completion_length=MAX_NEW_TOKENS, disable_tqdm=True)",
+             'max_completion_length=MAX_NEW_TOKENS, disable_tqdm=True, importance_sampling_mode="token_truncate")',
+             '`importance_sampling_mode="token_truncate"`', until="seq_weight = kept.is_weights"),
+        Edit(3, "copy.deepcopy(model).to(torch.bfloat16)", "copy.deepcopy(model).to(torch.float16)",
+             "`.to(torch.float16)`", gpu_only=True),
+    ],
+    "03_n_sweep": [
+        Edit(1, "MAX_NEW_TOKENS = S.sweep_new_tokens or S.max_new_tokens",
+             "MAX_NEW_TOKENS = 2 * (S.sweep_new_tokens or S.max_new_tokens)", "`MAX_NEW_TOKENS`"),
+        Edit(2, "max_new_tokens=MAX_NEW_TOKENS, dtype=env.rollout_dtype, cb_config=POOL)",
+             'max_new_tokens=MAX_NEW_TOKENS, dtype=env.rollout_dtype, cb_config={**POOL, "max_batch_tokens": 512})',
+             '`cb_config={**POOL, "max_batch_tokens": 512}`'),
+        Edit(3, "WORKLOADS = S.workloads", 'WORKLOADS = [*S.workloads, "natural"]', '`"natural"`',
+             until="print(points_table(points))"),
+    ],
+    "04_grpo_live": [
+        Edit(1, "transformers_continuous_batching_config=env.pool_config(policy.model), disable_tqdm=True,",
+             "transformers_continuous_batching_config=env.pool_config(policy.model), disable_tqdm=True,\n"
+             "    importance_sampling_correction=False,", "`importance_sampling_correction=False`"),
+        Edit(2, "N = S.n\n", "N = 16\n", "`N` to 16"),
+    ],
+    "05_off_policy": [
+        Edit(1, 'importance_sampling_mode="token_truncate"', 'importance_sampling_mode="sequence_mask"',
+             '`importance_sampling_mode="sequence_mask"`', until="gap = {k: step_mean"),
+        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="weight_gap(final"),
+        Edit(3, "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT)",
+             "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT,\n"
+             "                                            num_iterations=2, max_staleness=1)",
+             "`num_iterations=2, max_staleness=1`"),
+    ],
+}
+
+
+def code_cells(book) -> list:
+    return [c for c in book.cells if c.cell_type == "code"]
+
+
+def apply(book, edit: Edit):
+    """`book` with `edit` applied (in place) and cut after the cell it runs up to; raises if it no longer applies."""
+    hits = [c for c in code_cells(book) if edit.old in c.source]
+    if len(hits) != 1 or hits[0].source.count(edit.old) != 1:
+        raise ValueError(f"question {edit.question}: {edit.old!r} occurs {sum(c.source.count(edit.old) for c in hits)} "
+                         "times in the notebook's code, not once: update scripts/question_edits.py")
+    hits[0].source = hits[0].source.replace(edit.old, edit.new)
+    if edit.raises:  # nbclient lets a cell tagged so raise, and fails the run if it does not
+        hits[0].metadata.setdefault("tags", []).append("raises-exception")
+    last = hits[0] if not edit.until else next((c for c in code_cells(book) if edit.until in c.source), None)
+    if last is None:
+        raise ValueError(f"question {edit.question}: no cell contains {edit.until!r}")
+    book.cells = book.cells[: book.cells.index(last) + 1]
+    return book
+
+
+def main(argv: list[str] | None = None) -> int:
+    import nbformat
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for stem, edits in EDITS.items():
+        for edit in edits:
+            if edit.gpu_only:
+                continue
+            book = apply(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), edit)
+            nbformat.write(book, args.out / f"{stem}-q{edit.question}.ipynb")
+            print(f"question_edits: {stem} question {edit.question}, {len(book.cells)} cells")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""Pin what cbkit uses of transformers' CB engine, so an upgrade that moves it fails here, loudly, by name.
+
+Like TRL's TestTransformersContinuousBatchingContract: names, signatures and fields (the rollout tests cover
+behaviour). `cbkit/rollout/engine.py` is the one module that touches the engine's internals and its docstring lists
+them; every pin below says which transformers version it failed on. After an upgrade, fix engine.py to the new API,
+then the pin. The last test keeps the internals in engine.py: no other module of cbkit reaches them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import transformers
+from packaging.version import Version
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager, ContinuousMixin
+from transformers.generation.continuous_batching.requests import GenerationOutput
+
+import cbkit
+from cbkit.rollout import SamplingParams
+from cbkit.rollout.engine import Engine, watch_batches, workload_hints
+from cbkit.rollout.engine_config import cb_config_keys, make_cb_config
+
+
+def pin(ok: bool, what: str) -> None:
+    assert ok, (f"transformers {transformers.__version__}: {what} is gone or has changed; cbkit/rollout/engine.py "
+                "relies on it (its docstring lists what it uses). Fix engine.py to the new API, then this pin.")
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def test_transformers_version_in_supported_range():
+    v = Version(transformers.__version__)
+    assert Version("5.9") <= v < Version("6"), f"cbkit supports transformers >=5.9,<6; found {v}"
+
+
+def test_cb_config_has_the_fields_cbkit_sets():
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    pin({"return_logprobs", "max_memory_percent", "use_cuda_graph", "seed", "num_blocks", "max_batch_tokens",
+         "allow_block_sharing", "max_blocks_per_request", "use_async_batching"} <= fields,
+        f"ContinuousBatchingConfig's fields ({sorted(fields)})")
+    pin(bool(fields & {"page_size", "block_size"}), "ContinuousBatchingConfig.page_size (block_size before 5.17)")
+    assert set(cb_config_keys()) == fields
+
+
+def test_cbkit_defaults_reach_the_engine_config():
+    cfg = make_cb_config({"max_memory_percent": 0.4}, seed=7)
+    assert cfg.return_logprobs is True and cfg.max_memory_percent == 0.4 and cfg.seed == 7
+    assert cfg.use_cuda_graph is False  # cbkit's default; TRL's CB default sets only max_memory_percent=0.5
+    assert make_cb_config().max_memory_percent == 0.5
+
+
+def test_entry_points_and_their_arguments():
+    pin({"generation_config", "continuous_batching_config", "workload_hints"} <= _params(
+        ContinuousMixin.init_continuous_batching), "ContinuousMixin.init_continuous_batching's arguments")
+    pin({"generation_config", "continuous_batching_config", "block", "timeout", "persistent_manager", "warmup",
+         "workload_hints"} <= _params(ContinuousMixin.continuous_batching_context_manager),
+        "ContinuousMixin.continuous_batching_context_manager's arguments")
+    # A kept manager lives on the model under this name; init_continuous_batching hands it to whoever asks next.
+    pin("_cached_continuous_batching_manager" in inspect.getsource(ContinuousMixin.init_continuous_batching),
+        "the model attribute _cached_continuous_batching_manager")
+    pin({"inputs", "max_new_tokens", "record_timestamps"} <= _params(ContinuousBatchingManager.add_requests),
+        "ContinuousBatchingManager.add_requests' arguments")
+    pin({"input_ids", "max_new_tokens", "eos_token_id", "record_timestamps"} <= _params(
+        ContinuousBatchingManager.add_request), "ContinuousBatchingManager.add_request's arguments")
+    pin({"timeout"} <= _params(ContinuousBatchingManager.get_result), "ContinuousBatchingManager.get_result")
+    pin({"keep_for_next_session", "block", "timeout"} <= _params(ContinuousBatchingManager.stop),
+        "ContinuousBatchingManager.stop's arguments")
+    for name in ("is_running", "start", "destroy", "pause", "warmup", "_create_batch_processor", "_generation_step"):
+        pin(callable(getattr(ContinuousBatchingManager, name, None)), f"ContinuousBatchingManager.{name}")
+    pin(hasattr(transformers.LlamaForCausalLM, "continuous_batching_context_manager"),
+        "the models' continuous_batching_context_manager")
+
+
+def test_generation_output_fields():
+    fields = {f.name for f in dataclasses.fields(GenerationOutput)}
+    pin({"request_id", "generated_tokens", "logprobs", "error", "timestamps"} <= fields,
+        f"GenerationOutput's fields ({sorted(fields)})")
+    pin(callable(GenerationOutput.is_finished), "GenerationOutput.is_finished")
+    pin(hasattr(GenerationOutput, "lifespan"), "GenerationOutput.lifespan")
+
+
+def test_workload_hints_fields():
+    hints = workload_hints([[1, 2, 3]], 5)
+    pin(hints is not None and (hints.max_prompt_length, hints.max_generated_length) == (3, 5),
+        "transformers.generation.continuous_batching.utils.WorkloadHints")
+
+
+def test_generation_config_accepts_what_sampling_params_builds():
+    gc = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, eos_token_id=2, max_new_tokens=8).generation_config()
+    assert isinstance(gc, GenerationConfig)
+    assert (gc.do_sample, gc.temperature, gc.top_k, gc.top_p, gc.eos_token_id) == (True, 0.7, 20, 0.9, 2)
+
+
+def test_the_manager_and_processor_internals(tiny):
+    """A real manager on the tiny model: every attribute the caller's loop, `_own`, `forget_cached_kv`, `_reseed`
+    and `resolved_config` read, and what a scheduled batch holds (`scheduled`, read by the trace and async)."""
+    model, tok = tiny.model, tiny.tokenizer
+    gen = SamplingParams(max_new_tokens=3, eos_token_id=tok.eos_token_id, seed=0).generation_config()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=make_cb_config(
+        device=model.device, rows=[[1] * 8], max_new_tokens=3))
+    try:
+        for name in ("_original_attn_impl", "_use_prefix_sharing", "batch_processor", "input_queue", "warmed_up",
+                     "is_tp_driver", "continuous_batching_config", "model"):
+            pin(hasattr(manager, name), f"ContinuousBatchingManager.{name}")
+        status = manager.background_thread_status
+        pin(callable(getattr(status, "clear", None)) and callable(getattr(status, "mark_as_stopped", None)),
+            "ContinuousBatchingManager.background_thread_status.clear / mark_as_stopped")
+        pin(hasattr(manager.output_router, "output_queue"), "ContinuousBatchingManager.output_router.output_queue")
+        pin(callable(getattr(manager.distributed_helper, "set_tp_seed", None)),
+            "ContinuousBatchingManager.distributed_helper.set_tp_seed")
+        processor = manager._create_batch_processor()
+        for name in ("prepare_next_batch", "update_batch", "inputs_and_outputs", "cache"):
+            pin(hasattr(processor, name), f"ContinuousBatchProcessor.{name}")
+        cache = processor.cache
+        pin(callable(getattr(cache, "reset", None)) and isinstance(cache.num_blocks, int), "PagedAttentionCache")
+        allocator = next(iter(cache.cache_allocators.values()))
+        pin(hasattr(allocator, "block_table") and isinstance(allocator.tokens_per_page, int),
+            "PagedAttentionCache.cache_allocators[...].block_table / tokens_per_page")
+    finally:
+        manager.batch_processor = None
+        model.set_attn_implementation(manager._original_attn_impl)
+        manager.destroy()
+
+
+def test_a_scheduled_batch_reads_as_requests_in_positions(tiny):
+    """The first batch prefills each prompt from position 0 (one chunk: the prompts are short), later ones decode
+    one token each, each request from blocks of its own (CPU pages: 32 tokens)."""
+    model, tok = tiny.model, tiny.tokenizer
+    prompts = [tok("hi")["input_ids"], tok("what is 12 + 30?")["input_ids"]]
+    batches = []
+    with watch_batches(lambda requests, pool, page: batches.append((requests, pool, page))):
+        Engine(model).run([list(p) for p in prompts], SamplingParams(max_new_tokens=4, eos_token_id=tok.eos_token_id, seed=0)
+                          .generation_config(), max_new_tokens=4, seed=0)
+    pin(len(batches) >= 4, "ContinuousBatchProcessor.prepare_next_batch (no batch was seen)")
+    first, pool, page = batches[0]
+    pin(sorted((len(r.prompt), r.past_len, r.query_len) for r in first) ==
+        sorted((len(p), 0, len(p)) for p in prompts),
+        "inputs_and_outputs.requests_in_batch (future.state.position_offset / initial_tokens, future.query_length)")
+    last = batches[-1][0]
+    assert all(r.query_len == 1 and r.past_len >= len(r.prompt) for r in last)
+    # Each request holds its own blocks (two different prompts share none) and the page size is the engine's.
+    tables = [r.blocks for r in last]
+    assert all(tables) and not set(tables[0]) & set(tables[1]) and page == 32 and pool > 0
+
+
+def test_watching_batches_puts_the_engine_back():
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+    before = ContinuousBatchProcessor.prepare_next_batch
+    with watch_batches(lambda *a: None):
+        assert ContinuousBatchProcessor.prepare_next_batch is not before
+    assert ContinuousBatchProcessor.prepare_next_batch is before
+
+
+# Attributes and modules of transformers' CB engine that are not its public entry points (add_requests & co.).
+INTERNALS = {"_generation_step", "_create_batch_processor", "_original_attn_impl", "_cached_continuous_batching_manager",
+             "_use_prefix_sharing", "batch_processor", "background_thread_status", "output_router", "input_queue",
+             "distributed_helper", "requests_in_batch", "inputs_and_outputs", "cache_allocators", "block_table",
+             "init_continuous_batching", "continuous_batching_context_manager", "generate_batch", "warmed_up"}
+
+
+def _internal_uses(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in INTERNALS:
+            found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in INTERNALS:
+            found.append(f"{path.name}:{node.lineno} {node.value!r}")  # getattr(x, "name")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "transformers.generation.continuous_batching"):
+            found.append(f"{path.name}:{node.lineno} from {node.module}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(p for p in Path(cbkit.__file__).parent.rglob("*.py")
+                                        if p.name != "engine.py"), ids=lambda p: p.name)
+def test_only_engine_py_reaches_inside_the_engine(path):
+    assert not _internal_uses(path), (f"{path} uses transformers' CB internals {_internal_uses(path)}: go through "
+                                      "cbkit.rollout.engine, which owns the manager (and tests/test_engine_contract.py)")
+
+
+def test_the_internals_check_sees_engine_py():
+    uses = _internal_uses(Path(cbkit.__file__).parent / "rollout" / "engine.py")
+    assert any("_generation_step" in u for u in uses) and any("from transformers.generation" in u for u in uses)
