@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cbkit.tasks.procedural import is_procedural, procedural_problems
 from cbkit.tasks.rewards import normalize_number
 from cbkit.tasks.wordproblems import word_problem
 
@@ -208,14 +209,13 @@ def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0
     Real GSM8K rows come in file order, so `n` always picks the same first rows.
     """
     _check_limit(n, "n")
-    from cbkit.tasks.procedural import is_procedural, procedural_problems
-
     if options and not is_procedural(source):
         raise ValueError(f"data_options {dict(options)} are knobs of a reasoning-gym source; {source!r} takes none. "
                          "Remove data_options, or use data='reasoning-gym:<dataset>'.")
     kind, _, split = source.partition(":")
     if is_procedural(source):
-        problems = procedural_problems(source, DEFAULT_SYNTHETIC_N if n is None else n, seed, options)
+        drawn = procedural_problems(source, DEFAULT_SYNTHETIC_N if n is None else n, seed, options)
+        problems = [Problem(*row) for row in drawn]
     elif source == "synthetic":
         problems = synthetic_gsm(DEFAULT_SYNTHETIC_N if n is None else n, seed=seed)
     elif kind in ("gsm8k", "gsm8k-local") and split in ("", *GSM8K_SPLITS):

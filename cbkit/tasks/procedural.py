@@ -28,10 +28,10 @@ def is_procedural(source: str) -> bool:
     return source.startswith(PREFIX)
 
 
-def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, Any] | None = None) -> list:
-    """`n` problems of the reasoning-gym dataset named in `source`, drawn with `seed` at the difficulty `options`."""
-    from cbkit.tasks.data import Problem
-
+def procedural_problems(source: str, n: int, seed: int,
+                        options: Mapping[str, Any] | None = None) -> list[tuple[str, str, str]]:
+    """`n` problems (id, question, gold answer) of the reasoning-gym dataset named in `source`, drawn with `seed` at
+    the difficulty `options`; `cbkit.tasks.data.load_problems` makes them `Problem`s."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -51,5 +51,5 @@ def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, An
             raise ValueError(f"{source} problem {i} has answer {row['answer']!r}, not a number: cbkit's rewards "
                              "score numeric answers; choose an arithmetic dataset (chain_sum, basic_arithmetic, "
                              "products).")
-        problems.append(Problem(f"rg-{name}-{seed}-{i}", row["question"], gold))
+        problems.append((f"rg-{name}-{seed}-{i}", row["question"], gold))
     return problems
