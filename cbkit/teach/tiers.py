@@ -98,7 +98,8 @@ class Sizes:
         return dataclasses.replace(self, model=DRY_MODEL, prompts=min(self.prompts, 2), n=min(self.n, 4),
                                    max_new_tokens=min(self.max_new_tokens, 12), steps=self.dry_steps, sweep_ns=ns,
                                    sweep_prompts=min(self.sweep_prompts, 2),
-                                   sweep_new_tokens=min(self.sweep_new_tokens, 8), repeats=1)
+                                   sweep_new_tokens=min(self.sweep_new_tokens, 8), repeats=1,
+                                   eval_every=min(self.eval_every, self.dry_steps), eval_prompts=min(self.eval_prompts, 4))
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,11 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(16, 64), sweep_prompts=6, sweep_new_tokens=2048,
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, sizes={
-        "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5),
-        "cpu": Sizes(_SMOL, 2, 8, 48, steps=5, learning_rate=5e-5),
-        "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6),
-        "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6)}),
+        "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5, eval_every=2, eval_prompts=8, eval_n=2),
+        "cpu": Sizes(_SMOL, 2, 8, 48, steps=5, learning_rate=5e-5, eval_every=5, eval_prompts=32, eval_n=2),
+        "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6, eval_every=6, eval_prompts=64, eval_n=2),
+        "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
+                      eval_n=2)}),
     # Off-policy: one run per staleness (4), two at the correction's staleness, one async: seven training runs. The
     # CI size trains the random tiny model, which shows the mechanics (drift, ratios, versions), not learning.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 7, sizes={
