@@ -26,6 +26,7 @@ def test_the_learning_recipe_is_the_run_the_docs_describe():
     assert c.data_options == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     assert (c.prompts_per_step, c.num_generations, c.max_completion_length, c.max_steps) == (2, 8, 32, 40)
     assert (c.eval_steps, c.eval_num_problems, c.eval_num_generations, c.temperature) == (8, 64, 2, 1.0)
+    assert c.learning_rate == 1e-5
 
 
 def test_the_hacking_lesson_and_its_fix_differ_only_in_the_format_gate():
