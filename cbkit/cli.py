@@ -438,7 +438,8 @@ def _tiers(args: argparse.Namespace) -> int:
               "evaluations. AN ESTIMATE: no GPU has run it; the GPU model needs its difficulty measured "
               "first (docs/learning.md).\n" + "\n".join(p.line() for p in recipes))
         for p in recipes:
-            print("\n".join(f"  {p.notebook} on {p.machine}: {problem}" for problem in p.problems()))
+            for problem in p.problems():
+                print(f"  {p.notebook} on {p.machine}: {problem}")
     return 1 if failed else 0
 
 

@@ -105,6 +105,10 @@ def build(paths: list[Path], out: Path, solutions: bool) -> int:
         index = f"{title} (solutions)\n{SOLUTIONS_NOTE}{rest}"
     (src / "index.md").write_text(index)
     shutil.copy(REPO / "docs" / "workshop.md", src / "docs" / "workshop.md")
+    # The learning results (docs/learning.md): the figure of CB against generate() and the hacking lesson, with the
+    # numbers scripts/learning_report.py printed from the runs.
+    shutil.copy(REPO / "docs" / "learning.md", src / "docs" / "learning.md")
+    shutil.copytree(REPO / "docs" / "learning", src / "docs" / "learning")
     for p in paths:
         stage_notebook(p, src / "notebooks" / p.name, solutions=solutions)
     shutil.rmtree(out, ignore_errors=True)

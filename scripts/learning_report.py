@@ -108,6 +108,13 @@ def main(results: Path) -> None:
         for key, title in (("reward/mean", "Train reward"), ("eval/accuracy", "Held-out accuracy")):
             fig = runs_curves(pair, key, title=f"{title}: a gamed format reward and its fix")
             figures.append((f"hack-vs-fix-{key.split('/')[0]}", fig))
+    hacked = {f"{p.stem.removesuffix('-metrics')} (verifier gamed)": read_metrics(p)
+              for p in sorted((results / "verifier-hack").glob("*-metrics.jsonl"))}
+    if hacked:
+        print("\n## The verifier gamed: the same recipe when math-verify accepted a final expression\n")
+        print("| run | held-out accuracy at each evaluation (step: accuracy), as scored then |\n| --- | --- |")
+        for name, rows in hacked.items():
+            print(f"| {name} | {', '.join(f'{s}: {a:.3f}' for s, a in evals(rows))} |")
     for (name, _), png in zip(figures, figure_pngs([f for _, f in figures]), strict=True):
         (out / f"{name}.png").write_bytes(png)
         print(f"figure: docs/learning/{name}.png")

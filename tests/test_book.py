@@ -38,9 +38,19 @@ def test_front_page_links_the_guide_and_every_notebook():
     index = BOOK / "index.html"
     assert index.is_file(), f"{index} missing: run `make book`"
     html = index.read_text(encoding="utf-8")
-    for page in ["docs/workshop.html"] + [f"notebooks/{stem}.html" for stem in EXPECTED]:
+    for page in ["docs/workshop.html", "docs/learning.html"] + [f"notebooks/{stem}.html" for stem in EXPECTED]:
         assert f'href="{page}' in html, f"index.html does not link {page}"
         assert (BOOK / page).is_file(), f"{page} was not built"
+
+
+@needs_book
+def test_the_learning_results_show_their_figures():
+    """docs/learning.md in the book: every figure it shows was copied beside it (a missing PNG is a broken image)."""
+    html = (BOOK / "docs" / "learning.html").read_text(encoding="utf-8")
+    images = re.findall(r'<img[^>]*src="([^"]+\.png)"', html)
+    assert any("heldout-cb-vs-generate" in i for i in images), images
+    for src in images:
+        assert (BOOK / "docs" / src).is_file(), f"docs/learning.html shows {src}, which the book does not hold"
 
 
 @needs_book
@@ -57,7 +67,8 @@ def test_the_solutions_book_is_built_beside_with_every_exercise_answered():
 
 
 @needs_book
-@pytest.mark.parametrize("page", ["index.html", "docs/workshop.html"] + [f"notebooks/{s}.html" for s in EXPECTED])
+@pytest.mark.parametrize("page", ["index.html", "docs/workshop.html", "docs/learning.html"]
+                         + [f"notebooks/{s}.html" for s in EXPECTED])
 def test_no_page_loads_anything_from_the_network(page):
     html = (BOOK / page).read_text(encoding="utf-8")
     remote = re.findall(r"<(?:script|link|img)[^>]*\s(?:src|href)=[\"'](https?://[^\"']+)", html)
