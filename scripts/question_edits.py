@@ -111,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             if edit.gpu_only:
                 continue
             book = apply(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), edit)
-            nbformat.write(book, args.out / f"{stem}-q{edit.question}.ipynb")
+            # One folder per copy: a notebook writes its results under runs/ beside itself, and two copies of one
+            # sweep with different settings must not share (or resume) one results file.
+            folder = args.out / f"{stem}-q{edit.question}"
+            folder.mkdir(exist_ok=True)
+            nbformat.write(book, folder / f"{stem}-q{edit.question}.ipynb")
             print(f"question_edits: {stem} question {edit.question}, {len(book.cells)} cells")
     return 0
 
