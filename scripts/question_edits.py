@@ -4,7 +4,7 @@ Every notebook ends with open Questions ("set N = 32: what changes?"). `EDITS` h
 for, as a text replacement in one code cell; tests/test_notebooks.py checks that each edit still applies, that its
 words are the Question's, and that the edited notebook compiles (03's "add cb_config=..." beside an existing
 `cb_config=POOL` was a SyntaxError). This script writes one copy per edit, cut after the cell the Question reads
-(`until`), and `make test-notebooks` executes them at CI sizes, so the edit also runs: configs validate, shapes fit.
+(`until`), and `make test-questions` executes them at CI sizes, so the edit also runs: configs validate, shapes fit.
 
     python scripts/question_edits.py --out runs/notebooks-questions
 """
