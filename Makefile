@@ -19,7 +19,7 @@ QUESTIONS ?= runs/notebooks-questions
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup browser sweep demo test test-bare test-notebooks test-tiers book lint clean
+.PHONY: setup browser sweep demo test test-bare test-notebooks test-questions test-tiers book lint clean
 
 setup: $(STAMP)
 
@@ -85,7 +85,10 @@ test-notebooks: $(STAMP) browser
 	# The sections docs/workshop.md lets a session skip, taken out: what follows them must run without them.
 	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
-	# Each Question's code edit (scripts/question_edits.py), run up to the cell the Question reads.
+
+# Each Question's code edit (scripts/question_edits.py) executed at CI sizes, run up to the cell the Question reads.
+# `pytest` checks cheaply that every edit applies and compiles; this runs them (15 copies, two at a time).
+test-questions: $(STAMP)
 	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
 		-n 2 $(QUESTIONS)

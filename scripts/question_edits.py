@@ -4,7 +4,7 @@ Every notebook ends with open Questions ("set N = 32: what changes?"). `EDITS` h
 for, as a text replacement in one code cell; tests/test_notebooks.py checks that each edit still applies, that its
 words are the Question's, and that the edited notebook compiles (03's "add cb_config=..." beside an existing
 `cb_config=POOL` was a SyntaxError). This script writes one copy per edit, cut after the cell the Question reads
-(`until`), and `make test-notebooks` executes them at CI sizes, so the edit also runs: configs validate, shapes fit.
+(`until`), and `make test-questions` executes them at CI sizes, so the edit also runs: configs validate, shapes fit.
 
     python scripts/question_edits.py --out runs/notebooks-questions
 """
@@ -111,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             if edit.gpu_only:
                 continue
             book = apply(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), edit)
-            nbformat.write(book, args.out / f"{stem}-q{edit.question}.ipynb")
+            # One folder per copy: a notebook writes its results under runs/ beside itself, and two copies of one
+            # sweep with different settings must not share (or resume) one results file.
+            folder = args.out / f"{stem}-q{edit.question}"
+            folder.mkdir(exist_ok=True)
+            nbformat.write(book, folder / f"{stem}-q{edit.question}.ipynb")
             print(f"question_edits: {stem} question {edit.question}, {len(book.cells)} cells")
     return 0
 

@@ -413,7 +413,7 @@ def test_what_follows_a_skippable_section_reads_nothing_only_it_defines():
 
 
 def test_every_question_edit_applies_says_what_the_question_says_and_compiles():
-    """scripts/question_edits.py holds each Question's code edit; `make test-notebooks` runs them. Here, cheaply: the
+    """scripts/question_edits.py holds each Question's code edit; `make test-questions` runs them. Here, cheaply: the
     edit still applies to exactly one place, the Question's text names it, and every code cell of the edited notebook
     compiles (a keyword given twice, as 03's second Question once asked for, is a SyntaxError)."""
     import sys
