@@ -52,6 +52,21 @@ def test_two_identical_runs_write_identical_metrics(tmp_path):
     assert len(a) == 2 and a == b
 
 
+def embeds_plotlyjs(html: str) -> bool:
+    """The page carries the plotly.js library itself (its bundle's own code, megabytes), not a script tag that
+    loads it from a CDN: a page that only calls `Plotly.newPlot` draws nothing offline."""
+    return "Plotly.newPlot" in html and 'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000
+
+
+def test_the_embed_check_fails_on_a_page_that_loads_plotlyjs_from_a_cdn():
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Scatter(y=[1, 2]))
+    assert embeds_plotlyjs(fig.to_html(include_plotlyjs=True))
+    assert not embeds_plotlyjs(fig.to_html(include_plotlyjs="cdn"))
+    assert not embeds_plotlyjs(fig.to_html(include_plotlyjs=False))
+
+
 def test_cbkit_plot_writes_the_reward_curve(tmp_path, capsys):
     rows = [{"step": 0, "eval/accuracy": 0.25}]  # the evaluation before training, then two steps
     rows += [{"step": s, "reward/mean": r, "reward/format": f} for s, r, f in [(1, 0.2, 0.3), (2, 0.5, 0.9)]]
@@ -60,7 +75,7 @@ def test_cbkit_plot_writes_the_reward_curve(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')  # a torn last line
     assert main(["plot", str(path)]) == 0
     html = (tmp_path / "reward.html").read_text()
-    assert "plotly.js" in html.lower() or "Plotly.newPlot" in html
+    assert embeds_plotlyjs(html), "reward.html does not carry plotly.js itself: it would not draw offline"
     said = capsys.readouterr().out
     assert "2 steps: " in said and "reward/format 0.300 -> 0.900 (step 1 -> 2)" in said
     assert "eval/accuracy 0.250 -> 0.500 (step 0 -> 2)" in said
