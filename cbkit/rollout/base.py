@@ -107,9 +107,11 @@ def rollout_generation_config(model: Any):
         yield
         return
     default = GenerationConfig()
+    # What is named: fields that would change the distribution or the search; what to return (`output_*`,
+    # `return_*`) is dropped too but changes no token, and naming it would warn on every ordinary checkpoint.
     dropped = {k: v for k, v in original.to_diff_dict().items()
-               if k not in GENERATION_CONFIG_KEPT and not k.startswith("_") and k != "transformers_version"
-               and getattr(default, k, None) != v}
+               if k not in GENERATION_CONFIG_KEPT and not k.startswith(("_", "output_", "return_"))
+               and k != "transformers_version" and getattr(default, k, None) != v}
     if dropped and model not in _WARNED:
         _WARNED.add(model)
         warnings.warn(f"The model's generation_config sets {dropped}; rollouts sample from their own settings "
