@@ -471,10 +471,11 @@ class LiveMetricsHook(StepHooks):
         self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
                                         **chart_kwargs)
         self.close_on_end = close_on_end
-        self.records: list[StepRecord] = []
+        self.records: list[StepRecord] = []  # every training step's record (not the step-0 evaluation)
 
     def on_step_end(self, record: StepRecord) -> None:
-        self.records.append(record)
+        if record.step > 0:  # step 0 is the held-out evaluation before training: drawn, not a training step
+            self.records.append(record)
         for panel, series in self.panels:
             for name, key, scale in series:
                 value = record.metrics.get(key)
