@@ -167,3 +167,15 @@ def test_cbkit_tiers_plans_the_learning_recipe_with_its_evaluations(monkeypatch)
     assert (cpu.prompts, cpu.n, cpu.max_new_tokens, cpu.steps, cpu.eval_every, cpu.eval_prompts, cpu.eval_n) == (
         recipe.prompts_per_step, recipe.num_generations, recipe.max_completion_length, recipe.max_steps,
         recipe.eval_steps, recipe.eval_num_problems, recipe.eval_num_generations)
+
+
+def test_the_live_chart_draws_the_step_0_evaluation_but_does_not_count_it_as_a_step():
+    from cbkit.train.hooks import StepRecord
+    from cbkit.viz.live import LiveMetricsHook
+
+    hook = LiveMetricsHook("continuous", mode="static")
+    hook.on_step_end(StepRecord(0, {"eval/accuracy": 0.2}))
+    hook.on_step_end(StepRecord(1, {"reward/mean": 0.5, "eval/accuracy": 0.4}))
+    assert [r.step for r in hook.records] == [1]  # 04 compares runs over these: every one has reward/mean
+    drawn = {t.name: list(t.y) for t in hook.chart.figure().data}
+    assert drawn["continuous: held-out accuracy"] == [0.2, 0.4]
