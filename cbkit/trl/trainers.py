@@ -248,6 +248,8 @@ def build_trainer(
     funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
+    if eval_dataset is None:  # the config's eval_steps needs a held-out set TRL can read: none given, none evaluated
+        overrides = {"eval_strategy": "no", "eval_on_start": False, **overrides}
     to_args = trl_rloo_config if rloo else trl_grpo_config
     args = to_args(cfg, output_dir or ("cbkit-trl-rloo" if rloo else "cbkit-trl"), **overrides)
     stock, cb = (RLOOTrainer, CBRLOOTrainer) if rloo else (GRPOTrainer, CBLogprobGRPOTrainer)
