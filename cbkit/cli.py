@@ -276,10 +276,14 @@ def _random_weights_note(model: str) -> None:
 
 
 def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
-    """On a GPU run (or the trl-benchmark preset's dry run): every memory counter beside the planner, and TRL PR #5765's
-    table beside this run's."""
-    from cbkit.measure.tables import memory_table, trl_comparison_table
+    """The planner's peak term by term beside each measured peak; on a GPU run (or the trl-benchmark preset's dry
+    run) also every memory counter beside the planner, and TRL PR #5765's table beside this run's."""
+    from cbkit.measure.tables import memory_table, plan_terms_table, trl_comparison_table
 
+    terms = plan_terms_table(points)
+    if terms is not None:
+        print("\nThe planned peak, term by term, beside the measured peak (MiB)")
+        print(terms)
     if not force and not any(p.get("peak_reserved_bytes") is not None for p in points):
         return
     print("\nMemory (GiB): the planner's prediction beside the measured peaks")

@@ -369,3 +369,48 @@ def test_the_step_peak_grows_with_the_chunk_not_with_n():
     resident = step_peak_bytes(params, rollout_peak_bytes=2**30, micro_batch_rows=32, chunk_rows=4,
                                optimizer_state_resident=True, **kw)
     assert resident["rollout"] == 2**30 + 8 * params  # a later step holds the moments through the rollout too
+
+
+def test_generate_on_a_cpu_carries_glibc_heap_slack_until_a_layer_is_mmapped():
+    """On a CPU the static batch's plan adds `CPU_HEAP_SLACK` x its cache (glibc keeps freed torch.cat blocks
+    resident beside the new ones, measured in docs/memory.md) while one layer's K is below glibc's largest mmap
+    threshold; above it the blocks are mmapped and returned, so nothing is added; a GPU plan never has it."""
+    from transformers import LlamaConfig
+
+    from cbkit.measure.planner import CPU_HEAP_SLACK, GLIBC_MMAP_THRESHOLD_MAX
+
+    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3)
+    sizes = dict(num_prompts=1, prompt_len=137, max_new_tokens=96, dtype_bytes=4)
+    cpu = plan(smol, num_generations=32, device="cpu", **sizes).generate
+    gpu = plan(smol, num_generations=32, budget_bytes=20 * GiB, **sizes).generate
+    assert cpu.kv_bytes == gpu.kv_bytes and gpu.cpu_heap_slack_bytes == 0
+    assert cpu.cpu_heap_slack_bytes == int(CPU_HEAP_SLACK * cpu.kv_bytes) > 0
+    assert cpu.peak_bytes == gpu.peak_bytes + cpu.cpu_heap_slack_bytes
+    # one layer's K: rows x 233 positions x 3 heads x 64 x 4 bytes; past 32 MiB the allocator maps it
+    rows = GLIBC_MMAP_THRESHOLD_MAX // (233 * 3 * 64 * 4) + 1
+    big = plan(smol, num_generations=rows, device="cpu", **sizes).generate
+    assert big.cpu_heap_slack_bytes == 0
+    assert "CPU heap slack" in plan(smol, num_generations=32, device="cpu", **sizes).summary()
+
+
+def test_the_largest_batch_is_the_one_the_engine_runs_with_and_without_prefix_sharing(tiny):
+    """The planner's `batch_tokens` (what its transients scale with) against the batches the CB engine schedules:
+    with prefix sharing (the default) each repeated prompt is prefilled alone and its N copies compute only the
+    tokens past its last full page; without it every copy prefills its whole prompt in one batch."""
+    from cbkit.rollout.base import SamplingParams
+    from cbkit.rollout.engine import Engine, watch_batches
+
+    tok = tiny.tokenizer
+    prompts = [[65 + i % 20 for i in range(70)], [90 + i % 7 for i in range(45)]]  # 2 and 1 full 32-token pages
+    n, new = 3, 4
+    sampling = SamplingParams(max_new_tokens=new, eos_token_id=tok.eos_token_id, seed=0)
+    for cb_config in ({}, {"allow_block_sharing": False}):
+        seen = []
+        with watch_batches(lambda requests, pool, page, seen=seen: seen.append(sum(r.query_len for r in requests))):
+            Engine(tiny.model, cb_config).run([list(p) for p in prompts for _ in range(n)],
+                                              sampling.generation_config(), max_new_tokens=new, seed=0)
+        planned = plan(tiny.model.config, num_prompts=2, num_generations=n, prompt_len=[70, 45], max_new_tokens=new,
+                       dtype_bytes=4, device="cpu", cb_config=cb_config).continuous
+        assert max(seen) == planned.batch_tokens, (cb_config, seen)
+    assert planned.batch_tokens == n * (70 + 45)  # no sharing: every copy's whole prompt

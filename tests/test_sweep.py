@@ -363,6 +363,12 @@ def test_cli_says_which_workload_ran(tmp_path, capsys):
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "lengths: replay:gsm8k" in printed and "scaled x8/232" in printed and "matmul probe:" in printed
+    # The planned peak, term by term beside the measured one: the terms add up to the plan, for both backends.
+    assert "The planned peak, term by term, beside the measured peak (MiB)" in printed
+    for r in _runs(out):
+        terms = sum(r[k] for k in ("plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes",
+                                   "plan_heap_slack_bytes"))
+        assert terms == r["planned_peak_bytes"], r["backend"]
 
 
 def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp_path, monkeypatch, capsys):

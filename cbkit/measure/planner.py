@@ -91,6 +91,9 @@ class GeneratePlan:
     decode_transient_bytes: int  # last step: logits and their copies, plus one layer's torch.cat
     peak_bytes: int
     fits: bool | None  # None without a budget
+    # CPU only: what glibc's heap keeps resident beside the growing cache (`CPU_HEAP_SLACK`); 0 on a GPU, where the
+    # peak is torch's allocated bytes, and on a CPU where each layer's K is above glibc's largest mmap threshold.
+    cpu_heap_slack_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class ContinuousPlan:
     peak_bytes: int
     full_length_sequences: int  # how many sequences the pool holds at prompt + max_new_tokens at once
     fits: bool | None
+    batch_tokens: int = 0  # the most tokens one forward runs (a prefill batch; prefix sharing shrinks it)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,9 @@ class Plan:
             f"KV cache: {fmt_bytes(self.kv_bytes_per_token)} per token",
             f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} "
             f"({g.rows} rows x {g.padded_len} positions, held until the last row ends) + last-step transients "
-            f"{fmt_bytes(g.decode_transient_bytes)}; first forward {fmt_bytes(g.prefill_bytes)}",
+            f"{fmt_bytes(g.decode_transient_bytes)}"
+            + (f" + CPU heap slack {fmt_bytes(g.cpu_heap_slack_bytes)}" if g.cpu_heap_slack_bytes else "")
+            + f"; first forward {fmt_bytes(g.prefill_bytes)}",
             f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_fit(c.fits)}  pool {fmt_bytes(c.cache_tensor_bytes)} "
             f"({c.num_blocks} blocks x {c.page_size} tokens, sized by {c.sized_by}) + buffers "
             f"{fmt_bytes(c.buffer_bytes)} + transients {fmt_bytes(c.transient_bytes)}; holds {c.full_length_sequences} "
@@ -198,7 +204,7 @@ def plan(
         )
     shape = _Shape.read(text, dtype_bytes)
     rows = num_prompts * num_generations
-    gen = _plan_generate(shape, rows, max(lens), max_new_tokens, budget_bytes)
+    gen = _plan_generate(shape, rows, max(lens), max_new_tokens, budget_bytes, device)
     cb, notes = _plan_continuous(
         shape, lens, num_generations, max_new_tokens, mean_completion_len, budget_bytes, device,
         attn_implementation, logits_to_keep,
@@ -296,19 +302,36 @@ class _Shape(Shape):
         return self.a * (2 * self.hidden + max(attn, mlp))
 
 
-def _plan_generate(s: _Shape, rows: int, prompt: int, max_new: int, budget: int | None) -> GeneratePlan:
+# generate() on a CPU, measured: the static batch's cache grows by one position a step, and transformers' DynamicCache
+# does it with torch.cat, so every step allocates each layer's K and V anew and frees the old ones. glibc's malloc
+# raises its mmap threshold to the size of the first large block freed (up to 32 MiB on 64-bit Linux), so from
+# the first step on those tensors come from the heap, and the freed ones stay resident between the new ones. On this
+# project's CPU the static batch's peak RSS less its last-step transients was 1.25-1.67x its cache (SmolLM2-135M
+# fp32, N=8..64, synthetic and GSM8K prompts, replayed and fixed lengths; docs/memory.md). With the threshold pinned
+# (MALLOC_MMAP_THRESHOLD_=131072) the whole peak was 1.04-1.14x the planner's tensors, but generate() ran 30-70%
+# slower and the CB engine 40-95% (freed pages go back to the kernel and come back zeroed), so cbkit leaves glibc
+# as it is and plans the middle of the measured range, CPU only. A layer's K above glibc's largest threshold is
+# mmapped and returned when freed: no slack then.
+CPU_HEAP_SLACK = 0.46  # x the cache
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def _plan_generate(s: _Shape, rows: int, prompt: int, max_new: int, budget: int | None,
+                   device: str = "cuda") -> GeneratePlan:
     length = prompt + max_new
     # Sliding-window layers keep at most `window` tokens (DynamicSlidingWindowLayer).
     tokens_held = s.full_layers * length + s.sliding_layers * min(length, s.sliding_window or length)
     kv = rows * tokens_held * s.kv_layer_token
+    layer_k = rows * length * s.kv_layer_token // 2  # one layer's K (or V) at the end, one tensor
+    slack = int(CPU_HEAP_SLACK * kv) if device == "cpu" and layer_k < GLIBC_MMAP_THRESHOLD_MAX else 0
     # Last step: the model's logits (logits_to_keep=1), generate's fp32 copy, the log-probs cbkit's
     # recorder keeps, the softmax it samples from; and torch.cat holding one layer's old K beside the new.
     decode = rows * s.vocab * (s.a + 3 * 4) + rows * length * s.kv_layer_token // 2
     prefill = (rows * prompt * s.layers * s.kv_layer_token + rows * prompt * s.forward_bytes_per_token()
                + rows * prompt * prompt  # the 4-D boolean padding mask
                + rows * s.vocab * (s.a + 4))
-    peak = max(kv + decode, prefill)
-    return GeneratePlan(rows, length, kv, prefill, decode, peak, None if budget is None else peak <= budget)
+    peak = max(kv + slack + decode, prefill)
+    return GeneratePlan(rows, length, kv, prefill, decode, peak, None if budget is None else peak <= budget, slack)
 
 
 def _plan_continuous(
@@ -399,7 +422,16 @@ def _plan_continuous(
     completion = mean_completion if mean_completion is not None else max_new
     # Tokens alive at once: every request at its (mean) full length if the pool holds them, else the pool.
     alive = min(pool_tokens, int(sum(n * (p + completion) for p in lens)))
-    batch_tokens = min(m, sum(lens) * n)  # a prefill batch is packed up to max_batch_tokens
+    # A prefill batch is packed up to max_batch_tokens. With prefix sharing (the engine's default, full attention
+    # only) cbkit's engine prefills each repeated prompt alone first; its N requests then compute only the tokens
+    # past its last complete page (the last page again where the prompt fills its pages exactly).
+    sharing = cfg.allow_block_sharing and not s.sliding_layers and n > 1
+    if sharing:
+        shared = [p for p in lens if p >= page]
+        tails = sum(n * ((p % page) or page) if p >= page else n * p for p in lens)
+        batch_tokens = min(m, max(sum(shared), tails))
+    else:
+        batch_tokens = min(m, sum(lens) * n)
     transient = (batch_tokens * s.forward_bytes_per_token() + alive * kv_heads_at_peak * s.head_dim * s.a
                  + min(requests, max_rpb) * lm_row)
     cache_tensor = (sectors + 2) * sector
@@ -417,7 +449,8 @@ def _plan_continuous(
                      "the rest wait for recycled blocks (that is the point, not an error).")
     fits = None if budget is None else (sectors > 0 and peak <= budget)
     return ContinuousPlan(sized_by, resolved_blocks, sectors, page, m, resolved_blocks * block, cache_tensor,
-                          buffers, transient, engine_reserved, peak, pool_tokens // full_len, fits), notes
+                          buffers, transient, engine_reserved, peak, pool_tokens // full_len, fits,
+                          batch_tokens), notes
 
 
 def _hinted_blocks_per_request(max_len: int, page: int) -> int:

@@ -114,7 +114,9 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     # a full step's phases (`cbkit sweep --full-step`), and each one's share of its roof
                     "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
                     "old_logprob_roof_share", "update_roof_share", "rollout_roof_s", "old_logprob_roof_s",
-                    "update_roof_s", "planned_rollout_peak_bytes"):
+                    "update_roof_s", "planned_rollout_peak_bytes",
+                    # the planned peak's terms (`sweep.plan_terms`)
+                    "plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes", "plan_heap_slack_bytes"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
         if point["rollout_share"] is None and point["step_s"] and point["rollout_s"] is not None:

@@ -490,7 +490,22 @@ def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=
     planned = p.generate.peak_bytes if backend == "generate" else p.continuous.peak_bytes
     measured = run.get("peak_mem_bytes")
     error = measured / planned - 1 if measured and planned else None
-    return {"planned_peak_bytes": planned, "plan_error": error}
+    return {"planned_peak_bytes": planned, "plan_error": error, **plan_terms(p, backend)}
+
+
+def plan_terms(p, backend: str) -> dict[str, int | None]:
+    """The planned peak's terms for one backend, flat, so `cbkit report` can print each beside the measurement: the
+    cache (generate()'s KV at the end, the CB engine's pool tensor), the transients at the peak, the engine's buffers
+    and, on a CPU, the heap slack glibc keeps beside generate()'s growing cache (`planner.CPU_HEAP_SLACK`)."""
+    if backend == "generate":
+        g = p.generate
+        decode_peak = g.kv_bytes + g.cpu_heap_slack_bytes + g.decode_transient_bytes >= g.prefill_bytes
+        return {"plan_cache_bytes": g.kv_bytes if decode_peak else 0,
+                "plan_transient_bytes": g.decode_transient_bytes if decode_peak else g.prefill_bytes,
+                "plan_buffer_bytes": 0, "plan_heap_slack_bytes": g.cpu_heap_slack_bytes if decode_peak else 0}
+    c = p.continuous
+    return {"plan_cache_bytes": c.cache_tensor_bytes, "plan_transient_bytes": c.transient_bytes,
+            "plan_buffer_bytes": c.buffer_bytes, "plan_heap_slack_bytes": 0}
 
 
 def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[str, Any]:

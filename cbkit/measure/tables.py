@@ -238,6 +238,29 @@ def memory_table(points: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def plan_terms_table(points: list[dict[str, Any]]) -> str | None:
+    """The planner's peak term by term beside the measured peak, per point, in MiB: which term is off when the plan
+    misses. None when no point carries the terms (a file written before they were recorded, or a full step)."""
+    if not any(p.get("plan_cache_bytes") is not None for p in points):
+        return None
+    rows = ["| N | backend | measured peak | planned peak | plan error | cache (KV / pool) | transients | buffers | "
+            "CPU heap slack | measured - planned |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def mib(v) -> str:
+        return f"{v / 2**20:.0f}" if v is not None else "—"
+
+    for p in points:
+        if p["status"] != "ok" or p.get("plan_cache_bytes") is None:
+            continue
+        measured, planned = p.get("peak_mem_bytes"), p.get("planned_peak_bytes")
+        err = f"{p['plan_error']:+.0%}" if p.get("plan_error") is not None else "—"
+        rest = mib(measured - planned) if measured is not None and planned is not None else "—"
+        rows.append(f"| {p['N']} | {p['backend']} | {mib(measured)} | {mib(planned)} | {err} | "
+                    f"{mib(p['plan_cache_bytes'])} | {mib(p.get('plan_transient_bytes'))} | "
+                    f"{mib(p.get('plan_buffer_bytes'))} | {mib(p.get('plan_heap_slack_bytes'))} | {rest} |")
+    return "\n".join(rows)
+
+
 def _seconds_cell(p: dict[str, Any]) -> str:
     if p["status"] != "ok":
         return p["status"].upper()
