@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 
-def _return_freed_memory_to_os() -> None:
+def return_freed_memory_to_os() -> None:
     """glibc keeps freed heap pages in the process; the next run would reuse them without raising RSS and
     look cheaper than it was. Trimming first makes every run's RSS rise from the same floor."""
     import contextlib
@@ -99,7 +99,7 @@ class PeakMemory:
             self._baseline = torch.cuda.memory_allocated(self.device)
             self.kind = "cuda_allocated"
         else:
-            _return_freed_memory_to_os()
+            return_freed_memory_to_os()
             self._rss = rss_reader()
             self._baseline = self._peak_rss = self._rss()
             # Linux keeps the exact high-water mark itself; no poller thread then competes with the code being

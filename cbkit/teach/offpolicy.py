@@ -56,9 +56,13 @@ class Recorder(StepHooks):
 
 
 def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
-               variants: Mapping[str, Mapping[str, Any]], reward_funcs=None) -> dict[str, Recorder]:
+               variants: Mapping[str, Mapping[str, Any]], reward_funcs=None, *,
+               keep_final: bool = True) -> dict[str, Recorder]:
     """One run per variant (config fields over `base`), each from `initial` weights; their recorders by name, each
-    holding the run's metrics, rollouts and final weights. The policy is put back to `initial` at the end."""
+    holding the run's metrics, rollouts and (with `keep_final`) final weights: a copy of the model each, so a caller
+    that only reads the metrics passes False. Each run's trainer (its AdamW state, gradients, weight snapshots and
+    engine) is released before the next starts, and the freed heap handed back to the system (`release_memory`),
+    so every run starts from the same resident memory. The policy is put back to `initial` at the end."""
     from tqdm.auto import tqdm
 
     out = {}
@@ -72,10 +76,34 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
             # the plain loop to float noise (tests/test_offpolicy.py checks it).
             trainer.offpolicy = LaggedRollouts(trainer, 0, None)
         trainer.train()
-        rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        if keep_final:
+            rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
         out[name] = rec
+        trainer.close()
+        del trainer
+        release_memory(policy.model)
     policy.model.load_state_dict(initial)
     return out
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now, in bytes (what `release_memory` brings back down)."""
+    from cbkit.telemetry import rss_reader
+
+    return rss_reader()()
+
+
+def release_memory(model: torch.nn.Module | None = None) -> None:
+    """Collect what no longer has a reference (a trainer and its cycles), drop gradients, and give glibc's freed
+    heap back to the system, so resident memory falls to what is still held."""
+    import gc
+
+    from cbkit.telemetry import return_freed_memory_to_os
+
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    return_freed_memory_to_os()
 
 
 def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
