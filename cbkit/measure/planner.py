@@ -306,8 +306,9 @@ class _Shape(Shape):
 # does it with torch.cat, so every step allocates each layer's K and V anew and frees the old ones. glibc's malloc
 # raises its mmap threshold to the size of the first large block freed (up to 32 MiB on 64-bit Linux), so from
 # the first step on those tensors come from the heap, and the freed ones stay resident between the new ones. On this
-# project's CPU the static batch's peak RSS less its last-step transients was 1.25-1.67x its cache (SmolLM2-135M
-# fp32, N=8..64, synthetic and GSM8K prompts, replayed and fixed lengths; docs/memory.md). With the threshold pinned
+# project's CPU the static batch's peak RSS less its last-step transients was 1.19-1.67x its cache (SmolLM2-135M
+# fp32, N=8..64, synthetic and GSM8K prompts, replayed and fixed lengths), and the same point moves by up to 0.2x
+# of the cache from one run to the next (docs/memory.md): a band, not a number. With the threshold pinned
 # (MALLOC_MMAP_THRESHOLD_=131072) the whole peak was 1.04-1.14x the planner's tensors, but generate() ran 30-70%
 # slower and the CB engine 40-95% (freed pages go back to the kernel and come back zeroed), so cbkit leaves glibc
 # as it is and plans the middle of the measured range, CPU only. A layer's K above glibc's largest threshold is
