@@ -98,9 +98,12 @@ def test_staleness_k_samples_from_the_checkpoint_of_k_updates_earlier(tmp_path, 
     assert [c.completion_ids for c in got] != [c.completion_ids for c in now]
 
 
-def test_resume_with_staleness_draws_what_the_uninterrupted_run_drew(tmp_path):
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_resume_with_staleness_draws_what_the_uninterrupted_run_drew(tmp_path, where):
+    """A checkpoint keeps the snapshots the next rollouts need; with them on disk too (the files are read into it)."""
     def run(out, steps, resume=False):
-        tr = trainer(config(max_steps=steps, rollout_staleness=2, save_steps=2, output_dir=str(out)))
+        tr = trainer(config(max_steps=steps, rollout_staleness=2, save_steps=2, output_dir=str(out),
+                            rollout_snapshots=where))
         tr.train(resume_from=resume or None)
         return tr
 
@@ -117,7 +120,54 @@ def test_resuming_with_a_different_staleness_is_refused(tmp_path):
         trainer(config(max_steps=2, rollout_staleness=2, save_steps=1, output_dir=str(tmp_path))).train(True)
 
 
+def test_snapshots_on_disk_are_bitwise_the_weights_and_leave_nothing_behind():
+    """A ring of two versions on disk: the oldest kept is read back into another model bitwise (fp32 and bf16), a
+    dropped version's file is gone, and closing removes the folder."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_policy("tiny", seed=0).model.to(dtype)
+        other = load_policy("tiny", seed=1).model.to(dtype)
+        ring = WeightSnapshots(2, "disk")
+        states = []
+        for version in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (version + 1))
+            states.append({n: t.clone() for n, t in model.state_dict().items()})
+            ring.append(version, model)
+        folder = ring._dir
+        assert ring.versions == [1, 2] and sorted(f.name for f in folder.iterdir()) == ["v1.bin", "v2.bin"]
+        assert ring.load_oldest_into(other) == 1
+        assert _same_weights(other.state_dict(), states[1])
+        assert [v for v, _ in ring.items(other)] == [1, 2]
+        assert _same_weights(dict(ring.items(other))[2], states[2])
+        ring.close()
+        assert not folder.exists()
+    with pytest.raises(ValueError, match=r"where='ssd': keep weight snapshots in one of \('memory', 'disk'\)"):
+        WeightSnapshots(2, "ssd")
+
+
+def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
+    """Staleness 2 with the older weights in files instead of clones: the same rollouts, metrics and final weights,
+    to the bit (the files hold the tensors' bytes)."""
+    runs = {}
+    for where in ("memory", "disk"):
+        tr = trainer(config(max_steps=4, rollout_staleness=2, rollout_snapshots=where))
+        runs[where] = ([tr.step().metrics for _ in range(4)], tr.model.state_dict())
+        if where == "disk":
+            assert len(list(tr.offpolicy.history._dir.iterdir())) == 3  # k + 1 versions, nothing in memory
+            folder = tr.offpolicy.history._dir
+            tr.close()
+            assert not folder.exists()
+    (mem, w_mem), (disk, w_disk) = runs["memory"], runs["disk"]
+    for a, b in zip(mem, disk, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+    assert _same_weights(w_mem, w_disk)
+
+
 @pytest.mark.parametrize(("fields", "message"), [
+    ({"rollout_snapshots": "ssd"}, r"rollout_snapshots='ssd' is not supported; use one of 'memory', 'disk'"),
     ({"rollout_staleness": -1}, r"rollout_staleness=-1 must be >= 0"),
     ({"max_staleness": -2}, r"max_staleness=-2 must be >= 0"),
     ({"async_rollouts": True, "use_transformers_continuous_batching": False},

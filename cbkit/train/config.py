@@ -28,10 +28,12 @@ from cbkit.train.objective import IS_MODES, LOSS_TYPES
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 STALE_ROLLOUTS = ("regenerate", "drop")
+SNAPSHOT_PLACES = ("memory", "disk")  # cbkit.train.snapshots.WHERE
 # Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
-# forward_chunk_rows changes only how many rows one forward holds: the loss is the same to float rounding.
+# forward_chunk_rows changes only how many rows one forward holds: the loss is the same to float rounding;
+# rollout_snapshots only where the older weights wait (bitwise the same either way).
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm",
-                     "forward_chunk_rows", "eval_steps")
+                     "forward_chunk_rows", "eval_steps", "rollout_snapshots")
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -121,6 +123,10 @@ class CBGRPOConfig:
                                    "(an exact weight snapshot) while the loss uses the current one; 0 is the "
                                    "on-policy loop. No TRL twin: TRL's staleness is whatever its async queue gives.",
                                    default=0)
+    rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'memory' "
+                                   "(a copy each, beside the policy) or 'disk' (a file each in a temporary folder, read "
+                                   "into the rollout's copy when due: no copy stays in memory, at one write and one "
+                                   "read of the weights a step).", default="memory")
     async_rollouts: bool = _help("Queue step t+1's rollout in the CB engine while step t trains, on an in-process "
                                  "weight snapshot refreshed after every update, so a completion can straddle an "
                                  "update (TRL: AsyncGRPOTrainer, with a vLLM server). Needs the continuous backend.",
@@ -246,6 +252,7 @@ class CBGRPOConfig:
             bad(f"clip_min={cmin} must be in [0, clip_max={cmax}]; "
                 "lower it, raise clip_max, or set it to None.")
         one_of("stale_rollouts", STALE_ROLLOUTS)
+        one_of("rollout_snapshots", SNAPSHOT_PLACES)
         for name in ("rollout_staleness", "max_staleness"):
             if getattr(self, name) < 0:
                 bad(f"{name}={getattr(self, name)} must be >= 0 (0: the rollout comes from the policy the loss uses).")

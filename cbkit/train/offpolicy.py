@@ -32,7 +32,6 @@ forward does not. `docs/off_policy.md` works it through.
 
 from __future__ import annotations
 
-import collections
 import copy
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,7 @@ from torch import Tensor
 
 from cbkit.rollout import Rollout, RolloutBackend, make_backend
 from cbkit.rollout.async_cb import AsyncEngine
+from cbkit.train.snapshots import WeightSnapshots
 
 # The loop these sources serve: a `cbkit.train.grpo.GRPOTrainer`, named rather than imported (grpo imports this
 # module, and tests/test_layers.py counts a TYPE_CHECKING import as an import).
@@ -126,36 +126,36 @@ class LaggedRollouts:
                                                cb_config=trainer.config.cb_overrides(),
                                                pad_token_id=trainer.pad_token_id)
         # (version, weights) of the last k+1 versions, oldest first; the newest is the policy as it is now.
-        self.history: collections.deque[tuple[int, dict[str, Tensor]]] = collections.deque(maxlen=staleness + 1)
-        self.history.append((0, _clone(trainer.model)))
+        # The last k + 1 versions, in memory or on disk (`rollout_snapshots`; cbkit.train.snapshots says what each costs).
+        self.history = WeightSnapshots(staleness + 1, trainer.config.rollout_snapshots)
+        self.history.append(0, trainer.model)
 
     def rollout(self, trainer: GRPOTrainer, indices: Sequence[int],
                 step: int) -> tuple[Rollout, dict[str, float], list[int]]:
         """The step's rollout, its staleness metrics, and the problems it scores (all of `indices`)."""
-        version, weights = self.history[0]  # k updates back, or the initial weights while fewer have happened
-        with torch.no_grad():
-            for name, t in self.model.state_dict().items():
-                t.copy_(weights[name])
+        version = self.history.load_oldest_into(self.model)  # k updates back, or the initial weights while fewer
         rollout = _stamped(trainer.rollout(indices, step, backend=self.backend), version)
         return rollout, staleness_metrics(rollout, trainer.policy_version), list(indices)
 
     def after_update(self, trainer: GRPOTrainer) -> None:
-        self.history.append((trainer.policy_version, _clone(trainer.model)))
+        self.history.append(trainer.policy_version, trainer.model)
 
     def after_step(self, trainer: GRPOTrainer, step: int) -> dict[str, float]:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history)}
+        return {"history": list(self.history.items(self.model))}
 
     def load_state_dict(self, state: Mapping[str, Any], trainer: GRPOTrainer) -> None:
         self.history.clear()
-        self.history.extend(state["history"])
+        for version, weights in state["history"]:
+            self.history.append(version, weights)
 
     def close(self) -> None:
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
+        self.history.close()
 
 
 # --- async rollouts ---------------------------------------------------------------------------------------------
@@ -287,10 +287,6 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
 def input_versions(completion) -> list[int]:
     """Per input position of a completion (prompt, then its tokens but the last): the version that processed it."""
     return list(completion.prompt_versions) + list(completion.policy_versions[1:])
-
-
-def _clone(model: torch.nn.Module) -> dict[str, Tensor]:
-    return {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -50,6 +50,7 @@ LOOP_ONLY: dict[str, str] = {
     "output_dir": "trl_grpo_config's output_dir argument (a TRL run writes TRL's checkpoints, not cbkit's)",
     "rollout_staleness": "cbkit's loop samples from a k-updates-old snapshot; TRL's GRPOTrainer always rolls out "
                          "from the current weights",
+    "rollout_snapshots": "where cbkit's rollout_staleness keeps its older weights; TRL has no stale-snapshot rollouts",
     "async_rollouts": "TRL's async GRPO (AsyncGRPOTrainer) needs a vLLM server; its CB path is synchronous",
     "async_update_at": "pins where cbkit's async update lands inside the queued rollout; TRL has no async CB path",
     "max_staleness": "bounds cbkit's async and stale rollouts; TRL's max_staleness belongs to AsyncGRPOConfig (vLLM)",
