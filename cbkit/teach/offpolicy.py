@@ -74,7 +74,7 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
         if trainer.offpolicy is None and not fields.get("async_rollouts"):
             # Staleness 0 through the snapshot machinery, so it logs offpolicy/* like the others; the same run as
             # the plain loop to float noise (tests/test_offpolicy.py checks it).
-            trainer.offpolicy = LaggedRollouts(trainer, 0, None)
+            trainer.offpolicy = LaggedRollouts(trainer, 0)
         trainer.train()
         if keep_final:
             rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}

@@ -125,8 +125,8 @@ class CBGRPOConfig:
                                    default=0)
     rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'memory' "
                                    "(a copy each, beside the policy) or 'disk' (a file each in a temporary folder, read "
-                                   "into the rollout's copy when due: no copy stays in memory, at one write and one "
-                                   "read of the weights a step).", default="memory")
+                                   "into the policy for the rollout and back after it: no copy stays in memory, at one "
+                                   "write and two reads of the weights a step).", default="memory")
     async_rollouts: bool = _help("Queue step t+1's rollout in the CB engine while step t trains, on an in-process "
                                  "weight snapshot refreshed after every update, so a completion can straddle an "
                                  "update (TRL: AsyncGRPOTrainer, with a vLLM server). Needs the continuous backend.",

@@ -616,7 +616,7 @@ def _offpolicy(trainer: GRPOTrainer, backend_given: bool):
     if backend_given:
         raise ValueError("rollout_staleness > 0 and async_rollouts=True sample from a copy of the policy's weights "
                          "with a backend cbkit builds on that copy; pass no backend (backend=None).")
-    return AsyncRollouts(trainer) if c.async_rollouts else LaggedRollouts(trainer, c.rollout_staleness, None)
+    return AsyncRollouts(trainer) if c.async_rollouts else LaggedRollouts(trainer, c.rollout_staleness)
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cbkit.rollout import Rollout, RolloutBackend, make_backend
+from cbkit.rollout import Rollout
 from cbkit.rollout.async_cb import AsyncEngine
 from cbkit.train.snapshots import WeightSnapshots
 
@@ -117,24 +117,30 @@ def _stamped(rollout: Rollout, version: int) -> Rollout:
 
 
 class LaggedRollouts:
-    """`rollout_staleness = k`: the rollout samples from a frozen copy loaded with the weights of k updates ago."""
+    """`rollout_staleness = k`: the rollout samples from the weights of k updates ago, swapped into the policy.
 
-    def __init__(self, trainer: GRPOTrainer, staleness: int, backend: RolloutBackend | None) -> None:
-        self.k = staleness
-        self.model = _frozen_copy(trainer.model)
-        self.backend = backend or make_backend(trainer.config.backend, self.model,
-                                               cb_config=trainer.config.cb_overrides(),
-                                               pad_token_id=trainer.pad_token_id)
-        # (version, weights) of the last k+1 versions, oldest first; the newest is the policy as it is now.
-        # The last k + 1 versions, in memory or on disk (`rollout_snapshots`; cbkit.train.snapshots says what each costs).
+    The last k + 1 versions wait in a ring (`rollout_snapshots`: copies in memory or files on disk), the newest
+    being the policy as it is now. For a rollout the oldest is loaded into the policy itself, the trainer's own
+    backend samples, and the newest is loaded back, bitwise: no sampling copy of the model is kept."""
+
+    def __init__(self, trainer: GRPOTrainer, staleness: int) -> None:
+        self.k, self._template = staleness, trainer.model  # the policy: what a checkpoint's tensors are shaped like
         self.history = WeightSnapshots(staleness + 1, trainer.config.rollout_snapshots)
         self.history.append(0, trainer.model)
 
     def rollout(self, trainer: GRPOTrainer, indices: Sequence[int],
                 step: int) -> tuple[Rollout, dict[str, float], list[int]]:
         """The step's rollout, its staleness metrics, and the problems it scores (all of `indices`)."""
-        version = self.history.load_oldest_into(self.model)  # k updates back, or the initial weights while fewer
-        rollout = _stamped(trainer.rollout(indices, step, backend=self.backend), version)
+        version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
+        if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is
+            rollout = trainer.rollout(indices, step)
+        else:
+            self.history.load_into(trainer.model, 0)
+            try:
+                rollout = trainer.rollout(indices, step)
+            finally:
+                self.history.load_into(trainer.model, -1)  # the current weights, bitwise, before the loss sees them
+        rollout = _stamped(rollout, version)
         return rollout, staleness_metrics(rollout, trainer.policy_version), list(indices)
 
     def after_update(self, trainer: GRPOTrainer) -> None:
@@ -144,7 +150,7 @@ class LaggedRollouts:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history.items(self.model))}
+        return {"history": list(self.history.items(self._template))}
 
     def load_state_dict(self, state: Mapping[str, Any], trainer: GRPOTrainer) -> None:
         self.history.clear()
@@ -152,9 +158,6 @@ class LaggedRollouts:
             self.history.append(version, weights)
 
     def close(self) -> None:
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
         self.history.close()
 
 

@@ -3,9 +3,10 @@
 A lag of k updates needs the weights of the last k + 1 versions at hand: k + 1 copies of the model. In memory
 (`where="memory"`, the default) that is k + 1 clones beside the policy: 2.7 GB at k = 4 for a 135M model in fp32,
 more than the rest of a CPU training step. On disk (`where="disk"`) each version is one file in a temporary folder,
-written once when the version is made and read straight into the rollout's copy of the model when it is due: no
-copy of the weights stays in memory, at the price of writing and reading the weights once a step (the page cache,
-not the process, holds what the disk has just seen).
+written once when the version is made and read straight into the model when it is due (`LaggedRollouts` loads the
+oldest into the policy for the rollout and the newest back after it): no copy of the weights stays in memory, at
+the price of one write and two reads of the weights a step (the page cache, not the process, holds what the disk
+has just seen).
 
 A snapshot is bitwise the weights it was taken from, wherever it is kept: the files hold the tensors' raw bytes
 in the model's own state-dict order and dtypes.
@@ -60,9 +61,10 @@ class WeightSnapshots:
             if isinstance(old, Path):
                 old.unlink(missing_ok=True)
 
-    def load_oldest_into(self, model: torch.nn.Module) -> int:
-        """Overwrite `model`'s weights, in place, with the oldest version kept; returns that version."""
-        version, kept = self._ring[0]
+    def load_into(self, model: torch.nn.Module, index: int = 0) -> int:
+        """Overwrite `model`'s weights, in place, with the version at `index` (0: the oldest kept, -1: the newest);
+        returns that version."""
+        version, kept = self._ring[index]
         with torch.no_grad():
             if isinstance(kept, Path):
                 with open(kept, "rb") as f:
