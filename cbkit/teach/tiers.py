@@ -153,7 +153,9 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     # CI size trains the random tiny model, which shows the mechanics (drift, ratios, versions), not learning.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 7, sizes={
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
-        "cpu": Sizes(_SMOL, 2, 8, 48, steps=10, learning_rate=5e-5),
+        # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 32 tokens keep the seven runs near 4 minutes, and the
+        # notebook keeps its weight snapshots on disk there (docs/memory.md: in memory they alone need 3 GB).
+        "cpu": Sizes(_SMOL, 2, 4, 32, steps=5, learning_rate=5e-5),
         "t4": Sizes(GPU_MODEL, 2, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5),
         "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5)}),
 )}
