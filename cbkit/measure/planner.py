@@ -8,7 +8,9 @@ both backends, from nothing but the model's config:
   rows x (longest prompt + decode steps) tokens of KV, plus the per-step transients that scale with
   rows x vocabulary (the logits, their fp32 copy, the log-probs cbkit's recorder keeps, the sampling
   probabilities). The planner takes the decode steps to be ``max_new_tokens``: with many rows, one of them
-  usually runs to the limit. That is an upper bound; a batch whose every row stops early uses less.
+  usually runs to the limit. That is an upper bound; a batch whose every row stops early uses less. On a
+  CPU, glibc keeps the blocks ``torch.cat`` frees resident between the new ones: the plan adds that heap slack
+  there (``CPU_HEAP_SLACK``, measured; docs/memory.md), never on a GPU.
 * the CB engine allocates one pool up front and keeps it, whatever the batch needs. The planner repeats
   the engine's own sizing, step for step, so that it predicts the number of blocks the engine resolves
   (a test builds the engine and checks this):
