@@ -447,3 +447,38 @@ def test_trl_step_findings_says_why_a_step_without_reward_spread_changed_nothing
                                               "grad_norm": 0.0})
     moved = trl_step_findings({"reward": 0.25, "frac_reward_zero_std": 0.5, "loss": 0.01, "grad_norm": 0.3})
     assert "50% of its groups" in moved and "changed nothing" not in moved
+
+
+def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny, monkeypatch):
+    """02's stock TRL step: TRL hands the engine max_memory_percent, which a CPU reads as a share of host RAM (02 at
+    CPU size peaked at 16.1 GiB for it). On a CPU the helper gives the engine the pool cbkit's own CPU engine gets:
+    every completion of the step at the longest prompt and the completion limit."""
+    pytest.importorskip("trl")
+    import trl
+
+    from cbkit.rollout.engine_config import page_size, workload_blocks
+    from cbkit.tasks.rewards import DEFAULT_REWARDS
+    from cbkit.train.config import CBGRPOConfig
+    from cbkit.trl.rewards import trl_dataset
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Stock:
+        def __init__(self, *, args, **kwargs):
+            seen["cb"] = dict(args.transformers_continuous_batching_config)
+            raise Stop
+
+    monkeypatch.setattr(trl, "GRPOTrainer", Stock)
+    problems = load_problems("synthetic", n=3)
+    dataset = trl_dataset(problems)
+    cfg = CBGRPOConfig(model="tiny", num_generations=4, prompts_per_step=3, max_completion_length=10, max_steps=1,
+                       use_transformers_continuous_batching=True, disable_tqdm=True)
+    with pytest.raises(Stop):
+        notebook.stock_trl_cb_rollout(tiny.model, tiny.tokenizer, DEFAULT_REWARDS, dataset, cfg, report_to=[],
+                                      save_strategy="no", per_device_train_batch_size=12)
+    longest = max(len(tiny.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
+                                                         return_dict=True)["input_ids"]) for r in dataset)
+    assert seen["cb"]["num_blocks"] == workload_blocks([[0] * longest] * 12, 10, page_size(seen["cb"]))
