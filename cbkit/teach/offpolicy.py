@@ -20,6 +20,7 @@ import torch
 
 from cbkit.rollout import SamplingParams
 from cbkit.rollout.continuous import ContinuousBackend
+from cbkit.telemetry import release_memory
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepHooks, StepRecord
@@ -85,25 +86,6 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
     policy.model.load_state_dict(initial)
     return out
 
-
-def resident_bytes() -> int:
-    """This process's resident memory now, in bytes (what `release_memory` brings back down)."""
-    from cbkit.telemetry import rss_reader
-
-    return rss_reader()()
-
-
-def release_memory(model: torch.nn.Module | None = None) -> None:
-    """Collect what no longer has a reference (a trainer and its cycles), drop gradients, and give glibc's freed
-    heap back to the system, so resident memory falls to what is still held."""
-    import gc
-
-    from cbkit.telemetry import return_freed_memory_to_os
-
-    if model is not None:
-        model.zero_grad(set_to_none=True)
-    gc.collect()
-    return_freed_memory_to_os()
 
 
 def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
