@@ -89,8 +89,9 @@ test-notebooks: $(STAMP) browser
 	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
 
-# Each Question's code edit (scripts/question_edits.py) executed at CI sizes, run up to the cell the Question reads.
-# `pytest` checks cheaply that every edit applies and compiles; this runs them (15 copies, two at a time).
+# Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and
+# only the cells that the edited cell and that cell need. `pytest` checks cheaply that every edit applies and compiles;
+# this runs them (15 copies, two at a time).
 test-questions: $(STAMP)
 	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
