@@ -73,21 +73,25 @@ test-bare: $(STAMP)
 	CBKIT_BARE_PYTHON=$(abspath $(BARE))/bin/python $(BIN)/python -m pytest -p no:cacheprovider -q tests/test_bare.py
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
-# on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes.
-# Then each executed copy is rendered to HTML (nbconvert) and opened offline in headless Chromium, which must
-# draw every figure; the HTML and a screenshot of each stay next to it (runs/notebooks/*.html, *.png).
+# on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes. Each
+# kernel records its wall time and peak RSS beside its notebook (runs/notebooks/*.resources.json, printed as a
+# table: scripts/notebook_resources.py). Then each executed copy is rendered to HTML (nbconvert) and opened offline
+# in headless Chromium, which must draw every figure; the HTML and a screenshot of each stay next to it (*.html, *.png).
 test-notebooks: $(STAMP) browser
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
+	$(BIN)/python scripts/notebook_resources.py mark $(EXECUTED)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 \
 		$(EXECUTED)
+	$(BIN)/python scripts/notebook_resources.py table $(EXECUTED)
 	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_notebooks.py -k executed_notebook
 	# The sections docs/workshop.md lets a session skip, taken out: what follows them must run without them.
 	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
 
-# Each Question's code edit (scripts/question_edits.py) executed at CI sizes, run up to the cell the Question reads.
-# `pytest` checks cheaply that every edit applies and compiles; this runs them (15 copies, two at a time).
+# Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and
+# only the cells that the edited cell and that cell need. `pytest` checks cheaply that every edit applies and compiles;
+# this runs them (15 copies, two at a time).
 test-questions: $(STAMP)
 	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \

@@ -72,10 +72,15 @@ def rss_reader() -> Callable[[], int]:
 
 
 _STATUS = Path("/proc/self/status")
+# The kernel keeps one peak-RSS counter per process and PeakMemory resets it; what each reset discards is kept here,
+# so the process's peak since it started can still be read (process_peak_rss). Process-wide, as the counter is.
+_peak_before_resets = 0
 
 
 def _reset_high_water_mark() -> bool:
     """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False where that is not possible."""
+    global _peak_before_resets
+    _peak_before_resets = max(_peak_before_resets, _high_water_mark())
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return _high_water_mark() > 0
@@ -92,6 +97,21 @@ def _high_water_mark() -> int:
     except OSError:
         pass
     return 0
+
+
+def process_peak_rss() -> int:
+    """This process's peak RSS in bytes since it started, 0 where unknown: on Linux the larger of VmHWM and what
+    every PeakMemory reset of it discarded; elsewhere (no /proc, so nothing resets it) getrusage's ru_maxrss.
+    `make test-notebooks` reads it in each notebook's kernel after the last cell (scripts/notebook_resources.py)."""
+    if hwm := _high_water_mark():
+        return max(_peak_before_resets, hwm)
+    try:
+        import resource
+        import sys
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 class PeakMemory:

@@ -4,7 +4,10 @@ Every notebook ends with open Questions ("set N = 32: what changes?"). `EDITS` h
 for, as a text replacement in one code cell; tests/test_notebooks.py checks that each edit still applies, that its
 words are the Question's, and that the edited notebook compiles (03's "add cb_config=..." beside an existing
 `cb_config=POOL` was a SyntaxError). This script writes one copy per edit, cut after the cell the Question reads
-(`until`), and `make test-questions` executes them at CI sizes, so the edit also runs: configs validate, shapes fit.
+(`until`), and `make test-questions` (part of `make test`) executes them at CI sizes, so the edit also runs: configs
+validate, shapes fit. To keep that cheap, a copy keeps only the code cells the edited cell and the cell the Question
+reads need: the setup cell, those two, and every earlier cell that binds a name a kept cell reads (by their syntax
+trees). A cell that only draws or prints what nothing later reads is left out; the rest runs as in the notebook.
 
     python scripts/question_edits.py --out runs/notebooks-questions
 """
@@ -99,6 +102,41 @@ def apply(book, edit: Edit):
     return book
 
 
+def names(source: str) -> tuple[set[str], set[str]] | None:
+    """(names a cell binds, names it reads) by its syntax tree; None where it is not plain Python (a magic)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    bound, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+    return bound, read
+
+
+def only_what_it_needs(book, edit: Edit):
+    """`apply`'s copy without the code cells that neither the edited cell nor the last one needs: kept are the setup
+    cell, those two, and (walking back) every cell binding a name a kept cell reads; every cell that is not plain
+    Python is kept too. Markdown stays, so the copy still reads as the notebook."""
+    code = code_cells(book)
+    targets = {id(code[0]), id(code[-1])} | {id(c) for c in code if edit.new in c.source}
+    keep, needed = set(), set()
+    for cell in reversed(code):
+        found = names(cell.source)
+        if id(cell) in targets or found is None or found[0] & needed:
+            keep.add(id(cell))
+            needed |= found[1] if found else set()
+    book.cells = [c for c in book.cells if c.cell_type != "code" or id(c) in keep]
+    return book
+
+
 def main(argv: list[str] | None = None) -> int:
     import nbformat
 
@@ -110,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         for edit in edits:
             if edit.gpu_only:
                 continue
-            book = apply(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), edit)
+            book = only_what_it_needs(apply(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), edit), edit)
             # One folder per copy: a notebook writes its results under runs/ beside itself, and two copies of one
             # sweep with different settings must not share (or resume) one results file.
             folder = args.out / f"{stem}-q{edit.question}"
             folder.mkdir(exist_ok=True)
             nbformat.write(book, folder / f"{stem}-q{edit.question}.ipynb")
-            print(f"question_edits: {stem} question {edit.question}, {len(book.cells)} cells")
+            print(f"question_edits: {stem} question {edit.question}, {len(code_cells(book))} code cells")
     return 0
 
 

@@ -204,6 +204,19 @@ def test_executed_notebook_draws_every_figure_in_a_browser(path):
     assert path.with_suffix(".png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("path", _executed(), ids=lambda p: p.stem)
+def test_executed_notebook_recorded_its_kernels_time_and_peak_rss(path):
+    """`make test-notebooks` has each kernel write its wall time and peak RSS beside it (scripts/notebook_resources.py);
+    a kernel that imported torch and loaded a model holds far more than 200 MiB, and it ran within nbmake's 300 s."""
+    import json
+
+    record = path.with_name(f"{path.stem}.resources.json")
+    assert record.is_file(), f"{path.name}: its kernel wrote no {record.name} (scripts/notebook_resources.py mark)"
+    rec = json.loads(record.read_text())
+    assert rec["notebook"] == path.stem and 0 < rec["seconds"] <= 300 + 60, rec
+    assert rec["peak_rss_bytes"] > 200 * 2**20, rec
+
+
 # --- phenomenon guards: what the text relies on, still there at CI size -------------------------------------------
 # Each notebook records, as it runs, the measured numbers its text relies on (cbkit.teach.notebook.record_phenomena,
 # a JSON output). The guards below read them back from the executed notebook and fail, naming the phenomenon,

@@ -135,3 +135,21 @@ def test_cpu_peak_is_the_kernels_high_water_mark_without_a_poller():
     assert mem._hwm, "this Linux machine lets a process reset its own VmHWM (/proc/self/clear_refs)"
     assert during == before
     assert 60 * 2**20 <= mem.peak_bytes < 96 * 2**20
+
+
+def test_process_peak_rss_survives_the_probes_reset_of_the_high_water_mark():
+    """A 128 MiB buffer touched and freed, then a PeakMemory (which resets VmHWM to the current RSS): the kernel's
+    counter no longer holds that peak, the process's peak since it started still does."""
+    import torch
+
+    from cbkit.telemetry import PeakMemory, _high_water_mark, process_peak_rss, rss_reader
+
+    rss = rss_reader()
+    buf = torch.ones(128 * 2**20, dtype=torch.uint8)  # touched, so resident; large, so freed straight to the OS
+    high = rss()
+    del buf
+    with PeakMemory("cpu"):
+        pass
+    assert _high_water_mark() < high - 64 * 2**20, "the reset should have dropped VmHWM below the buffer's peak"
+    # VmHWM trails the RSS counters by the kernel's per-thread batching (a few hundred KiB here)
+    assert process_peak_rss() >= high - 16 * 2**20

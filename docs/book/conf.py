@@ -1,6 +1,6 @@
 """Sphinx configuration of the workshop book (`make book`): the executed notebooks and the facilitator's guide
 as one static site. `scripts/build_book.py` stages the sources next to this file and builds it offline; why
-Sphinx + myst-nb is in `docs/workshop.md` ("The book")."""
+Sphinx + myst-nb is in `docs/design.md`."""
 
 project = "cbkit workshop"
 author = "cbkit"
