@@ -342,6 +342,14 @@ class CBGRPOConfig:
         return "\n".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(cls))
 
 
+def same_as(name: str, *, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
+    """A field of another command's config (`cbkit demo`, `cbkit advise`) that means what `CBGRPOConfig`'s `name`
+    means: its help text is that field's, so the flags of two commands cannot drift apart. ``aliases`` are more
+    flag spellings (``-N``); ``kw`` the field's own default."""
+    text = next(f.metadata["help"] for f in dataclasses.fields(CBGRPOConfig) if f.name == name)
+    return field(metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})}, **kw)
+
+
 def continuous_batching_flag(use_transformers_paged: bool | None, use_transformers_continuous_batching: bool) -> bool:
     """The rollout engine switch, with TRL's deprecated `use_transformers_paged` forwarded to it (None: not set):
     the one place the old name is read, by `CBGRPOConfig` and by the TRL bridge's dicts alike."""
