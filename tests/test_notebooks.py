@@ -321,16 +321,81 @@ def test_executed_notebook_guards_fail_when_the_phenomenon_is_hidden(path, tmp_p
         assert [f.split(":")[0] for f in failures] == [claim], (claim, failures)
 
 
+def names_read(holds) -> set[str]:
+    """Every recorded name a guard's check reads: run it on values that send each `and` / `or` both ways."""
+    names: set[str] = set()
+
+    class Reads(dict):
+        def __init__(self, value: float):
+            super().__init__()
+            self.value = value
+
+        def __missing__(self, key):
+            names.add(key)
+            return self.value
+
+    for value in (0.0, 1.0):
+        holds(Reads(value))
+    return names
+
+
+def _calls(source: str) -> list[str]:
+    """The text of every `record_phenomena(...)` call in a cell, up to its closing parenthesis."""
+    calls = []
+    for start in (m.end() for m in re.finditer(r"record_phenomena\(", source)):
+        depth, end = 1, start
+        while depth and end < len(source):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        calls.append(source[start:end])
+    return calls
+
+
+def recording(cells: list[str], name: str) -> str | None:
+    """What in the code cells records `name`: a `record_phenomena(name=...)` keyword or `"name"` key, or a key
+    composed as f"{label}_{rest}" in the call, with "rest" quoted in the call and "label" quoted in its cell
+    (04: f"{label}_{what}" over its runs' labels). None: nothing records it."""
+    for cell in cells:
+        for call in _calls(cell):
+            if re.search(rf"\b{name}\s*=(?!=)", call) or f'"{name}"' in call:
+                return name
+            parts = name.split("_")
+            for i in range(1, len(parts)):
+                label, rest = "_".join(parts[:i]), "_".join(parts[i:])
+                if "{" in call and f'"{rest}"' in call and f'"{label}"' in cell:
+                    return rest
+    return None
+
+
+def unrecorded(path: Path) -> list[str]:
+    """The names some guard of this notebook reads that none of its record_phenomena calls records."""
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    return sorted({n for _, holds, _ in GUARDS[path.stem] for n in names_read(holds) if recording(cells, n) is None})
+
+
 def test_every_notebook_records_what_its_guards_read():
     """The committed notebooks call record_phenomena with every name their guards read (so a guard never
     silently reads nothing), and every notebook has guards."""
     assert sorted(GUARDS) == EXPECTED
     for path in NOTEBOOKS:
-        source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
-        assert "record_phenomena(" in source, path.name
-        for _, _, edit in GUARDS[path.stem]:
-            for name in edit:
-                assert name in source or f'{name.split("_")[0]}' in source, f"{path.name}: nothing records {name}"
+        assert all(names_read(holds) for _, holds, _ in GUARDS[path.stem]), path.name
+        assert not unrecorded(path), f"{path.name}: nothing records {unrecorded(path)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_recording_check_fails_on_a_notebook_that_stops_recording_a_name(path, tmp_path):
+    """The defect the check above names, made in a copy (written and read back as a file): each name a guard reads,
+    renamed where the notebook records it, is reported as unrecorded."""
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    for name in sorted({n for _, holds, _ in GUARDS[path.stem] for n in names_read(holds)}):
+        token = recording(cells, name)
+        broken = nbformat.read(path, as_version=4)
+        for cell in broken.cells:
+            if cell.cell_type == "code" and "record_phenomena(" in cell.source:
+                cell.source = re.sub(rf"\b{token}\b", f"{token}_renamed", cell.source)
+        nbformat.write(broken, tmp_path / path.name)
+        missing = unrecorded(tmp_path / path.name)
+        assert name in missing, (name, token, missing)
 
 
 # --- teaching defects that must not come back (issue 19) ----------------------------------------------------------
