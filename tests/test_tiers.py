@@ -219,7 +219,7 @@ def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys
     pool = env.pool_config(types.SimpleNamespace(config=tiers.plan_config(env.sizes.model),
                                                  parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])),
                            [[1] * 10] * 8, 8)
-    from cbkit.rollout.continuous import workload_blocks
+    from cbkit.rollout.engine_config import workload_blocks
 
     # Capped so a CPU does not allocate a T4's share: fewer blocks than the 8 requests need, so some wait.
     assert 0 < pool["num_blocks"] < workload_blocks([[1] * 10] * 8, 8, pool["page_size"])
