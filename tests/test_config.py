@@ -34,6 +34,14 @@ def test_cb_config_keeps_the_users_keys_and_the_engine_merges_the_defaults_under
         "max_memory_percent": 0.5}
 
 
+def test_a_saved_config_with_the_defaults_spelled_out_resumes_under_one_without():
+    saved = CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.5, "use_cuda_graph": False})
+    assert saved.diff(CBGRPOConfig()) == {}
+    assert saved.diff(CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.3})) == {
+        "transformers_continuous_batching_config": ({"max_memory_percent": 0.5, "use_cuda_graph": False},
+                                                    {"max_memory_percent": 0.3})}
+
+
 def test_use_transformers_paged_forwards_with_future_warning():
     with pytest.warns(FutureWarning, match="use_transformers_continuous_batching"):
         c = CBGRPOConfig(use_transformers_paged=False)

@@ -333,9 +333,17 @@ class CBGRPOConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def diff(self, other: CBGRPOConfig, ignore: tuple[str, ...] = RESUMABLE_CHANGES) -> dict[str, tuple[Any, Any]]:
-        """Fields whose values differ, as {name: (self's, other's)}, leaving out `ignore`."""
+        """Fields whose values differ, as {name: (self's, other's)}, leaving out `ignore`. CB configs differ when they
+        resolve to different engine settings: a default spelled out (as configs saved before the defaults stopped
+        being merged in hold them) is the default."""
+        from cbkit.rollout.engine_config import cb_config_values
+
         a, b = self.to_dict(), other.to_dict()
-        return {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
+        out = {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
+        cb = "transformers_continuous_batching_config"
+        if cb in out and cb_config_values(a[cb]) == cb_config_values(b[cb]):
+            del out[cb]
+        return out
 
     @classmethod
     def help(cls) -> str:
