@@ -1,9 +1,11 @@
 """`cbkit <command>`: the kit's entry points. Each command is a function taking parsed args, easy to add to.
 
-`train` and `sweep` take one flag per field of their config dataclass (`CBGRPOConfig`, `SweepConfig`), made by
-transformers' `HfArgumentParser`, the parser TRL's scripts use: typed from the annotation, help from the field's
-metadata, both `--num_generations` and `--num-generations`, booleans as `--flag [true|false]` plus `--no-flag`
-where the default is True. A field added to either dataclass is a flag without touching this file.
+`train`, `sweep`, `demo` and `advise` take one flag per field of their config dataclass (`CBGRPOConfig`,
+`SweepConfig`, `DemoConfig`, `AdviseConfig`), made by transformers' `HfArgumentParser`, the parser TRL's scripts
+use: typed from the annotation, help from the field's metadata, both `--num_generations` and `--num-generations`
+(and a field's `aliases`, such as `-N`), booleans as `--flag [true|false]` plus `--no-flag` where the default is
+True. A field added to a dataclass is a flag without touching this file; a field without a default is a required
+flag.
 `cbkit train --config recipe.yaml` reads a run from a YAML file of `CBGRPOConfig` fields, the way TRL's
 `TrlParser` reads `--config`; flags given next to it win. (TRL itself is not imported: a bare GPU image has
 transformers but not trl.) What `HfArgumentParser` cannot express is adapted in `_given_flags_only`, each
@@ -21,24 +23,12 @@ from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from cbkit.teach.demo import format_table, run_demo
+    from cbkit.teach.demo import DemoConfig, format_table, run_demo
 
-    results = run_demo(
-        model=args.model,
-        data=args.data,
-        num_prompts=args.prompts,
-        num_generations=args.num_generations,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        backends=tuple(args.backends.split(",")),
-        cb_config=args.cb_config,
-        seed=args.seed,
-        out=args.out,
-    )
-    print(f"\n{args.prompts} prompts x N={args.num_generations}, max_new_tokens={args.max_new_tokens}, "
-          f"model={args.model}, data={args.data}")
+    cfg = DemoConfig(**given_fields(args, DemoConfig))
+    results = run_demo(**dataclasses.asdict(cfg))
+    print(f"\n{cfg.num_prompts} prompts x N={cfg.num_generations}, max_new_tokens={cfg.max_new_tokens}, "
+          f"model={cfg.model}, data={cfg.data}")
     print("peak memory: CPU RSS above the post-load baseline (indicative); CUDA max_memory_allocated on a GPU")
     print(format_table(results))
     return 0
@@ -116,12 +106,14 @@ def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
         f = fields.get(action.dest)
         if f is None:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        action.default, action.required = argparse.SUPPRESS, False
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        action.default, action.required = argparse.SUPPRESS, required and not isinstance(action,
+                                                                                         argparse._StoreFalseAction)
         if isinstance(action, argparse._StoreFalseAction):  # the --no-<flag> twin of a boolean
             continue
         text = f.metadata.get("help") or f"{dtype.__name__}.{f.name}"
-        action.help = f"{text} (default: {default!r})".replace("%", "%%")
+        action.help = (text if required else f"{text} (default: {default!r})").replace("%", "%%")
         base, optional = _strip_optional(hints[f.name])
         flag = action.option_strings[-1]
         if typing.get_origin(base) is dict:
@@ -194,14 +186,6 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
-    from cbkit.measure.tables import (
-        points_table,
-        results_summary,
-        roof_table,
-        step_split_table,
-        trl_benchmark_table,
-        write_csv,
-    )
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
@@ -233,22 +217,39 @@ def _sweep(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.close()
+    _print_results(points, out, cfg.fingerprint(), estimate=True, force_gpu_tables=args.preset == "trl-benchmark")
+    return 0
+
+
+def _print_results(points, out, fingerprint: dict, *, estimate: bool = False, force_gpu_tables: bool = False) -> None:
+    """What a sweep prints at its end and `cbkit report` prints again from its file, in one order: what ran, the
+    points, TRL's benchmark table, then a full-step sweep's split by phase (with ``estimate``, the same steps on
+    GPUs, which reads the model's config) or the roofline shares; the CSV, the GPU tables, the HTML report."""
+    from cbkit.measure.tables import (
+        points_table,
+        results_summary,
+        roof_table,
+        step_split_table,
+        trl_benchmark_table,
+        write_csv,
+    )
+
     print(results_summary(out))
     print(points_table(points))
     print()
     print(trl_benchmark_table(points))
     print()
-    if cfg.full_step:
+    if any(p.get("step_s") is not None for p in points):
         print("One GRPO step split by phase; (of roof) = the phase's roof seconds on this run's probe over its "
               "seconds; Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
         print(step_split_table(points))
-        _estimated_split(out, cfg.model)
+        if estimate:
+            _estimated_split(out, fingerprint["model"])
     else:
         print(roof_table(points))
     write_csv(points, out.with_suffix(".csv"))
-    _gpu_tables(points, cfg.model, force=args.preset == "trl-benchmark")
-    _finish_report(points, out, cfg.fingerprint())
-    return 0
+    _gpu_tables(points, fingerprint.get("model"), force=force_gpu_tables)
+    _finish_report(points, out, fingerprint)
 
 
 def _estimated_split(out, model: str) -> None:
@@ -354,67 +355,35 @@ def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cbkit.measure.results import aggregate, read_results
-    from cbkit.measure.tables import (
-        points_table,
-        results_summary,
-        roof_table,
-        step_split_table,
-        trl_benchmark_table,
-        write_csv,
-    )
 
     out = Path(args.results)
     results = read_results(out)
-    points = aggregate(results.runs)
-    write_csv(points, out.with_suffix(".csv"))
-    print(results_summary(results))
-    print(points_table(points))
-    print()
-    print(trl_benchmark_table(points))
-    print()
-    print(roof_table(points))
-    if any(p.get("step_s") is not None for p in points):
-        print()
-        print(step_split_table(points))
-    _gpu_tables(points, results.fingerprint.get("model"))
-    _finish_report(points, out, results.fingerprint)
+    _print_results(aggregate(results.runs), out, results.fingerprint)
     return 0
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from cbkit.measure.advise import measured_from_sweep, recommend
-    from cbkit.measure.planner import DTYPE_BYTES, crossover_n, plan
+    from cbkit.measure.advise import AdviseConfig, measured_from_sweep, recommend
+    from cbkit.measure.planner import crossover_n, plan
     from cbkit.models.load import load_config
 
-    if args.budget_gb is not None and not args.budget_gb > 0:
-        raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {args.budget_gb}.")
-    if args.dtype is not None and args.dtype not in DTYPE_BYTES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}; got {args.dtype!r}.")
-    device = args.device or ("cuda" if args.budget_gb is not None else "cpu")
-    if device == "cuda" and args.budget_gb is None:
-        raise ValueError("on cuda the CB engine sizes its pool as a share of free memory: give --budget-gb, the "
-                         "GiB free after loading the weights (e.g. ~76 on an A100-80GB with a 1B model in bf16).")
-    budget = int(args.budget_gb * 1024**3) if args.budget_gb is not None else None
-    dtype_bytes = DTYPE_BYTES[args.dtype] if args.dtype else (2 if device == "cuda" else 4)
-    sizes = dict(num_prompts=args.prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-                 mean_completion_len=args.mean_completion_len, dtype_bytes=dtype_bytes, budget_bytes=budget,
-                 device=device)
-    if args.num_generations < 1:
-        raise ValueError(f"-N must be >= 1, got {args.num_generations}.")
-    measured = measured_from_sweep(args.results_from, args.num_generations) if args.results_from else None
-    config = load_config(args.model)
-    memory = plan(config, num_generations=args.num_generations, model_name=args.model, **sizes)
-    cross = crossover_n(config, max_n=max(1024, 4 * args.num_generations), **sizes)
-    advice = recommend(args.num_generations, completion_cv=args.completion_cv,
-                       mean_completion_len=args.mean_completion_len, max_new_tokens=args.max_new_tokens,
-                       multimodal=args.multimodal, need_max_throughput=args.max_throughput, num_gpus=args.gpus,
-                       tensor_parallel=args.tensor_parallel, memory=memory if budget is not None else None,
-                       measured=measured)
+    a = AdviseConfig(**given_fields(args, AdviseConfig))
+    sizes = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
+                 mean_completion_len=a.mean_completion_len, dtype_bytes=a.dtype_bytes, budget_bytes=a.budget_bytes,
+                 device=a.device)
+    measured = measured_from_sweep(a.results_from, a.num_generations) if a.results_from else None
+    config = load_config(a.model)
+    memory = plan(config, num_generations=a.num_generations, model_name=a.model, **sizes)
+    cross = crossover_n(config, max_n=max(1024, 4 * a.num_generations), **sizes)
+    advice = recommend(a.num_generations, completion_cv=a.completion_cv, mean_completion_len=a.mean_completion_len,
+                       max_new_tokens=a.max_new_tokens, multimodal=a.multimodal,
+                       need_max_throughput=a.max_throughput, num_gpus=a.gpus, tensor_parallel=a.tensor_parallel,
+                       memory=memory if a.budget_bytes is not None else None, measured=measured)
     print("Predicted peak memory above the weights, one rollout:")
     print(memory.summary())
     print(f"crossover: CB's predicted peak is below generate()'s from N={cross}" if cross is not None
           else "crossover: CB's predicted peak stays above generate()'s for every N up to "
-               f"{max(1024, 4 * args.num_generations)}")
+               f"{max(1024, 4 * a.num_generations)}")
     print(f"\nAdvice: {advice}")
     return 0
 
@@ -448,27 +417,15 @@ def _tiers(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cbkit.models.load import DEFAULT_MODEL
-
     parser = argparse.ArgumentParser(prog="cbkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="one GRPO-shaped rollout through each backend, side by side")
-    demo.add_argument("--model", default=DEFAULT_MODEL,
-                      help="smollm2-offline (default), tiny, a hub id or a local directory")
-    demo.add_argument("--data", default="synthetic",
-                      help="synthetic (default, offline), gsm8k-local, gsm8k[:split] (hub), or a .jsonl path")
-    demo.add_argument("--prompts", type=int, default=2, help="number of prompts")
-    demo.add_argument("-N", "--num-generations", type=int, default=8, help="completions per prompt")
-    demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--temperature", type=float, default=1.0)
-    demo.add_argument("--top-p", type=float, default=1.0)
-    demo.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    demo.add_argument("--backends", default="generate,continuous")
-    demo.add_argument("--cb-config", default=None, type=_json_value("--cb-config"),
-                      help='JSON overrides for the CB engine, e.g. \'{"max_memory_percent": 0.4}\'')
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default=None, help="append one JSON line per backend to this file")
+    from cbkit.teach.demo import DemoConfig
+
+    demo = sub.add_parser("demo", parents=[dataclass_flags(DemoConfig)],
+                          help="one GRPO-shaped rollout through each backend, side by side",
+                          description="Every DemoConfig field is a flag; those the training run also has carry "
+                                      "CBGRPOConfig's help.")
     demo.set_defaults(func=_demo)
 
     from cbkit.measure.sweep import SweepConfig
@@ -518,35 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "checkpoint's config is used, the recipe and flags given override it where a resume "
                             "allows")
     train.set_defaults(func=_train)
+    from cbkit.measure.advise import AdviseConfig
+
     advise = sub.add_parser(
-        "advise", help="predict both backends' peak memory and recommend generate, CB or vLLM",
+        "advise", parents=[dataclass_flags(AdviseConfig)],
+        help="predict both backends' peak memory and recommend generate, CB or vLLM",
         description="Reads only the model's config. Prints the planner's prediction for generate() and the CB "
                     "engine, the N from which CB uses less memory, and the decision guide applied (its "
-                    "thresholds from TRL's A100 benchmark), or with --from a sweep measured on this machine.",
+                    "thresholds from TRL's A100 benchmark), or with --from a sweep measured on this machine. Every "
+                    "AdviseConfig field is a flag.",
     )
-    advise.add_argument("--model", default=DEFAULT_MODEL,
-                        help="smollm2-offline (default), tiny, a hub id or a local directory")
-    advise.add_argument("-N", "--num-generations", type=int, required=True, help="completions per prompt")
-    advise.add_argument("--prompts", type=int, default=8, help="prompts per rollout (default 8)")
-    advise.add_argument("--prompt-len", type=int, default=256, help="longest prompt, tokens (default 256)")
-    advise.add_argument("--max-new-tokens", type=int, default=512, help="default 512")
-    advise.add_argument("--mean-completion-len", type=float, default=None,
-                        help="mean completion length in tokens, if known: measures the spread of lengths")
-    advise.add_argument("--completion-cv", type=float, default=None,
-                        help="coefficient of variation of completion lengths, if known")
-    advise.add_argument("--budget-gb", type=float, default=None,
-                        help="GiB free after loading the weights (needed for cuda)")
-    advise.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="cuda when --budget-gb is given, else cpu (where cbkit sizes the pool to the workload)")
-    advise.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default bf16 on cuda, fp32 on cpu)")
-    advise.add_argument("--multimodal", action="store_true", help="prompts carry images or audio")
-    advise.add_argument("--max-throughput", action="store_true",
-                        help="rollout throughput above all (weight sync to a separate engine acceptable)")
-    advise.add_argument("--gpus", type=int, default=1, help="GPUs available (default 1)")
-    advise.add_argument("--tensor-parallel", action="store_true", help="the model must be split over GPUs")
-    advise.add_argument("--from", dest="results_from", default=None, metavar="SWEEP_JSONL",
-                        help="decide from a `cbkit sweep` results file measured here (its speed and memory ratios "
-                             "at the nearest N, and its length statistics) instead of the A100 thresholds")
     advise.set_defaults(func=_advise)
     tiers = sub.add_parser(
         "tiers", help="plan every notebook on a T4 and an A100 (40/80 GB): fit, runtime, crossover; no GPU needed",

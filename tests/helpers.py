@@ -1,10 +1,21 @@
-"""Shared test helpers: a teacher-forced reference for sampling logprobs."""
+"""Helpers several test modules share (test modules never import each other): a teacher-forced reference for
+sampling logprobs; the GRPO loop on the tiny model with its metrics and weights compared; the notebooks' names
+and a headless browser for the executed notebooks and the book."""
 
 from __future__ import annotations
 
+import json
+import string
+from pathlib import Path
+
+import pytest
 import torch
 
+from cbkit.models.load import load_policy
 from cbkit.rollout import Completion, SamplingParams
+from cbkit.tasks.data import Problem
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.objective import processed_logprobs
 
 
@@ -28,3 +39,78 @@ def max_logprob_diff(model, rollout, sampling: SamplingParams) -> float:
         got = torch.tensor(c.sampling_logprobs, device=ref.device)
         worst = max(worst, (got - ref).abs().max().item())
     return worst
+
+
+# --- the GRPO loop on the tiny model --------------------------------------------------------------------------
+
+MAX_LEN = 8
+PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?", "ok", "go on"])]
+# Not deterministic across runs or machines: left out when comparing a resumed run's metrics.
+TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds")
+
+
+def letters_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """Share of lowercase ASCII letters: ~1 in 10 tokens of the random tiny model, so groups differ from step 1."""
+    return [sum(ch in string.ascii_lowercase for ch in c) / MAX_LEN for c in completions]
+
+
+def config(**kw) -> CBGRPOConfig:
+    base = dict(model="tiny", system_prompt=None, prompts_per_step=2, num_generations=4,
+                max_completion_length=MAX_LEN, learning_rate=1e-2, max_steps=2, disable_tqdm=True,
+                use_transformers_continuous_batching=False, save_steps=0)
+    return CBGRPOConfig(**{**base, **kw})
+
+
+def trainer(cfg: CBGRPOConfig, policy=None, reward_funcs=(letters_reward,), **kw) -> GRPOTrainer:
+    policy = policy if policy is not None else load_policy("tiny", seed=0)
+    return GRPOTrainer(cfg, policy=policy, reward_funcs=list(reward_funcs), problems=PROBLEMS, **kw)
+
+
+def untimed_metrics(path) -> list[dict]:
+    """A run's metrics.jsonl rows without the timing keys (``TIMING``)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the notebooks, and a headless browser to open them in -----------------------------------------------------
+
+NOTEBOOK_STEMS = ["00_quickstart", "01_kv_slot_recycling", "02_logprob_correctness", "03_n_sweep", "04_grpo_live",
+                  "05_off_policy"]
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
+
+
+def chromium() -> str:
+    import shutil
+
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail("this check opens pages in a browser, but no Chromium is installed: apt-get install -y chromium "
+                "(.ci/run does).")
+
+
+def browser(url: str, *args: str) -> str:
+    import subprocess
+
+    # No network: a figure that needs a CDN stays blank here, as it would for an offline reader.
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--hide-scrollbars", "--proxy-server=127.0.0.1:9", "--run-all-compositor-stages-before-draw",
+           "--virtual-time-budget=60000", *args, url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"chromium failed on {url}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def drawn_figures(dom: str) -> tuple[int, int]:
+    """(plotly figures in the page, those that drew axes and at least one trace) from a DOM Chromium rendered."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(dom, "html.parser")
+    figures = soup.select("div.js-plotly-plot")
+    drawn = [f for f in figures if f.select("svg.main-svg")
+             and (f.select("g.trace") or f.select("g.hm") or f.select("canvas.gl-canvas-context"))]
+    return len(figures), len(drawn)

@@ -19,7 +19,7 @@ from cbkit.rollout import SamplingParams
 from cbkit.rollout.async_cb import AsyncEngine
 from cbkit.train.objective import policy_logprobs
 from cbkit.train.offpolicy import input_versions, versioned_logprobs
-from tests.test_grpo import TIMING, _metrics, _same_weights, config, trainer
+from tests.helpers import TIMING, config, same_weights, trainer, untimed_metrics
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 UPDATE_AT = 4
@@ -136,7 +136,7 @@ def async_config(**kw):
 def test_async_training_straddles_updates_and_reports_it(tmp_path):
     tr = trainer(async_config(max_steps=3, output_dir=str(tmp_path)))
     tr.train()
-    rows = _metrics(tmp_path / "metrics.jsonl")
+    rows = untimed_metrics(tmp_path / "metrics.jsonl")
     assert rows[0]["offpolicy/staleness_max"] == 0.0  # step 1's rollout ran before any update
     for r in rows[1:]:
         assert r["offpolicy/staleness_max"] == 1.0 and r["offpolicy/straddling_frac"] > 0
@@ -164,7 +164,7 @@ def test_a_resumed_async_run_draws_what_the_uninterrupted_one_drew(tmp_path):
     resumed = run(tmp_path / "resumed", 4, resume=True)
 
     def strip(path):
-        return [{k: v for k, v in r.items() if k not in WAITS} for r in _metrics(path / "metrics.jsonl")]
+        return [{k: v for k, v in r.items() if k not in WAITS} for r in untimed_metrics(path / "metrics.jsonl")]
 
     assert strip(tmp_path / "resumed") == strip(tmp_path / "straight")
-    assert _same_weights(straight.model.state_dict(), resumed.model.state_dict())
+    assert same_weights(straight.model.state_dict(), resumed.model.state_dict())

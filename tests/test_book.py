@@ -16,7 +16,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.test_notebooks import EXPECTED, PLOTLY_JSON, _browser, _drawn_figures
+from tests.helpers import NOTEBOOK_STEMS as EXPECTED
+from tests.helpers import PLOTLY_JSON, browser, drawn_figures
 
 BOOK_ENV = "CBKIT_BOOK"
 BOOK = Path(os.environ[BOOK_ENV]) if os.environ.get(BOOK_ENV) else None
@@ -87,7 +88,7 @@ def test_every_figure_draws_in_the_book_and_has_a_png(stem):
     for png in pngs:
         raw = base64.b64decode(png)
         assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 10_000, f"{stem}: a PNG fallback is not a drawn image"
-    total, drawn = _drawn_figures(_browser((BOOK / "notebooks" / f"{stem}.html").resolve().as_uri(), "--dump-dom"))
+    total, drawn = drawn_figures(browser((BOOK / "notebooks" / f"{stem}.html").resolve().as_uri(), "--dump-dom"))
     assert (total, drawn) == (expected, expected), (
         f"{stem}: {expected} figures in the notebook, {total} plotly figures on its page, {drawn} drew")
 

@@ -15,17 +15,31 @@ def test_defaults_use_trl_names_and_cb_defaults():
     c = CBGRPOConfig()
     assert (c.num_generations, c.loss_type, c.scale_rewards, c.beta, c.epsilon) == (8, "dapo", "group", 0.0, 0.2)
     assert c.importance_sampling_mode == "sequence_mask" and c.clip_max == 3.0
-    assert c.transformers_continuous_batching_config == {"max_memory_percent": 0.5, "use_cuda_graph": False}
+    assert c.transformers_continuous_batching_config == {}  # the user's keys only; the engine adds the defaults
     assert c.backend == "continuous" and c.cb_overrides() == {}
     assert c.resolved_reward_weights() == [1.0, 0.5]
     assert all(f.metadata.get("help") for f in dataclasses.fields(CBGRPOConfig)), "every field needs help text"
 
 
-def test_cb_config_merges_user_keys_over_defaults():
+def test_cb_config_keeps_the_users_keys_and_the_engine_merges_the_defaults_under_them():
+    from cbkit.rollout.engine_config import make_cb_config
+
     c = CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.3, "max_batch_tokens": 64})
-    assert c.transformers_continuous_batching_config == {
-        "max_memory_percent": 0.3, "use_cuda_graph": False, "max_batch_tokens": 64}
-    assert c.cb_overrides() == {"max_memory_percent": 0.3, "max_batch_tokens": 64}
+    assert c.transformers_continuous_batching_config == c.cb_overrides() == {
+        "max_memory_percent": 0.3, "max_batch_tokens": 64}
+    resolved = make_cb_config(c.cb_overrides())
+    assert (resolved.max_memory_percent, resolved.max_batch_tokens, resolved.use_cuda_graph) == (0.3, 64, False)
+    # A key set to its default value is still the user's choice: it is kept, not stripped.
+    assert CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.5}).cb_overrides() == {
+        "max_memory_percent": 0.5}
+
+
+def test_a_saved_config_with_the_defaults_spelled_out_resumes_under_one_without():
+    saved = CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.5, "use_cuda_graph": False})
+    assert saved.diff(CBGRPOConfig()) == {}
+    assert saved.diff(CBGRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.3})) == {
+        "transformers_continuous_batching_config": ({"max_memory_percent": 0.5, "use_cuda_graph": False},
+                                                    {"max_memory_percent": 0.3})}
 
 
 def test_use_transformers_paged_forwards_with_future_warning():

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from cbkit.rollout import SamplingParams
-from cbkit.rollout.continuous import ContinuousBackend, workload_blocks
+from cbkit.rollout.continuous import ContinuousBackend
+from cbkit.rollout.engine_config import workload_blocks
 from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest, record_engine_steps
 
 PAGE = 16

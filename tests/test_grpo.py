@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import json
 import math
-import string
 import types
 import warnings
 
@@ -21,37 +20,22 @@ import torch
 
 from cbkit.models.load import load_policy
 from cbkit.rollout import GenerateBackend, SamplingParams, make_backend
-from cbkit.tasks.data import Problem
 from cbkit.train.batch import Batch, completion_logits
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepHooks
 from cbkit.train.objective import importance_weights
-
-MAX_LEN = 8
-PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?", "ok", "go on"])]
-# Not deterministic across runs or machines: left out when comparing a resumed run's metrics.
-TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds")
-
+from tests.helpers import (
+    MAX_LEN,
+    PROBLEMS,
+    config,
+    letters_reward,
+    same_weights,
+    trainer,
+    untimed_metrics,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def letters_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """Share of lowercase ASCII letters: ~1 in 10 tokens of the random tiny model, so groups differ from step 1."""
-    return [sum(ch in string.ascii_lowercase for ch in c) / MAX_LEN for c in completions]
-
-
-def config(**kw) -> CBGRPOConfig:
-    base = dict(model="tiny", system_prompt=None, prompts_per_step=2, num_generations=4,
-                max_completion_length=MAX_LEN, learning_rate=1e-2, max_steps=2, disable_tqdm=True,
-                use_transformers_continuous_batching=False, save_steps=0)
-    return CBGRPOConfig(**{**base, **kw})
-
-
-def trainer(cfg: CBGRPOConfig, policy=None, reward_funcs=(letters_reward,), **kw) -> GRPOTrainer:
-    policy = policy if policy is not None else load_policy("tiny", seed=0)
-    return GRPOTrainer(cfg, policy=policy, reward_funcs=list(reward_funcs), problems=PROBLEMS, **kw)
 
 
 # --- backends the tests plug in -------------------------------------------------------------------------------
@@ -380,21 +364,12 @@ def test_kl_only_with_beta_and_against_the_initial_policy():
 # --- checkpoint and resume ------------------------------------------------------------------------------------
 
 
-def _metrics(path) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-
-
 @pytest.fixture(scope="module")
 def four_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     tr = trainer(config(max_steps=4, save_steps=2, output_dir=str(out)))
     tr.train()
-    return {k: v.clone() for k, v in tr.model.state_dict().items()}, _metrics(out / "metrics.jsonl"), out
-
-
-def _same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return {k: v.clone() for k, v in tr.model.state_dict().items()}, untimed_metrics(out / "metrics.jsonl"), out
 
 
 def test_resume_gives_the_same_weights_and_metrics(tmp_path, four_steps):
@@ -404,8 +379,8 @@ def test_resume_gives_the_same_weights_and_metrics(tmp_path, four_steps):
     tr = trainer(config(max_steps=4, save_steps=2, output_dir=str(tmp_path)))
     tr.train(resume_from=True)
     assert tr.state.resumed_from == tmp_path / "checkpoint-2"
-    assert _same_weights(weights, tr.model.state_dict())
-    assert _metrics(tmp_path / "metrics.jsonl") == metrics
+    assert same_weights(weights, tr.model.state_dict())
+    assert untimed_metrics(tmp_path / "metrics.jsonl") == metrics
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-engine", "kept-engine"])
@@ -429,8 +404,8 @@ def test_resume_with_cb_rollouts_gives_the_same_run(tmp_path, persistent):
     straight = run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)
     resumed = run(tmp_path / "resumed", 4, resume=True)
-    assert _same_weights(straight.model.state_dict(), resumed.model.state_dict())
-    assert _metrics(tmp_path / "resumed" / "metrics.jsonl") == _metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert same_weights(straight.model.state_dict(), resumed.model.state_dict())
+    assert untimed_metrics(tmp_path / "resumed" / "metrics.jsonl") == untimed_metrics(tmp_path / "straight" / "metrics.jsonl")
 
 
 def test_resume_with_a_different_config_lists_the_differences(tmp_path):
@@ -447,13 +422,13 @@ def test_interrupt_mid_step_keeps_the_last_finished_step_and_resume_continues(tm
     cfg = config(max_steps=4, save_steps=10, output_dir=str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         trainer(cfg, hooks=[OnStep(3, _interrupt)]).train()
-    assert [r["step"] for r in _metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in untimed_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")] == ["checkpoint-2"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary checkpoint left behind"
     tr = trainer(cfg)
     tr.train(resume_from=True)
-    assert _same_weights(weights, tr.model.state_dict())
-    assert _metrics(tmp_path / "metrics.jsonl") == metrics
+    assert same_weights(weights, tr.model.state_dict())
+    assert untimed_metrics(tmp_path / "metrics.jsonl") == metrics
 
 
 def test_nan_stops_the_run_without_logging_or_saving_the_step(tmp_path):
@@ -466,7 +441,7 @@ def test_nan_stops_the_run_without_logging_or_saving_the_step(tmp_path):
     cfg = config(max_steps=3, save_steps=1, output_dir=str(tmp_path))
     with pytest.raises(FloatingPointError, match="train/loss is nan at step 2"):
         trainer(cfg, policy=(model, tok), hooks=[OnStep(2, poison)]).train()
-    assert [r["step"] for r in _metrics(tmp_path / "metrics.jsonl")] == [1]
+    assert [r["step"] for r in untimed_metrics(tmp_path / "metrics.jsonl")] == [1]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")] == ["checkpoint-1"]
 
 

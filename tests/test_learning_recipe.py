@@ -15,7 +15,7 @@ import torch
 from cbkit.cli import main
 from cbkit.teach.notebook import SHORT_ANSWER_PROMPT
 from cbkit.train.config import CBGRPOConfig
-from tests.test_grpo import _metrics, config, trainer
+from tests.helpers import config, trainer, untimed_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_two_identical_runs_write_identical_metrics(tmp_path):
                            use_transformers_continuous_batching=True)).train()
     finally:
         torch.set_num_threads(n)
-    a, b = _metrics(tmp_path / "a" / "metrics.jsonl"), _metrics(tmp_path / "b" / "metrics.jsonl")
+    a, b = untimed_metrics(tmp_path / "a" / "metrics.jsonl"), untimed_metrics(tmp_path / "b" / "metrics.jsonl")
     assert len(a) == 2 and a == b
 
 

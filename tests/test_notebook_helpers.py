@@ -419,7 +419,7 @@ def test_update_with_and_without_is_by_hand():
     one (cosine below 1). The model's gradients are left cleared."""
     import dataclasses
 
-    from tests.test_grpo import PROBLEMS, config, trainer
+    from tests.helpers import PROBLEMS, config, trainer
 
     tr = trainer(config(use_transformers_continuous_batching=True))
     rollout = tr.rollout([0, 1], 0)

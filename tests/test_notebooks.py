@@ -11,10 +11,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tests.helpers import NOTEBOOK_STEMS, PLOTLY_JSON, browser, drawn_figures
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
-EXPECTED = ["00_quickstart", "01_kv_slot_recycling", "02_logprob_correctness", "03_n_sweep", "04_grpo_live",
-            "05_off_policy"]
+EXPECTED = NOTEBOOK_STEMS
 MAX_CELL_LINES = 25
 
 
@@ -123,7 +124,6 @@ def test_git_strips_notebook_outputs():
 # are kept next to the notebooks. Without the variable (plain `pytest`) there is nothing executed to look at.
 
 EXECUTED_ENV = "CBKIT_EXECUTED_NOTEBOOKS"
-PLOTLY_JSON = "application/vnd.plotly.v1+json"
 
 
 def _executed() -> list[Path]:
@@ -136,38 +136,6 @@ def _executed() -> list[Path]:
 def _figure_outputs(book) -> list[dict]:
     return [out for cell in book.cells if cell.cell_type == "code" for out in cell.outputs
             if out.get("output_type") in ("display_data", "execute_result") and PLOTLY_JSON in out.get("data", {})]
-
-
-def _chromium() -> str:
-    import shutil
-
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if path := shutil.which(name):
-            return path
-    pytest.fail(f"{EXECUTED_ENV} is set but no Chromium is installed: apt-get install -y chromium (.ci/run does).")
-
-
-def _browser(url: str, *args: str) -> str:
-    import subprocess
-
-    # No network: a figure that needs a CDN stays blank here, as it would for an offline reader.
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--hide-scrollbars", "--proxy-server=127.0.0.1:9", "--run-all-compositor-stages-before-draw",
-           "--virtual-time-budget=60000", *args, url]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"chromium failed on {url}: {done.stderr[-2000:]}"
-    return done.stdout
-
-
-def _drawn_figures(dom: str) -> tuple[int, int]:
-    """(plotly figures in the page, those that drew axes and at least one trace) from a DOM Chromium rendered."""
-    from bs4 import BeautifulSoup
-
-    soup = BeautifulSoup(dom, "html.parser")
-    figures = soup.select("div.js-plotly-plot")
-    drawn = [f for f in figures if f.select("svg.main-svg")
-             and (f.select("g.trace") or f.select("g.hm") or f.select("canvas.gl-canvas-context"))]
-    return len(figures), len(drawn)
 
 
 @pytest.mark.parametrize("path", _executed(), ids=lambda p: p.stem)
@@ -193,13 +161,13 @@ def test_executed_notebook_draws_every_figure_in_a_browser(path):
     html_path = path.with_suffix(".html")
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(book)
     html_path.write_text(body, encoding="utf-8")
-    total, drawn = _drawn_figures(_browser(html_path.resolve().as_uri(), "--dump-dom"))
+    total, drawn = drawn_figures(browser(html_path.resolve().as_uri(), "--dump-dom"))
     assert (total, drawn) == (len(figures), len(figures)), (
         f"{path.name}: {len(figures)} figure outputs, {total} plotly figures in the HTML, {drawn} drew")
     # Full-page screenshot for the CI artefact: tall enough for every figure (plus the text around them).
     height = 1200 + sum(int(o.data[PLOTLY_JSON].get("layout", {}).get("height") or 525) + 120 for o in figures) \
         + 18 * sum(len(c.source.splitlines()) + 4 for c in book.cells)
-    _browser(html_path.resolve().as_uri(), f"--screenshot={path.with_suffix('.png').resolve()}",
+    browser(html_path.resolve().as_uri(), f"--screenshot={path.with_suffix('.png').resolve()}",
              f"--window-size=1280,{min(height, 30000)}")
     assert path.with_suffix(".png").stat().st_size > 10_000
 
@@ -334,16 +302,81 @@ def test_executed_notebook_guards_fail_when_the_phenomenon_is_hidden(path, tmp_p
         assert [f.split(":")[0] for f in failures] == [claim], (claim, failures)
 
 
+def names_read(holds) -> set[str]:
+    """Every recorded name a guard's check reads: run it on values that send each `and` / `or` both ways."""
+    names: set[str] = set()
+
+    class Reads(dict):
+        def __init__(self, value: float):
+            super().__init__()
+            self.value = value
+
+        def __missing__(self, key):
+            names.add(key)
+            return self.value
+
+    for value in (0.0, 1.0):
+        holds(Reads(value))
+    return names
+
+
+def _calls(source: str) -> list[str]:
+    """The text of every `record_phenomena(...)` call in a cell, up to its closing parenthesis."""
+    calls = []
+    for start in (m.end() for m in re.finditer(r"record_phenomena\(", source)):
+        depth, end = 1, start
+        while depth and end < len(source):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        calls.append(source[start:end])
+    return calls
+
+
+def recording(cells: list[str], name: str) -> str | None:
+    """What in the code cells records `name`: a `record_phenomena(name=...)` keyword or `"name"` key, or a key
+    composed as f"{label}_{rest}" in the call, with "rest" quoted in the call and "label" quoted in its cell
+    (04: f"{label}_{what}" over its runs' labels). None: nothing records it."""
+    for cell in cells:
+        for call in _calls(cell):
+            if re.search(rf"\b{name}\s*=(?!=)", call) or f'"{name}"' in call:
+                return name
+            parts = name.split("_")
+            for i in range(1, len(parts)):
+                label, rest = "_".join(parts[:i]), "_".join(parts[i:])
+                if "{" in call and f'"{rest}"' in call and f'"{label}"' in cell:
+                    return rest
+    return None
+
+
+def unrecorded(path: Path) -> list[str]:
+    """The names some guard of this notebook reads that none of its record_phenomena calls records."""
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    return sorted({n for _, holds, _ in GUARDS[path.stem] for n in names_read(holds) if recording(cells, n) is None})
+
+
 def test_every_notebook_records_what_its_guards_read():
     """The committed notebooks call record_phenomena with every name their guards read (so a guard never
     silently reads nothing), and every notebook has guards."""
     assert sorted(GUARDS) == EXPECTED
     for path in NOTEBOOKS:
-        source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
-        assert "record_phenomena(" in source, path.name
-        for _, _, edit in GUARDS[path.stem]:
-            for name in edit:
-                assert name in source or f'{name.split("_")[0]}' in source, f"{path.name}: nothing records {name}"
+        assert all(names_read(holds) for _, holds, _ in GUARDS[path.stem]), path.name
+        assert not unrecorded(path), f"{path.name}: nothing records {unrecorded(path)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_recording_check_fails_on_a_notebook_that_stops_recording_a_name(path, tmp_path):
+    """The defect the check above names, made in a copy (written and read back as a file): each name a guard reads,
+    renamed where the notebook records it, is reported as unrecorded."""
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    for name in sorted({n for _, holds, _ in GUARDS[path.stem] for n in names_read(holds)}):
+        token = recording(cells, name)
+        broken = nbformat.read(path, as_version=4)
+        for cell in broken.cells:
+            if cell.cell_type == "code" and "record_phenomena(" in cell.source:
+                cell.source = re.sub(rf"\b{token}\b", f"{token}_renamed", cell.source)
+        nbformat.write(broken, tmp_path / path.name)
+        missing = unrecorded(tmp_path / path.name)
+        assert name in missing, (name, token, missing)
 
 
 # --- teaching defects that must not come back (issue 19) ----------------------------------------------------------

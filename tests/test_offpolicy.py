@@ -17,7 +17,7 @@ from cbkit.models.load import load_policy
 from cbkit.rollout import make_backend
 from cbkit.train.hooks import StepHooks
 from cbkit.train.offpolicy import LaggedRollouts, drift_metrics
-from tests.test_grpo import TIMING, _metrics, _same_weights, config, trainer
+from tests.helpers import TIMING, config, same_weights, trainer, untimed_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,7 +75,7 @@ def test_staleness_k_samples_from_the_checkpoint_of_k_updates_earlier(tmp_path, 
                  use_transformers_continuous_batching=backend == "continuous")
     tr = trainer(cfg, hooks=[keep])
     tr.train()
-    rows = _metrics(tmp_path / "metrics.jsonl")
+    rows = untimed_metrics(tmp_path / "metrics.jsonl")
     assert [r["offpolicy/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     assert rows[0]["offpolicy/logprob_max_abs_diff"] < 1e-4 < rows[2]["offpolicy/logprob_max_abs_diff"]
     assert all(c.policy_versions == (1,) * len(c.completion_ids) for c in keep.rollouts[3].completions)
@@ -108,8 +108,8 @@ def test_resume_with_staleness_draws_what_the_uninterrupted_run_drew(tmp_path, w
     straight = run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)
     resumed = run(tmp_path / "resumed", 4, resume=True)
-    assert _metrics(tmp_path / "resumed" / "metrics.jsonl") == _metrics(tmp_path / "straight" / "metrics.jsonl")
-    assert _same_weights(straight.model.state_dict(), resumed.model.state_dict())
+    assert untimed_metrics(tmp_path / "resumed" / "metrics.jsonl") == untimed_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert same_weights(straight.model.state_dict(), resumed.model.state_dict())
 
 
 def test_resuming_with_a_different_staleness_is_refused(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from cbkit.models.load import load_policy
 from cbkit.rollout import ContinuousBackend, GenerateBackend, SamplingParams
-from cbkit.rollout.continuous import engine_is_idle
+from cbkit.rollout.engine import engine_is_idle
 from cbkit.train.logprobs import teacher_forced_logprobs
 
 

@@ -163,7 +163,7 @@ def test_rollout_validate_names_the_field():
 
 
 def test_cpu_pool_sizing_respects_only_real_choices():
-    from cbkit.rollout.continuous import CPU_PAGE_SIZE, make_cb_config
+    from cbkit.rollout.engine_config import CPU_PAGE_SIZE, make_cb_config
 
     # 3 rows of 5 prompt tokens, limit 40: with 32-token pages each needs ceil(45 / 32) = 2 blocks, + 1 trash block
     assert CPU_PAGE_SIZE == 32
@@ -245,7 +245,7 @@ def test_target_lengths_ignore_eos(tiny, prompts, backend):
 
 def test_cb_pool_is_sized_by_the_limit_not_the_targets(tiny):
     """A replayed length stands in for an EOS the engine cannot foresee: the pool is the same as without it."""
-    from cbkit.rollout.continuous import workload_blocks
+    from cbkit.rollout.engine_config import workload_blocks
 
     # page 16: prompt 5 + limit 40 -> 3 blocks a row; plus the trash block
     assert workload_blocks([[1] * 5] * 3, 40, 16) == 3 * 3 + 1

@@ -29,6 +29,35 @@ def test_cbkit_tiers_passes_for_every_notebook_and_gpu(capsys):
     assert "18 of 18" in out and "an estimate, not a measurement" in out and "AN ESTIMATE" in out
 
 
+# How each notebook asks for its pool (its own cells' call, with its sizes); 05 fixes none.
+_POOL_CALLS = {
+    "00_quickstart": lambda env, s, model: env.pool_config(model),
+    "04_grpo_live": lambda env, s, model: env.pool_config(model),
+    # 02 passes its real prompts: lengths the plan cannot know, so they must not change the pool.
+    "02_logprob_correctness": lambda env, s, model: env.pool_config(
+        model, [[1] * (40 + 97 * i % 300) for i in range(s.prompts * s.n)], s.max_new_tokens),
+    "01_kv_slot_recycling": lambda env, s, model: env.pool_config(
+        model, [[1] * 150] * s.sweep_prompts * max(s.sweep_ns), s.sweep_new_tokens, pool_share=s.pool_share,
+        pool_sequences=s.pool_sequences),
+    "03_n_sweep": lambda env, s, model: env.pool_config(
+        model, requests=s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens, pool_share=s.pool_share),
+}
+
+
+@pytest.mark.parametrize("machine", list(tiers.MACHINES))
+@pytest.mark.parametrize("name", list(_POOL_CALLS))
+def test_the_tier_check_plans_the_pool_the_notebook_allocates(name, machine):
+    tier, rollout_dtype = tiers.MACHINES[machine]
+    s = tiers.sizes_for(name, tier)
+    spec = tiers.NOTEBOOKS[name]
+    env = dataclasses.replace(_gpu_env(tier), notebook=name, sizes=s, trains=spec.trains)
+    # The weights the notebook rolls out from: fp32 where it trains or scores logprobs, else the tier's dtype.
+    dtype = torch.float32 if spec.trains or spec.kind == "logprobs" else getattr(torch, rollout_dtype)
+    model = types.SimpleNamespace(config=tiers.plan_config(s.model), parameters=lambda: iter([torch.zeros(1, dtype=dtype)]))
+    allocated = _POOL_CALLS[name](env, s, model)
+    assert allocated and tiers.plan_notebook(name, machine).pool == allocated
+
+
 @pytest.mark.parametrize("machine", list(tiers.MACHINES))
 def test_every_memory_sweep_crosses_inside_its_swept_n(machine):
     for name in ("01_kv_slot_recycling", "03_n_sweep"):
@@ -190,7 +219,7 @@ def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys
     pool = env.pool_config(types.SimpleNamespace(config=tiers.plan_config(env.sizes.model),
                                                  parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])),
                            [[1] * 10] * 8, 8)
-    from cbkit.rollout.continuous import workload_blocks
+    from cbkit.rollout.engine_config import workload_blocks
 
     # Capped so a CPU does not allocate a T4's share: fewer blocks than the 8 requests need, so some wait.
     assert 0 < pool["num_blocks"] < workload_blocks([[1] * 10] * 8, 8, pool["page_size"])

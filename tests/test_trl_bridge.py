@@ -27,6 +27,7 @@ from trl import GRPOTrainer, RLOOTrainer
 from cbkit.models.load import load_policy
 from cbkit.rollout.engine import Engine
 from cbkit.tasks.rewards import correctness_reward, format_reward
+from cbkit.train.config import CBGRPOConfig
 from cbkit.train.objective import processed_logprobs
 from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config, trl_rloo_config
 from cbkit.trl.rewards import TRLReward, _trl_rewards, trl_dataset, trl_reward
@@ -396,8 +397,6 @@ def _check_mapped(args, tmp_path):
 
 
 def test_config_mapping_from_kwargs_and_from_a_config_object(tmp_path):
-    from cbkit.train.config import CBGRPOConfig
-
     _check_mapped(trl_grpo_config(CBKIT_RUN, str(tmp_path)), tmp_path)
     _check_mapped(trl_grpo_config(CBGRPOConfig(**CBKIT_RUN), str(tmp_path)), tmp_path)
 
@@ -480,6 +479,12 @@ def test_config_errors_say_what_to_change(tmp_path):
         args = trl_grpo_config(dict(use_transformers_paged=True, use_transformers_continuous_batching=False),
                                str(tmp_path))
     assert args.use_transformers_continuous_batching is True
+    # One rule with CBGRPOConfig's: a False set under the old name turns CB off there and here.
+    with pytest.warns(FutureWarning, match="use_transformers_paged"):
+        args = trl_grpo_config(dict(use_transformers_paged=False), str(tmp_path))
+    with pytest.warns(FutureWarning, match="use_transformers_paged"):
+        cfg = CBGRPOConfig(use_transformers_paged=False)
+    assert args.use_transformers_continuous_batching is cfg.use_transformers_continuous_batching is False
 
 
 def test_asking_for_vllm_turns_cb_off(tmp_path):

@@ -7,13 +7,16 @@ re-exported here because notebooks and the CLI import them from ``cbkit.measure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from cbkit.measure.planner import Plan, check_positive
+from cbkit.measure.planner import DTYPE_BYTES, Plan, check_positive
+from cbkit.models.load import DEFAULT_MODEL
 from cbkit.telemetry import fmt_bytes
+from cbkit.train.config import same_as
 
 __all__ = [
+    "AdviseConfig",
     "Advice",
     "Measured",
     "measured_from_sweep",
@@ -51,6 +54,58 @@ def versus_parity(ratio: float, margin: float = PARITY_MARGIN) -> int:
     if ratio != ratio:  # NaN: nothing measured, so nothing to call above or below
         raise ValueError("versus_parity: the ratio is NaN; a ratio needs two measured numbers.")
     return 1 if ratio > 1 + margin else -1 if ratio < 1 - margin else 0
+
+
+def _flag(text: str, default=None, *aliases: str):
+    return field(default=default, metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})})
+
+
+@dataclass
+class AdviseConfig:
+    """What `cbkit advise` is asked: every field is a flag (`cbkit.cli.dataclass_flags`). Only -N is required."""
+
+    num_generations: int = same_as("num_generations", aliases=("-N",))
+    model: str = _flag("the model whose config is planned (no weights loaded): smollm2-offline, tiny, a hub id or a "
+                       "local directory", DEFAULT_MODEL)
+    num_prompts: int = _flag("prompts per rollout", 8, "--prompts")
+    prompt_len: int = _flag("longest prompt, tokens", 256)
+    max_new_tokens: int = same_as("max_completion_length", default=512)
+    mean_completion_len: float | None = _flag("mean completion length in tokens, if known: measures the spread of "
+                                              "lengths")
+    completion_cv: float | None = _flag("coefficient of variation of completion lengths, if known")
+    budget_gb: float | None = _flag("GiB free after loading the weights (needed for cuda)")
+    device: str | None = _flag("cuda or cpu; cuda when --budget-gb is given, else cpu (where cbkit sizes the pool to "
+                               "the workload)")
+    dtype: str | None = _flag(f"one of {', '.join(DTYPE_BYTES)} (default bf16 on cuda, fp32 on cpu)")
+    multimodal: bool = _flag("prompts carry images or audio", False)
+    max_throughput: bool = _flag("rollout throughput above all (weight sync to a separate engine acceptable)", False)
+    gpus: int = _flag("GPUs available", 1)
+    tensor_parallel: bool = _flag("the model must be split over GPUs", False)
+    results_from: str | None = _flag("decide from a `cbkit sweep` results file measured here (its speed and memory "
+                                     "ratios at the nearest N, and its length statistics) instead of the A100 "
+                                     "thresholds", None, "--from")
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"-N must be >= 1, got {self.num_generations}.")
+        if self.budget_gb is not None and not self.budget_gb > 0:
+            raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {self.budget_gb}.")
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}; got {self.dtype!r}.")
+        if self.device not in (None, "cuda", "cpu"):
+            raise ValueError(f"--device must be cuda or cpu; got {self.device!r}.")
+        self.device = self.device or ("cuda" if self.budget_gb is not None else "cpu")
+        if self.device == "cuda" and self.budget_gb is None:
+            raise ValueError("on cuda the CB engine sizes its pool as a share of free memory: give --budget-gb, the "
+                             "GiB free after loading the weights (e.g. ~76 on an A100-80GB with a 1B model in bf16).")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return int(self.budget_gb * 1024**3) if self.budget_gb is not None else None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype] if self.dtype else (2 if self.device == "cuda" else 4)
 
 
 @dataclass(frozen=True)

@@ -477,7 +477,7 @@ def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=
     device = model.device.type if model.device.type == "cuda" else "cpu"
     cb_config = dict(cfg.cb_config)
     if targets and device == "cpu" and "num_blocks" not in cb_config:
-        from cbkit.rollout.continuous import make_cb_config
+        from cbkit.rollout.engine_config import make_cb_config
 
         rows = [x for x in prompts for _ in range(n)]
         resolved = make_cb_config(cb_config, device=model.device, rows=rows, max_new_tokens=cfg.max_new_tokens,

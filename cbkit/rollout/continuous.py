@@ -28,20 +28,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbkit.rollout.base import Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, engine_is_idle, forget_cached_kv, timeline, to_completions
-from cbkit.rollout.engine_config import (
-    CB_DEFAULTS,
-    CPU_PAGE_SIZE,
-    cb_config_values,
-    make_cb_config,
-    page_size,
-    workload_blocks,
-)
+from cbkit.rollout.engine import Engine, timeline, to_completions
+from cbkit.rollout.engine_config import make_cb_config, page_size  # noqa: F401  only cbkit.measure.planner's import
 from cbkit.telemetry import PeakMemory
 
-# The engine's names, importable from here as before (the training config, the planner and the TRL bridge did).
-__all__ = ["CB_DEFAULTS", "CPU_PAGE_SIZE", "ContinuousBackend", "cb_config_values", "engine_is_idle",
-           "forget_cached_kv", "make_cb_config", "page_size", "workload_blocks"]
+__all__ = ["ContinuousBackend"]
 
 
 class ContinuousBackend:

@@ -8,16 +8,42 @@ completion tokens/s, peak memory, mean completion length, reward means and the l
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from cbkit.models.load import DEFAULT_MODEL, load_policy
 from cbkit.tasks.rewards import compute_rewards
+from cbkit.train.config import same_as
 from cbkit.train.logprobs import logprob_check
 from cbkit.train.setup import set_up_run
+
+
+@dataclass
+class DemoConfig:
+    """What `cbkit demo` runs: every field is a flag (`cbkit.cli.dataclass_flags`), the ones the training run also has
+    with `CBGRPOConfig`'s help."""
+
+    model: str = same_as("model", default=DEFAULT_MODEL)
+    data: str = same_as("data", default="synthetic")
+    num_prompts: int = field(default=2, metadata={"help": "prompts in the rollout", "aliases": ["--prompts"]})
+    num_generations: int = same_as("num_generations", default=8, aliases=("-N",))
+    max_new_tokens: int = same_as("max_completion_length", default=128)
+    temperature: float = same_as("temperature", default=1.0)
+    top_p: float = same_as("top_p", default=1.0)
+    top_k: int = same_as("top_k", default=0)
+    backends: tuple[str, ...] = field(default=("generate", "continuous"),
+                                      metadata={"help": "the backends to run, side by side"})
+    cb_config: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'"})
+    seed: int = same_as("seed", default=0)
+    out: str | None = field(default=None, metadata={"help": "append one JSON line per backend to this file"})
+
+    def __post_init__(self) -> None:
+        self.backends = tuple(self.backends)  # a flag's words arrive as a list
 
 
 @dataclass

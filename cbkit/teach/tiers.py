@@ -230,12 +230,14 @@ def pool_bytes(config: Any, tier: str, share: float, *, memory_bytes: int | None
 
 def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows: Sequence[Sequence[int]] = (),
                 max_new_tokens: int | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """The CB engine settings that fix a notebook's pool: ``{}`` (cbkit's default) where the sizes fix none.
+    """The CB engine settings that fix a notebook's pool: ``{}`` (cbkit's default) where the sizes fix none. The one
+    rule for it: the notebook runs it (`NotebookEnv.pool_config`) and `plan_notebook` plans with it.
 
-    GPU tiers: `pool_bytes` as ``num_blocks`` of ``GPU_PAGE_SIZE`` tokens. On a dry run the pool is the same share
+    GPU tiers: `pool_bytes` as ``num_blocks`` of ``GPU_PAGE_SIZE`` tokens, or without a ``pool_share`` every request
+    (``rows``, else prompts x n of the sizes) at full length. On a dry run the pool is the same share
     of a tier's GPU, capped to hold half the requests ``rows`` at full length, so that a CPU does not allocate
     gigabytes and the waiting still happens. CPU: ``pool_sequences`` sequences of the first row at full length."""
-    from cbkit.rollout.continuous import workload_blocks
+    from cbkit.rollout.engine_config import workload_blocks
 
     page = GPU_PAGE_SIZE if not dry_run else 32
     if sizes.pool_share is not None and tier in GPU_TIERS:
@@ -245,8 +247,11 @@ def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows:
             blocks = min(blocks, workload_blocks(rows[: max(1, len(rows) // 2)], max_new_tokens or 1, page))
         return {"page_size": page, "num_blocks": blocks}
     if tier in GPU_TIERS:  # every request at full length: a share of free memory would be gigabytes
-        rows = rows or [range(2 * PROMPT_LEN)] * (sizes.prompts * sizes.n)  # room for prompts twice the mean
-        return {"page_size": page, "num_blocks": workload_blocks(rows, max_new_tokens or sizes.max_new_tokens, page)}
+        # Each request gets room for a prompt twice the mean, whatever the rows' own lengths: the plan, which has no
+        # prompts, then sizes the very pool the notebook allocates. A longer prompt waits for a request to end.
+        requests = len(rows) or sizes.prompts * sizes.n
+        return {"page_size": page, "num_blocks": workload_blocks([range(2 * PROMPT_LEN)] * requests,
+                                                                 max_new_tokens or sizes.max_new_tokens, page)}
     if sizes.pool_sequences is not None and rows:
         return {"page_size": 32, "num_blocks": workload_blocks([rows[0]] * sizes.pool_sequences,
                                                                max_new_tokens or sizes.max_new_tokens, 32)}
@@ -275,6 +280,7 @@ class TierPlan:
     crossovers: list[tuple[str, int | None, tuple[int, ...]]]  # (what, planned crossover N, swept N)
     parts: dict[str, int]  # the peak by part, bytes
     notes: list[str]
+    pool: dict[str, int]  # the CB engine's pool settings planned: `pool_config`'s, which the notebook runs
 
     @property
     def fits(self) -> bool:
@@ -331,12 +337,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     compute = "float32" if weight_bytes == 4 and (tier == "t4" or spec.trains) else dtype
     if spec.trains and tier == "a100":
         compute = "bfloat16"  # the training forwards under bf16 autocast; the rollout reads fp32 weights
-    if s.pool_share is not None:
-        blocks = pool_blocks(config, pool_bytes(config, tier, s.pool_share), page_size=GPU_PAGE_SIZE,
-                             dtype_bytes=weight_bytes)
-    else:  # every request at full length at once, as cbkit sizes a CPU pool
-        blocks = s.prompts * s.n * math.ceil((PROMPT_LEN + s.max_new_tokens) / GPU_PAGE_SIZE)
-    pool = {"page_size": GPU_PAGE_SIZE, "num_blocks": blocks}
+    pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)  # the pool the notebook allocates
     budget = gpu.memory_bytes - weight_bytes * params
     common = dict(prompt_len=PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=budget,
                   cb_config=pool)
@@ -402,7 +403,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                      " GiB)")
     budget = (spec.budget_s or BUDGET_S)[tier]
     return TierPlan(name, tier, machine, compute, sum(parts.values()), gpu.memory_bytes, seconds,
-                    budget, crossovers, parts, notes)
+                    budget, crossovers, parts, notes, pool)
 
 
 def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.Machine, dtype: str) -> float:

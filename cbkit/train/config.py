@@ -144,8 +144,8 @@ class CBGRPOConfig:
                                                        "(True) or one static padded generate() batch (False).",
                                                        default=True)
     transformers_continuous_batching_config: dict[str, Any] = _help(
-        "ContinuousBatchingConfig fields; cbkit's defaults (max_memory_percent=0.5, use_cuda_graph=False) are "
-        "merged under what you set.", default_factory=dict)
+        "ContinuousBatchingConfig fields you set; the engine gets cbkit's defaults (max_memory_percent=0.5, "
+        "use_cuda_graph=False: cbkit.rollout.engine_config.CB_DEFAULTS) under them.", default_factory=dict)
     use_transformers_paged: bool | None = _help("Deprecated: use use_transformers_continuous_batching.",
                                                 default=None)
     # --- optimisation (TRL names) ---
@@ -179,19 +179,12 @@ class CBGRPOConfig:
                                       default=4)
 
     def __post_init__(self) -> None:
-        if self.use_transformers_paged is not None:
-            warnings.warn(
-                "use_transformers_paged is deprecated (as in TRL); use use_transformers_continuous_batching. "
-                f"Setting use_transformers_continuous_batching={self.use_transformers_paged}.",
-                FutureWarning,
-                stacklevel=3,
-            )
-            self.use_transformers_continuous_batching = bool(self.use_transformers_paged)
-            self.use_transformers_paged = None
+        self.use_transformers_continuous_batching = continuous_batching_flag(self.use_transformers_paged,
+                                                                             self.use_transformers_continuous_batching)
+        self.use_transformers_paged = None  # forwarded: a round trip does not warn again
         self._check()
-        from cbkit.rollout.continuous import CB_DEFAULTS, make_cb_config
+        from cbkit.rollout.engine_config import make_cb_config
 
-        self.transformers_continuous_batching_config = {**CB_DEFAULTS, **self.transformers_continuous_batching_config}
         make_cb_config(self.transformers_continuous_batching_config)  # unknown keys, bad values: say so now
 
     def _check(self) -> None:
@@ -313,16 +306,12 @@ class CBGRPOConfig:
         return [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
 
     def cb_overrides(self) -> dict[str, Any]:
-        """The CB keys that differ from cbkit's defaults: what the backend is handed.
+        """The CB keys the user set: what the backend is handed, and `make_cb_config` merges cbkit's defaults under.
 
-        Handing the engine only the overrides keeps `make_cb_config`'s CPU rule working: there it sizes the KV
-        pool to the workload unless the *user* chose a memory share (a default of 0.5 would mean half of host RAM).
+        The config keeps only the user's keys, so `make_cb_config`'s CPU rule sees what the *user* chose: it sizes
+        the KV pool to the workload unless they fixed it (a default memory share would mean half of host RAM).
         """
-        from cbkit.rollout.continuous import CB_DEFAULTS
-
-        missing = object()
-        return {k: v for k, v in self.transformers_continuous_batching_config.items()
-                if CB_DEFAULTS.get(k, missing) != v}
+        return dict(self.transformers_continuous_batching_config)
 
     # --- (de)serialisation ------------------------------------------------------------------------------------
 
@@ -351,13 +340,43 @@ class CBGRPOConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def diff(self, other: CBGRPOConfig, ignore: tuple[str, ...] = RESUMABLE_CHANGES) -> dict[str, tuple[Any, Any]]:
-        """Fields whose values differ, as {name: (self's, other's)}, leaving out `ignore`."""
+        """Fields whose values differ, as {name: (self's, other's)}, leaving out `ignore`. CB configs differ when they
+        resolve to different engine settings: a default spelled out (as configs saved before the defaults stopped
+        being merged in hold them) is the default."""
+        from cbkit.rollout.engine_config import cb_config_values
+
         a, b = self.to_dict(), other.to_dict()
-        return {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
+        out = {k: (a[k], b[k]) for k in a if k not in ignore and a[k] != b[k]}
+        cb = "transformers_continuous_batching_config"
+        if cb in out and cb_config_values(a[cb]) == cb_config_values(b[cb]):
+            del out[cb]
+        return out
 
     @classmethod
     def help(cls) -> str:
         return "\n".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(cls))
+
+
+def same_as(name: str, *, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
+    """A field of another command's config (`cbkit demo`, `cbkit advise`) that means what `CBGRPOConfig`'s `name`
+    means: its help text is that field's, so the flags of two commands cannot drift apart. ``aliases`` are more
+    flag spellings (``-N``); ``kw`` the field's own default."""
+    text = next(f.metadata["help"] for f in dataclasses.fields(CBGRPOConfig) if f.name == name)
+    return field(metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})}, **kw)
+
+
+def continuous_batching_flag(use_transformers_paged: bool | None, use_transformers_continuous_batching: bool) -> bool:
+    """The rollout engine switch, with TRL's deprecated `use_transformers_paged` forwarded to it (None: not set):
+    the one place the old name is read, by `CBGRPOConfig` and by the TRL bridge's dicts alike."""
+    if use_transformers_paged is None:
+        return use_transformers_continuous_batching
+    warnings.warn(
+        "use_transformers_paged is deprecated (as in TRL); use use_transformers_continuous_batching. "
+        f"Setting use_transformers_continuous_batching={bool(use_transformers_paged)}.",
+        FutureWarning,
+        stacklevel=4,
+    )
+    return bool(use_transformers_paged)
 
 
 def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:

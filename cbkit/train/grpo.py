@@ -86,7 +86,7 @@ from torch import Tensor
 
 from cbkit.models.load import DTYPES
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
-from cbkit.rollout.continuous import engine_is_idle
+from cbkit.rollout.engine import engine_is_idle
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.train import checkpoint

@@ -17,7 +17,8 @@ from typing import Any
 from trl import GRPOConfig, RLOOConfig
 
 from cbkit.models.load import native_bf16
-from cbkit.rollout.continuous import cb_config_values
+from cbkit.rollout.engine_config import cb_config_values
+from cbkit.train.config import continuous_batching_flag
 
 # cbkit field -> TRL field. Everything not listed keeps its name (see _SAME_NAME).
 _RENAMED: dict[str, str] = {
@@ -140,13 +141,10 @@ def _cbkit_values(cfg: Any) -> dict[str, Any]:
         values = {k: v for k in CBKIT_FIELDS if (v := getattr(cfg, k, missing)) is not missing}
     if "reward_weights" in values and values["reward_weights"] is None and hasattr(cfg, "resolved_reward_weights"):
         values["reward_weights"] = cfg.resolved_reward_weights()  # cbkit's per-reward defaults (format 0.5)
-    if values.pop("use_transformers_paged", False):
-        warnings.warn(
-            "use_transformers_paged is deprecated; use use_transformers_continuous_batching=True instead.",
-            FutureWarning,
-            stacklevel=3,
-        )
-        values["use_transformers_continuous_batching"] = True
+    paged = values.pop("use_transformers_paged", None)
+    if paged is not None:
+        values["use_transformers_continuous_batching"] = continuous_batching_flag(
+            paged, values.get("use_transformers_continuous_batching", True))
     return values
 
 
