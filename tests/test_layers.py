@@ -97,10 +97,6 @@ def test_few_modules_sit_at_the_top():
     assert len(top) <= 8, top
 
 
-# Importers of a name from the module it left, until their owner moves the import (then drop the entry).
-STILL_IMPORTED_FROM_OLD_HOME = {"cbkit.measure.planner": {"make_cb_config", "page_size"}}
-
-
 def test_names_are_imported_from_their_home_not_from_a_module_that_re_exported_them():
     """`cbkit.rollout.continuous` is the CB backend; the engine's settings live in `engine_config` and the engine in
     `engine`, with no alias left behind (cbkit keeps none). Nothing in the package, the tests, the notebooks or the
@@ -115,10 +111,9 @@ def test_names_are_imported_from_their_home_not_from_a_module_that_re_exported_t
         if path.suffix == ".ipynb":  # its code cells, without the shell and magic lines
             cells = ["".join(c["source"]) for c in json.loads(text)["cells"] if c["cell_type"] == "code"]
             text = "\n".join(x for x in "\n".join(cells).splitlines() if not x.lstrip().startswith(("!", "%")))
-        owner = module_name(path) if path.is_relative_to(PACKAGE) else ""
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.module == "cbkit.rollout.continuous":
                 names = {a.name for a in node.names} - {"ContinuousBackend"}
-                if names - STILL_IMPORTED_FROM_OLD_HOME.get(owner, set()):
+                if names:
                     wrong.append(f"{path.relative_to(repo)}: {sorted(names)}")
     assert not wrong, "import these from cbkit.rollout.engine_config or cbkit.rollout.engine: " + "; ".join(wrong)

@@ -137,10 +137,10 @@ def test_snapshots_on_disk_are_bitwise_the_weights_and_leave_nothing_behind():
         folder = ring._dir
         assert ring.versions == [1, 2] and sorted(f.name for f in folder.iterdir()) == ["v1.bin", "v2.bin"]
         assert ring.load_into(other) == 1
-        assert _same_weights(other.state_dict(), states[1])
+        assert same_weights(other.state_dict(), states[1])
         assert [v for v, _ in ring.items(other)] == [1, 2]
-        assert _same_weights(dict(ring.items(other))[2], states[2])
-        assert ring.load_into(other, -1) == 2 and _same_weights(other.state_dict(), states[2])
+        assert same_weights(dict(ring.items(other))[2], states[2])
+        assert ring.load_into(other, -1) == 2 and same_weights(other.state_dict(), states[2])
         ring.close()
         assert not folder.exists()
     with pytest.raises(ValueError, match=r"where='ssd': keep weight snapshots in one of \('memory', 'disk'\)"):
@@ -162,7 +162,7 @@ def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
     (mem, w_mem), (disk, w_disk) = runs["memory"], runs["disk"]
     for a, b in zip(mem, disk, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
-    assert _same_weights(w_mem, w_disk)
+    assert same_weights(w_mem, w_disk)
 
 
 @pytest.mark.parametrize(("fields", "message"), [

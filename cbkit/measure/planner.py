@@ -351,7 +351,7 @@ def _plan_continuous(
 ) -> tuple[ContinuousPlan, list[str]]:
     import torch
 
-    from cbkit.rollout.continuous import make_cb_config, page_size
+    from cbkit.rollout.engine_config import make_cb_config, page_size
 
     notes: list[str] = []
     requests = len(lens) * n

@@ -29,7 +29,6 @@ from typing import Any
 
 from cbkit.rollout.base import Rollout, SamplingParams, check_request
 from cbkit.rollout.engine import Engine, timeline, to_completions
-from cbkit.rollout.engine_config import make_cb_config, page_size  # noqa: F401  only cbkit.measure.planner's import
 from cbkit.telemetry import PeakMemory
 
 __all__ = ["ContinuousBackend"]
