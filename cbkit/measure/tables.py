@@ -91,7 +91,38 @@ def step_split_table(points: list[dict[str, Any]]) -> str:
         rows.append(f"| {p['N']} | {p['backend']} | {f(p.get('step_s'), '.2f')} | {phase(p, 'rollout')} | "
                     f"{phase(p, 'old_logprob')} | {phase(p, 'update')} | {f(p.get('other_s'), '.2f')} | "
                     f"{f(p.get('rollout_share'), '.0%')} | {speed} | {ceiling} | {f(p.get('of_ceiling'), '.0%')} |")
-    return "\n".join(rows)
+    table = "\n".join(rows)
+    overlapped = async_overlap_table(points)
+    return table if overlapped is None else f"{table}\n\n{overlapped}"
+
+
+def async_overlap_table(points: list[dict[str, Any]]) -> str | None:
+    """The async rows of a full-step sweep (`continuous-async`) beside synchronous CB: the steady-state step (the
+    mean of the steps after the first), what the trainer still waited for its rollout, the rollout's own wall
+    clock (run beside the training), and the overlap bought (`results.aggregate`). None without async rows."""
+    rows = [p for p in sorted(points, key=lambda p: p["N"]) if p.get("rollout_wall_s") is not None or (
+        p["backend"] == "continuous-async" and p["status"] != "ok")]
+    if not rows:
+        return None
+
+    def f(v, fmt, unit=""):
+        return format(v, fmt) + unit if v is not None else "—"
+
+    out = ["continuous-async = CB with async rollouts: step t+1's rollout decodes while step t trains. step s = the "
+           "mean of its steady-state steps (every step after the first); rollout wait = what the trainer still "
+           "waited for a rollout (its rollout s above); overlap bought = synchronous CB's rollout s minus that wait",
+           "| N | steady steps | step s | rollout wait s | rollout wall s | CB rollout s | overlap bought s | "
+           "step vs CB | step vs generate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cb = {p["N"]: p for p in points if p["backend"] == "continuous" and p["status"] == "ok"}
+    for p in rows:
+        if p["status"] != "ok":
+            out.append(f"| {p['N']} | {p['status'].upper()} |" + " — |" * 7)
+            continue
+        out.append(f"| {p['N']} | {f(p.get('steady_steps'), '.0f')} | {f(p.get('step_s'), '.2f')} | "
+                   f"{f(p.get('rollout_s'), '.2f')} | {f(p.get('rollout_wall_s'), '.2f')} | "
+                   f"{f(cb.get(p['N'], {}).get('rollout_s'), '.2f')} | {f(p.get('overlap_s'), '.2f')} | "
+                   f"{f(p.get('step_vs_sync'), '.2f', 'x')} | {f(p.get('step_speedup'), '.2f', 'x')} |")
+    return "\n".join(out)
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
@@ -185,7 +216,8 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
             "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing",
             "step_s", "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
             "old_logprob_roof_share", "update_roof_share", "step_speedup", "rollout_speedup", "amdahl_ceiling",
-            "of_ceiling", "planned_phase"]
+            "of_ceiling", "planned_phase", "rollout_wait_s", "publish_wait_s", "rollout_wall_s", "steady_steps",
+            "first_step_s", "overlap_s", "step_vs_sync"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
