@@ -320,23 +320,74 @@ def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, 
 ESTIMATE_GPUS = {"t4": ("float16", "float32"), "a100-40": ("bfloat16", "bfloat16")}
 
 
+def estimated_steps(config: Any, *, prompt_lens: list[int], lengths_by_n: dict[int, list[int]]) -> list[dict[str, Any]]:
+    """The rows of `estimated_step_table` as data: per GPU of ``ESTIMATE_GPUS`` and N, one row per backend, or one
+    row (backend ``generate = CB``, ``tied``) where the estimate gives both the same rollout. Each row: ``gpu``
+    (its name), ``rollout_dtype``, ``N``, ``rows`` (completions in the step), ``backend``, the phases' seconds,
+    ``step_s``, ``rollout_share`` and ``speedup`` (generate()'s step over this one)."""
+    import math
+
+    from cbkit.measure.roofline import GPUS, estimated_step_split
+
+    out = []
+    for gpu, (rollout_dtype, train_dtype) in ESTIMATE_GPUS.items():
+        for n, lengths in sorted(lengths_by_n.items()):
+            split = estimated_step_split(config, prompt_lens=prompt_lens, targets=lengths, machine=GPUS[gpu],
+                                         rollout_dtype=rollout_dtype, train_dtype=train_dtype, dtype_bytes=2)
+            reference = sum(split["generate"].values())
+            tied = math.isclose(split["generate"]["rollout_s"], split["continuous"]["rollout_s"], rel_tol=1e-6)
+            if tied:
+                split = {"generate = CB": split["generate"]}
+            for b, v in split.items():
+                step = sum(v.values())
+                out.append({"gpu": gpu, "name": GPUS[gpu].name, "rollout_dtype": rollout_dtype, "N": n,
+                            "rows": len(lengths), "backend": b, "tied": tied, **v, "step_s": step,
+                            "rollout_share": v["rollout_s"] / step, "speedup": reference / step})
+    return out
+
+
 def estimated_step_table(config: Any, *, prompt_lens: list[int], lengths_by_n: dict[int, list[int]]) -> str:
     """The full step's split on a T4 and an A100, **estimated** from the roofline's assumptions
     (`roofline.estimated_step_split`: DECODE_EFFICIENCY, TRAIN_EFFICIENCY, the per-step launch floor), never
     measured: where the rollout's share, and so what a faster rollout can buy, moves on a GPU. ``lengths_by_n``:
     the completion lengths each N ran with (a sweep's own). In an estimate only the rollout differs between the
-    backends, so the step's speed-up is its Amdahl ceiling."""
-    from cbkit.measure.roofline import GPUS, estimated_step_split
+    backends, so the step's speed-up is its Amdahl ceiling.
+
+    The static batch decodes every row until the longest target ends and the CB pool only the rows still running,
+    but a decode step costs at least the launch floor: while every step of the shape is under it, padded rows cost
+    nothing and the two estimates are equal. Then one row stands for both backends (``generate = CB``) and a
+    sentence under the table says why, with the rows a static batch's step would need to leave the floor on each
+    GPU (`roofline.rows_off_the_floor`): two identical rows would read as a measured parity. Where the estimates
+    differ, each backend has its row. What the estimate leaves out is whatever differs between the two
+    implementations per step (kernels, scheduling): TRL's A100 benchmark (`sweep.TRL_PR_5765`) measures it."""
+    import statistics
+
+    from cbkit.measure.roofline import GPUS, Shape, rows_off_the_floor, step_floor_seconds
 
     rows = ["| GPU (estimate, not measured) | N | backend | step s | rollout s | old-logprob fwd s | update s | "
             "rollout share | step speed-up (= Amdahl ceiling) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for gpu, (rollout_dtype, train_dtype) in ESTIMATE_GPUS.items():
-        for n, lengths in sorted(lengths_by_n.items()):
-            split = estimated_step_split(config, prompt_lens=prompt_lens, targets=lengths, machine=GPUS[gpu],
-                                         rollout_dtype=rollout_dtype, train_dtype=train_dtype, dtype_bytes=2)
-            step = {b: sum(v.values()) for b, v in split.items()}
-            for b, v in split.items():
-                rows.append(f"| {GPUS[gpu].name} ({rollout_dtype} rollout) | {n} | {b} | {step[b]:.2f} | "
-                            f"{v['rollout_s']:.2f} | {v['old_logprob_s']:.2f} | {v['update_s']:.2f} | "
-                            f"{v['rollout_s'] / step[b]:.0%} | {step['generate'] / step[b]:.2f}x |")
-    return "\n".join(rows)
+    estimated = estimated_steps(config, prompt_lens=prompt_lens, lengths_by_n=lengths_by_n)
+    for r in estimated:
+        rows.append(f"| {r['name']} ({r['rollout_dtype']} rollout) | {r['N']} | {r['backend']} | {r['step_s']:.2f} | "
+                    f"{r['rollout_s']:.2f} | {r['old_logprob_s']:.2f} | {r['update_s']:.2f} | "
+                    f"{r['rollout_share']:.0%} | {r['speedup']:.2f}x |")
+    tied: dict[str, tuple[int, str]] = {}  # GPU -> (the most rows a tied step ran, its rollout dtype)
+    for r in estimated:
+        if r["tied"]:
+            tied[r["gpu"]] = (max(r["rows"], tied.get(r["gpu"], (0, ""))[0]), r["rollout_dtype"])
+    if not tied:
+        return "\n".join(rows)
+    context = round(statistics.mean(prompt_lens)) + max(max(v) for v in lengths_by_n.values()) // 2
+    where = []
+    for gpu, (most, dtype) in tied.items():
+        off = rows_off_the_floor(config, context=context, dtype_bytes=2, machine=GPUS[gpu], dtype=dtype)
+        where.append(f"{'more than a million' if off is None else f'about {off:,}'} rows on the {GPUS[gpu].name} "
+                     f"(the largest step here: {most} rows)")
+    floor = step_floor_seconds(config)
+    note = (f"generate = CB: one estimate for both backends on the {' and the '.join(GPUS[g].name for g in tied)}. "
+            f"There every decode step of this shape is under the launch floor of an eager forward ({floor * 1e3:.1f} "
+            f"ms a step for {Shape.of(config).layers} layers), so the static batch's padded rows cost no time and both "
+            "backends take the longest completion's steps: from these assumptions the estimate cannot separate "
+            "generate() from CB, and what a GPU measures between them is per-step overhead the estimate does not "
+            f"model. A static batch's decode step of this context leaves the floor at {'; at '.join(where)}.")
+    return "\n".join(rows) + "\n" + note
