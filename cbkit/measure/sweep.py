@@ -397,7 +397,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
         return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": mem.peak_bytes,
                 "peak_mem_kind": mem.kind}
     finally:
-        trainer.close()  # stops the engine thread, with the rollout of the step never run still in flight
+        trainer.close()  # stops the engine thread; the rollout of the step never run is dropped uncollected
         model.load_state_dict(saved)
         model.zero_grad(set_to_none=True)
     steady = steps[1:]
