@@ -479,6 +479,8 @@ def test_step_split_findings_follow_the_ceiling_and_the_overlap():
     fast = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=6.0, async_wait=0.5)))
     assert "the overlap bought 2.50 s; its step took 6.00 s against CB's 7.00 s (faster)" in fast
     assert "The step gained 1.00 s of the 2.50 s the overlap hid." in fast
+    faster = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=3.0, async_wait=0.5)))
+    assert "The step gained 4.00 s, more than the 2.50 s the overlap hid" in faster
     # the same wait, but its training took 2.5 s longer beside the decode: no faster than CB
     slow = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=7.1, async_wait=0.5,
                                                              async_train=(2.0, 4.5))))
