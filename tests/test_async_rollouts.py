@@ -99,6 +99,33 @@ def test_is_on_engine_logprobs_is_exact_where_an_after_the_fact_forward_is_not(s
         assert torch.allclose((current - engine).exp(), (current - replay).exp(), atol=1e-4)
 
 
+def test_replayed_targets_stop_each_completion_at_its_own_length_across_an_update():
+    """`submit(target_lengths=...)`: EOS is ignored (the tiny model's EOS id would end some rows early) and each row
+    stops at exactly its target, in group order, also when the update lands mid-rollout; the versions still cover
+    every token. A wrong count is refused before anything is queued."""
+    model, _ = load_policy("tiny", seed=0)
+    engine = AsyncEngine(model)
+    targets = [1, 7, 3, 12, 5, 2]  # 2 prompts x 3, the longest at the limit
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, eos_token_id=2, pad_token_id=0, seed=3)
+    try:
+        with pytest.raises(ValueError, match="6 completion rows"):
+            engine.submit(PROMPTS, 3, sampling, target_lengths=targets[:5])
+        pending = engine.submit(PROMPTS, 3, sampling, update_at=UPDATE_AT, target_lengths=targets)
+        _perturb(model)
+        engine.publish(1)
+        rollout = engine.collect(pending)
+        again = engine.generate(PROMPTS, 3, sampling, target_lengths=targets[::-1])  # the protocol's call
+    finally:
+        engine.close()
+    assert [len(c.completion_ids) for c in rollout.completions] == targets
+    assert all(c.finish_reason == "length" for c in rollout.completions)
+    assert [len(c.sampling_logprobs) for c in rollout.completions] == targets
+    for c in rollout.completions:
+        assert c.policy_versions == ((0,) * UPDATE_AT + (1,) * len(c.completion_ids))[: len(c.completion_ids)]
+    assert [len(c.completion_ids) for c in again.completions] == targets[::-1]
+    assert engine.engine.manager is None  # closed: no engine thread left
+
+
 def test_no_forward_sees_a_half_applied_update():
     """Three updates published while the engine decodes, at whatever moment the main thread gets to them (no
     pinned point): a hook after the engine's lock fingerprints the weights each forward reads (the sum of every

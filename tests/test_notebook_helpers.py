@@ -482,3 +482,52 @@ def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny,
     longest = max(len(tiny.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
                                                          return_dict=True)["input_ids"]) for r in dataset)
     assert seen["cb"]["num_blocks"] == workload_blocks([[0] * longest] * 12, 10, page_size(seen["cb"]))
+
+
+def _step_runs(cb_step, cb_rollout, async_step=None, async_wait=None, async_train=(1.0, 4.0)):
+    """Full-step run lines: generate()'s 10 s step with a 6 s rollout (1 s old-logprob forward, 3 s update), CB's
+    with the given step and rollout seconds (the same 4 s of training), an async row optionally."""
+    def run(b, step, rollout, old, update, **kw):
+        return {"backend": b, "N": 8, "repeat": 0, "status": "ok", "step_s": step, "rollout_s": rollout,
+                "old_logprob_s": old, "update_s": update, "other_s": step - rollout - old - update,
+                "rollout_share": rollout / step, "tokens_per_s": 100 / step, "peak_mem_bytes": 2**30, **kw}
+
+    runs = [run("generate", 10.0, 6.0, 1.0, 3.0), run("continuous", cb_step, cb_rollout, 1.0, 3.0)]
+    if async_step is not None:
+        runs.append(run("continuous-async", async_step, async_wait, *async_train, rollout_wall_s=5.0,
+                        steady_steps=2))
+    return runs
+
+
+def test_step_split_findings_follow_the_ceiling_and_the_overlap():
+    from cbkit.measure.results import aggregate
+
+    # CB's rollout 2x as fast: the ceiling is 1 / (0.4 + 0.3) = 1.43x; a 7 s step is at it, 8.5 s below it
+    at = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0)))
+    assert "the rollout was 60% of generate()'s 10.00 s step, so even a rollout taking no time would make the step at " \
+           "most 2.50x faster" in at
+    assert "CB's rollout ran 2.00x as fast as generate()'s, which predicts a step 1.43x as fast; the step went 1.43x, " \
+           "at its ceiling" in at
+    below = findings.step_split_findings(aggregate(_step_runs(8.5, 3.0)))
+    assert "the step went 1.18x, below its ceiling: CB's step paid for something outside its rollout" in below
+    # async: waited 0.5 s of CB's 3 s rollout (overlap 2.5 s) and its step is 1 s shorter: what the step gained
+    fast = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=6.0, async_wait=0.5)))
+    assert "the overlap bought 2.50 s; its step took 6.00 s against CB's 7.00 s (faster)" in fast
+    assert "The step gained 1.00 s of the 2.50 s the overlap hid." in fast
+    faster = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=3.0, async_wait=0.5)))
+    assert "The step gained 4.00 s, more than the 2.50 s the overlap hid" in faster
+    # the same wait, but its training took 2.5 s longer beside the decode: no faster than CB
+    slow = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=7.1, async_wait=0.5,
+                                                             async_train=(2.0, 4.5))))
+    assert "(about the same: within 5%)" in slow and "took 2.50 s longer than CB's" in slow
+
+
+def test_gpu_estimate_findings_compare_the_shares():
+    points = [{"backend": "generate", "N": 8, "status": "ok", "rollout_share": 0.4}]
+    rows = [{"N": 8, "backend": "generate = CB", "name": "GPU A", "rollout_share": 0.9, "tied": True},
+            {"N": 8, "backend": "generate", "name": "GPU B", "rollout_share": 0.42, "tied": False},
+            {"N": 8, "backend": "continuous", "name": "GPU B", "rollout_share": 0.3, "tied": False}]
+    text = findings.gpu_estimate_findings(points, rows)
+    assert "the rollout was 40% of generate()'s step here (a rollout speed-up can buy at most 1.67x)" in text
+    assert "90% on the GPU A (larger than here: at most 10.00x); 42% on the GPU B (about as here: at most 1.72x)" in text
+    assert "On the GPU A the estimate gives generate() and CB the same rollout" in text and "GPU B the" not in text

@@ -113,3 +113,46 @@ def test_the_estimated_step_split_differs_only_in_the_rollout():
     assert g["update_s"] == c["update_s"] and g["old_logprob_s"] == pytest.approx(g["update_s"] / 3)
     same = estimated_step_split(config, targets=[3, 3, 3], **kw)  # no spread: nothing for CB to win back
     assert same["generate"]["rollout_s"] == pytest.approx(same["continuous"]["rollout_s"])
+
+
+def test_rows_off_the_floor_worked_by_hand():
+    """The 592-parameter layer above, fp16, bandwidth-bound (compute is free): a decode step at context 10 reads the
+    weights (1184 bytes), each row's embedding (16) and 10 tokens of KV (160: 1 layer x k and v x 1 head x 4 dims x
+    2 bytes), so it takes (1184 + 176 rows) bytes / (1e8 B/s x 0.5). It leaves the one-layer launch floor at the
+    first row count past (floor x 5e7 - 1184) / 176; a GPU fast enough keeps every step on the floor."""
+    import math
+
+    from cbkit.measure.roofline import LAUNCH_S_PER_LAYER, Machine, rows_off_the_floor
+
+    config = _config(vocab_size=20, hidden_size=8, intermediate_size=10, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1)
+    slow = Machine("slow", {"float16": 1e30}, 1e8)
+    want = math.floor((LAUNCH_S_PER_LAYER * 1e8 * 0.5 - 1184) / 176) + 1
+    assert 300 < want < 400
+    assert rows_off_the_floor(config, context=10, dtype_bytes=2, machine=slow, dtype="float16") == want
+    fast = Machine("fast", {"float16": 1e30}, 1e20)
+    assert rows_off_the_floor(config, context=10, dtype_bytes=2, machine=fast, dtype="float16") is None
+
+
+def test_the_estimate_table_gives_one_row_where_the_floor_hides_the_padding():
+    """Llama-3.2-1B's shape at 256 rows of up to 2048 tokens: on an A100 every decode step is on the launch floor (one
+    row, generate = CB, with the note naming it and where the floor ends), while a T4's bandwidth lets the padded
+    rows show (a row per backend, CB's rollout the shorter)."""
+    import random
+
+    from cbkit.measure.tables import estimated_step_table, estimated_steps
+    from cbkit.models.load import load_config
+
+    config = load_config("llama-1b-random")
+    rng = random.Random(0)
+    lengths = {64: [rng.randint(100, 2048) for _ in range(256)]}
+    rows = estimated_steps(config, prompt_lens=[132] * 4, lengths_by_n=lengths)
+    by = {(r["gpu"], r["backend"]): r for r in rows}
+    assert set(by) == {("t4", "generate"), ("t4", "continuous"), ("a100-40", "generate = CB")}
+    assert by[("t4", "continuous")]["rollout_s"] < by[("t4", "generate")]["rollout_s"]
+    assert by[("t4", "continuous")]["speedup"] > 1 and by[("a100-40", "generate = CB")]["speedup"] == 1
+    table = estimated_step_table(config, prompt_lens=[132] * 4, lengths_by_n=lengths)
+    assert table.count("| 64 |") == 3 and "| generate = CB |" in table
+    note = table.splitlines()[-1]
+    assert "on the NVIDIA A100-SXM4-40GB. There every decode step" in note and "NVIDIA T4" not in note
+    assert "(the largest step here: 256 rows)" in note

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -125,7 +126,8 @@ def test_aggregate_takes_medians_and_ratios():
 @pytest.mark.parametrize(
     "kw, msg",
     [(dict(ns=(0, 8)), "ns must be positive"), (dict(backends=("generate", "vllm")), "Unknown backend"),
-     (dict(backends=("continuous",)), "keep 'generate'"), (dict(repeats=0), "repeats")],
+     (dict(backends=("continuous",)), "keep 'generate'"), (dict(repeats=0), "repeats"),
+     (dict(backends=("generate", "continuous-async"), full_step=True, async_steps=1), "first step has nothing")],
 )
 def test_bad_sweep_config(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -246,9 +248,74 @@ def test_cli_full_step_replay_runs_end_to_end(tmp_path, capsys):
     assert "Traceback" not in printed and "One GRPO step split by phase" in printed
     assert "| 2 | continuous |" in printed
     assert "One GRPO step, split by phase" in out.with_suffix(".html").read_text()
-    # the same steps on a T4 and an A100, printed as an estimate, one line per GPU x backend
+    # the same steps on a T4 and an A100, printed as an estimate
     assert "an ESTIMATE from the roofline's assumptions" in printed
-    assert printed.count("(estimate, not measured)") == 1 and printed.count("| NVIDIA T4 (float16 rollout) | 2 |") == 2
+    assert printed.count("(estimate, not measured)") == 1 and printed.count("| NVIDIA T4 (float16 rollout) | 2 |") == 1
+    # the tiny model's decode steps all sit on the launch floor: one row stands for both backends, and a line says why
+    assert "| NVIDIA T4 (float16 rollout) | 2 | generate = CB |" in printed
+    assert "the estimate cannot separate generate() from CB" in printed
+
+
+def test_async_cb_is_refused_without_full_step(capsys):
+    """continuous-async is a way to run whole steps, not a rollout backend: a rollout-only sweep refuses it before any
+    model time, saying what to add."""
+    from cbkit.cli import main
+
+    with pytest.raises(ValueError, match="Add --full-step, or drop continuous-async"):
+        _cfg(backends=("generate", "continuous", "continuous-async"))
+    assert main(["sweep", "--backends", "generate,continuous-async", "--model", "tiny", "--no-live"]) == 2
+    assert "Add --full-step" in capsys.readouterr().err
+
+
+def test_full_step_async_row_end_to_end(tiny, tmp_path, capsys):
+    """`cbkit sweep --full-step --backends generate,continuous,continuous-async` on the tiny model: the async row runs
+    three steps and reports the two after the first; each rollout replays the same targets as the synchronous rows;
+    every token of a steady step's rollout was sampled one update before the loss (it decoded while the step
+    before trained); the split's parts add up to the step, with the wait as its rollout; the overlap bought is
+    computed against synchronous CB; the weights come back and no engine thread is left running. The command then
+    prints its tables from the file (a rerun resumes: nothing left to run) without a traceback."""
+    import threading
+
+    from cbkit.cli import main
+
+    def engine_threads():  # transformers' engine thread is not a daemon: one left running would hang the exit
+        return {t for t in threading.enumerate() if not t.daemon}
+
+    before_threads = engine_threads()
+    weights = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    out = tmp_path / "s.jsonl"
+    cfg = _cfg(ns=(3,), num_prompts=2, repeats=1, max_new_tokens=8, full_step=True,
+               backends=("generate", "continuous", "continuous-async"))
+    points = {p["backend"]: p for p in run_sweep(cfg, out, policy=tiny)}
+    runs = {r["backend"]: r for r in _runs(out)}
+    a, c = runs["continuous-async"], runs["continuous"]
+    assert all(r["status"] == "ok" for r in runs.values())
+    assert sorted(a["completion_lengths"]) == sorted(c["completion_lengths"]) and a["truncated_share"] == 1.0
+    assert a["steady_steps"] == 2 and len(a["step_s_each"]) == 3
+    assert a["step_s"] == pytest.approx(sum(a["step_s_each"][1:]) / 2)
+    assert a["staleness_max"] == 1.0 and a["regenerated"] == 0
+    assert a["rollout_s"] == pytest.approx(a["rollout_wait_s"] + a["publish_wait_s"])
+    assert a["rollout_s"] + a["old_logprob_s"] + a["update_s"] + a["other_s"] == pytest.approx(a["step_s"])
+    assert a["rollout_wall_s"] > 0 and a["rollout_roof_share"] is None and a["rollout_wall_roof_share"] > 0
+    assert a["planned_phase"] == "overlapped"
+    pa = points["continuous-async"]
+    assert pa["overlap_s"] == pytest.approx(c["rollout_s"] - a["rollout_s"])
+    assert pa["step_vs_sync"] == pytest.approx(c["step_s"] / a["step_s"])
+    for k, v in tiny.model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    deadline = time.monotonic() + 10
+    while engine_threads() - before_threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine_threads() - before_threads
+
+    assert main(["sweep", "--full-step", "--backends", "generate,continuous,continuous-async", "--model", "tiny",
+                 "--ns", "3", "--num-prompts", "2", "--repeats", "1", "--max-new-tokens", "8", "--no-live",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Traceback" not in printed
+    assert "| 3 | continuous-async |" in printed and "overlap bought" in printed
+    assert f"| 3 | 2 | {a['step_s']:.2f} | {a['rollout_s']:.2f} | {a['rollout_wall_s']:.2f} |" in printed
+    assert "overlap bought" in out.with_suffix(".html").read_text()
 
 
 # --- length workloads and MFU -------------------------------------------------------------------------------

@@ -98,7 +98,13 @@ class ResultsFile:
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median over repeats per (backend, N), then ratios to generate() at the same N."""
+    """Median over repeats per (backend, N), then ratios to generate() at the same N.
+
+    The async row (`continuous-async`) is also set beside synchronous CB at its N: ``overlap_s``, the overlap it
+    bought, is CB's rollout seconds minus the seconds the async trainer still waited for its rollout (the rollout
+    time taken off the step's critical path), and ``step_vs_sync`` its step's speed-up over CB's. The two differ
+    by what running decode and training at once costs each of them on shared hardware (two CPU cores, one GPU):
+    an overlap that buys seconds of rollout can still leave the step no faster."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["backend"], r["N"]), []).append(r)
@@ -116,7 +122,10 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "old_logprob_roof_share", "update_roof_share", "rollout_roof_s", "old_logprob_roof_s",
                     "update_roof_s", "planned_rollout_peak_bytes",
                     # the planned peak's terms (`sweep.plan_terms`)
-                    "plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes", "plan_heap_slack_bytes"):
+                    "plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes", "plan_heap_slack_bytes",
+                    # the async row (`continuous-async`): what the trainer waited for, the rollout's own wall clock
+                    "rollout_wait_s", "publish_wait_s", "rollout_wall_s", "rollout_wall_roof_share",
+                    "steady_steps", "first_step_s"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
         if point["rollout_share"] is None and point["step_s"] and point["rollout_s"] is not None:
@@ -139,6 +148,11 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p["amdahl_ceiling"] = (amdahl_ceiling(g["rollout_share"], p["rollout_speedup"])
                                    if g and g.get("rollout_share") is not None and p["rollout_speedup"] else None)
             p["of_ceiling"] = _ratio(p["step_speedup"], p["amdahl_ceiling"])
+        if p.get("rollout_wall_s") is not None:  # async CB: against synchronous CB's step at the same N
+            c = by_key.get(("continuous", p["N"]))
+            sync = c if c and c["status"] == "ok" else None
+            p["overlap_s"] = sync["rollout_s"] - p["rollout_s"] if sync and p["rollout_s"] is not None else None
+            p["step_vs_sync"] = _ratio(sync and sync["step_s"], p["step_s"])
     return points
 
 

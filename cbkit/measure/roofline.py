@@ -213,6 +213,33 @@ def estimated_rollout_seconds(config: Any, *, prompt_lens: Sequence[int], runnin
     return seconds
 
 
+def step_floor_seconds(config: Any) -> float:
+    """The launch floor of one eager decode step of this model: ``LAUNCH_S_PER_LAYER`` for each layer."""
+    return LAUNCH_S_PER_LAYER * Shape.of(config).layers
+
+
+def rows_off_the_floor(config: Any, *, context: int, dtype_bytes: int, machine: Machine, dtype: str,
+                       efficiency: float = DECODE_EFFICIENCY, limit: int = 1 << 20) -> int | None:
+    """The fewest rows at which one decode step at ``context`` tokens of KV each takes longer by the roof (slowed to
+    ``efficiency``) than the launch floor: below it, the estimate charges a static batch's padded rows nothing and
+    cannot tell the backends apart. None if even ``limit`` rows stay under the floor."""
+    shape, floor = Shape.of(config), step_floor_seconds(config)
+    peak, bw = machine.flops(dtype), machine.bytes_per_s
+
+    def over(rows: int) -> bool:
+        return decode_step(shape, [context] * rows, dtype_bytes).seconds(peak, bw) / efficiency > floor
+
+    if not over(limit):
+        return None
+    lo, hi = 0, 1  # over(lo) is False (no rows, no work beyond the weights), over(hi) True once doubled enough
+    while not over(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # a step's time grows with its rows: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if over(mid) else (mid, hi)
+    return hi
+
+
 def estimated_train_seconds(config: Any, *, rows: int, tokens_per_row: int, machine: Machine, dtype: str,
                             forwards: int = 1, efficiency: float = TRAIN_EFFICIENCY) -> float:
     """Wall seconds of ``forwards`` teacher-forced forwards (2 FLOPs a matmul weight a token) and one backward

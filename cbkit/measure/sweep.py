@@ -47,6 +47,16 @@ from cbkit.rollout import BACKENDS, SamplingParams
 from cbkit.train.config import _help
 
 DEFAULT_NS = (8, 16, 32, 64)
+# A full-step-only backend: the continuous backend with async rollouts (`cbkit.train.offpolicy.AsyncRollouts`), step
+# t+1's rollout decoding in transformers' thread while step t trains. Not a `RolloutBackend`: only a whole step (in
+# fact several) can show what it buys, so a rollout-only sweep refuses it.
+ASYNC_BACKEND = "continuous-async"
+# The async row's update lands after every forward of the rollout it meets (`async_update_at` past any rollout's
+# forwards): the trainer publishes once the queued rollout has finished, so the step takes max(training, rollout),
+# every token is exactly one update old, and the timing is what a GPU run gets when the update would land at the
+# end of training. A pinned early forward (the loop's default, for reproducible runs) would park the engine for
+# most of the training and hide little.
+AFTER_THE_ROLLOUT = 2**31 - 1
 
 PRESETS: dict[str, dict[str, Any]] = {
     # TRL's benchmark setting (PR #5765) on a GPU machine with no network (scripts/gpu_sweep.sh): Llama-3.2-1B-Instruct's exact
@@ -130,6 +140,10 @@ class SweepConfig:
     forward_chunk_rows: int | None = _help(
         "--full-step only: completions per teacher-forced forward of the step (the loop's forward_chunk_rows; "
         "None: all rows in one forward)", default=4)
+    async_steps: int = _help(
+        f"--full-step with {ASYNC_BACKEND} in --backends: GRPO steps run per point. The first has no earlier step to "
+        "overlap; every later one does (its next rollout decodes while it trains), and the point is their mean",
+        default=3)
     lengths: str = _help(
         "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
         "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides), or replay:FILE (a "
@@ -147,9 +161,21 @@ class SweepConfig:
         self.backends = tuple(self.backends)
         if not self.ns or any(not isinstance(n, int) or n < 1 for n in self.ns):
             raise ValueError(f"ns must be positive integers, e.g. 8,16,32,64; got {list(self.ns)}.")
-        unknown = [b for b in self.backends if b not in BACKENDS]
+        unknown = [b for b in self.backends if b not in BACKENDS and b != ASYNC_BACKEND]
         if not self.backends or unknown:
-            raise ValueError(f"Unknown backend(s) {unknown or '(none given)'}; choose from {sorted(BACKENDS)}.")
+            raise ValueError(f"Unknown backend(s) {unknown or '(none given)'}; choose from "
+                             f"{sorted(BACKENDS)} (and {ASYNC_BACKEND} with --full-step).")
+        if ASYNC_BACKEND in self.backends:
+            if not self.full_step:
+                raise ValueError(
+                    f"{ASYNC_BACKEND} overlaps the next step's rollout with this step's training: only a whole GRPO "
+                    f"step shows that. Add --full-step, or drop {ASYNC_BACKEND} from --backends.")
+            if self.async_steps < 2:
+                raise ValueError(f"async_steps must be >= 2 (the first step has nothing to overlap), got "
+                                 f"{self.async_steps}.")
+            if self.cpu_attention != "batched":
+                raise ValueError(f"{ASYNC_BACKEND} runs the engine with the batched CPU attention; drop "
+                                 f"--cpu-attention {self.cpu_attention} or {ASYNC_BACKEND}.")
         if "generate" not in self.backends:
             raise ValueError("The sweep reports ratios to generate(): keep 'generate' in the backends.")
         if self.repeats < 1:
@@ -177,6 +203,8 @@ class SweepConfig:
             del keep["engine_loop"]
         if not self.full_step:  # a rollout-only sweep runs no training forward: files from before the field resume
             keep.pop("forward_chunk_rows")
+        if keep["async_steps"] == 3:  # the default: files written before the async row stay resumable
+            del keep["async_steps"]
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         # A replayed file may change under the same name: its contents are part of what makes runs comparable.
         w = self._workload
@@ -277,27 +305,16 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     target); None lets EOS decide. With a ``probe``, each phase gets its share of its roof. The weights are put
     back afterwards."""
     from cbkit.telemetry import PeakMemory
-    from cbkit.train.config import CBGRPOConfig
     from cbkit.train.grpo import GRPOTrainer
-    from cbkit.train.hooks import StepHooks
-
-    class Seen(StepHooks):
-        rollout = None
-
-        def on_rollout_end(self, rollout) -> None:
-            Seen.rollout = rollout
 
     model, problems = setup.model, setup.problems
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    config = CBGRPOConfig(
-        model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(problems),
-        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        use_transformers_continuous_batching=backend.name == "continuous", seed=cfg.seed + rep,
-        output_dir=None, disable_tqdm=True, max_steps=1, forward_chunk_rows=cfg.forward_chunk_rows,
-    )
+    config = _step_config(cfg, n, rep, len(problems), max_steps=1,
+                          use_transformers_continuous_batching=backend.name == "continuous")
     step_backend = backend if targets is None else _Replayed(backend, targets)
+    seen = _rollout_seen()
     trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=step_backend, problems=problems,
-                          hooks=[Seen()])
+                          hooks=[seen])
     spent = _time_phases(trainer)
     try:
         with PeakMemory(model.device) as mem:
@@ -311,7 +328,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     finally:
         model.load_state_dict(saved)
         model.zero_grad(set_to_none=True)
-    m, rollout = record.metrics, Seen.rollout
+    m, rollout = record.metrics, seen.rollout
     lengths = [len(c.completion_ids) for c in rollout.completions]
     tokens = sum(lengths)
     step_s, rollout_s = m["step/seconds"], m["rollout/seconds"]
@@ -339,6 +356,121 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     if probe is not None:
         measured.update(step_roof_record(model, rollout, measured, probe, config))
     return measured
+
+
+def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequence[int] | None = None,
+                        probe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`continuous-async`: ``cfg.async_steps`` GRPO steps of cbkit's loop with async rollouts (`AsyncRollouts`), each
+    later step's rollout decoding in transformers' thread while the step before it trains.
+
+    Step 1 has nothing to overlap (its rollout is queued and waited for), so the point is the mean of the steps
+    after it, each with its successor's rollout in flight (the trainer is configured one step longer than it
+    runs). The rollout's part of such a step is what the trainer waited for it: at the step's start for the
+    queued rollout (``offpolicy/rollout_wait_s``) and at the publish for the next one to finish
+    (``offpolicy/publish_wait_s``, as the update lands after the whole rollout, `AFTER_THE_ROLLOUT`); its own wall
+    clock, overlapping the training, is ``rollout_wall_s``. What the overlap bought, the synchronous CB rollout
+    minus this wait, needs the continuous point beside it (`results.aggregate`). Every rollout replays
+    ``targets``. The weights are put back and the engine closed (no thread left), whatever happened."""
+    from cbkit.telemetry import PeakMemory
+    from cbkit.train.grpo import GRPOTrainer
+
+    model, problems = setup.model, setup.problems
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    config = _step_config(cfg, n, rep, len(problems), use_transformers_continuous_batching=True, async_rollouts=True,
+                          async_update_at=AFTER_THE_ROLLOUT, max_steps=cfg.async_steps + 1,
+                          transformers_continuous_batching_config=dict(cfg.cb_config))
+    seen = _rollout_seen()
+    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), problems=problems, hooks=[seen])
+    trainer.offpolicy.target_lengths = None if targets is None else list(targets)
+    spent = _time_phases(trainer)
+    steps: list[dict[str, float]] = []
+    mem = PeakMemory(model.device)
+    try:
+        with mem:
+            for _ in range(cfg.async_steps):
+                spent.update(old_logprob_s=0.0, update_s=0.0)
+                steps.append({**trainer.step().metrics, **spent})
+            mem.synchronize()
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": mem.peak_bytes,
+                "peak_mem_kind": mem.kind}
+    finally:
+        trainer.close()  # stops the engine thread; the rollout of the step never run is dropped uncollected
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+    steady = steps[1:]
+
+    def mean(key: str) -> float:
+        return statistics.mean(s[key] for s in steady)
+
+    waits = [s["offpolicy/rollout_wait_s"] + s.get("offpolicy/publish_wait_s", 0.0) for s in steady]
+    rollout = seen.rollout
+    lengths = [len(c.completion_ids) for c in rollout.completions]
+    tokens = sum(lengths)
+    step_s, wait_s, wall_s = mean("step/seconds"), statistics.mean(waits), mean("rollout/seconds")
+    old_s, update_s = mean("old_logprob_s"), mean("update_s")
+    measured = {
+        "status": "ok",
+        "step_s": step_s,
+        "rollout_s": wait_s,  # the rollout's part of the step: what the trainer waited for it
+        "rollout_wait_s": mean("offpolicy/rollout_wait_s"),
+        "publish_wait_s": statistics.mean(s.get("offpolicy/publish_wait_s", 0.0) for s in steady),
+        "rollout_wall_s": wall_s,
+        "train_s": mean("train/seconds"),
+        "old_logprob_s": old_s,
+        "update_s": update_s,
+        "other_s": step_s - wait_s - old_s - update_s,
+        "rollout_share": wait_s / step_s,
+        "steady_steps": len(steady),
+        "first_step_s": steps[0]["step/seconds"],
+        "step_s_each": [s["step/seconds"] for s in steps],
+        "staleness_max": max(s.get("offpolicy/staleness_max", 0.0) for s in steady),
+        "regenerated": sum(s.get("offpolicy/regenerated", 0.0) for s in steady),
+        "async_update_at": "after the rollout",
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / step_s,  # completion tokens per second of whole step
+        "rollout_tokens_per_s": tokens / wall_s if wall_s else None,
+        "peak_mem_bytes": mem.peak_bytes,
+        "peak_mem_kind": mem.kind,
+        "truncated_share": statistics.mean(c.finish_reason == "length" for c in rollout.completions),
+        **lengths_record(lengths),
+        "reward_mean": mean("reward/mean") if all("reward/mean" in s for s in steady) else None,
+        "forward_chunk_rows": cfg.forward_chunk_rows,
+        "prompt_lens": [len(c.prompt_ids) for c in rollout.completions[::n]],
+        "engine_config": rollout.engine_config,
+    }
+    if probe is not None:
+        roofs = step_roof_record(model, rollout, measured, probe, config)
+        # The rollout's roof share is of its own wall clock (while the training ran beside it), not of the wait
+        # the step's rollout column holds: kept under its own name, so no cell divides one by the other.
+        roofs["rollout_wall_roof_share"], roofs["rollout_roof_share"] = roofs["rollout_roof_share"], None
+        measured.update(roofs)
+    return measured
+
+
+def _step_config(cfg: SweepConfig, n: int, rep: int, prompts: int, **kw: Any):
+    """The loop's config for a full-step point: the sweep's sampling, lengths and chunking, no output, no bar."""
+    from cbkit.train.config import CBGRPOConfig
+
+    return CBGRPOConfig(
+        model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=prompts,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, forward_chunk_rows=cfg.forward_chunk_rows, **kw)
+
+
+def _rollout_seen():
+    """A step hook keeping the last rollout the loop produced (`StepHooks` imported here, as the loop is)."""
+    from cbkit.train.hooks import StepHooks
+
+    class Seen(StepHooks):
+        rollout = None
+
+        def on_rollout_end(self, rollout) -> None:
+            self.rollout = rollout
+
+    return Seen()
 
 
 def step_roof_record(model, rollout, measured: dict[str, Any], probe: dict[str, Any], config) -> dict[str, Any]:
@@ -401,7 +533,7 @@ def run_sweep(
     params = matmul_params(model)
     # Each backend is warmed up with one short call: first calls pay one-off costs, not what we compare.
     backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention,
-                                 engine_loop=cfg.engine_loop) for b in cfg.backends}
+                                 engine_loop=cfg.engine_loop) for b in cfg.backends if b != ASYNC_BACKEND}
 
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
     probed_at = None
@@ -412,7 +544,9 @@ def run_sweep(
         run_sampling = dataclasses.replace(sampling, seed=cfg.seed + rep)
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
         targets = workload.targets(len(prompts) * n, cfg.max_new_tokens, seed=run_sampling.seed)
-        if cfg.full_step:
+        if b == ASYNC_BACKEND:
+            measured = measure_async_steps(cfg, setup, n, rep, targets, probe)
+        elif cfg.full_step:
             measured = measure_full_step(cfg, setup, backends[b], n, rep, targets, probe)
         else:
             measured = measure_run(backends[b], prompts, n, run_sampling, model.config, dtype_bytes, targets)
@@ -511,19 +645,30 @@ def plan_terms(p, backend: str) -> dict[str, int | None]:
 def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[str, Any]:
     """The planner's peak for a whole GRPO step (`planner.step_peak_bytes`: the rollout's planned peak, one
     chunk's backward beside the gradients, the optimizer step; the sweep's trainer is fresh, so AdamW's moments
-    appear at the update), the phase that sets it, and its error against the step's measured peak."""
+    appear at the update), the phase that sets it, and its error against the step's measured peak.
+
+    The async row's phases overlap instead of following each other: its later steps hold AdamW's moments
+    throughout, the engine's weight snapshot, and the next rollout's KV beside the training's own peak, so the
+    peak is their sum (phase ``overlapped``)."""
     from cbkit.measure.planner import step_peak_bytes
 
     rows = len(prompts) * n
     longest = max(targets) if targets and cfg.workload.kind != "natural" else cfg.max_new_tokens
-    step = step_peak_bytes(sum(p.numel() for p in model.parameters()), rollout_peak_bytes=planned["planned_peak_bytes"],
+    params = sum(p.numel() for p in model.parameters())
+    overlapped = run.get("backend") == ASYNC_BACKEND
+    step = step_peak_bytes(params, rollout_peak_bytes=planned["planned_peak_bytes"],
                            micro_batch_rows=rows, chunk_rows=cfg.forward_chunk_rows,
                            tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
-                           config=model.config, autocast=False)
+                           config=model.config, autocast=False, optimizer_state_resident=overlapped)
+    phase = max(("rollout", "backward", "optimizer_step"), key=step.__getitem__)
+    peak = step["peak"]
+    if overlapped:
+        snapshot = params * model.dtype.itemsize
+        peak = snapshot + planned["planned_peak_bytes"] + max(step["backward"], step["optimizer_step"])
+        phase = "overlapped"
     measured = run.get("peak_mem_bytes")
-    return {"planned_peak_bytes": step["peak"], "planned_rollout_peak_bytes": planned["planned_peak_bytes"],
-            "planned_phase": max(("rollout", "backward", "optimizer_step"), key=step.__getitem__),
-            "plan_error": measured / step["peak"] - 1 if measured and step["peak"] else None}
+    return {"planned_peak_bytes": peak, "planned_rollout_peak_bytes": planned["planned_peak_bytes"],
+            "planned_phase": phase, "plan_error": measured / peak - 1 if measured and peak else None}
 
 
 def _order(backends: Sequence[str], k: int) -> list[str]:

@@ -91,7 +91,38 @@ def step_split_table(points: list[dict[str, Any]]) -> str:
         rows.append(f"| {p['N']} | {p['backend']} | {f(p.get('step_s'), '.2f')} | {phase(p, 'rollout')} | "
                     f"{phase(p, 'old_logprob')} | {phase(p, 'update')} | {f(p.get('other_s'), '.2f')} | "
                     f"{f(p.get('rollout_share'), '.0%')} | {speed} | {ceiling} | {f(p.get('of_ceiling'), '.0%')} |")
-    return "\n".join(rows)
+    table = "\n".join(rows)
+    overlapped = async_overlap_table(points)
+    return table if overlapped is None else f"{table}\n\n{overlapped}"
+
+
+def async_overlap_table(points: list[dict[str, Any]]) -> str | None:
+    """The async rows of a full-step sweep (`continuous-async`) beside synchronous CB: the steady-state step (the
+    mean of the steps after the first), what the trainer still waited for its rollout, the rollout's own wall
+    clock (run beside the training), and the overlap bought (`results.aggregate`). None without async rows."""
+    rows = [p for p in sorted(points, key=lambda p: p["N"]) if p.get("rollout_wall_s") is not None or (
+        p["backend"] == "continuous-async" and p["status"] != "ok")]
+    if not rows:
+        return None
+
+    def f(v, fmt, unit=""):
+        return format(v, fmt) + unit if v is not None else "—"
+
+    out = ["continuous-async = CB with async rollouts: step t+1's rollout decodes while step t trains. step s = the "
+           "mean of its steady-state steps (every step after the first); rollout wait = what the trainer still "
+           "waited for a rollout (its rollout s above); overlap bought = synchronous CB's rollout s minus that wait",
+           "| N | steady steps | step s | rollout wait s | rollout wall s | CB rollout s | overlap bought s | "
+           "step vs CB | step vs generate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cb = {p["N"]: p for p in points if p["backend"] == "continuous" and p["status"] == "ok"}
+    for p in rows:
+        if p["status"] != "ok":
+            out.append(f"| {p['N']} | {p['status'].upper()} |" + " — |" * 7)
+            continue
+        out.append(f"| {p['N']} | {f(p.get('steady_steps'), '.0f')} | {f(p.get('step_s'), '.2f')} | "
+                   f"{f(p.get('rollout_s'), '.2f')} | {f(p.get('rollout_wall_s'), '.2f')} | "
+                   f"{f(cb.get(p['N'], {}).get('rollout_s'), '.2f')} | {f(p.get('overlap_s'), '.2f')} | "
+                   f"{f(p.get('step_vs_sync'), '.2f', 'x')} | {f(p.get('step_speedup'), '.2f', 'x')} |")
+    return "\n".join(out)
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
@@ -185,7 +216,8 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
             "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share", "roof_bound", "roof_missing",
             "step_s", "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
             "old_logprob_roof_share", "update_roof_share", "step_speedup", "rollout_speedup", "amdahl_ceiling",
-            "of_ceiling", "planned_phase"]
+            "of_ceiling", "planned_phase", "rollout_wait_s", "publish_wait_s", "rollout_wall_s", "steady_steps",
+            "first_step_s", "overlap_s", "step_vs_sync"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -311,23 +343,74 @@ def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, 
 ESTIMATE_GPUS = {"t4": ("float16", "float32"), "a100-40": ("bfloat16", "bfloat16")}
 
 
+def estimated_steps(config: Any, *, prompt_lens: list[int], lengths_by_n: dict[int, list[int]]) -> list[dict[str, Any]]:
+    """The rows of `estimated_step_table` as data: per GPU of ``ESTIMATE_GPUS`` and N, one row per backend, or one
+    row (backend ``generate = CB``, ``tied``) where the estimate gives both the same rollout. Each row: ``gpu``
+    (its name), ``rollout_dtype``, ``N``, ``rows`` (completions in the step), ``backend``, the phases' seconds,
+    ``step_s``, ``rollout_share`` and ``speedup`` (generate()'s step over this one)."""
+    import math
+
+    from cbkit.measure.roofline import GPUS, estimated_step_split
+
+    out = []
+    for gpu, (rollout_dtype, train_dtype) in ESTIMATE_GPUS.items():
+        for n, lengths in sorted(lengths_by_n.items()):
+            split = estimated_step_split(config, prompt_lens=prompt_lens, targets=lengths, machine=GPUS[gpu],
+                                         rollout_dtype=rollout_dtype, train_dtype=train_dtype, dtype_bytes=2)
+            reference = sum(split["generate"].values())
+            tied = math.isclose(split["generate"]["rollout_s"], split["continuous"]["rollout_s"], rel_tol=1e-6)
+            if tied:
+                split = {"generate = CB": split["generate"]}
+            for b, v in split.items():
+                step = sum(v.values())
+                out.append({"gpu": gpu, "name": GPUS[gpu].name, "rollout_dtype": rollout_dtype, "N": n,
+                            "rows": len(lengths), "backend": b, "tied": tied, **v, "step_s": step,
+                            "rollout_share": v["rollout_s"] / step, "speedup": reference / step})
+    return out
+
+
 def estimated_step_table(config: Any, *, prompt_lens: list[int], lengths_by_n: dict[int, list[int]]) -> str:
     """The full step's split on a T4 and an A100, **estimated** from the roofline's assumptions
     (`roofline.estimated_step_split`: DECODE_EFFICIENCY, TRAIN_EFFICIENCY, the per-step launch floor), never
     measured: where the rollout's share, and so what a faster rollout can buy, moves on a GPU. ``lengths_by_n``:
     the completion lengths each N ran with (a sweep's own). In an estimate only the rollout differs between the
-    backends, so the step's speed-up is its Amdahl ceiling."""
-    from cbkit.measure.roofline import GPUS, estimated_step_split
+    backends, so the step's speed-up is its Amdahl ceiling.
+
+    The static batch decodes every row until the longest target ends and the CB pool only the rows still running,
+    but a decode step costs at least the launch floor: while every step of the shape is under it, padded rows cost
+    nothing and the two estimates are equal. Then one row stands for both backends (``generate = CB``) and a
+    sentence under the table says why, with the rows a static batch's step would need to leave the floor on each
+    GPU (`roofline.rows_off_the_floor`): two identical rows would read as a measured parity. Where the estimates
+    differ, each backend has its row. What the estimate leaves out is whatever differs between the two
+    implementations per step (kernels, scheduling): TRL's A100 benchmark (`sweep.TRL_PR_5765`) measures it."""
+    import statistics
+
+    from cbkit.measure.roofline import GPUS, Shape, rows_off_the_floor, step_floor_seconds
 
     rows = ["| GPU (estimate, not measured) | N | backend | step s | rollout s | old-logprob fwd s | update s | "
             "rollout share | step speed-up (= Amdahl ceiling) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for gpu, (rollout_dtype, train_dtype) in ESTIMATE_GPUS.items():
-        for n, lengths in sorted(lengths_by_n.items()):
-            split = estimated_step_split(config, prompt_lens=prompt_lens, targets=lengths, machine=GPUS[gpu],
-                                         rollout_dtype=rollout_dtype, train_dtype=train_dtype, dtype_bytes=2)
-            step = {b: sum(v.values()) for b, v in split.items()}
-            for b, v in split.items():
-                rows.append(f"| {GPUS[gpu].name} ({rollout_dtype} rollout) | {n} | {b} | {step[b]:.2f} | "
-                            f"{v['rollout_s']:.2f} | {v['old_logprob_s']:.2f} | {v['update_s']:.2f} | "
-                            f"{v['rollout_s'] / step[b]:.0%} | {step['generate'] / step[b]:.2f}x |")
-    return "\n".join(rows)
+    estimated = estimated_steps(config, prompt_lens=prompt_lens, lengths_by_n=lengths_by_n)
+    for r in estimated:
+        rows.append(f"| {r['name']} ({r['rollout_dtype']} rollout) | {r['N']} | {r['backend']} | {r['step_s']:.2f} | "
+                    f"{r['rollout_s']:.2f} | {r['old_logprob_s']:.2f} | {r['update_s']:.2f} | "
+                    f"{r['rollout_share']:.0%} | {r['speedup']:.2f}x |")
+    tied: dict[str, tuple[int, str]] = {}  # GPU -> (the most rows a tied step ran, its rollout dtype)
+    for r in estimated:
+        if r["tied"]:
+            tied[r["gpu"]] = (max(r["rows"], tied.get(r["gpu"], (0, ""))[0]), r["rollout_dtype"])
+    if not tied:
+        return "\n".join(rows)
+    context = round(statistics.mean(prompt_lens)) + max(max(v) for v in lengths_by_n.values()) // 2
+    where = []
+    for gpu, (most, dtype) in tied.items():
+        off = rows_off_the_floor(config, context=context, dtype_bytes=2, machine=GPUS[gpu], dtype=dtype)
+        where.append(f"{'more than a million' if off is None else f'about {off:,}'} rows on the {GPUS[gpu].name} "
+                     f"(the largest step here: {most} rows)")
+    floor = step_floor_seconds(config)
+    note = (f"generate = CB: one estimate for both backends on the {' and the '.join(GPUS[g].name for g in tied)}. "
+            f"There every decode step of this shape is under the launch floor of an eager forward ({floor * 1e3:.1f} "
+            f"ms a step for {Shape.of(config).layers} layers), so the static batch's padded rows cost no time and both "
+            "backends take the longest completion's steps: from these assumptions the estimate cannot separate "
+            "generate() from CB, and what a GPU measures between them is per-step overhead the estimate does not "
+            f"model. A static batch's decode step of this context leaves the floor at {'; at '.join(where)}.")
+    return "\n".join(rows) + "\n" + note

@@ -68,6 +68,7 @@ class Pending:
     ids: list[str]
     submitted_at: float
     update_at: int | None
+    targets: list[int] | None = None  # a replayed length per row (EOS ignored), or None: EOS and the limit decide
     results: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -144,11 +145,15 @@ class AsyncEngine:
         return waited
 
     def submit(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
-               update_at: int | None = None, prompt_names: Sequence[str] | None = None) -> Pending:
-        """Queue P prompts x N completions; the engine starts on them at once. Only one rollout at a time."""
+               update_at: int | None = None, prompt_names: Sequence[str] | None = None,
+               target_lengths: Sequence[int] | None = None) -> Pending:
+        """Queue P prompts x N completions; the engine starts on them at once. Only one rollout at a time.
+        ``target_lengths`` (one per completion row, in group order) replays a length workload, as
+        `RolloutBackend.generate` does: EOS is ignored and completion i stops at exactly its target."""
         if self._pending is not None and not self._pending.done:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
-        check_request(prompts, num_generations, sampling, self.snapshot, prompt_names)
+        check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
+        targets = [int(t) for t in target_lengths] if target_lengths is not None else None
         rows = [list(p) for p in prompts for _ in range(num_generations)]
         self._start(sampling, rows)
         with self.engine.paused():  # all requests queued while the loop is parked: one drain, a seeded order
@@ -156,9 +161,9 @@ class AsyncEngine:
             self._go.clear()
             self._parked.clear()
             self._update_at = update_at
-            ids = self.engine.queue(rows, sampling.max_new_tokens, sampling.seed)
+            ids = self.engine.queue(rows, sampling.max_new_tokens, sampling.seed, targets=targets)
         self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
-                                time.perf_counter(), update_at)
+                                time.perf_counter(), update_at, targets)
         return self._pending
 
     def collect(self, pending: Pending) -> Rollout:
@@ -171,7 +176,8 @@ class AsyncEngine:
         rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
         outputs = [pending.results[rid] for rid in pending.ids]
         completions = [self._versioned(c, rid) for c, rid in zip(
-            to_completions(rows, outputs, pending.num_generations, pending.sampling), pending.ids, strict=True)]
+            to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
+            strict=True)]
         self._pending = None
         resolved = resolved_config(self.engine.manager)
         return Rollout(
@@ -185,9 +191,8 @@ class AsyncEngine:
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
         """The synchronous call of the `RolloutBackend` protocol: submit, then collect, on the current snapshot."""
-        if target_lengths is not None:
-            raise ValueError("AsyncEngine does not replay target lengths; use ContinuousBackend for benchmarks.")
-        return self.collect(self.submit(prompts, num_generations, sampling, prompt_names=prompt_names))
+        return self.collect(self.submit(prompts, num_generations, sampling, prompt_names=prompt_names,
+                                        target_lengths=target_lengths))
 
     def close(self) -> None:
         """Stop the engine thread and restore the snapshot's attention; the snapshot itself is kept."""

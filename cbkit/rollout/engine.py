@@ -211,9 +211,11 @@ class Engine:
     def paused(self) -> contextlib.AbstractContextManager:
         return self._loop.paused()
 
-    def queue(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> list[str]:
-        """`submit` to the running manager (hold `paused()` around it for a seeded order of draws)."""
-        return self.submit(self._loop, rows, max_new_tokens, seed)
+    def queue(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
+              targets: Sequence[int] | None = None) -> list[str]:
+        """`submit` to the running manager (hold `paused()` around it for a seeded order of draws); ``targets``
+        as in `run`."""
+        return self.submit(self._loop, rows, max_new_tokens, seed, targets=targets)
 
     def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
         """Wait up to `timeout` s for one result of the running manager; a finished one goes into `results`."""

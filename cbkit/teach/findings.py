@@ -215,3 +215,82 @@ def trl_step_findings(logs: Mapping[str, Any]) -> str:
                 "the runs above show the loop learning over many steps.")
     return (f"TRL's step: {zero_std:.0%} of its groups had no reward spread; the others' advantages gave loss "
             f"{loss:.4g} and grad norm {grad:.3g}.")
+
+
+def step_split_findings(points: Sequence[Mapping[str, Any]]) -> str:
+    """A full-step sweep (`cbkit sweep --full-step`) in sentences, per N: how much of generate()'s step the rollout
+    was, the most any rollout speed-up could buy (1 / the rest's share), CB's step speed-up against the Amdahl
+    ceiling its rollout's speed-up predicts, and, with an async row, what its overlap bought against what the
+    step gained (they differ by what running decode beside training cost the training)."""
+    ok = [p for p in points if p.get("status", "ok") == "ok" and p.get("step_s") is not None]
+    by = {(p["backend"], p["N"]): p for p in ok}
+    ns = sorted({n for b, n in by if b == "continuous" and ("generate", n) in by})
+    if not ns:
+        return "No N has a full step of both generate() and CB: nothing to compare."
+    lines = []
+    for n in ns:
+        g, c = by[("generate", n)], by[("continuous", n)]
+        share = g["rollout_share"]
+        bound = f"{1 / (1 - share):.2f}x" if share < 1 else "unbounded"
+        lines.append(f"N={n}: the rollout was {share:.0%} of generate()'s {g['step_s']:.2f} s step, so even a rollout "
+                     f"taking no time would make the step at most {bound} faster.")
+        if c.get("amdahl_ceiling") is not None and c.get("step_speedup") is not None:
+            ceiling, speed = c["amdahl_ceiling"], c["step_speedup"]
+            verdict = {0: "at its ceiling (within 5%)",
+                       1: "above its ceiling: the phases outside the rollout also ran faster in CB's step",
+                       -1: "below its ceiling: CB's step paid for something outside its rollout"}[
+                versus_parity(speed / ceiling)]
+            lines.append(f"  CB's rollout ran {c['rollout_speedup']:.2f}x as fast as generate()'s, which predicts a "
+                         f"step {ceiling:.2f}x as fast; the step went {speed:.2f}x, {verdict}.")
+        a = by.get(("continuous-async", n))
+        if a is not None and a.get("overlap_s") is not None:
+            trained = (a["old_logprob_s"] + a["update_s"]) - (c["old_logprob_s"] + c["update_s"])
+            gained = c["step_s"] - a["step_s"]
+            line = (f"  Async CB (steady state, {a.get('steady_steps') or '?'} steps): its trainer waited "
+                    f"{a['rollout_s']:.2f} s a step for a rollout against CB's {c['rollout_s']:.2f} s, so the overlap "
+                    f"bought {a['overlap_s']:.2f} s; its step took {a['step_s']:.2f} s against CB's "
+                    f"{c['step_s']:.2f} s ({_more_less(a['step_vs_sync'], 'faster', 'slower')}).")
+            if trained > 0 and versus_parity(a["step_vs_sync"]) < 1:
+                line += (f" Its old-logprob forward and update took {trained:.2f} s longer than CB's: the decode "
+                         "running beside them took that from the same device.")
+            elif gained > a["overlap_s"]:
+                line += (f" The step gained {gained:.2f} s, more than the {a['overlap_s']:.2f} s the overlap hid: its "
+                         "other phases ran faster than CB's too.")
+            elif gained > 0:
+                line += f" The step gained {gained:.2f} s of the {a['overlap_s']:.2f} s the overlap hid."
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def gpu_estimate_findings(points: Sequence[Mapping[str, Any]], estimated: Sequence[Mapping[str, Any]]) -> str:
+    """What changes on a GPU, from the estimate rows (`cbkit.measure.tables.estimated_steps`) beside the measured
+    full steps: the rollout's share of generate()'s step at the largest N here and on each GPU, and the most a
+    rollout speed-up can buy there (1 / the rest's share). Said as an estimate."""
+    measured = {p["N"]: p for p in points if p["backend"] == "generate" and p.get("status", "ok") == "ok"
+                and p.get("rollout_share") is not None}
+    if not measured or not estimated:
+        return "No measured generate() step or no estimate: nothing to set side by side."
+    n = max(measured)
+    here = measured[n]["rollout_share"]
+    there = [r for r in estimated if r["N"] == n and r["backend"] in ("generate", "generate = CB")]
+    if not there:
+        return f"The estimate has no row at N={n}."
+
+    def bound(share: float) -> str:
+        return f"{1 / (1 - share):.2f}x" if share < 1 else "unbounded"
+
+    def moved(share: float) -> str:  # percentage points: a share 5 points either side is about where it was
+        return ("larger than here" if share > here + 0.05 else "smaller than here" if share < here - 0.05
+                else "about as here")
+
+    gpus = "; ".join(f"{r['rollout_share']:.0%} on the {r['name']} ({moved(r['rollout_share'])}: at most "
+                     f"{bound(r['rollout_share'])})" for r in there)
+    tied = [r["name"] for r in there if r["tied"]]
+    lines = [f"At N={n} the rollout was {here:.0%} of generate()'s step here (a rollout speed-up can buy at most "
+             f"{bound(here)}); the estimate puts it at {gpus}. Where the share is larger, a faster rollout buys more "
+             "of the step. An estimate from the roofline's assumptions, not a measurement."]
+    if tied:
+        lines.append(f"On the {' and the '.join(tied)} the estimate gives generate() and CB the same rollout for this "
+                     "shape: each decode step is bound by the launch floor, not by the rows it carries (the note "
+                     "under the table).")
+    return "\n".join(lines)

@@ -173,6 +173,9 @@ class AsyncRollouts:
         self.engine.max_prompt_len = max(map(len, trainer.prompt_ids))
         self.pending = None
         self.resume_update: int | None = None  # a resumed run first replays the update its pending rollout met
+        # One length per completion row for every rollout this source queues, EOS ignored: a replayed length workload
+        # (`cbkit sweep --full-step`'s async row, so every backend decodes the same targets). None: EOS decides.
+        self.target_lengths: list[int] | None = None
 
     def rollout(self, trainer: GRPOTrainer, indices: Sequence[int],
                 step: int) -> tuple[Rollout, dict[str, float], list[int]]:
@@ -213,7 +216,8 @@ class AsyncRollouts:
         return self.engine.submit([trainer.prompt_ids[i] for i in indices], trainer.config.num_generations,
                                   trainer.sampling_params(step),
                                   update_at=trainer.config.async_update_at if straddle else None,
-                                  prompt_names=[trainer.problems[i].id for i in indices])
+                                  prompt_names=[trainer.problems[i].id for i in indices],
+                                  target_lengths=self.target_lengths)
 
     def _too_old(self, trainer: GRPOTrainer, rollout: Rollout, indices: Sequence[int], step: int,
                  now: int) -> tuple[Rollout, list[int], bool]:

@@ -129,7 +129,8 @@ STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"
 def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
     """A full GRPO step per backend and N (`cbkit sweep --full-step`) as one stacked bar of its phases (rollout,
     old-logprob forward, update, other), with the step's speed-up over generate() beside the Amdahl ceiling its
-    rollout's speed-up predicts. Failed points are a labelled empty bar, never a zero-length one."""
+    rollout's speed-up predicts. An async CB bar's rollout is what its trainer still waited for, with the overlap
+    bought written beside it. Failed points are a labelled empty bar, never a zero-length one."""
     pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)),
                  key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
@@ -150,6 +151,8 @@ def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
         else:
             ceiling = p.get("amdahl_ceiling")
             note = f"step {p['step_speedup']:.2f}x" + (f" vs Amdahl ceiling {ceiling:.2f}x" if ceiling else "")
+            if p.get("overlap_s") is not None:  # async CB: its rollout bar is the wait; what the overlap hid
+                note += f"<br>overlap bought {p['overlap_s']:.1f} s of CB's rollout"
         fig.add_annotation(y=label, x=1.0, xref="paper", xanchor="left", text=note, showarrow=False,
                            font={"size": 12, "color": "#b00" if not _ok(p) else "#222"})
     fig.update_layout(template=TEMPLATE, barmode="stack", title="One GRPO step, split by phase",
