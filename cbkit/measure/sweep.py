@@ -218,6 +218,12 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def _oom_record(e: BaseException, mem) -> dict[str, Any]:
+    """A run that ran out of memory: its first error line and the peak its PeakMemory saw before."""
+    return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": mem.peak_bytes,
+            "peak_mem_kind": mem.kind}
+
+
 def measure_run(backend, prompts, n: int, sampling: SamplingParams, config, dtype_bytes: int,
                 target_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """One timed rollout and what it cost; an OOM becomes a record, not a crash. ``target_lengths`` (one per
@@ -323,8 +329,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     except Exception as e:
         if not _is_oom(e):
             raise
-        return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": mem.peak_bytes,
-                "peak_mem_kind": mem.kind}
+        return _oom_record(e, mem)
     finally:
         model.load_state_dict(saved)
         model.zero_grad(set_to_none=True)
@@ -394,8 +399,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     except Exception as e:
         if not _is_oom(e):
             raise
-        return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": mem.peak_bytes,
-                "peak_mem_kind": mem.kind}
+        return _oom_record(e, mem)
     finally:
         trainer.close()  # stops the engine thread; the rollout of the step never run is dropped uncollected
         model.load_state_dict(saved)
