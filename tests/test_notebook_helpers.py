@@ -319,6 +319,26 @@ def test_planned_points_feed_the_memory_figure(tiny):
     assert math.isfinite(gen[0]["planned_peak_bytes"])
 
 
+def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk(tiny):
+    """On a CPU a notebook forwards two completions at a time, hands TRL micro-batches of the same size and keeps
+    the weights it comes back to in a file; a GPU tier (and its dry run on a CPU) keeps the config's chunk, the
+    config's micro-batches and a copy in memory. check_fits plans the chunk it is given, not the micro-batch."""
+    from cbkit.train.config import CBGRPOConfig
+
+    cpu = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "tiny", "d")
+    dry = notebook.NotebookEnv("ci", "cpu", None, None, False, "float32", "float32", "tiny", "d", tier="t4",
+                               dry_run=True)
+    assert (cpu.forward_chunk_rows, cpu.weights_place) == (notebook.CPU_FORWARD_CHUNK_ROWS, "disk")
+    assert (dry.forward_chunk_rows, dry.weights_place) == (CBGRPOConfig.forward_chunk_rows, "memory")
+    assert cpu.trl_micro_batches(16, 1) == 16 // notebook.CPU_FORWARD_CHUNK_ROWS
+    assert cpu.trl_micro_batches(15, 3) == 3  # two does not divide 15: the config's micro-batches
+    assert dry.trl_micro_batches(16, 1) == 1
+    whole, chunk = (notebook.check_fits(cpu, tiny.model, prompt_ids=[[5, 6, 7]] * 2, num_generations=4,
+                                        max_new_tokens=8, gradient_accumulation_steps=1, forward_chunk_rows=c)
+                    for c in (None, 2))
+    assert "one forward of 8 rows" in whole and "one forward of 2 rows" in chunk
+
+
 def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
     gpu = notebook.NotebookEnv("full", "cuda", "Fake", (7, 5), False, "float16", "float32", "tiny", "d",
                                tier="t4", gpu_memory_bytes=2**20)  # 1 MiB: the weights alone do not fit

@@ -303,6 +303,27 @@ def _time_phases(trainer) -> dict[str, float]:
     return spent
 
 
+def _keep_weights(model):
+    """The weights a measured step puts back afterwards: on a CPU in a file (a second copy of the model would sit
+    in RAM beside the step's own peak), on a GPU in device memory."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    kept = WeightSnapshots(1, "disk" if model.device.type == "cpu" else "memory")
+    kept.append(0, model)
+    return kept
+
+
+def _put_back(model, kept) -> None:
+    """Read the kept weights back into `model` and release what the step left: its gradients, the trainer
+    the caller has dropped (collected, cycles included) and the heap it freed, so the next point starts where this one
+    did."""
+    from cbkit.telemetry import release_memory
+
+    kept.load_into(model)
+    kept.close()
+    release_memory(model)
+
+
 def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, targets: Sequence[int] | None = None,
                       probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """One GRPO step through cbkit's loop with this backend, split by phase: the rollout (its own wall clock),
@@ -314,7 +335,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     from cbkit.train.grpo import GRPOTrainer
 
     model, problems = setup.model, setup.problems
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved = _keep_weights(model)
     config = _step_config(cfg, n, rep, len(problems), max_steps=1,
                           use_transformers_continuous_batching=backend.name == "continuous")
     step_backend = backend if targets is None else _Replayed(backend, targets)
@@ -331,8 +352,8 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
             raise
         return _oom_record(e, mem)
     finally:
-        model.load_state_dict(saved)
-        model.zero_grad(set_to_none=True)
+        del trainer  # its AdamW state and gradients, before the weights are read back
+        _put_back(model, saved)
     m, rollout = record.metrics, seen.rollout
     lengths = [len(c.completion_ids) for c in rollout.completions]
     tokens = sum(lengths)
@@ -380,7 +401,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     from cbkit.train.grpo import GRPOTrainer
 
     model, problems = setup.model, setup.problems
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved = _keep_weights(model)
     config = _step_config(cfg, n, rep, len(problems), use_transformers_continuous_batching=True, async_rollouts=True,
                           async_update_at=AFTER_THE_ROLLOUT, max_steps=cfg.async_steps + 1,
                           transformers_continuous_batching_config=dict(cfg.cb_config))
@@ -402,8 +423,8 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
         return _oom_record(e, mem)
     finally:
         trainer.close()  # stops the engine thread; the rollout of the step never run is dropped uncollected
-        model.load_state_dict(saved)
-        model.zero_grad(set_to_none=True)
+        del trainer
+        _put_back(model, saved)
     steady = steps[1:]
 
     def mean(key: str) -> float:

@@ -77,6 +77,9 @@ __all__ = [
 
 GiB = 2**30
 A100_MIN_MEMORY = 35 * GiB
+# A CPU notebook's training forward: two completions at a time. SmolLM2's fp32 activations are about 0.2 GB a row
+# of 200 tokens, so a chunk of 2 keeps the step within a laptop's RAM; the loss and gradients are the same.
+CPU_FORWARD_CHUNK_ROWS = 2
 
 
 def gpu_tier(total_memory_bytes: int, compute_capability: tuple[int, int]) -> str:
@@ -108,6 +111,30 @@ class NotebookEnv:
     @property
     def logits_budget_bytes(self) -> int:
         return LOGITS_BUDGET_BYTES[self.tier]
+
+    @property
+    def forward_chunk_rows(self) -> int:
+        """Completions per training forward (the loop's ``forward_chunk_rows``): on a CPU ``CPU_FORWARD_CHUNK_ROWS``,
+        so that a laptop holds one small chunk's fp32 activations at a time; on a GPU (or a tier's dry run) the
+        config's default."""
+        from cbkit.train.config import CBGRPOConfig
+
+        return CPU_FORWARD_CHUNK_ROWS if self.device == "cpu" and not self.dry_run else CBGRPOConfig.forward_chunk_rows
+
+    @property
+    def weights_place(self) -> str:
+        """Where a notebook keeps a copy of the weights it comes back to (`cbkit.train.snapshots.WeightSnapshots`):
+        on a CPU a file, so the copy costs disk, not a laptop's RAM; on a GPU (or a tier's dry run) host memory."""
+        return "disk" if self.device == "cpu" and not self.dry_run else "memory"
+
+    def trl_micro_batches(self, rows: int, gradient_accumulation_steps: int) -> int:
+        """TRL's ``gradient_accumulation_steps`` for a step of ``rows`` completions. TRL's chunk of rows is its
+        micro-batch, so on a CPU it is this notebook's forward chunk (``forward_chunk_rows``) where that divides the
+        step; elsewhere the config's ``gradient_accumulation_steps``."""
+        chunk = self.forward_chunk_rows
+        if self.device == "cpu" and not self.dry_run and rows % chunk == 0:
+            return max(gradient_accumulation_steps, rows // chunk)
+        return gradient_accumulation_steps
 
     def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
         """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
@@ -419,11 +446,11 @@ SHORT_ANSWER_PROMPT = (
 
 def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous",
-               cb_config: Mapping[str, Any] | None = None) -> str:
+               cb_config: Mapping[str, Any] | None = None, forward_chunk_rows: int | None = None) -> str:
     """Before a training run: will this tier hold it, and what drift will the precision rule give? Runs the
     planner (``cbkit.measure.planner.plan``) for the rollout, with the pool ``cb_config`` fixes, and adds what
     training holds at once (``planner.training_bytes``: fp32 weights, gradients and AdamW's two moments, one
-    micro-batch's logits and activations). On a GPU or a tier's dry run, raises with what to change if the rollout
+    micro-batch's logits and activations, or one chunk's: ``forward_chunk_rows``, the config's). On a GPU or a tier's dry run, raises with what to change if the rollout
     does not fit the free memory or training does not fit the device; returns the estimate as one line either way
     (on a CPU nothing is refused: RAM is the limit, not a budget). Where the training forwards run under autocast,
     it also measures on the first prompt how far autocast moves the logprobs from the fp32 weights' own: the drift
@@ -433,9 +460,10 @@ def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[in
     rows = len(prompt_ids) * num_generations
     params = sum(p.numel() for p in model.parameters())
     micro_rows = rows // gradient_accumulation_steps
+    forward_rows = micro_rows if forward_chunk_rows is None else min(forward_chunk_rows, micro_rows)
     train = training_bytes(params, micro_batch_rows=micro_rows, tokens_per_row=max(map(len, prompt_ids)) +
                            max_new_tokens, completion_len=max_new_tokens, config=model.config,
-                           autocast=env.autocast_dtype is not None)
+                           autocast=env.autocast_dtype is not None, chunk_rows=forward_chunk_rows)
     free = env.free_memory_bytes()
     memory = plan(model.config, num_prompts=len(prompt_ids), num_generations=num_generations,
                   prompt_len=[len(p) for p in prompt_ids], max_new_tokens=max_new_tokens,
@@ -444,7 +472,7 @@ def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[in
     rollout = memory.continuous if backend == "continuous" else memory.generate
     line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB ({backend}), training "
             f"{train['total'] / GiB:.2f} GiB (weights, gradients, AdamW: {train['optimizer_state'] / GiB:.2f}; "
-            f"logits of one micro-batch of {micro_rows}: {train['logits'] / GiB:.2f}, budget "
+            f"logits of one forward of {forward_rows} rows: {train['logits'] / GiB:.2f}, budget "
             f"{env.logits_budget_bytes / GiB:.0f}; its activations: {train['activations'] / GiB:.2f})")
     if env.gpu or env.dry_run:
         total = env.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
