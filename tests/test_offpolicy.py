@@ -141,6 +141,7 @@ def test_snapshots_on_disk_are_bitwise_the_weights_and_leave_nothing_behind():
         assert [v for v, _ in ring.items(other)] == [1, 2]
         assert same_weights(dict(ring.items(other))[2], states[2])
         assert ring.load_into(other, -1) == 2 and same_weights(other.state_dict(), states[2])
+        assert same_weights(ring.state_dict(other), states[1]) and same_weights(ring.state_dict(other, -1), states[2])
         ring.close()
         assert not folder.exists()
     with pytest.raises(ValueError, match=r"where='ssd': keep weight snapshots in one of \('memory', 'disk'\)"):
@@ -163,6 +164,33 @@ def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
     for a, b in zip(mem, disk, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
     assert same_weights(w_mem, w_disk)
+
+
+def test_train_runs_reuses_a_run_it_already_made_and_starts_each_from_the_initial_weights():
+    """Notebook 05's runs: from weights kept on disk, each run starts at them; a variant with the fields of a run
+    already made (kept with its final weights) is that run, not a second one; a variant not yet run, or one whose
+    final weights the earlier run did not keep, trains."""
+    from cbkit.teach.offpolicy import lowercase_reward, train_runs
+    from cbkit.train.snapshots import WeightSnapshots
+
+    policy = load_policy("tiny", seed=0)
+    start = {n: t.clone() for n, t in policy.model.state_dict().items()}
+    initial = WeightSnapshots(1, "disk")
+    initial.append(0, policy.model)
+    base = config(data="synthetic", num_problems=8, reward_funcs=["lowercase"])
+    rewards = {"lowercase": lowercase_reward}
+    first = train_runs(policy, initial, base, {"k=0": {}, "k=1": {"rollout_staleness": 1}}, rewards,
+                       keep_final=["k=1"])
+    assert same_weights(policy.model.state_dict(), start)  # put back at the end
+    assert first["k=1"].fields == {"rollout_staleness": 1} and first["k=1"].final and not first["k=0"].final
+    again = train_runs(policy, initial, base, {"with": {"rollout_staleness": 1}, "k=0": {},
+                                               "without": {"rollout_staleness": 1,
+                                                           "importance_sampling_correction": False}},
+                       rewards, reuse=first)
+    assert again["with"] is first["k=1"]  # the same run: not trained twice
+    assert again["k=0"] is not first["k=0"] and again["k=0"].final  # kept no final weights, so it ran again
+    assert [r["reward/mean"] for r in again["k=0"].rows] == [r["reward/mean"] for r in first["k=0"].rows]
+    assert not same_weights(again["without"].final, first["k=1"].final)  # the correction changed the update
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import string
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 from unittest import mock
 
@@ -25,6 +25,7 @@ from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepHooks, StepRecord
 from cbkit.train.offpolicy import LaggedRollouts, versioned_logprobs
+from cbkit.train.snapshots import WeightSnapshots
 
 
 def lowercase_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -42,6 +43,7 @@ class Recorder(StepHooks):
         self.train_spans: list[tuple[float, float, str]] = []
         self._train_start = 0.0
         self.final: dict[str, torch.Tensor] = {}  # the weights the run ended with (`train_runs` fills it)
+        self.fields: dict[str, Any] = {}  # the config fields the run changed over its base (`train_runs`)
 
     def on_rollout_end(self, rollout) -> None:
         self.rollouts.append(rollout)
@@ -56,20 +58,35 @@ class Recorder(StepHooks):
         return [{"step": r.step, **r.metrics} for r in self.records]
 
 
-def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
+def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, base: CBGRPOConfig,
                variants: Mapping[str, Mapping[str, Any]], reward_funcs=None, *,
-               keep_final: bool = True) -> dict[str, Recorder]:
-    """One run per variant (config fields over `base`), each from `initial` weights; their recorders by name, each
-    holding the run's metrics, rollouts and (with `keep_final`) final weights: a copy of the model each, so a caller
-    that only reads the metrics passes False. Each run's trainer (its AdamW state, gradients, weight snapshots and
-    engine) is released before the next starts, and the freed heap handed back to the system (`release_memory`),
-    so every run starts from the same resident memory. The policy is put back to `initial` at the end."""
+               keep_final: bool | Collection[str] = True, reuse: Mapping[str, Recorder] | None = None,
+               ) -> dict[str, Recorder]:
+    """One run per variant (config fields over `base`), each from `initial` weights (a state dict, or the oldest
+    version a `WeightSnapshots` keeps: on disk, it costs no RAM); their recorders by name, each
+    holding the run's fields, metrics, rollouts and final weights (all runs' with ``keep_final=True``, those named in
+    it, or none: each is a copy of the model, so a caller that only reads the metrics keeps none). A variant whose
+    fields a recorder in `reuse` already ran (the same config from the same start with the same seed: the same run)
+    is taken from there, not run again, where that recorder kept what this call keeps. Each run's trainer (its
+    AdamW state, gradients, weight snapshots and engine) is released before the next starts, and the freed heap
+    handed back to the system (`release_memory`), so every run starts from the same resident memory. The policy is
+    put back to `initial` at the end."""
     from tqdm.auto import tqdm
 
-    out = {}
-    for name, fields in tqdm(list(variants.items()), desc="runs", unit="run"):
-        policy.model.load_state_dict(initial)
+    def keeps(name: str) -> bool:
+        return keep_final if isinstance(keep_final, bool) else name in keep_final
+
+    out, todo = {}, {}
+    for name, fields in variants.items():
+        done = next((r for r in (reuse or {}).values() if r.fields == dict(fields) and (r.final or not keeps(name))), None)
+        if done is not None:
+            out[name] = done
+        else:
+            todo[name] = fields
+    for name, fields in tqdm(list(todo.items()), desc="runs", unit="run"):
+        _put_back(policy.model, initial)
         rec = Recorder()
+        rec.fields = dict(fields)
         trainer = GRPOTrainer(dataclasses.replace(base, **fields), policy=policy, hooks=[rec],
                               reward_funcs=reward_funcs)
         if trainer.offpolicy is None and not fields.get("async_rollouts"):
@@ -77,15 +94,22 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor], base: CBGRPOConfig,
             # the plain loop to float noise (tests/test_offpolicy.py checks it).
             trainer.offpolicy = LaggedRollouts(trainer, 0)
         trainer.train()
-        if keep_final:
+        if keeps(name):
             rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
         out[name] = rec
         trainer.close()
         del trainer
         release_memory(policy.model)
-    policy.model.load_state_dict(initial)
-    return out
+    _put_back(policy.model, initial)
+    return {name: out[name] for name in variants}
 
+
+def _put_back(model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | WeightSnapshots) -> None:
+    """Load `weights` into `model`: a state dict, or the oldest version a `WeightSnapshots` keeps."""
+    if isinstance(weights, WeightSnapshots):
+        weights.load_into(model)
+    else:
+        model.load_state_dict(weights)
 
 
 def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

@@ -145,13 +145,15 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, sizes={
         "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5, eval_every=2, eval_prompts=8, eval_n=2),
-        "cpu": Sizes(_SMOL, 2, 8, 48, steps=5, learning_rate=5e-5, eval_every=5, eval_prompts=32, eval_n=2),
+        # CPU: within 5 minutes and 4 GiB on a 2-core laptop with the step split and the TRL step (docs/workshop.md).
+        "cpu": Sizes(_SMOL, 2, 6, 32, steps=4, learning_rate=5e-5, eval_every=4, eval_prompts=16, eval_n=2),
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6, eval_every=6, eval_prompts=64, eval_n=2),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
                       eval_n=2)}),
-    # Off-policy: one run per staleness (4), two at the correction's staleness, one async: seven training runs. The
-    # CI size trains the random tiny model, which shows the mechanics (drift, ratios, versions), not learning.
-    NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 7, sizes={
+    # Off-policy: one run per staleness (4), the uncorrected one at the correction's staleness (the corrected one is
+    # the staleness run's), one async: six training runs. The CI size trains the random tiny model, which shows the
+    # mechanics (drift, ratios, versions), not learning.
+    NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 6, sizes={
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
         # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 32 tokens keep the seven runs near 4 minutes, and the
         # notebook keeps its weight snapshots on disk there (docs/memory.md: in memory they alone need 3 GB).

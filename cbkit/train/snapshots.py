@@ -88,6 +88,12 @@ class WeightSnapshots:
             else:
                 yield version, {n: t.to("cpu", copy=True) for n, t in kept.items()}
 
+    def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
+        """The version at `index` (0: the oldest kept, -1: the newest) as a new state dict on the CPU, shaped like
+        `template`'s: a copy, read from its file where it is on disk."""
+        return list(self.items(template))[index][1] if self._dir is not None else {
+            n: t.to("cpu", copy=True) for n, t in self._ring[index][1].items()}
+
     def clear(self) -> None:
         while self._ring:
             _, old = self._ring.popleft()
