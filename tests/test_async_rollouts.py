@@ -171,6 +171,25 @@ def test_async_training_straddles_updates_and_reports_it(tmp_path):
     assert tr.offpolicy.engine.snapshot.config._attn_implementation == tr.model.config._attn_implementation
 
 
+def test_an_async_run_that_writes_no_checkpoint_keeps_no_second_copy_of_the_engine_weights(tmp_path):
+    """The weights a queued rollout started on are kept for a checkpoint only: a copy of the model each step. Without
+    an output_dir (no checkpoint can be written) none is taken; with one, it is the snapshot the rollout started on."""
+    quiet = trainer(async_config(max_steps=2))
+    try:
+        quiet.step()
+        assert getattr(quiet.offpolicy, "previous", None) is None
+    finally:
+        quiet.close()
+    saving = trainer(async_config(max_steps=2, output_dir=str(tmp_path)))
+    start = {k: v.clone() for k, v in saving.model.state_dict().items()}
+    try:
+        saving.step()  # step 2's rollout was queued on the weights step 1 started from
+        assert same_weights(saving.offpolicy.previous, start)
+        assert not same_weights(saving.offpolicy.engine.snapshot_state(), start)  # since published: the update
+    finally:
+        saving.close()
+
+
 def test_a_rollout_older_than_max_staleness_is_regenerated(tmp_path):
     """Two updates per step: the first tokens of a queued rollout are 2 updates old by the time the loss runs."""
     tr = trainer(async_config(max_steps=2, num_iterations=2, max_staleness=1))

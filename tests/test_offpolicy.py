@@ -182,8 +182,8 @@ def test_train_runs_reuses_a_run_it_already_made_and_starts_each_from_the_initia
     first = train_runs(policy, initial, base, {"k=0": {}, "k=1": {"rollout_staleness": 1}}, rewards,
                        keep_final=["k=1"])
     assert same_weights(policy.model.state_dict(), start)  # put back at the end
-    assert first["k=1"].fields == {"rollout_staleness": 1} and first["k=1"].final and not first["k=0"].final
-    again = train_runs(policy, initial, base, {"with": {"rollout_staleness": 1}, "k=0": {},
+    assert first["k=1"].config.rollout_staleness == 1 and first["k=1"].final and not first["k=0"].final
+    again = train_runs(policy, initial, base, {"with": {"rollout_staleness": 1, "max_steps": base.max_steps}, "k=0": {},
                                                "without": {"rollout_staleness": 1,
                                                            "importance_sampling_correction": False}},
                        rewards, reuse=first)

@@ -43,7 +43,7 @@ class Recorder(StepHooks):
         self.train_spans: list[tuple[float, float, str]] = []
         self._train_start = 0.0
         self.final: dict[str, torch.Tensor] = {}  # the weights the run ended with (`train_runs` fills it)
-        self.fields: dict[str, Any] = {}  # the config fields the run changed over its base (`train_runs`)
+        self.config: CBGRPOConfig | None = None  # the run's configuration (`train_runs` fills it)
 
     def on_rollout_end(self, rollout) -> None:
         self.rollouts.append(rollout)
@@ -64,9 +64,9 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
                ) -> dict[str, Recorder]:
     """One run per variant (config fields over `base`), each from `initial` weights (a state dict, or the oldest
     version a `WeightSnapshots` keeps: on disk, it costs no RAM); their recorders by name, each
-    holding the run's fields, metrics, rollouts and final weights (all runs' with ``keep_final=True``, those named in
+    holding the run's configuration, metrics, rollouts and final weights (all runs' with ``keep_final=True``, those named in
     it, or none: each is a copy of the model, so a caller that only reads the metrics keeps none). A variant whose
-    fields a recorder in `reuse` already ran (the same config from the same start with the same seed: the same run)
+    configuration a recorder in `reuse` already ran (the same config from the same start and seed: the same run)
     is taken from there, not run again, where that recorder kept what this call keeps. Each run's trainer (its
     AdamW state, gradients, weight snapshots and engine) is released before the next starts, and the freed heap
     handed back to the system (`release_memory`), so every run starts from the same resident memory. The policy is
@@ -78,7 +78,8 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
 
     out, todo = {}, {}
     for name, fields in variants.items():
-        done = next((r for r in (reuse or {}).values() if r.fields == dict(fields) and (r.final or not keeps(name))), None)
+        config = dataclasses.replace(base, **fields)
+        done = next((r for r in (reuse or {}).values() if r.config == config and (r.final or not keeps(name))), None)
         if done is not None:
             out[name] = done
         else:
@@ -86,8 +87,8 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
     for name, fields in tqdm(list(todo.items()), desc="runs", unit="run"):
         _put_back(policy.model, initial)
         rec = Recorder()
-        rec.fields = dict(fields)
-        trainer = GRPOTrainer(dataclasses.replace(base, **fields), policy=policy, hooks=[rec],
+        rec.config = dataclasses.replace(base, **fields)
+        trainer = GRPOTrainer(rec.config, policy=policy, hooks=[rec],
                               reward_funcs=reward_funcs)
         if trainer.offpolicy is None and not fields.get("async_rollouts"):
             # Staleness 0 through the snapshot machinery, so it logs offpolicy/* like the others; the same run as

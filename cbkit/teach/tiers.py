@@ -146,7 +146,7 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, sizes={
         "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5, eval_every=2, eval_prompts=8, eval_n=2),
         # CPU: within 5 minutes and 4 GiB on a 2-core laptop with the step split and the TRL step (docs/workshop.md).
-        "cpu": Sizes(_SMOL, 2, 6, 32, steps=4, learning_rate=5e-5, eval_every=4, eval_prompts=16, eval_n=2),
+        "cpu": Sizes(_SMOL, 2, 6, 32, steps=3, learning_rate=5e-5, eval_every=3, eval_prompts=12, eval_n=2),
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6, eval_every=6, eval_prompts=64, eval_n=2),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
                       eval_n=2)}),
@@ -155,9 +155,9 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     # mechanics (drift, ratios, versions), not learning.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 6, sizes={
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
-        # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 32 tokens keep the seven runs near 4 minutes, and the
-        # notebook keeps its weight snapshots on disk there (docs/memory.md: in memory they alone need 3 GB).
-        "cpu": Sizes(_SMOL, 2, 4, 32, steps=5, learning_rate=5e-5),
+        # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 24 tokens keep the notebook within 5 minutes, and it
+        # keeps its weight snapshots on disk there (docs/memory.md: in memory they alone need 3 GB).
+        "cpu": Sizes(_SMOL, 2, 4, 24, steps=5, learning_rate=5e-5),
         "t4": Sizes(GPU_MODEL, 2, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5),
         "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5)}),
 )}

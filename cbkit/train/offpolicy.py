@@ -209,7 +209,8 @@ class AsyncRollouts:
         return None  # the snapshot is refreshed once per step, after its last update (`after_step`)
 
     def after_step(self, trainer: GRPOTrainer, step: int) -> dict[str, float]:
-        self.previous = self.engine.snapshot_state()  # what the pending rollout started on, for a checkpoint
+        if trainer.state.output_dir is not None:  # without a folder no checkpoint is written: no copy to keep
+            self.previous = self.engine.snapshot_state()  # what the pending rollout started on, for a checkpoint
         return {"offpolicy/publish_wait_s": self.engine.publish(trainer.policy_version)}
 
     def _submit(self, trainer: GRPOTrainer, indices: Sequence[int], step: int, straddle: bool):
