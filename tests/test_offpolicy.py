@@ -190,7 +190,9 @@ def test_train_runs_reuses_a_run_it_already_made_and_starts_each_from_the_initia
     assert again["with"] is first["k=1"]  # the same run: not trained twice
     assert again["k=0"] is not first["k=0"] and again["k=0"].final  # kept no final weights, so it ran again
     assert [r["reward/mean"] for r in again["k=0"].rows] == [r["reward/mean"] for r in first["k=0"].rows]
-    assert not same_weights(again["without"].final, first["k=1"].final)  # the correction changed the update
+    assert first["k=1"].final.where == "disk"  # kept where the initial weights are
+    assert not same_weights(again["without"].final.state_dict(policy.model),
+                            first["k=1"].final.state_dict(policy.model))  # the correction changed the update
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -42,7 +42,7 @@ class Recorder(StepHooks):
         self.rollouts: list[Any] = []
         self.train_spans: list[tuple[float, float, str]] = []
         self._train_start = 0.0
-        self.final: dict[str, torch.Tensor] = {}  # the weights the run ended with (`train_runs` fills it)
+        self.final: WeightSnapshots | None = None  # the weights the run ended with (`train_runs` keeps them)
         self.config: CBGRPOConfig | None = None  # the run's configuration (`train_runs` fills it)
 
     def on_rollout_end(self, rollout) -> None:
@@ -63,19 +63,20 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
                keep_final: bool | Collection[str] = True, reuse: Mapping[str, Recorder] | None = None,
                ) -> dict[str, Recorder]:
     """One run per variant (config fields over `base`), each from `initial` weights (a state dict, or the oldest
-    version a `WeightSnapshots` keeps: on disk, it costs no RAM); their recorders by name, each
-    holding the run's configuration, metrics, rollouts and final weights (all runs' with ``keep_final=True``, those named in
-    it, or none: each is a copy of the model, so a caller that only reads the metrics keeps none). A variant whose
-    configuration a recorder in `reuse` already ran (the same config from the same start and seed: the same run)
-    is taken from there, not run again, where that recorder kept what this call keeps. Each run's trainer (its
-    AdamW state, gradients, weight snapshots and engine) is released before the next starts, and the freed heap
-    handed back to the system (`release_memory`), so every run starts from the same resident memory. The policy is
-    put back to `initial` at the end."""
+    version a `WeightSnapshots` keeps: on disk, it costs no RAM); their recorders by name, each holding the run's
+    configuration, metrics, rollouts and final weights (all runs' with ``keep_final=True``, those named in it, or
+    none). A run's final weights are a `WeightSnapshots` of one version, kept where `initial` is (in a file when
+    it is on disk, else in memory). A variant whose configuration a recorder in `reuse` already ran (the same
+    config from the same start and seed: the same run) is taken from there, not run again, where that recorder kept
+    what this call keeps. Each run's trainer (its AdamW state, gradients, weight snapshots and engine) is released
+    before the next starts, and the freed heap handed back to the system (`release_memory`), so every run starts
+    from the same resident memory. The policy is put back to `initial` at the end."""
     from tqdm.auto import tqdm
 
     def keeps(name: str) -> bool:
         return keep_final if isinstance(keep_final, bool) else name in keep_final
 
+    place = initial.where if isinstance(initial, WeightSnapshots) else "memory"
     out, todo = {}, {}
     for name, fields in variants.items():
         config = dataclasses.replace(base, **fields)
@@ -96,7 +97,8 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
             trainer.offpolicy = LaggedRollouts(trainer, 0)
         trainer.train()
         if keeps(name):
-            rec.final = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+            rec.final = WeightSnapshots(1, place)
+            rec.final.append(0, policy.model)
         out[name] = rec
         trainer.close()
         del trainer
