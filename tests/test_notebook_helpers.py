@@ -319,8 +319,8 @@ def test_planned_points_feed_the_memory_figure(tiny):
     assert math.isfinite(gen[0]["planned_peak_bytes"])
 
 
-def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk(tiny):
-    """On a CPU a notebook forwards two completions at a time, hands TRL micro-batches of the same size and keeps
+def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk(tiny, monkeypatch):
+    """On a CPU a notebook forwards a small chunk of completions at a time, hands TRL micro-batches of that size, keeps
     the weights it comes back to in a file; a GPU tier (and its dry run on a CPU) keeps the config's chunk, the
     config's micro-batches and a copy in memory. check_fits plans the chunk it is given, not the micro-batch."""
     from cbkit.train.config import CBGRPOConfig
@@ -331,6 +331,8 @@ def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk
     assert (cpu.forward_chunk_rows, cpu.weights_place) == (notebook.CPU_FORWARD_CHUNK_ROWS, "disk")
     assert (dry.forward_chunk_rows, dry.weights_place) == (CBGRPOConfig.forward_chunk_rows, "memory")
     assert cpu.trl_micro_batches(16, 1) == 16 // notebook.CPU_FORWARD_CHUNK_ROWS
+    monkeypatch.setattr(notebook, "CPU_FORWARD_CHUNK_ROWS", 2)
+    assert cpu.trl_micro_batches(16, 1) == 8
     assert cpu.trl_micro_batches(15, 3) == 3  # two does not divide 15: the config's micro-batches
     assert dry.trl_micro_batches(16, 1) == 1
     whole, chunk = (notebook.check_fits(cpu, tiny.model, prompt_ids=[[5, 6, 7]] * 2, num_generations=4,

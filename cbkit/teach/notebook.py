@@ -77,9 +77,10 @@ __all__ = [
 
 GiB = 2**30
 A100_MIN_MEMORY = 35 * GiB
-# A CPU notebook's training forward: two completions at a time. SmolLM2's fp32 activations are about 0.2 GB a row
-# of 200 tokens, so a chunk of 2 keeps the step within a laptop's RAM; the loss and gradients are the same.
-CPU_FORWARD_CHUNK_ROWS = 2
+# A CPU notebook's training forward: one completion at a time. SmolLM2's fp32 activations are about 0.2 GB a row of
+# 150 tokens, beside 1.5 GB of gradients and AdamW state: one row a forward keeps an async step (which adds a copy
+# of the weights and a decode) within a laptop's 4 GiB; the loss and gradients are the same.
+CPU_FORWARD_CHUNK_ROWS = 1
 
 
 def gpu_tier(total_memory_bytes: int, compute_capability: tuple[int, int]) -> str:

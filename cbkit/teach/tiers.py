@@ -146,7 +146,7 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, sizes={
         "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5, eval_every=2, eval_prompts=8, eval_n=2),
         # CPU: within 5 minutes and 4 GiB on a 2-core laptop with the step split and the TRL step (docs/workshop.md).
-        "cpu": Sizes(_SMOL, 2, 6, 32, steps=3, learning_rate=5e-5, eval_every=3, eval_prompts=12, eval_n=2),
+        "cpu": Sizes(_SMOL, 2, 4, 32, steps=3, learning_rate=5e-5, eval_every=3, eval_prompts=8, eval_n=2),
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6, eval_every=6, eval_prompts=64, eval_n=2),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
                       eval_n=2)}),
