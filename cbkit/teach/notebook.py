@@ -667,8 +667,8 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     logs = trainer.state.log_history[0] if trainer.state.log_history else {}
     seen["sampling_metrics"] = {k: v for k, v in logs.items() if k.startswith("sampling/")}
     seen["trainer"] = type(trainer).__module__ + "." + type(trainer).__name__
-    trainer._generate_single_turn = generate  # the trainer and its copy of the model, freed with the heap they used
-    del trainer, generate, recording
+    # The trainer and its copy of the model, freed with the heap they used (nothing here holds them any longer).
+    trainer = generate = recording = None
     from cbkit.telemetry import release_memory
 
     release_memory()
