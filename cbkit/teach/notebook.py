@@ -610,6 +610,10 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
         a, b = with_is[i:i + (1 << 22)].double(), without[i:i + (1 << 22)].double()
         dot, n_with, n_without = dot + float(a @ b), n_with + float(a @ a), n_without + float(b @ b)
     n_with, n_without = n_with ** 0.5, n_without ** 0.5
+    from cbkit.telemetry import release_memory
+
+    with_is = without = a = b = None
+    release_memory()  # the two flat gradients (a copy of the model each) and the forwards' heap
     if n_with == 0 or n_without == 0:
         raise ValueError("a gradient is zero: every IS weight is 0 (all completions masked?), so there is nothing "
                          "to compare; widen the band (clip_max) or use a rollout closer to the policy.")
