@@ -303,6 +303,16 @@ def _time_phases(trainer) -> dict[str, float]:
     return spent
 
 
+def _collect_garbage() -> None:
+    """Free what the last point left in reference cycles before this one's memory baseline is read. A trainer is such
+    a cycle (its timed methods hold the trainer, `_time_phases`), and with it its AdamW moments (8 bytes a
+    parameter): left to the cyclic collector, they sit in the next point's baseline and are freed, and their heap
+    reused, at whatever moment the collector runs inside that step, which takes up to their size off its peak."""
+    import gc
+
+    gc.collect()
+
+
 def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, targets: Sequence[int] | None = None,
                       probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """One GRPO step through cbkit's loop with this backend, split by phase: the rollout (its own wall clock),
@@ -322,6 +332,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=step_backend, problems=problems,
                           hooks=[seen])
     spent = _time_phases(trainer)
+    _collect_garbage()
     try:
         with PeakMemory(model.device) as mem:
             record = trainer.step()
@@ -390,6 +401,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     spent = _time_phases(trainer)
     steps: list[dict[str, float]] = []
     mem = PeakMemory(model.device)
+    _collect_garbage()
     try:
         with mem:
             for _ in range(cfg.async_steps):
