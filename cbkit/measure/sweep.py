@@ -664,8 +664,9 @@ def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[st
     appear at the update), the phase that sets it, and its error against the step's measured peak.
 
     The async row's phases overlap instead of following each other: its later steps hold AdamW's moments
-    throughout, the engine's weight snapshot, and the next rollout's KV beside the training's own peak, so the
-    peak is their sum (phase ``overlapped``)."""
+    throughout, a copy of the engine's weights (`AsyncRollouts.after_step` keeps one for a checkpoint; the engine's
+    own copy is made with the trainer, before the step's baseline), and the next rollout's KV beside the training's
+    own peak, so the peak is their sum (phase ``overlapped``)."""
     from cbkit.measure.planner import step_peak_bytes
 
     rows = len(prompts) * n

@@ -8,16 +8,13 @@ peak is its own; the resident memory at each phase's end is printed too (what th
 does not depend on the machine's load, so it runs at nice 19 with one thread beside other work:
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python docs/repro/step_mem.py generate,continuous 8,32,64
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python docs/repro/step_mem.py continuous 8 --garbage
 
 ``--saved`` instead counts what autograd keeps for the backward of one 4-row training forward (231 tokens a row, as
 the N=8 step's longest chunk), by storage and by module of one layer, beside `planner.activation_bytes_per_token`:
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python docs/repro/step_mem.py generate 8 --saved
 
-``--garbage`` leaves the previous step's trainer to the cyclic garbage collector, as `measure_full_step` did before
-it collected first: the old trainer's AdamW moments are then still resident when the next step's baseline is read,
-and freed (and reused) somewhere inside the step. One JSON line per phase; results: docs/measuring.md.
+One JSON line per step (backend and N) with its phases and the plan; results: docs/measuring.md.
 """
 
 import argparse
@@ -37,7 +34,6 @@ from cbkit.train.setup import set_up_run
 ap = argparse.ArgumentParser()
 ap.add_argument("backends")
 ap.add_argument("ns")
-ap.add_argument("--garbage", action="store_true", help="do not collect the previous step's trainer first")
 ap.add_argument("--saved", action="store_true", help="count the tensors autograd saves in one training forward")
 args = ap.parse_args()
 torch.set_num_threads(1)
@@ -107,8 +103,7 @@ def one_step(backend, n: int) -> dict:
                           use_transformers_continuous_batching=backend.name == "continuous")
     trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=_Replayed(backend, targets),
                           problems=setup.problems)
-    if not args.garbage:
-        gc.collect()
+    gc.collect()  # the last step's trainer, as the sweep does (`sweep._collect_garbage`)
     return_freed_memory_to_os()
     marks = Marks()
     chunk = {"k": 0, "phase": None}
@@ -148,7 +143,7 @@ def one_step(backend, n: int) -> dict:
     train = training_bytes(params, micro_batch_rows=len(targets), chunk_rows=cfg.forward_chunk_rows,
                            tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
                            config=model.config, autocast=False)
-    return {"backend": backend.name, "N": n, "garbage": args.garbage, "phases": marks.rows, "step_peak": step_peak,
+    return {"backend": backend.name, "N": n, "phases": marks.rows, "step_peak": step_peak,
             "planned": _planned_step(cfg, model, prompts, n, run, rollout_plan, targets), "step_terms": terms,
             "train_terms": train, "rollout_plan": rollout_plan}
 
