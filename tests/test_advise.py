@@ -374,6 +374,29 @@ def test_the_step_peak_grows_with_the_chunk_not_with_n():
     assert resident["rollout"] == 2**30 + 8 * params  # a later step holds the moments through the rollout too
 
 
+def test_a_cpu_backward_after_the_first_chunk_carries_the_heap_the_chunks_leave():
+    """On a CPU, from the second forward of an update on, the backward's plan adds `CPU_CHUNK_HEAP_SLACK` x one
+    chunk's logits, activations and LM-head gradient (glibc keeps the freed chunks resident, measured in
+    docs/measuring.md); with one forward, or on a GPU, nothing is added."""
+    from transformers import LlamaConfig
+
+    from cbkit.measure.planner import CPU_CHUNK_HEAP_SLACK, step_peak_bytes, training_bytes
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    params, kw = 134_515_008, dict(tokens_per_row=233, completion_len=96, config=config, autocast=False)
+
+    def backward(rows, device):
+        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=4, device=device,
+                               **kw)["backward"]
+
+    chunk = training_bytes(params, micro_batch_rows=4, **kw)
+    one_chunk = chunk["logits"] + chunk["activations"] + 4 * 49152 * 576
+    assert backward(32, "cpu") - backward(32, "cuda") == int(CPU_CHUNK_HEAP_SLACK * one_chunk) > 0
+    assert backward(4, "cpu") == backward(4, "cuda")  # one forward: no earlier chunk left anything
+    assert backward(8, "cpu") == backward(64, "cpu")  # the level, whatever the number of chunks
+
+
 def test_the_planned_activations_are_what_autograd_saves(tiny):
     """`planner.activation_bytes_per_token` against an independent count: every tensor autograd saves for the
     backward of the loop's teacher-forced forward (`completion_logits`, left-padded rows, a padding mask), summed

@@ -534,9 +534,19 @@ def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool)
 GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 
 
+# The backward on a CPU, measured (docs/repro/step_mem.py, docs/measuring.md): every chunk's activations are freed to
+# glibc's heap and stay resident; the next chunk, of another completion width, fits only partly into the holes they
+# leave, so the resident floor under each chunk's backward rises for the first few chunks of an update, then levels
+# off. SmolLM2-135M fp32, 4-row chunks: the step's peak stood above the planned tensors by 0.04-0.10 x one chunk's
+# (logits + activations + LM-head gradient) with 2 chunks (N=8, four runs) and by 0.25-0.26 x with 8 chunks
+# (N=32, both backends), most of it reached by the fifth chunk. The plan takes the level, 0.25 x, CPU only: an upper
+# bound at two chunks. A GPU's caching allocator reuses its blocks by size and the plan counts tensors there.
+CPU_CHUNK_HEAP_SLACK = 0.25
+
+
 def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
                     tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
-                    optimizer_state_resident: bool = False) -> dict[str, int]:
+                    optimizer_state_resident: bool = False, device: str = "cuda") -> dict[str, int]:
     """The peak one GRPO step holds above its loaded weights, and the phase that sets it.
 
     The phases come one after another, so the peak is the largest of them, not their sum: the rollout's own peak
@@ -547,7 +557,8 @@ def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: i
     is computed whole beside the activations before it is added to its ``.grad``: the backward holds that too. With
     `optimizer_state_resident` (every step of a run after the first) the moments are held through the whole step;
     without (a fresh trainer, as the full-step sweep builds for every run) they appear at the update. The
-    old-logprob forward keeps no activations."""
+    old-logprob forward keeps no activations. On a CPU (``device="cpu"``) with more than one forward, the backward
+    adds the heap its earlier chunks leave resident (``CPU_CHUNK_HEAP_SLACK`` x one chunk's part); never on a GPU."""
     train = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens_per_row,
                            completion_len=completion_len, config=config, autocast=autocast, chunk_rows=chunk_rows)
     grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
@@ -555,8 +566,10 @@ def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: i
     s = Shape.of(config)
     forwards = 1 if chunk_rows is None else -(-micro_batch_rows // chunk_rows)
     head_grad = GRAD_BYTES_PER_PARAM * s.vocab * s.hidden if forwards > 1 else 0
+    chunk = train["logits"] + train["activations"] + head_grad
+    slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" and forwards > 1 else 0
     parts = {"rollout": rollout_peak_bytes + resident,
-             "backward": grads + train["logits"] + train["activations"] + head_grad + resident,
+             "backward": grads + chunk + slack + resident,
              "optimizer_step": grads + moments}
     return {**parts, "peak": max(parts.values())}
 

@@ -676,7 +676,8 @@ def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[st
     step = step_peak_bytes(params, rollout_peak_bytes=planned["planned_peak_bytes"],
                            micro_batch_rows=rows, chunk_rows=cfg.forward_chunk_rows,
                            tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
-                           config=model.config, autocast=False, optimizer_state_resident=overlapped)
+                           config=model.config, autocast=False, optimizer_state_resident=overlapped,
+                           device="cuda" if model.device.type == "cuda" else "cpu")
     phase = max(("rollout", "backward", "optimizer_step"), key=step.__getitem__)
     peak = step["peak"]
     if overlapped:

@@ -8,6 +8,9 @@ peak is its own; the resident memory at each phase's end is printed too (what th
 does not depend on the machine's load, so it runs at nice 19 with one thread beside other work:
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python docs/repro/step_mem.py generate,continuous 8,32,64
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python docs/repro/step_mem.py continuous-async 8
+
+(``continuous-async``: the sweep's async row, two steps, each stage of each step marked.)
 
 ``--saved`` instead counts what autograd keeps for the backward of one 4-row training forward (231 tokens a row, as
 the N=8 step's longest chunk), by storage and by module of one layer, beside `planner.activation_bytes_per_token`:
@@ -26,7 +29,15 @@ import torch
 
 import cbkit.train.grpo as grpo
 from cbkit.measure.planner import step_peak_bytes, training_bytes
-from cbkit.measure.sweep import SweepConfig, _planned, _planned_step, _Replayed, _step_config
+from cbkit.measure.sweep import (
+    AFTER_THE_ROLLOUT,
+    ASYNC_BACKEND,
+    SweepConfig,
+    _planned,
+    _planned_step,
+    _Replayed,
+    _step_config,
+)
 from cbkit.telemetry import _high_water_mark, resident_bytes, return_freed_memory_to_os
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.setup import set_up_run
@@ -79,7 +90,7 @@ cfg = SweepConfig(data="gsm8k-local", full_step=True, lengths="replay:gsm8k", re
 setup = set_up_run(cfg.model, cfg.data, cfg.num_prompts, seed=cfg.seed)
 model, prompts = setup.model, setup.prompts
 params = sum(p.numel() for p in model.parameters())
-backends = {b: setup.backend(b) for b in args.backends.split(",")}
+backends = {b: setup.backend(b) for b in args.backends.split(",") if b != ASYNC_BACKEND}
 
 
 class Marks:
@@ -139,7 +150,7 @@ def one_step(backend, n: int) -> dict:
     longest = max(targets)
     terms = step_peak_bytes(params, rollout_peak_bytes=rollout_plan["planned_peak_bytes"], micro_batch_rows=len(targets),
                             chunk_rows=cfg.forward_chunk_rows, tokens_per_row=max(map(len, prompts)) + longest,
-                            completion_len=longest, config=model.config, autocast=False)
+                            completion_len=longest, config=model.config, autocast=False, device="cpu")
     train = training_bytes(params, micro_batch_rows=len(targets), chunk_rows=cfg.forward_chunk_rows,
                            tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
                            config=model.config, autocast=False)
@@ -147,6 +158,59 @@ def one_step(backend, n: int) -> dict:
             "planned": _planned_step(cfg, model, prompts, n, run, rollout_plan, targets), "step_terms": terms,
             "train_terms": train, "rollout_plan": rollout_plan}
 
+def async_steps(n: int, steps: int = 2) -> dict:
+    """The sweep's async row (`measure_async_steps`): `steps` steps, each later one training while the next rollout
+    decodes in the engine's thread; marks before and after each stage of every step."""
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    targets = cfg.workload.targets(len(prompts) * n, cfg.max_new_tokens, seed=cfg.seed)
+    config = _step_config(cfg, n, 0, len(setup.problems), use_transformers_continuous_batching=True,
+                          async_rollouts=True, async_update_at=AFTER_THE_ROLLOUT, max_steps=steps + 1,
+                          transformers_continuous_batching_config={})
+    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), problems=setup.problems)
+    trainer.offpolicy.target_lengths = list(targets)
+    gc.collect()
+    return_freed_memory_to_os()
+    marks = Marks()
+    step = {"k": 0, "chunk": 0}
+
+    def around(obj, name: str, before: str | None = None):
+        inner = getattr(obj, name)
+
+        def run(*a, **kw):
+            if before:
+                marks(f"step {step['k']} {before}")
+            out = inner(*a, **kw)
+            marks(f"step {step['k']} {name}")
+            return out
+        setattr(obj, name, run)
+
+    around(trainer, "prepare", before="rollout wait + next submit")
+    around(trainer, "optimizer_step")
+    around(trainer.offpolicy, "after_step")
+    inner = grpo.completion_logits
+
+    def marked(*a, **kw):
+        if torch.is_grad_enabled():  # a training chunk (the old-logprob forward runs without grad)
+            if step["chunk"]:
+                marks(f"step {step['k']} chunk {step['chunk']} fwd+bwd")
+            step["chunk"] += 1
+        return inner(*a, **kw)
+
+    grpo.completion_logits = marked
+    try:
+        for k in range(1, steps + 1):
+            step.update(k=k, chunk=0)
+            trainer.step()
+    finally:
+        grpo.completion_logits = inner
+        trainer.close()
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+    return {"backend": ASYNC_BACKEND, "N": n, "phases": marks.rows, "step_peak": max(r["peak"] for r in marks.rows)}
+
+
 for n in [int(x) for x in args.ns.split(",")]:
     for backend in backends.values():
         print(json.dumps(one_step(backend, n)), flush=True)
+    if ASYNC_BACKEND in args.backends.split(","):
+        print(json.dumps(async_steps(n)), flush=True)
