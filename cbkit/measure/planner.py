@@ -537,10 +537,12 @@ GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 # The backward on a CPU, measured (docs/repro/step_mem.py, docs/measuring.md): every chunk's activations are freed to
 # glibc's heap and stay resident; the next chunk, of another completion width, fits only partly into the holes they
 # leave, so the resident floor under each chunk's backward rises for the first few chunks of an update, then levels
-# off. SmolLM2-135M fp32, 4-row chunks: the step's peak stood above the planned tensors by 0.04-0.10 x one chunk's
-# (logits + activations + LM-head gradient) with 2 chunks (N=8, four runs) and by 0.25-0.26 x with 8 chunks
-# (N=32, both backends), most of it reached by the fifth chunk. The plan takes the level, 0.25 x, CPU only: an upper
-# bound at two chunks. A GPU's caching allocator reuses its blocks by size and the plan counts tensors there.
+# off. SmolLM2-135M fp32, 4-row chunks: the step's peak stood above the planned tensors by 0.05-0.12 x one chunk's
+# (logits + activations + LM-head gradient) with 2 chunks (N=8, seven runs of the two backends) and by 0.25-0.26 x
+# with 8 chunks (N=32, both backends, each the first step of its process), most of it reached by the fifth chunk. The
+# plan takes that level, 0.25 x, CPU only: an upper bound at two chunks. A step run after others in one process has
+# measured up to 0.7 x (the allocator's spread, docs/measuring.md). A GPU's caching allocator reuses its blocks by
+# size and the plan counts tensors there.
 CPU_CHUNK_HEAP_SLACK = 0.25
 
 
