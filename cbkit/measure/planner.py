@@ -66,11 +66,13 @@ __all__ = [
     "ContinuousPlan",
     "GeneratePlan",
     "Plan",
+    "activation_bytes_per_token",
     "crossover_n",
     "crossover_vs_pool",
     "plan",
     "planned_points",
     "pool_blocks",
+    "step_peak_bytes",
     "training_bytes",
 ]
 
@@ -494,44 +496,82 @@ TRAIN_STATE_BYTES_PER_PARAM = 16
 def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
                    autocast: bool, chunk_rows: int | None = None) -> dict[str, int]:
     """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one forward's
-    loss logits (`cbkit.train.batch.logits_bytes`) and its saved activations. A forward is the micro-batch, or
-    `chunk_rows` of its rows (the loop's `forward_chunk_rows`: each chunk is back-propagated before the next is
-    forwarded). Activations: 34 x hidden bytes per token per layer in 16-bit (Korthikanti et al. 2022, "Reducing
-    Activation Recomputation", without the attention scores SDPA never stores), scaled by the MLP's width over
-    GPT's 4 x hidden and doubled in fp32 (no autocast). An estimate: the loop's other buffers are not counted."""
+    loss logits (`cbkit.train.batch.logits_bytes`) and its saved activations (`activation_bytes_per_token` for each
+    of its rows x ``tokens_per_row`` tokens). A forward is the micro-batch, or `chunk_rows` of its rows (the loop's
+    `forward_chunk_rows`: each chunk is back-propagated before the next is forwarded). An estimate: the loop's
+    other buffers are not counted."""
     from cbkit.train.batch import logits_bytes
 
     rows = micro_batch_rows if chunk_rows is None else min(chunk_rows, micro_batch_rows)
     s = Shape.of(config)  # roofline's reading of the widths and layers (text config included)
-    width = max(1.0, s.intermediate / (4 * s.hidden))
-    per_token_layer = 34 * s.hidden * width * (1 if autocast else 2)
     parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
              "logits": logits_bytes(rows, completion_len, s.vocab),
-             "activations": int(rows * tokens_per_row * s.layers * per_token_layer)}
+             "activations": rows * tokens_per_row * activation_bytes_per_token(config, tokens_per_row, autocast)}
     return {**parts, "total": sum(parts.values())}
+
+
+def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool) -> int:
+    """What autograd keeps for the backward per token of a training forward, all decoder layers, in transformers'
+    Llama-family layer with SDPA and a padding mask (the loop's teacher-forced forward). Counted tensor by tensor
+    (``torch.autograd.graph.saved_tensors_hooks``, docs/repro/step_mem.py --saved; a test repeats the count on the
+    tiny model), per token and layer: each of the two RMSNorms keeps its input, the normalised input and its output
+    (3 x hidden each); the attention keeps q, k and v as SDPA gets them (k and v repeated to every query head: with
+    a mask transformers does not take SDPA's GQA path), SDPA's output and log-sum-exp (one a head), and its float
+    mask (one a key position: ``tokens_per_row``); the gated MLP keeps the gate and up projections, SiLU(gate) and
+    their product (4 x intermediate). The final norm's 3 x hidden is added once. Elements of 4 bytes (fp32
+    weights, no autocast) or 2 (autocast: its norms stay fp32, so this is the lower side).
+
+    Korthikanti et al.'s 34 x hidden bytes a token and layer (GPT's layer, 16-bit; doubled for fp32) is a fifth short
+    of this count on SmolLM2-135M: SwiGLU keeps four intermediate-wide tensors where GPT's GeLU MLP keeps two, and
+    the attention keeps k and v at the query heads' width."""
+    s = Shape.of(config)
+    attention = 4 * s.heads * s.head_dim + s.heads + tokens_per_row
+    per_layer = 6 * s.hidden + attention + 4 * s.intermediate
+    return (2 if autocast else 4) * (s.layers * per_layer + 3 * s.hidden)
 
 
 # fp32 gradients (4 bytes a parameter) and AdamW's two fp32 moments (8): what an update adds beside the weights.
 GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 
 
+# The backward on a CPU, measured (docs/repro/step_mem.py, docs/measuring.md): every chunk's activations are freed to
+# glibc's heap and stay resident; the next chunk, of another completion width, fits only partly into the holes they
+# leave, so the resident floor under each chunk's backward rises for the first few chunks of an update, then levels
+# off. SmolLM2-135M fp32, 4-row chunks: the step's peak stood above the planned tensors by 0.05-0.12 x one chunk's
+# (logits + activations + LM-head gradient) with 2 chunks (N=8, seven runs of the two backends) and by 0.25-0.26 x
+# with 8 chunks (N=32, both backends, each the first step of its process), most of it reached by the fifth chunk. The
+# plan takes that level, 0.25 x, CPU only: an upper bound at two chunks. A step run after others in one process has
+# measured up to 0.7 x (the allocator's spread, docs/measuring.md). A GPU's caching allocator reuses its blocks by
+# size and the plan counts tensors there.
+CPU_CHUNK_HEAP_SLACK = 0.25
+
+
 def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
                     tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
-                    optimizer_state_resident: bool = False) -> dict[str, int]:
+                    optimizer_state_resident: bool = False, device: str = "cuda") -> dict[str, int]:
     """The peak one GRPO step holds above its loaded weights, and the phase that sets it.
 
     The phases come one after another, so the peak is the largest of them, not their sum: the rollout's own peak
     (the planner's KV and logits for the backend, `plan`); the backward of one forward (the gradients, which live
     from the first backward to the update, plus one chunk's logits and activations, `training_bytes`); and the
-    optimizer step (the gradients beside AdamW's two moments). With `optimizer_state_resident` (every step of a
-    run after the first) the moments are held through the whole step; without (a fresh trainer, as the full-step
-    sweep builds for every run) they appear at the update. The old-logprob forward keeps no activations."""
+    optimizer step (the gradients beside AdamW's two moments). From the second forward of an update on, every
+    gradient already exists when a backward starts, and the LM head's weight gradient (vocabulary x hidden, fp32)
+    is computed whole beside the activations before it is added to its ``.grad``: the backward holds that too. With
+    `optimizer_state_resident` (every step of a run after the first) the moments are held through the whole step;
+    without (a fresh trainer, as the full-step sweep builds for every run) they appear at the update. The
+    old-logprob forward keeps no activations. On a CPU (``device="cpu"``) with more than one forward, the backward
+    adds the heap its earlier chunks leave resident (``CPU_CHUNK_HEAP_SLACK`` x one chunk's part); never on a GPU."""
     train = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens_per_row,
                            completion_len=completion_len, config=config, autocast=autocast, chunk_rows=chunk_rows)
     grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
     resident = moments if optimizer_state_resident else 0
+    s = Shape.of(config)
+    forwards = 1 if chunk_rows is None else -(-micro_batch_rows // chunk_rows)
+    head_grad = GRAD_BYTES_PER_PARAM * s.vocab * s.hidden if forwards > 1 else 0
+    chunk = train["logits"] + train["activations"] + head_grad
+    slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" and forwards > 1 else 0
     parts = {"rollout": rollout_peak_bytes + resident,
-             "backward": grads + train["logits"] + train["activations"] + resident,
+             "backward": grads + chunk + slack + resident,
              "optimizer_step": grads + moments}
     return {**parts, "peak": max(parts.values())}
 

@@ -324,6 +324,16 @@ def _put_back(model, kept) -> None:
     release_memory(model)
 
 
+def _collect_garbage() -> None:
+    """Free what the last point left in reference cycles before this one's memory baseline is read. A trainer is such
+    a cycle (its timed methods hold the trainer, `_time_phases`), and with it its AdamW moments (8 bytes a
+    parameter): left to the cyclic collector, they sit in the next point's baseline and are freed, and their heap
+    reused, at whatever moment the collector runs inside that step, which takes up to their size off its peak."""
+    import gc
+
+    gc.collect()
+
+
 def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, targets: Sequence[int] | None = None,
                       probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """One GRPO step through cbkit's loop with this backend, split by phase: the rollout (its own wall clock),
@@ -343,6 +353,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=step_backend, problems=problems,
                           hooks=[seen])
     spent = _time_phases(trainer)
+    _collect_garbage()
     try:
         with PeakMemory(model.device) as mem:
             record = trainer.step()
@@ -411,6 +422,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     spent = _time_phases(trainer)
     steps: list[dict[str, float]] = []
     mem = PeakMemory(model.device)
+    _collect_garbage()
     try:
         with mem:
             for _ in range(cfg.async_steps):
@@ -673,8 +685,9 @@ def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[st
     appear at the update), the phase that sets it, and its error against the step's measured peak.
 
     The async row's phases overlap instead of following each other: its later steps hold AdamW's moments
-    throughout, the engine's weight snapshot, and the next rollout's KV beside the training's own peak, so the
-    peak is their sum (phase ``overlapped``)."""
+    throughout and the next rollout's KV beside the training's own peak, so the peak is their sum (phase
+    ``overlapped``). The engine's copy of the weights is made with the trainer, before the step's baseline; the
+    copy `AsyncRollouts.after_step` keeps for a checkpoint is not made here (the sweep's trainer has no output_dir)."""
     from cbkit.measure.planner import step_peak_bytes
 
     rows = len(prompts) * n
@@ -684,12 +697,12 @@ def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[st
     step = step_peak_bytes(params, rollout_peak_bytes=planned["planned_peak_bytes"],
                            micro_batch_rows=rows, chunk_rows=cfg.forward_chunk_rows,
                            tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
-                           config=model.config, autocast=False, optimizer_state_resident=overlapped)
+                           config=model.config, autocast=False, optimizer_state_resident=overlapped,
+                           device="cuda" if model.device.type == "cuda" else "cpu")
     phase = max(("rollout", "backward", "optimizer_step"), key=step.__getitem__)
     peak = step["peak"]
     if overlapped:
-        snapshot = params * model.dtype.itemsize
-        peak = snapshot + planned["planned_peak_bytes"] + max(step["backward"], step["optimizer_step"])
+        peak = planned["planned_peak_bytes"] + max(step["backward"], step["optimizer_step"])
         phase = "overlapped"
     measured = run.get("peak_mem_bytes")
     return {"planned_peak_bytes": peak, "planned_rollout_peak_bytes": planned["planned_peak_bytes"],
