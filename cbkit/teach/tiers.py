@@ -155,8 +155,9 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     # mechanics (drift, ratios, versions), not learning.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 6, sizes={
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
-        # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens keep the notebook within 5 minutes, and it
-        # keeps its weight snapshots on disk there (docs/memory.md: in memory they alone need 3 GB).
+        # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens and no system prompt (05 rewards lowercase
+        # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (docs/memory.md: in
+        # memory they alone need 3 GB).
         "cpu": Sizes(_SMOL, 2, 4, 16, steps=5, learning_rate=5e-5),
         "t4": Sizes(GPU_MODEL, 2, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5),
         "a100": Sizes(GPU_MODEL, 8, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5)}),
