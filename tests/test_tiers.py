@@ -89,18 +89,18 @@ def test_too_large_a_step_does_not_fit_and_too_many_steps_overrun(monkeypatch, c
     assert "over budget" in capsys.readouterr().out
 
 
-def test_05_is_planned_as_the_six_training_runs_it_makes(monkeypatch):
+def test_05_is_planned_as_the_five_training_runs_it_makes(monkeypatch):
     # One run per staleness in STALENESS, the uncorrected run at the correction's staleness (the corrected one is
     # the staleness run's, reused) and the async run: the notebook's own cells. Each run costs the same, so the
-    # plan's time above its fixed overhead is six times one run's.
+    # plan's time above its fixed overhead is five times one run's.
     source = "".join(c.source for c in nbformat.read(REPO / "notebooks/05_off_policy.ipynb", as_version=4).cells)
     staleness = next(line for line in source.splitlines() if line.startswith("STALENESS = "))
     assert len(tiers.NOTEBOOKS["05_off_policy"].train_runs) == len(eval(staleness.split("=", 1)[1])) + 1 + 1
-    six = tiers.plan_notebook("05_off_policy", "t4").seconds - tiers.OVERHEAD_S
+    five = tiers.plan_notebook("05_off_policy", "t4").seconds - tiers.OVERHEAD_S
     spec = tiers.NOTEBOOKS["05_off_policy"]
     monkeypatch.setitem(tiers.NOTEBOOKS, "05_off_policy", dataclasses.replace(spec, train_runs=("continuous",)))
     one = tiers.plan_notebook("05_off_policy", "t4").seconds - tiers.OVERHEAD_S
-    assert six == pytest.approx(6 * one)
+    assert five == pytest.approx(5 * one)
 
 
 def test_unknown_names_are_refused_with_the_valid_ones(capsys):

@@ -150,10 +150,10 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6, eval_every=6, eval_prompts=64, eval_n=2),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
                       eval_n=2)}),
-    # Off-policy: one run per staleness (4), the uncorrected one at the correction's staleness (the corrected one is
-    # the staleness run's), one async: six training runs. The CI size trains the random tiny model, which shows the
+    # Off-policy: one run per staleness (3), the uncorrected one at the correction's staleness (the corrected one is
+    # the staleness run's), one async: five training runs. The CI size trains the random tiny model, which shows the
     # mechanics (drift, ratios, versions), not learning.
-    NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 6, sizes={
+    NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 5, sizes={
         "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
         # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens and no system prompt (05 rewards lowercase
         # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (docs/memory.md: in
