@@ -49,8 +49,8 @@ EDITS = {
     ],
     "02_logprob_correctness": [
         Edit(1, "TOP_P = 0.7", "TOP_P = 0.95", "`TOP_P = 0.95`", until="sequence_log_ratios(tp"),
-        Edit(2, "max_completion_length=MAX_NEW_TOKENS, disable_tqdm=True)",
-             'max_completion_length=MAX_NEW_TOKENS, disable_tqdm=True, importance_sampling_mode="token_truncate")',
+        Edit(2, "                      disable_tqdm=True)",
+             '                      disable_tqdm=True, importance_sampling_mode="token_truncate")',
              '`importance_sampling_mode="token_truncate"`', until="seq_weight = kept.is_weights"),
         Edit(3, "copy.deepcopy(model).to(torch.bfloat16)", "copy.deepcopy(model).to(torch.float16)",
              "`.to(torch.float16)`", gpu_only=True),
@@ -73,7 +73,7 @@ EDITS = {
     "05_off_policy": [
         Edit(1, 'importance_sampling_mode="token_truncate"', 'importance_sampling_mode="sequence_mask"',
              '`importance_sampling_mode="sequence_mask"`', until="gap = {k: step_mean"),
-        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="weight_gap(final"),
+        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="weight_gap(corrected"),
         Edit(3, "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT)",
              "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT,\n"
              "                                            num_iterations=2, max_staleness=1)",
