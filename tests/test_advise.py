@@ -434,7 +434,7 @@ def test_generate_on_a_cpu_carries_glibc_heap_slack_until_a_layer_is_mmapped():
     threshold; above it the blocks are mmapped and returned, so nothing is added; a GPU plan never has it."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import CPU_HEAP_SLACK, GLIBC_MMAP_THRESHOLD_MAX
+    from cbkit.measure.planner import CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX, GLIBC_MMAP_THRESHOLD_MAX
 
     smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3)
@@ -444,6 +444,9 @@ def test_generate_on_a_cpu_carries_glibc_heap_slack_until_a_layer_is_mmapped():
     assert cpu.kv_bytes == gpu.kv_bytes and gpu.cpu_heap_slack_bytes == 0
     assert cpu.cpu_heap_slack_bytes == int(CPU_HEAP_SLACK * cpu.kv_bytes) > 0
     assert cpu.peak_bytes == gpu.peak_bytes + cpu.cpu_heap_slack_bytes
+    # the slack stops growing with the cache: at N=64 (a 644 MiB cache) 0.46x would be 296 MiB, the cap 192
+    n64 = plan(smol, num_generations=64, device="cpu", **sizes).generate
+    assert int(CPU_HEAP_SLACK * n64.kv_bytes) > CPU_HEAP_SLACK_MAX == n64.cpu_heap_slack_bytes
     # one layer's K: rows x 233 positions x 3 heads x 64 x 4 bytes; past 32 MiB the allocator maps it
     rows = GLIBC_MMAP_THRESHOLD_MAX // (233 * 3 * 64 * 4) + 1
     big = plan(smol, num_generations=rows, device="cpu", **sizes).generate

@@ -316,9 +316,12 @@ class _Shape(Shape):
 # (MALLOC_MMAP_THRESHOLD_=131072) the whole peak was 1.04-1.14x the planner's tensors, but generate() ran 30-70%
 # slower and the CB engine 40-95% (freed pages go back to the kernel and come back zeroed), so cbkit leaves glibc
 # as it is and plans the middle of the measured range, CPU only. A layer's K above glibc's largest threshold is
-# mmapped and returned when freed: no slack then.
+# mmapped and returned when freed: no slack then. The slack stops growing with the cache: at N = 64 (a 644 MiB cache)
+# four sweeps' static batches held 124, 126, 181 and 268 MiB beside it (replay three times, fixed once), against the
+# 296 MiB that 0.46x would plan; `CPU_HEAP_SLACK_MAX` is the middle of those, 6x glibc's largest threshold.
 CPU_HEAP_SLACK = 0.46  # x the cache
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+CPU_HEAP_SLACK_MAX = 6 * GLIBC_MMAP_THRESHOLD_MAX
 
 
 def _plan_generate(s: _Shape, rows: int, prompt: int, max_new: int, budget: int | None,
@@ -328,7 +331,8 @@ def _plan_generate(s: _Shape, rows: int, prompt: int, max_new: int, budget: int 
     tokens_held = s.full_layers * length + s.sliding_layers * min(length, s.sliding_window or length)
     kv = rows * tokens_held * s.kv_layer_token
     layer_k = rows * length * s.kv_layer_token // 2  # one layer's K (or V) at the end, one tensor
-    slack = int(CPU_HEAP_SLACK * kv) if device == "cpu" and layer_k < GLIBC_MMAP_THRESHOLD_MAX else 0
+    slack = (min(int(CPU_HEAP_SLACK * kv), CPU_HEAP_SLACK_MAX)
+             if device == "cpu" and layer_k < GLIBC_MMAP_THRESHOLD_MAX else 0)
     # Last step: the model's logits (logits_to_keep=1), generate's fp32 copy, the log-probs cbkit's
     # recorder keeps, the softmax it samples from; and torch.cat holding one layer's old K beside the new.
     decode = rows * s.vocab * (s.a + 3 * 4) + rows * length * s.kv_layer_token // 2
