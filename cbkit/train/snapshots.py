@@ -91,8 +91,14 @@ class WeightSnapshots:
     def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
         """The version at `index` (0: the oldest kept, -1: the newest) as a new state dict on the CPU, shaped like
         `template`'s: a copy, read from its file where it is on disk."""
-        return list(self.items(template))[index][1] if self._dir is not None else {
-            n: t.to("cpu", copy=True) for n, t in self._ring[index][1].items()}
+        kept = self._ring[index][1]
+        if not isinstance(kept, Path):
+            return {n: t.to("cpu", copy=True) for n, t in kept.items()}
+        state = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in template.state_dict().items()}
+        with open(kept, "rb") as f:  # this version's file only
+            for name, t in state.items():
+                _read_into(f, t, name, kept)
+        return state
 
     def clear(self) -> None:
         while self._ring:
