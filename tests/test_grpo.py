@@ -335,6 +335,28 @@ def test_chunked_forward_gives_the_same_old_logprobs_loss_and_gradients(loss_typ
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+def test_chunks_take_rows_in_order_of_length_and_pad_less(uneven_rollout, monkeypatch):
+    """The old-logprob forward and the update cut each micro-batch into chunks of rows in order of real length: each
+    row forwarded once per pass, the chunks' lengths non-decreasing, and fewer padded tokens forwarded than chunks
+    in rollout order would forward (the loss and gradients are the same sum: the test above)."""
+    import cbkit.train.grpo as grpo
+
+    seen = []
+    inner = grpo.completion_logits
+    monkeypatch.setattr(grpo, "completion_logits", lambda model, mb, *a: (seen.append(mb), inner(model, mb, *a))[1])
+    tr = trainer(config(prompts_per_step=4, num_generations=2, forward_chunk_rows=3), backend=Replay(uneven_rollout))
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.2, 1.0, 0.0, 0.3, 0.9], dtype=torch.float64)
+    prepared = tr.prepare(uneven_rollout, rewards)
+    old_pass, seen[:] = list(seen), []
+    tr.accumulate_gradients(prepared)
+    lengths = sorted(prepared.batch.attention_mask.sum(-1).tolist())
+    in_order = sum(prepared.batch.rows(i, i + 3).input_ids.numel() for i in range(0, 8, 3))
+    for chunks in (old_pass, seen):
+        assert [len(mb) for mb in chunks] == [3, 3, 2]
+        assert [n for mb in chunks for n in mb.attention_mask.sum(-1).tolist()] == lengths
+        assert sum(mb.input_ids.numel() for mb in chunks) < in_order
+
+
 def test_forward_chunk_rows_is_checked_and_may_change_on_resume():
     with pytest.raises(ValueError, match="forward_chunk_rows=0"):
         config(forward_chunk_rows=0)

@@ -5,8 +5,9 @@ row's completion starts at column P and one `logits_to_keep=T+1` forward yields 
 predict completion tokens (column P-1 predicts the first). `position_ids` count real tokens only, so a
 left-padded prompt sits at the positions the rollout engine gave it.
 
-A micro-batch (`Batch.rows`) is re-trimmed to its own widths: with uneven completion lengths (the reason to
-use continuous batching at all) most micro-batches are much narrower than the whole step's batch.
+A micro-batch or chunk of rows (`Batch.rows`, `Batch.take`) is re-trimmed to its own widths: with uneven completion
+lengths (the reason to use continuous batching at all) most are much narrower than the whole step's batch, the more
+so as the trainer takes a micro-batch's rows in order of length before cutting it into chunks.
 
 **The logits budget.** The loss needs, per micro-batch, the logits over the whole vocabulary at every
 completion position, in fp32, their log-softmax, and the gradient of both: about ``LOGIT_COPIES`` fp32 copies
@@ -75,17 +76,22 @@ class Batch:
 
     def rows(self, start: int, stop: int) -> Batch:
         """Rows [start, stop), trimmed to the widest prompt and completion among them."""
-        attn = self.attention_mask[start:stop]
+        return self.take(slice(start, stop))
+
+    def take(self, rows: slice | Tensor) -> Batch:
+        """The rows ``rows`` selects (a slice, or a tensor of row indices, in its order), trimmed to the widest
+        prompt and completion among them."""
+        attn = self.attention_mask[rows]
         p_real = int(attn[:, : self.prompt_width].sum(-1).max())
-        t_real = max(1, int(self.completion_mask[start:stop].sum(-1).max()))
+        t_real = max(1, int(self.completion_mask[rows].sum(-1).max()))
         cols = slice(self.prompt_width - p_real, self.prompt_width + t_real)
         return Batch(
-            input_ids=self.input_ids[start:stop, cols],
+            input_ids=self.input_ids[rows, cols],
             attention_mask=attn[:, cols],
-            completion_ids=self.completion_ids[start:stop, :t_real],
-            completion_mask=self.completion_mask[start:stop, :t_real],
-            sampling_logps=None if self.sampling_logps is None else self.sampling_logps[start:stop, :t_real],
-            truncated=self.truncated[start:stop],
+            completion_ids=self.completion_ids[rows, :t_real],
+            completion_mask=self.completion_mask[rows, :t_real],
+            sampling_logps=None if self.sampling_logps is None else self.sampling_logps[rows, :t_real],
+            truncated=self.truncated[rows],
             prompt_width=p_real,
         )
 
