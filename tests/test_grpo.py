@@ -336,9 +336,9 @@ def test_chunked_forward_gives_the_same_old_logprobs_loss_and_gradients(loss_typ
 
 
 def test_chunks_take_rows_in_order_of_length_and_pad_less(uneven_rollout, monkeypatch):
-    """The old-logprob forward and the update cut each micro-batch into chunks of rows in order of real length: each
-    row forwarded once per pass, the chunks' lengths non-decreasing, and fewer padded tokens forwarded than chunks
-    in rollout order would forward (the loss and gradients are the same sum: the test above)."""
+    """The old-logprob forward and the update cut each micro-batch into chunks of rows in order of real length,
+    longest first: each row forwarded once per pass, the rows' lengths non-increasing, and fewer padded tokens
+    forwarded than chunks in rollout order would forward (the loss and gradients are the same sum: the test above)."""
     import cbkit.train.grpo as grpo
 
     seen = []
@@ -349,12 +349,33 @@ def test_chunks_take_rows_in_order_of_length_and_pad_less(uneven_rollout, monkey
     prepared = tr.prepare(uneven_rollout, rewards)
     old_pass, seen[:] = list(seen), []
     tr.accumulate_gradients(prepared)
-    lengths = sorted(prepared.batch.attention_mask.sum(-1).tolist())
+    lengths = sorted(prepared.batch.attention_mask.sum(-1).tolist(), reverse=True)
     in_order = sum(prepared.batch.rows(i, i + 3).input_ids.numel() for i in range(0, 8, 3))
     for chunks in (old_pass, seen):
         assert [len(mb) for mb in chunks] == [3, 3, 2]
         assert [n for mb in chunks for n in mb.attention_mask.sum(-1).tolist()] == lengths
         assert sum(mb.input_ids.numel() for mb in chunks) < in_order
+
+
+def test_optim_picks_torchs_adamw_kernel_and_both_take_the_same_step(uneven_rollout):
+    """`optim` (TRL's name): fused AdamW by default, torch's multi-pass AdamW with 'adamw_torch', the same weights
+    after one update to float rounding; any other optimizer refused with the names that work; resumable."""
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.2, 1.0, 0.0, 0.3, 0.9], dtype=torch.float64)
+    weights = {}
+    for optim in ("adamw_torch_fused", "adamw_torch"):
+        tr = trainer(config(prompts_per_step=4, num_generations=2, optim=optim), backend=Replay(uneven_rollout))
+        assert tr.optimizer.defaults["fused"] is (optim == "adamw_torch_fused")
+        tr.optimize(tr.prepare(uneven_rollout, rewards))
+        weights[optim] = [p.detach().clone() for p in tr.model.parameters()]
+    assert config().optim == "adamw_torch_fused"
+    moved = max((a - b).abs().max().item() for a, b in zip(weights["adamw_torch"], load_policy("tiny", seed=0).model
+                                                              .parameters(), strict=True))
+    assert moved > 1e-6  # the step did something to compare
+    for a, b in zip(weights["adamw_torch_fused"], weights["adamw_torch"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    with pytest.raises(ValueError, match="optim='sgd'.*'adamw_torch_fused', 'adamw_torch'"):
+        config(optim="sgd")
+    assert config(optim="adamw_torch").diff(config()) == {}
 
 
 def test_forward_chunk_rows_is_checked_and_may_change_on_resume():

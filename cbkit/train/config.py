@@ -29,11 +29,13 @@ SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 STALE_ROLLOUTS = ("regenerate", "drop")
 SNAPSHOT_PLACES = ("memory", "disk")  # cbkit.train.snapshots.WHERE
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # TRL's names (TrainingArguments.optim) for torch's AdamW
 # Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
 # forward_chunk_rows changes only how many rows one forward holds: the loss is the same to float rounding;
-# rollout_snapshots only where the older weights wait (bitwise the same either way).
+# rollout_snapshots only where the older weights wait (bitwise the same either way); optim only which of torch's
+# two AdamW kernels takes the step (the same update to float rounding, and the same optimizer state).
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm",
-                     "forward_chunk_rows", "eval_steps", "rollout_snapshots")
+                     "forward_chunk_rows", "eval_steps", "rollout_snapshots", "optim")
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -155,6 +157,10 @@ class CBGRPOConfig:
     adam_beta1: float = _help("AdamW beta1.", default=0.9)
     adam_beta2: float = _help("AdamW beta2.", default=0.999)
     adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    optim: str = _help(
+        "torch's AdamW kernel, under TRL's names: 'adamw_torch_fused' (one pass over each parameter; TRL's default "
+        "with torch >= 2.8) or 'adamw_torch' (several passes over each parameter, each bound by memory bandwidth). "
+        "The same update to float rounding.", default="adamw_torch_fused")
     max_grad_norm: float = _help("Clip the gradient's global norm to this; 0 disables clipping.", default=1.0)
     # --- the run ---
     max_steps: int = _help("Steps to train; one step = one rollout and num_iterations optimizer updates.",
@@ -200,6 +206,7 @@ class CBGRPOConfig:
         one_of("scale_rewards", SCALE_REWARDS)
         one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
         one_of("importance_sampling_mode", IS_MODES)
+        one_of("optim", OPTIMIZERS)
         if self.num_generations < 2:
             bad(f"num_generations={self.num_generations}: group-relative advantages need at least 2 completions "
                 "per prompt (with 1 every advantage is 0); set num_generations >= 2.")

@@ -48,7 +48,7 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
   `generation_batch_size` decouple these; fixing them keeps "step" meaning one thing.
 * Old logprobs are always recomputed (one no-grad forward), even when `num_iterations == 1` where TRL reuses
   the detached current logprobs: the IS weights and `logprob/*` need them anyway, and the loop keeps one shape.
-* Constant learning rate, plain AdamW: no scheduler, no warmup. Runs here are tens of steps.
+* Constant learning rate, AdamW (`optim`: fused by default, as TRL's): no scheduler, no warmup. Runs here are tens of steps.
 * Dropout stays off (the model is kept in eval mode), like TRL's `disable_dropout=True`: the ratio must compare
   the same function, not two dropout masks.
 * The reference model (beta > 0) is a frozen copy of the policy as loaded; no `sync_ref_model`.
@@ -198,6 +198,7 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
+            fused=config.optim == "adamw_torch_fused",
         )
         self.truncates = config.top_p < 1 or config.top_k > 0
         if self.truncates:
@@ -568,12 +569,12 @@ def check_text_only(processing_class: Any, model: Any, continuous_batching: bool
 
 
 def _chunks(start: int, stop: int, rows: int | None, attention_mask: Tensor) -> list[Tensor]:
-    """Rows [start, stop) in order of their real length (prompt + completion tokens, ``attention_mask``), cut into
+    """Rows [start, stop) longest first (real length: prompt + completion tokens, ``attention_mask``), cut into
     chunks of at most `rows` (None: one chunk); the last may be shorter. A chunk is trimmed to its longest row
-    (`Batch.take`), so rows of about one length pad little: with GSM8K's length spread at N = 64 in 4-row chunks,
-    12,016 forwarded tokens for 11,905 real ones, against 13,256 in rollout order (docs/repro/update_ab.py). The
-    sort is stable: a rerun forms the same chunks, and the loss is the same sum in another order."""
-    order = start + torch.argsort(attention_mask[start:stop].sum(-1), stable=True)
+    (`Batch.take`), so rows of about one length pad little where chunks in rollout order pad each to its longest
+    row (docs/measuring.md, "The update against its roof"). Longest first, so each later chunk's tensors fit in the memory the widest one freed. The sort is stable: a
+    rerun forms the same chunks, and the loss is the same sum in another order."""
+    order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)
     step = stop - start if rows is None else rows
     return [order[i : i + step] for i in range(0, stop - start, step)]
 

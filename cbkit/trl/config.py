@@ -30,7 +30,7 @@ _RENAMED: dict[str, str] = {
 }
 _SAME_NAME: tuple[str, ...] = (
     "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
     "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
     "gradient_accumulation_steps", "mask_truncated_completions", "per_device_train_batch_size", "seed",
     "reward_weights", "save_total_limit", "disable_tqdm",

@@ -3,12 +3,14 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python docs/repro/update_ab.py 8,64 --rounds 3
 
-Variants: ``by-length`` (the trainer as it is: each micro-batch's rows in order of real length before they are cut
-into chunks, so a chunk pads to rows of about its own length), ``rollout-order`` (the chunks cut in the rollout's
-order, as before: each pads to its longest row), and ``fused`` (by length, with AdamW's ``fused=True``). Every
+Variants, before and after side by side: ``before`` (the chunks cut in the rollout's order, each padded to its
+longest row, and torch's multi-pass AdamW, as the trainer was), ``by-length`` (each micro-batch's rows longest
+first before they are cut into chunks, so a chunk pads to rows of about its own length), ``after`` (by length,
+and AdamW's fused kernel: the trainer as it is, `optim="adamw_torch_fused"`). Every
 variant starts from the same weights, a fresh optimizer and the same advantages (spread over [-1, 1]: the
 replayed GSM8K completions all score 0, so the step's own advantages are 0); each prints its seconds, its share
-of the update's roof on the probe taken just before it (`roofline.training_roofline`), its loss and gradient
+of the update's roof on the probe taken just before it (`roofline.training_roofline`: FLOPs and AdamW's bytes;
+and of its compute roof, FLOPs only), its loss and gradient
 norm (equal across variants to float tolerance, or the variant computes something else), and the tokens its
 chunks forward. Results: docs/measuring.md.
 """
@@ -29,7 +31,7 @@ from cbkit.train.setup import set_up_run
 ap = argparse.ArgumentParser()
 ap.add_argument("ns")
 ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--variants", default="rollout-order,by-length")
+ap.add_argument("--variants", default="before,by-length,after")
 args = ap.parse_args()
 
 cfg = SweepConfig(data="gsm8k-local", full_step=True, lengths="replay:gsm8k", repeats=1)
@@ -74,17 +76,18 @@ for n in [int(x) for x in args.ns.split(",")]:
             trainer.optimizer = torch.optim.AdamW(
                 [p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-                weight_decay=config.weight_decay, fused=variant == "fused")
-            grpo._chunks = rollout_order if variant == "rollout-order" else by_length
+                weight_decay=config.weight_decay, fused=variant == "after")
+            grpo._chunks = rollout_order if variant == "before" else by_length
             probe = matmul_probe(model)["peak_flops"]
             bw = bandwidth_probe(model.device)["bytes_per_s"]
             roof = training_roofline(model.config, rows=rows, forwards=chunks, params=params, dtype_bytes=4,
-                                     peak_flops=probe, bytes_per_s=bw)["update_roof_s"]
+                                     peak_flops=probe, bytes_per_s=bw)
             t0 = time.perf_counter()
             metrics = trainer.optimize(prepared)
             s = time.perf_counter() - t0
             print(json.dumps({"N": n, "round": r, "variant": variant, "update_s": round(s, 2),
-                              "probe_gflops": round(probe / 1e9, 1), "of_roof": round(roof / s, 3),
+                              "probe_gflops": round(probe / 1e9, 1), "of_roof": round(roof["update_roof_s"] / s, 3),
+                              "of_compute_roof": round(roof["update_compute_roof_s"] / s, 3),
                               "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}), flush=True)
     del trainer
 grpo._chunks = by_length
