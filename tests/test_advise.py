@@ -397,6 +397,32 @@ def test_a_cpu_backward_after_the_first_chunk_carries_the_heap_the_chunks_leave(
     assert backward(8, "cpu") == backward(64, "cpu")  # the level, whatever the number of chunks
 
 
+def test_with_known_lengths_the_backwards_after_the_first_chunk_are_planned_at_their_own_width():
+    """The trainer forwards the rows longest first, so with the lengths known (a replayed workload) the backwards
+    that hold every gradient are planned at the widest row after the first chunk (`later_tokens_per_row`), the first
+    backward at the widest; the plan is never above the one without lengths, and never below the first backward."""
+    from transformers import LlamaConfig
+
+    from cbkit.measure.planner import step_peak_bytes, training_bytes
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    params, kw = 134_515_008, dict(tokens_per_row=196, completion_len=96, config=config, autocast=False)
+
+    def backward(rows=8, **later):
+        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=4, device="cpu",
+                               **kw, **later)["backward"]
+
+    first = training_bytes(params, micro_batch_rows=4, **kw)
+    first = 4 * params + first["logits"] + first["activations"]
+    short = backward(later_tokens_per_row=185, later_completion_len=85)
+    assert first < short < backward()  # a narrower second chunk, but it carries the head's gradient and the heap
+    assert backward(later_tokens_per_row=110, later_completion_len=10) == first  # the first backward sets it
+    assert backward(later_tokens_per_row=196, later_completion_len=96) == backward()  # all as wide: as before
+    assert backward(later_tokens_per_row=400, later_completion_len=300) == backward()  # never wider than the widest
+    assert backward(rows=4, later_tokens_per_row=185, later_completion_len=85) == first  # one chunk: no later ones
+
+
 def test_the_planned_activations_are_what_autograd_saves(tiny):
     """`planner.activation_bytes_per_token` against an independent count: every tensor autograd saves for the
     backward of the loop's teacher-forced forward (`completion_logits`, left-padded rows, a padding mask), summed

@@ -552,7 +552,8 @@ CPU_CHUNK_HEAP_SLACK = 0.25
 
 def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
                     tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
-                    optimizer_state_resident: bool = False, device: str = "cuda") -> dict[str, int]:
+                    optimizer_state_resident: bool = False, device: str = "cuda",
+                    later_tokens_per_row: int | None = None, later_completion_len: int | None = None) -> dict[str, int]:
     """The peak one GRPO step holds above its loaded weights, and the phase that sets it.
 
     The phases come one after another, so the peak is the largest of them, not their sum: the rollout's own peak
@@ -564,18 +565,32 @@ def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: i
     `optimizer_state_resident` (every step of a run after the first) the moments are held through the whole step;
     without (a fresh trainer, as the full-step sweep builds for every run) they appear at the update. The
     old-logprob forward keeps no activations. On a CPU (``device="cpu"``) with more than one forward, the backward
-    adds the heap its earlier chunks leave resident (``CPU_CHUNK_HEAP_SLACK`` x one chunk's part); never on a GPU."""
-    train = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens_per_row,
-                           completion_len=completion_len, config=config, autocast=autocast, chunk_rows=chunk_rows)
+    adds the heap its earlier chunks leave resident (``CPU_CHUNK_HEAP_SLACK`` x one chunk's part); never on a GPU.
+
+    ``tokens_per_row`` and ``completion_len`` are the widest row's. The trainer forwards a micro-batch's rows longest
+    first (`grpo._chunks`), so where the rows' lengths are known (a replayed workload), ``later_tokens_per_row`` and
+    ``later_completion_len`` give the widest row after the first chunk: the backwards that hold every gradient are
+    planned at that width, the first backward at the widest. None: every chunk as wide as the first (the plan made
+    before a rollout, when any completion may run to the limit)."""
+    def chunk_bytes(tokens: int, completion: int) -> int:
+        train = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens,
+                               completion_len=completion, config=config, autocast=autocast, chunk_rows=chunk_rows)
+        return train["logits"] + train["activations"]
+
     grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
     resident = moments if optimizer_state_resident else 0
     s = Shape.of(config)
+    first = chunk_bytes(tokens_per_row, completion_len)
+    backward = grads + first + resident
     forwards = 1 if chunk_rows is None else -(-micro_batch_rows // chunk_rows)
-    head_grad = GRAD_BYTES_PER_PARAM * s.vocab * s.hidden if forwards > 1 else 0
-    chunk = train["logits"] + train["activations"] + head_grad
-    slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" and forwards > 1 else 0
+    if forwards > 1:
+        later = first if later_tokens_per_row is None else chunk_bytes(
+            min(later_tokens_per_row, tokens_per_row), min(later_completion_len or completion_len, completion_len))
+        chunk = later + GRAD_BYTES_PER_PARAM * s.vocab * s.hidden
+        slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" else 0
+        backward = max(backward, grads + chunk + slack + resident)
     parts = {"rollout": rollout_peak_bytes + resident,
-             "backward": grads + chunk + slack + resident,
+             "backward": backward,
              "optimizer_step": grads + moments}
     return {**parts, "peak": max(parts.values())}
 

@@ -694,11 +694,17 @@ def _planned_step(cfg, model, prompts, n, run, planned, targets=None) -> dict[st
     longest = max(targets) if targets and cfg.workload.kind != "natural" else cfg.max_new_tokens
     params = sum(p.numel() for p in model.parameters())
     overlapped = run.get("backend") == ASYNC_BACKEND
+    later = {}
+    if targets and cfg.workload.kind != "natural" and cfg.forward_chunk_rows and rows > cfg.forward_chunk_rows:
+        # the trainer's chunks take the rows longest first: past the first chunk, none is wider than these
+        by_length = sorted(((len(prompts[i // n]) + t, t) for i, t in enumerate(targets)), reverse=True)
+        rest = by_length[cfg.forward_chunk_rows:]
+        later = {"later_tokens_per_row": rest[0][0], "later_completion_len": max(t for _, t in rest)}
     step = step_peak_bytes(params, rollout_peak_bytes=planned["planned_peak_bytes"],
                            micro_batch_rows=rows, chunk_rows=cfg.forward_chunk_rows,
                            tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
                            config=model.config, autocast=False, optimizer_state_resident=overlapped,
-                           device="cuda" if model.device.type == "cuda" else "cpu")
+                           device="cuda" if model.device.type == "cuda" else "cpu", **later)
     phase = max(("rollout", "backward", "optimizer_step"), key=step.__getitem__)
     peak = step["peak"]
     if overlapped:
