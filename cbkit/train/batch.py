@@ -7,7 +7,7 @@ left-padded prompt sits at the positions the rollout engine gave it.
 
 A micro-batch or chunk of rows (`Batch.rows`, `Batch.take`) is re-trimmed to its own widths: with uneven completion
 lengths (the reason to use continuous batching at all) most are much narrower than the whole step's batch, the more
-so as the trainer takes a micro-batch's rows in order of length before cutting it into chunks.
+so as the trainer takes a micro-batch's rows longest first before cutting it into chunks.
 
 **The logits budget.** The loss needs, per micro-batch, the logits over the whole vocabulary at every
 completion position, in fp32, their log-softmax, and the gradient of both: about ``LOGIT_COPIES`` fp32 copies

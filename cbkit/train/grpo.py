@@ -48,7 +48,8 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
   `generation_batch_size` decouple these; fixing them keeps "step" meaning one thing.
 * Old logprobs are always recomputed (one no-grad forward), even when `num_iterations == 1` where TRL reuses
   the detached current logprobs: the IS weights and `logprob/*` need them anyway, and the loop keeps one shape.
-* Constant learning rate, AdamW (`optim`: fused by default, as TRL's): no scheduler, no warmup. Runs here are tens of steps.
+* Constant learning rate, AdamW (`optim`: fused by default, as TRL's): no scheduler, no warmup. Runs here are tens
+  of steps.
 * Dropout stays off (the model is kept in eval mode), like TRL's `disable_dropout=True`: the ratio must compare
   the same function, not two dropout masks.
 * The reference model (beta > 0) is a frozen copy of the policy as loaded; no `sync_ref_model`.
@@ -56,8 +57,9 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
   A reward that raises or returns a non-finite value stops the run with its name and the completion; TRL turns
   a None into NaN and the NaN into advantage 0.
 * Full fp32 logits per chunk of `forward_chunk_rows` completions (each chunk forwarded, scored and back-propagated
-  on its own, so the step's memory grows with the chunk, not with N; the rows taken in order of length, so a chunk
-  pads only to rows of about its own length; no vocabulary-streaming or Liger LM head, no padding-free packing): fine for the small models this kit trains on one machine;
+  on its own, so the step's memory grows with the chunk, not with N; the rows taken longest first, so a chunk pads
+  only to rows of about its own length; no vocabulary-streaming or Liger LM head, no padding-free packing): fine for
+  the small models this kit trains on one machine;
   `cbkit.train.batch.micro_batches_for` picks `gradient_accumulation_steps` for a logits budget (the notebooks' GPU
   tiers do), or lower `max_completion_length`.
 * Mixed precision is opt-in: `GRPOTrainer(..., autocast_dtype="bfloat16")` over fp32 weights (master weights,
