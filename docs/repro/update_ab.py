@@ -12,7 +12,8 @@ replayed GSM8K completions all score 0, so the step's own advantages are 0); eac
 of the update's roof on the probe taken just before it (`roofline.training_roofline`: FLOPs and AdamW's bytes;
 and of its compute roof, FLOPs only), its loss and gradient
 norm (equal across variants to float tolerance, or the variant computes something else), and the tokens its
-chunks forward. Results: docs/measuring.md.
+chunks forward. ``--second`` times a second update after each, with AdamW's moments then in place, as every step
+of a run after its first has them. Results: docs/measuring.md.
 """
 
 import argparse
@@ -32,6 +33,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("ns")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--variants", default="before,by-length,after")
+ap.add_argument("--second", action="store_true", help="time a second update after each (optimizer state in place)")
 args = ap.parse_args()
 
 cfg = SweepConfig(data="gsm8k-local", full_step=True, lengths="replay:gsm8k", repeats=1)
@@ -85,10 +87,16 @@ for n in [int(x) for x in args.ns.split(",")]:
             t0 = time.perf_counter()
             metrics = trainer.optimize(prepared)
             s = time.perf_counter() - t0
-            print(json.dumps({"N": n, "round": r, "variant": variant, "update_s": round(s, 2),
-                              "probe_gflops": round(probe / 1e9, 1), "of_roof": round(roof["update_roof_s"] / s, 3),
-                              "of_compute_roof": round(roof["update_compute_roof_s"] / s, 3),
-                              "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}), flush=True)
+            line = {"N": n, "round": r, "variant": variant, "update_s": round(s, 2),
+                    "probe_gflops": round(probe / 1e9, 1), "of_roof": round(roof["update_roof_s"] / s, 3),
+                    "of_compute_roof": round(roof["update_compute_roof_s"] / s, 3),
+                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
+            if args.second:  # the same update again: AdamW's moments now exist, as in every step of a run after its first
+                t0 = time.perf_counter()
+                trainer.optimize(prepared)
+                s2 = time.perf_counter() - t0
+                line.update(second_update_s=round(s2, 2), second_of_roof=round(roof["update_roof_s"] / s2, 3))
+            print(json.dumps(line), flush=True)
     del trainer
 grpo._chunks = by_length
 model.load_state_dict(start_weights)
