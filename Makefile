@@ -91,11 +91,12 @@ test-notebooks: $(STAMP) browser
 
 # Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and
 # only the cells that the edited cell and that cell need. `pytest` checks cheaply that every edit applies and compiles;
-# this runs them (15 copies, two at a time).
+# this runs them (15 copies, one at a time: 7 min on a quiet 2-core machine; two at a time, two kernels of two
+# threads each on two cores took 15 min and three cells that lengthen a sweep passed the 5-minute cell limit).
 test-questions: $(STAMP)
 	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
-		-n 2 $(QUESTIONS)
+		$(QUESTIONS)
 
 # The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
 # estimate, crossover inside the sweep; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
