@@ -288,7 +288,7 @@ def tier_plan_line(env: NotebookEnv) -> str:
     machine = "t4" if env.tier == "t4" else ("a100-80" if (env.gpu_memory_bytes or 0) > 60 * GiB else "a100-40")
     assert MACHINES[machine][0] == env.tier
     p = plan_notebook(env.notebook or "", machine)
-    if not p.fits:
+    if not (p.fits and p.admitted):
         raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
                           f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
     where = "planned on a CPU: this dry run's sizes are smaller" if env.dry_run else "not yet measured"

@@ -20,6 +20,7 @@ import torch
 
 from cbkit.rollout import SamplingParams
 from cbkit.rollout.continuous import ContinuousBackend
+from cbkit.teach.tiers import LESSON_PAGE_SIZE
 from cbkit.telemetry import release_memory
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
@@ -161,7 +162,9 @@ def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: in
     """
     old = {k: v.detach().clone() for k, v in model.state_dict().items()}
     scratch = copy.deepcopy(model).eval()  # for the replays; copied now, before an engine is attached to the model
-    backend = ContinuousBackend(model, persistent=True)
+    # Pages the prompts fill, on every device: with the engine's GPU default (256 tokens) no prompt page would be
+    # complete, nothing would be cached, and "stale" would equal "fixed".
+    backend = ContinuousBackend(model, {"page_size": LESSON_PAGE_SIZE}, persistent=True)
     results = {}
     try:
         backend.generate(prompts, num_generations, sampling)  # fills the prefix cache with old-weight pages
