@@ -37,7 +37,7 @@ def _params(fn) -> set[str]:
 
 def test_transformers_version_in_supported_range():
     v = Version(transformers.__version__)
-    assert Version("5.9") <= v < Version("6"), f"cbkit supports transformers >=5.9,<6; found {v}"
+    assert Version("5.24") <= v < Version("6"), f"cbkit supports transformers >=5.24,<6; found {v}"
 
 
 def test_cb_config_has_the_fields_cbkit_sets():
@@ -189,3 +189,28 @@ def test_only_engine_py_reaches_inside_the_engine(path):
 def test_the_internals_check_sees_engine_py():
     uses = _internal_uses(Path(cbkit.__file__).parent / "rollout" / "engine.py")
     assert any("_generation_step" in u for u in uses) and any("from transformers.generation" in u for u in uses)
+
+
+def test_what_the_admission_check_builds_on():
+    # cbkit.rollout.engine.admission: the engine's config resolution, then its cache built on the meta device with its
+    # memory reading patched; the footprint read where the handler checks it.
+    from transformers.generation.continuous_batching import cache, initialization
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    pin(callable(getattr(cache, "get_device_and_memory_breakdown", None)),
+        "continuous_batching.cache.get_device_and_memory_breakdown (the handler's memory reading, looked up there)")
+    pin({"config", "continuous_batching_config", "device", "distributed_helper", "dtype"} <= _params(
+        cache.PagedAttentionCache.__init__), "PagedAttentionCache's arguments")
+    pin("self.num_blocks" in inspect.getsource(cache.PagedAttentionCache.__init__), "PagedAttentionCache.num_blocks")
+    handler = cache.PagedAttentionMemoryHandler
+    pin(len(_params(handler._check_footprint)) == 3 and callable(getattr(handler, "compute_memory_footprint", None)),
+        "PagedAttentionMemoryHandler._check_footprint(max_batch_tokens, num_...) and compute_memory_footprint")
+    pin("self.available_memory" in inspect.getsource(handler.__init__), "PagedAttentionMemoryHandler.available_memory")
+    pin({"config", "cb_config", "workload_hints", "has_logit_processors"} <= _params(
+        initialization.resolve_continuous_batching_config), "initialization.resolve_continuous_batching_config")
+    pin({"device_mesh", "cpu_group_timeout"} <= _params(DistributedHelper.__init__), "DistributedHelper's arguments")
+    pin("lazy_import_flash_attention(" in inspect.getsource(initialization.ensure_decode_fast_path_is_available),
+        "initialization.lazy_import_flash_attention (the decode path's kernel check, answered as on a GPU)")
+    # The attention switch cbkit steers (cbkit.rollout.engine.attention_for_engine).
+    pin(callable(getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)),
+        "ContinuousBatchingManager.switch_to_cb_friendly_attn")

@@ -115,13 +115,18 @@ def test_the_engine_runs_the_attention_cbkit_chose(tiny, capability, dtype, impo
     assert model.config._attn_implementation == "sdpa"  # restored for the training forward
 
 
-def test_left_to_the_engine_an_fp32_policy_would_run_flash_attn(tiny):
-    # The defect cbkit's choice removes: with flash-attn importable, transformers' own rule switches whatever the
-    # weights' dtype (it refuses fp32 at the first forward), and on a T4 too (no kernel there).
+def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
+    # The defect cbkit's choice removes: with flash-attn importable, transformers' own rule switches a half-precision
+    # model to it whatever the GPU (FA2 has no kernel below compute capability 8.0: a T4 fails at the first forward),
+    # and 5.24 switches fp32 weights too, which flash-attn refuses (5.25 checks the dtype).
+    import copy
+
     from transformers import ContinuousBatchingConfig
 
-    with _flash_importable((2,)):
-        assert "flash" in _engine_switch(tiny.model, ContinuousBatchingConfig())
+    half = copy.deepcopy(tiny.model).half()
+    with _flash_importable((2,)), mock.patch("torch.cuda.get_device_capability", return_value=T4):
+        assert "flash" in _engine_switch(half, ContinuousBatchingConfig())
+        assert cuda_attention(torch.float16) == "sdpa"
 
 
 # --- the engine's admission check ---------------------------------------------------------------------------------
@@ -231,3 +236,26 @@ def test_the_trl_benchmark_preset_holds_a_trainers_state():
     with mock.patch.dict(PRESETS, {"trl-benchmark": {**PRESETS["trl-benchmark"], "trainer_state": False}}):
         alone = {p.preset: p for p in tiers.plan_presets()}["trl-benchmark"]
     assert by_name["trl-benchmark"].admission.available_bytes < alone.admission.available_bytes - 5 * GiB
+
+
+@pytest.mark.parametrize(("model", "dtype", "pool"), [
+    ("smollm2-offline", torch.float16, {"page_size": 32, "num_blocks": 2000}),
+    ("smollm2-offline", torch.float16, {}),
+    (tiers.GPU_MODEL, torch.float32, {"page_size": 32, "num_blocks": 900}),
+    ("llama-1b-random", torch.bfloat16, {"max_memory_percent": 0.4}),
+])
+@pytest.mark.parametrize("flash", [(), (2,)])
+def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash):
+    # The planner mirrors the engine's sizing by hand (it plans hundreds of points; the engine's own code takes ~30 ms
+    # a call): for the same pool, memory and attention its engine_reserved_bytes is the engine's own footprint.
+    from cbkit.measure.planner import plan
+
+    config = tiers.plan_config(model)
+    free = 20 * GiB
+    verdict = admission(config, pool, dtype=dtype, rows=[range(132)] * 64, max_new_tokens=512, total_bytes=free + GiB,
+                        used_bytes=GiB, capability=A100, flash=flash)
+    planned = plan(config, num_prompts=8, num_generations=8, prompt_len=132, max_new_tokens=512,
+                   dtype_bytes=dtype.itemsize, budget_bytes=free, cb_config=pool, device="cuda",
+                   attn_implementation="flash" if "flash" in verdict.attention else "sdpa")
+    assert planned.continuous.engine_reserved_bytes == verdict.footprint_bytes
+    assert planned.continuous.num_blocks == verdict.num_blocks

@@ -16,6 +16,7 @@ import torch
 from cbkit.cli import main
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_vs_pool
+from cbkit.measure.sweep import PRESETS
 from cbkit.teach import colab, notebook, tiers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,8 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_cbkit_tiers_passes_for_every_notebook_and_gpu(capsys):
     assert main(["tiers"]) == 0
     out = capsys.readouterr().out
-    # Every notebook, then the learning recipe (planned the same way, marked as an estimate), on every GPU.
-    assert out.count(" ok") == (len(tiers.NOTEBOOKS) + len(tiers.RECIPES)) * len(tiers.MACHINES)
+    # Every notebook, then the learning recipe (planned the same way, marked as an estimate), on every GPU, then each
+    # sweep preset on its GPU.
+    assert out.count(" ok") == (len(tiers.NOTEBOOKS) + len(tiers.RECIPES)) * len(tiers.MACHINES) + len(PRESETS)
     assert "18 of 18" in out and "an estimate, not a measurement" in out and "AN ESTIMATE" in out
 
 

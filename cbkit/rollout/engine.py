@@ -28,6 +28,11 @@ transformers internals relied on, pinned by tests/test_engine_contract.py agains
   outputs:   `GenerationOutput` `.generated_tokens`, `.logprobs`, `.error`, `.lifespan`, `.timestamps`,
              `.is_finished()`, `.request_id`
   module:    `transformers.generation.continuous_batching.utils.WorkloadHints`
+  admission: `initialization.resolve_continuous_batching_config` (`.lazy_import_flash_attention`),
+             `cache.PagedAttentionCache` (`num_blocks`),
+             `cache.get_device_and_memory_breakdown`, `PagedAttentionMemoryHandler._check_footprint`,
+             `.compute_memory_footprint`, `.available_memory`, `distributed.DistributedHelper`
+  attention: `ContinuousBatchingConfig.auto_switch_to_flash` (5.2x; 5.17 keeps an attention already "paged|...")
 """
 
 from __future__ import annotations
@@ -523,8 +528,7 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
     the engine's config resolution, then its `PagedAttentionCache` built on the meta device (no memory touched) with
     the engine's memory reading (`get_device_and_memory_breakdown`) returning this device's numbers. The attention is
     `cuda_attention`'s choice for that GPU (`capability`, importable flash-attn `flash`): it decides whether the
-    engine reserves an attention mask. One difference from a run on the GPU: with flash attention the engine's
-    block-table buffers (max_batch_tokens x max_blocks_per_request int32) are left out here, a few MB."""
+    engine reserves an attention mask, and with flash-attn its block-table decode path's buffers."""
     import copy
     from unittest import mock
 
@@ -536,9 +540,14 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
     attention = cuda_attention(dtype, capability, flash)
     text._attn_implementation = attention
     cb = make_cb_config(overrides, device=torch.device("cuda"), rows=rows, max_new_tokens=max_new_tokens, warn=False)
-    resolved = _call(initialization.resolve_continuous_batching_config, config=text, cb_config=cb,
-                     workload_hints=workload_hints(rows, max_new_tokens), has_logit_processors=True,
-                     device=torch.device("cuda"))
+    # The resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table kernel
+    # imports (its decode path): answered as on that GPU.
+    flash_kernel = ((None, None, lambda *a, **k: None, None, None), (None, None))
+    with (mock.patch("torch.cuda.is_available", return_value=True),
+          mock.patch.object(initialization, "lazy_import_flash_attention", lambda *a, **k: flash_kernel)):
+        resolved = _call(initialization.resolve_continuous_batching_config, config=text, cb_config=cb,
+                         workload_hints=workload_hints(rows, max_new_tokens), has_logit_processors=True,
+                         device=torch.device("cuda"))
     seen: dict[str, int] = {}
     handler = cache_module.PagedAttentionMemoryHandler
     original_check = handler._check_footprint

@@ -63,6 +63,9 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     `make_cb_config`, and what the TRL bridge writes into TRL's config."""
     overrides = dict(overrides or {})
     valid = cb_config_keys()
+    for a, b in (("page_size", "block_size"), ("block_size", "page_size")):
+        if a in overrides and a not in valid and b in valid:  # the same setting under this transformers' name
+            overrides[b] = overrides.pop(a)
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
         raise ValueError(
