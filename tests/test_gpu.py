@@ -86,3 +86,27 @@ def test_a_grpo_step_on_a_gpu_moves_its_fp32_weights():
     m = record.metrics
     assert m["reward/zero_std_frac"] < 1.0  # some group's rewards differed: the loss had a gradient
     assert m["rollout/backend"] == "continuous" and m["logprob/max_abs_diff"] < 1e-3
+
+
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_weight_snapshots_of_a_gpu_model_live_where_their_place_says(where):
+    """A model on the GPU: a "device" copy is on the GPU, a "host" copy in pinned CPU memory (none of the GPU's),
+    and each comes back bitwise (bf16 too) into another model on the GPU."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_policy("tiny", dtype=dtype, device="cuda", seed=0).model
+        other = load_policy("tiny", dtype=dtype, device="cuda", seed=1).model
+        start = {n: t.clone() for n, t in model.state_dict().items()}
+        ring = WeightSnapshots(1, where)
+        ring.append(0, model)
+        if where != "disk":
+            kept = ring._ring[0][1].values()
+            assert all(t.device.type == ("cuda" if where == "device" else "cpu") for t in kept)
+            assert where == "device" or all(t.is_pinned() for t in kept)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1.0)  # the policy moves on; the snapshot must not
+        ring.load_into(other)
+        assert all(torch.equal(other.state_dict()[n], start[n]) for n in start)
+        ring.close()
