@@ -18,11 +18,12 @@ import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager, ContinuousMixin
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
 import cbkit
 from cbkit.rollout import SamplingParams
-from cbkit.rollout.engine import Engine, watch_batches, workload_hints
+from cbkit.rollout.engine import Engine, compute_stream, watch_batches, workload_hints
 from cbkit.rollout.engine_config import cb_config_keys, make_cb_config
 
 
@@ -118,6 +119,14 @@ def test_the_manager_and_processor_internals(tiny):
         processor = manager._create_batch_processor()
         for name in ("prepare_next_batch", "update_batch", "inputs_and_outputs", "cache"):
             pin(hasattr(processor, name), f"ContinuousBatchProcessor.{name}")
+        # The stream the forwards run on, which AsyncEngine.publish orders its copies against: None on a CPU, on the
+        # async-batching IOs too (which only a GPU can build; its source is pinned instead).
+        pin(hasattr(processor.inputs_and_outputs, "compute_stream"), "ContinuousBatchProcessor.inputs_and_outputs"
+            ".compute_stream")
+        pin("self.compute_stream" in inspect.getsource(ContinuousBatchingAsyncIOs.__init__),
+            "ContinuousBatchingAsyncIOs.compute_stream")
+        manager.batch_processor = processor
+        assert compute_stream(manager) is None and compute_stream(None) is None
         cache = processor.cache
         pin(callable(getattr(cache, "reset", None)) and isinstance(cache.num_blocks, int), "PagedAttentionCache")
         allocator = next(iter(cache.cache_allocators.values()))
@@ -163,7 +172,8 @@ def test_watching_batches_puts_the_engine_back():
 INTERNALS = {"_generation_step", "_create_batch_processor", "_original_attn_impl", "_cached_continuous_batching_manager",
              "_use_prefix_sharing", "batch_processor", "background_thread_status", "output_router", "input_queue",
              "distributed_helper", "requests_in_batch", "inputs_and_outputs", "cache_allocators", "block_table",
-             "init_continuous_batching", "continuous_batching_context_manager", "generate_batch", "warmed_up"}
+             "init_continuous_batching", "continuous_batching_context_manager", "generate_batch", "warmed_up",
+             "compute_stream"}
 
 
 def _internal_uses(path: Path) -> list[str]:

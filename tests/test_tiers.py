@@ -204,14 +204,12 @@ def test_an_unknown_tier_lists_the_valid_ones(monkeypatch):
         notebook.setup("00_quickstart", verbose=False)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_gpu_tier_without_a_gpu_says_how_to_get_one(monkeypatch):
     monkeypatch.setenv("CBKIT_TIER", "t4")
     with pytest.raises(RuntimeError, match="Runtime > Change runtime type"):
         notebook.setup("00_quickstart", profile="full", verbose=False)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's way through a GPU tier")
 @pytest.mark.parametrize("tier", tiers.GPU_TIERS)
 def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys):
     monkeypatch.setenv("CBKIT_TIER", tier)
@@ -229,7 +227,6 @@ def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys
     assert "plan for a NVIDIA" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's way through a GPU tier")
 def test_a_plan_that_does_not_fit_stops_before_any_model_time(monkeypatch):
     _with_sizes(monkeypatch, "04_grpo_live", "t4", n=128)
     monkeypatch.setenv("CBKIT_TIER", "t4")
@@ -268,7 +265,6 @@ def test_the_logprob_notebook_says_it_scores_in_fp32_and_samples_a_bf16_copy():
     assert "section 2 from a bfloat16 copy" in env.precision and "teacher-forced in float32" in env.precision
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_colab_runtime_without_a_gpu_is_told_how_to_switch(monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "google.colab", types.ModuleType("google.colab"))
     monkeypatch.delenv("CBKIT_TIER", raising=False)

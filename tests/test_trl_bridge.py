@@ -454,8 +454,7 @@ def test_config_defaults_and_overrides(tmp_path):
     assert args.use_transformers_continuous_batching is True
     assert args.transformers_continuous_batching_config == {
         "max_memory_percent": 0.5, "use_cuda_graph": False, "return_logprobs": True}
-    if not torch.cuda.is_available():
-        assert args.bf16 is False  # TRL would default to True, even on CPU
+    assert args.bf16 is False  # TRL would default to True, even on CPU (conftest hides any GPU from this test)
     args = trl_grpo_config(dict(temperature=0.9, transformers_continuous_batching_config={"max_memory_percent": 0.3}),
                            str(tmp_path), temperature=0.6, logging_steps=3, vllm_importance_sampling_clip_max=5.0)
     assert (args.temperature, args.logging_steps, args.vllm_importance_sampling_clip_max) == (0.6, 3, 5.0)

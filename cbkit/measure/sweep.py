@@ -317,7 +317,7 @@ def _keep_weights(model):
     in RAM beside the step's own peak), on a GPU in device memory."""
     from cbkit.train.snapshots import WeightSnapshots
 
-    kept = WeightSnapshots(1, "disk" if model.device.type == "cpu" else "memory")
+    kept = WeightSnapshots(1, "disk" if model.device.type == "cpu" else "device")
     kept.append(0, model)
     return kept
 

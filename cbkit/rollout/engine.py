@@ -24,7 +24,8 @@ transformers internals relied on, pinned by tests/test_engine_contract.py agains
              `add_request(s)`, `get_result`, `is_running`, `start`, `stop`, `destroy`
   processor: `ContinuousBatchProcessor.prepare_next_batch`, `update_batch`, `cache` (`reset`, `num_blocks`,
              `cache_allocators[...]` `.block_table`, `.tokens_per_page`), `inputs_and_outputs.requests_in_batch`
-             (`future.query_length`, `future.state` `.request_id`, `.position_offset`, `.initial_tokens`)
+             (`future.query_length`, `future.state` `.request_id`, `.position_offset`, `.initial_tokens`),
+             `inputs_and_outputs.compute_stream` (`compute_stream`)
   outputs:   `GenerationOutput` `.generated_tokens`, `.logprobs`, `.error`, `.lifespan`, `.timestamps`,
              `.is_finished()`, `.request_id`
   module:    `transformers.generation.continuous_batching.utils.WorkloadHints`
@@ -620,6 +621,14 @@ def scheduled(processor, blocks: bool = True) -> list[Scheduled]:
                              int(state.position_offset) - query,  # prepare_next_batch has already advanced it
                              query, tuple(int(b) for b in table)))
     return out
+
+
+def compute_stream(manager) -> torch.cuda.Stream | None:
+    """The CUDA stream `manager`'s forwards run on, or None (on CPU; or no manager, or none built its processor
+    yet). transformers enqueues each engine forward on a stream of its own, so whoever writes the weights the engine
+    reads orders the write against this stream (`AsyncEngine.publish`); a Python lock orders only the enqueueing."""
+    processor = getattr(manager, "batch_processor", None)
+    return processor.inputs_and_outputs.compute_stream if processor is not None else None
 
 
 @contextlib.contextmanager

@@ -124,9 +124,13 @@ class NotebookEnv:
 
     @property
     def weights_place(self) -> str:
-        """Where a notebook keeps a copy of the weights it comes back to (`cbkit.train.snapshots.WeightSnapshots`):
-        on a CPU a file, so the copy costs disk, not a laptop's RAM; on a GPU (or a tier's dry run) host memory."""
-        return "disk" if self.device == "cpu" and not self.dry_run else "memory"
+        """Where a notebook keeps a copy of the weights it comes back to (`cbkit.train.snapshots.WeightSnapshots`),
+        by tier (`cbkit.train.snapshots.place_for_tier`): on a CPU a file, so the copy costs disk, not a laptop's RAM;
+        on the t4 tier host memory, so it costs no GPU memory; on the a100 tier the GPU. A tier's dry run chooses
+        what the tier does."""
+        from cbkit.train.snapshots import place_for_tier
+
+        return place_for_tier(self.tier, self.device)
 
     def trl_micro_batches(self, rows: int, gradient_accumulation_steps: int) -> int:
         """TRL's ``gradient_accumulation_steps`` for a step of ``rows`` completions. TRL's chunk of rows is its
