@@ -219,7 +219,9 @@ def test_every_engine_start_of_every_notebook_and_recipe_is_admitted():
 def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
     on_host = tiers.plan_notebook("05_off_policy", "t4")
     assert on_host.fits and not any(k.startswith("copies") for k in on_host.parts)
-    monkeypatch.setitem(tiers.WEIGHTS_PLACE, "t4", "device")  # the same copies on a T4's GPU: they do not fit
+    from cbkit.train import snapshots
+
+    monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "device")  # the same copies on a T4's GPU: they do not fit
     on_gpu = tiers.plan_notebook("05_off_policy", "t4")
     copies = next(v for k, v in on_gpu.parts.items() if k.startswith("copies"))
     assert copies == 7 * 4 * tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))

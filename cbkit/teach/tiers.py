@@ -36,6 +36,7 @@ from typing import Any
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, pool_blocks, training_bytes
 from cbkit.rollout.engine import Admission, admission
+from cbkit.train.snapshots import place_for_tier
 from cbkit.telemetry import fmt_bytes
 
 GiB = 2**30
@@ -49,9 +50,6 @@ TIER_MEMORY = {"t4": 15 * GiB, "a100": 40 * GiB}  # the smallest GPU of each tie
 # rounding. An assumption (PyTorch's CUDA context is commonly 0.3-0.5 GiB) until a GPU run reads it
 # (scripts/gpu_check.py records torch.cuda.mem_get_info() after start-up).
 CUDA_CONTEXT_BYTES = GiB // 2
-# Where each tier keeps the copies of the weights a notebook comes back to (`cbkit.train.snapshots`): a file on a
-# CPU (a laptop's RAM), host memory on a T4 (15 GB of GPU memory hold the training step), the GPU on an A100.
-WEIGHTS_PLACE = {"ci": "disk", "cpu": "disk", "t4": "host", "a100": "device"}
 # KV pages of the notebooks' pools, on every device: a GSM8K chat prompt (~130 tokens) fills four, so the N
 # completions of a group share its prompt's pages (prefix sharing), as on a CPU. The engine's GPU default, 256
 # tokens, is never filled by one, and nothing would be shared. Pages under 256 tokens turn the engine's
@@ -130,8 +128,8 @@ class NotebookSpec:
     train_runs: tuple[str, ...] = ("continuous",)
     trl_step: bool = False
     budget_s: dict[str, float] | None = None  # per tier; None: BUDGET_S (a notebook's slot in a workshop)
-    # Copies of the training weights the notebook keeps at its fullest point, beside the policy, in the tier's
-    # `WEIGHTS_PLACE` (04: the initial weights; 05: the initial weights, staleness 4's k + 1 ring and a run's kept
+    # Copies of the training weights the notebook keeps at its fullest point, beside the policy, where the tier keeps
+    # them (`cbkit.train.snapshots.place_for_tier`; 04: the initial weights; 05: the initial weights, staleness 4's k + 1 ring and a run's kept
     # final weights), and whether one of its runs is async (the engine's own weight snapshot, always on the GPU).
     weight_copies: int = 0
     async_run: bool = False
@@ -389,7 +387,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                   cb_config=pool)
     parts: dict[str, int] = {"weights": weight_bytes * params}
     # Copies of the weights the notebook keeps on the GPU: in the tier's place, and the async engine's own snapshot.
-    on_gpu = spec.weight_copies if WEIGHTS_PLACE[tier] == "device" else 0
+    on_gpu = spec.weight_copies if place_for_tier(tier) == "device" else 0
     if on_gpu:
         parts[f"copies of the weights on the GPU ({on_gpu})"] = on_gpu * 4 * params
     if spec.async_run:
