@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Other projects' repositories that a file links to on purpose, as "owner/name" (lower case): never rewritten.
-THIRD_PARTY: frozenset[str] = frozenset()
+THIRD_PARTY: frozenset[str] = frozenset({
+    "googlecolab/backend-info",  # Colab's list of preinstalled packages (scripts/colab_dry_run.py)
+})
 # Files whose addresses are made-up examples, not copies (relative to the root).
 EXAMPLES = frozenset({"tests/test_publish_address.py"})
 

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,28 @@ def test_restart_names_what_was_replaced_and_kills_only_when_asked(site, monkeyp
     assert colab.restart_if_replaced() == {"upgraded": ("1.0", "2.0")} and killed == [(os.getpid(), 9)]
     out = capsys.readouterr().out
     assert "upgraded 1.0 -> 2.0" in out and "run this cell again" in out
+
+
+# Colab's GPU runtime as published in googlecolab/backend-info's pip-freeze.gpu.txt (commit a724079, 2026-08-19,
+# Python 3.13): the versions of the packages cbkit names that it preinstalls. TRL, gguf, reasoning-gym and
+# math-verify are not there, so the install adds them.
+COLAB = {"torch": "2.11.0+cu128", "transformers": "5.15.0", "datasets": "4.0.0", "plotly": "5.24.1",
+         "ipywidgets": "7.7.1", "tqdm": "4.67.3", "psutil": "5.9.5", "safetensors": "0.8.0"}
+
+
+
+def test_cbkit_accepts_every_version_colab_preinstalls():
+    """Else pip replaces Colab's own build (a CUDA torch above all) for nothing. What the install does replace, TRL's
+    requirements and all: `python scripts/colab_dry_run.py`."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = pytest.importorskip("tomli")
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    ranges = {r.name.lower(): r.specifier for r in map(Requirement, pyproject["project"]["dependencies"])}
+    assert COLAB.keys() <= ranges.keys()
+    refused = {name: f"{version} not in {ranges[name]}" for name, version in COLAB.items()
+               if not ranges[name].contains(version, prereleases=True)}
+    assert not refused, refused
