@@ -19,7 +19,7 @@ QUESTIONS ?= runs/notebooks-questions
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup browser sweep demo test test-bare test-notebooks test-questions test-tiers book lint clean
+.PHONY: setup browser sweep demo test test-bare test-notebooks test-questions test-tiers book lint publish-address clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,12 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The repository's address lives in pyproject.toml ([project.urls] Repository). A Colab install cell, a Colab badge
+# and a notebook's link cannot read it, so they hold copies: after editing it, this writes it into every one
+# (scripts/publish_address.py; standard library only, no venv). tests/test_publish_address.py fails until then.
+publish-address:
+	$(PYTHON) scripts/publish_address.py
 
 test: lint browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """The notebooks' GPU tiers, checked without a GPU: `cbkit tiers` passes on the committed sizes and fails where a
 size would not fit, overrun or hide its phenomenon; 04's TRL step, built from the notebook's own cells at every
 tier, generates prompts x N completions in micro-batches inside the logits budget; setup's bad inputs; the
-precision rule; Colab's restart check."""
+precision rule. (Colab's restart check: tests/test_colab.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cbkit.cli import main
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_vs_pool
 from cbkit.measure.sweep import PRESETS
-from cbkit.teach import colab, notebook, tiers
+from cbkit.teach import notebook, tiers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -250,14 +250,6 @@ def test_autocast_drift_is_measured_and_above_fp32_rounding():
     line = notebook.autocast_drift(tiny_model(), list(range(1, 30)), "bfloat16")
     biggest = float(line.split("by up to ")[1].split(" nats")[0])
     assert 1e-5 < biggest < 1.0  # bf16's 8 bits, far above fp32's ~1e-7, far below a broken forward
-
-
-def test_colab_restart_finds_exactly_the_replaced_packages():
-    installed = colab.metadata.version("torch")
-    fake = {"torch": types.SimpleNamespace(__version__="0.0.1"),
-            "pytest": types.SimpleNamespace(__version__=colab.metadata.version("pytest")),
-            "torch.nn": types.SimpleNamespace(__version__="0")}  # submodules are not packages
-    assert colab.replaced_packages(fake) == {"torch": ("0.0.1", installed)}
 
 
 def test_the_logprob_notebook_says_it_scores_in_fp32_and_samples_a_bf16_copy():

@@ -36,8 +36,8 @@ from typing import Any
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, pool_blocks, training_bytes
 from cbkit.rollout.engine import Admission, admission
-from cbkit.train.snapshots import place_for_tier
 from cbkit.telemetry import fmt_bytes
+from cbkit.train.snapshots import place_for_tier
 
 GiB = 2**30
 TIERS = ("ci", "cpu", "t4", "a100")
