@@ -110,3 +110,68 @@ def test_weight_snapshots_of_a_gpu_model_live_where_their_place_says(where):
         ring.load_into(other)
         assert all(torch.equal(other.state_dict()[n], start[n]) for n in start)
         ring.close()
+
+
+def _start_engine(model, pool, rows, new_tokens):
+    """Start transformers' engine on `model` as cbkit's `Engine.run` does (its config, its attention, the workload
+    hints) up to the pool being built: the engine's own admission check, on this GPU's own memory reading."""
+    from cbkit.rollout.engine import Engine, attention_for_engine, workload_hints
+    from cbkit.rollout.engine_config import cuda_attention
+
+    engine = Engine(model, pool)
+    cb = engine.config(rows, new_tokens, seed=0)
+    gen = SamplingParams(max_new_tokens=new_tokens, eos_token_id=0, seed=0).generation_config()
+    with attention_for_engine(model, cuda_attention(model.dtype)):
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb,
+                                                 workload_hints=workload_hints(rows, new_tokens))
+        try:
+            processor = manager._create_batch_processor()
+            return int(processor.cache.num_blocks)
+        finally:
+            manager.batch_processor = None
+            manager.destroy()
+            if hasattr(model, "_cached_continuous_batching_manager"):
+                del model._cached_continuous_batching_manager
+
+
+@pytest.mark.parametrize("machine", ["t4", "a100-40"])
+@pytest.mark.parametrize("name", ["01_kv_slot_recycling", "03_n_sweep", "04_grpo_live", "05_off_policy"])
+def test_each_tiers_pool_starts_where_the_admission_check_says(name, machine):
+    """The notebook's fullest engine start on `machine` (`cbkit tiers`' plan), on this GPU with a ballast tensor
+    leaving free what that GPU would have free there: the real engine starts exactly where cbkit's admission check
+    (transformers' code on the meta device) said it would, and builds the pool it predicted. Then the same with
+    cbkit's old gate (max_memory_percent 0.5 on a fixed pool), which the check refuses for 01 and 03 on a T4."""
+    from transformers import AutoModelForCausalLM
+
+    from cbkit.rollout.engine import admission
+    from cbkit.rollout.engine_config import flash_versions
+    from cbkit.teach import tiers
+
+    plan = tiers.plan_notebook(name, machine)
+    start = min(plan.starts, key=lambda s: s.admission.available_bytes - s.admission.footprint_bytes)
+    dtype = {4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[start.dtype_bytes]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(tiers.plan_config(tiers.sizes_for(name, plan.tier).model),
+                                                 dtype=dtype).eval()
+    rows, new, what = [[1] * tiers.PROMPT_LEN] * start.requests, start.new_tokens, start.what
+    tier_free = start.admission.available_bytes / 0.9  # what that GPU leaves free there (the check takes 0.9 of it)
+    for pool in (plan.pool, {**plan.pool, "max_memory_percent": 0.5}):
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        if free < tier_free:
+            pytest.skip(f"this GPU has {free / 2**30:.1f} GiB free, less than {machine}'s {tier_free / 2**30:.1f}")
+        ballast = torch.empty(int(free - tier_free), dtype=torch.uint8, device="cuda")
+        free, total = torch.cuda.mem_get_info()
+        predicted = admission(model.config, pool, dtype=dtype, rows=rows, max_new_tokens=new, total_bytes=total,
+                              used_bytes=total - free, capability=torch.cuda.get_device_capability(),
+                              flash=flash_versions())
+        try:
+            started = _start_engine(model, pool, rows, new)
+        except MemoryError:
+            started = None
+        finally:
+            del ballast
+        print(f"{name} {machine} {what} {pool.get('max_memory_percent', 'cbkit')}: {predicted.line()}; "
+              f"engine built {started}")
+        assert (started is not None) is predicted.fits
+        assert started is None or started == predicted.num_blocks

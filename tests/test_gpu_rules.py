@@ -208,12 +208,13 @@ def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys)
 def test_every_engine_start_of_every_notebook_and_recipe_is_admitted():
     plans = tiers.plan_all() + tiers.plan_recipes()
     assert all(p.starts for p in plans)
-    refused = [(p.notebook, p.machine, what) for p in plans for what, a in p.starts if not a.fits]
+    refused = [(p.notebook, p.machine, s.what) for p in plans for s in p.starts if not s.admission.fits]
     assert not refused
-    # A start with a trainer resident sees less memory than the first step's: the state is where it is.
+    # One start per distinct request shape, at its fullest point: 04's rollouts with the trainer's state resident.
     p = tiers.plan_notebook("04_grpo_live", "t4")
-    first = dict(p.starts)  # one start per distinct request shape: the fullest point of each
-    assert any("trainer's state resident" in what for what in first)
+    params = tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
+    rollout = next(s for s in p.starts if "trainer's state resident" in s.what)
+    assert rollout.resident_bytes == 16 * params  # fp32 weights, gradients and AdamW's two moments
 
 
 def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):

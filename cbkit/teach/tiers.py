@@ -296,6 +296,18 @@ _LOWER = {"rollout": "N (n, sweep_ns), the prompts or the new tokens", "weights"
           "activations": "N or the prompts per step", "teacher-forced": "max_new_tokens", "bf16": "the model"}
 
 
+@dataclass(frozen=True)
+class EngineStart:
+    """One CB engine start of a notebook: its requests, what the GPU holds beside it, and the engine's verdict."""
+
+    what: str
+    requests: int  # of PROMPT_LEN prompt tokens each
+    new_tokens: int
+    dtype_bytes: int  # the weights the engine runs (its KV pool's dtype)
+    resident_bytes: int  # on the GPU beside it, besides the CUDA context
+    admission: Admission
+
+
 @dataclass
 class TierPlan:
     notebook: str
@@ -311,7 +323,7 @@ class TierPlan:
     notes: list[str]
     pool: dict[str, int]  # the CB engine's pool settings planned: `pool_config`'s, which the notebook runs
     # Every CB engine start the notebook makes, with transformers' own verdict on the memory left at that point.
-    starts: list[tuple[str, Admission]] = dataclasses.field(default_factory=list)
+    starts: list[EngineStart] = dataclasses.field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -319,7 +331,7 @@ class TierPlan:
 
     @property
     def admitted(self) -> bool:
-        return all(a.fits for _, a in self.starts)
+        return all(s.admission.fits for s in self.starts)
 
     @property
     def in_budget(self) -> bool:
@@ -340,9 +352,10 @@ class TierPlan:
             lower = next((v for k, v in _LOWER.items() if big.startswith(k)), "the model")
             out.append(f"does not fit: planned {fmt_bytes(self.peak_bytes)} > {fmt_bytes(self.memory_bytes)}; the "
                        f"largest part is {big} ({fmt_bytes(self.parts[big])}): lower {lower}")
-        for what, a in self.starts:
+        for start in self.starts:
+            a = start.admission
             if not a.fits:
-                out.append(f"the CB engine would not start for {what}: {a.error} (it may take "
+                out.append(f"the CB engine would not start for {start.what}: {a.error} (it may take "
                            f"{fmt_bytes(a.available_bytes)} and needs {fmt_bytes(a.footprint_bytes)}); shrink the "
                            "pool (pool_share, N) or what is resident beside it (the weights' copies, the model)")
         if not self.in_budget:
@@ -358,9 +371,10 @@ class TierPlan:
     def line(self) -> str:
         cross = "; ".join(f"{w} crossover N={x} in {ns}" for w, x, ns in self.crossovers) or "no memory sweep"
         status = "ok" if self.ok else "FAIL"
-        tightest = min(self.starts, key=lambda s: s[1].available_bytes - s[1].footprint_bytes, default=None)
-        engine = (f"engine {fmt_bytes(tightest[1].footprint_bytes)} of {fmt_bytes(tightest[1].available_bytes)}"
-                  if tightest else "no engine")
+        tightest = min(self.starts, key=lambda s: s.admission.available_bytes - s.admission.footprint_bytes,
+                       default=None)
+        engine = (f"engine {fmt_bytes(tightest.admission.footprint_bytes)} of "
+                  f"{fmt_bytes(tightest.admission.available_bytes)}" if tightest else "no engine")
         return (f"{self.notebook:24} {self.machine:8} {self.dtype:9} peak {fmt_bytes(self.peak_bytes):>10} of "
                 f"{fmt_bytes(self.memory_bytes):>9} | {engine} | ~{self.seconds / 60:4.1f} of "
                 f"{self.budget_s / 60:.0f} min | {cross} | {status}")
@@ -464,8 +478,9 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         notes.append(f"pool {fmt_bytes(pool['num_blocks'] * pool['page_size'] * _kv(config, weight_bytes))} "
                      f"({s.pool_share or POOL_SHARE:.0%} of what a training step leaves on {TIER_MEMORY[tier] // GiB}"
                      " GiB)")
-    checked = [(what, engine_admission(config, pool, rows=rows, new=new, dtype_bytes=dtype_bytes, machine=machine,
-                                       resident=resident))
+    checked = [EngineStart(what, rows, new, dtype_bytes, resident,
+                           engine_admission(config, pool, rows=rows, new=new, dtype_bytes=dtype_bytes, machine=machine,
+                                            resident=resident))
                for (rows, new, dtype_bytes), (what, resident) in starts.items()]
     budget_s = (spec.budget_s or BUDGET_S)[tier]
     return TierPlan(name, tier, machine, compute, sum(parts.values()), memory, seconds,
