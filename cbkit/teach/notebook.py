@@ -110,6 +110,13 @@ class NotebookEnv:
     trains: bool = False  # the notebook trains: it rolls out from the fp32 training weights
 
     @property
+    def compute_dtype(self) -> str:
+        """The training loop's ``dtype`` for this run (`CBGRPOConfig.dtype`, the precision its forwards compute in,
+        over fp32 weights): ``autocast_dtype`` where this tier has one, else float32. Not 'auto': a forced t4 tier
+        on an A100 rehearses a T4 (fp32), and the a100 tier's dry run on a CPU runs its bf16 autocast there."""
+        return self.autocast_dtype or self.train_dtype
+
+    @property
     def logits_budget_bytes(self) -> int:
         return LOGITS_BUDGET_BYTES[self.tier]
 
