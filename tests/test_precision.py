@@ -204,3 +204,42 @@ def test_load_policy_still_loads_the_rollout_dtype(monkeypatch):
     """Rollout-only callers (the sweep, notebooks 01 and 03) keep `load_policy`'s own 'auto': fp32 on a CPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert next(load_policy("tiny", dtype="auto").model.parameters()).dtype == torch.float32
+
+
+# --- accelerate's mixed-precision wrapper on the CB path ------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own default
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_disable` is deprecated:FutureWarning")
+def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
+    """Notebook 02's stock TRL step with bf16=True, as `cbkit.trl.config` sets it on an A100/H100 (native_bf16).
+    accelerate installs the same wrapper on this CPU (checked: the model it prepared has `_original_forward`), whose
+    `.float()` on the CB forward's PagedAttentionCache killed the generation; the step must run TRL's own CB
+    generation to the end and show what it shows on every device: completions, and no logprobs."""
+    from accelerate import Accelerator
+
+    from cbkit.tasks.data import load_problems
+    from cbkit.tasks.rewards import DEFAULT_REWARDS
+    from cbkit.teach.notebook import stock_trl_cb_rollout
+    from cbkit.trl.rewards import trl_dataset
+
+    prepared = []
+    real = Accelerator.prepare_model
+
+    def spy(self, model, *a, **k):
+        out = real(self, model, *a, **k)
+        prepared.append((self.mixed_precision, "_original_forward" in vars(out)))
+        return out
+
+    monkeypatch.setattr(Accelerator, "prepare_model", spy)
+    cfg = CBGRPOConfig(model="tiny", num_generations=4, prompts_per_step=1, max_completion_length=8, max_steps=1,
+                       use_transformers_continuous_batching=True, disable_tqdm=True)
+    dataset = trl_dataset(load_problems("synthetic", n=2))
+    # use_cpu: transformers refuses bf16 on a machine without a bf16 GPU unless told it is a CPU run.
+    seen = stock_trl_cb_rollout(tiny.model, tiny.tokenizer, DEFAULT_REWARDS, dataset, cfg, bf16=True, use_cpu=True,
+                                report_to=[], logging_steps=1, save_strategy="no", per_device_train_batch_size=4)
+    assert ("bf16", True) in prepared  # the wrapper was there
+    assert seen["trainer"] == "trl.trainer.grpo_trainer.GRPOTrainer"
+    assert seen["completions"] == 4 and seen["tokens"] > 0 and seen["logprobs"] is None

@@ -363,7 +363,7 @@ def test_trl_gates_we_depend_on():
     assert "importance_sampling" not in inspect.getsource(RLOOTrainer)
     assert list(inspect.signature(RLOOTrainer._generate_single_turn).parameters) == [
         "self", "prompt_ids", "images", "multimodal_fields"]
-    # accelerate's mixed-precision wrapper that _plain_forward steps around.
+    # accelerate's mixed-precision wrapper that plain_forward steps around.
     from accelerate import Accelerator
 
     prepare = inspect.getsource(Accelerator.prepare_model)

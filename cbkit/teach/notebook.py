@@ -642,6 +642,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
     from cbkit.trl.config import trl_grpo_config
     from cbkit.trl.rewards import _trl_rewards, _weights_for
+    from cbkit.trl.trainers import plain_forward
 
     funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
@@ -668,7 +669,10 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     generate = trainer._generate_single_turn
 
     def recording(*a: Any, **k: Any):
-        completion_ids, logprobs = generate(*a, **k)
+        # TRL's own CB generation, minus accelerate's mixed-precision wrapper around the forward (bf16=True where bf16
+        # is native), which would call .float() on the engine's PagedAttentionCache; training keeps the wrapper.
+        with plain_forward(trainer.model):
+            completion_ids, logprobs = generate(*a, **k)
         seen.update(completions=len(completion_ids), logprobs=logprobs,
                     tokens=sum(len(c) for c in completion_ids))
         return completion_ids, logprobs
