@@ -216,8 +216,9 @@ def test_load_policy_still_loads_the_rollout_dtype(monkeypatch):
 def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
     """Notebook 02's stock TRL step with bf16=True, as `cbkit.trl.config` sets it on an A100/H100 (native_bf16).
     accelerate installs the same wrapper on this CPU (checked: the model it prepared has `_original_forward`), whose
-    `.float()` on the CB forward's PagedAttentionCache killed the generation; the step must run TRL's own CB
-    generation to the end and show what it shows on every device: completions, and no logprobs."""
+    `.float()` on the PagedAttentionCache the CB forward returns (transformers 5.24.0 returns it, 5.17.0 does not:
+    `tests.helpers.cb_forward_returns_its_cache`) killed the generation; the step must run TRL's own CB generation
+    to the end and show what it shows on every device: completions, and no logprobs."""
     from accelerate import Accelerator
 
     from cbkit.tasks.data import load_problems

@@ -53,6 +53,15 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     """cbkit's defaults + the user's keys + `return_logprobs=True`, checked: the device-independent part of
     `make_cb_config`, and what the TRL bridge writes into TRL's config."""
     overrides = dict(overrides or {})
+    # Tokens per KV page: cbkit writes page_size (transformers 5.24.0's name) wherever it sizes a pool, 5.17.0 knows
+    # only block_size. Either spelling is taken, and handed on under the installed one.
+    key = _page_key()
+    other = "block_size" if key == "page_size" else "page_size"
+    if other in overrides:
+        if key in overrides and overrides[key] != overrides[other]:
+            raise ValueError(f"page_size={overrides.get('page_size')!r} and block_size={overrides.get('block_size')!r} "
+                             "are one setting, tokens per KV page; give one of them.")
+        overrides[key] = overrides.pop(other)
     valid = cb_config_keys()
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
@@ -128,7 +137,8 @@ def _page_key() -> str:
     from transformers import ContinuousBatchingConfig
 
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    return "page_size" if "page_size" in names else "block_size"  # block_size before transformers 5.17
+    # block_size in 5.17.0 and before; page_size in 5.24.0 (transformers' docs say "deprecated in 5.17": after 5.17.0)
+    return "page_size" if "page_size" in names else "block_size"
 
 
 def page_size(config) -> int:

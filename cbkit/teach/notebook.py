@@ -516,9 +516,16 @@ def autocast_drift(model: Any, ids: Sequence[int], dtype: str) -> str:
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
     """The `GRPOConfig` overrides (TRL's names) of the notebooks' one TRL step. The batch is not among them: the
     bridge turns ``prompts_per_step`` and ``gradient_accumulation_steps`` into TRL's ``per_device_train_batch_size``
-    (one micro-batch), so that TRL generates exactly prompts x N completions a step."""
-    return dict(report_to=[], logging_steps=1, save_strategy="no", activation_checkpointing=False,
-                dataloader_pin_memory=env.gpu)
+    (one micro-batch), so that TRL generates exactly prompts x N completions a step.
+
+    Checkpointing is off (TRL defaults it on) under the installed transformers' name for it: 5.17 has only
+    ``gradient_checkpointing``; later 5.x call it ``activation_checkpointing`` and warn on the old name."""
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
+            "dataloader_pin_memory": env.gpu}
 
 
 def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_len: int, vocab_size: int,
