@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -178,7 +178,7 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
 
 @contextmanager
-def plain_forward(model):
+def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model``'s own ``forward`` inside the block, not the one accelerate installs under mixed precision.
 
     With ``mixed_precision`` bf16 or fp16 (TRL's ``bf16=True``, which `cbkit.trl.config` sets wherever bf16 is native,
