@@ -46,8 +46,18 @@ def test_cb_config_has_the_fields_cbkit_sets():
     pin({"return_logprobs", "max_memory_percent", "use_cuda_graph", "seed", "num_blocks", "max_batch_tokens",
          "allow_block_sharing", "max_blocks_per_request", "use_async_batching"} <= fields,
         f"ContinuousBatchingConfig's fields ({sorted(fields)})")
-    pin(bool(fields & {"page_size", "block_size"}), "ContinuousBatchingConfig.page_size (block_size before 5.17)")
+    pin(bool(fields & {"page_size", "block_size"}), "ContinuousBatchingConfig.page_size (block_size in 5.17.0)")
     assert set(cb_config_keys()) == fields
+
+
+@pytest.mark.parametrize("spelling", ["page_size", "block_size"])
+def test_a_page_size_under_either_name_reaches_the_engine(spelling):
+    """cbkit writes page_size (5.24.0's name), 5.17.0 knows only block_size: either reaches the installed field."""
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    installed = "page_size" if "page_size" in fields else "block_size"
+    assert getattr(make_cb_config({spelling: 16}), installed) == 16
+    with pytest.raises(ValueError, match="are one setting"):
+        make_cb_config({"page_size": 16, "block_size": 32})
 
 
 def test_cbkit_defaults_reach_the_engine_config():

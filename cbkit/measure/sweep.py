@@ -126,7 +126,10 @@ class SweepConfig:
     top_p: float = _help("nucleus sampling mass; 1.0 disables it", default=1.0)
     top_k: int = _help("keep the top_k most likely tokens; 0 disables it", default=0)
     seed: int = _help("seeds the prompts and every rollout's sampler", default=0)
-    dtype: str | None = _help("float32 / bfloat16 / float16 (None: fp32 on CPU, bf16 or fp16 on CUDA)", default=None)
+    dtype: str | None = _help("float32 / bfloat16 / float16: the weights the rollouts run in (None: fp32 on CPU, bf16 "
+                              "or fp16 on CUDA). With --full-step, the step's compute precision as `cbkit train`'s "
+                              "dtype: fp32 weights, bf16 autocast where native (None: auto; float16 refused)",
+                              default=None)
     cb_config: dict[str, Any] = _help("JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
                                       default_factory=dict)
     cpu_attention: str = _help(
@@ -194,6 +197,10 @@ class SweepConfig:
         self._workload.check(self.max_new_tokens)
         if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
             raise ValueError(f"forward_chunk_rows must be >= 1 or None, got {self.forward_chunk_rows}.")
+        if self.full_step:  # a whole step trains fp32 weights; dtype is its autocast, refused here as the loop would
+            from cbkit.models.load import training_precision
+
+            training_precision(self.dtype or "auto", "cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def workload(self) -> LengthWorkload:
@@ -503,7 +510,8 @@ def _step_config(cfg: SweepConfig, n: int, rep: int, prompts: int, **kw: Any):
     return CBGRPOConfig(
         model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=prompts,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, forward_chunk_rows=cfg.forward_chunk_rows, **kw)
+        seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, forward_chunk_rows=cfg.forward_chunk_rows,
+        dtype=cfg.dtype or "auto", **kw)
 
 
 def _rollout_seen():
@@ -567,7 +575,9 @@ def run_sweep(
     if not todo:
         return aggregate(results.runs)
 
-    setup = set_up_run(cfg.model, cfg.data, cfg.num_prompts, seed=cfg.seed, dtype=cfg.dtype, policy=policy)
+    # A full step trains the weights it rolls out from, and the loop trains fp32 weights (cfg.dtype is its autocast).
+    setup = set_up_run(cfg.model, cfg.data, cfg.num_prompts, seed=cfg.seed,
+                       dtype="float32" if cfg.full_step else cfg.dtype, policy=policy)
     model, prompts = setup.model, setup.prompts
     sampling = setup.sampling(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               seed=cfg.seed)

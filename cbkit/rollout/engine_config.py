@@ -62,10 +62,16 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     """cbkit's defaults + the user's keys + `return_logprobs=True`, checked: the device-independent part of
     `make_cb_config`, and what the TRL bridge writes into TRL's config."""
     overrides = dict(overrides or {})
+    # Tokens per KV page: page_size in transformers 5.24, block_size before (and in TRL configs written for it).
+    # Either spelling is taken, and handed on under the installed one.
+    key = _page_key()
+    other = "block_size" if key == "page_size" else "page_size"
+    if other in overrides:
+        if key in overrides and overrides[key] != overrides[other]:
+            raise ValueError(f"page_size={overrides.get('page_size')!r} and block_size={overrides.get('block_size')!r} "
+                             "are one setting, tokens per KV page; give one of them.")
+        overrides[key] = overrides.pop(other)
     valid = cb_config_keys()
-    for a, b in (("page_size", "block_size"), ("block_size", "page_size")):
-        if a in overrides and a not in valid and b in valid:  # the same setting under this transformers' name
-            overrides[b] = overrides.pop(a)
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
         raise ValueError(

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbkit.models.load import training_precision
 from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.train.objective import IS_MODES, LOSS_TYPES
 
@@ -52,7 +53,10 @@ class CBGRPOConfig:
     # --- model and prompts (cbkit's own) ---
     model: str = _help("Policy to train: 'smollm2-offline', 'tiny' (tests), a hub id or a local directory.",
                        default="smollm2-offline")
-    dtype: str = _help("Model dtype: 'auto' (fp32 on CPU, bf16/fp16 on CUDA), float32, bfloat16 or float16.",
+    dtype: str = _help("Training compute precision; the weights that train are fp32 whatever it says. 'auto': bf16 "
+                       "autocast on a GPU with native bf16 (compute capability >= 8.0), fp32 elsewhere (a T4, a CPU); "
+                       "'float32': no autocast; 'bfloat16': bf16 autocast (refused on a GPU without native bf16); "
+                       "'float16' is refused (fp16 needs loss scaling, which this loop does not do).",
                        default="auto")
     data: str = _help("Prompt source: 'synthetic' (offline), 'gsm8k-local[:split]', 'gsm8k[:split]' (hub) or a "
                       ".jsonl path.", default="synthetic")
@@ -215,6 +219,8 @@ class CBGRPOConfig:
         one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
         one_of("importance_sampling_mode", IS_MODES)
         one_of("optim", OPTIMIZERS)
+        # What no device allows (an unknown name, float16) fails here; bf16 on a GPU without it, in the trainer.
+        training_precision(self.dtype, "cpu")
         if self.num_generations < 2:
             bad(f"num_generations={self.num_generations}: group-relative advantages need at least 2 completions "
                 "per prompt (with 1 every advantage is 0); set num_generations >= 2.")
