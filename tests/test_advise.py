@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -116,8 +117,11 @@ def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max
     if budget is not None:
         _patch_free_memory(monkeypatch, budget)
     prompts = [[65 + i % 7] * length for i, length in enumerate(prompt_lens)]
-    rollout = ContinuousBackend(tiny.model, cb_config, cpu_attention="batched" if varlen else "engine").generate(
-        prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
+    from tests.reference_attention import engine_own_attention
+
+    with contextlib.nullcontext() if varlen else engine_own_attention():
+        rollout = ContinuousBackend(tiny.model, cb_config).generate(
+            prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
     # cbkit's CPU varlen attention is a flash-style path to the engine: no dense mask to pay for
     p = plan(tiny.model.config, num_prompts=len(prompts), num_generations=n, prompt_len=prompt_lens,
              max_new_tokens=max_new, dtype_bytes=4, device="cpu", budget_bytes=budget, cb_config=cb_config,

@@ -517,7 +517,7 @@ def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, c
 def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool) -> int:
     """What autograd keeps for the backward per token of a training forward, all decoder layers, in transformers'
     Llama-family layer with SDPA and a padding mask (the loop's teacher-forced forward). Counted tensor by tensor
-    (``torch.autograd.graph.saved_tensors_hooks``, docs/repro/step_mem.py --saved; a test repeats the count on the
+    (``torch.autograd.graph.saved_tensors_hooks``, lab/probes/step_mem.py --saved; a test repeats the count on the
     tiny model), per token and layer: each of the two RMSNorms keeps its input, the normalised input and its output
     (3 x hidden each); the attention keeps q, k and v as SDPA gets them (k and v repeated to every query head: with
     a mask transformers does not take SDPA's GQA path), SDPA's output and log-sum-exp (one a head), and its float
@@ -538,7 +538,7 @@ def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool)
 GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 
 
-# The backward on a CPU, measured (docs/repro/step_mem.py, docs/measuring.md): every chunk's activations are freed to
+# The backward on a CPU, measured (lab/probes/step_mem.py, docs/measuring.md): every chunk's activations are freed to
 # glibc's heap and stay resident; the next chunk, of another completion width, fits only partly into the holes they
 # leave, so the resident floor under each chunk's backward rises for the first few chunks of an update, then levels
 # off. SmolLM2-135M fp32, 4-row chunks: the step's peak stood above the planned tensors by 0.05-0.12 x one chunk's

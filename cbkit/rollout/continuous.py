@@ -44,14 +44,11 @@ class ContinuousBackend:
         *,
         record_timestamps: bool = False,
         persistent: bool = False,
-        cpu_attention: str = "batched",
-        engine_loop: str = "auto",
     ) -> None:
         # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of building them
         # anew; its loop still stops after every call and the model's attention is restored, so training forwards
-        # in between are plain causal forwards. engine_loop: who runs the loop ("auto": the caller's thread on CPU).
-        self.engine = Engine(model, cb_config, persistent=persistent, cpu_attention=cpu_attention,
-                             engine_loop=engine_loop, record_timestamps=record_timestamps)
+        # in between are plain causal forwards.
+        self.engine = Engine(model, cb_config, persistent=persistent, record_timestamps=record_timestamps)
         self.model = model
 
     def close(self) -> None:

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
-from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine, varlen_unsupported_reason
+from cbkit.rollout.cpu_attention import varlen_attention_for_engine, varlen_unsupported_reason
 from cbkit.rollout.engine_config import cuda_attention, make_cb_config, page_size, resolve_engine_loop
 
 _CACHED = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager on the model
@@ -64,15 +64,13 @@ class Engine:
     manager running on transformers' thread between calls (the async engine)."""
 
     def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, persistent: bool = False,
-                 cpu_attention: str = "batched", engine_loop: str = "auto", record_timestamps: bool = False) -> None:
-        # On CPU, run the engine with cbkit's varlen attention instead of its dense block-diagonal mask, whose
-        # cost grows with the square of the batch (cpu_attention.py says why).
-        if cpu_attention not in CPU_ATTENTION:
-            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {cpu_attention!r}.")
+                 engine_loop: str = "auto", record_timestamps: bool = False) -> None:
+        # engine_loop: who runs the manager's loop ("auto": the caller's thread on CPU, transformers' elsewhere;
+        # the async engine asks for the thread, which decodes while the trainer trains).
         resolve_engine_loop(engine_loop, torch.device("cpu"), cb_config)  # checked now, resolved per call
         self.model, self.overrides = model, dict(cb_config or {})
         make_cb_config(self.overrides)  # fail at construction, not at the first rollout
-        self.persistent, self.cpu_attention, self.engine_loop = persistent, cpu_attention, engine_loop
+        self.persistent, self.engine_loop = persistent, engine_loop
         self.record_timestamps = record_timestamps
         # transformers keeps one manager per model and hands it to whoever asks next; this engine attaches only its
         # own kept one, for the length of its own calls (`_own`).
@@ -98,12 +96,13 @@ class Engine:
 
     def _attention(self, cb_config) -> contextlib.AbstractContextManager:
         """The attention of the engine's run, the model's own restored after: on a GPU the one `cuda_attention`
-        chooses; on CPU cbkit's varlen attention (or the engine's own)."""
+        chooses; on CPU cbkit's varlen attention, whose cost grows with the batch where the engine's dense
+        block-diagonal mask grows with its square (cpu_attention.py), or the engine's own where a model needs it."""
         _refuse_softcap_on_cpu(self.model)
         if self.model.device.type == "cuda":
             flash_ok = bool(getattr(self.model, "_supports_flash_attn", False))
             return attention_for_engine(self.model, cuda_attention(self.model.dtype, flash=None if flash_ok else ()))
-        if self.cpu_attention == "engine" or self.model.device.type != "cpu":
+        if self.model.device.type != "cpu":
             return contextlib.nullcontext()
         unsupported = varlen_unsupported_reason(self.model)
         if unsupported:
@@ -114,7 +113,7 @@ class Engine:
             return contextlib.nullcontext()
         if "max_blocks_per_request" not in self.overrides:
             cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
-        return varlen_attention_for_engine(self.model, self.cpu_attention)
+        return varlen_attention_for_engine(self.model)
 
     # --- one rollout ------------------------------------------------------------------------------------------
 
@@ -285,7 +284,7 @@ class _ThreadLoop:
 class _CallerLoop:
     """The manager's loop body, run in the caller's thread: one engine step per iteration until the asked-for
     requests are done. Same scheduler, cache, sampler, seeds and prefix sharing as the thread, without the thread's
-    OpenMP team, queue hand-offs and `pause()` round trips (docs/small_n.md has what that is worth on a CPU).
+    OpenMP team, queue hand-offs and `pause()` round trips (lab/small_n.md has what that is worth on a CPU).
     A failing step raises in the caller."""
 
     def __init__(self, model, persistent: bool, **engine_kwargs: Any) -> None:
