@@ -384,7 +384,8 @@ def test_a_cpu_backward_after_the_first_chunk_carries_the_heap_the_chunks_leave(
     docs/measuring.md); with one forward, or on a GPU, nothing is added."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import CPU_CHUNK_HEAP_SLACK, step_peak_bytes, training_bytes
+    from cbkit.measure.fitted import CPU_CHUNK_HEAP_SLACK
+    from cbkit.measure.planner import step_peak_bytes, training_bytes
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
@@ -464,7 +465,7 @@ def test_generate_on_a_cpu_carries_glibc_heap_slack_until_a_layer_is_mmapped():
     threshold; above it the blocks are mmapped and returned, so nothing is added; a GPU plan never has it."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX, GLIBC_MMAP_THRESHOLD_MAX
+    from cbkit.measure.fitted import CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX, GLIBC_MMAP_THRESHOLD_MAX
 
     smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3)

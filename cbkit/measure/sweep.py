@@ -683,7 +683,7 @@ def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=
 def plan_terms(p, backend: str) -> dict[str, int | None]:
     """The planned peak's terms for one backend, flat, so `cbkit report` can print each beside the measurement: the
     cache (generate()'s KV at the end, the CB engine's pool tensor), the transients at the peak, the engine's buffers
-    and, on a CPU, the heap slack glibc keeps beside generate()'s growing cache (`planner.CPU_HEAP_SLACK`)."""
+    and, on a CPU, the heap slack glibc keeps beside generate()'s growing cache (`fitted.CPU_HEAP_SLACK`)."""
     if backend == "generate":
         g = p.generate
         decode_peak = g.kv_bytes + g.cpu_heap_slack_bytes + g.decode_transient_bytes >= g.prefill_bytes
