@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, compute_stream, resolved_config, timeline, to_completions
+from cbkit.rollout.engine import Engine
+from cbkit.rollout.engine_io import compute_stream, resolved_config, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 
