@@ -352,7 +352,7 @@ def test_on_a_gpu_every_forward_reads_one_published_version_whole():
     its end: a float64 sum per tensor, left on the device until the rollout is over (a host sync per forward would
     order the streams itself and hide the race). Every fingerprint must be one published version's, whole, the one
     the engine recorded, and the same at both ends (no copy ran under the forward)."""
-    from cbkit.rollout.engine import compute_stream
+    from cbkit.rollout.engine_io import compute_stream
 
     big = torch.cuda.get_device_properties(0).total_memory >= 40 * 2**30
     model = load_policy("llama-1b-random" if big else "llama-tiny-random", dtype=torch.float32, device="cuda").model

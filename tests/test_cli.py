@@ -122,10 +122,10 @@ def test_sweep_flags_are_the_sweep_config_fields():
     from cbkit.cli import build_parser, given_fields
     from cbkit.measure.sweep import SweepConfig
 
-    args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--cpu-attention", "engine",
+    args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--lengths", "fixed",
                                       "--cb-config", '{"num_blocks": 64}', "--backends", "generate,continuous"])
     given = given_fields(args, SweepConfig)
-    assert given == {"ns": [8, 16, 32], "num_prompts": 3, "cpu_attention": "engine",
+    assert given == {"ns": [8, 16, 32], "num_prompts": 3, "lengths": "fixed",
                      "cb_config": {"num_blocks": 64}, "backends": ["generate", "continuous"]}
     assert SweepConfig(**given).ns == (8, 16, 32)
     flags = {s for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions
@@ -134,6 +134,8 @@ def test_sweep_flags_are_the_sweep_config_fields():
     helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions}
     for f in dataclasses.fields(SweepConfig):
         assert helps[f.name].startswith(f.metadata["help"].replace("%", "%%")), f.name
+    # The A/B knobs of the CPU tuning live in lab/ scripts, not in the product's flags.
+    assert not {"--cpu-attention", "--engine-loop"} & flags
 
 
 def test_the_shipped_recipe_is_the_readme_run():

@@ -14,8 +14,10 @@ import torch
 
 from cbkit.cli import main
 from cbkit.rollout import engine_config
-from cbkit.rollout.engine import admission, attention_for_engine, workload_hints
+from cbkit.rollout.admission import admission
+from cbkit.rollout.engine import attention_for_engine
 from cbkit.rollout.engine_config import cuda_attention, make_cb_config
+from cbkit.rollout.engine_io import workload_hints
 from cbkit.teach import tiers
 
 GiB = 2**30

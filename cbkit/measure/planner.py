@@ -10,7 +10,7 @@ both backends, from nothing but the model's config:
   probabilities). The planner takes the decode steps to be ``max_new_tokens``: with many rows, one of them
   usually runs to the limit. That is an upper bound; a batch whose every row stops early uses less. On a
   CPU, glibc keeps the blocks ``torch.cat`` frees resident between the new ones: the plan adds that heap slack
-  there (``CPU_HEAP_SLACK``, measured; docs/memory.md), never on a GPU.
+  there (``CPU_HEAP_SLACK``, fitted on one machine: `cbkit.measure.fitted`), never on a GPU.
 * the CB engine allocates one pool up front and keeps it, whatever the batch needs. The planner repeats
   the engine's own sizing, step for step, so that it predicts the number of blocks the engine resolves
   (a test builds the engine and checks this):
@@ -57,6 +57,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cbkit.measure.fitted import (
+    CPU_CHUNK_HEAP_SLACK,
+    CPU_HEAP_SLACK,
+    CPU_HEAP_SLACK_MAX,
+    GLIBC_MMAP_THRESHOLD_MAX,
+)
 from cbkit.measure.roofline import Shape
 from cbkit.models.load import DTYPES
 from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
@@ -306,22 +312,10 @@ class _Shape(Shape):
         return self.a * (2 * self.hidden + max(attn, mlp))
 
 
-# generate() on a CPU, measured: the static batch's cache grows by one position a step, and transformers' DynamicCache
-# does it with torch.cat, so every step allocates each layer's K and V anew and frees the old ones. glibc's malloc
-# raises its mmap threshold to the size of the first large block freed (up to 32 MiB on 64-bit Linux), so from
-# the first step on those tensors come from the heap, and the freed ones stay resident between the new ones. On this
-# project's CPU the static batch's peak RSS less its last-step transients was 1.19-1.67x its cache (SmolLM2-135M
-# fp32, N=8..64, synthetic and GSM8K prompts, replayed and fixed lengths), and the same point moves by up to 0.2x
-# of the cache from one run to the next (docs/memory.md): a band, not a number. With the threshold pinned
-# (MALLOC_MMAP_THRESHOLD_=131072) the whole peak was 1.04-1.14x the planner's tensors, but generate() ran 30-70%
-# slower and the CB engine 40-95% (freed pages go back to the kernel and come back zeroed), so cbkit leaves glibc
-# as it is and plans the middle of the measured range, CPU only. A layer's K above glibc's largest threshold is
-# mmapped and returned when freed: no slack then. The slack stops growing with the cache: at N = 64 (a 644 MiB cache)
-# four sweeps' static batches held 124, 126, 181 and 268 MiB beside it (replay three times, fixed once), against the
-# 296 MiB that 0.46x would plan; `CPU_HEAP_SLACK_MAX` is the middle of those, 6x glibc's largest threshold.
-CPU_HEAP_SLACK = 0.46  # x the cache
-GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
-CPU_HEAP_SLACK_MAX = 6 * GLIBC_MMAP_THRESHOLD_MAX
+# generate() on a CPU: transformers' DynamicCache grows with torch.cat, so every step allocates each layer's K and V
+# anew and frees the old ones; glibc's heap keeps the freed blocks resident beside the new ones. The plan adds that
+# heap (`fitted.CPU_HEAP_SLACK` x the cache, capped), CPU only, and none where one layer's K is above glibc's largest
+# mmap threshold (mmapped, handed back when freed).
 
 
 def _plan_generate(s: _Shape, rows: int, prompt: int, max_new: int, budget: int | None,
@@ -517,7 +511,7 @@ def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, c
 def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool) -> int:
     """What autograd keeps for the backward per token of a training forward, all decoder layers, in transformers'
     Llama-family layer with SDPA and a padding mask (the loop's teacher-forced forward). Counted tensor by tensor
-    (``torch.autograd.graph.saved_tensors_hooks``, docs/repro/step_mem.py --saved; a test repeats the count on the
+    (``torch.autograd.graph.saved_tensors_hooks``; a test repeats the count on the
     tiny model), per token and layer: each of the two RMSNorms keeps its input, the normalised input and its output
     (3 x hidden each); the attention keeps q, k and v as SDPA gets them (k and v repeated to every query head: with
     a mask transformers does not take SDPA's GQA path), SDPA's output and log-sum-exp (one a head), and its float
@@ -538,16 +532,9 @@ def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool)
 GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 
 
-# The backward on a CPU, measured (docs/repro/step_mem.py, docs/measuring.md): every chunk's activations are freed to
-# glibc's heap and stay resident; the next chunk, of another completion width, fits only partly into the holes they
-# leave, so the resident floor under each chunk's backward rises for the first few chunks of an update, then levels
-# off. SmolLM2-135M fp32, 4-row chunks: the step's peak stood above the planned tensors by 0.05-0.12 x one chunk's
-# (logits + activations + LM-head gradient) with 2 chunks (N=8, seven runs of the two backends) and by 0.25-0.26 x
-# with 8 chunks (N=32, both backends, each the first step of its process), most of it reached by the fifth chunk. The
-# plan takes that level, 0.25 x, CPU only: an upper bound at two chunks. A step run after others in one process has
-# measured up to 0.7 x (the allocator's spread, docs/measuring.md). A GPU's caching allocator reuses its blocks by
-# size and the plan counts tensors there.
-CPU_CHUNK_HEAP_SLACK = 0.25
+# The backward on a CPU: every chunk's activations are freed to glibc's heap and stay resident, and the next chunk,
+# of another width, fits only partly into their holes, so the floor under each backward rises over the first chunks
+# and levels off: the plan adds `fitted.CPU_CHUNK_HEAP_SLACK` x one chunk's part, CPU only.
 
 
 def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,

@@ -41,19 +41,8 @@ def read_results(path: str | Path, *, repair: bool = False) -> Results:
         raise ValueError(f"{path} is not a cbkit sweep results file (its first line is no header); use another "
                          "--out, or give the file `cbkit sweep` wrote.")
     return Results(path, lines[0].get("fingerprint", {}),
-                   [_current_names(x) for x in lines[1:] if x.get("kind") == "run"],
+                   [x for x in lines[1:] if x.get("kind") == "run"],
                    [x for x in lines[1:] if x.get("kind") == "probe"])
-
-
-# Run-line keys of older cbkit versions -> today's: one field per fact, and padding named by the slots it counts.
-RENAMED_KEYS = {"mean_completion_len": "length_mean", "max_completion_len": "length_max",
-                "padding_share": "kv_padding_share", "static_padding_share": "decode_padding_share"}
-
-
-def _current_names(run: dict[str, Any]) -> dict[str, Any]:
-    if not any(k in run for k in RENAMED_KEYS):
-        return run
-    return {RENAMED_KEYS.get(k, k): v for k, v in run.items() if k not in RENAMED_KEYS or RENAMED_KEYS[k] not in run}
 
 
 class ResultsFile:

@@ -132,13 +132,6 @@ class SweepConfig:
                               default=None)
     cb_config: dict[str, Any] = _help("JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
                                       default_factory=dict)
-    cpu_attention: str = _help(
-        "the CB engine's attention on CPU: batched (decoding sequences in one call, cbkit's default), per_sequence "
-        "(one call per sequence) or engine (its own dense block-diagonal mask, quadratic in the batch): the "
-        "'befores' of the CPU tuning, side by side", default="batched")
-    engine_loop: str = _help(
-        "who runs the CB engine's loop: auto (the caller's thread on CPU, transformers' thread on a GPU), caller "
-        "or thread", default="auto")
     full_step: bool = _help(
         "time a whole GRPO step (rollout + old-logprob forward + forward/backward/update) through cbkit's loop "
         "instead of the rollout alone, split by phase; the weights are restored after every step", default=False)
@@ -161,12 +154,6 @@ class SweepConfig:
         default="replay:gsm8k")
 
     def __post_init__(self) -> None:
-        from cbkit.rollout.cpu_attention import CPU_ATTENTION
-        from cbkit.rollout.engine_config import resolve_engine_loop
-
-        if self.cpu_attention not in CPU_ATTENTION:
-            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}; got {self.cpu_attention!r}.")
-        resolve_engine_loop(self.engine_loop, torch.device("cpu"), self.cb_config)
         self.ns = tuple(self.ns)
         self.backends = tuple(self.backends)
         if not self.ns or any(not isinstance(n, int) or n < 1 for n in self.ns):
@@ -183,9 +170,6 @@ class SweepConfig:
             if self.async_steps < 2:
                 raise ValueError(f"async_steps must be >= 2 (the first step has nothing to overlap), got "
                                  f"{self.async_steps}.")
-            if self.cpu_attention != "batched":
-                raise ValueError(f"{ASYNC_BACKEND} runs the engine with the batched CPU attention; drop "
-                                 f"--cpu-attention {self.cpu_attention} or {ASYNC_BACKEND}.")
         if "generate" not in self.backends:
             raise ValueError("The sweep reports ratios to generate(): keep 'generate' in the backends.")
         if self.repeats < 1:
@@ -213,8 +197,6 @@ class SweepConfig:
         import cbkit
 
         keep = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ns", "backends", "repeats")}
-        if keep["engine_loop"] == "auto":  # what every file written before the knob ran: they stay resumable
-            del keep["engine_loop"]
         if not self.full_step:  # a rollout-only sweep runs no training forward: files from before the field resume
             keep.pop("forward_chunk_rows")
         if keep["async_steps"] == 3:  # the default: files written before the async row stay resumable
@@ -588,8 +570,7 @@ def run_sweep(
     probe = _probe_line(results, model, workload.describe(cfg.max_new_tokens), point=None)
     params = matmul_params(model)
     # Each backend is warmed up with one short call: first calls pay one-off costs, not what we compare.
-    backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention,
-                                 engine_loop=cfg.engine_loop) for b in cfg.backends if b != ASYNC_BACKEND}
+    backends = {b: setup.backend(b, cb_config=cfg.cb_config) for b in cfg.backends if b != ASYNC_BACKEND}
 
     # A trainer's state, held for the whole sweep where asked (`trainer_state`): allocated before the free memory is
     # read, so the engine's share and the planner's budget are of what it leaves. torch.empty on a CPU commits no
@@ -702,7 +683,7 @@ def _planned(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=
 def plan_terms(p, backend: str) -> dict[str, int | None]:
     """The planned peak's terms for one backend, flat, so `cbkit report` can print each beside the measurement: the
     cache (generate()'s KV at the end, the CB engine's pool tensor), the transients at the peak, the engine's buffers
-    and, on a CPU, the heap slack glibc keeps beside generate()'s growing cache (`planner.CPU_HEAP_SLACK`)."""
+    and, on a CPU, the heap slack glibc keeps beside generate()'s growing cache (`fitted.CPU_HEAP_SLACK`)."""
     if backend == "generate":
         g = p.generate
         decode_peak = g.kv_bytes + g.cpu_heap_slack_bytes + g.decode_transient_bytes >= g.prefill_bytes

@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, compute_stream, resolved_config, timeline, to_completions
+from cbkit.rollout.engine import Engine
+from cbkit.rollout.engine_io import compute_stream, resolved_config, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 
@@ -85,7 +86,7 @@ class AsyncEngine:
     name = "continuous-async"
 
     def __init__(self, model: torch.nn.Module, cb_config: Mapping[str, Any] | None = None, *,
-                 cpu_attention: str = "batched", record_timestamps: bool = True) -> None:
+                 record_timestamps: bool = True) -> None:
         if cb_config and cb_config.get("allow_block_sharing"):
             raise ValueError("allow_block_sharing=True with async rollouts: a request admitted after an update "
                              "would read prompt KV computed with older weights. Remove it from the continuous "
@@ -95,7 +96,7 @@ class AsyncEngine:
         self._pairs = [(self.snapshot.get_parameter(n), p) for n, p in model.named_parameters()]
         # transformers' thread runs the loop: the trainer trains while it decodes. Bad keys fail now.
         self.engine = Engine(self.snapshot, {**dict(cb_config or {}), "allow_block_sharing": False},
-                             cpu_attention=cpu_attention, engine_loop="thread", record_timestamps=record_timestamps)
+                             engine_loop="thread", record_timestamps=record_timestamps)
         self.version = 0
         self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
         self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)

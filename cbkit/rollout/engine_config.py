@@ -24,7 +24,7 @@ CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": Fals
 # the unit a request allocates and a group's prompt is shared in: with the engine's 256, a GSM8K prompt is never
 # shared and every request holds 256 tokens from its first (docs/cpu_results.md has the RSS it costs).
 CPU_PAGE_SIZE = 32
-# Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: docs/small_n.md), transformers'
+# Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: lab/small_n.md), transformers'
 # background thread elsewhere.
 ENGINE_LOOPS = ("auto", "caller", "thread")
 # A pool fixed in blocks (`num_blocks`) is sized already; `max_memory_percent` then only gates the engine's admission

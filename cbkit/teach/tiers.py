@@ -35,7 +35,7 @@ from typing import Any
 
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, pool_blocks, training_bytes
-from cbkit.rollout.engine import Admission, admission
+from cbkit.rollout.admission import Admission, admission
 from cbkit.telemetry import fmt_bytes
 from cbkit.train.snapshots import place_for_tier
 
@@ -493,7 +493,7 @@ CAPABILITY = {"t4": (7, 5), "a100-40": (8, 0), "a100-80": (8, 0), "h200": (9, 0)
 
 def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, dtype_bytes: int, machine: str,
                      resident: int, flash: Sequence[int] = ()) -> Admission:
-    """transformers' own verdict (`cbkit.rollout.engine.admission`) on a CB engine start of `rows` requests of
+    """transformers' own verdict (`cbkit.rollout.admission.admission`) on a CB engine start of `rows` requests of
     `PROMPT_LEN` + `new` tokens with `pool`, on `machine` with `resident` bytes already on it (plus the CUDA
     context). Without flash-attn (``flash=()``, as on Colab) the engine also reserves its attention mask: the
     tighter case, and the only one for fp32 weights."""
