@@ -2,7 +2,9 @@
 
 GRPO's importance-sampling (IS) correction divides the policy by the distribution each token was *sampled* from.
 In the on-policy loop the two are the same weights and the correction only absorbs kernel noise (~1e-5 nats in
-fp32). This module makes the rollout genuinely off-policy, in the two ways RL stacks meet it:
+fp32). This module makes the rollout genuinely off-policy, in the two ways RL stacks meet it, each a
+`cbkit.train.rollouts.RolloutSource` built on what it needs (the policy, a backend or the engine, a snapshot store)
+and chosen once by `make_rollout_source`; the loop calls it as it calls the on-policy source:
 
 * **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout is sampled from an exact copy of
   the weights of k optimizer updates earlier, kept in a ring of snapshots; the loss uses the current weights.
