@@ -69,7 +69,8 @@ def cb_forward_returns_its_cache(model, tokenizer) -> bool:
 MAX_LEN = 8
 PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?", "ok", "go on"])]
 # Not deterministic across runs or machines: left out when comparing a resumed run's metrics.
-TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds")
+TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds",
+          "train/prepare_seconds", "train/update_seconds")
 
 
 def letters_reward(completions: list[str], answers: list[str]) -> list[float]:

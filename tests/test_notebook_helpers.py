@@ -463,7 +463,7 @@ def test_update_with_and_without_is_by_hand():
     from tests.helpers import PROBLEMS, config, trainer
 
     tr = trainer(config(use_transformers_continuous_batching=True))
-    rollout = tr.rollout([0, 1], 0)
+    rollout = tr.rollout([0, 1], 0).rollout
     kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
     ones = dataclasses.replace(kept, is_weights=torch.ones_like(kept.loss_mask, dtype=torch.float32))
     g = notebook.update_with_and_without_is(tr, ones)

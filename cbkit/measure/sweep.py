@@ -279,28 +279,6 @@ class _Replayed:
                                      target_lengths=self.targets if target_lengths is None else target_lengths)
 
 
-def _time_phases(trainer) -> dict[str, float]:
-    """Seconds spent in this trainer's `prepare` (the old-logprob forward, with the advantages and IS weights around
-    it) and `optimize` (forwards, backwards and the optimizer step): the instance's methods wrapped, nothing else
-    changed. CUDA is synchronised before each clock is read, so queued kernels count in their own phase."""
-    spent = {"old_logprob_s": 0.0, "update_s": 0.0}
-
-    def timed(inner, key: str):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                spent[key] += time.perf_counter() - start
-        return run
-
-    trainer.prepare = timed(trainer.prepare, "old_logprob_s")
-    trainer.optimize = timed(trainer.optimize, "update_s")
-    return spent
-
-
 def _keep_weights(model):
     """The weights a measured step puts back afterwards: on a CPU in a file (a second copy of the model would sit
     in RAM beside the step's own peak), on a GPU in device memory."""
@@ -324,7 +302,7 @@ def _put_back(model, kept) -> None:
 
 def _collect_garbage() -> None:
     """Free what the last point left in reference cycles before this one's memory baseline is read. A trainer is such
-    a cycle (its timed methods hold the trainer, `_time_phases`), and with it its AdamW moments (8 bytes a
+    a cycle (its hooks hold its bound methods), and with it its AdamW moments (8 bytes a
     parameter): left to the cyclic collector, they sit in the next point's baseline and are freed, and their heap
     reused, at whatever moment the collector runs inside that step, which takes up to their size off its peak."""
     import gc
@@ -348,9 +326,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
                           use_transformers_continuous_batching=backend.name == "continuous")
     step_backend = backend if targets is None else _Replayed(backend, targets)
     seen = _rollout_seen()
-    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), backend=step_backend, problems=problems,
-                          hooks=[seen])
-    spent = _time_phases(trainer)
+    trainer = GRPOTrainer(config, setup, backend=step_backend, hooks=[seen])
     _collect_garbage()
     try:
         with PeakMemory(model.device) as mem:
@@ -372,9 +348,9 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
         "step_s": step_s,
         "rollout_s": rollout_s,
         "train_s": m["train/seconds"],
-        "old_logprob_s": spent["old_logprob_s"],
-        "update_s": spent["update_s"],
-        "other_s": step_s - rollout_s - spent["old_logprob_s"] - spent["update_s"],
+        "old_logprob_s": m["train/prepare_seconds"],
+        "update_s": m["train/update_seconds"],
+        "other_s": step_s - rollout_s - m["train/prepare_seconds"] - m["train/update_seconds"],
         "rollout_share": rollout_s / step_s,
         "completion_tokens": tokens,
         "tokens_per_s": tokens / step_s,  # completion tokens per second of whole step
@@ -408,6 +384,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     ``targets``. The weights are put back and the engine closed (no thread left), whatever happened."""
     from cbkit.telemetry import PeakMemory
     from cbkit.train.grpo import GRPOTrainer
+    from cbkit.train.offpolicy import AsyncRollouts
 
     model, problems = setup.model, setup.problems
     saved = _keep_weights(model)
@@ -415,17 +392,15 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
                           async_update_at=AFTER_THE_ROLLOUT, max_steps=cfg.async_steps + 1,
                           transformers_continuous_batching_config=dict(cfg.cb_config))
     seen = _rollout_seen()
-    trainer = GRPOTrainer(config, policy=(model, setup.tokenizer), problems=problems, hooks=[seen])
-    trainer.offpolicy.target_lengths = None if targets is None else list(targets)
-    spent = _time_phases(trainer)
+    rollouts = AsyncRollouts(model, config, max_prompt_len=max(map(len, setup.prompts)), target_lengths=targets)
+    trainer = GRPOTrainer(config, setup, rollouts=rollouts, hooks=[seen])
     steps: list[dict[str, float]] = []
     mem = PeakMemory(model.device)
     _collect_garbage()
     try:
         with mem:
             for _ in range(cfg.async_steps):
-                spent.update(old_logprob_s=0.0, update_s=0.0)
-                steps.append({**trainer.step().metrics, **spent})
+                steps.append(trainer.step().metrics)
             mem.synchronize()
     except Exception as e:
         if not _is_oom(e):
@@ -445,7 +420,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     lengths = [len(c.completion_ids) for c in rollout.completions]
     tokens = sum(lengths)
     step_s, wait_s, wall_s = mean("step/seconds"), statistics.mean(waits), mean("rollout/seconds")
-    old_s, update_s = mean("old_logprob_s"), mean("update_s")
+    old_s, update_s = mean("train/prepare_seconds"), mean("train/update_seconds")
     measured = {
         "status": "ok",
         "step_s": step_s,

@@ -190,7 +190,7 @@ class AsyncEngine:
             timeline=timeline(outputs, completions, pending.submitted_at, resolved,
                               swaps=[s for s in self.swaps if s[0] >= pending.submitted_at])
             if self.engine.record_timestamps else None,
-        ).validate()
+        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:

@@ -86,4 +86,4 @@ class ContinuousBackend:
             peak_mem_kind=mem.kind,
             engine_config=resolved,
             timeline=timeline(outputs, completions, start, resolved) if self.engine.record_timestamps else None,
-        ).validate()
+        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)

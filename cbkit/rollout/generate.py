@@ -116,7 +116,7 @@ class GenerateBackend:
             peak_mem_kind=mem.kind,
             engine_config={"batch_rows": len(rows), "padded_prompt_len": int(input_ids.shape[1]),
                            "steps": len(new_tokens[0]) if new_tokens else 0},
-        ).validate()
+        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
 
 
 class _LogprobRecorder(LogitsProcessor):

@@ -180,3 +180,15 @@ class NaNGuardHook(StepHooks):
                     f"saved; resume from the last checkpoint with a lower learning_rate (now {self.learning_rate}) "
                     "or a max_grad_norm > 0, and check the rewards and advantages of the steps before it."
                 )
+
+
+def default_hooks(config: Any, metrics_path: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
+    """The hooks every run has: the NaN guard, the JSONL log and checkpoints when it writes to a folder, the bar."""
+    hooks: list[StepHooks] = [NaNGuardHook()]
+    if metrics_path is not None:
+        hooks.append(JSONLHook(metrics_path))
+        if config.save_steps:
+            hooks.append(CheckpointHook(save_checkpoint, config.save_steps))
+    if not config.disable_tqdm:
+        hooks.append(ProgressBarHook())
+    return hooks
