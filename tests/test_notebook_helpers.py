@@ -12,11 +12,10 @@ import torch
 
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
-from cbkit.teach import findings, notebook
+from cbkit.teach import findings, live, notebook
 from cbkit.teach.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
-from cbkit.viz import live
 
 # --- setup and profiles ----------------------------------------------------------------------------------
 
@@ -282,7 +281,7 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
 
 
 def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
-    from cbkit.viz.figures import logprob_scatter, ratio_histogram, ratio_summary
+    from cbkit.teach.figures_ratios import logprob_scatter, ratio_histogram, ratio_summary
 
     fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
     assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
@@ -305,7 +304,7 @@ def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
 
 
 def test_planned_points_feed_the_memory_figure(tiny):
-    from cbkit.measure.planner import planned_points
+    from cbkit.teach.crossover import planned_points
     from cbkit.viz.figures import memory_vs_n
 
     pts = planned_points(tiny.model.config, [4, 8], num_prompts=1, prompt_len=20, max_new_tokens=16, dtype_bytes=4,
