@@ -16,7 +16,7 @@ import torch
 
 from cbkit.cli import main
 from cbkit.measure import roofline
-from cbkit.measure.sweep import PRESETS
+from cbkit.measure.presets import PRESETS
 from cbkit.teach import notebook, tiers
 from cbkit.teach.crossover import crossover_vs_pool, crossover_vs_pool_figure
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cbkit.measure.presets import TRL_PR_5765
 from cbkit.measure.results import Results, read_results
-from cbkit.measure.sweep import TRL_PR_5765
 from cbkit.measure.workload import parse_lengths
 
 
@@ -349,7 +349,7 @@ def estimated_step_table(config: Any, *, prompt_lens: list[int], lengths_by_n: d
     sentence under the table says why, with the rows a static batch's step would need to leave the floor on each
     GPU (`roofline.rows_off_the_floor`): two identical rows would read as a measured parity. Where the estimates
     differ, each backend has its row. What the estimate leaves out is whatever differs between the two
-    implementations per step (kernels, scheduling): TRL's A100 benchmark (`sweep.TRL_PR_5765`) measures it."""
+    implementations per step (kernels, scheduling): TRL's A100 benchmark (`presets.TRL_PR_5765`) measures it."""
     import statistics
 
     from cbkit.measure.roofline import GPUS, Shape, rows_off_the_floor, step_floor_seconds

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cbkit.measure.sweep import TRL_PR_5765
+from cbkit.measure.presets import TRL_PR_5765
 
 
 def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, max_new_tokens: int = 2048,
