@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cbkit.models.load import load_policy, training_precision
-from cbkit.teach.notebook import weight_change
+from cbkit.teach.step_views import weight_change
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from tests.helpers import PROBLEMS, config, letters_reward
@@ -223,7 +223,7 @@ def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
 
     from cbkit.tasks.data import load_problems
     from cbkit.tasks.rewards import DEFAULT_REWARDS
-    from cbkit.teach.notebook import stock_trl_cb_rollout
+    from cbkit.teach.trl_step import stock_trl_cb_rollout
     from cbkit.trl.rewards import trl_dataset
 
     prepared = []

@@ -586,7 +586,7 @@ def plan_presets() -> list[PresetPlan]:
 
     from cbkit.measure.planner import ADAM_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM
     from cbkit.measure.presets import PRESETS
-    from cbkit.measure.sweep import DEFAULT_NS
+    from cbkit.measure.sweep_config import DEFAULT_NS
     from cbkit.rollout.engine_config import page_size
 
     out = []
