@@ -99,7 +99,7 @@ def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8
 
 
 def test_unknown_cpu_attention_is_refused(tiny):
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
     from cbkit.rollout import ContinuousBackend
 
     with pytest.raises(ValueError, match="cpu_attention must be one of batched, per_sequence, engine; got 'flash'"):

@@ -155,7 +155,7 @@ def test_completions_table_scores_each_completion(tiny):
 
 
 def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     cfg = SweepConfig(model="tiny", ns=(1, 2), repeats=1, max_new_tokens=4, num_prompts=1)
     seen: list[dict] = []

@@ -108,7 +108,7 @@ def test_the_a100_tiers_dry_run_on_a_cpu_trains_under_bf16_autocast(monkeypatch)
 
 
 def test_a_full_step_sweep_refuses_what_the_loop_refuses(monkeypatch):
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     _emulate_gpu(monkeypatch, T4)
     with pytest.raises(ValueError, match=REFUSED_T4):

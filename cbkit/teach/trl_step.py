@@ -68,19 +68,20 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
     cb = args.transformers_continuous_batching_config
-    if model.device.type == "cpu" and cb is not None and "num_blocks" not in cb:
+    if model.device.type == "cpu" and cb is not None:
         # Stock TRL hands the engine max_memory_percent, which on a CPU is a share of host RAM: 12 GB of zeroed KV
         # on a 24 GB machine (02 at CPU size peaked at 16.1 GiB for it; docs/memory.md). The pool cbkit's own CPU
-        # engine gets instead: every completion of the step at its longest prompt and the completion limit.
-        from cbkit.rollout.engine_config import page_size, workload_blocks
+        # engine gets instead (the CPU pool rule): every completion of the step at its longest prompt and the limit.
+        from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
 
         longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
                                                         return_dict=True)["input_ids"])
                       if isinstance(row["prompt"], list) else len(tokenizer(row["prompt"])["input_ids"])
                       for row in dataset)
         rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
-        args.transformers_continuous_batching_config = {
-            **cb, "num_blocks": workload_blocks(rows, args.max_completion_length, page_size(cb))}
+        blocks = cpu_pool_blocks(cb, rows, args.max_completion_length, page_size(cb))
+        if blocks is not None:
+            args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks}
     if not args.use_transformers_continuous_batching:
         raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
                          "use_transformers_continuous_batching=True.")
