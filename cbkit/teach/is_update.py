@@ -18,7 +18,7 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
     135M model, whose rewards are often all 0, still shows it. Returns the two gradients' cosine, their norms and
     the norm ratio (without / with); forwarded in the trainer's micro-batches and chunks (`forward_chunk_rows`) as
     its own updates are, and the model's gradients are left cleared (no optimizer step)."""
-    from cbkit.train.batch import completion_logits
+    from cbkit.train.logprobs import chunked_logits
     from cbkit.train.objective import policy_logprobs
 
     if prepared.is_weights is None:
@@ -27,18 +27,16 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
     model, batch, mask = trainer.model, prepared.batch, prepared.loss_mask
     ga, chunk = trainer.config.gradient_accumulation_steps, trainer.config.forward_chunk_rows
     size = max(1, len(batch) // ga)
-    size = min(size, chunk) if chunk else size  # a chunk's backward at a time: 02 at CPU size held 32 rows' at once
 
     def grad(weighted: bool) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        for start in range(0, len(batch), size):
-            mb = batch.rows(start, min(start + size, len(batch)))
-            t = mb.completion_width
-            logps = policy_logprobs(completion_logits(model, mb, trainer.autocast_dtype), mb.completion_ids,
-                                    trainer.config.temperature)
-            rows = slice(start, start + len(mb))
-            w = prepared.is_weights[rows, :t] if weighted else 1.0
-            (-(logps * w * mask[rows, :t]).sum() / mask.sum()).backward()
+        for start in range(0, len(batch), size):  # the trainer's micro-batches, each in its chunks
+            for rows, mb, logits in chunked_logits(model, batch, chunk, start=start, stop=min(start + size, len(batch)),
+                                                   autocast_dtype=trainer.autocast_dtype):
+                t = mb.completion_width
+                logps = policy_logprobs(logits, mb.completion_ids, trainer.config.temperature)
+                w = prepared.is_weights[rows, :t] if weighted else 1.0
+                (-(logps * w * mask[rows, :t]).sum() / mask.sum()).backward()
         flat = torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
         model.zero_grad(set_to_none=True)
         return flat
