@@ -16,7 +16,7 @@ from cbkit.viz.palette import PALETTE, TEMPLATE
 
 def crossover_vs_pool_figure(rows: Sequence[Mapping[str, Any]], *, swept: Sequence[int] = (),
                              chosen_bytes: int | None = None, max_n: int | None = None) -> go.Figure:
-    """Where the memory inversion starts as the pool grows (`cbkit.measure.planner.crossover_vs_pool`): the
+    """Where the memory inversion starts as the pool grows (`crossover_vs_pool` below): the
     planner's crossover N per pool size, the swept N shaded, the notebook's own pool marked. A pool with no
     crossover up to ``max_n`` is drawn at the top, marked as beyond it."""
     top = max_n or max((r["crossover_n"] or 0 for r in rows), default=1)

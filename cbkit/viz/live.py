@@ -182,7 +182,7 @@ class LiveChart:
 
     ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
     in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
-    quantity, as `cbkit.viz.live.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    quantity, as `cbkit.teach.live.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
     last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
     a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
     """
