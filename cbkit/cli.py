@@ -185,7 +185,9 @@ def _or_none(parse):
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbkit.measure.sweep import DRY_RUN, PRESETS, SweepConfig, check_preset_device, run_sweep
+    from cbkit.measure.presets import DRY_RUN, PRESETS, check_preset_device
+    from cbkit.measure.sweep import run_sweep
+    from cbkit.measure.sweep_config import SweepConfig
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
@@ -433,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "CBGRPOConfig's help.")
     demo.set_defaults(func=_demo)
 
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     sweep = sub.add_parser(
         "sweep", parents=[dataclass_flags(SweepConfig)],

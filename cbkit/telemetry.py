@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Self
 
 import torch
 
@@ -219,13 +221,36 @@ def fmt_bytes(n: int | float | None) -> str:
 # --- KV-cache accounting --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's shape, read from its transformers config in this one place (every KV, FLOP and memory count in
+    cbkit starts here): a multimodal config's text model, grouped-query attention's KV heads (None: one per
+    head), an explicit ``head_dim`` (None: hidden / heads), the MLP's width (None: 4 x hidden)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> Self:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        # A stand-in config with only the attention's fields (enough to count KV bytes) reads 0 for the rest.
+        hidden = getattr(config, "hidden_size", 0)
+        return cls(config.num_hidden_layers, heads, kv_heads, head_dim, hidden,
+                   getattr(config, "intermediate_size", None) or 4 * hidden, getattr(config, "vocab_size", 0))
+
+
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     """Bytes of K and V one token occupies across all layers: layers x 2 x kv heads x head dim x dtype."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+    s = ModelShape.of(config)
+    return s.layers * 2 * s.kv_heads * s.head_dim * dtype_bytes
 
 
 def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | None]:

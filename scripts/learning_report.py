@@ -15,9 +15,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from cbkit.teach.figures_runs import runs_curves
 from cbkit.viz.palette import backend_color
 from cbkit.viz.static import figure_pngs
-from cbkit.viz.training import read_metrics, runs_curves
+from cbkit.viz.training import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -120,7 +120,7 @@ def test_sweep_flags_are_the_sweep_config_fields():
     import dataclasses
 
     from cbkit.cli import build_parser, given_fields
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--lengths", "fixed",
                                       "--cb-config", '{"num_blocks": 64}', "--backends", "generate,continuous"])

@@ -232,7 +232,7 @@ def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
 
 
 def test_the_trl_benchmark_preset_holds_a_trainers_state():
-    from cbkit.measure.sweep import PRESETS
+    from cbkit.measure.presets import PRESETS
 
     assert PRESETS["trl-benchmark"]["trainer_state"]
     by_name = {p.preset: p for p in tiers.plan_presets()}

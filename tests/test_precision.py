@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cbkit.models.load import load_policy, training_precision
-from cbkit.teach.notebook import weight_change
+from cbkit.teach.step_views import weight_change
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from tests.helpers import PROBLEMS, config, letters_reward
@@ -108,7 +108,7 @@ def test_the_a100_tiers_dry_run_on_a_cpu_trains_under_bf16_autocast(monkeypatch)
 
 
 def test_a_full_step_sweep_refuses_what_the_loop_refuses(monkeypatch):
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     _emulate_gpu(monkeypatch, T4)
     with pytest.raises(ValueError, match=REFUSED_T4):
@@ -223,7 +223,7 @@ def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
 
     from cbkit.tasks.data import load_problems
     from cbkit.tasks.rewards import DEFAULT_REWARDS
-    from cbkit.teach.notebook import stock_trl_cb_rollout
+    from cbkit.teach.trl_step import stock_trl_cb_rollout
     from cbkit.trl.rewards import trl_dataset
 
     prepared = []

@@ -74,9 +74,7 @@ __all__ = [
     "Plan",
     "activation_bytes_per_token",
     "crossover_n",
-    "crossover_vs_pool",
     "plan",
-    "planned_points",
     "pool_blocks",
     "step_peak_bytes",
     "training_bytes",
@@ -225,20 +223,6 @@ def plan(
                 budget_bytes, kv_bytes_per_token(text, dtype_bytes), gen, cb, notes)
 
 
-def planned_points(config: Any, ns: Sequence[int], **plan_kwargs: Any) -> list[dict[str, Any]]:
-    """The planner over a range of N, as sweep-shaped points (backend, N, planned_peak_bytes, kv_bytes) that
-    `cbkit.viz.figures.memory_vs_n` draws next to, or instead of, measured ones. ``plan_kwargs`` go to `plan`
-    (everything but ``num_generations``)."""
-    points = []
-    for n in ns:
-        p = plan(config, num_generations=n, **plan_kwargs)
-        points.append({"backend": "generate", "N": n, "status": "ok", "planned_peak_bytes": p.generate.peak_bytes,
-                       "kv_bytes": p.generate.kv_bytes})
-        points.append({"backend": "continuous", "N": n, "status": "ok",
-                       "planned_peak_bytes": p.continuous.peak_bytes, "kv_bytes": p.continuous.pool_bytes})
-    return points
-
-
 def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
     """The smallest N at which CB's predicted peak is below generate()'s, or None up to ``max_n``.
 
@@ -254,22 +238,6 @@ def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | 
         if p.continuous.peak_bytes < p.generate.peak_bytes:
             return n
     return None
-
-
-def crossover_vs_pool(config: Any, pools_bytes: Sequence[int], *, page_size: int, max_n: int = 1024,
-                      **plan_kwargs: Any) -> list[dict[str, Any]]:
-    """The pool as a fixed price: for each pool size (bytes of KV, fixed as ``num_blocks``), the crossover N
-    (`crossover_n`). A bigger pool costs more at every N, so generate() outgrows it later. ``plan_kwargs`` go to
-    `plan` (``dtype_bytes`` among them); their ``cb_config`` may set other engine keys."""
-    base = dict(plan_kwargs.pop("cb_config", None) or {})
-    out = []
-    for pool in pools_bytes:
-        blocks = pool_blocks(config, int(pool), page_size=page_size, dtype_bytes=plan_kwargs["dtype_bytes"])
-        cfg = {**base, "page_size": page_size, "num_blocks": blocks}
-        out.append({"pool_bytes": blocks * page_size * kv_bytes_per_token(config, plan_kwargs["dtype_bytes"]),
-                    "num_blocks": blocks,
-                    "crossover_n": crossover_n(config, max_n=max_n, cb_config=cfg, **plan_kwargs)})
-    return out
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
                     "old_logprob_roof_share", "update_roof_share", "rollout_roof_s", "old_logprob_roof_s",
                     "update_roof_s", "planned_rollout_peak_bytes",
-                    # the planned peak's terms (`sweep.plan_terms`)
+                    # the planned peak's terms (`plan_records.plan_terms`)
                     "plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes", "plan_heap_slack_bytes",
                     # the async row (`continuous-async`): what the trainer waited for, the rollout's own wall clock
                     "rollout_wait_s", "publish_wait_s", "rollout_wall_s", "rollout_wall_roof_share",

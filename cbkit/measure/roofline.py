@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cbkit.telemetry import ModelShape
+
 GiB = 1024**3
 
 
@@ -52,25 +54,9 @@ GPUS: dict[str, Machine] = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The numbers of a model config a roofline needs."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def of(cls, config: Any) -> Shape:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size,
-                   getattr(config, "intermediate_size", None) or 4 * config.hidden_size, config.vocab_size)
+class Shape(ModelShape):
+    """The numbers of a model config a roofline needs (`cbkit.telemetry.ModelShape`, read there), and what they
+    cost a token."""
 
     @property
     def matmul_params(self) -> int:

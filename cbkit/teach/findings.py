@@ -127,8 +127,8 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     """What one CB rollout's timeline shows, in sentences: the pool against the blocks in use, how many
     requests were admitted only after another had finished (recycling), and how long requests sat admitted
     before their first token (the hatched part of their bars)."""
+    from cbkit.teach.figures_engine import first_token_waits
     from cbkit.telemetry import occupancy as compute_occupancy
-    from cbkit.viz.figures import first_token_waits
 
     occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
     requests = timeline["requests"]

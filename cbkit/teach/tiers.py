@@ -555,7 +555,7 @@ def plan_recipes(machines: Sequence[str] | None = None) -> list[TierPlan]:
 
 # --- the sweep's GPU presets -------------------------------------------------------------------------------------
 
-# The GPUs each `cbkit sweep --preset` is meant for (cbkit.measure.sweep.PRESET_NEEDS), checked on the smallest.
+# The GPUs each `cbkit sweep --preset` is meant for (cbkit.measure.presets.PRESET_NEEDS), checked on the smallest.
 PRESET_MACHINES = {"trl-benchmark": "a100-40", "a100": "a100-40", "t4": "t4"}
 
 
@@ -585,7 +585,8 @@ def plan_presets() -> list[PresetPlan]:
     import torch
 
     from cbkit.measure.planner import ADAM_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM
-    from cbkit.measure.sweep import DEFAULT_NS, PRESETS
+    from cbkit.measure.presets import PRESETS
+    from cbkit.measure.sweep_config import DEFAULT_NS
     from cbkit.rollout.engine_config import page_size
 
     out = []

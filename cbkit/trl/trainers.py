@@ -190,7 +190,7 @@ def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     ("'PagedAttentionCache' object has no attribute 'float'") and TRL then fails with an IndexError on the missing
     completions.
 
-    Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.notebook.stock_trl_cb_rollout`
+    Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.trl_step.stock_trl_cb_rollout`
     do); the wrapper is back for training when the block ends. Generation loses nothing: TRL's CB branch has
     just cast the weights themselves to the half dtype in place, so autocast has nothing left to do there. A model
     accelerate did not wrap passes through untouched.
