@@ -339,11 +339,11 @@ def test_chunks_take_rows_in_order_of_length_and_pad_less(uneven_rollout, monkey
     """The old-logprob forward and the update cut each micro-batch into chunks of rows in order of real length,
     longest first: each row forwarded once per pass, the rows' lengths non-increasing, and fewer padded tokens
     forwarded than chunks in rollout order would forward (the loss and gradients are the same sum: the test above)."""
-    import cbkit.train.grpo as grpo
+    import cbkit.train.logprobs as logprobs
 
     seen = []
-    inner = grpo.completion_logits
-    monkeypatch.setattr(grpo, "completion_logits", lambda model, mb, *a: (seen.append(mb), inner(model, mb, *a))[1])
+    inner = logprobs.completion_logits
+    monkeypatch.setattr(logprobs, "completion_logits", lambda model, mb, *a: (seen.append(mb), inner(model, mb, *a))[1])
     tr = trainer(config(prompts_per_step=4, num_generations=2, forward_chunk_rows=3), backend=Replay(uneven_rollout))
     rewards = torch.tensor([0.0, 1.0, 0.5, 0.2, 1.0, 0.0, 0.3, 0.9], dtype=torch.float64)
     prepared = tr.prepare(uneven_rollout, rewards)

@@ -523,7 +523,7 @@ def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: i
     adds the heap its earlier chunks leave resident (``CPU_CHUNK_HEAP_SLACK`` x one chunk's part); never on a GPU.
 
     ``tokens_per_row`` and ``completion_len`` are the widest row's. The trainer forwards a micro-batch's rows longest
-    first (`grpo._chunks`), so where the rows' lengths are known (a replayed workload), ``later_tokens_per_row`` and
+    first (`batch.longest_first_chunks`), so where the rows' lengths are known (a replayed workload), ``later_tokens_per_row`` and
     ``later_completion_len`` give the widest row after the first chunk: the backwards that hold every gradient are
     planned at that width, the first backward at the widest. None: every chunk as wide as the first (the plan made
     before a rollout, when any completion may run to the limit)."""

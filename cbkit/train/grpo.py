@@ -41,7 +41,7 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
 * Text only, single turn, no tools; reward functions take `(completions, answers)`. A reward that raises or
   returns a non-finite value stops the run with its name and the completion (TRL turns it into advantage 0).
 * Full fp32 logits per chunk of `forward_chunk_rows` completions, each chunk forwarded, scored and back-propagated
-  on its own (memory grows with the chunk, not with N; rows longest first, `batch.longest_first_chunks`); no Liger
+  on its own (memory grows with the chunk, not with N; rows longest first, `logprobs.chunked_logits`); no Liger
   LM head, no padding-free packing. `cbkit.train.batch.micro_batches_for` sizes `gradient_accumulation_steps`.
 * Precision: the weights that train are fp32 on every device (AdamW on bf16 weights loses every update smaller
   than bf16's spacing, so a half-precision policy is refused); the config's `dtype` is an autocast over them
@@ -72,10 +72,11 @@ from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.train import checkpoint
-from cbkit.train.batch import Batch, check_causal_forward, completion_logits, longest_first_chunks
+from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.evaluate import build_held_out, eval_sampling, without_held_out
 from cbkit.train.hooks import StepHooks, StepRecord, TrainState, default_hooks
+from cbkit.train.logprobs import chunked_logits
 from cbkit.train.objective import (
     chunk_share,
     group_advantages,
@@ -362,11 +363,11 @@ class GRPOTrainer:
             micro_mask = p.loss_mask[k * size : (k + 1) * size]
             # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
             # and back-propagated at once: only one chunk's activations and logits are alive (objective.chunk_share).
-            for rows in longest_first_chunks(k * size, (k + 1) * size, c.forward_chunk_rows, p.batch.attention_mask):
-                mb = p.batch.take(rows)
+            for rows, mb, logits in chunked_logits(self.model, p.batch, c.forward_chunk_rows, start=k * size,
+                                                   stop=(k + 1) * size, autocast_dtype=self.autocast_dtype):
                 t = mb.completion_width
-                logps = policy_logprobs(completion_logits(self.model, mb, self.autocast_dtype), mb.completion_ids,
-                                        c.temperature)
+                logps = policy_logprobs(logits, mb.completion_ids, c.temperature)
+                del logits  # its graph lives on in logps until this chunk's backward
                 loss, metrics = grpo_loss(
                     logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
                     loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
@@ -430,11 +431,10 @@ class GRPOTrainer:
         plain = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=self.device)
         processed = plain.clone() if self.truncates else plain
         outside = torch.zeros(batch.completion_ids.shape, dtype=torch.bool, device=self.device)
-        for rows in (r for start in range(0, len(batch), size)
-                     for r in longest_first_chunks(start, start + size, c.forward_chunk_rows, batch.attention_mask)):
-            mb = batch.take(rows)
+        for rows, mb, logits in (chunk for start in range(0, len(batch), size)
+                                 for chunk in chunked_logits(model, batch, c.forward_chunk_rows, start=start,
+                                                             stop=start + size, autocast_dtype=self.autocast_dtype)):
             t = mb.completion_width
-            logits = completion_logits(model, mb, self.autocast_dtype)
             plain[rows, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
             if self.truncates:
                 processed[rows, :t], outside[rows, :t] = replayed_logprobs(

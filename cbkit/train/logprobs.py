@@ -19,35 +19,24 @@ import torch
 from torch import Tensor
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams
-from cbkit.train.batch import Batch, completion_logits
+from cbkit.train.batch import Batch, completion_logits, longest_first_chunks
 from cbkit.train.objective import policy_logprobs, processed_logprobs
-
-
-def row_chunks(attention_mask: Tensor, chunk_rows: int | None, start: int = 0, stop: int | None = None) -> list[Tensor]:
-    """Rows [start, stop) longest first (real length: prompt + completion tokens, ``attention_mask``), cut into
-    chunks of at most ``chunk_rows`` (None: one chunk); the last may be shorter. A chunk is trimmed to its longest row
-    (`Batch.take`), so rows of about one length pad little where chunks in rollout order pad each to its longest
-    row (docs/measuring.md, "The update against its roof"). Longest first, so each later chunk's tensors fit in the
-    memory the widest one freed. The sort is stable: a rerun forms the same chunks, and a loss is the same sum in
-    another order."""
-    stop = attention_mask.shape[0] if stop is None else stop
-    if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}.")
-    order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)
-    step = stop - start if chunk_rows is None else chunk_rows
-    return [order[i : i + step] for i in range(0, stop - start, step)]
 
 
 def chunked_logits(model, batch: Batch, chunk_rows: int | None, *, start: int = 0, stop: int | None = None,
                    autocast_dtype: torch.dtype | None = None) -> Iterator[tuple[Tensor, Batch, Tensor]]:
-    """The teacher-forced forward of rows [start, stop) of ``batch``, ``chunk_rows`` rows at a time (`row_chunks`):
+    """The teacher-forced forward of rows [start, stop) of ``batch``, ``chunk_rows`` rows at a time, longest first
+    (`batch.longest_first_chunks`):
     per chunk, its row indices into ``batch``, the chunk (`Batch.take`) and its completion logits
     [rows, completion width, vocab] (`completion_logits`, under ``autocast_dtype`` where given).
 
     Gradients follow the caller: under ``torch.no_grad`` for old logprobs, with grad for a chunked backward, where
     the caller back-propagates each chunk's loss before asking for the next, so one chunk's logits and activations
-    are alive at a time. The logits are not kept here: dropping them in the loop frees them."""
-    for rows in row_chunks(batch.attention_mask, chunk_rows, start, stop):
+    are alive at a time. The logits are not kept here: the caller drops them (``del logits``) before the next chunk."""
+    stop = len(batch) if stop is None else stop
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}.")
+    for rows in longest_first_chunks(start, stop, chunk_rows, batch.attention_mask):
         mb = batch.take(rows)
         yield rows, mb, completion_logits(model, mb, autocast_dtype)
 
