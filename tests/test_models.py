@@ -23,6 +23,7 @@ def test_missing_offline_package_gives_install_command(monkeypatch):
         models.load_policy("smollm2-offline")
 
 
+@pytest.mark.serial  # a 1 s bound on its own load time
 def test_tiny_loads_fast_and_is_deterministic():
     a = models.load_policy("tiny", seed=3)
     b = models.load_policy("tiny", seed=3)
