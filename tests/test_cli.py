@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cbkit.cli import build_parser, main, train_config_from_args
+from cbkit.cli import build_parser, main
+from cbkit.cli.train import train_config_from_args
 
 
 def train_config(argv):
@@ -119,7 +120,8 @@ def test_sweep_flags_are_the_sweep_config_fields():
     """Every SweepConfig field is a flag (a field added later too), with its field's help."""
     import dataclasses
 
-    from cbkit.cli import build_parser, given_fields
+    from cbkit.cli import build_parser
+    from cbkit.cli.flags import given_fields
     from cbkit.measure.sweep_config import SweepConfig
 
     args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--lengths", "fixed",
@@ -164,7 +166,7 @@ def test_demo_and_advise_flags_are_their_dataclasses_with_the_old_spellings():
     the training run also has carries CBGRPOConfig's help, not a copy."""
     import dataclasses
 
-    from cbkit.cli import given_fields
+    from cbkit.cli.flags import given_fields
     from cbkit.measure.advise import AdviseConfig
     from cbkit.teach.demo import DemoConfig
     from cbkit.train.config import CBGRPOConfig

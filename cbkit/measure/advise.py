@@ -62,7 +62,7 @@ def _flag(text: str, default=None, *aliases: str):
 
 @dataclass
 class AdviseConfig:
-    """What `cbkit advise` is asked: every field is a flag (`cbkit.cli.dataclass_flags`). Only -N is required."""
+    """What `cbkit advise` is asked: every field is a flag (`cbkit.cli.flags.dataclass_flags`). Only -N is required."""
 
     num_generations: int = same_as("num_generations", aliases=("-N",))
     model: str = _flag("the model whose config is planned (no weights loaded): smollm2-offline, tiny, a hub id or a "
