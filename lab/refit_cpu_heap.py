@@ -61,7 +61,7 @@ def step(ns: list[int]) -> None:
     from cbkit.measure.results import load_runs
 
     out = Path(tempfile.mkdtemp()) / "full-step.jsonl"
-    with mock.patch("cbkit.measure.planner.CPU_CHUNK_HEAP_SLACK", _Recording(0.0)):
+    with mock.patch("cbkit.measure.planner.training.CPU_CHUNK_HEAP_SLACK", _Recording(0.0)):
         status = cbkit(["sweep", "--model", "smollm2-offline", "--data", "gsm8k-local", "--max-new-tokens", "96",
                         "--no-live", "--full-step", "--forward-chunk-rows", "4", "--repeats", "1",
                         "--backends", "generate,continuous", "--ns", ",".join(map(str, ns)), "--out", str(out)])
