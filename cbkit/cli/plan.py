@@ -90,7 +90,7 @@ def add_tiers(sub: argparse._SubParsersAction) -> None:
                     "against memory (the training step included where the notebook trains), the estimated runtime "
                     "against the budget (~10 min on a T4, ~5 on an A100), and whether each memory sweep's "
                     "crossover lies inside its swept N. Exits 1 where a configuration does not fit, overruns its "
-                    "budget or hides its phenomenon. Sizes: cbkit/teach/tiers.py.",
+                    "budget or hides its phenomenon. Sizes: cbkit/teach/tiers/table.py.",
     )
     tiers.add_argument("--notebooks", default=None, help="comma-separated notebook names (default: all)")
     tiers.add_argument("--gpus", default=None, help="comma-separated: t4, a100-40, a100-80 (default: all)")
