@@ -62,7 +62,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -75,9 +75,13 @@ from cbkit.train import checkpoint
 from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.evaluate import build_held_out, eval_sampling, without_held_out
-from cbkit.train.hooks import StepHooks, StepRecord, TrainState, default_hooks
+from cbkit.train.hooks import RunStatus, StepHooks, StepRecord, TrainState, default_hooks
 from cbkit.train.logprobs import chunked_logits
 from cbkit.train.objective import (
+    Estimator,
+    ISMode,
+    LossType,
+    ScaleRewards,
     chunk_share,
     group_advantages,
     grpo_loss,
@@ -190,12 +194,12 @@ class GRPOTrainer:
             checkpoint.refuse_to_overwrite(self.state.output_dir, METRICS_FILE)
             seed_everything(self.config.seed)
             self._rng_at_step_end = checkpoint.capture_rng()
-        status = "failed"
+        status: RunStatus = "failed"
         try:
             for h in self.hooks:
                 h.on_train_begin(self.state)
             if self.held_out is not None and self.state.step == 0:  # the step-0 point of every held-out curve
-                record = StepRecord(0, self.evaluate())
+                record = StepRecord(0, {**self.evaluate()})
                 for h in self.hooks:
                     h.on_step_end(record)
             while self.state.step < self.config.max_steps:
@@ -256,6 +260,7 @@ class GRPOTrainer:
         """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
         if self.held_out is None:
             raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
+        assert self.eval_backend is not None  # built in __init__ whenever there is a held-out set
         sampling = eval_sampling(self.sampling_params(0))
         return self.held_out.evaluate(self.eval_backend, sampling,
                                       lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -310,15 +315,19 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        advantages = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_estimator)
+        # The config keeps these as plain str (a recipe's YAML value); CBGRPOConfig._check has held each to its
+        # objective Literal's values.
+        advantages = group_advantages(rewards, c.num_generations, cast(ScaleRewards, c.scale_rewards),
+                                      cast(Estimator, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         # The whole completion mask, truncated completions included: their weights never reach the loss when
         # they are masked, and `logprob/*` should describe every token the engine sampled.
+        weights: Tensor | None
         weights, metrics = importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, c.importance_sampling_mode,
+            old_processed, batch.sampling_logps, batch.completion_mask, cast(ISMode, c.importance_sampling_mode),
             c.clip_max, c.clip_min,
         )
         if self.truncates and batch.sampling_logps is not None:
@@ -352,13 +361,14 @@ class GRPOTrainer:
     def accumulate_gradients(self, prepared: Prepared) -> dict[str, float]:
         """Fresh gradients of one optimizer update, summed over `gradient_accumulation_steps` micro-batches."""
         c, p = self.config, prepared
+        loss_type = cast(LossType, c.loss_type)  # held to LossType's values by CBGRPOConfig._check
         check_causal_forward(self.model, self.attn_implementation)
         self.optimizer.zero_grad(set_to_none=True)
         ga = c.gradient_accumulation_steps
         size = len(p.batch) // ga
         # dapo divides by the tokens of the whole update, not of one micro-batch: what makes accumulation exact.
         num_items = p.loss_mask.sum()
-        loss_sum, sums = 0.0, {}
+        loss_sum, sums = 0.0, dict[str, float]()
         for k in range(ga):
             micro_mask = p.loss_mask[k * size : (k + 1) * size]
             # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
@@ -370,13 +380,13 @@ class GRPOTrainer:
                 del logits  # its graph lives on in logps until this chunk's backward
                 loss, metrics = grpo_loss(
                     logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
-                    loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
+                    loss_type=loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
                     ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
                     is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
                     max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
                     gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
                 )
-                loss_share, token_share = chunk_share(c.loss_type, p.loss_mask[rows], micro_mask)
+                loss_share, token_share = chunk_share(loss_type, p.loss_mask[rows], micro_mask)
                 (loss * loss_share).backward()
                 loss_sum += loss.item() * loss_share
                 for key, value in metrics.items():
