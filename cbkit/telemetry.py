@@ -329,3 +329,13 @@ def occupancy(timeline: Mapping[str, Any]) -> dict[str, Any]:
             running.append(run)
             blocks.append(blk)
     return {"t": t, "running": running, "blocks_in_use": blocks, "pool_blocks": timeline.get("pool_blocks", 0)}
+
+
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall seconds since `start` (`time.perf_counter`), once the kernels this thread queued on `device` have run:
+    only this thread's stream is waited for, so an async engine's kernels on its own stream are not counted."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter() - start

@@ -223,7 +223,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
     With ``notebook``, also its sizes for the tier, and the tier's plan, refused before model time if it does not
     fit. Bad input (an unknown profile or tier, a GPU tier without a GPU) fails here, saying what to change."""
     from cbkit.models.load import native_bf16
-    from cbkit.train.grpo import seed_everything
+    from cbkit.train.order import seed_everything
 
     profile = resolve_profile(profile)
     forced = resolve_tier()

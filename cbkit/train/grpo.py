@@ -71,6 +71,7 @@ from cbkit.models.load import training_precision
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
+from cbkit.telemetry import seconds_since
 from cbkit.train import checkpoint
 from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
@@ -93,10 +94,7 @@ from cbkit.train.objective import (
 from cbkit.train.offpolicy import drift_metrics, make_rollout_source
 from cbkit.train.order import PromptOrder, mix_seed, seed_everything
 from cbkit.train.rollouts import RolloutRequest, RolloutSource, SourcedRollout, check_backend, check_entry
-from cbkit.train.setup import RunSetup, check_fp32_weights, check_text_only, set_up_for_config, set_up_run
-
-__all__ = ["GRPOTrainer", "Prepared", "check_fp32_weights", "check_text_only", "mix_seed", "seed_everything",
-           "set_up_run"]
+from cbkit.train.setup import RunSetup, set_up_for_config
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -234,10 +232,10 @@ class GRPOTrainer:
         train_start = time.perf_counter()  # training = old-logprob forward + updates: what the rollout is not
         prepared = self.prepare(got.rollout, rewards)
         metrics.update(prepared.metrics)
-        metrics["train/prepare_seconds"] = self._seconds_since(train_start)
+        metrics["train/prepare_seconds"] = seconds_since(train_start, self.device)
         update_start = time.perf_counter()
         metrics.update(self.optimize(prepared))
-        metrics["train/update_seconds"] = self._seconds_since(update_start)
+        metrics["train/update_seconds"] = seconds_since(update_start, self.device)
         metrics.update(self.rollouts.after_step(self.policy_version))
         metrics["train/seconds"] = time.perf_counter() - train_start
         metrics["step/seconds"] = time.perf_counter() - start
@@ -432,9 +430,8 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk of a micro-batch
-        (`forward_chunk_rows`); and [B, T]
-        True where a sampled token lay outside the trainer's replayed nucleus (kept in it, see `replayed_logprobs`)."""
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk (`forward_chunk_rows`),
+        and True where a sampled token lay outside the trainer's replayed nucleus (kept in it: `replayed_logprobs`)."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
@@ -451,9 +448,3 @@ class GRPOTrainer:
                     logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
             del logits  # one chunk's logits alive at a time
         return plain, processed, outside
-
-    def _seconds_since(self, start: float) -> float:
-        """Wall seconds since `start`, once the kernels this thread queued have run (an async engine's are its own)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return time.perf_counter() - start
