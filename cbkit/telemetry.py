@@ -12,12 +12,16 @@ process, never across machines.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    # typing.Self is 3.11+; the kit supports 3.10, where importing it at run time fails.
+    from typing_extensions import Self
 
 
 def return_freed_memory_to_os() -> None:
@@ -276,7 +280,7 @@ def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | 
 # --- the engine timeline: recycling made visible ----------------------------------------------------------------
 
 
-def occupancy(timeline: dict) -> dict[str, list | int]:
+def occupancy(timeline: Mapping[str, Any]) -> dict[str, Any]:
     """Sequences running and KV blocks held by running requests over time, from per-request start/end and token
     timestamps.
 
@@ -304,14 +308,16 @@ def occupancy(timeline: dict) -> dict[str, list | int]:
         shared = shared_by_group[r["group"]]
         held = -(-r["prompt_len"] // page) - shared
         events.append((r["start"], 1, held))
-        for k, t in enumerate(r["token_times"], start=1):
+        for k, token_time in enumerate(r["token_times"], start=1):
             need = -(-(r["prompt_len"] + k) // page) - shared
             if need > held:
-                events.append((t, 0, need - held))
+                events.append((token_time, 0, need - held))
                 held = need
         events.append((r["end"], -1, -held))
     events.sort(key=lambda e: (e[0], -e[1]))
-    t, running, blocks = [], [], []
+    t: list[float] = []
+    running: list[int] = []
+    blocks: list[int] = []
     run = blk = 0
     for when, d_run, d_blk in events:
         run += d_run
@@ -323,3 +329,13 @@ def occupancy(timeline: dict) -> dict[str, list | int]:
             running.append(run)
             blocks.append(blk)
     return {"t": t, "running": running, "blocks_in_use": blocks, "pool_blocks": timeline.get("pool_blocks", 0)}
+
+
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall seconds since `start` (`time.perf_counter`), once the kernels this thread queued on `device` have run:
+    only this thread's stream is waited for, so an async engine's kernels on its own stream are not counted."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter() - start

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -55,3 +56,26 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
     tokens, per_s = re.fullmatch(r"(\d+) tokens, (\d+) tokens/s", out[0]).groups()
     assert 0 < int(tokens) <= 2 * 4 * 32 and int(per_s) > 0
     assert "'reward/mean'" in out[-1] and "'train/loss'" in out[-1]
+
+
+def test_the_reading_order_names_real_ranges_in_at_most_eight_files_under_1200_lines():
+    """docs/ARCHITECTURE.md's "Read one step in this order": every file exists, every range lies inside its file and
+    starts and ends where the text is (not on a blank line), at most 8 code files, at most 1,200 lines with the
+    README's example."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Read one step in this order", 1)[1].split("\nThe folders are the layers.", 1)[0]
+    rows = re.findall(r"^\| \d \| `(cbkit/[^`]+)`: ([\d\-, ]+) \|", section, flags=re.M)
+    assert rows, "no file: lines rows found"
+    files = {path for path, _ in rows}
+    assert len(files) <= 8, files
+    total = 13  # the README's example
+    for path, ranges in rows:
+        lines = (ROOT / path).read_text().splitlines()
+        for part in ranges.split(","):
+            start, stop = (int(x) for x in part.strip().split("-"))
+            assert 1 <= start <= stop <= len(lines), (path, part, len(lines))
+            assert lines[start - 1].strip() and lines[stop - 1].strip(), (path, part, "starts or ends on a blank line")
+            total += stop - start + 1
+    assert total <= 1200, total
+    stated = re.search(r"About ([\d,]+) lines", section)
+    assert stated and abs(int(stated.group(1).replace(",", "")) - total) <= 50, (stated, total)

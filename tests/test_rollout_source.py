@@ -33,7 +33,6 @@ def counted(monkeypatch):
 
     set_up = counting("set_up_run", cbkit.train.setup.set_up_run)
     monkeypatch.setattr(cbkit.train.setup, "set_up_run", set_up)
-    monkeypatch.setattr("cbkit.train.grpo.set_up_run", set_up)
     monkeypatch.setattr(cbkit.tasks.data, "load_problems", counting("load_problems", cbkit.tasks.data.load_problems))
     return calls
 

@@ -20,7 +20,7 @@ def dataclass_flags(dtype: type) -> argparse.ArgumentParser:
     parser for `add_parser(..., parents=[...])`, argparse's own way of sharing arguments."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(dtype, add_help=False)
+    parser = HfArgumentParser(typing.cast(Any, dtype), add_help=False)  # its DataClassType is a NewType of Any
     _given_flags_only(parser, dtype)
     return parser
 
@@ -45,7 +45,11 @@ def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
         if f is None:
             continue
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default: Any = None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         action.default, action.required = argparse.SUPPRESS, required and not isinstance(action,
                                                                                          argparse._StoreFalseAction)
         if isinstance(action, argparse._StoreFalseAction):  # the --no-<flag> twin of a boolean

@@ -4,6 +4,7 @@ loaded."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from cbkit.cli.flags import dataclass_flags, given_fields
 
@@ -14,7 +15,7 @@ def _advise(args: argparse.Namespace) -> int:
     from cbkit.models.load import load_config
 
     a = AdviseConfig(**given_fields(args, AdviseConfig))
-    sizes = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
+    sizes: dict[str, Any] = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
                  mean_completion_len=a.mean_completion_len, dtype_bytes=a.dtype_bytes, budget_bytes=a.budget_bytes,
                  device=a.device)
     measured = measured_from_sweep(a.results_from, a.num_generations) if a.results_from else None
@@ -48,7 +49,7 @@ def _tiers(args: argparse.Namespace) -> int:
 
     plans = plan_all(names(args.notebooks, list(NOTEBOOKS), "notebook(s)"), names(args.gpus, list(MACHINES), "GPU(s)"))
     print(tiers_report(plans))
-    failed = [p for p in plans if not p.ok]
+    failed: list[Any] = [p for p in plans if not p.ok]
     print(f"\n{len(plans) - len(failed)} of {len(plans)} notebook x GPU plans fit, finish within budget and show "
           "their phenomenon" + ("." if not failed else f"; {len(failed)} do not (above)."))
     if not args.notebooks:  # the learning recipe on the same GPUs: its CB and generate() runs with evaluations

@@ -5,7 +5,7 @@ term by term, with its error against the measured peak.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 
 def roof_record(config, prompts, measured: dict[str, Any], probe: dict[str, Any], dtype_bytes: int) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targe
     from cbkit.measure.planner import plan
 
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
-    device = model.device.type if model.device.type == "cuda" else "cpu"
+    device: Literal["cuda", "cpu"] = "cuda" if model.device.type == "cuda" else "cpu"
     cb_config = dict(cfg.cb_config)
     if targets and device == "cpu" and "num_blocks" not in cb_config:
         from cbkit.rollout.engine_config import make_cb_config

@@ -49,7 +49,8 @@ def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None
     if dry_run:
         return
     if torch.cuda.is_available():
-        if DTYPES.get(dtype or PRESETS[preset].get("dtype")) == torch.bfloat16 and not native_bf16():
+        run_dtype = dtype or PRESETS[preset].get("dtype")
+        if run_dtype is not None and DTYPES.get(run_dtype) == torch.bfloat16 and not native_bf16():
             major, minor = torch.cuda.get_device_capability()
             raise ValueError(
                 f"--preset {preset} runs in bfloat16, which {torch.cuda.get_device_name()} (compute capability "

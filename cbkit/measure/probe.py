@@ -37,7 +37,9 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
     hidden, inter = shape.hidden, shape.intermediate
     device, dtype = model.device, model.dtype
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best, per_rows, rounds_by_rows = 0.0, {}, {}
+    best = 0.0
+    per_rows: dict[str, float] = {}
+    rounds_by_rows: dict[str, list[float]] = {}
     for r in [r for _ in range(rounds) for r in rows]:
         a = torch.randn(r, hidden, device=device, dtype=dtype)
         b = torch.randn(hidden, inter, device=device, dtype=dtype)
@@ -58,7 +60,7 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
         rounds_by_rows.setdefault(str(r), []).append(flops)
         best = max(best, flops)
         del a, b
-    best_rows = max(per_rows, key=per_rows.get)
+    best_rows = max(per_rows, key=lambda rows_key: per_rows[rows_key])
     return {"peak_flops": best, "probe_flops_by_rows": per_rows, "probe_shape": [hidden, inter],
             "peak_flops_rounds": rounds_by_rows[best_rows], "peak_flops_spread": spread(rounds_by_rows[best_rows]),
             "probe_dtype": str(dtype).removeprefix("torch."), "probe_device": device.type}

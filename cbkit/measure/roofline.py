@@ -34,6 +34,12 @@ class Machine:
     memory_bytes: int | None = None
     source: str = "probed"  # or "datasheet"
 
+    def total_memory(self) -> int:
+        """Device memory in bytes; a probed machine has none recorded."""
+        if self.memory_bytes is None:
+            raise ValueError(f"{self.name} has no device memory recorded; plans need a GPU from roofline.GPUS.")
+        return self.memory_bytes
+
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
             raise ValueError(f"{self.name} has no peak for {dtype!r}; known: {sorted(self.peak_flops)}.")

@@ -7,7 +7,7 @@ after every point, so the next starts where this one did.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbkit.measure.plan_records import step_roof_record
@@ -65,6 +65,11 @@ def _collect_garbage() -> None:
     gc.collect()
 
 
+def _numeric(metrics: Mapping[str, float | int | str]) -> dict[str, float]:
+    """A step record's numbers (timings, counts, rewards), its labels (``rollout/backend``) left out."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, str)}
+
+
 def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, targets: Sequence[int] | None = None,
                       probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """One GRPO step through cbkit's loop with this backend, split by phase: the rollout (its own wall clock),
@@ -94,7 +99,7 @@ def measure_full_step(cfg: SweepConfig, setup, backend, n: int, rep: int, target
     finally:
         del trainer  # its AdamW state and gradients, before the weights are read back
         _put_back(model, saved)
-    m, rollout = record.metrics, seen.rollout
+    m, rollout = _numeric(record.metrics), seen.rollout
     lengths = [len(c.completion_ids) for c in rollout.completions]
     tokens = sum(lengths)
     step_s, rollout_s = m["step/seconds"], m["rollout/seconds"]
@@ -155,7 +160,7 @@ def measure_async_steps(cfg: SweepConfig, setup, n: int, rep: int, targets: Sequ
     try:
         with mem:
             for _ in range(cfg.async_steps):
-                steps.append(trainer.step().metrics)
+                steps.append(_numeric(trainer.step().metrics))
             mem.synchronize()
     except Exception as e:
         if not is_oom(e):

@@ -109,4 +109,6 @@ def _keeps_logits(config) -> bool:
         cls = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
         return False
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    # transformers annotates every lazy auto mapping's value as the tokenizer mapping's (slow, fast) pair; a model
+    # mapping's value is the model class.
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]

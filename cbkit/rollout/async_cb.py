@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,9 @@ from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_reques
 from cbkit.rollout.engine import Engine
 from cbkit.rollout.engine_io import compute_stream, resolved_config, timeline, to_completions
 from cbkit.telemetry import PeakMemory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -85,7 +88,7 @@ class AsyncEngine:
 
     name = "continuous-async"
 
-    def __init__(self, model: torch.nn.Module, cb_config: Mapping[str, Any] | None = None, *,
+    def __init__(self, model: PreTrainedModel, cb_config: Mapping[str, Any] | None = None, *,
                  record_timestamps: bool = True) -> None:
         if cb_config and cb_config.get("allow_block_sharing"):
             raise ValueError("allow_block_sharing=True with async rollouts: a request admitted after an update "
@@ -261,12 +264,12 @@ class AsyncEngine:
         with self._lock, torch.no_grad():
             engine = compute_stream(self.engine.manager)
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None
-            if copier is not None:
+            if engine is not None and copier is not None:  # both, or neither
                 copier.wait_stream(engine)
             try:
                 yield
             finally:  # a failed write too: whatever it enqueued lands before the next forward
-                if copier is not None:
+                if engine is not None and copier is not None:
                     engine.wait_stream(copier)
                 elif self.snapshot.device.type == "cuda":
                     torch.cuda.current_stream(self.snapshot.device).synchronize()

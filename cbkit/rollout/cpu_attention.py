@@ -120,7 +120,7 @@ def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Te
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
     rows, k_len = group.rows, group.k_len
     q = query[0, :, group.q_pos].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
-    if group.k_index is None:  # back to back: the packed keys already are the grid
+    if group.k_start is not None:  # back to back: the packed keys already are the grid (k_index is None)
         span = slice(group.k_start, group.k_start + rows * k_len)
         k, v = key[0, :, span], value[0, :, span]
     else:

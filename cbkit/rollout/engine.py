@@ -217,18 +217,23 @@ class Engine:
         self._stack = stack
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
+    def _running(self) -> ThreadLoop:
+        if self._loop is None:
+            raise RuntimeError("No engine manager is running: call start() first (close() stops it).")
+        return self._loop
+
     def paused(self) -> contextlib.AbstractContextManager:
-        return self._loop.paused()
+        return self._running().paused()
 
     def queue(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
               targets: Sequence[int] | None = None) -> list[str]:
         """`submit` to the running manager (hold `paused()` around it for a seeded order of draws); ``targets``
         as in `run`."""
-        return self.submit(self._loop, rows, max_new_tokens, seed, targets=targets)
+        return self.submit(self._running(), rows, max_new_tokens, seed, targets=targets)
 
     def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
         """Wait up to `timeout` s for one result of the running manager; a finished one goes into `results`."""
-        self._loop.take(results, timeout, expected)
+        self._running().take(results, timeout, expected)
 
     def scheduled(self) -> list[Scheduled]:
         """The requests of the batch the running manager is about to run (see `scheduled`)."""
@@ -265,9 +270,9 @@ def _reseed(manager, seed: int | None) -> None:
     if seed is None:
         return
     manager.continuous_batching_config.seed = seed  # what `resolved_config` reports
-    helper = getattr(manager, "distributed_helper", None)
-    if hasattr(helper, "set_tp_seed"):
-        helper.set_tp_seed(seed, manager.model.device)
+    set_tp_seed = getattr(getattr(manager, "distributed_helper", None), "set_tp_seed", None)
+    if set_tp_seed is not None:
+        set_tp_seed(seed, manager.model.device)
     else:
         torch.manual_seed(seed)
 

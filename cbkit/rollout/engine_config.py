@@ -209,6 +209,6 @@ def page_size(config) -> int:
 
     get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
     for key in ("page_size", "block_size"):
-        if get(key):
-            return int(get(key))
+        if value := get(key):
+            return int(value)
     return int(getattr(ContinuousBatchingConfig(), _page_key()))

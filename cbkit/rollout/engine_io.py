@@ -98,11 +98,12 @@ def watch_batches(callback: Callable[[list[Scheduled], int, int], None]) -> Iter
                 callback(scheduled(self), int(self.cache.num_blocks), page)
         return ready
 
-    ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch
+    # Patching upstream's method on the class is the point here (mypy's method-assign forbids it in general).
+    ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch  # type: ignore[method-assign]
     try:
         yield
     finally:
-        ContinuousBatchProcessor.prepare_next_batch = original
+        ContinuousBatchProcessor.prepare_next_batch = original  # type: ignore[method-assign]
 
 
 # --- outputs -> cbkit records ---------------------------------------------------------------------------------

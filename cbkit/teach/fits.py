@@ -44,7 +44,7 @@ def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[in
             f"{env.logits_budget_bytes / GiB:.0f}; its activations: {train['activations'] / GiB:.2f})")
     if env.gpu or env.dry_run:
         total = env.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
-        if rollout.fits is False:
+        if free is not None and rollout.fits is False:  # (fits is None without a budget)
             raise MemoryError(f"{line}: the rollout does not fit the {free / GiB:.1f} GiB free on this GPU. "
                               "Lower N, the prompts per step or max_completion_length.")
         if train["total"] + rollout.peak_bytes > total:

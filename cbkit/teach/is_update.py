@@ -50,7 +50,7 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
     n_with, n_without = n_with ** 0.5, n_without ** 0.5
     from cbkit.telemetry import release_memory
 
-    with_is = without = a = b = None
+    del with_is, without, a, b  # free the flat gradients before release_memory
     release_memory()  # the two flat gradients (a copy of the model each) and the forwards' heap
     if n_with == 0 or n_without == 0:
         raise ValueError("a gradient is zero: every IS weight is 0 (all completions masked?), so there is nothing "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from cbkit.train.hooks import StepHooks, StepRecord, TrainState
@@ -76,7 +77,7 @@ class LiveMetricsHook(StepHooks):
             self.chart.flush()
 
 
-def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
+def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mode: str = "auto",
                on_point: Callable[[dict[str, Any]], None] | None = None,
                title: str | None = None) -> list[dict[str, Any]]:
     """`cbkit.measure.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
@@ -100,11 +101,12 @@ def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: st
         if on_point is not None:
             on_point(run)
 
-    if os.path.exists(out):
-        for run in load_runs(out):
+    path = Path(out)
+    if path.exists():
+        for run in load_runs(path):
             add(run)
     try:
-        points = run_sweep(cfg, out, on_point=add, policy=policy)
+        points = run_sweep(cfg, path, on_point=add, policy=policy)
     finally:
         chart.close()
     return points

@@ -103,7 +103,7 @@ class NotebookEnv:
         return LOGITS_BUDGET_BYTES[self.tier]
 
     @property
-    def forward_chunk_rows(self) -> int:
+    def forward_chunk_rows(self) -> int | None:
         """Completions per training forward (the loop's ``forward_chunk_rows``): on a CPU ``CPU_FORWARD_CHUNK_ROWS``,
         so that a laptop holds one small chunk's fp32 activations at a time; on a GPU (or a tier's dry run) the
         config's default."""
@@ -125,9 +125,8 @@ class NotebookEnv:
         """TRL's ``gradient_accumulation_steps`` for a step of ``rows`` completions. TRL's chunk of rows is its
         micro-batch, so on a CPU it is this notebook's forward chunk (``forward_chunk_rows``) where that divides the
         step; elsewhere the config's ``gradient_accumulation_steps``."""
-        chunk = self.forward_chunk_rows
-        if self.device == "cpu" and not self.dry_run and rows % chunk == 0:
-            return max(gradient_accumulation_steps, rows // chunk)
+        if self.device == "cpu" and not self.dry_run and rows % CPU_FORWARD_CHUNK_ROWS == 0:
+            return max(gradient_accumulation_steps, rows // CPU_FORWARD_CHUNK_ROWS)
         return gradient_accumulation_steps
 
     def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
@@ -224,7 +223,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
     With ``notebook``, also its sizes for the tier, and the tier's plan, refused before model time if it does not
     fit. Bad input (an unknown profile or tier, a GPU tier without a GPU) fails here, saying what to change."""
     from cbkit.models.load import native_bf16
-    from cbkit.train.grpo import seed_everything
+    from cbkit.train.order import seed_everything
 
     profile = resolve_profile(profile)
     forced = resolve_tier()

@@ -72,8 +72,7 @@ def compare_runs(records: Mapping[str, Sequence[StepRecord]], keys: Sequence[str
     for label, recs in records.items():
         col = {}
         for key in keys:
-            vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
-                    and r.metrics[key] == r.metrics[key]]
+            vals = [v for r in recs if isinstance(v := r.metrics.get(key), int | float) and v == v]
             mean = sum(vals) / len(vals) if vals else float("nan")
             col[key.replace("_bytes", " (MiB)") if key.endswith("_bytes") else key] = (
                 mean / 2**20 if key.endswith("_bytes") else mean)

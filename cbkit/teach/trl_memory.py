@@ -4,14 +4,14 @@ term by term with the planner's arithmetic.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from cbkit.measure.presets import TRL_PR_5765
 
 
 def trl_vram_explained(config: Any, *, prompts: int = 8, prompt_len: int = 132, max_new_tokens: int = 2048,
                        memory_bytes: int = 80 * 10**9, pool_share: float = 0.4, dtype_bytes: int = 2,
-                       attn_implementation: str = "flash") -> str:
+                       attn_implementation: Literal["sdpa", "eager", "flash"] = "flash") -> str:
     """TRL PR #5765's VRAM column (CB minus generate(), GB) next to the planner's arithmetic for the same shape,
     with what had to be assumed: the PR gives neither its prompts per step nor how its pool was sized. Assumed
     here: ``prompts`` prompts per step of ``prompt_len`` tokens, and a pool of ``pool_share`` of what the training

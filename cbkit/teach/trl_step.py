@@ -63,7 +63,6 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
     from cbkit.trl.config import trl_grpo_config
     from cbkit.trl.rewards import _trl_rewards, _weights_for
-    from cbkit.trl.trainers import plain_forward
 
     funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
@@ -87,6 +86,20 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
                          "use_transformers_continuous_batching=True.")
     trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer)
+    seen = _train_recording(trainer)
+    # The trainer and its copy of the model, freed with the heap they used (nothing here holds them any longer).
+    del trainer
+    from cbkit.telemetry import release_memory
+
+    release_memory()
+    return seen
+
+
+def _train_recording(trainer: Any) -> dict[str, Any]:
+    """Train `trainer` (a stock ``trl.GRPOTrainer``) one step, recording what its rollout (its
+    ``_generate_single_turn``, replaced on this one instance) returned."""
+    from cbkit.trl.trainers import plain_forward
+
     seen: dict[str, Any] = {}
     generate = trainer._generate_single_turn
 
@@ -104,9 +117,4 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     logs = trainer.state.log_history[0] if trainer.state.log_history else {}
     seen["sampling_metrics"] = {k: v for k, v in logs.items() if k.startswith("sampling/")}
     seen["trainer"] = type(trainer).__module__ + "." + type(trainer).__name__
-    # The trainer and its copy of the model, freed with the heap they used (nothing here holds them any longer).
-    trainer = generate = recording = None
-    from cbkit.telemetry import release_memory
-
-    release_memory()
     return seen

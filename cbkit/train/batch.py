@@ -24,11 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from cbkit.rollout.base import Completion
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -156,7 +160,7 @@ def longest_first_chunks(start: int, stop: int, rows: int | None, attention_mask
     return [order[i : i + step] for i in range(0, stop - start, step)]
 
 
-def check_causal_forward(model: torch.nn.Module, attn_implementation: str) -> None:
+def check_causal_forward(model: PreTrainedModel, attn_implementation: str) -> None:
     """Refuse a training forward while the model's attention is not the one training began with, or while a CB
     engine runs on it: a plain forward in that state can run without a causal mask (transformers issue #48296)."""
     from cbkit.rollout.engine import engine_is_idle

@@ -162,6 +162,9 @@ def refuse_to_overwrite(output_dir: Path | None, metrics_file: str) -> None:
 
 def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | bool) -> Path:
     """The checkpoint to resume from: `resume_from` itself, or (True) the newest in `output_dir`."""
+    if resume_from is False:
+        raise ValueError("resume_from=False names no checkpoint: pass a checkpoint directory, or True for the newest "
+                         "in output_dir (leave it None not to resume).")
     if resume_from is not True:
         return Path(resume_from)
     if output_dir is None:

@@ -62,7 +62,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -71,13 +71,18 @@ from cbkit.models.load import training_precision
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
+from cbkit.telemetry import seconds_since
 from cbkit.train import checkpoint
 from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.evaluate import build_held_out, eval_sampling, without_held_out
-from cbkit.train.hooks import StepHooks, StepRecord, TrainState, default_hooks
+from cbkit.train.hooks import RunStatus, StepHooks, StepRecord, TrainState, default_hooks
 from cbkit.train.logprobs import chunked_logits
 from cbkit.train.objective import (
+    Estimator,
+    ISMode,
+    LossType,
+    ScaleRewards,
     chunk_share,
     group_advantages,
     grpo_loss,
@@ -89,10 +94,7 @@ from cbkit.train.objective import (
 from cbkit.train.offpolicy import drift_metrics, make_rollout_source
 from cbkit.train.order import PromptOrder, mix_seed, seed_everything
 from cbkit.train.rollouts import RolloutRequest, RolloutSource, SourcedRollout, check_backend, check_entry
-from cbkit.train.setup import RunSetup, check_fp32_weights, check_text_only, set_up_for_config, set_up_run
-
-__all__ = ["GRPOTrainer", "Prepared", "check_fp32_weights", "check_text_only", "mix_seed", "seed_everything",
-           "set_up_run"]
+from cbkit.train.setup import RunSetup, set_up_for_config
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -190,12 +192,12 @@ class GRPOTrainer:
             checkpoint.refuse_to_overwrite(self.state.output_dir, METRICS_FILE)
             seed_everything(self.config.seed)
             self._rng_at_step_end = checkpoint.capture_rng()
-        status = "failed"
+        status: RunStatus = "failed"
         try:
             for h in self.hooks:
                 h.on_train_begin(self.state)
             if self.held_out is not None and self.state.step == 0:  # the step-0 point of every held-out curve
-                record = StepRecord(0, self.evaluate())
+                record = StepRecord(0, {**self.evaluate()})
                 for h in self.hooks:
                     h.on_step_end(record)
             while self.state.step < self.config.max_steps:
@@ -230,10 +232,10 @@ class GRPOTrainer:
         train_start = time.perf_counter()  # training = old-logprob forward + updates: what the rollout is not
         prepared = self.prepare(got.rollout, rewards)
         metrics.update(prepared.metrics)
-        metrics["train/prepare_seconds"] = self._seconds_since(train_start)
+        metrics["train/prepare_seconds"] = seconds_since(train_start, self.device)
         update_start = time.perf_counter()
         metrics.update(self.optimize(prepared))
-        metrics["train/update_seconds"] = self._seconds_since(update_start)
+        metrics["train/update_seconds"] = seconds_since(update_start, self.device)
         metrics.update(self.rollouts.after_step(self.policy_version))
         metrics["train/seconds"] = time.perf_counter() - train_start
         metrics["step/seconds"] = time.perf_counter() - start
@@ -256,6 +258,7 @@ class GRPOTrainer:
         """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
         if self.held_out is None:
             raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
+        assert self.eval_backend is not None  # built in __init__ whenever there is a held-out set
         sampling = eval_sampling(self.sampling_params(0))
         return self.held_out.evaluate(self.eval_backend, sampling,
                                       lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -310,15 +313,19 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        advantages = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_estimator)
+        # The config keeps these as plain str (a recipe's YAML value); CBGRPOConfig._check has held each to its
+        # objective Literal's values.
+        advantages = group_advantages(rewards, c.num_generations, cast(ScaleRewards, c.scale_rewards),
+                                      cast(Estimator, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         # The whole completion mask, truncated completions included: their weights never reach the loss when
         # they are masked, and `logprob/*` should describe every token the engine sampled.
+        weights: Tensor | None
         weights, metrics = importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, c.importance_sampling_mode,
+            old_processed, batch.sampling_logps, batch.completion_mask, cast(ISMode, c.importance_sampling_mode),
             c.clip_max, c.clip_min,
         )
         if self.truncates and batch.sampling_logps is not None:
@@ -352,13 +359,14 @@ class GRPOTrainer:
     def accumulate_gradients(self, prepared: Prepared) -> dict[str, float]:
         """Fresh gradients of one optimizer update, summed over `gradient_accumulation_steps` micro-batches."""
         c, p = self.config, prepared
+        loss_type = cast(LossType, c.loss_type)  # held to LossType's values by CBGRPOConfig._check
         check_causal_forward(self.model, self.attn_implementation)
         self.optimizer.zero_grad(set_to_none=True)
         ga = c.gradient_accumulation_steps
         size = len(p.batch) // ga
         # dapo divides by the tokens of the whole update, not of one micro-batch: what makes accumulation exact.
         num_items = p.loss_mask.sum()
-        loss_sum, sums = 0.0, {}
+        loss_sum, sums = 0.0, dict[str, float]()
         for k in range(ga):
             micro_mask = p.loss_mask[k * size : (k + 1) * size]
             # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
@@ -370,13 +378,13 @@ class GRPOTrainer:
                 del logits  # its graph lives on in logps until this chunk's backward
                 loss, metrics = grpo_loss(
                     logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
-                    loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
+                    loss_type=loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
                     ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
                     is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
                     max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
                     gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
                 )
-                loss_share, token_share = chunk_share(c.loss_type, p.loss_mask[rows], micro_mask)
+                loss_share, token_share = chunk_share(loss_type, p.loss_mask[rows], micro_mask)
                 (loss * loss_share).backward()
                 loss_sum += loss.item() * loss_share
                 for key, value in metrics.items():
@@ -422,9 +430,8 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk of a micro-batch
-        (`forward_chunk_rows`); and [B, T]
-        True where a sampled token lay outside the trainer's replayed nucleus (kept in it, see `replayed_logprobs`)."""
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk (`forward_chunk_rows`),
+        and True where a sampled token lay outside the trainer's replayed nucleus (kept in it: `replayed_logprobs`)."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
@@ -441,9 +448,3 @@ class GRPOTrainer:
                     logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
             del logits  # one chunk's logits alive at a time
         return plain, processed, outside
-
-    def _seconds_since(self, start: float) -> float:
-        """Wall seconds since `start`, once the kernels this thread queued have run (an async engine's are its own)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return time.perf_counter() - start

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from cbkit.train.config import CBGRPOConfig
 
 Metric = float | int | str
+RunStatus = Literal["running", "finished", "interrupted", "failed"]
 
 
 @dataclass
@@ -60,7 +61,7 @@ class TrainState:
     config: CBGRPOConfig
     output_dir: Path | None = None
     resumed_from: Path | None = None
-    status: Literal["running", "finished", "interrupted", "failed"] = "running"
+    status: RunStatus = "running"
     # True while the model and optimizer are exactly as they were at the end of `step`; False from a step's
     # first optimizer update until that step ends. A checkpoint of `step` can only be written when True.
     resumable: bool = True

@@ -38,15 +38,19 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from cbkit.rollout import Rollout, RolloutBackend
-from cbkit.rollout.async_cb import AsyncEngine
+from cbkit.rollout import Completion, Rollout, RolloutBackend
+from cbkit.rollout.async_cb import AsyncEngine, Pending
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.rollouts import OnPolicyRollouts, RolloutRequest, RolloutSource, SourcedRollout, sample
 from cbkit.train.snapshots import WeightSnapshots
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next rollout must start from
 
@@ -115,7 +119,13 @@ def _stamped(rollout: Rollout, version: int) -> Rollout:
 # --- the sources -------------------------------------------------------------------------------------------------
 
 
-def make_rollout_source(config: CBGRPOConfig, policy: torch.nn.Module, backend: RolloutBackend, *,
+def _token_versions(completion: Completion) -> tuple[int, ...]:
+    """The policy version of each token of an async rollout's completion (`AsyncEngine.collect` stamps them all)."""
+    assert completion.policy_versions is not None, "an async rollout's completion carries its tokens' versions"
+    return completion.policy_versions
+
+
+def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
     """`given` (it wins over the config), or the source the config asks for: on-policy (the default), a fixed lag,
@@ -146,7 +156,7 @@ class LaggedRollouts(RolloutSource):
     `backend` (which samples from the policy) samples, and the newest is loaded back, bitwise: no sampling copy of
     the model is kept."""
 
-    def __init__(self, policy: torch.nn.Module, backend: RolloutBackend, staleness: int,
+    def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
         self.k, self.policy, self.backend = staleness, policy, backend
         self.history = WeightSnapshots(staleness + 1, snapshots)
@@ -189,13 +199,13 @@ class AsyncRollouts(RolloutSource):
     `target_lengths`, one per completion row, replays a length workload in every rollout it queues, EOS ignored
     (`cbkit sweep --full-step`'s async row, so every backend decodes the same targets); None: EOS decides."""
 
-    def __init__(self, policy: torch.nn.Module, config: CBGRPOConfig, *, max_prompt_len: int,
+    def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
                  checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
         self.config, self.checkpoints = config, checkpoints
         self.engine = AsyncEngine(policy, config.cb_overrides())
         self.engine.max_prompt_len = max_prompt_len
         self.target_lengths = None if target_lengths is None else list(target_lengths)
-        self.pending = None
+        self.pending: Pending | None = None
         self.previous: dict[str, Tensor] | None = None  # the weights the pending rollout started on (checkpoints)
         self.resume_update: int | None = None  # a resumed run first replays the update its pending rollout met
 
@@ -212,7 +222,7 @@ class AsyncRollouts(RolloutSource):
         self.pending = None
         metrics["offpolicy/rollout_wait_s"] = time.perf_counter() - start
         now = request.policy_version
-        oldest = min(v for comp in rollout.completions for v in comp.policy_versions)
+        oldest = min(v for comp in rollout.completions for v in _token_versions(comp))
         metrics.update(staleness_metrics(rollout, now))
         metrics["offpolicy/regenerated"] = 0.0
         metrics["offpolicy/dropped_groups"] = 0.0
@@ -230,7 +240,7 @@ class AsyncRollouts(RolloutSource):
             self.previous = self.engine.snapshot_state()  # what the pending rollout started on, for a checkpoint
         return {"offpolicy/publish_wait_s": self.engine.publish(version)}
 
-    def _submit(self, request: RolloutRequest, straddle: bool):
+    def _submit(self, request: RolloutRequest, straddle: bool) -> Pending:
         return self.engine.submit(request.prompts, request.num_generations, request.sampling,
                                   update_at=self.config.async_update_at if straddle else None,
                                   prompt_names=request.prompt_names, target_lengths=self.target_lengths)
@@ -240,7 +250,7 @@ class AsyncRollouts(RolloutSource):
         dropping would leave no group: a step needs one). Returns the rollout, its problems, and if it was resampled."""
         c, now = self.config, request.policy_version
         if c.stale_rollouts == "drop":
-            fresh = fresh_groups([[comp.policy_versions for comp in g] for g in rollout.groups()], now,
+            fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in rollout.groups()], now,
                                  c.max_staleness)
             if fresh:
                 groups = rollout.groups()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +157,8 @@ def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-swee
     charts_html = "\n".join(charts)
     esc = html.escape
     meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in (meta or {}).items())
-    cols = [("backend", "backend", str), ("N", "N", str), ("status", "status", str),
+    cols: list[tuple[str, str, Callable[[Any], str]]] = [
+            ("backend", "backend", str), ("N", "N", str), ("status", "status", str),
             ("tokens_per_s", "tokens/s", lambda v: f"{v:.1f}"), ("rollout_s", "rollout s", lambda v: f"{v:.2f}"),
             ("peak_mem_bytes", "peak memory", fmt_bytes), ("peak_mem_kind", "measured as", _kind),
             ("kv_bytes", "KV (analytic)", fmt_bytes), ("planned_peak_bytes", "planner", fmt_bytes),

@@ -113,6 +113,8 @@ def _last_frame_bar() -> type:
     import tqdm.asyncio
 
     class LastFrameBar(tqdm.asyncio.tqdm):
+        delay: float  # tqdm's own attribute (its `delay=` argument), set by its __init__
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("delay", math.inf)  # nothing is drawn while it runs
             super().__init__(*args, **kwargs)
@@ -360,6 +362,7 @@ class LiveChart:
 
     def _update_widget(self) -> None:
         if self._widget is None:
+            assert self._widget_cls is not None, "widget mode is resolved only with a FigureWidget class"
             self._widget = self._widget_cls(self.figure())
             self._trace_index = {key: i for i, key in enumerate(self._series)}
             self._display(self._widget)

@@ -122,6 +122,7 @@ def plan_continuous(
     def mask_bytes(sectors: int) -> int:
         return io_mult * masks * s.a * m * (sectors * tokens_per_sector + m)
 
+    sized_by: Literal["num_blocks", "workload", "memory"]
     if cfg.num_blocks is not None:
         sectors = max(1, math.ceil(cfg.num_blocks * block / sector))
         sized_by = "num_blocks" if "num_blocks" in overrides else "workload"

@@ -78,7 +78,7 @@ def plan_presets() -> list[PresetPlan]:
         new = preset["max_new_tokens"]
         pool = dict(preset.get("cb_config", {}))
         a = admission(config, pool, dtype=dtype, rows=[range(PROMPT_LEN)] * requests, max_new_tokens=new,
-                      total_bytes=roofline.GPUS[machine].memory_bytes, used_bytes=CUDA_CONTEXT_BYTES + resident,
+                      total_bytes=roofline.GPUS[machine].total_memory(), used_bytes=CUDA_CONTEXT_BYTES + resident,
                       capability=CAPABILITY[machine])
         out.append(PresetPlan(name, machine, a, requests, PROMPT_LEN + new, page_size(pool)))
     return out

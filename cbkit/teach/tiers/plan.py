@@ -88,7 +88,7 @@ class TierPlan:
     def problems(self) -> list[str]:
         out = []
         if not self.fits:
-            big = max(self.parts, key=self.parts.get)
+            big = max(self.parts, key=lambda k: self.parts[k])
             lower = next((v for k, v in _LOWER.items() if big.startswith(k)), "the model")
             out.append(f"does not fit: planned {fmt_bytes(self.peak_bytes)} > {fmt_bytes(self.memory_bytes)}; the "
                        f"largest part is {big} ({fmt_bytes(self.parts[big])}): lower {lower}")
@@ -135,9 +135,9 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     if spec.trains and tier == "a100":
         compute = "bfloat16"  # the training forwards under bf16 autocast; the rollout reads fp32 weights
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)  # the pool the notebook allocates
-    memory = gpu.memory_bytes - CUDA_CONTEXT_BYTES
+    memory = gpu.total_memory() - CUDA_CONTEXT_BYTES
     budget = memory - weight_bytes * params
-    common = dict(prompt_len=PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=budget,
+    common: dict[str, Any] = dict(prompt_len=PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=budget,
                   cb_config=pool)
     parts: dict[str, int] = {"weights": weight_bytes * params}
     # Copies of the weights the notebook keeps on the GPU: in the tier's place, and the async engine's own snapshot.
@@ -150,7 +150,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     crossovers: list[tuple[str, int | None, tuple[int, ...]]] = []
     notes: list[str] = []
     starts: dict[tuple, tuple[str, int]] = {}  # (rows, new tokens, dtype bytes) -> (what, most resident bytes)
-    seconds = OVERHEAD_S
+    seconds: float = OVERHEAD_S
     rollout_peak = 0
 
     def rollout(prompts: int, n: int, new: int, backend: str, lengths: str = "replay:gsm8k", *, resident: int = 0,
@@ -236,7 +236,7 @@ def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, 
     import torch
 
     return admission(config, pool, dtype={4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[
-        dtype_bytes], rows=[range(PROMPT_LEN)] * rows, max_new_tokens=new, total_bytes=roofline.GPUS[machine].memory_bytes,
+        dtype_bytes], rows=[range(PROMPT_LEN)] * rows, max_new_tokens=new, total_bytes=roofline.GPUS[machine].total_memory(),
         used_bytes=CUDA_CONTEXT_BYTES + resident, capability=CAPABILITY[machine], flash=flash)
 
 
