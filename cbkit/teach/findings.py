@@ -187,7 +187,7 @@ def admission_findings(trace: Any) -> str:
         lines.append(f"{len(later)} of {len(done)} completions were first scheduled only after another had finished "
                      f"({first_end.request_id}, at step {first_end.last_step}): they waited to be admitted, the last "
                      f"({last.request_id}) until step {last.first_step}, "
-                     f"{steps[last.first_step].t - steps[start].t:.1f} s after the first completion step.")
+                     f"{_secs(steps[last.first_step].t - steps[start].t)} after the first completion step.")
     else:
         lines.append(f"All {len(done)} completions were scheduled before the first one finished ({first_end.request_id}, "
                      f"at step {first_end.last_step}): none waited to be admitted.")
@@ -197,7 +197,7 @@ def admission_findings(trace: Any) -> str:
         seconds = steps[min(run[-1] + 1, total - 1)].t - steps[run[0]].t
         lines.append(f"{len(stalled)} completions were left out of steps after they had started, admitted but "
                      f"waiting for a place in the batch: the longest {len(run)} steps in a row ({worst.request_id}, "
-                     f"steps {run[0]}-{run[-1]}, {seconds:.1f} s).")
+                     f"steps {run[0]}-{run[-1]}, {_secs(seconds)}).")
         budget = (trace.pool_blocks or 0) * (trace.page_size or 0)
         if budget:
             # transformers' scheduler caps the KV one varlen batch reads at the pool's size in tokens
@@ -205,19 +205,25 @@ def admission_findings(trace: Any) -> str:
             length = _lengths(trace)
             pairs = [(life.request_id, i) for life in stalled for i in life.skipped]
             bound = sum(sum(r.past_len for r in steps[i].requests) + length[rid][i] > budget for rid, i in pairs)
-            lines.append(f"In {bound} of those {len(pairs)} skipped steps the requests already scheduled read so much "
-                         f"KV that the waiting one's would have passed the engine's read budget for a step (the pool "
-                         f"in tokens, {trace.pool_blocks} x {trace.page_size} = {budget})"
-                         + ("." if bound == len(pairs) else "; in the others it found no free block."))
+            lead = "In every one" if bound == len(pairs) else f"In {bound}"
+            lines.append(f"{lead} of those {len(pairs)} skipped steps the requests already scheduled read so much KV "
+                         "that the waiting one's would have passed the engine's read budget for a step (the pool in "
+                         f"tokens, {trace.pool_blocks} x {trace.page_size} = {budget})" + (
+                             "." if bound == len(pairs) else "; in the others another limit held it back (free "
+                             "blocks, the token budget, the scheduler's safety margin)."))
     tokens = [life for life in done if life.first_token_step is not None]
     if tokens:
         slow = max(tokens, key=lambda life: (life.first_token_step, life.request_id))
         lines.append(f"The last first token came at step {slow.first_token_step} of {total} ({slow.request_id}), "
-                     f"{steps[slow.first_token_step].t - steps[start].t:.1f} s after the first completion step.")
+                     f"{_secs(steps[slow.first_token_step].t - steps[start].t)} after the first completion step.")
     together = max(steps, key=lambda s: sum(not r.helper for r in s.requests))
     lines.append(f"At most {sum(not r.helper for r in together.requests)} completions shared one forward "
                  f"(step {together.index}).")
     return "\n".join(lines)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
 
 
 def _longest_run(indices: Sequence[int]) -> list[int]:
