@@ -243,7 +243,11 @@ def test_recycling_model_refuses_bad_input(call, msg):
 
 def test_explorer_headless_returns_the_figure_and_interactive_returns_sliders():
     fig = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=False)
-    assert isinstance(fig, go.Figure) and "paged pool peak" in fig.layout.title.text
+    assert isinstance(fig, go.Figure) and "paged pool, engine admission: peak" in fig.layout.title.text
+    # both admission rules drawn, the engine's named as such, the reservation's step count in the title too
+    names = {t.name for t in fig.data}
+    assert {"paged pool, engine admission: KV slots held", "paged pool, worst-case reservation: KV slots held"} <= names
+    assert "worst-case reservation:" in fig.layout.title.text
     ui = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=True)
     assert [c.description for c in ui.children[:3]] == ["N", "length spread", "pool / static"]
 
