@@ -385,7 +385,7 @@ def test_padding_figure_from_a_real_generate_rollout(tiny):
         assert row.count(1) == len(c.prompt_ids) and row.count(2) == len(c.completion_ids)
         assert row[cfg["padded_prompt_len"] - 1] == 1  # every prompt ends where generation starts
     share = kv_accounting(rollout, tiny.model.config, 4)["kv_padding_share"]
-    assert f"{share:.0%} of token slots are padding" in fig.layout.title.text
+    assert f"{share:.0%} of all KV slots are padding" in fig.layout.title.text
 
 
 def test_padding_figure_refuses_a_cb_rollout():
