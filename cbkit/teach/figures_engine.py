@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import plotly.colors
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from cbkit.rollout.engine_io import is_helper
 from cbkit.viz.palette import PALETTE, TEMPLATE
 
+# 24 distinct colours (plotly's Dark24; `qualitative` is a lazily loaded attribute mypy cannot see)
+REQUEST_COLORS: tuple[str, ...] = tuple(plotly.colors.qualitative.Dark24)  # type: ignore[attr-defined]
 HELPER_COLOR = "#9e9e9e"  # cbkit's own helper requests: grey, apart from every completion's colour
 
 
@@ -178,7 +180,7 @@ def block_ids_figure(trace: Any) -> go.Figure:
     order = list(dict.fromkeys(r.request_id for s in trace.steps for r in s.requests))
     completions = [rid for rid in order if not is_helper(rid)]
     # One colour per completion: 24 distinct ones (plotly's Dark24) before any repeats; the legend names each.
-    colors = {rid: qualitative.Dark24[i % len(qualitative.Dark24)] for i, rid in enumerate(completions)}
+    colors = {rid: REQUEST_COLORS[i % len(REQUEST_COLORS)] for i, rid in enumerate(completions)}
     fig = go.Figure()
     for rid in order:
         helper = is_helper(rid)

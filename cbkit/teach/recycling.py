@@ -160,7 +160,7 @@ def _engine_pool(prompt_len: int, lengths: Sequence[int], page: int, pool: int |
     while waiting or running:
         used = sum(running.values()) + (shared if running else 0)
         free = None if pool is None else pool - used
-        in_margin = pool is None or free >= margin * pool
+        in_margin = free is None or free >= margin * (pool or 0)
         moved = False
         for seq in list(running):  # decoding first: one token each, a new block at a page boundary if one is free
             need = own(seq, done[seq] + 1) - running[seq]
