@@ -79,7 +79,7 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
             hovertemplate="request %{y}: token at %{x:.3f} s<extra></extra>",
         ), row=1, col=1)
     t = list(occupancy["t"])
-    fig.add_trace(go.Scatter(x=t, y=list(occupancy["running"]), name="completions running" if trace is not None else "sequences running", mode="lines",
+    fig.add_trace(go.Scatter(x=t, y=list(occupancy["running"]), name="completions in the step" if trace is not None else "sequences running", mode="lines",
                              line={"shape": "hv", "color": PALETTE[0], "width": 2}), row=2, col=1)
     fig.add_trace(go.Scatter(x=t, y=list(occupancy["blocks_in_use"]), name="KV blocks in block tables" if trace is not None else "KV blocks in use", mode="lines",
                              fill="tozeroy", line={"shape": "hv", "color": PALETTE[3], "width": 2}), row=3, col=1)
@@ -88,7 +88,7 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
         fig.add_trace(go.Scatter(x=[min(t), max(t)], y=[pool, pool], name=f"pool: {pool} blocks", mode="lines",
                                  line={"color": "black", "dash": "dash", "width": 1.5}), row=3, col=1)
     fig.update_yaxes(title_text="request", autorange="reversed", row=1, col=1)
-    fig.update_yaxes(title_text="running", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="in the step" if trace is not None else "running", rangemode="tozero", row=2, col=1)
     fig.update_yaxes(title_text="KV blocks", rangemode="tozero", row=3, col=1)
     fig.update_xaxes(title_text="seconds since the rollout started", row=3, col=1)
     fig.update_layout(
