@@ -30,7 +30,8 @@ from typing import Any
 
 from cbkit.measure.advise import versus_parity
 
-__all__ = ["VARIANTS", "WinSplit", "measure_why_cb", "split_lines", "split_win", "why_cb_findings"]
+__all__ = ["VARIANTS", "WinSplit", "guide_check", "measure_why_cb", "split_lines", "split_win", "why_cb_conclusion",
+           "why_cb_findings"]
 
 # The three ways a rollout is run at one point, in the order a repeat runs them (reversed on odd repeats).
 VARIANTS = ("generate", "cb", "cb_no_sharing")
@@ -304,12 +305,12 @@ def split_lines(s: WinSplit) -> str:
     ])
 
 
-def why_cb_findings(splits: Sequence[WinSplit]) -> str:
-    """The splits of a run in sentences: each point's parts (`split_lines`), the engine's own overhead where nothing
-    else pays, and what the parts add up to; every word chosen by the measured numbers."""
+def why_cb_conclusion(splits: Sequence[WinSplit]) -> str:
+    """What the splits add up to: the engine's own overhead where nothing else pays (d), and the largest part of
+    CB's saving at the largest N on each workload; every word chosen by the measured numbers."""
     if not splits:
         return "Nothing measured: no split to explain."
-    out = [split_lines(s) for s in splits]
+    out = []
     fixed = sorted((s for s in splits if s.padding_share == 0), key=lambda s: s.n)
     if fixed:
         s = fixed[0]
@@ -331,6 +332,30 @@ def why_cb_findings(splits: Sequence[WinSplit]) -> str:
         out.append(f"At N={s.n} on {s.workload} CB was {verdict} at {s.speed:.2f}x; the largest part was {lead} "
                    f"({parts[lead]:+.2f} s of {s.total_s:+.2f} s).")
     if len(set(leads.values())) == 1 and len(leads) > 1:
-        out.append(f"The same source leads on every workload ({next(iter(leads.values()))}), so the length spread "
-                   "is not what makes CB win here.")
+        out.append(f"The same part leads on every workload ({next(iter(leads.values()))}): on this run the length "
+                   "spread is not what makes CB win.")
     return "\n".join(out)
+
+
+def why_cb_findings(splits: Sequence[WinSplit]) -> str:
+    """The splits of a run in sentences: each point's parts (`split_lines`), then `why_cb_conclusion`."""
+    if not splits:
+        return "Nothing measured: no split to explain."
+    return "\n".join([*(split_lines(s) for s in splits), why_cb_conclusion(splits)])
+
+
+def guide_check(by_workload: Mapping[str, Sequence[Mapping[str, Any]]], guide_n: int = 32) -> str:
+    """TRL's guide (CB from N=32 when completion lengths vary) against a sweep of both workloads: from which N CB
+    was faster (beyond the parity margin) on each, and whether the length spread moved that N."""
+    from cbkit.teach.findings import measured_crossover
+
+    found = {w: measured_crossover(pts, "speed_vs_generate") for w, pts in by_workload.items()}
+    said = "; ".join(f"{w}: from N={n}" if n is not None else f"{w}: at no N measured" for w, n in found.items())
+    head = f"TRL's guide says CB from N={guide_n} when completion lengths vary. This sweep: CB faster {said}."
+    spread = [w for w in found if w != "fixed"]
+    if "fixed" not in found or not spread:
+        return head
+    if len({found[w] for w in found}) == 1:
+        return head + (" The same N with and without a length spread: here the spread did not decide where CB pays."
+                       if found["fixed"] is not None else "")
+    return head + " The length spread moved where CB pays."
