@@ -123,3 +123,35 @@ def test_measured_records_agree_with_what_went_in(tiny):
     assert by["generate"]["completion_tokens"] == sum(targets) == by["cb"]["completion_tokens"]
     s = split_win(records)
     assert math.isclose(s.total_s, s.sharing_s + s.padding_s + s.rest_s)
+
+
+def _points(speeds: dict[int, float]) -> list[dict]:
+    return [{"backend": b, "N": n, "status": "ok", "speed_vs_generate": s if b == "continuous" else 1.0}
+            for n, s in speeds.items() for b in ("continuous", "generate")]
+
+
+def test_the_guide_check_says_when_the_spread_did_not_move_the_crossover():
+    """TRL's guide asks for variable lengths; both workloads ahead from N=8 (N=4 is within the 5% margin on fixed,
+    which is no crossover) means the spread did not decide."""
+    from cbkit.teach.why_cb import guide_check
+
+    same = guide_check({"fixed": _points({4: 1.04, 8: 1.3}), "replay:gsm8k": _points({4: 0.9, 8: 1.6})})
+    assert "fixed: from N=8; replay:gsm8k: from N=8" in same and "did not decide" in same
+    moved = guide_check({"fixed": _points({4: 0.8, 8: 1.3}), "replay:gsm8k": _points({4: 1.2, 8: 1.6})})
+    assert "fixed: from N=8; replay:gsm8k: from N=4" in moved and "did not decide" not in moved
+
+
+def test_the_conclusion_names_the_spread_only_when_the_parts_say_so():
+    """Fixed: the win is the shared prefill. Replay: padding is the larger part. The leads differ, so the conclusion
+    must not say the spread is not what pays; it states padding's seconds on the replay."""
+    full = [(4, 0.1)] * 15
+    fixed = split_win([_rec("generate", 4.0, prefill_s=2.5, steps=full), _rec("cb", 3.0, steps=full),
+                       _rec("cb_no_sharing", 3.5, steps=full)])
+    prop = [(4, 0.1), (3, 0.075), (2, 0.05), (1, 0.025)] * 5
+    replay = split_win([_rec("generate", 3.0, workload="replay", prefill_s=1.0, steps=[(4, 0.1)] * 20, padded=32),
+                        _rec("cb", 1.8, workload="replay", steps=prop), _rec("cb_no_sharing", 2.0, workload="replay",
+                                                                              steps=prop)])
+    text = why_cb_conclusion([fixed, replay])
+    assert "not the spread" not in text
+    assert "the largest part was not decoding padding (+1.00 s of +1.20 s)" in text
+    assert "On replay the spread left 50% of generate()'s decode slots to finished rows" in text
