@@ -155,3 +155,13 @@ def test_the_conclusion_names_the_spread_only_when_the_parts_say_so():
     assert "not the spread" not in text
     assert "the largest part was not decoding padding (+1.00 s of +1.20 s)" in text
     assert "On replay the spread left 50% of generate()'s decode slots to finished rows" in text
+
+
+def test_the_noise_baseline_is_the_largest_gap_between_two_timings_of_one_rollout():
+    from cbkit.teach.why_cb import noise_line
+
+    s = split_win([_rec("generate", 4.0), _rec("cb", 2.0), _rec("cb_no_sharing", 3.0)])
+    sweep = {"fixed": [{"backend": "generate", "N": 4, "status": "ok", "rollout_s": 5.0},
+                       {"backend": "continuous", "N": 4, "status": "ok", "rollout_s": 2.1}]}
+    assert "differ by up to 20% (generate, fixed, N=4: 5.00 s, then 4.00 s)" in noise_line([s], sweep)
+    assert "no noise baseline" in noise_line([s], {"fixed": []})

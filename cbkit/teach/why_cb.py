@@ -30,7 +30,7 @@ from typing import Any
 
 from cbkit.measure.advise import versus_parity
 
-__all__ = ["VARIANTS", "WinSplit", "guide_check", "measure_why_cb", "split_lines", "split_win", "why_cb_conclusion",
+__all__ = ["VARIANTS", "WinSplit", "guide_check", "measure_why_cb", "noise_line", "split_lines", "split_win", "why_cb_conclusion",
            "why_cb_findings"]
 
 # The three ways a rollout is run at one point, in the order a repeat runs them (reversed on odd repeats).
@@ -345,6 +345,25 @@ def why_cb_findings(splits: Sequence[WinSplit]) -> str:
     if not splits:
         return "Nothing measured: no split to explain."
     return "\n".join([*(split_lines(s) for s in splits), why_cb_conclusion(splits)])
+
+
+def noise_line(splits: Sequence[WinSplit], by_workload: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """The noise baseline of the split: the same points were timed twice, by the sweep and by the split, on the same
+    machine minutes apart. How far those two timings of one rollout differ is how large a part must be to be read."""
+    sweep = {(w, p["backend"], p["N"]): p.get("rollout_s") for w, pts in by_workload.items() for p in pts
+             if p.get("status", "ok") == "ok"}
+    gaps = []
+    for s in splits:
+        for backend, split_s in (("generate", s.generate_s), ("continuous", s.cb_s)):
+            t = sweep.get((s.workload, backend, s.n))
+            if t:
+                gaps.append((abs(split_s - t) / t, backend, s.workload, s.n, t, split_s))
+    if not gaps:
+        return "No point of the split was also timed by the sweep: no noise baseline."
+    gap, backend, workload, n, t, again = max(gaps)
+    return (f"Noise baseline: the sweep and the split timed the same {len(gaps)} rollouts minutes apart; they differ "
+            f"by up to {gap:.0%} ({backend}, {workload}, N={n}: {t:.2f} s, then {again:.2f} s). A part smaller than "
+            "that share of its rollout's time is not told apart from noise on this machine now.")
 
 
 def guide_check(by_workload: Mapping[str, Sequence[Mapping[str, Any]]], guide_n: int = 32) -> str:
