@@ -230,6 +230,11 @@ GUARDS = {
          {"replay_speed_at_max_n": 1.02}),
         ("the replayed workload pads a static batch", lambda v: v["replay_padding_share"] >= 0.05,
          {"replay_padding_share": 0.0}),
+        # The split of "Why CB wins": prefix sharing prefills the group's prompt about once, and that saves time.
+        ("CB with prefix sharing prefills under half the tokens generate() does",
+         lambda v: 2 * v["cb_prefill_tokens"] < v["generate_prefill_tokens"], {"cb_prefill_tokens": 10**6}),
+        ("turning prefix sharing off makes CB slower", lambda v: v["sharing_saving_s"] > 0,
+         {"sharing_saving_s": -0.1}),
     ],
     "04_grpo_live": [
         ("both runs earn some reward", lambda v: v["continuous_reward_max"] > 0 and v["generate_reward_max"] > 0,

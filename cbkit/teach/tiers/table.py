@@ -114,7 +114,7 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "t4": Sizes(GPU_MODEL, 4, 8, 256),
         "a100": Sizes(GPU_MODEL, 8, 16, 256)}),
     NotebookSpec("03_n_sweep", "sweep", {
-        "ci": Sizes(_SMOL, 1, 8, 16, sweep_ns=(8, 32), workloads=("fixed", "replay:gsm8k")),
+        "ci": Sizes(_SMOL, 1, 8, 16, sweep_ns=(4, 16), workloads=("fixed", "replay:gsm8k")),
         "cpu": Sizes(_SMOL, 1, 8, 96, sweep_ns=(8, 16, 32, 64), workloads=("fixed", "replay:gsm8k")),
         "t4": Sizes(_SMOL, 8, 8, 1024, sweep_ns=(16, 56), sweep_prompts=8, sweep_new_tokens=1024,
                     workloads=("fixed", "replay:gsm8k"), pool_share=POOL_SHARE),
