@@ -175,11 +175,14 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
                       eval_n=2)}),
     # Off-policy: one run per staleness (3), the uncorrected one at the correction's staleness (the corrected one is
-    # the staleness run's), one async: five training runs. The CI size trains the random tiny model, which shows the
-    # mechanics (drift, ratios, versions), not learning.
+    # the staleness run's), one async: five training runs. The CI size trains the 2-layer random model, whose
+    # word-piece tokens decode to text, at a learning rate a real run uses: it shows the mechanics (drift, ratios,
+    # versions) at a real run's scale, not learning. Its 10 steps at staleness 4 sample steps 6-10 from versions 1-5:
+    # from version 2 on (the first update whose rollout was stale) the runs with and without the correction roll
+    # out from different weights. 5 steps would sample every rollout from the initial weights in both.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 5, weight_copies=1 + 5 + 1, async_run=True,
                  sizes={
-        "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
+        "ci": Sizes(DRY_MODEL, 2, 4, 16, steps=10, learning_rate=1e-4),
         # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens and no system prompt (05 rewards lowercase
         # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (docs/memory.md: in
         # memory they alone need 3 GB).
