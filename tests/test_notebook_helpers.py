@@ -301,6 +301,15 @@ def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
     assert "max |difference| 5.00e-01" in scatter.layout.title.text
     with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
         logprob_scatter([-1.0], [])
+    from cbkit.teach.figures_ratios import logprob_differences
+
+    # -10 against -10 + 3e-5: a y = x scatter draws one dot on the diagonal; the differences are the axis.
+    diffs = logprob_differences([-10.0, -2.0, -0.5], [-10.0 + 3e-5, -2.0, -0.5 - 1e-5])
+    assert list(diffs.data[0].y) == pytest.approx([-3e-5, 0.0, 1e-5], abs=1e-12)
+    assert list(diffs.layout.yaxis.range) == pytest.approx([-3.3e-5, 3.3e-5])
+    assert "max |difference| 3.0e-05, mean 1.3e-05" in diffs.layout.title.text
+    with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
+        logprob_differences([-1.0], [])
 
 
 def test_planned_points_feed_the_memory_figure(tiny):
@@ -474,6 +483,15 @@ def test_update_with_and_without_is_by_hand():
     away = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
     assert away["cosine"] < 1 - 1e-4
     assert all(p.grad is None for p in tr.model.parameters())
+    # The noise baseline, cos(A, B) of the two halves' gradients, from another path: weights that keep only half A
+    # (or B) make the "with IS" gradient that half's, and |A + B|^2 = |A|^2 + |B|^2 + 2 A.B.
+    n = tr.config.num_generations
+    even = torch.tensor([(i % n) % 2 == 0 for i in range(len(one_out))], dtype=torch.float32)[:, None]
+    a = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=ones.is_weights * even))
+    b = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=ones.is_weights * (1 - even)))
+    na, nb, nab = a["norm_with_is"], b["norm_with_is"], a["norm_without_is"]
+    assert g["cosine_halves"] == pytest.approx((nab**2 - na**2 - nb**2) / (2 * na * nb), abs=1e-6)
+    assert -1 < g["cosine_halves"] < 1 - 1e-4  # two samples' gradients are not one direction
     with pytest.raises(ValueError, match="needs IS weights"):
         is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
 
