@@ -127,6 +127,24 @@ def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> 
     return (num / den) ** 0.5
 
 
+def _rollout_gaps(a: Recorder, b: Recorder) -> list[tuple[bool, float]]:
+    """Per step of two runs: whether their rollouts are the same tokens, and the largest |sampling logprob| gap."""
+    out = []
+    for ra, rb in zip(a.rollouts, b.rollouts, strict=False):
+        same_tokens = [ca.completion_ids for ca in ra.completions] == [cb.completion_ids for cb in rb.completions]
+        gap = max((abs(x - y) for ca, cb in zip(ra.completions, rb.completions, strict=True)
+                   if ca.sampling_logprobs and cb.sampling_logprobs
+                   for x, y in zip(ca.sampling_logprobs, cb.sampling_logprobs, strict=False)), default=0.0)
+        out.append((same_tokens, gap))
+    return out
+
+
+def first_different_rollout(a: Recorder, b: Recorder) -> int | None:
+    """The first step (1-based) whose rollouts differ between two runs, in tokens or in sampling logprobs: the
+    first one sampled from different weights; None if every step's is the same."""
+    return next((i + 1 for i, (same, gap) in enumerate(_rollout_gaps(a, b)) if not same or gap > 0), None)
+
+
 def rollout_sources(runs: Mapping[str, Recorder]) -> str:
     """Where two runs' rollouts came from, step by step, read from the rollouts themselves: the policy versions
     their tokens carry, and whether the two runs' rollouts of a step are the same tokens with the same sampling
@@ -145,13 +163,7 @@ def rollout_sources(runs: Mapping[str, Recorder]) -> str:
     va, vb = versions(a), versions(b)
     lines = [f"policy version each step's rollout was sampled from: {name_a} {', '.join(va)}"
              + ("; the same in the other run." if va == vb else f"; {name_b} {', '.join(vb)}.")]
-    gaps = []
-    for ra, rb in zip(a.rollouts, b.rollouts, strict=False):
-        same_tokens = [ca.completion_ids for ca in ra.completions] == [cb.completion_ids for cb in rb.completions]
-        gap = max((abs(x - y) for ca, cb in zip(ra.completions, rb.completions, strict=True)
-                   if ca.sampling_logprobs and cb.sampling_logprobs
-                   for x, y in zip(ca.sampling_logprobs, cb.sampling_logprobs, strict=False)), default=0.0)
-        gaps.append((same_tokens, gap))
+    gaps = _rollout_gaps(a, b)
     first = next((i for i, (same, gap) in enumerate(gaps) if not same or gap > 0), None)
     if first is None:
         lines.append(f"Every one of the {len(gaps)} steps drew the same rollout in both runs (same tokens, sampling "
