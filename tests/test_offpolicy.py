@@ -260,7 +260,7 @@ def test_a_backend_passed_with_staleness_is_refused():
 
 def test_rollout_sources_says_from_which_step_two_runs_sampled_from_different_weights():
     from cbkit.rollout.base import Completion, Rollout
-    from cbkit.teach.offpolicy import Recorder, rollout_sources
+    from cbkit.teach.offpolicy import Recorder, first_different_rollout, rollout_sources
 
     def run(steps):
         rec = Recorder()
@@ -278,3 +278,4 @@ def test_rollout_sources_says_from_which_step_two_runs_sampled_from_different_we
     assert "step 3 9.8e-04, step 4 0.0e+00 (other tokens)" in text and "differ at step(s) 4" in text
     one_line = rollout_sources({"with": run(same), "without": run(same)})
     assert "Every one of the 2 steps drew the same rollout" in one_line
+    assert first_different_rollout(a, b) == 3 and first_different_rollout(run(same), run(same)) is None
