@@ -20,10 +20,11 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
     its own updates are, and the model's gradients are left cleared (no optimizer step).
 
     A cosine means little without one to read it against, so the same call measures a **noise baseline** from the
-    same rollout: the cosine between the unweighted gradients of its two halves (alternate completions of each
-    group, so both halves hold every prompt), IS off both times: how far apart two gradients of one update are
-    when only the sample changes (``cosine_halves``). The two halves' gradients add up to the unweighted one (each
-    is normalised by the whole rollout's token count), so the baseline costs no extra forward."""
+    same rollout: the cosine between the unweighted gradients of its first and its second half of completions (two
+    minibatches of one update; with whole groups in each half where the rollout has an even number of prompts), IS
+    off both times: how far apart two gradients of one update are when only the sample changes
+    (``cosine_halves``). The two halves' gradients add up to the unweighted one (each is normalised by the whole
+    rollout's token count), and each half forwards only its own rows, so the baseline costs no extra forward."""
     from cbkit.train.logprobs import chunked_logits
     from cbkit.train.objective import policy_logprobs
 
@@ -33,21 +34,21 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
     model, batch, mask = trainer.model, prepared.batch, prepared.loss_mask
     ga, chunk = trainer.config.gradient_accumulation_steps, trainer.config.forward_chunk_rows
     size = max(1, len(batch) // ga)
-    n = trainer.config.num_generations
-    even = torch.tensor([(i % n) % 2 == 0 for i in range(len(batch))])  # rows laid out group after group
+    half = len(batch) // 2
 
-    def grad(weighted: bool, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def grad(weighted: bool, lo: int = 0, hi: int = len(batch)) -> torch.Tensor:
+        """The gradient of rows [lo, hi), in the trainer's micro-batches (each cut to those rows) and chunks."""
         model.zero_grad(set_to_none=True)
-        for start in range(0, len(batch), size):  # the trainer's micro-batches, each in its chunks
-            for rows, mb, logits in chunked_logits(model, batch, chunk, start=start, stop=min(start + size, len(batch)),
+        for start in range(0, len(batch), size):
+            first, stop = max(start, lo), min(start + size, hi)
+            if first >= stop:
+                continue
+            for rows, mb, logits in chunked_logits(model, batch, chunk, start=first, stop=stop,
                                                    autocast_dtype=trainer.autocast_dtype):
-                if keep is not None and not keep[rows].any():
-                    continue
                 t = mb.completion_width
                 logps = policy_logprobs(logits, mb.completion_ids, trainer.config.temperature)
                 w = prepared.is_weights[rows, :t] if weighted else 1.0
-                m = mask[rows, :t] * (1.0 if keep is None else keep[rows, None])
-                (-(logps * w * m).sum() / mask.sum()).backward()
+                (-(logps * w * mask[rows, :t]).sum() / mask.sum()).backward()
         flat = torch.cat([p.grad.detach().flatten() if p.grad is not None else torch.zeros(p.numel())
                           for p in model.parameters() if p.requires_grad])
         model.zero_grad(set_to_none=True)
@@ -62,7 +63,7 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
         return dot, na ** 0.5, nb ** 0.5
 
     with_is = grad(True)
-    half_a, half_b = grad(False, even), grad(False, ~even)
+    half_a, half_b = grad(False, 0, half), grad(False, half, len(batch))
     dot_h, n_a, n_b = dots(half_a, half_b)
     without = half_a.add_(half_b)  # the unweighted gradient of the whole rollout, in half_a's memory
     half_b = None
@@ -74,6 +75,6 @@ def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
     if n_with == 0 or n_without == 0:
         raise ValueError("a gradient is zero: every IS weight is 0 (all completions masked?), so there is nothing "
                          "to compare; widen the band (clip_max) or use a rollout closer to the policy.")
-    halves = dot_h / (n_a * n_b) if n_a and n_b else float("nan")  # nan: a half of one completion's group
+    halves = dot_h / (n_a * n_b) if n_a and n_b else float("nan")  # nan: a half without a token
     return {"cosine": dot / (n_with * n_without), "norm_with_is": n_with, "norm_without_is": n_without,
             "norm_ratio": n_without / n_with, "cosine_halves": halves}
