@@ -47,10 +47,6 @@ class Recorder(StepHooks):
         self._train_start = 0.0
         self.final: WeightSnapshots | None = None  # the weights the run ended with (`train_runs` keeps them)
         self.config: CBGRPOConfig | None = None  # the run's configuration (`train_runs` fills it)
-        # While `model` is set (`train_runs` sets it for the run), a `weight_probe` of it after every step: how far two
-        # runs' weights are apart step by step, at the cost of a few thousand floats a step.
-        self.model: torch.nn.Module | None = None
-        self.probes: list[torch.Tensor] = []
 
     def on_rollout_end(self, rollout) -> None:
         self.rollouts.append(rollout)
@@ -58,8 +54,6 @@ class Recorder(StepHooks):
 
     def on_step_end(self, record: StepRecord) -> None:
         self.records.append(record)
-        if self.model is not None:
-            self.probes.append(weight_probe(self.model))
         self.train_spans.append((self._train_start, time.perf_counter(), f"training step {record.step}"))
 
     @property
@@ -106,9 +100,7 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
             rollouts = LaggedRollouts(run.model, backend, 0, rec.config.rollout_snapshots)
         trainer = GRPOTrainer(rec.config, run, backend=backend, rollouts=rollouts, hooks=[rec],
                               reward_funcs=reward_funcs)
-        rec.model = policy.model
         trainer.train()
-        rec.model = None
         if keeps(name):
             rec.final = WeightSnapshots(1, place)
             rec.final.append(0, policy.model)
@@ -133,20 +125,6 @@ def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> 
     num = sum(((a[k].float() - b[k].float()) ** 2).sum().item() for k in a)
     den = sum((a[k].float() ** 2).sum().item() for k in a)
     return (num / den) ** 0.5
-
-
-PROBE_PER_TENSOR = 64
-
-
-def weight_probe(model: torch.nn.Module, per_tensor: int = PROBE_PER_TENSOR) -> torch.Tensor:
-    """Up to ``per_tensor`` evenly spaced entries of every weight tensor, in float32 on the CPU: a fixed sample of
-    the weights (the same entries for every model of one shape, and no random numbers drawn), whose relative gap
-    between two runs estimates ``weight_gap`` at a few thousand floats a step."""
-    parts = []
-    for p in model.parameters():
-        flat = p.detach().flatten()
-        parts.append(flat[:: max(1, flat.numel() // per_tensor)][:per_tensor].float().cpu())
-    return torch.cat(parts)
 
 
 def _rollout_gaps(a: Recorder, b: Recorder) -> list[tuple[bool, float]]:
@@ -202,10 +180,6 @@ def rollout_sources(runs: Mapping[str, Recorder]) -> str:
         lines.append(f"Their sampled tokens differ at step(s) {', '.join(map(str, other))}, so their rewards can too."
                      if other else "Their sampled tokens are the same at every step, so are their rewards (one line "
                      "in the figure): the weights differ by too little to change a sampled token.")
-    if a.probes and b.probes:
-        apart = [((pa - pb).norm() / pa.norm()).item() for pa, pb in zip(a.probes, b.probes, strict=False)]
-        lines.append(f"Their weights after each step, apart by (relative, over {len(a.probes[0])} sampled weights): "
-                     + ", ".join(f"step {i + 1} {g:.1e}" for i, g in enumerate(apart)) + ".")
     return "\n".join(lines)
 
 
