@@ -241,11 +241,17 @@ GUARDS = {
          {"continuous_reward_max": 0.0}),
         ("both runs have nonzero gradients", lambda v: v["continuous_grad_norm_max"] > 0
          and v["generate_grad_norm_max"] > 0, {"generate_grad_norm_max": 0.0}),
+        # At CI size a dozen steps of a random model on the lowercase reward: the chart's trend (slopes +0.045 and
+        # +0.041 a step in one run of this notebook).
+        ("each run's reward rises over its steps", lambda v: v["continuous_reward_slope"] > 0
+         and v["generate_reward_slope"] > 0, {"continuous_reward_slope": -0.001}),
     ],
     "05_off_policy": [
         ("rollouts one update stale drift measurably from the current policy",
          lambda v: v["drift_at_1"] > 10 * max(v["drift_at_0"], 1e-7), {"drift_at_1": 1e-7}),
         ("the IS correction changes the update", lambda v: v["weights_apart"] > 0, {"weights_apart": 0.0}),
+        ("the runs with and without the correction roll out from different weights",
+         lambda v: v["rollouts_differ_from_step"] > 0, {"rollouts_differ_from_step": 0}),
         ("an async completion straddles an optimizer update", lambda v: v["straddling_frac"] > 0,
          {"straddling_frac": 0.0}),
         ("the drift metric catches stale prefix KV", lambda v: v["stale_kv_gap"] > 10 * max(v["fixed_kv_gap"], 1e-7),

@@ -385,3 +385,40 @@ def gpu_estimate_findings(points: Sequence[Mapping[str, Any]], estimated: Sequen
                      "shape: each decode step is bound by the launch floor, not by the rows it carries (the note "
                      "under the table).")
     return "\n".join(lines)
+
+
+def _points(recs: Sequence[StepRecord], key: str) -> list[tuple[int, float]]:
+    return [(r.step, r.metrics[key]) for r in recs
+            if isinstance(r.metrics.get(key), int | float) and r.metrics[key] == r.metrics[key]]
+
+
+def reward_slope(recs: Sequence[StepRecord], key: str = "reward/mean") -> float:
+    """The least-squares slope of ``key`` against the step (per step); nan under two points."""
+    points = _points(recs, key)
+    if len(points) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(v for _, v in points) / len(points)
+    return sum((x - mx) * (v - my) for x, v in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def reward_trend(records: Mapping[str, Sequence[StepRecord]], key: str = "reward/mean") -> str:
+    """Whether each run's ``key`` moved over its steps, in sentences: the mean of its first third of steps against
+    its last third's, and the least-squares slope a step (`reward_slope`). A run's first and last step alone are
+    one sample each, and a step's reward swings with its prompts; a third of the run and the slope average that
+    out. "rose" or "fell" only where the thirds and the slope agree; otherwise no trend is claimed."""
+    lines = []
+    for label, recs in records.items():
+        points = _points(recs, key)
+        if len(points) < 3:
+            lines.append(f"{label}: {len(points)} step(s) of {key}, too few for a trend.")
+            continue
+        k = max(1, len(points) // 3)
+        head, tail = points[:k], points[-k:]
+        first, last = (sum(v for _, v in part) / k for part in (head, tail))
+        slope = reward_slope(recs, key)
+        verdict = ("it rose" if last > first and slope > 0 else "it fell" if last < first and slope < 0 else
+                   "no trend: the thirds and the slope disagree")
+        lines.append(f"{label}: {key} {first:.3f} over steps {head[0][0]}-{head[-1][0]} -> {last:.3f} over steps "
+                     f"{tail[0][0]}-{tail[-1][0]}, a least-squares slope of {slope:+.4f} a step: {verdict}.")
+    return "\n".join(lines)
