@@ -388,8 +388,9 @@ def gpu_estimate_findings(points: Sequence[Mapping[str, Any]], estimated: Sequen
 
 
 def _points(recs: Sequence[StepRecord], key: str) -> list[tuple[int, float]]:
-    return [(r.step, r.metrics[key]) for r in recs
-            if isinstance(r.metrics.get(key), int | float) and r.metrics[key] == r.metrics[key]]
+    """The finite values of `key`, step by step (NaN and non-numbers left out)."""
+    values = [(r.step, r.metrics.get(key)) for r in recs]
+    return [(step, float(v)) for step, v in values if isinstance(v, int | float) and v == v]
 
 
 def reward_slope(recs: Sequence[StepRecord], key: str = "reward/mean") -> float:
