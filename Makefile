@@ -19,7 +19,7 @@ QUESTIONS ?= runs/notebooks-questions
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
 
-.PHONY: setup browser sweep demo test test-bare test-notebooks test-questions test-tiers book lint clean
+.PHONY: setup browser sweep demo test test-bare test-oldest test-notebooks test-questions test-tiers book lint publish-address clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The repository's address lives in pyproject.toml ([project.urls] Repository). A Colab install cell, a Colab badge
+# and a notebook's link cannot read it, so they hold copies: after editing it, this writes it into every one
+# (scripts/publish_address.py; standard library only, no venv). tests/test_publish_address.py fails until then.
+publish-address:
+	$(PYTHON) scripts/publish_address.py
+
 test: lint browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-bare
@@ -71,6 +77,23 @@ test-bare: $(STAMP)
 	$(BIN)/python scripts/bare_venv.py $(BARE) $(if $(BARE_FROM_INDEX),--from-index)
 	$(BARE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	CBKIT_BARE_PYTHON=$(abspath $(BARE))/bin/python $(BIN)/python -m pytest -p no:cacheprovider -q tests/test_bare.py
+
+# The bottom of the transformers range, read from pyproject.toml (5.24: the oldest the engine tests pass on), installed
+# --no-deps into $(OLDEST), which shadows .venv's copy on PYTHONPATH: `make setup` takes the newest release the range
+# allows. Then the tests of version-dependent code: the engine (its contract and the rollouts), the TRL bridge, the
+# precision rule and accelerate's wrapper, the notebooks' TRL step. Not part of `make test`.
+OLDEST ?= .venv-oldest
+FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml).0
+OLDEST_PACKAGES ?= transformers==$(FLOOR)
+OLDEST_TESTS ?= tests/test_engine_contract.py tests/test_rollout.py tests/test_trl_bridge.py tests/test_precision.py \
+	tests/test_tiers.py::test_the_trl_step_04_builds_generates_prompts_times_n \
+	tests/test_notebook_helpers.py::test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram
+test-oldest: $(STAMP)
+	rm -rf $(OLDEST)
+	$(BIN)/python -m pip install -q --no-deps --target $(OLDEST) $(OLDEST_PACKAGES)
+	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -c \
+		"import transformers as t; assert t.__version__ == '$(FLOOR)', f'{t.__file__} is {t.__version__}'"
+	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -m pytest -p no:cacheprovider -q $(OLDEST_TESTS)
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
 # on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes. Each
@@ -120,4 +143,4 @@ book: $(STAMP) browser
 		tests/test_book.py
 
 clean:
-	rm -rf $(VENV) $(BARE) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BARE) $(OLDEST) .pytest_cache .ruff_cache

@@ -389,7 +389,7 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from cbkit.teach.tiers import MACHINES, NOTEBOOKS, plan_all, plan_recipes, tiers_report
+    from cbkit.teach.tiers import MACHINES, NOTEBOOKS, plan_all, plan_presets, plan_recipes, tiers_report
 
     def names(value: str | None, valid, what: str) -> list[str] | None:
         if not value:
@@ -413,6 +413,11 @@ def _tiers(args: argparse.Namespace) -> int:
         for p in recipes:
             for problem in p.problems():
                 print(f"  {p.notebook} on {p.machine}: {problem}")
+        failed += [p for p in recipes if not (p.fits and p.admitted)]
+        presets = plan_presets()
+        print("\nThe sweep's GPU presets (cbkit sweep --preset), the largest point on the smallest GPU each is for, "
+              "with transformers' own admission check:\n" + "\n".join(p.line() for p in presets))
+        failed += [p for p in presets if not p.ok]
     return 1 if failed else 0
 
 

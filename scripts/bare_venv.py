@@ -29,7 +29,9 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-ROOTS = ("torch", "transformers")
+# pytest too: the GPU image has it (its package list, /work/.library/device/KINDS.md in this workplace), and the GPU
+# script (scripts/gpu_check.sh) runs the gpu-marked tests with it.
+ROOTS = ("torch", "transformers", "pytest")
 TORCH_PIN = "torch==2.13.0"
 
 

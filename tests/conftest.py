@@ -9,6 +9,63 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+# --- CPU tests on a machine with a GPU, and the gpu-marked tests ------------------------------------------------
+#
+# On a machine with CUDA, `load_policy` puts a model on the GPU in half precision and the peak-memory probe reads
+# CUDA's counters, so a test written for the CPU asserts the wrong thing there. Every test not marked `gpu` runs
+# with torch seeing no CUDA device; a `gpu` test runs only where there is one.
+
+_CUDA = {"found": False}  # whether torch saw a CUDA device when the session started, before any test hid it
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    # The real answer, read once before any test runs. It also fixes the driver's device count for the process
+    # (CUDA reads CUDA_VISIBLE_DEVICES once, at its first query), so the empty value the CPU tests set below for
+    # their subprocesses cannot hide the device from the gpu tests that come after them.
+    _CUDA["found"] = torch.cuda.is_available()
+    if _CUDA["found"]:
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device, and torch sees none on this machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Hide CUDA from every test not marked `gpu`, from its setup to its teardown.
+
+    A hook around the whole test rather than an autouse fixture: pytest sets fixtures up by scope, session first,
+    so a function-scoped autouse fixture would come after the session's `tiny` and a module's own model fixture,
+    which would already sit on the GPU. Here every fixture a CPU test creates is created with CUDA hidden."""
+    if item.get_closest_marker("gpu") is not None or not _CUDA["found"]:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        _hide_cuda(mp)
+        yield
+    _forget_cuda_answers()  # what transformers cached while CUDA was hidden
+
+
+def _hide_cuda(mp: pytest.MonkeyPatch) -> None:
+    """torch answers "no CUDA" (cbkit, accelerate and transformers all ask `torch.cuda.is_available()`), and a
+    subprocess the test starts (they all inherit os.environ) sees no device at all."""
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    mp.setattr(torch.cuda, "device_count", lambda: 0)
+    mp.setenv("CUDA_VISIBLE_DEVICES", "")
+    _forget_cuda_answers()
+
+
+def _forget_cuda_answers() -> None:
+    """transformers caches its answers about CUDA for the process (functools.lru_cache): clear them whenever the
+    answer changes, so a CPU test does not read a GPU test's answer, nor the other way round."""
+    from transformers.utils import import_utils
+
+    for name in ("is_torch_cuda_available", "is_torch_bf16_gpu_available", "is_torch_fp16_available_on_device",
+                 "is_torch_bf16_available_on_device", "is_torch_tf32_available"):
+        getattr(getattr(import_utils, name, None), "cache_clear", lambda: None)()
+
+
 def gsm8k_dir() -> Path | None:
     """The offline GSM8K copy: $CBKIT_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout."""
     for d in (os.environ.get("CBKIT_GSM8K_DIR"), REPO.parent / "shared" / "data" / "gsm8k"):
@@ -21,7 +78,7 @@ def gsm8k_dir() -> Path | None:
 def tiny():
     from cbkit.models.load import load_policy
 
-    return load_policy("tiny", seed=0)
+    return load_policy("tiny", seed=0, device="cpu")  # the CPU tests' model, whichever test creates it first
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +86,7 @@ def smollm2():
     from cbkit.models.load import load_policy
 
     try:
-        return load_policy("smollm2-offline")
+        return load_policy("smollm2-offline", device="cpu")
     except ModuleNotFoundError as e:  # the README's install always brings it; say so if it is missing
         pytest.fail(str(e))
 

@@ -41,6 +41,29 @@ def max_logprob_diff(model, rollout, sampling: SamplingParams) -> float:
     return worst
 
 
+def cb_forward_returns_its_cache(model, tokenizer) -> bool:
+    """Whether the installed transformers' CB engine gets its `PagedAttentionCache` back among the model forward's
+    outputs: the object accelerate's bf16 wrapper (`convert_outputs_to_fp32`) calls `.float()` on. Asked of
+    transformers' own `generate_batch` (what TRL calls), one 2-token greedy request: 5.24.0 does, 5.17.0 does not."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    seen: list[bool] = []
+
+    def hook(module, args, out):
+        seen.append(any(isinstance(v, PagedAttentionCache) for v in out.values()))
+
+    handle = model.register_forward_hook(hook)
+    try:
+        model.generate_batch(inputs=[tokenizer("hi")["input_ids"]], progress_bar=False,
+                             generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
+                             continuous_batching_config=ContinuousBatchingConfig(num_blocks=8))
+    finally:
+        handle.remove()
+    assert seen, "generate_batch ran no forward"
+    return any(seen)
+
+
 # --- the GRPO loop on the tiny model --------------------------------------------------------------------------
 
 MAX_LEN = 8

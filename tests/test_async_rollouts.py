@@ -9,10 +9,12 @@ logprobs" pass would use; a resumed async run against the uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from cbkit.models.load import load_policy
 from cbkit.rollout import SamplingParams
@@ -156,6 +158,131 @@ def _fingerprint(model) -> tuple[float, ...]:
     return tuple(round(p.double().sum().item(), 9) for p in model.parameters())
 
 
+# --- the same on a GPU, where the lock orders only the enqueueing ----------------------------------------------
+
+
+class _Streams:
+    """A stand-in for CUDA's stream API that keeps, for every kernel enqueued, the kernels that must finish before it
+    starts. The rules (CUDA programming guide, "Streams" and "Events"): a stream runs its kernels in order;
+    an event recorded on a stream marks the work that stream has been given so far, and a stream made to wait on it
+    (`wait_event`, or `wait_stream`, which records one) runs what it gets afterwards after that work;
+    `synchronize()` returns once a stream's work is done, so everything enqueued later, on any stream, runs
+    after it. Nothing else orders two streams: PyTorch creates its streams non-blocking."""
+
+    def __init__(self) -> None:
+        self.before: dict[tuple, frozenset] = {}  # kernel -> the kernels that finish before it starts
+        self.frontier: dict[str, frozenset] = {}  # stream -> what a kernel enqueued on it now would run after
+        self.host: frozenset = frozenset()  # kernels the host has waited for
+        self.current: _FakeStream | None = None
+
+    def new(self, name: str) -> _FakeStream:
+        self.frontier[name] = frozenset()
+        return _FakeStream(self, name)
+
+    def enqueue(self, stream: _FakeStream, label: str) -> tuple:
+        kernel = (stream.name, len(self.before), label)
+        self.before[kernel] = self.frontier[stream.name] | self.host
+        self.frontier[stream.name] = self.before[kernel] | {kernel}
+        return kernel
+
+    def runs_before(self, a: tuple, b: tuple) -> bool:
+        return a in self.before[b]
+
+    def patch(self, mp: pytest.MonkeyPatch) -> None:
+        streams = self
+
+        class Event:
+            def __init__(self, *args, **kwargs) -> None:
+                self.marks: frozenset = frozenset()
+
+            def record(self, stream=None) -> None:
+                self.marks = streams.frontier[(stream or streams.current).name]
+
+            def wait(self, stream=None) -> None:
+                (stream or streams.current).wait_event(self)
+
+            def synchronize(self) -> None:
+                streams.host |= self.marks
+
+        @contextlib.contextmanager
+        def stream(s):
+            previous, streams.current = streams.current, s
+            try:
+                yield
+            finally:
+                streams.current = previous
+
+        def synchronize(device=None) -> None:
+            for marks in streams.frontier.values():
+                streams.host |= marks
+
+        mp.setattr(torch.cuda, "Event", Event)
+        mp.setattr(torch.cuda, "stream", stream)
+        mp.setattr(torch.cuda, "current_stream", lambda device=None: streams.current)
+        mp.setattr(torch.cuda, "synchronize", synchronize)
+        self.Event = Event
+
+
+class _FakeStream:
+    def __init__(self, streams: _Streams, name: str) -> None:
+        self.streams, self.name, self.device = streams, name, torch.device("cuda", 0)
+
+    def record_event(self, event=None):
+        event = event or self.streams.Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event) -> None:
+        self.streams.frontier[self.name] |= event.marks
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.wait_event(other.record_event())
+
+    def synchronize(self) -> None:
+        self.streams.host |= self.streams.frontier[self.name]
+
+
+class _Copies(TorchFunctionMode):
+    """Every `copy_` into one of `targets` (tensors, by address) becomes a kernel on the stand-in's current stream."""
+
+    def __init__(self, streams: _Streams, targets: set[int]) -> None:
+        super().__init__()
+        self.streams, self.targets, self.kernels = streams, targets, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and args[0].data_ptr() in self.targets:
+            self.kernels.append(self.streams.enqueue(self.streams.current, "copy"))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("write", ["publish", "load_snapshot"])
+def test_on_a_gpu_a_weight_update_is_ordered_against_the_engines_stream(write, monkeypatch):
+    """The tiny model on the CPU, with transformers' compute stream and torch's stream API replaced by `_Streams`: the
+    engine's last forward is enqueued on its stream, the trainer writes the snapshot's weights (each `copy_` a
+    kernel on the trainer's current stream), then the next forward is enqueued. No copy may start before the first
+    forward ends (it still reads the old weights), and the next forward must start after the last copy."""
+    model, _ = load_policy("tiny", seed=0)
+    engine = AsyncEngine(model)
+    streams = _Streams()
+    streams.current, compute = streams.new("trainer"), streams.new("engine")
+    streams.patch(monkeypatch)
+    monkeypatch.setattr("cbkit.rollout.async_cb.compute_stream", lambda manager: compute, raising=False)
+    try:
+        running = streams.enqueue(compute, "forward on the old weights")
+        _perturb(model)
+        with _Copies(streams, {p.data_ptr() for p in engine.snapshot.parameters()}) as copies:
+            engine.publish(1) if write == "publish" else engine.load_snapshot(model.state_dict(), 1)
+        following = streams.enqueue(compute, "the next forward")
+    finally:
+        engine.close()
+    assert len(copies.kernels) == len(list(model.parameters()))
+    assert same_weights(engine.snapshot.state_dict(), model.state_dict())
+    assert all(streams.runs_before(running, c) for c in copies.kernels), \
+        "a copy can start while the engine's forward still reads the weights it overwrites"
+    assert all(streams.runs_before(c, following) for c in copies.kernels), \
+        "the engine's next forward can read a half-copied update"
+
+
 def async_config(**kw):
     return config(use_transformers_continuous_batching=True, async_rollouts=True, async_update_at=3, **kw)
 
@@ -214,3 +341,53 @@ def test_a_resumed_async_run_draws_what_the_uninterrupted_one_drew(tmp_path):
 
     assert strip(tmp_path / "resumed") == strip(tmp_path / "straight")
     assert same_weights(straight.model.state_dict(), resumed.model.state_dict())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_forward_reads_one_published_version_whole():
+    """`test_no_forward_sees_a_half_applied_update` on a real GPU, where the lock alone would not do: five updates
+    published at whatever moment while the engine decodes 32 rows. The weights are big enough that a publish's copies
+    take about as long as a forward (Llama-3.2-1B's shape in fp32, 5 GB, where the GPU holds twice that and a pool).
+    Each forward's weights are fingerprinted inside the lock, on the stream the forward runs on, at its start and at
+    its end: a float64 sum per tensor, left on the device until the rollout is over (a host sync per forward would
+    order the streams itself and hide the race). Every fingerprint must be one published version's, whole, the one
+    the engine recorded, and the same at both ends (no copy ran under the forward)."""
+    from cbkit.rollout.engine import compute_stream
+
+    big = torch.cuda.get_device_properties(0).total_memory >= 40 * 2**30
+    model = load_policy("llama-1b-random" if big else "llama-tiny-random", dtype=torch.float32, device="cuda").model
+    params = list(model.parameters())
+
+    def device_print(tensors) -> torch.Tensor:
+        return torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors])
+
+    engine = AsyncEngine(model, {"max_memory_percent": 0.1})
+    mine = list(engine.snapshot.parameters())
+    starts: list[tuple[torch.Tensor, int, bool]] = []
+    ends: list[torch.Tensor] = []
+    engine.snapshot.register_forward_pre_hook(lambda m, a: starts.append(
+        (device_print(mine), engine.version, torch.cuda.current_stream() == compute_stream(engine.engine.manager))))
+    engine.snapshot.register_forward_hook(lambda m, a, o: ends.append(device_print(mine)), prepend=True)  # in the lock
+    prints = {0: device_print(params)}
+    try:
+        pending = engine.submit(PROMPTS * 4, 4, _sampling(max_new_tokens=48))
+        for version in range(1, 6):
+            deadline = time.monotonic() + 120
+            while len(starts) < 4 * version and time.monotonic() < deadline:
+                time.sleep(0.001)
+            _perturb(model, 0.01)
+            prints[version] = device_print(params)
+            engine.publish(version)
+        engine.collect(pending)
+    finally:
+        engine.close()
+    torch.cuda.synchronize()
+    prints = {v: p.cpu() for v, p in prints.items()}
+    assert len(starts) == len(ends) > 20 and len({v for _, v, _ in starts}) >= 3
+    assert all(on_engine_stream for _, _, on_engine_stream in starts), "a forward ran off the engine's compute stream"
+    for i, ((start, version, _), end) in enumerate(zip(starts, ends, strict=True)):
+        start, end = start.cpu(), end.cpu()
+        torn = [n for n, (a, b) in enumerate(zip(start, prints[version], strict=True))
+                if not torch.isclose(a, b, rtol=1e-9, atol=0)]
+        assert not torn, f"forward {i} (version {version}) read tensors {torn[:5]} not as version {version} has them"
+        assert torch.equal(start, end), f"forward {i}: the weights changed while it ran"

@@ -95,6 +95,26 @@ def test_gpu_script_dry_run_end_to_end(tmp_path):
     assert "not on the weight values" in log
 
 
+@needs_bare
+def test_gpu_check_dry_run_end_to_end(tmp_path):
+    """scripts/gpu_check.sh as the bare GPU machine runs it, at test size on this CPU: the gpu tests collected (and
+    skipped: no CUDA), the recipe's first step through `cbkit train`, TRL's table one N at a time with a trainer's
+    state held, and every result in one folder of at most the 8 files a device run brings back."""
+    out = _run(["bash", "scripts/gpu_check.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, OUT=str(tmp_path / "check"))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    folder = tmp_path / "check"
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and {"machine.json", "gpu_tests.log", "recipe.log", "sweep.jsonl"} <= {p.name for p in files}
+    assert "FAILED" not in (folder / "gpu_check.log").read_text()
+    tests = (folder / "gpu_tests.log").read_text()
+    assert "skipped" in tests and "error" not in tests.lower()
+    metrics = [json.loads(x) for x in (folder / "recipe" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1] and "train/loss" in metrics[0]
+    runs = [x for x in map(json.loads, (folder / "sweep.jsonl").read_text().splitlines()) if x.get("kind") == "run"]
+    assert sorted((r["N"], r["backend"]) for r in runs) == [(n, b) for n in (2, 4) for b in ("continuous", "generate")]
+    assert all(r["status"] == "ok" and r["trainer_state_bytes"] > 0 for r in runs)
+
+
 def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
     """No CUDA here: the trl-benchmark preset must stop with the preset's name and what it needs, before a model loads."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

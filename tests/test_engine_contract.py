@@ -18,11 +18,12 @@ import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager, ContinuousMixin
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
 import cbkit
 from cbkit.rollout import SamplingParams
-from cbkit.rollout.engine import Engine, watch_batches, workload_hints
+from cbkit.rollout.engine import Engine, compute_stream, watch_batches, workload_hints
 from cbkit.rollout.engine_config import cb_config_keys, make_cb_config
 
 
@@ -37,7 +38,7 @@ def _params(fn) -> set[str]:
 
 def test_transformers_version_in_supported_range():
     v = Version(transformers.__version__)
-    assert Version("5.9") <= v < Version("6"), f"cbkit supports transformers >=5.9,<6; found {v}"
+    assert Version("5.24") <= v < Version("6"), f"cbkit supports transformers >=5.24,<6; found {v}"
 
 
 def test_cb_config_has_the_fields_cbkit_sets():
@@ -45,8 +46,18 @@ def test_cb_config_has_the_fields_cbkit_sets():
     pin({"return_logprobs", "max_memory_percent", "use_cuda_graph", "seed", "num_blocks", "max_batch_tokens",
          "allow_block_sharing", "max_blocks_per_request", "use_async_batching"} <= fields,
         f"ContinuousBatchingConfig's fields ({sorted(fields)})")
-    pin(bool(fields & {"page_size", "block_size"}), "ContinuousBatchingConfig.page_size (block_size before 5.17)")
+    pin(bool(fields & {"page_size", "block_size"}), "ContinuousBatchingConfig.page_size (block_size in 5.17.0)")
     assert set(cb_config_keys()) == fields
+
+
+@pytest.mark.parametrize("spelling", ["page_size", "block_size"])
+def test_a_page_size_under_either_name_reaches_the_engine(spelling):
+    """cbkit writes page_size (5.24.0's name), 5.17.0 knows only block_size: either reaches the installed field."""
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    installed = "page_size" if "page_size" in fields else "block_size"
+    assert getattr(make_cb_config({spelling: 16}), installed) == 16
+    with pytest.raises(ValueError, match="are one setting"):
+        make_cb_config({"page_size": 16, "block_size": 32})
 
 
 def test_cbkit_defaults_reach_the_engine_config():
@@ -118,6 +129,14 @@ def test_the_manager_and_processor_internals(tiny):
         processor = manager._create_batch_processor()
         for name in ("prepare_next_batch", "update_batch", "inputs_and_outputs", "cache"):
             pin(hasattr(processor, name), f"ContinuousBatchProcessor.{name}")
+        # The stream the forwards run on, which AsyncEngine.publish orders its copies against: None on a CPU, on the
+        # async-batching IOs too (which only a GPU can build; its source is pinned instead).
+        pin(hasattr(processor.inputs_and_outputs, "compute_stream"), "ContinuousBatchProcessor.inputs_and_outputs"
+            ".compute_stream")
+        pin("self.compute_stream" in inspect.getsource(ContinuousBatchingAsyncIOs.__init__),
+            "ContinuousBatchingAsyncIOs.compute_stream")
+        manager.batch_processor = processor
+        assert compute_stream(manager) is None and compute_stream(None) is None
         cache = processor.cache
         pin(callable(getattr(cache, "reset", None)) and isinstance(cache.num_blocks, int), "PagedAttentionCache")
         allocator = next(iter(cache.cache_allocators.values()))
@@ -163,7 +182,8 @@ def test_watching_batches_puts_the_engine_back():
 INTERNALS = {"_generation_step", "_create_batch_processor", "_original_attn_impl", "_cached_continuous_batching_manager",
              "_use_prefix_sharing", "batch_processor", "background_thread_status", "output_router", "input_queue",
              "distributed_helper", "requests_in_batch", "inputs_and_outputs", "cache_allocators", "block_table",
-             "init_continuous_batching", "continuous_batching_context_manager", "generate_batch", "warmed_up"}
+             "init_continuous_batching", "continuous_batching_context_manager", "generate_batch", "warmed_up",
+             "compute_stream"}
 
 
 def _internal_uses(path: Path) -> list[str]:
@@ -189,3 +209,28 @@ def test_only_engine_py_reaches_inside_the_engine(path):
 def test_the_internals_check_sees_engine_py():
     uses = _internal_uses(Path(cbkit.__file__).parent / "rollout" / "engine.py")
     assert any("_generation_step" in u for u in uses) and any("from transformers.generation" in u for u in uses)
+
+
+def test_what_the_admission_check_builds_on():
+    # cbkit.rollout.engine.admission: the engine's config resolution, then its cache built on the meta device with its
+    # memory reading patched; the footprint read where the handler checks it.
+    from transformers.generation.continuous_batching import cache, initialization
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    pin(callable(getattr(cache, "get_device_and_memory_breakdown", None)),
+        "continuous_batching.cache.get_device_and_memory_breakdown (the handler's memory reading, looked up there)")
+    pin({"config", "continuous_batching_config", "device", "distributed_helper", "dtype"} <= _params(
+        cache.PagedAttentionCache.__init__), "PagedAttentionCache's arguments")
+    pin("self.num_blocks" in inspect.getsource(cache.PagedAttentionCache.__init__), "PagedAttentionCache.num_blocks")
+    handler = cache.PagedAttentionMemoryHandler
+    pin(len(_params(handler._check_footprint)) == 3 and callable(getattr(handler, "compute_memory_footprint", None)),
+        "PagedAttentionMemoryHandler._check_footprint(max_batch_tokens, num_...) and compute_memory_footprint")
+    pin("self.available_memory" in inspect.getsource(handler.__init__), "PagedAttentionMemoryHandler.available_memory")
+    pin({"config", "cb_config", "workload_hints", "has_logit_processors"} <= _params(
+        initialization.resolve_continuous_batching_config), "initialization.resolve_continuous_batching_config")
+    pin({"device_mesh", "cpu_group_timeout"} <= _params(DistributedHelper.__init__), "DistributedHelper's arguments")
+    pin("lazy_import_flash_attention(" in inspect.getsource(initialization.ensure_decode_fast_path_is_available),
+        "initialization.lazy_import_flash_attention (the decode path's kernel check, answered as on a GPU)")
+    # The attention switch cbkit steers (cbkit.rollout.engine.attention_for_engine).
+    pin(callable(getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)),
+        "ContinuousBatchingManager.switch_to_cb_friendly_attn")

@@ -319,17 +319,36 @@ def test_planned_points_feed_the_memory_figure(tiny):
     assert math.isfinite(gen[0]["planned_peak_bytes"])
 
 
+@pytest.mark.parametrize(("profile", "device", "tier", "dry_run", "place"), [
+    ("full", "cpu", "cpu", False, "disk"),  # a laptop's RAM is short: a file
+    ("ci", "cpu", "ci", False, "disk"),
+    ("ci", "cuda", "ci", False, "host"),  # the ci profile on any GPU, a T4 included
+    ("full", "cuda", "t4", False, "host"),  # 15 GB: no room on the GPU for a copy of the weights
+    ("full", "cuda", "a100", False, "device"),
+    ("ci", "cpu", "t4", True, "host"),  # a dry run takes its tier's branch
+    ("ci", "cpu", "a100", True, "device"),
+])
+def test_each_tier_keeps_its_copy_of_the_weights_where_it_has_room(profile, device, tier, dry_run, place):
+    from cbkit.train.snapshots import place_for_tier
+
+    env = notebook.NotebookEnv(profile, device, None, None, False, "float32", "float32", "tiny", "d", tier=tier,
+                               dry_run=dry_run)
+    assert env.weights_place == place
+    if tier in ("t4", "a100"):
+        assert place_for_tier(tier) == place  # what the tiers' planner reads, without a NotebookEnv
+
+
 def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk(tiny, monkeypatch):
     """On a CPU a notebook forwards a small chunk of completions at a time, hands TRL micro-batches of that size, keeps
-    the weights it comes back to in a file; a GPU tier (and its dry run on a CPU) keeps the config's chunk, the
-    config's micro-batches and a copy in memory. check_fits plans the chunk it is given, not the micro-batch."""
+    the weights it comes back to in a file; a GPU tier (and its dry run on a CPU) keeps the config's chunk and the
+    config's micro-batches. check_fits plans the chunk it is given, not the micro-batch."""
     from cbkit.train.config import CBGRPOConfig
 
     cpu = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "tiny", "d")
     dry = notebook.NotebookEnv("ci", "cpu", None, None, False, "float32", "float32", "tiny", "d", tier="t4",
                                dry_run=True)
     assert (cpu.forward_chunk_rows, cpu.weights_place) == (notebook.CPU_FORWARD_CHUNK_ROWS, "disk")
-    assert (dry.forward_chunk_rows, dry.weights_place) == (CBGRPOConfig.forward_chunk_rows, "memory")
+    assert dry.forward_chunk_rows == CBGRPOConfig.forward_chunk_rows
     assert cpu.trl_micro_batches(16, 1) == 16 // notebook.CPU_FORWARD_CHUNK_ROWS
     monkeypatch.setattr(notebook, "CPU_FORWARD_CHUNK_ROWS", 2)
     assert cpu.trl_micro_batches(16, 1) == 8

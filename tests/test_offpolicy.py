@@ -96,7 +96,7 @@ def test_staleness_k_samples_from_the_checkpoint_of_k_updates_earlier(tmp_path, 
     assert [c.completion_ids for c in got] != [c.completion_ids for c in now]
 
 
-@pytest.mark.parametrize("where", ["memory", "disk"])
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
 def test_resume_with_staleness_draws_what_the_uninterrupted_run_drew(tmp_path, where):
     """A checkpoint keeps the snapshots the next rollouts need; with them on disk too (the files are read into it)."""
     def run(out, steps, resume=False):
@@ -118,15 +118,17 @@ def test_resuming_with_a_different_staleness_is_refused(tmp_path):
         trainer(config(max_steps=2, rollout_staleness=2, save_steps=1, output_dir=str(tmp_path))).train(True)
 
 
-def test_snapshots_on_disk_are_bitwise_the_weights_and_leave_nothing_behind():
-    """A ring of two versions on disk: the oldest kept is read back into another model bitwise (fp32 and bf16), a
-    dropped version's file is gone, and closing removes the folder."""
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_snapshots_are_bitwise_the_weights_wherever_they_are_kept(where):
+    """A ring of two versions: the oldest kept is read back into another model bitwise (fp32, bf16 and fp16), and so
+    is the newest; a "host" copy is in CPU memory and a "device" copy where the model is (a CPU model here: the
+    CUDA side is in tests/test_gpu.py); on disk a dropped version's file is gone, and closing removes the folder."""
     from cbkit.train.snapshots import WeightSnapshots
 
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model = load_policy("tiny", seed=0).model.to(dtype)
         other = load_policy("tiny", seed=1).model.to(dtype)
-        ring = WeightSnapshots(2, "disk")
+        ring = WeightSnapshots(2, where)
         states = []
         for version in range(3):
             with torch.no_grad():
@@ -134,8 +136,15 @@ def test_snapshots_on_disk_are_bitwise_the_weights_and_leave_nothing_behind():
                     p.add_(0.01 * (version + 1))
             states.append({n: t.clone() for n, t in model.state_dict().items()})
             ring.append(version, model)
-        folder = ring._dir
-        assert ring.versions == [1, 2] and sorted(f.name for f in folder.iterdir()) == ["v1.bin", "v2.bin"]
+        assert ring.versions == [1, 2]
+        if where == "disk":
+            folder = ring._dir
+            assert sorted(f.name for f in folder.iterdir()) == ["v1.bin", "v2.bin"]
+        else:
+            kept = ring._ring[0][1]
+            assert all(t.device.type == "cpu" and t.dtype == dtype for t in kept.values())
+            assert not any(t.data_ptr() == m.data_ptr() for t, m in zip(kept.values(), model.state_dict().values(),
+                                                                         strict=True))  # copies, not views
         assert ring.load_into(other) == 1
         assert same_weights(other.state_dict(), states[1])
         assert [v for v, _ in ring.items(other)] == [1, 2]
@@ -143,16 +152,43 @@ def test_snapshots_on_disk_are_bitwise_the_weights_and_leave_nothing_behind():
         assert ring.load_into(other, -1) == 2 and same_weights(other.state_dict(), states[2])
         assert same_weights(ring.state_dict(other), states[1]) and same_weights(ring.state_dict(other, -1), states[2])
         ring.close()
-        assert not folder.exists()
-    with pytest.raises(ValueError, match=r"where='ssd': keep weight snapshots in one of \('memory', 'disk'\)"):
-        WeightSnapshots(2, "ssd")
+        if where == "disk":
+            assert not folder.exists()
+
+
+def test_a_host_snapshot_is_pinned_where_cuda_is(monkeypatch):
+    """With CUDA present (torch's answer patched in: this machine has none), each "host" copy is allocated
+    page-locked, so copies to and from the GPU run at the bus's speed; without CUDA, plain memory (pinning needs it)."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    model = load_policy("tiny", seed=0).model
+    calls, empty = [], torch.empty
+
+    def recording_empty(*args, pin_memory=False, **kwargs):
+        calls.append(pin_memory)
+        return empty(*args, **kwargs)  # this CPU build cannot pin
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    for cuda in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        calls.clear()
+        WeightSnapshots(1, "host").append(0, model)
+        assert calls == [cuda] * len(model.state_dict())
+
+
+def test_a_snapshot_place_that_is_not_one_says_which_are():
+    from cbkit.train.snapshots import WeightSnapshots
+
+    for where in ("memory", "ssd"):  # "memory" was the name of both "device" and "host"
+        with pytest.raises(ValueError, match=rf"where='{where}' is not a place .* 'device': .* 'host': .* 'disk': "):
+            WeightSnapshots(2, where)
 
 
 def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
     """Staleness 2 with the older weights in files instead of clones: the same rollouts, metrics and final weights,
     to the bit (the files hold the tensors' bytes)."""
     runs = {}
-    for where in ("memory", "disk"):
+    for where in ("host", "disk"):
         tr = trainer(config(max_steps=4, rollout_staleness=2, rollout_snapshots=where))
         runs[where] = ([tr.step().metrics for _ in range(4)], tr.model.state_dict())
         if where == "disk":
@@ -160,7 +196,7 @@ def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
             folder = tr.offpolicy.history._dir
             tr.close()
             assert not folder.exists()
-    (mem, w_mem), (disk, w_disk) = runs["memory"], runs["disk"]
+    (mem, w_mem), (disk, w_disk) = runs["host"], runs["disk"]
     for a, b in zip(mem, disk, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
     assert same_weights(w_mem, w_disk)
@@ -196,7 +232,8 @@ def test_train_runs_reuses_a_run_it_already_made_and_starts_each_from_the_initia
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"rollout_snapshots": "ssd"}, r"rollout_snapshots='ssd' is not supported; use one of 'memory', 'disk'"),
+    ({"rollout_snapshots": "memory"}, r"rollout_snapshots='memory' is not a place for weight snapshots; use one of "
+                                      r"'device': a copy on the model's device.*; 'host': .*; 'disk': "),
     ({"rollout_staleness": -1}, r"rollout_staleness=-1 must be >= 0"),
     ({"max_staleness": -2}, r"max_staleness=-2 must be >= 0"),
     ({"async_rollouts": True, "use_transformers_continuous_batching": False},

@@ -163,7 +163,7 @@ def test_rollout_validate_names_the_field():
 
 
 def test_cpu_pool_sizing_respects_only_real_choices():
-    from cbkit.rollout.engine_config import CPU_PAGE_SIZE, make_cb_config
+    from cbkit.rollout.engine_config import CPU_PAGE_SIZE, make_cb_config, page_size
 
     # 3 rows of 5 prompt tokens, limit 40: with 32-token pages each needs ceil(45 / 32) = 2 blocks, + 1 trash block
     assert CPU_PAGE_SIZE == 32
@@ -173,7 +173,7 @@ def test_cpu_pool_sizing_respects_only_real_choices():
     assert make_cb_config({}, **work).num_blocks == 7
     # a page size the user chose is kept, and the pool follows it: ceil(45 / 16) = 3 blocks a row
     cfg = make_cb_config({"page_size": 16}, **work)
-    assert (cfg.page_size, cfg.num_blocks) == (16, 10)
+    assert (page_size(cfg), cfg.num_blocks) == (16, 10)  # page_size: block_size in transformers 5.17.0
     # another fraction is a share of *GPU* memory: on CPU it would be host RAM, so it is ignored, with a warning
     with pytest.warns(UserWarning, match="max_memory_percent=0.3 is a share of free GPU memory"):
         assert make_cb_config({"max_memory_percent": 0.3}, **work).num_blocks == 7
@@ -183,7 +183,7 @@ def test_cpu_pool_sizing_respects_only_real_choices():
     assert cfg.num_blocks is None and cfg.max_memory_percent == 0.3
     # on a GPU the fraction is what it says, and the engine's own page size stays
     cfg = make_cb_config({"max_memory_percent": 0.3}, **{**work, "device": "cuda"})
-    assert cfg.num_blocks is None and cfg.page_size == 256
+    assert cfg.num_blocks is None and page_size(cfg) == 256
 
 
 def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):

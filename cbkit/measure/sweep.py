@@ -62,8 +62,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # TRL's benchmark setting (PR #5765) on a GPU machine with no network (scripts/gpu_sweep.sh): Llama-3.2-1B-Instruct's exact
     # shape with random weights, synthetic GSM-style prompts, GSM8K solution lengths replayed up to the benchmark's
     # 2048 new tokens. Sized for <= 8 minutes on one A100/H100/H200 (the estimate is in the script).
+    # TRL's CB pool is max_memory_percent=0.5 of what its trainer leaves free, so the sweep holds a training step's
+    # state on the GPU while it measures (`trainer_state`): both backends then see the memory they would in TRL.
     "trl-benchmark": dict(model="llama-1b-random", data="synthetic", num_prompts=4, ns=(8, 32, 64), max_new_tokens=2048,
-                 repeats=1, dtype="bfloat16", lengths="replay:gsm8k"),
+                 repeats=1, dtype="bfloat16", lengths="replay:gsm8k", trainer_state=True),
     # TRL's benchmark setting with the real model from the hub; sized for an A100-80GB (about 10 minutes).
     "a100": dict(model="meta-llama/Llama-3.2-1B-Instruct", data="gsm8k:test", num_prompts=8,
                  max_new_tokens=512, repeats=3, dtype="bfloat16"),
@@ -124,7 +126,10 @@ class SweepConfig:
     top_p: float = _help("nucleus sampling mass; 1.0 disables it", default=1.0)
     top_k: int = _help("keep the top_k most likely tokens; 0 disables it", default=0)
     seed: int = _help("seeds the prompts and every rollout's sampler", default=0)
-    dtype: str | None = _help("float32 / bfloat16 / float16 (None: fp32 on CPU, bf16 or fp16 on CUDA)", default=None)
+    dtype: str | None = _help("float32 / bfloat16 / float16: the weights the rollouts run in (None: fp32 on CPU, bf16 "
+                              "or fp16 on CUDA). With --full-step, the step's compute precision as `cbkit train`'s "
+                              "dtype: fp32 weights, bf16 autocast where native (None: auto; float16 refused)",
+                              default=None)
     cb_config: dict[str, Any] = _help("JSON overrides for the CB engine, e.g. '{\"max_memory_percent\": 0.4}'",
                                       default_factory=dict)
     cpu_attention: str = _help(
@@ -144,6 +149,11 @@ class SweepConfig:
         f"--full-step with {ASYNC_BACKEND} in --backends: GRPO steps run per point. The first has no earlier step to "
         "overlap; every later one does (its next rollout decodes while it trains), and the point is their mean",
         default=3)
+    trainer_state: bool = _help(
+        "hold a training step's state on the device while measuring (its fp32 gradients and AdamW's two fp32 "
+        "moments: 12 bytes a parameter, beside the weights), as a rollout inside a trainer sees the memory: a CB "
+        "pool sized as a share of free memory (max_memory_percent) is then a share of what the trainer leaves, as "
+        "in TRL", default=False)
     lengths: str = _help(
         "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
         "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides), or replay:FILE (a "
@@ -187,6 +197,10 @@ class SweepConfig:
         self._workload.check(self.max_new_tokens)
         if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
             raise ValueError(f"forward_chunk_rows must be >= 1 or None, got {self.forward_chunk_rows}.")
+        if self.full_step:  # a whole step trains fp32 weights; dtype is its autocast, refused here as the loop would
+            from cbkit.models.load import training_precision
+
+            training_precision(self.dtype or "auto", "cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def workload(self) -> LengthWorkload:
@@ -205,6 +219,8 @@ class SweepConfig:
             keep.pop("forward_chunk_rows")
         if keep["async_steps"] == 3:  # the default: files written before the async row stay resumable
             del keep["async_steps"]
+        if not keep["trainer_state"]:  # likewise
+            del keep["trainer_state"]
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         # A replayed file may change under the same name: its contents are part of what makes runs comparable.
         w = self._workload
@@ -308,7 +324,7 @@ def _keep_weights(model):
     in RAM beside the step's own peak), on a GPU in device memory."""
     from cbkit.train.snapshots import WeightSnapshots
 
-    kept = WeightSnapshots(1, "disk" if model.device.type == "cpu" else "memory")
+    kept = WeightSnapshots(1, "disk" if model.device.type == "cpu" else "device")
     kept.append(0, model)
     return kept
 
@@ -494,7 +510,8 @@ def _step_config(cfg: SweepConfig, n: int, rep: int, prompts: int, **kw: Any):
     return CBGRPOConfig(
         model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=prompts,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, forward_chunk_rows=cfg.forward_chunk_rows, **kw)
+        seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, forward_chunk_rows=cfg.forward_chunk_rows,
+        dtype=cfg.dtype or "auto", **kw)
 
 
 def _rollout_seen():
@@ -558,7 +575,9 @@ def run_sweep(
     if not todo:
         return aggregate(results.runs)
 
-    setup = set_up_run(cfg.model, cfg.data, cfg.num_prompts, seed=cfg.seed, dtype=cfg.dtype, policy=policy)
+    # A full step trains the weights it rolls out from, and the loop trains fp32 weights (cfg.dtype is its autocast).
+    setup = set_up_run(cfg.model, cfg.data, cfg.num_prompts, seed=cfg.seed,
+                       dtype="float32" if cfg.full_step else cfg.dtype, policy=policy)
     model, prompts = setup.model, setup.prompts
     sampling = setup.sampling(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               seed=cfg.seed)
@@ -572,6 +591,11 @@ def run_sweep(
     backends = {b: setup.backend(b, cb_config=cfg.cb_config, cpu_attention=cfg.cpu_attention,
                                  engine_loop=cfg.engine_loop) for b in cfg.backends if b != ASYNC_BACKEND}
 
+    # A trainer's state, held for the whole sweep where asked (`trainer_state`): allocated before the free memory is
+    # read, so the engine's share and the planner's budget are of what it leaves. torch.empty on a CPU commits no
+    # pages: there it is a placeholder of the right size.
+    held = (torch.empty(trainer_state_bytes(model), dtype=torch.uint8, device=model.device)
+            if cfg.trainer_state else None)
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
     probed_at = None
     for n, rep, b in tqdm(todo, desc="sweep runs"):
@@ -599,10 +623,21 @@ def run_sweep(
         planned = _planned(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets)
         run.update(_planned_step(cfg, model, prompts, n, run, planned, targets) if cfg.full_step
                    else planned)
+        if held is not None:
+            run["trainer_state_bytes"] = held.numel()
         results.add(run)
         if on_point is not None:
             on_point(run)
+    del held
     return aggregate(results.runs)
+
+
+def trainer_state_bytes(model) -> int:
+    """What a training step keeps on the device between updates beside the weights: fp32 gradients and AdamW's
+    two fp32 moments (`planner.GRAD_BYTES_PER_PARAM`, `ADAM_BYTES_PER_PARAM`)."""
+    from cbkit.measure.planner import ADAM_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM
+
+    return (GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM) * sum(p.numel() for p in model.parameters())
 
 
 def _probe_line(results: ResultsFile, model, lengths: str, point: int | None) -> dict[str, Any]:

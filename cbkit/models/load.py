@@ -152,11 +152,55 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
 def native_bf16(device: torch.device | int | None = None) -> bool:
     """Whether a CUDA device computes in bf16 natively: compute capability >= 8.0 (A100, L4, H100).
     ``torch.cuda.is_bf16_supported()`` also says yes on a T4 (7.5), where bf16 is emulated and slow.
-    The one place cbkit decides this: model loading, the notebooks' setup and the TRL bridge ask here."""
+    The one place cbkit decides this: model loading, the training loop's precision (`training_precision`), the
+    notebooks' setup and the TRL bridge ask here."""
     if not torch.cuda.is_available():
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8
+
+
+# The values of the training loop's `dtype` (CBGRPOConfig.dtype): what its forwards compute in, never what its
+# weights are stored in (fp32 always).
+TRAINING_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def training_precision(dtype: str, device: torch.device | str) -> torch.dtype | None:
+    """The autocast dtype of the training forwards for the loop's ``dtype`` on ``device``, or None (plain fp32).
+
+    The weights that train are fp32 on every device: AdamW's step at the learning rates GRPO uses (1e-5 .. 1e-6) is
+    far below bf16's spacing near a weight, so bf16 weights would keep little of it, and fp16's moments underflow.
+    A lower precision is only ever an autocast over those fp32 weights, and only where it is native:
+
+    * ``auto``: bf16 autocast on a CUDA GPU with native bf16 (compute capability >= 8.0, `native_bf16`), plain fp32
+      anywhere else (a T4, a CPU);
+    * ``float32``: plain fp32;
+    * ``bfloat16``: bf16 autocast; refused on a CUDA GPU that only emulates bf16 (a T4), allowed on a CPU, where
+      torch's autocast really computes in bf16 (the notebooks' dry runs of the a100 tier use it);
+    * ``float16``: refused: fp16 autocast needs loss scaling (a gradient scaler), which cbkit's loop does not do.
+    """
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not a training precision; use one of {', '.join(TRAINING_DTYPES)} "
+                         "('auto': bf16 autocast where the GPU has native bf16, fp32 elsewhere).")
+    wanted = None if dtype == "auto" else DTYPES[dtype]
+    if wanted is torch.float16:
+        raise ValueError("dtype='float16': fp16 autocast needs loss scaling, which cbkit's loop does not do. Use "
+                         "dtype='auto' (bf16 autocast where the GPU has native bf16, fp32 on a GPU without it, "
+                         "such as a T4) or 'float32'. The weights stay fp32 either way.")
+    if wanted is torch.float32:
+        return None
+    device = torch.device(device)
+    native = device.type == "cuda" and native_bf16(device)
+    if wanted is None:  # auto
+        return torch.bfloat16 if native else None
+    if native or device.type == "cpu":
+        return torch.bfloat16
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"dtype='bfloat16' on a GPU of compute capability {major}.{minor}, which only emulates bf16 "
+                         "(native from 8.0: A100, L4, H100): set dtype: auto, fp32 on this GPU.")
+    raise ValueError(f"dtype='bfloat16' on a {device.type} device: cbkit runs bf16 autocast only on a CUDA GPU with "
+                     "native bf16 or on a CPU; set dtype: auto.")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

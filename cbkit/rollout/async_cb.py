@@ -24,7 +24,9 @@ one extra copy of the weights (no gradients, no optimizer state).
 No forward sees a half-applied update
 -------------------------------------
 A forward pre-hook on the snapshot takes a lock that its forward post-hook (`always_call`) releases, and
-`publish` copies the weights under the same lock: a forward runs entirely before or entirely after a copy. The
+`publish` copies the weights under the same lock: a forward is enqueued entirely before or entirely after a copy.
+On a GPU that orders only the enqueueing: the engine's kernels run later, on its own CUDA stream, and the copies
+on the trainer's. So `publish` also orders the two streams both ways (`_writing_weights` says how). The
 pre-hook also writes down, for every request in the batch, the positions that forward computes and the version
 it computes them with: the token it samples and the KV it writes. `tests/test_async_rollouts.py` checks the
 versions, and fingerprints the weights every forward saw.
@@ -43,18 +45,19 @@ read a prompt page another request computed before it, KV from weights it does n
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, resolved_config, timeline, to_completions
+from cbkit.rollout.engine import Engine, compute_stream, resolved_config, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 
@@ -134,7 +137,7 @@ class AsyncEngine:
             while not self._parked.is_set() and not pending.done:
                 self.engine.take(pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
-        with self._lock, torch.no_grad():
+        with self._writing_weights():
             for dst, src in self._pairs:
                 dst.copy_(src)
             self.version = version
@@ -235,6 +238,34 @@ class AsyncEngine:
         return {n: t.detach().to("cpu", copy=True) for n, t in self.snapshot.state_dict().items()}
 
     def load_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._lock, torch.no_grad():
+        with self._writing_weights():
             self.snapshot.load_state_dict(state)
             self.version = version
+
+    @contextlib.contextmanager
+    def _writing_weights(self) -> Iterator[None]:
+        """Write the snapshot's weights inside this block, between two engine forwards, on the device too.
+
+        The lock keeps every forward's *enqueueing* whole. On a GPU the kernels run later: the engine's on its compute
+        stream, this thread's copies on its current stream, and nothing orders two streams (PyTorch creates them
+        non-blocking). Two one-way waits do, both on the device, so neither thread waits on the host:
+
+        * before the first copy, this stream waits for the work the engine has enqueued so far, which ends with the
+          forward that just released the lock: no copy overwrites weights a running forward still reads;
+        * after the last copy, the engine's stream waits for this one: the next forward, enqueued once the lock is
+          free, reads the new weights whole.
+
+        Before the engine has built its stream (or without one) there is no stream to order against: on a GPU this
+        thread then waits for its copies on the host, so that the first forward, on whatever stream, sees them."""
+        with self._lock, torch.no_grad():
+            engine = compute_stream(self.engine.manager)
+            copier = torch.cuda.current_stream(engine.device) if engine is not None else None
+            if copier is not None:
+                copier.wait_stream(engine)
+            try:
+                yield
+            finally:  # a failed write too: whatever it enqueued lands before the next forward
+                if copier is not None:
+                    engine.wait_stream(copier)
+                elif self.snapshot.device.type == "cuda":
+                    torch.cuda.current_stream(self.snapshot.device).synchronize()

@@ -24,10 +24,16 @@ transformers internals relied on, pinned by tests/test_engine_contract.py agains
              `add_request(s)`, `get_result`, `is_running`, `start`, `stop`, `destroy`
   processor: `ContinuousBatchProcessor.prepare_next_batch`, `update_batch`, `cache` (`reset`, `num_blocks`,
              `cache_allocators[...]` `.block_table`, `.tokens_per_page`), `inputs_and_outputs.requests_in_batch`
-             (`future.query_length`, `future.state` `.request_id`, `.position_offset`, `.initial_tokens`)
+             (`future.query_length`, `future.state` `.request_id`, `.position_offset`, `.initial_tokens`),
+             `inputs_and_outputs.compute_stream` (`compute_stream`)
   outputs:   `GenerationOutput` `.generated_tokens`, `.logprobs`, `.error`, `.lifespan`, `.timestamps`,
              `.is_finished()`, `.request_id`
   module:    `transformers.generation.continuous_batching.utils.WorkloadHints`
+  admission: `initialization.resolve_continuous_batching_config` (`.lazy_import_flash_attention`),
+             `cache.PagedAttentionCache` (`num_blocks`),
+             `cache.get_device_and_memory_breakdown`, `PagedAttentionMemoryHandler._check_footprint`,
+             `.compute_memory_footprint`, `.available_memory`, `distributed.DistributedHelper`
+  attention: `ContinuousBatchingConfig.auto_switch_to_flash` (5.2x; 5.17 keeps an attention already "paged|...")
 """
 
 from __future__ import annotations
@@ -39,13 +45,14 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
 from cbkit.rollout.cpu_attention import CPU_ATTENTION, varlen_attention_for_engine, varlen_unsupported_reason
-from cbkit.rollout.engine_config import make_cb_config, page_size, resolve_engine_loop
+from cbkit.rollout.engine_config import cuda_attention, make_cb_config, page_size, resolve_engine_loop
 
 _CACHED = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager on the model
 
@@ -90,8 +97,12 @@ class Engine:
         return cb
 
     def _attention(self, cb_config) -> contextlib.AbstractContextManager:
-        """cbkit's varlen attention on CPU for the engine's run (the model's own is restored after), or nothing."""
+        """The attention of the engine's run, the model's own restored after: on a GPU the one `cuda_attention`
+        chooses; on CPU cbkit's varlen attention (or the engine's own)."""
         _refuse_softcap_on_cpu(self.model)
+        if self.model.device.type == "cuda":
+            flash_ok = bool(getattr(self.model, "_supports_flash_attn", False))
+            return attention_for_engine(self.model, cuda_attention(self.model.dtype, flash=None if flash_ok else ()))
         if self.cpu_attention == "engine" or self.model.device.type != "cpu":
             return contextlib.nullcontext()
         unsupported = varlen_unsupported_reason(self.model)
@@ -444,6 +455,26 @@ def resolved_config(manager) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
 
 
+@contextlib.contextmanager
+def attention_for_engine(model, implementation: str) -> Iterator[None]:
+    """Run the engine with `implementation` ("sdpa" or "flash_attention_N", `cuda_attention`'s choice), the model's
+    own attention restored after. transformers 5.2x takes the choice as the model's attention with
+    `auto_switch_to_flash=False` (`make_cb_config` sets it); 5.17 has no such switch and turns to flash whenever it
+    is importable unless the attention is already a paged one, so there SDPA is given as "paged|sdpa"."""
+    from transformers import ContinuousBatchingConfig
+
+    original = model.config._attn_implementation
+    switchable = "auto_switch_to_flash" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    target = implementation if switchable or implementation.startswith("flash") else f"paged|{implementation}"
+    if target != original:
+        model.set_attn_implementation(target)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
+
+
 def _refuse_softcap_on_cpu(model) -> None:
     """Gemma-2-style attention soft-capping has no CPU path in the engine: say so before sampling wrong tokens.
 
@@ -465,6 +496,105 @@ def _shared_prompts(rows: list[list[int]], page: int) -> list[tuple[int, ...]]:
     for r in rows:
         counts[tuple(r)] = counts.get(tuple(r), 0) + 1
     return [p for p, n in counts.items() if n > 1 and len(p) >= page]
+
+
+# --- admission: will the engine start on a GPU's memory? -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admission:
+    """transformers' own verdict on starting a CB engine: its memory handler's footprint check, run on a GPU's memory
+    as the engine would read it there."""
+
+    fits: bool
+    footprint_bytes: int  # what the engine reserves: the pool, its per-token buffers, the attention mask, ...
+    available_bytes: int  # max_memory_percent x (total - max(allocated, reserved)): what it checks against
+    num_blocks: int | None  # the pool it would build, in blocks of page_size tokens (None where it refuses)
+    max_batch_tokens: int | None
+    attention: str
+    error: str | None  # the engine's own message where it refuses
+
+    def line(self) -> str:
+        verdict = "starts" if self.fits else "REFUSED"
+        return (f"engine {verdict}: needs {self.footprint_bytes / 2**30:.2f} of {self.available_bytes / 2**30:.2f} "
+                f"GiB it may take ({self.attention}" + (f", {self.num_blocks} blocks" if self.num_blocks else "") + ")")
+
+
+def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype, rows: Sequence[Sequence[int]],
+              max_new_tokens: int, total_bytes: int, used_bytes: int, capability: tuple[int, int] = (8, 0),
+              flash: Sequence[int] = ()) -> Admission:
+    """Would a CB engine start on a CUDA device of `total_bytes` with `used_bytes` already taken (weights, a
+    trainer's state, other copies), for a model of `config` in `dtype` and this call's pool (`overrides`, `rows`,
+    `max_new_tokens`, resolved as `Engine.run` resolves them)? Answered by transformers' own code, on any machine:
+    the engine's config resolution, then its `PagedAttentionCache` built on the meta device (no memory touched) with
+    the engine's memory reading (`get_device_and_memory_breakdown`) returning this device's numbers. The attention is
+    `cuda_attention`'s choice for that GPU (`capability`, importable flash-attn `flash`): it decides whether the
+    engine reserves an attention mask, and with flash-attn its block-table decode path's buffers."""
+    import copy
+    from unittest import mock
+
+    from transformers.generation.continuous_batching import cache as cache_module
+    from transformers.generation.continuous_batching import initialization
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    attention = cuda_attention(dtype, capability, flash)
+    text._attn_implementation = attention
+    cb = make_cb_config(overrides, device=torch.device("cuda"), rows=rows, max_new_tokens=max_new_tokens, warn=False)
+    # The resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table kernel
+    # imports (its decode path): answered as on that GPU.
+    flash_kernel = ((None, None, lambda *a, **k: None, None, None), (None, None))
+    with (mock.patch("torch.cuda.is_available", return_value=True),
+          mock.patch.object(initialization, "lazy_import_flash_attention", lambda *a, **k: flash_kernel)):
+        resolved = _call(initialization.resolve_continuous_batching_config, config=text, cb_config=cb,
+                         workload_hints=workload_hints(rows, max_new_tokens), has_logit_processors=True,
+                         device=torch.device("cuda"))
+    seen: dict[str, int] = {}
+    handler = cache_module.PagedAttentionMemoryHandler
+    original_check = handler._check_footprint
+
+    def check(self, max_batch_tokens: int, num_blocks: int):
+        seen.update(footprint=int(self.compute_memory_footprint(max_batch_tokens, num_blocks)),
+                    available=int(self.available_memory), max_batch_tokens=int(max_batch_tokens))
+        return original_check(self, max_batch_tokens, num_blocks)
+
+    breakdown = (torch.device("cuda"), int(total_bytes), int(used_bytes), int(used_bytes))
+    helper = _call(DistributedHelper, device_mesh=None, cpu_group_timeout=None, tp_plan={})
+    try:
+        with (mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda: breakdown),
+              mock.patch.object(handler, "_check_footprint", check)):
+            built = _call(cache_module.PagedAttentionCache, config=text, continuous_batching_config=resolved,
+                          device="meta", distributed_helper=helper, tp_plan={}, dtype=dtype,
+                          model_supports_logits_to_keep=_keeps_logits(text))
+    except (MemoryError, ValueError) as e:
+        if "footprint" not in seen:
+            raise
+        return Admission(False, seen["footprint"], seen["available"], None, None, attention, str(e))
+    return Admission(True, seen["footprint"], seen["available"], int(built.num_blocks), seen["max_batch_tokens"],
+                     attention, None)
+
+
+def _call(fn, **kwargs):
+    """`fn` with the keyword arguments its signature takes: the engine's internals differ across transformers
+    5.17-5.2x by a parameter here and there (tests/test_engine_contract.py pins each)."""
+    import inspect
+
+    names = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def _keeps_logits(config) -> bool:
+    """Whether the model class of `config` slices hidden states before its LM head (`logits_to_keep`), as the engine
+    asks the loaded model (`_supports_logits_to_keep`): it changes what the engine reserves for logits."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return False
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 # --- what a step scheduled ------------------------------------------------------------------------------------
@@ -491,6 +621,14 @@ def scheduled(processor, blocks: bool = True) -> list[Scheduled]:
                              int(state.position_offset) - query,  # prepare_next_batch has already advanced it
                              query, tuple(int(b) for b in table)))
     return out
+
+
+def compute_stream(manager) -> torch.cuda.Stream | None:
+    """The CUDA stream `manager`'s forwards run on, or None (on CPU; or no manager, or none built its processor
+    yet). transformers enqueues each engine forward on a stream of its own, so whoever writes the weights the engine
+    reads orders the write against this stream (`AsyncEngine.publish`); a Python lock orders only the enqueueing."""
+    processor = getattr(manager, "batch_processor", None)
+    return processor.inputs_and_outputs.compute_stream if processor is not None else None
 
 
 @contextlib.contextmanager

@@ -27,6 +27,15 @@ CPU_PAGE_SIZE = 32
 # Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: docs/small_n.md), transformers'
 # background thread elsewhere.
 ENGINE_LOOPS = ("auto", "caller", "thread")
+# A pool fixed in blocks (`num_blocks`) is sized already; `max_memory_percent` then only gates the engine's admission
+# check (transformers' `PagedAttentionMemoryHandler._check_footprint`: the pool, its per-token buffers and, without
+# flash attention, the attention mask must fit that share of the free memory). cbkit's 0.5 would refuse a pool sized
+# for a training step's leftovers on a T4; 0.9 is transformers' own margin for temporary tensors.
+FIXED_POOL_MEMORY_PERCENT = 0.9
+# The engine's block-table decode path calls flash-attn's `flash_attn_with_kvcache` with the pool's pages, which it
+# takes in multiples of 256 tokens (the engine's default page). With smaller pages cbkit turns that path off, and the
+# engine decodes through its varlen path, as on a CPU.
+KERNEL_PAGE_MULTIPLE = 256
 
 
 def resolve_engine_loop(engine_loop: str, device: torch.device, cb_overrides: Mapping[str, Any] | None = None) -> str:
@@ -53,6 +62,15 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     """cbkit's defaults + the user's keys + `return_logprobs=True`, checked: the device-independent part of
     `make_cb_config`, and what the TRL bridge writes into TRL's config."""
     overrides = dict(overrides or {})
+    # Tokens per KV page: page_size in transformers 5.24, block_size before (and in TRL configs written for it).
+    # Either spelling is taken, and handed on under the installed one.
+    key = _page_key()
+    other = "block_size" if key == "page_size" else "page_size"
+    if other in overrides:
+        if key in overrides and overrides[key] != overrides[other]:
+            raise ValueError(f"page_size={overrides.get('page_size')!r} and block_size={overrides.get('block_size')!r} "
+                             "are one setting, tokens per KV page; give one of them.")
+        overrides[key] = overrides.pop(other)
     valid = cb_config_keys()
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
@@ -100,6 +118,13 @@ def make_cb_config(
     cpu = device is not None and torch.device(device).type == "cpu"
     if cpu and "page_size" not in overrides and "block_size" not in overrides:
         values[_page_key()] = CPU_PAGE_SIZE
+    if _has_field("auto_switch_to_flash"):
+        # cbkit chooses the attention itself (`cuda_attention`, applied by the engine module); left on, the engine
+        # switches to flash-attn whenever it is importable, which refuses fp32 weights and has no kernel on a T4.
+        values["auto_switch_to_flash"] = False
+    if (device is not None and torch.device(device).type == "cuda" and "max_blocks_per_request" not in overrides
+            and page_size(values) % KERNEL_PAGE_MULTIPLE):
+        values["max_blocks_per_request"] = 0
     mmp_default = CB_DEFAULTS["max_memory_percent"]
     workload = workload_blocks(rows, max_new_tokens, page_size(values)) if rows and max_new_tokens else None
     if cpu and workload and "num_blocks" not in overrides:
@@ -113,6 +138,8 @@ def make_cb_config(
                 UserWarning, stacklevel=3,
             )
         values["num_blocks"] = workload
+    if values.get("num_blocks") is not None and "max_memory_percent" not in overrides:
+        values["max_memory_percent"] = FIXED_POOL_MEMORY_PERCENT
     if seed is not None and "seed" not in overrides:
         values["seed"] = seed
     return ContinuousBatchingConfig(**values)
@@ -124,11 +151,44 @@ def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_siz
     return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
 
 
-def _page_key() -> str:
+def _has_field(name: str) -> bool:
     from transformers import ContinuousBatchingConfig
 
-    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    return "page_size" if "page_size" in names else "block_size"  # block_size before transformers 5.17
+    return name in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+
+
+def _page_key() -> str:
+    return "page_size" if _has_field("page_size") else "block_size"  # block_size up to transformers 5.17
+
+
+# --- the attention the engine runs with on a GPU ----------------------------------------------------------------
+
+
+def flash_versions() -> tuple[int, ...]:
+    """The flash-attn versions transformers would import here (its own check, kernels-hub fallback included: the
+    one the engine's switch asks), newest first."""
+    from transformers.utils import import_utils
+
+    found = [(3, import_utils.is_flash_attn_3_available(kernels_fallback_ok=True)),
+             (2, import_utils.is_flash_attn_2_available(kernels_fallback_ok=True))]
+    return tuple(v for v, ok in found if ok)
+
+
+def cuda_attention(dtype: torch.dtype, capability: tuple[int, int] | None = None,
+                   flash: Sequence[int] | None = None) -> str:
+    """The attention cbkit runs the CB engine with on a CUDA device, for weights of `dtype`: flash-attn where it
+    can run, else PyTorch's SDPA. Decided here, not by whether flash-attn happens to be importable (the engine's own
+    rule): flash-attn takes fp16/bf16 only (a training policy's fp32 weights would crash it), FA2 needs compute
+    capability 8.0 (Ampere) or newer (a T4 is 7.5), FA3 a Hopper (9.x). ``capability`` and ``flash`` default to
+    this machine's (`torch.cuda.get_device_capability`, `flash_versions`)."""
+    capability = capability if capability is not None else torch.cuda.get_device_capability()
+    flash = flash_versions() if flash is None else flash
+    if dtype in (torch.float16, torch.bfloat16):
+        if 3 in flash and capability[0] == 9:
+            return "flash_attention_3"
+        if 2 in flash and capability >= (8, 0):
+            return "flash_attention_2"
+    return "sdpa"
 
 
 def page_size(config) -> int:

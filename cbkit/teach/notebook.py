@@ -110,6 +110,13 @@ class NotebookEnv:
     trains: bool = False  # the notebook trains: it rolls out from the fp32 training weights
 
     @property
+    def compute_dtype(self) -> str:
+        """The training loop's ``dtype`` for this run (`CBGRPOConfig.dtype`, the precision its forwards compute in,
+        over fp32 weights): ``autocast_dtype`` where this tier has one, else float32. Not 'auto': a forced t4 tier
+        on an A100 rehearses a T4 (fp32), and the a100 tier's dry run on a CPU runs its bf16 autocast there."""
+        return self.autocast_dtype or self.train_dtype
+
+    @property
     def logits_budget_bytes(self) -> int:
         return LOGITS_BUDGET_BYTES[self.tier]
 
@@ -124,9 +131,13 @@ class NotebookEnv:
 
     @property
     def weights_place(self) -> str:
-        """Where a notebook keeps a copy of the weights it comes back to (`cbkit.train.snapshots.WeightSnapshots`):
-        on a CPU a file, so the copy costs disk, not a laptop's RAM; on a GPU (or a tier's dry run) host memory."""
-        return "disk" if self.device == "cpu" and not self.dry_run else "memory"
+        """Where a notebook keeps a copy of the weights it comes back to (`cbkit.train.snapshots.WeightSnapshots`),
+        by tier (`cbkit.train.snapshots.place_for_tier`): on a CPU a file, so the copy costs disk, not a laptop's RAM;
+        on the t4 tier host memory, so it costs no GPU memory; on the a100 tier the GPU. A tier's dry run chooses
+        what the tier does."""
+        from cbkit.train.snapshots import place_for_tier
+
+        return place_for_tier(self.tier, self.device)
 
     def trl_micro_batches(self, rows: int, gradient_accumulation_steps: int) -> int:
         """TRL's ``gradient_accumulation_steps`` for a step of ``rows`` completions. TRL's chunk of rows is its
@@ -288,7 +299,7 @@ def tier_plan_line(env: NotebookEnv) -> str:
     machine = "t4" if env.tier == "t4" else ("a100-80" if (env.gpu_memory_bytes or 0) > 60 * GiB else "a100-40")
     assert MACHINES[machine][0] == env.tier
     p = plan_notebook(env.notebook or "", machine)
-    if not p.fits:
+    if not (p.fits and p.admitted):
         raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
                           f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
     where = "planned on a CPU: this dry run's sizes are smaller" if env.dry_run else "not yet measured"
@@ -509,9 +520,16 @@ def autocast_drift(model: Any, ids: Sequence[int], dtype: str) -> str:
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
     """The `GRPOConfig` overrides (TRL's names) of the notebooks' one TRL step. The batch is not among them: the
     bridge turns ``prompts_per_step`` and ``gradient_accumulation_steps`` into TRL's ``per_device_train_batch_size``
-    (one micro-batch), so that TRL generates exactly prompts x N completions a step."""
-    return dict(report_to=[], logging_steps=1, save_strategy="no", activation_checkpointing=False,
-                dataloader_pin_memory=env.gpu)
+    (one micro-batch), so that TRL generates exactly prompts x N completions a step.
+
+    Checkpointing is off (TRL defaults it on) under the installed transformers' name for it: 5.17 has only
+    ``gradient_checkpointing``; later 5.x call it ``activation_checkpointing`` and warn on the old name."""
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
+            "dataloader_pin_memory": env.gpu}
 
 
 def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_len: int, vocab_size: int,
@@ -635,6 +653,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
     from cbkit.trl.config import trl_grpo_config
     from cbkit.trl.rewards import _trl_rewards, _weights_for
+    from cbkit.trl.trainers import plain_forward
 
     funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
@@ -661,7 +680,10 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     generate = trainer._generate_single_turn
 
     def recording(*a: Any, **k: Any):
-        completion_ids, logprobs = generate(*a, **k)
+        # TRL's own CB generation, minus accelerate's mixed-precision wrapper around the forward (bf16=True where bf16
+        # is native), which would call .float() on the engine's PagedAttentionCache; training keeps the wrapper.
+        with plain_forward(trainer.model):
+            completion_ids, logprobs = generate(*a, **k)
         seen.update(completions=len(completion_ids), logprobs=logprobs,
                     tokens=sum(len(c) for c in completion_ids))
         return completion_ids, logprobs

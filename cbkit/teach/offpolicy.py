@@ -20,6 +20,7 @@ import torch
 
 from cbkit.rollout import SamplingParams
 from cbkit.rollout.continuous import ContinuousBackend
+from cbkit.teach.tiers import LESSON_PAGE_SIZE
 from cbkit.telemetry import release_memory
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
@@ -65,8 +66,8 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
     """One run per variant (config fields over `base`), each from `initial` weights (a state dict, or the oldest
     version a `WeightSnapshots` keeps: on disk, it costs no RAM); their recorders by name, each holding the run's
     configuration, metrics, rollouts and final weights (all runs' with ``keep_final=True``, those named in it, or
-    none). A run's final weights are a `WeightSnapshots` of one version, kept where `initial` is (in a file when
-    it is on disk, else in memory). A variant whose configuration a recorder in `reuse` already ran (the same
+    none). A run's final weights are a `WeightSnapshots` of one version, kept where `initial` is (its place; for a
+    state dict, host memory, so that they never take the GPU's). A variant whose configuration a recorder in `reuse` already ran (the same
     config from the same start and seed: the same run) is taken from there, not run again, where that recorder kept
     what this call keeps. Each run's trainer (its AdamW state, gradients, weight snapshots and engine) is released
     before the next starts, and the freed heap handed back to the system (`release_memory`), so every run starts
@@ -76,7 +77,7 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
     def keeps(name: str) -> bool:
         return keep_final if isinstance(keep_final, bool) else name in keep_final
 
-    place = initial.where if isinstance(initial, WeightSnapshots) else "memory"
+    place = initial.where if isinstance(initial, WeightSnapshots) else "host"
     out, todo = {}, {}
     for name, fields in variants.items():
         config = dataclasses.replace(base, **fields)
@@ -161,7 +162,9 @@ def stale_prefix_kv(model, prompts: Sequence[Sequence[int]], num_generations: in
     """
     old = {k: v.detach().clone() for k, v in model.state_dict().items()}
     scratch = copy.deepcopy(model).eval()  # for the replays; copied now, before an engine is attached to the model
-    backend = ContinuousBackend(model, persistent=True)
+    # Pages the prompts fill, on every device: with the engine's GPU default (256 tokens) no prompt page would be
+    # complete, nothing would be cached, and "stale" would equal "fixed".
+    backend = ContinuousBackend(model, {"page_size": LESSON_PAGE_SIZE}, persistent=True)
     results = {}
     try:
         backend.generate(prompts, num_generations, sampling)  # fills the prefix cache with old-weight pages

@@ -22,13 +22,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbkit.models.load import training_precision
 from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.train.objective import IS_MODES, LOSS_TYPES
 
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 STALE_ROLLOUTS = ("regenerate", "drop")
-SNAPSHOT_PLACES = ("memory", "disk")  # cbkit.train.snapshots.WHERE
+# Where a copy of the weights can wait (cbkit.train.snapshots.WeightSnapshots), and what each costs.
+SNAPSHOT_PLACES = {"device": "a copy on the model's device (GPU memory on a GPU)",
+                   "host": "a copy in CPU memory, pinned where CUDA is (host RAM, no GPU memory)",
+                   "disk": "a file in a temporary folder (no memory)"}
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # TRL's names (TrainingArguments.optim) for torch's AdamW
 # Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
 # forward_chunk_rows changes only how many rows one forward holds: the loss is the same to float rounding;
@@ -49,7 +53,10 @@ class CBGRPOConfig:
     # --- model and prompts (cbkit's own) ---
     model: str = _help("Policy to train: 'smollm2-offline', 'tiny' (tests), a hub id or a local directory.",
                        default="smollm2-offline")
-    dtype: str = _help("Model dtype: 'auto' (fp32 on CPU, bf16/fp16 on CUDA), float32, bfloat16 or float16.",
+    dtype: str = _help("Training compute precision; the weights that train are fp32 whatever it says. 'auto': bf16 "
+                       "autocast on a GPU with native bf16 (compute capability >= 8.0), fp32 elsewhere (a T4, a CPU); "
+                       "'float32': no autocast; 'bfloat16': bf16 autocast (refused on a GPU without native bf16); "
+                       "'float16' is refused (fp16 needs loss scaling, which this loop does not do).",
                        default="auto")
     data: str = _help("Prompt source: 'synthetic' (offline), 'gsm8k-local[:split]', 'gsm8k[:split]' (hub) or a "
                       ".jsonl path.", default="synthetic")
@@ -125,10 +132,15 @@ class CBGRPOConfig:
                                    "(an exact weight snapshot) while the loss uses the current one; 0 is the "
                                    "on-policy loop. No TRL twin: TRL's staleness is whatever its async queue gives.",
                                    default=0)
-    rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'memory' "
-                                   "(a copy each, beside the policy) or 'disk' (a file each in a temporary folder, read "
+    # The default spends host RAM, not the GPU's: a step reads its snapshots twice (the oldest into the policy for
+    # the rollout, the newest back), so their place costs two transfers a step, while the GPU's memory is what the
+    # step itself runs short of (KV pool, activations, AdamW state). On a CPU, "host" and "device" are one place.
+    rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'device' "
+                                   "(a copy each on the model's device: on a GPU the fastest, and k + 1 models' worth of "
+                                   "its memory), 'host' (a copy each in CPU memory, pinned where CUDA is: no GPU memory, "
+                                   "two host-device transfers a step) or 'disk' (a file each in a temporary folder, read "
                                    "into the policy for the rollout and back after it: no copy stays in memory, at one "
-                                   "write and two reads of the weights a step).", default="memory")
+                                   "write and two reads of the weights a step).", default="host")
     async_rollouts: bool = _help("Queue step t+1's rollout in the CB engine while step t trains, on an in-process "
                                  "weight snapshot refreshed after every update, so a completion can straddle an "
                                  "update (TRL: AsyncGRPOTrainer, with a vLLM server). Needs the continuous backend.",
@@ -207,6 +219,8 @@ class CBGRPOConfig:
         one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
         one_of("importance_sampling_mode", IS_MODES)
         one_of("optim", OPTIMIZERS)
+        # What no device allows (an unknown name, float16) fails here; bf16 on a GPU without it, in the trainer.
+        training_precision(self.dtype, "cpu")
         if self.num_generations < 2:
             bad(f"num_generations={self.num_generations}: group-relative advantages need at least 2 completions "
                 "per prompt (with 1 every advantage is 0); set num_generations >= 2.")
@@ -252,7 +266,9 @@ class CBGRPOConfig:
             bad(f"clip_min={cmin} must be in [0, clip_max={cmax}]; "
                 "lower it, raise clip_max, or set it to None.")
         one_of("stale_rollouts", STALE_ROLLOUTS)
-        one_of("rollout_snapshots", SNAPSHOT_PLACES)
+        if self.rollout_snapshots not in SNAPSHOT_PLACES:
+            bad(f"rollout_snapshots={self.rollout_snapshots!r} is not a place for weight snapshots; use one of "
+                + "; ".join(f"{k!r}: {v}" for k, v in SNAPSHOT_PLACES.items()) + ".")
         for name in ("rollout_staleness", "max_staleness"):
             if getattr(self, name) < 0:
                 bad(f"{name}={getattr(self, name)} must be >= 0 (0: the rollout comes from the policy the loss uses).")

@@ -62,8 +62,11 @@ What this loop simplifies, relative to TRL's GRPOTrainer, and why
   the small models this kit trains on one machine;
   `cbkit.train.batch.micro_batches_for` picks `gradient_accumulation_steps` for a logits budget (the notebooks' GPU
   tiers do), or lower `max_completion_length`.
-* Mixed precision is opt-in: `GRPOTrainer(..., autocast_dtype="bfloat16")` over fp32 weights (master weights,
-  bf16 forwards); plain bf16 weights under AdamW lose updates smaller than bf16's resolution.
+* Precision: the weights that train are fp32 on every device; the config's `dtype` is the precision the training
+  forwards compute in, an autocast over those weights (`cbkit.models.load.training_precision`: 'auto' is bf16 where
+  the GPU has it natively, fp32 elsewhere; fp16 is refused, as this loop does no loss scaling). Plain bf16 weights
+  under AdamW would lose every update smaller than bf16's spacing, so a half-precision policy is refused. The rollout
+  samples from the same fp32 weights.
 * The loss variants, IS modes and what the objective leaves out are listed in `cbkit.train.objective`.
 
 Checkpoints (`cbkit.train.checkpoint`) hold the model, optimizer, step, data position, RNG states and config; resuming
@@ -86,7 +89,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cbkit.models.load import DTYPES
+from cbkit.models.load import training_precision
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.rollout.engine import engine_is_idle
 from cbkit.tasks.data import Problem
@@ -143,13 +146,13 @@ class GRPOTrainer:
         reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
         hooks: Sequence[StepHooks] = (),
         problems: Sequence[Problem] | None = None,
-        autocast_dtype: torch.dtype | str | None = None,
     ) -> None:
         if policy is None:
             from cbkit.models.load import load_policy
 
-            policy = load_policy(config.model, dtype=config.dtype, seed=config.seed)
+            policy = load_policy(config.model, dtype="float32", seed=config.seed)  # `dtype` is the autocast, below
         model, tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
+        check_fp32_weights(model)
         check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
         # The run set-up the sweep and the demo share: problems, prompt ids, stop and pad ids.
         run = set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
@@ -163,9 +166,9 @@ class GRPOTrainer:
         self.run_setup = run
         self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
-        # Mixed precision: fp32 master weights, the training forwards under autocast (cbkit.train.batch explains why).
-        self.autocast_dtype = _autocast_dtype(autocast_dtype, self.model)
         self.device = next(self.model.parameters()).device
+        # The training forwards' autocast over the fp32 weights, or None (see the module docstring).
+        self.autocast_dtype = training_precision(config.dtype, self.device)
         self.pad_token_id, self.stop_ids = run.pad_token_id, run.stop_ids
         # The attention the training forward must run with; a CB engine that leaves it switched would make the
         # forward silently non-causal (transformers #48296), so every forward checks it (`_check_attention`).
@@ -601,19 +604,15 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def _autocast_dtype(dtype: torch.dtype | str | None, model: torch.nn.Module) -> torch.dtype | None:
-    """The autocast dtype for the training forwards, checked: only over fp32 weights (autocast over bf16 weights
-    keeps bf16 master weights, whose small updates are lost, which is what it is for avoiding)."""
-    if dtype is None:
-        return None
-    resolved = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if resolved not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"autocast_dtype={dtype!r}; use 'bfloat16', 'float16' or None.")
-    weights = next(model.parameters()).dtype
-    if weights != torch.float32:
-        raise ValueError(f"autocast_dtype={dtype!r} needs fp32 (master) weights, but the policy is {weights}; "
-                         "load it with dtype='float32'.")
-    return resolved
+def check_fp32_weights(model: torch.nn.Module) -> None:
+    """Refuse a policy whose floating-point weights are not all fp32: AdamW on bf16 weights rounds away the small
+    updates GRPO makes, fp16 moments underflow. Lower precision belongs in the config's `dtype`, as an autocast."""
+    half = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if half:
+        raise ValueError(
+            f"GRPOTrainer trains fp32 weights, but this policy has {', '.join(half)} weights. Load it with "
+            "load_policy(..., dtype='float32') (or call model.float()), and choose the training forwards' precision "
+            "with the config's dtype ('auto': bf16 autocast where the GPU has native bf16).")
 
 
 def _offpolicy(trainer: GRPOTrainer, backend_given: bool):

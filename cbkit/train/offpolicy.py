@@ -119,9 +119,9 @@ def _stamped(rollout: Rollout, version: int) -> Rollout:
 class LaggedRollouts:
     """`rollout_staleness = k`: the rollout samples from the weights of k updates ago, swapped into the policy.
 
-    The last k + 1 versions wait in a ring (`rollout_snapshots`: copies in memory or files on disk), the newest
-    being the policy as it is now. For a rollout the oldest is loaded into the policy itself, the trainer's own
-    backend samples, and the newest is loaded back, bitwise: no sampling copy of the model is kept."""
+    The last k + 1 versions wait in a ring (`rollout_snapshots`: copies on the device, in host memory or files on
+    disk), the newest being the policy as it is now. For a rollout the oldest is loaded into the policy itself, the
+    trainer's own backend samples, and the newest is loaded back, bitwise: no sampling copy of the model is kept."""
 
     def __init__(self, trainer: GRPOTrainer, staleness: int) -> None:
         self.k, self._template = staleness, trainer.model  # the policy: what a checkpoint's tensors are shaped like
@@ -155,7 +155,7 @@ class LaggedRollouts:
     def load_state_dict(self, state: Mapping[str, Any], trainer: GRPOTrainer) -> None:
         self.history.clear()
         for version, weights in state["history"]:
-            self.history.append(version, weights)
+            self.history.append(version, weights, device=trainer.model.device)
 
     def close(self) -> None:
         self.history.close()

@@ -1,12 +1,21 @@
-"""A ring of the policy's recent weights, for rollouts sampled from an older policy (`rollout_staleness`).
+"""A ring of the policy's recent weights, for rollouts sampled from an older policy (`rollout_staleness`), and the
+copies of the weights a notebook comes back to.
 
-A lag of k updates needs the weights of the last k + 1 versions at hand: k + 1 copies of the model. In memory
-(`where="memory"`, the default) that is k + 1 clones beside the policy: 2.7 GB at k = 4 for a 135M model in fp32,
-more than the rest of a CPU training step. On disk (`where="disk"`) each version is one file in a temporary folder,
-written once when the version is made and read straight into the model when it is due (`LaggedRollouts` loads the
-oldest into the policy for the rollout and the newest back after it): no copy of the weights stays in memory, at
-the price of one write and two reads of the weights a step (the page cache, not the process, holds what the disk
-has just seen).
+A lag of k updates needs the weights of the last k + 1 versions at hand: k + 1 copies of the model, 2.7 GB at k = 4
+for a 135M model in fp32. Where they wait is a choice, because it decides which memory pays:
+
+* ``"device"``: a clone on the model's device. On a GPU the fastest (device-to-device copies) and the most
+  expensive: GPU memory, which the step itself runs short of.
+* ``"host"``: a copy in CPU memory, pinned where CUDA is (page-locked, so a copy to or from the GPU runs at the
+  bus's full speed and a load into the model can be asynchronous). Costs host RAM and two transfers over the bus a
+  step; no GPU memory. On a CPU it is the same place as ``"device"``.
+* ``"disk"``: one file per version in a temporary folder, written once when the version is made and read straight
+  into the model when it is due (`LaggedRollouts` loads the oldest into the policy for the rollout and the newest
+  back after it): no copy stays in memory, at the price of one write and two reads of the weights a step (the page
+  cache, not the process, holds what the disk has just seen).
+
+`place_for_tier` is where the notebooks' tiers keep theirs (`NotebookEnv.weights_place`; the tiers' planner counts
+the copies it puts on the device).
 
 A snapshot is bitwise the weights it was taken from, wherever it is kept: the files hold the tensors' raw bytes
 in the model's own state-dict order and dtypes.
@@ -25,13 +34,33 @@ from torch import Tensor
 
 from cbkit.train.config import SNAPSHOT_PLACES as WHERE
 
+# Where a copy is, as a sentence says it (the notebooks print it).
+KEPT_WHERE = {"device": "in the model's device memory", "host": "in host memory", "disk": "in a file"}
+
+# The notebooks' GPU tiers (cbkit.teach.tiers): a T4's 15 GB hold the policy, its AdamW state, a KV pool and the
+# engine's async snapshot, and no ring of copies besides; an A100's 40 or 80 GB hold them where they are fastest.
+TIER_PLACES = {"t4": "host", "a100": "device"}
+
+
+def place_for_tier(tier: str, device: str = "cuda") -> str:
+    """Where a notebook on `tier` keeps a copy of the weights it comes back to (`WeightSnapshots`' ``where``).
+
+    A GPU tier chooses by its memory (`TIER_PLACES`), on its GPU and in its dry run on a CPU alike, so CI runs the
+    tier's branch. Otherwise (the ``cpu`` and ``ci`` tiers): on a CPU a file, so the copy costs disk, not a laptop's
+    RAM; on a GPU under the ci profile, which may be a T4, host memory."""
+    if tier in TIER_PLACES:
+        return TIER_PLACES[tier]
+    return "disk" if device == "cpu" else "host"
+
 
 class WeightSnapshots:
-    """The last `maxlen` versions of a model's weights, oldest first; each in memory or in a file."""
+    """The last `maxlen` versions of a model's weights, oldest first; each on the model's device, in host memory or in
+    a file (`where`, the module docstring says what each costs)."""
 
-    def __init__(self, maxlen: int, where: str = "memory") -> None:
+    def __init__(self, maxlen: int, where: str = "host") -> None:
         if where not in WHERE:
-            raise ValueError(f"where={where!r}: keep weight snapshots in one of {WHERE}.")
+            raise ValueError(f"where={where!r} is not a place for weight snapshots; use one of "
+                             + "; ".join(f"{k!r}: {v}" for k, v in WHERE.items()) + ".")
         if maxlen < 1:
             raise ValueError(f"maxlen={maxlen} must be >= 1.")
         self.where, self.maxlen = where, maxlen
@@ -45,12 +74,19 @@ class WeightSnapshots:
     def versions(self) -> list[int]:
         return [v for v, _ in self._ring]
 
-    def append(self, version: int, weights: torch.nn.Module | Mapping[str, Tensor]) -> None:
-        """Keep `weights` (a model or a state dict) as `version`; the oldest is dropped past `maxlen`."""
+    def append(self, version: int, weights: torch.nn.Module | Mapping[str, Tensor], *,
+               device: torch.device | str | None = None) -> None:
+        """Keep `weights` (a model or a state dict) as `version`; the oldest is dropped past `maxlen`. A ``"device"``
+        copy goes to `device`, by default where the weights are (give the model's device for a state dict read from a
+        checkpoint, which is on the CPU)."""
         state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-        if self._dir is None:
-            kept: dict[str, Tensor] | Path = {n: t.detach().clone() for n, t in state.items()}
+        kept: dict[str, Tensor] | Path
+        if self.where == "device":
+            kept = {n: t.detach().to(device or t.device, copy=True) for n, t in state.items()}
+        elif self.where == "host":
+            kept = {n: _host_copy(t) for n, t in state.items()}
         else:
+            assert self._dir is not None
             kept = self._dir / f"v{version}.bin"
             with open(kept, "wb") as f:
                 for t in state.values():
@@ -72,7 +108,12 @@ class WeightSnapshots:
                         _read_into(f, t, name, kept)
             else:
                 for name, t in model.state_dict().items():
-                    t.copy_(kept[name])
+                    t.copy_(kept[name], non_blocking=True)  # from pinned host memory: queued, not waited for
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            # The copies are queued on this thread's stream; whoever reads the weights next may run on another (the CB
+            # engine's forwards run on a stream of their own): they are in place before this returns.
+            torch.cuda.current_stream(device).synchronize()
         return version
 
     def items(self, template: torch.nn.Module) -> Iterator[tuple[int, dict[str, Tensor]]]:
@@ -116,6 +157,12 @@ class WeightSnapshots:
     def __del__(self) -> None:
         if getattr(self, "_dir", None) is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _host_copy(t: Tensor) -> Tensor:
+    """`t` copied into CPU memory: page-locked where CUDA is, so the copies to and from the GPU run at full speed."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    return out.copy_(t.detach())
 
 
 def _bytes(t: Tensor) -> Tensor:

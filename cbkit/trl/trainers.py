@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,7 +59,7 @@ class _CBRollouts:
             if getattr(self.args, "cast_lm_head_to_fp32", False):
                 unwrapped.lm_head.to(torch.float32)
             was_training = unwrapped.training
-            with _plain_forward(unwrapped):
+            with plain_forward(unwrapped):
                 outputs, _ = self._engine_for(unwrapped).run(
                     rows, self.generation_config, max_new_tokens=self.max_completion_length, seed=self._cb_seed())
             unwrapped.train(was_training)
@@ -178,14 +178,21 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
 
 @contextmanager
-def _plain_forward(model):
-    """Run the model's own `forward`, not the one accelerate installs under mixed precision.
+def plain_forward(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model``'s own ``forward`` inside the block, not the one accelerate installs under mixed precision.
 
-    With `mixed_precision` bf16/fp16 (TRL's `bf16=True`), `Accelerator.prepare_model` replaces the instance's
-    `forward` by autocast + `convert_outputs_to_fp32`, which walks the outputs and calls `.float()` on anything
-    with a half `dtype`, including the CB engine's `PagedAttentionCache`: the generation loop dies with
-    "'PagedAttentionCache' object has no attribute 'float'" and stock TRL then fails later with an IndexError.
-    The weights were just cast to the half dtype in place, so autocast has nothing left to do here.
+    With ``mixed_precision`` bf16 or fp16 (TRL's ``bf16=True``, which `cbkit.trl.config` sets wherever bf16 is native,
+    and which accelerate honours on a CPU too), ``Accelerator.prepare_model`` keeps the model's forward as
+    ``_original_forward`` and replaces the instance's ``forward`` by autocast + ``convert_outputs_to_fp32``, which
+    walks the outputs and calls ``.float()`` on anything with a half ``dtype``. The CB engine's forward returns its
+    ``PagedAttentionCache``, which has a dtype and no ``.float()``: the engine's generation loop dies
+    ("'PagedAttentionCache' object has no attribute 'float'") and TRL then fails with an IndexError on the missing
+    completions.
+
+    Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.notebook.stock_trl_cb_rollout`
+    do); the wrapper is back for training when the block ends. Generation loses nothing: TRL's CB branch has
+    just cast the weights themselves to the half dtype in place, so autocast has nothing left to do there. A model
+    accelerate did not wrap passes through untouched.
     """
     wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     if wrapped is None:
@@ -199,7 +206,7 @@ def _plain_forward(model):
 
 
 class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
-    """`trl.RLOOTrainer` with the GRPO bridge's CB call: it survives bf16/fp16 mixed precision (`_plain_forward`),
+    """`trl.RLOOTrainer` with the GRPO bridge's CB call: it survives bf16/fp16 mixed precision (`plain_forward`),
     sizes the CPU pool to the workload (TRL's `max_memory_percent=0.5` there means half of host RAM), seeds each
     call, and raises on a failed request.
 

@@ -1,0 +1,264 @@
+"""The rules only a GPU exercises, checked on this CPU through transformers' own code with the GPU's conditions
+patched in: the engine's admission check (its memory handler on a T4's or an A100's memory), the attention the engine
+runs with (a device capability, flash-attn importable or not, the policy's dtype), and the engine settings cbkit
+derives from them. Each test runs upstream's code, never a copy of its formula."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+from cbkit.cli import main
+from cbkit.rollout import engine_config
+from cbkit.rollout.engine import admission, attention_for_engine, workload_hints
+from cbkit.rollout.engine_config import cuda_attention, make_cb_config
+from cbkit.teach import tiers
+
+GiB = 2**30
+T4, A100, H100 = (7, 5), (8, 0), (9, 0)
+
+
+def _cb_fields() -> set[str]:
+    from transformers import ContinuousBatchingConfig
+
+    return {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+
+
+# --- the engine settings ------------------------------------------------------------------------------------------
+
+
+def test_a_fixed_pool_is_admitted_against_transformers_margin_not_cbkits_sizing_share():
+    fixed = make_cb_config({"num_blocks": 100}, device=torch.device("cuda"))
+    assert fixed.max_memory_percent == engine_config.FIXED_POOL_MEMORY_PERCENT
+    # A share the user wrote stays theirs; without num_blocks the share sizes the pool, cbkit's 0.5.
+    assert make_cb_config({"num_blocks": 100, "max_memory_percent": 0.3}).max_memory_percent == 0.3
+    assert make_cb_config({}, device=torch.device("cuda")).max_memory_percent == 0.5
+
+
+def test_pages_the_decode_kernel_cannot_take_turn_its_path_off_on_cuda():
+    assert make_cb_config({"page_size": 32}, device=torch.device("cuda")).max_blocks_per_request == 0
+    assert make_cb_config({"page_size": 512}, device=torch.device("cuda")).max_blocks_per_request is None
+    assert make_cb_config({"page_size": 32, "max_blocks_per_request": 8},
+                          device=torch.device("cuda")).max_blocks_per_request == 8
+
+
+@pytest.mark.skipif("auto_switch_to_flash" not in _cb_fields(), reason="transformers < 5.2x has no such switch")
+def test_cbkit_turns_the_engines_own_flash_switch_off():
+    assert make_cb_config({}).auto_switch_to_flash is False
+
+
+# --- the attention the engine runs with ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("capability", "dtype", "flash", "expected"), [
+    (T4, torch.float16, (2,), "sdpa"),  # FA2 has no kernel below compute capability 8.0
+    (A100, torch.bfloat16, (2,), "flash_attention_2"),
+    (A100, torch.float32, (2,), "sdpa"),  # a training policy's fp32 weights: flash-attn refuses them
+    (A100, torch.bfloat16, (), "sdpa"),  # not importable
+    (H100, torch.bfloat16, (3, 2), "flash_attention_3"),
+    (A100, torch.bfloat16, (3, 2), "flash_attention_2"),  # FA3 is Hopper's
+])
+def test_cuda_attention_choice(capability, dtype, flash, expected):
+    assert cuda_attention(dtype, capability, flash) == expected
+
+
+@contextlib.contextmanager
+def _flash_importable(versions: tuple[int, ...]):
+    """transformers' import checks answering as on a machine with flash-attn `versions` installed: the engine's
+    switch (continuous_api) and cbkit's `flash_versions` both ask them."""
+    from transformers.generation.continuous_batching import continuous_api
+    from transformers.utils import import_utils
+
+    fa2, fa3 = (lambda *a, **k: 2 in versions), (lambda *a, **k: 3 in versions)
+    with (mock.patch.object(continuous_api, "is_flash_attn_2_available", fa2),
+          mock.patch.object(continuous_api, "is_flash_attn_3_available", fa3),
+          mock.patch.object(import_utils, "is_flash_attn_2_available", fa2),
+          mock.patch.object(import_utils, "is_flash_attn_3_available", fa3)):
+        yield
+
+
+def _engine_switch(model, cb) -> str:
+    """What transformers' engine switches the model's attention to when it starts (its own
+    `switch_to_cb_friendly_attn`), recording instead of loading a kernel this CPU does not have."""
+    import inspect
+
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    seen = {"impl": model.config._attn_implementation}
+    manager = mock.Mock(_original_attn_impl=None)
+    with mock.patch.object(model, "set_attn_implementation", lambda impl: seen.update(impl=impl)):
+        switch = ContinuousBatchingManager.switch_to_cb_friendly_attn
+        if "auto_switch_to_flash" in inspect.signature(switch).parameters:
+            switch(manager, model, cb.auto_switch_to_flash)
+        else:
+            switch(manager, model)
+    return seen["impl"]
+
+
+@pytest.mark.parametrize(("capability", "dtype"), [(T4, torch.float16), (A100, torch.float32),
+                                                    (A100, torch.bfloat16)])
+@pytest.mark.parametrize("importable", [(2,), ()])
+def test_the_engine_runs_the_attention_cbkit_chose(tiny, capability, dtype, importable):
+    model = tiny.model
+    with (_flash_importable(importable), mock.patch("torch.cuda.get_device_capability", return_value=capability),
+          mock.patch.object(model, "set_attn_implementation",
+                            lambda impl: setattr(model.config, "_attn_implementation", impl))):
+        chosen = cuda_attention(dtype)
+        cb = make_cb_config({}, device=torch.device("cuda"))
+        with attention_for_engine(model, chosen):
+            ran = _engine_switch(model, cb)
+    assert ran.removeprefix("paged|") == chosen
+    assert model.config._attn_implementation == "sdpa"  # restored for the training forward
+
+
+def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
+    # The defect cbkit's choice removes: with flash-attn importable, transformers' own rule switches a half-precision
+    # model to it whatever the GPU (FA2 has no kernel below compute capability 8.0: a T4 fails at the first forward),
+    # and 5.24 switches fp32 weights too, which flash-attn refuses (5.25 checks the dtype).
+    import copy
+
+    from transformers import ContinuousBatchingConfig
+
+    half = copy.deepcopy(tiny.model).half()
+    with _flash_importable((2,)), mock.patch("torch.cuda.get_device_capability", return_value=T4):
+        assert "flash" in _engine_switch(half, ContinuousBatchingConfig())
+        assert cuda_attention(torch.float16) == "sdpa"
+
+
+# --- the engine's admission check ---------------------------------------------------------------------------------
+
+
+def _smollm2_t4_pool(percent: float | None) -> dict:
+    """01's pool on a T4 (`tiers.pool_config`), with `max_memory_percent` as given (None: what cbkit sets)."""
+    config = tiers.plan_config("smollm2-offline")
+    pool = tiers.pool_config(config, tiers.sizes_for("01_kv_slot_recycling", "t4"), "t4", dtype_bytes=2)
+    return {**pool, **({"max_memory_percent": percent} if percent is not None else {})}
+
+
+def _t4_start(pool: dict):
+    s = tiers.sizes_for("01_kv_slot_recycling", "t4")
+    return admission(tiers.plan_config(s.model), pool, dtype=torch.float16,
+                     rows=[range(tiers.PROMPT_LEN)] * s.sweep_prompts * max(s.sweep_ns), max_new_tokens=s.sweep_new_tokens,
+                     total_bytes=roofline_memory("t4"), used_bytes=GiB, capability=T4)
+
+
+def roofline_memory(machine: str) -> int:
+    from cbkit.measure.roofline import GPUS
+
+    return GPUS[machine].memory_bytes
+
+
+def test_01s_t4_pool_is_refused_at_cbkits_old_share_and_admitted_now():
+    # Issue 34, item 1: with num_blocks fixed, transformers still checks the pool, its buffers and SDPA's attention
+    # mask against max_memory_percent x free memory. At 0.5 (cbkit's default share) a T4 refuses 01's pool.
+    refused = _t4_start(_smollm2_t4_pool(0.5))
+    assert not refused.fits and "Memory footprint" in refused.error and refused.attention == "sdpa"
+    admitted = _t4_start(_smollm2_t4_pool(None))
+    assert admitted.fits and admitted.footprint_bytes == refused.footprint_bytes
+
+
+def test_the_admission_check_is_the_engines_own_at_the_boundary(tiny):
+    # The same pool, checked on the meta device by `admission` and by a real engine start on this CPU, the memory
+    # reading patched to the same numbers: both refuse below the footprint and both start above it.
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching import cache as cache_module
+
+    pool = {"page_size": 32, "num_blocks": 40, "max_memory_percent": 1.0}
+    rows = [[1] * 20] * 4
+    used = 10 * 2**20
+    need = admission(tiny.model.config, pool, dtype=torch.float32, rows=rows, max_new_tokens=8,
+                     total_bytes=10 * GiB, used_bytes=used).footprint_bytes
+    for total, starts in ((used + need - 1, False), (used + need + 1, True)):
+        verdict = admission(tiny.model.config, pool, dtype=torch.float32, rows=rows, max_new_tokens=8,
+                            total_bytes=total, used_bytes=used)
+        assert verdict.fits is starts
+        reading = (torch.device("cpu"), total, used, used)
+        assert tiny.model.config._attn_implementation == "sdpa"  # as `admission` takes fp32 weights to run
+        with mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda reading=reading: reading):
+            cb = make_cb_config(pool, device=torch.device("cpu"), rows=rows, max_new_tokens=8)
+            try:
+                manager = tiny.model.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=8),
+                                                              continuous_batching_config=cb,
+                                                              workload_hints=workload_hints(rows, 8))  # as Engine.run
+                manager._create_batch_processor()
+                started = True
+            except MemoryError:
+                started = False
+            finally:
+                manager.destroy()
+                if hasattr(tiny.model, "_cached_continuous_batching_manager"):
+                    del tiny.model._cached_continuous_batching_manager
+        assert started is starts, (total, starts)
+
+
+def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys):
+    # cbkit's old rule (the sizing share gating a fixed pool) back in: 01 and 03 on a T4 refused, by the engine.
+    monkeypatch.setattr(engine_config, "FIXED_POOL_MEMORY_PERCENT", 0.5)
+    assert main(["tiers", "--notebooks", "01_kv_slot_recycling,03_n_sweep", "--gpus", "t4"]) == 1
+    out = capsys.readouterr().out
+    for name in ("01_kv_slot_recycling", "03_n_sweep"):
+        assert f"{name} on t4: the CB engine would not start for the sweep's N=56" in out
+    assert "Memory footprint" in out
+
+
+def test_every_engine_start_of_every_notebook_and_recipe_is_admitted():
+    plans = tiers.plan_all() + tiers.plan_recipes()
+    assert all(p.starts for p in plans)
+    refused = [(p.notebook, p.machine, s.what) for p in plans for s in p.starts if not s.admission.fits]
+    assert not refused
+    # One start per distinct request shape, at its fullest point: 04's rollouts with the trainer's state resident.
+    p = tiers.plan_notebook("04_grpo_live", "t4")
+    params = tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
+    rollout = next(s for s in p.starts if "trainer's state resident" in s.what)
+    assert rollout.resident_bytes == 16 * params  # fp32 weights, gradients and AdamW's two moments
+
+
+def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
+    on_host = tiers.plan_notebook("05_off_policy", "t4")
+    assert on_host.fits and not any(k.startswith("copies") for k in on_host.parts)
+    from cbkit.train import snapshots
+
+    monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "device")  # the same copies on a T4's GPU: they do not fit
+    on_gpu = tiers.plan_notebook("05_off_policy", "t4")
+    copies = next(v for k, v in on_gpu.parts.items() if k.startswith("copies"))
+    assert copies == 7 * 4 * tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
+    assert not on_gpu.fits and "does not fit" in on_gpu.problems()[0]
+
+
+def test_the_trl_benchmark_preset_holds_a_trainers_state():
+    from cbkit.measure.sweep import PRESETS
+
+    assert PRESETS["trl-benchmark"]["trainer_state"]
+    by_name = {p.preset: p for p in tiers.plan_presets()}
+    assert all(p.ok for p in by_name.values())
+    # TRL's setting: half of what the trainer leaves. Without the trainer the same share is of far more memory.
+    with mock.patch.dict(PRESETS, {"trl-benchmark": {**PRESETS["trl-benchmark"], "trainer_state": False}}):
+        alone = {p.preset: p for p in tiers.plan_presets()}["trl-benchmark"]
+    assert by_name["trl-benchmark"].admission.available_bytes < alone.admission.available_bytes - 5 * GiB
+
+
+@pytest.mark.parametrize(("model", "dtype", "pool"), [
+    ("smollm2-offline", torch.float16, {"page_size": 32, "num_blocks": 2000}),
+    ("smollm2-offline", torch.float16, {}),
+    (tiers.GPU_MODEL, torch.float32, {"page_size": 32, "num_blocks": 900}),
+    ("llama-1b-random", torch.bfloat16, {"max_memory_percent": 0.4}),
+])
+@pytest.mark.parametrize("flash", [(), (2,)])
+def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash):
+    # The planner mirrors the engine's sizing by hand (it plans hundreds of points; the engine's own code takes ~30 ms
+    # a call): for the same pool, memory and attention its engine_reserved_bytes is the engine's own footprint.
+    from cbkit.measure.planner import plan
+
+    config = tiers.plan_config(model)
+    free = 20 * GiB
+    verdict = admission(config, pool, dtype=dtype, rows=[range(132)] * 64, max_new_tokens=512, total_bytes=free + GiB,
+                        used_bytes=GiB, capability=A100, flash=flash)
+    planned = plan(config, num_prompts=8, num_generations=8, prompt_len=132, max_new_tokens=512,
+                   dtype_bytes=dtype.itemsize, budget_bytes=free, cb_config=pool, device="cuda",
+                   attn_implementation="flash" if "flash" in verdict.attention else "sdpa")
+    assert planned.continuous.engine_reserved_bytes == verdict.footprint_bytes
+    assert planned.continuous.num_blocks == verdict.num_blocks
