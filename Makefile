@@ -18,8 +18,22 @@ SKIPPED ?= runs/notebooks-skipped
 QUESTIONS ?= runs/notebooks-questions
 # The bare venv: torch, transformers and their requirements only, as on a GPU machine with no network.
 BARE ?= .venv-bare
+# pytest-xdist workers for the tests (auto: one per core; 0: one process). Each worker takes its share of the cores
+# (tests/conftest.py), and the tests marked `serial` run after them, alone.
+TEST_JOBS ?= auto
+# Notebooks executed at once (nbmake under pytest-xdist, work stealing). With more than one, each kernel gets its
+# share of the cores (OMP_NUM_THREADS): two kernels of two threads each on two cores thrash (see test-questions).
+NOTEBOOK_JOBS ?= 2
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+ifeq ($(NOTEBOOK_JOBS),1)
+NOTEBOOK_RUN := CBKIT_PROFILE=ci $(BIN)/python -m pytest
+else
+NOTEBOOK_RUN := CBKIT_PROFILE=ci OMP_NUM_THREADS=$(shell n=$$(( $(NPROC) / $(NOTEBOOK_JOBS) )); echo $$(( n > 0 ? n : 1 ))) \
+	$(BIN)/python -m pytest -n $(NOTEBOOK_JOBS) --dist worksteal
+endif
 
-.PHONY: setup browser sweep demo test test-bare test-oldest test-notebooks test-questions test-tiers book lint publish-address clean
+.PHONY: setup browser sweep demo test test-more test-bare test-oldest test-notebooks test-skipped test-questions test-tiers book lint \
+	publish-address clean
 
 setup: $(STAMP)
 
@@ -53,8 +67,10 @@ sweep: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/cbkit demo
 
+# ruff, then mypy over cbkit/ ([tool.mypy] in pyproject.toml: what it checks, and why mypy: docs/testing.md).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The repository's address lives in pyproject.toml ([project.urls] Repository). A Colab install cell, a Colab badge
 # and a notebook's link cannot read it, so they hold copies: after editing it, this writes it into every one
@@ -62,16 +78,27 @@ lint: $(STAMP)
 publish-address:
 	$(PYTHON) scripts/publish_address.py
 
+# The README's test command, minutes on a 2-core machine: the lint, the tests in parallel and then the `serial` ones
+# alone (exit 5: PYTEST_ARGS selected none of them), and every notebook once at CI size, its figures checked in
+# headless Chromium. What else CI runs is `make test-more` (docs/testing.md says what moved where).
 test: lint browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	$(MAKE) test-bare
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --serial=skip $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --serial=only $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(MAKE) test-notebooks
+
+# The rest of CI, after `make test` (.ci/run): the bare venv, the notebooks without their skippable sections, the
+# book (from the notebooks `make test` executed), the GPU tiers' dry runs, and each Question's code edit.
+test-more: $(STAMP) browser
+	$(MAKE) test-bare
+	$(MAKE) test-skipped
 	$(MAKE) book
 	$(MAKE) test-tiers
+	$(MAKE) test-questions
 
 # The bare path (a GPU machine with torch and transformers only): sweep, advise, report and `scripts/gpu_sweep.sh`'s dry run in a fresh venv holding only
 # torch + transformers (linked from .venv by scripts/bare_venv.py; BARE_FROM_INDEX=1 pip-installs them instead) and
 # cbkit installed with --no-deps. --no-build-isolation: a machine without a package index cannot fetch setuptools.
+# Part of `make test-more`.
 test-bare: $(STAMP)
 	rm -rf $(BARE)
 	$(BIN)/python scripts/bare_venv.py $(BARE) $(if $(BARE_FROM_INDEX),--from-index)
@@ -96,26 +123,30 @@ test-oldest: $(STAMP)
 	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -m pytest -p no:cacheprovider -q $(OLDEST_TESTS)
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
-# on copies that keep their outputs; the committed notebooks stay stripped. Each must finish in 5 minutes. Each
-# kernel records its wall time and peak RSS beside its notebook (runs/notebooks/*.resources.json, printed as a
-# table: scripts/notebook_resources.py). Then each executed copy is rendered to HTML (nbconvert) and opened offline
-# in headless Chromium, which must draw every figure; the HTML and a screenshot of each stay next to it (*.html, *.png).
+# $(NOTEBOOK_JOBS) at a time, on copies that keep their outputs; the committed notebooks stay stripped. Each cell must
+# finish in 5 minutes. Each kernel records its wall time and peak RSS beside its notebook
+# (runs/notebooks/*.resources.json, printed as a table: scripts/notebook_resources.py). Then each executed copy is
+# rendered to HTML (nbconvert) and opened offline in headless Chromium, which must draw every figure; the HTML and a
+# screenshot of each stay next to it (*.html, *.png).
 test-notebooks: $(STAMP) browser
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
 	$(BIN)/python scripts/notebook_resources.py mark $(EXECUTED)
-	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 \
-		$(EXECUTED)
+	$(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 $(EXECUTED)
 	$(BIN)/python scripts/notebook_resources.py table $(EXECUTED)
 	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_notebooks.py -k executed_notebook
-	# The sections docs/workshop.md lets a session skip, taken out: what follows them must run without them.
+
+# The sections docs/workshop.md lets a session skip, taken out (scripts/skip_sections.py): what follows them must run
+# without them. Part of `make test-more`.
+test-skipped: $(STAMP)
 	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
-	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
+	$(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
 
 # Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and
 # only the cells that the edited cell and that cell need. `pytest` checks cheaply that every edit applies and compiles;
 # this runs them (15 copies, one at a time: 7 min on a quiet 2-core machine; two at a time, two kernels of two
 # threads each on two cores took 15 min and three cells that lengthen a sweep passed the 5-minute cell limit).
+# Part of `make test-more`.
 test-questions: $(STAMP)
 	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
@@ -124,7 +155,7 @@ test-questions: $(STAMP)
 # The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
 # estimate, crossover inside the sweep; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
 # the a100 code paths on this CPU: CBKIT_TIER under CBKIT_PROFILE=ci is a dry run (the tier's presets, branches,
-# pools and TRL config at CI sizes, on a 2-layer random model), two notebooks at a time.
+# pools and TRL config at CI sizes, on a 2-layer random model), two notebooks at a time. Part of `make test-more`.
 TIERS_EXECUTED ?= runs/notebooks-tiers
 test-tiers: $(STAMP)
 	$(BIN)/cbkit tiers
@@ -136,11 +167,13 @@ test-tiers: $(STAMP)
 # The workshop book: the notebooks executed by test-notebooks, with a PNG of every figure added for
 # viewers without JavaScript (cbkit.viz.static: kaleido on the installed Chromium), and docs/workshop.md,
 # rendered by Sphinx + myst-nb (furo theme, nothing downloaded) into $(BOOK)/index.html, then opened offline in
-# headless Chromium, which must draw every figure. Needs $(EXECUTED) from `make test-notebooks` first.
+# headless Chromium, which must draw every figure. Reads $(EXECUTED), which `make test` leaves (made here if missing).
+# Part of `make test-more`.
 book: $(STAMP) browser
+	test -d $(EXECUTED) || $(MAKE) test-notebooks
 	$(BIN)/python scripts/build_book.py --notebooks $(EXECUTED) --out $(BOOK)
 	CBKIT_BOOK=$(BOOK) CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_book.py
 
 clean:
-	rm -rf $(VENV) $(BARE) $(OLDEST) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BARE) $(OLDEST) .pytest_cache .ruff_cache .mypy_cache

@@ -9,12 +9,13 @@ it means the file was edited or mixed up, not interrupted.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 
-def read_jsonl(path: str | Path, *, repair: bool = False, what: str = "record") -> list[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike[str], *, repair: bool = False, what: str = "record") -> list[dict[str, Any]]:
     """The records of a JSONL file, a torn last line dropped (see the module docstring). ``what`` names a record in
     the warning ("run", "step")."""
     path = Path(path)

@@ -12,10 +12,16 @@ process, never across machines.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    # typing.Self is 3.11+; the kit supports 3.10, where importing it at run time fails.
+    from typing_extensions import Self
 
 
 def return_freed_memory_to_os() -> None:
@@ -219,13 +225,36 @@ def fmt_bytes(n: int | float | None) -> str:
 # --- KV-cache accounting --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's shape, read from its transformers config in this one place (every KV, FLOP and memory count in
+    cbkit starts here): a multimodal config's text model, grouped-query attention's KV heads (None: one per
+    head), an explicit ``head_dim`` (None: hidden / heads), the MLP's width (None: 4 x hidden)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> Self:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        # A stand-in config with only the attention's fields (enough to count KV bytes) reads 0 for the rest.
+        hidden = getattr(config, "hidden_size", 0)
+        return cls(config.num_hidden_layers, heads, kv_heads, head_dim, hidden,
+                   getattr(config, "intermediate_size", None) or 4 * hidden, getattr(config, "vocab_size", 0))
+
+
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     """Bytes of K and V one token occupies across all layers: layers x 2 x kv heads x head dim x dtype."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+    s = ModelShape.of(config)
+    return s.layers * 2 * s.kv_heads * s.head_dim * dtype_bytes
 
 
 def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | None]:
@@ -251,7 +280,7 @@ def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | 
 # --- the engine timeline: recycling made visible ----------------------------------------------------------------
 
 
-def occupancy(timeline: dict) -> dict[str, list | int]:
+def occupancy(timeline: Mapping[str, Any]) -> dict[str, Any]:
     """Sequences running and KV blocks held by running requests over time, from per-request start/end and token
     timestamps.
 
@@ -279,14 +308,16 @@ def occupancy(timeline: dict) -> dict[str, list | int]:
         shared = shared_by_group[r["group"]]
         held = -(-r["prompt_len"] // page) - shared
         events.append((r["start"], 1, held))
-        for k, t in enumerate(r["token_times"], start=1):
+        for k, token_time in enumerate(r["token_times"], start=1):
             need = -(-(r["prompt_len"] + k) // page) - shared
             if need > held:
-                events.append((t, 0, need - held))
+                events.append((token_time, 0, need - held))
                 held = need
         events.append((r["end"], -1, -held))
     events.sort(key=lambda e: (e[0], -e[1]))
-    t, running, blocks = [], [], []
+    t: list[float] = []
+    running: list[int] = []
+    blocks: list[int] = []
     run = blk = 0
     for when, d_run, d_blk in events:
         run += d_run
@@ -298,3 +329,13 @@ def occupancy(timeline: dict) -> dict[str, list | int]:
             running.append(run)
             blocks.append(blk)
     return {"t": t, "running": running, "blocks_in_use": blocks, "pool_blocks": timeline.get("pool_blocks", 0)}
+
+
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall seconds since `start` (`time.perf_counter`), once the kernels this thread queued on `device` have run:
+    only this thread's stream is waited for, so an async engine's kernels on its own stream are not counted."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter() - start

@@ -42,7 +42,7 @@ def executed_notebooks(folder: Path) -> list[Path]:
 
 
 # Mime types only a live front end reads: plotly's JSON (JupyterLab draws it; the saved text/html draws
-# everywhere else) and the phenomena the guards read (cbkit.teach.notebook.record_phenomena). Sphinx would warn
+# everywhere else) and the phenomena the guards read (cbkit.teach.phenomena.record_phenomena). Sphinx would warn
 # on each, so the staged copy keeps the rest of every bundle: text/html, the PNG and text/plain.
 FRONT_END_ONLY = ("application/vnd.plotly.v1+json", "application/vnd.cbkit.phenomena+json")
 
@@ -104,9 +104,8 @@ def build(paths: list[Path], out: Path, solutions: bool) -> int:
         title, rest = index.split("\n", 1)
         index = f"{title} (solutions)\n{SOLUTIONS_NOTE}{rest}"
     (src / "index.md").write_text(index)
-    # The guide, and where its numbers come from (the page it links for every run and command).
-    for page in ("workshop.md", "workshop-provenance.md"):
-        shutil.copy(REPO / "docs" / page, src / "docs" / page)
+    # The guide (where its numbers come from is lab/workshop-provenance.md, outside the book).
+    shutil.copy(REPO / "docs" / "workshop.md", src / "docs" / "workshop.md")
     # The learning results (docs/learning.md): the figure of CB against generate() and the hacking lesson, with the
     # numbers scripts/learning_report.py printed from the runs.
     shutil.copy(REPO / "docs" / "learning.md", src / "docs" / "learning.md")

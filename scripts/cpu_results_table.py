@@ -3,7 +3,7 @@
 MFU is put against one peak for the whole table: the highest matmul probe any of the files recorded (a probe
 on a shared VM reads low when the host is busy, never high), so the rows compare with each other.
 
-Usage: python scripts/cpu_results_table.py [docs/results]
+Usage: python scripts/cpu_results_table.py [lab/results]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ ROWS = [
     ("`fixed`", "cpu-fixed.jsonl"),
     ("`natural`", "cpu-natural.jsonl"),
     ("`replay:gsm8k`, 4 prompts x N", "cpu-replay-4prompts.jsonl"),
-    ("`fixed`, `--cpu-attention per_sequence`", "cpu-fixed-n64-per_sequence.jsonl"),
-    ("`fixed`, `--cpu-attention engine`", "cpu-fixed-n64-engine.jsonl"),
+    ("`fixed`, per-sequence CPU attention (lab)", "cpu-fixed-n64-per_sequence.jsonl"),
+    ("`fixed`, the engine's own CPU attention (lab)", "cpu-fixed-n64-engine.jsonl"),
 ]
 
 
@@ -29,7 +29,7 @@ def _x(v) -> str:
 
 
 def main() -> None:
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/results")
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("lab/results")
     probes = {name: _probe(folder / name) for _, name in ROWS if (folder / name).exists()}
     peak = max(probes.values())
     ns = (8, 32, 64)

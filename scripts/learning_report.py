@@ -1,6 +1,6 @@
 """docs/learning.md's tables and figures, printed and drawn from the learning runs' metrics.jsonl files.
 
-    python scripts/learning_report.py [RESULTS_DIR]    # default docs/results; figures go to docs/learning/
+    python scripts/learning_report.py [RESULTS_DIR]    # default lab/results; figures go to docs/learning/
 
 Reads `arith-<backend>-s<seed>-metrics.jsonl` (the recipe recipes/smollm2_arith.yaml with CB rollouts and with
 generate() rollouts, seeds 0 and 1), `arith-cb-s0-nois-metrics.jsonl` (CB without the importance-sampling
@@ -15,9 +15,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from cbkit.teach.figures_runs import runs_curves
 from cbkit.viz.palette import backend_color
 from cbkit.viz.static import figure_pngs
-from cbkit.viz.training import read_metrics, runs_curves
+from cbkit.viz.training import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,4 +122,4 @@ def main(results: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "docs" / "results")
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "lab" / "results")

@@ -4,7 +4,7 @@ Every notebook ends with open Questions ("set N = 32: what changes?"). `EDITS` h
 for, as a text replacement in one code cell; tests/test_notebooks.py checks that each edit still applies, that its
 words are the Question's, and that the edited notebook compiles (03's "add cb_config=..." beside an existing
 `cb_config=POOL` was a SyntaxError). This script writes one copy per edit, cut after the cell the Question reads
-(`until`), and `make test-questions` (part of `make test`) executes them at CI sizes, so the edit also runs: configs
+(`until`), and `make test-questions` (part of `make test-more`, which CI runs) executes them at CI sizes, so the edit also runs: configs
 validate, shapes fit. To keep that cheap, a copy keeps only the code cells the edited cell and the cell the Question
 reads need: the setup cell, those two, and every earlier cell that binds a name a kept cell reads (by their syntax
 trees). A cell that only draws or prints what nothing later reads is left out; the rest runs as in the notebook.

@@ -1,7 +1,7 @@
 """Copies of the notebooks with the sections the facilitator's guide lets a session skip taken out, to run alone.
 
 docs/workshop.md tells a facilitator to show some sections from the book rather than run them (02's section 3,
-05's sections 2 and 3). A section after them must then run without them: `make test-notebooks` executes the copies
+05's sections 2 and 3). A section after them must then run without them: `make test-skipped` (in `make test-more`) executes the copies
 this script writes, so a cell that reads a name only a skipped section defines fails CI, not a workshop.
 
     python scripts/skip_sections.py --out runs/notebooks-skipped

@@ -18,7 +18,43 @@ REPO = Path(__file__).resolve().parents[1]
 _CUDA = {"found": False}  # whether torch saw a CUDA device when the session started, before any test hid it
 
 
+# --- in parallel (pytest-xdist), and the tests that need the machine to themselves ------------------------------
+#
+# `make test` runs the suite twice: `pytest -n auto --serial=skip` spreads the tests over one worker process per
+# core, then `pytest --serial=only` runs the `serial` ones alone, one after another. A test is `serial` when what it
+# asserts depends on having the cores to itself: it times itself against a bound, or it claims torch's default
+# thread count. Plain `pytest` (--serial=all) runs everything in one process, as before.
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--serial", choices=("all", "skip", "only"), default="all",
+                     help="the tests marked serial: run them with the rest (all), leave them out (skip: the "
+                          "parallel run), or run only them (only: the run after it).")
+
+
+def pytest_configure(config) -> None:
+    # A worker's share of the cores: each of N workers left at torch's default (every core) would run N x cores
+    # threads on the cores, which thrash (see `one_thread` below). Subprocesses a test starts inherit the share.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        share = max(1, len(os.sched_getaffinity(0)) // workers) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+
+
+def _select_serial(config, items) -> None:
+    mode = config.getoption("--serial")
+    if mode == "all":
+        return
+    wanted = mode == "only"
+    keep = [item for item in items if (item.get_closest_marker("serial") is not None) == wanted]
+    dropped = [item for item in items if (item.get_closest_marker("serial") is not None) != wanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    _select_serial(config, items)
     # The real answer, read once before any test runs. It also fixes the driver's device count for the process
     # (CUDA reads CUDA_VISIBLE_DEVICES once, at its first query), so the empty value the CPU tests set below for
     # their subprocesses cannot hide the device from the gpu tests that come after them.

@@ -16,20 +16,14 @@ from cbkit.rollout import Completion, SamplingParams
 from cbkit.tasks.data import Problem
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
-from cbkit.train.objective import processed_logprobs
 
 
 def teacher_forced_logprobs(model, c: Completion, sampling: SamplingParams) -> torch.Tensor:
-    """Log-probs of a completion's tokens under the processed distribution, from one unpadded forward."""
-    ids = torch.tensor([list(c.prompt_ids) + list(c.completion_ids)], device=model.device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
-    p = len(c.prompt_ids)
-    step_logits = logits[0, p - 1 : p - 1 + len(c.completion_ids)]
-    tokens = torch.tensor(c.completion_ids, device=model.device)
-    if not sampling.do_sample:
-        return torch.log_softmax(step_logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    return processed_logprobs(step_logits, tokens, sampling.temperature, sampling.top_k, sampling.top_p)
+    """Log-probs of a completion's tokens under the processed distribution: the package's one teacher-forced forward
+    (`cbkit.train.logprobs`), which tests/test_logprobs.py checks against a right-padded forward written by hand."""
+    from cbkit.train.logprobs import teacher_forced_logprobs as forward
+
+    return forward(model, [c], sampling)[0].to(model.device)
 
 
 def max_logprob_diff(model, rollout, sampling: SamplingParams) -> float:
@@ -69,7 +63,8 @@ def cb_forward_returns_its_cache(model, tokenizer) -> bool:
 MAX_LEN = 8
 PROBLEMS = [Problem(f"p{i}", q, "1") for i, q in enumerate(["hi", "what is 2+2?", "ok", "go on"])]
 # Not deterministic across runs or machines: left out when comparing a resumed run's metrics.
-TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds")
+TIMING = ("rollout/seconds", "rollout/tokens_per_s", "rollout/peak_mem_bytes", "train/seconds", "step/seconds",
+          "train/prepare_seconds", "train/update_seconds")
 
 
 def letters_reward(completions: list[str], answers: list[str]) -> list[float]:

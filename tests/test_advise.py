@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -116,8 +117,11 @@ def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max
     if budget is not None:
         _patch_free_memory(monkeypatch, budget)
     prompts = [[65 + i % 7] * length for i, length in enumerate(prompt_lens)]
-    rollout = ContinuousBackend(tiny.model, cb_config, cpu_attention="batched" if varlen else "engine").generate(
-        prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
+    from tests.reference_attention import engine_own_attention
+
+    with contextlib.nullcontext() if varlen else engine_own_attention():
+        rollout = ContinuousBackend(tiny.model, cb_config).generate(
+            prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
     # cbkit's CPU varlen attention is a flash-style path to the engine: no dense mask to pay for
     p = plan(tiny.model.config, num_prompts=len(prompts), num_generations=n, prompt_len=prompt_lens,
              max_new_tokens=max_new, dtype_bytes=4, device="cpu", budget_bytes=budget, cb_config=cb_config,
@@ -380,7 +384,8 @@ def test_a_cpu_backward_after_the_first_chunk_carries_the_heap_the_chunks_leave(
     docs/measuring.md); with one forward, or on a GPU, nothing is added."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import CPU_CHUNK_HEAP_SLACK, step_peak_bytes, training_bytes
+    from cbkit.measure.fitted import CPU_CHUNK_HEAP_SLACK
+    from cbkit.measure.planner import step_peak_bytes, training_bytes
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
@@ -460,7 +465,7 @@ def test_generate_on_a_cpu_carries_glibc_heap_slack_until_a_layer_is_mmapped():
     threshold; above it the blocks are mmapped and returned, so nothing is added; a GPU plan never has it."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX, GLIBC_MMAP_THRESHOLD_MAX
+    from cbkit.measure.fitted import CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX, GLIBC_MMAP_THRESHOLD_MAX
 
     smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3)
@@ -485,7 +490,8 @@ def test_the_largest_batch_is_the_one_the_engine_runs_with_and_without_prefix_sh
     with prefix sharing (the default) each repeated prompt is prefilled alone and its N copies compute only the
     tokens past its last full page; without it every copy prefills its whole prompt in one batch."""
     from cbkit.rollout.base import SamplingParams
-    from cbkit.rollout.engine import Engine, watch_batches
+    from cbkit.rollout.engine import Engine
+    from cbkit.rollout.engine_io import watch_batches
 
     tok = tiny.tokenizer
     prompts = [[65 + i % 20 for i in range(70)], [90 + i % 7 for i in range(45)]]  # 2 and 1 full 32-token pages

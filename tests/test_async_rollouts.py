@@ -1,4 +1,4 @@
-"""Async rollouts on the CB engine (`cbkit.rollout.async_cb`, `cbkit.train.offpolicy.AsyncRollouts`).
+"""Async rollouts on the CB engine (`cbkit.rollout.async_cb`, `cbkit.train.rollouts.AsyncRollouts`).
 
 What is checked, each against something computed apart from the engine: the versions recorded per token against
 where the update was pinned; every forward's weights against fingerprints of each published version (no forward
@@ -295,7 +295,7 @@ def test_async_training_straddles_updates_and_reports_it(tmp_path):
     for r in rows[1:]:
         assert r["offpolicy/staleness_max"] == 1.0 and r["offpolicy/straddling_frac"] > 0
         assert r["offpolicy/logprob_max_abs_diff"] > 1e-3 > rows[0]["offpolicy/logprob_max_abs_diff"]
-    assert tr.offpolicy.engine.snapshot.config._attn_implementation == tr.model.config._attn_implementation
+    assert tr.rollouts.engine.snapshot.config._attn_implementation == tr.model.config._attn_implementation
 
 
 def test_an_async_run_that_writes_no_checkpoint_keeps_no_second_copy_of_the_engine_weights(tmp_path):
@@ -304,15 +304,15 @@ def test_an_async_run_that_writes_no_checkpoint_keeps_no_second_copy_of_the_engi
     quiet = trainer(async_config(max_steps=2))
     try:
         quiet.step()
-        assert getattr(quiet.offpolicy, "previous", None) is None
+        assert getattr(quiet.rollouts, "previous", None) is None
     finally:
         quiet.close()
     saving = trainer(async_config(max_steps=2, output_dir=str(tmp_path)))
     start = {k: v.clone() for k, v in saving.model.state_dict().items()}
     try:
         saving.step()  # step 2's rollout was queued on the weights step 1 started from
-        assert same_weights(saving.offpolicy.previous, start)
-        assert not same_weights(saving.offpolicy.engine.snapshot_state(), start)  # since published: the update
+        assert same_weights(saving.rollouts.previous, start)
+        assert not same_weights(saving.rollouts.engine.snapshot_state(), start)  # since published: the update
     finally:
         saving.close()
 
@@ -352,7 +352,7 @@ def test_on_a_gpu_every_forward_reads_one_published_version_whole():
     its end: a float64 sum per tensor, left on the device until the rollout is over (a host sync per forward would
     order the streams itself and hide the race). Every fingerprint must be one published version's, whole, the one
     the engine recorded, and the same at both ends (no copy ran under the forward)."""
-    from cbkit.rollout.engine import compute_stream
+    from cbkit.rollout.engine_io import compute_stream
 
     big = torch.cuda.get_device_properties(0).total_memory >= 40 * 2**30
     model = load_policy("llama-1b-random" if big else "llama-tiny-random", dtype=torch.float32, device="cuda").model

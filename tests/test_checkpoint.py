@@ -89,3 +89,12 @@ def test_resuming_with_another_config_lists_every_differing_field():
         checkpoint.check_same_config(saved, CBGRPOConfig(model="tiny", learning_rate=3e-5, beta=0.1), "ckpt")
     assert "beta: checkpoint has 0.0, this run has 0.1" in str(err.value)
     assert "learning_rate: checkpoint has 1e-05, this run has 3e-05" in str(err.value)
+
+
+def test_resume_path_refuses_false_and_finds_the_newest(tmp_path):
+    # False used to reach Path(False), a TypeError that named no option; True finds the newest checkpoint.
+    with pytest.raises(ValueError, match="resume_from=False names no checkpoint"):
+        checkpoint.resume_path(tmp_path, False)
+    assert checkpoint.resume_path(tmp_path, tmp_path / "checkpoint-3") == tmp_path / "checkpoint-3"
+    with pytest.raises(FileNotFoundError, match="No checkpoint-<step> directory"):
+        checkpoint.resume_path(tmp_path, True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cbkit.cli import build_parser, main, train_config_from_args
+from cbkit.cli import build_parser, main
+from cbkit.cli.train import train_config_from_args
 
 
 def train_config(argv):
@@ -119,13 +120,14 @@ def test_sweep_flags_are_the_sweep_config_fields():
     """Every SweepConfig field is a flag (a field added later too), with its field's help."""
     import dataclasses
 
-    from cbkit.cli import build_parser, given_fields
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.cli import build_parser
+    from cbkit.cli.flags import given_fields
+    from cbkit.measure.sweep_config import SweepConfig
 
-    args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--cpu-attention", "engine",
+    args = build_parser().parse_args(["sweep", "--ns", "8,16", "32", "--num-prompts", "3", "--lengths", "fixed",
                                       "--cb-config", '{"num_blocks": 64}', "--backends", "generate,continuous"])
     given = given_fields(args, SweepConfig)
-    assert given == {"ns": [8, 16, 32], "num_prompts": 3, "cpu_attention": "engine",
+    assert given == {"ns": [8, 16, 32], "num_prompts": 3, "lengths": "fixed",
                      "cb_config": {"num_blocks": 64}, "backends": ["generate", "continuous"]}
     assert SweepConfig(**given).ns == (8, 16, 32)
     flags = {s for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions
@@ -134,6 +136,8 @@ def test_sweep_flags_are_the_sweep_config_fields():
     helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["sweep"]._actions}
     for f in dataclasses.fields(SweepConfig):
         assert helps[f.name].startswith(f.metadata["help"].replace("%", "%%")), f.name
+    # The A/B knobs of the CPU tuning live in lab/ scripts, not in the product's flags.
+    assert not {"--cpu-attention", "--engine-loop"} & flags
 
 
 def test_the_shipped_recipe_is_the_readme_run():
@@ -162,7 +166,7 @@ def test_demo_and_advise_flags_are_their_dataclasses_with_the_old_spellings():
     the training run also has carries CBGRPOConfig's help, not a copy."""
     import dataclasses
 
-    from cbkit.cli import given_fields
+    from cbkit.cli.flags import given_fields
     from cbkit.measure.advise import AdviseConfig
     from cbkit.teach.demo import DemoConfig
     from cbkit.train.config import CBGRPOConfig

@@ -33,3 +33,17 @@ def test_a_bad_cb_config_names_the_flag(capsys, command, value, says):
     assert main([command, "--model", "tiny", "--cb-config", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"cbkit {command}: error: --cb-config {says}")
+
+
+def test_a_recipe_value_of_the_wrong_type_names_the_field_and_an_example(tmp_path, capsys):
+    """`learning_rate: abc` in a recipe once ended in "TypeError: '>' not supported between instances of 'str' and
+    'int'", a traceback naming no field; the flag's twin is argparse's own error, naming the flag."""
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("model: tiny\nlearning_rate: abc\n")
+    assert main(["train", "--config", str(recipe), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cbkit train: error: learning_rate='abc' (str) is not a number; "
+                          "e.g. `learning_rate: 1e-05` in a recipe"), err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert main(["train", "--learning_rate", "abc", "--output-dir", str(tmp_path / "out")]) == 2
+    assert "--learning_rate" in (err := capsys.readouterr().err) and "'abc'" in err, err

@@ -74,7 +74,7 @@ def test_diff_ignores_fields_a_resume_may_change():
         (dict(clip_min=4.0), "clip_min=4.0 must be in .0, clip_max=3.0"),
         (dict(clip_max=0.0), "clip_max=0.0 must be > 0"),
         (dict(loss_type="ppo"), "loss_type='ppo'.*'grpo', 'dr_grpo', 'dapo', 'bnpo'"),
-        (dict(scale_rewards=True), "scale_rewards=True.*'group', 'batch', 'none'"),
+        (dict(scale_rewards="True"), "scale_rewards='True'.*'group', 'batch', 'none'"),
         (dict(advantage_estimator="reinforce"), "advantage_estimator='reinforce'.*'grpo', 'rloo'"),
         (dict(importance_sampling_mode="token"), "importance_sampling_mode='token'.*" + IS_MODES[0]),
         (dict(advantage_estimator="rloo"), "rloo.*scale_rewards='none'"),
@@ -131,3 +131,53 @@ def test_trl_bridge_maps_this_config():
     assert (t.vllm_importance_sampling_clip_max, t.vllm_importance_sampling_clip_min) == (2.0, 0.5)
     assert t.vllm_importance_sampling_mode == "token_truncate" and t.learning_rate == 3e-5
     assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_generations) == (4, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # The recipe's `learning_rate: abc`: before this check, `learning_rate > 0` raised a TypeError.
+        (dict(learning_rate="abc"), r"learning_rate='abc' \(str\) is not a number; e.g. `learning_rate: 1e-05`"),
+        (dict(num_generations="four"), r"num_generations='four' \(str\) is not an integer; e.g. `num_generations: 8`"),
+        (dict(max_steps=2.5), r"max_steps=2.5 \(float\) is not an integer"),
+        (dict(disable_tqdm=1), r"disable_tqdm=1 \(int\) is not true or false; e.g. `disable_tqdm: false`"),
+        (dict(learning_rate=True), r"learning_rate=True \(bool\) is not a number"),
+        (dict(scale_rewards=True), r"scale_rewards=True \(bool\) is not a string; e.g. `scale_rewards: group`"),
+        (dict(epsilon_high="x"), r"epsilon_high='x' \(str\) is not a number or null"),
+        (dict(reward_weights=[1.0, "a"]), r"reward_weights=\[1.0, 'a'\] \(list\) is not a list of numbers"),
+        (dict(reward_funcs="correctness"), r"reward_funcs='correctness' \(str\) is not a list of strings; "
+                                           r"e.g. `reward_funcs: \[correctness, format\]`"),
+        (dict(data_options=[1]), r"data_options=\[1\] \(list\) is not a mapping"),
+        # An Optional field whose default is None gets an example of its type, not `null`.
+        (dict(num_problems="all"), r"num_problems='all' \(str\) is not an integer or null.*`num_problems: 1`"),
+        # The system prompt's default is too long to quote as an example.
+        (dict(system_prompt=3), r"system_prompt=3 \(int\) is not a string or null.*`system_prompt: text`"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_field_and_an_example(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CBGRPOConfig(**kwargs)
+
+
+def test_every_field_is_checked_against_its_type():
+    """Generic over the dataclass: a field added later is checked too, and named, whatever its type."""
+    for f in dataclasses.fields(CBGRPOConfig):
+        with pytest.raises(ValueError, match=rf"^{f.name}=<object object .*> \(object\) is not "):
+            CBGRPOConfig(**{f.name: object()})
+
+
+def test_numbers_take_the_fields_type_where_nothing_is_lost():
+    import numpy as np
+    import yaml
+
+    # PyYAML follows YAML 1.1: `1e-6` (no dot) is a string, `3` an int; both mean the float a float field holds.
+    values = yaml.safe_load("learning_rate: 1e-6\nepsilon: 3\nreward_weights: [1, 0.5]\nmax_steps: 8.0\n")
+    assert values["learning_rate"] == "1e-6" and type(values["epsilon"]) is int
+    c = CBGRPOConfig.from_dict({**values, "top_p": np.float32(0.5), "seed": np.int64(3), "num_problems": "16"})
+    assert (c.learning_rate, c.epsilon, c.reward_weights, c.max_steps) == (1e-6, 3.0, [1.0, 0.5], 8)
+    assert [type(v) for v in (c.learning_rate, c.epsilon, *c.reward_weights, c.max_steps, c.top_p, c.seed,
+                              c.num_problems)] == [float, float, float, float, int, float, int, int]
+    # Values already of their type are left as they are (the same objects).
+    weights, cb = [1.0, 0.5], {"max_batch_tokens": 64}
+    c = CBGRPOConfig(reward_weights=weights, transformers_continuous_batching_config=cb)
+    assert c.reward_weights is weights and c.transformers_continuous_batching_config is cb

@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from cbkit.rollout.cpu_attention import per_sequence_attention, varlen_attention
+from cbkit.rollout.cpu_attention import varlen_attention
+from tests.reference_attention import per_sequence_attention, per_sequence_engine_attention
 
 
 def _packed(q_lens, k_lens, heads=6, kv_heads=2, dim=8, seed=0):
@@ -56,7 +57,8 @@ def _engine_runs(policy, prompts, sampling):
     from cbkit.rollout import ContinuousBackend
 
     fast = ContinuousBackend(policy.model).generate(prompts, 3, sampling)
-    slow = ContinuousBackend(policy.model, cpu_attention="per_sequence").generate(prompts, 3, sampling)
+    with per_sequence_engine_attention():
+        slow = ContinuousBackend(policy.model).generate(prompts, 3, sampling)
     return fast, slow
 
 
@@ -96,13 +98,3 @@ def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8
     fast, slow = _engine_runs(smollm2, prompts, sp)
     # SmolLM2's larger logits make paged-vs-dense rounding ~2e-5 against a dense forward (tests/test_real_model.py)
     _compare(smollm2, fast, slow, sp, tf_atol=1e-3)
-
-
-def test_unknown_cpu_attention_is_refused(tiny):
-    from cbkit.measure.sweep import SweepConfig
-    from cbkit.rollout import ContinuousBackend
-
-    with pytest.raises(ValueError, match="cpu_attention must be one of batched, per_sequence, engine; got 'flash'"):
-        ContinuousBackend(tiny.model, cpu_attention="flash")
-    with pytest.raises(ValueError, match="cpu_attention must be one of"):
-        SweepConfig(cpu_attention="dense")

@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 ROLLOUT = """
 import json, sys
 from cbkit.models.load import load_policy
@@ -27,6 +29,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.serial  # at torch's default thread count, which a parallel worker's share is not
 def test_five_fresh_processes_draw_the_same_tokens_and_logprobs():
     """Each process runs both backends, CB first; every run must match run 0 exactly."""
     runs = [json.loads(subprocess.run([sys.executable, "-c", ROLLOUT], capture_output=True, text=True, check=True,

@@ -1,9 +1,10 @@
 """Pin what cbkit uses of transformers' CB engine, so an upgrade that moves it fails here, loudly, by name.
 
 Like TRL's TestTransformersContinuousBatchingContract: names, signatures and fields (the rollout tests cover
-behaviour). `cbkit/rollout/engine.py` is the one module that touches the engine's internals and its docstring lists
-them; every pin below says which transformers version it failed on. After an upgrade, fix engine.py to the new API,
-then the pin. The last test keeps the internals in engine.py: no other module of cbkit reaches them.
+behaviour). The engine's modules (`ENGINE_MODULES`: rollout/engine.py and the three it is split into) are the only
+ones that touch the engine's internals, and engine.py's docstring lists them; every pin below says which transformers
+version it failed on. After an upgrade, fix those modules to the new API, then the pin. The last tests keep the
+internals in those modules: no other module of cbkit reaches them.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 import cbkit
 from cbkit.rollout import SamplingParams
-from cbkit.rollout.engine import Engine, compute_stream, watch_batches, workload_hints
+from cbkit.rollout.engine import Engine
 from cbkit.rollout.engine_config import cb_config_keys, make_cb_config
+from cbkit.rollout.engine_io import compute_stream, watch_batches, workload_hints
 
 
 def pin(ok: bool, what: str) -> None:
     assert ok, (f"transformers {transformers.__version__}: {what} is gone or has changed; cbkit/rollout/engine.py "
-                "relies on it (its docstring lists what it uses). Fix engine.py to the new API, then this pin.")
+                "and its modules rely on it (its docstring lists what they use). Fix them to the new API, then this pin.")
 
 
 def _params(fn) -> set[str]:
@@ -199,20 +201,29 @@ def _internal_uses(path: Path) -> list[str]:
     return found
 
 
+# The engine, split by concept: the class and its manager (engine.py), who runs the loop, what goes in and out, and
+# the admission check. These alone reach transformers' CB internals.
+ENGINE_MODULES = ("engine.py", "engine_loops.py", "engine_io.py", "admission.py")
+ROLLOUT = Path(cbkit.__file__).parent / "rollout"
+
+
 @pytest.mark.parametrize("path", sorted(p for p in Path(cbkit.__file__).parent.rglob("*.py")
-                                        if p.name != "engine.py"), ids=lambda p: p.name)
-def test_only_engine_py_reaches_inside_the_engine(path):
+                                        if not (p.parent == ROLLOUT and p.name in ENGINE_MODULES)),
+                         ids=lambda p: str(p.relative_to(Path(cbkit.__file__).parent)))
+def test_only_the_engine_modules_reach_inside_the_engine(path):
     assert not _internal_uses(path), (f"{path} uses transformers' CB internals {_internal_uses(path)}: go through "
                                       "cbkit.rollout.engine, which owns the manager (and tests/test_engine_contract.py)")
 
 
-def test_the_internals_check_sees_engine_py():
-    uses = _internal_uses(Path(cbkit.__file__).parent / "rollout" / "engine.py")
-    assert any("_generation_step" in u for u in uses) and any("from transformers.generation" in u for u in uses)
+def test_the_internals_check_sees_each_engine_module():
+    uses = {name: _internal_uses(ROLLOUT / name) for name in ENGINE_MODULES}
+    assert all(uses.values()), f"an engine module reaches no internal: drop it from ENGINE_MODULES ({uses})"
+    assert any("_generation_step" in u for u in uses["engine_loops.py"])
+    assert any("from transformers.generation" in u for u in uses["admission.py"])
 
 
 def test_what_the_admission_check_builds_on():
-    # cbkit.rollout.engine.admission: the engine's config resolution, then its cache built on the meta device with its
+    # cbkit.rollout.admission.admission: the engine's config resolution, then its cache built on the meta device with its
     # memory reading patched; the footprint read where the handler checks it.
     from transformers.generation.continuous_batching import cache, initialization
     from transformers.generation.continuous_batching.distributed import DistributedHelper

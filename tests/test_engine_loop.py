@@ -10,12 +10,20 @@ import pytest
 import torch
 
 from cbkit.rollout import BACKENDS, ContinuousBackend, SamplingParams, make_backend
-from cbkit.rollout.engine import engine_is_idle
+from cbkit.rollout.engine import Engine, engine_is_idle
 from cbkit.rollout.engine_config import resolve_engine_loop
 
 
+def _on_loop(loop, model, cb_config=None, persistent=False):
+    """The CB backend with its engine's loop in `loop` ("caller" or "thread"): the engine is the one place that
+    chooses (the async engine asks for the thread; "auto" picks per device), so the test swaps the engine in."""
+    backend = ContinuousBackend(model, cb_config, persistent=persistent)
+    backend.engine = Engine(model, cb_config, persistent=persistent, engine_loop=loop)
+    return backend
+
+
 def _threaded(model, cb_config=None):
-    return ContinuousBackend(model, cb_config, engine_loop="thread")
+    return _on_loop("thread", model, cb_config)
 
 
 def _prompts(tok):
@@ -38,7 +46,7 @@ def _same(a, b):
 @pytest.mark.parametrize("cb_config", [{}, {"page_size": 4}, {"allow_block_sharing": False}])
 def test_caller_loop_samples_what_the_thread_samples(tiny, cb_config):
     tok, model = tiny.tokenizer, tiny.model
-    caller = ContinuousBackend(model, cb_config, engine_loop="caller")
+    caller = _on_loop("caller", model, cb_config)
     thread = _threaded(model, cb_config)
     a, b = _rollout(caller, tok), _rollout(thread, tok)
     _same(a, b)
@@ -54,7 +62,7 @@ def test_caller_loop_samples_what_the_thread_samples(tiny, cb_config):
 def test_kept_engine_on_the_caller_loop_matches_a_fresh_thread_engine(tiny):
     tok, model = tiny.tokenizer, tiny.model
     reference = _rollout(_threaded(model), tok)
-    kept = ContinuousBackend(model, persistent=True, engine_loop="caller")
+    kept = _on_loop("caller", model, persistent=True)
     try:
         first, second = _rollout(kept, tok), _rollout(kept, tok)
         assert getattr(model, "_cached_continuous_batching_manager", None) is not None, "engine was not kept"
@@ -68,7 +76,7 @@ def test_kept_engine_on_the_caller_loop_matches_a_fresh_thread_engine(tiny):
 def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, monkeypatch):
     tok, model = tiny.tokenizer, tiny.model
     original_impl = model.config._attn_implementation
-    backend = ContinuousBackend(model, engine_loop="caller")
+    backend = _on_loop("caller", model)
     layer = model.model.layers[0].mlp
     real = layer.forward
     calls = {"n": 0}
@@ -89,7 +97,7 @@ def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, m
 
 
 def test_which_loop_runs_where():
-    # The caller's loop by default on CPU, where it was measured faster (docs/small_n.md); the thread elsewhere.
+    # The caller's loop by default on CPU, where it was measured faster (lab/small_n.md); the thread elsewhere.
     assert resolve_engine_loop("auto", torch.device("cpu")) == "caller"
     assert resolve_engine_loop("auto", torch.device("cuda")) == "thread"
     assert resolve_engine_loop("caller", torch.device("cpu")) == "caller"
@@ -101,9 +109,11 @@ def test_which_loop_runs_where():
         resolve_engine_loop("inline", torch.device("cpu"))
 
 
-def test_the_thread_is_a_knob_not_a_backend(tiny):
+def test_the_loop_is_the_engines_choice_not_a_backend_or_an_option(tiny):
     assert sorted(BACKENDS) == ["continuous", "generate"]
-    backend = make_backend("continuous", tiny.model, engine_loop="thread")
-    assert backend.name == "continuous" and backend.engine.engine_loop == "thread"
+    backend = make_backend("continuous", tiny.model)
+    assert backend.name == "continuous" and backend.engine.engine_loop == "auto"
+    with pytest.raises(TypeError, match="engine_loop"):
+        ContinuousBackend(tiny.model, engine_loop="thread")
     with pytest.raises(ValueError, match="engine_loop must be one of"):
-        ContinuousBackend(tiny.model, engine_loop="background")
+        Engine(tiny.model, engine_loop="background")

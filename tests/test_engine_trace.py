@@ -91,7 +91,7 @@ def test_reuses_by_hand_sharing_and_cached_prompt_pages_are_not_recycling():
 
 
 def test_the_step_and_block_figures_draw_what_the_trace_holds():
-    from cbkit.viz.figures import block_ids_figure, engine_step_figure
+    from cbkit.teach.figures_engine import block_ids_figure, engine_step_figure
 
     step = EngineStep(4, 0.0, (_req("a", [7, 8, 9]), _req("b", [7, 8, 5]),
                                ScheduledRequest("c", 32, 2, 16, 16, (3, 4))))

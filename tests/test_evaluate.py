@@ -170,8 +170,8 @@ def test_cbkit_tiers_plans_the_learning_recipe_with_its_evaluations(monkeypatch)
 
 
 def test_the_live_chart_draws_the_step_0_evaluation_but_does_not_count_it_as_a_step():
+    from cbkit.teach.live import LiveMetricsHook
     from cbkit.train.hooks import StepRecord
-    from cbkit.viz.live import LiveMetricsHook
 
     hook = LiveMetricsHook("continuous", mode="static")
     hook.on_step_end(StepRecord(0, {"eval/accuracy": 0.2}))

@@ -115,8 +115,9 @@ def test_weight_snapshots_of_a_gpu_model_live_where_their_place_says(where):
 def _start_engine(model, pool, rows, new_tokens):
     """Start transformers' engine on `model` as cbkit's `Engine.run` does (its config, its attention, the workload
     hints) up to the pool being built: the engine's own admission check, on this GPU's own memory reading."""
-    from cbkit.rollout.engine import Engine, attention_for_engine, workload_hints
+    from cbkit.rollout.engine import Engine, attention_for_engine
     from cbkit.rollout.engine_config import cuda_attention
+    from cbkit.rollout.engine_io import workload_hints
 
     engine = Engine(model, pool)
     cb = engine.config(rows, new_tokens, seed=0)
@@ -143,7 +144,7 @@ def test_each_tiers_pool_starts_where_the_admission_check_says(name, machine):
     cbkit's old gate (max_memory_percent 0.5 on a fixed pool), which the check refuses for 01 and 03 on a T4."""
     from transformers import AutoModelForCausalLM
 
-    from cbkit.rollout.engine import admission
+    from cbkit.rollout.admission import admission
     from cbkit.rollout.engine_config import flash_versions
     from cbkit.teach import tiers
 

@@ -14,8 +14,10 @@ import torch
 
 from cbkit.cli import main
 from cbkit.rollout import engine_config
-from cbkit.rollout.engine import admission, attention_for_engine, workload_hints
+from cbkit.rollout.admission import admission
+from cbkit.rollout.engine import attention_for_engine
 from cbkit.rollout.engine_config import cuda_attention, make_cb_config
+from cbkit.rollout.engine_io import workload_hints
 from cbkit.teach import tiers
 
 GiB = 2**30
@@ -230,7 +232,7 @@ def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
 
 
 def test_the_trl_benchmark_preset_holds_a_trainers_state():
-    from cbkit.measure.sweep import PRESETS
+    from cbkit.measure.presets import PRESETS
 
     assert PRESETS["trl-benchmark"]["trainer_state"]
     by_name = {p.preset: p for p in tiers.plan_presets()}

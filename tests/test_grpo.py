@@ -129,7 +129,7 @@ def test_it_learns_with_cb_rollouts(record_property):
 
 def test_cb_logprobs_match_the_training_forward_on_unchanged_weights(record_property):
     tr = trainer(config(use_transformers_continuous_batching=True))
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     rewards, _ = tr.score(rollout, PROBLEMS[:2])
     p = tr.prepare(rollout, rewards)
     diff = p.metrics["logprob/max_abs_diff"]
@@ -143,7 +143,7 @@ def test_without_sampling_logprobs_weights_are_exactly_one_and_skipped():
     model, tok = load_policy("tiny", seed=0)
     backend = NoLogprobs(GenerateBackend(model, pad_token_id=tok.pad_token_id))
     tr = trainer(config(), policy=(model, tok), backend=backend)
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     p = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
     assert torch.equal(p.is_weights, torch.ones_like(p.is_weights))
     assert p.metrics["is/skipped"] == 1.0 and math.isnan(p.metrics["logprob/max_abs_diff"])
@@ -182,7 +182,7 @@ def test_is_mask_mode_zeroes_sequences_outside_the_bounds():
     cfg = config(importance_sampling_mode="sequence_mask", clip_max=1.05,
                  clip_min=0.95)
     tr = trainer(cfg, policy=(model, tok), backend=HotterSampler(GenerateBackend(model, pad_token_id=tok.pad_token_id)))
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     p = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
     per_sequence = p.is_weights[:, 0]
     assert p.metrics["is/clipped_frac"] > 0 and (per_sequence == 0).any()
@@ -194,7 +194,7 @@ def test_top_p_is_compared_like_with_like_and_warned_once(record_property):
     with pytest.warns(UserWarning, match="truncated distribution") as caught:
         tr = trainer(config(top_p=0.7, temperature=1.0, use_transformers_continuous_batching=True))
     assert len([w for w in caught if "truncated" in str(w.message)]) == 1
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     p = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
     m = p.metrics
     print(f"top_p=0.7: logprob/max_abs_diff={m['logprob/max_abs_diff']:.2e} (processed, like with like), "
@@ -243,7 +243,7 @@ def test_training_forward_identical_before_and_after_a_cb_rollout():
 
 def test_training_forward_refuses_a_running_cb_engine_or_switched_attention():
     tr = trainer(config())
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     rewards = tr.score(rollout, PROBLEMS[:2])[0]
     tr.model._cached_continuous_batching_manager = types.SimpleNamespace(is_running=lambda: True)
     try:
@@ -339,11 +339,11 @@ def test_chunks_take_rows_in_order_of_length_and_pad_less(uneven_rollout, monkey
     """The old-logprob forward and the update cut each micro-batch into chunks of rows in order of real length,
     longest first: each row forwarded once per pass, the rows' lengths non-increasing, and fewer padded tokens
     forwarded than chunks in rollout order would forward (the loss and gradients are the same sum: the test above)."""
-    import cbkit.train.grpo as grpo
+    import cbkit.train.logprobs as logprobs
 
     seen = []
-    inner = grpo.completion_logits
-    monkeypatch.setattr(grpo, "completion_logits", lambda model, mb, *a: (seen.append(mb), inner(model, mb, *a))[1])
+    inner = logprobs.completion_logits
+    monkeypatch.setattr(logprobs, "completion_logits", lambda model, mb, *a: (seen.append(mb), inner(model, mb, *a))[1])
     tr = trainer(config(prompts_per_step=4, num_generations=2, forward_chunk_rows=3), backend=Replay(uneven_rollout))
     rewards = torch.tensor([0.0, 1.0, 0.5, 0.2, 1.0, 0.0, 0.3, 0.9], dtype=torch.float64)
     prepared = tr.prepare(uneven_rollout, rewards)
@@ -493,7 +493,7 @@ def test_nan_stops_the_run_without_logging_or_saving_the_step(tmp_path):
 
 def test_a_raising_reward_function_is_named_with_the_completion():
     tr = trainer(config())
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     texts = [tr.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in rollout.completions]
 
     def fragile_reward(completions, answers):  # fails on one completion only: the error must find which
@@ -512,7 +512,7 @@ def test_non_finite_rewards_are_an_error(value):
         return [0.0, 1.0, value] + [0.0] * (len(completions) - 3)
 
     tr = trainer(config(), reward_funcs=[broken_reward])
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     with pytest.raises(ValueError, match=rf"Reward function 'broken' returned {value}.*completion 2 \(prompt 0"):
         tr.score(rollout, PROBLEMS[:2])
 
@@ -605,14 +605,14 @@ def test_rollouts_stop_at_every_id_the_generation_config_lists():
     numbers whatever stops (finished rows are still sampled), so each completion of the second rollout is the
     first one's cut after its first stop id."""
     model, tok = load_policy("tiny", seed=0)
-    first = trainer(config(), policy=(model, tok)).rollout([0, 1], step=1)
+    first = trainer(config(), policy=(model, tok)).rollout([0, 1], step=1).rollout
     long = next(c for c in first.completions if c.finish_reason == "length")
     stop = long.completion_ids[2]
     assert stop != tok.eos_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, stop]
     tr = trainer(config(), policy=(model, tok))
     assert tr.sampling_params(1).eos_ids == {tok.eos_token_id, stop}
-    again = tr.rollout([0, 1], step=1)
+    again = tr.rollout([0, 1], step=1).rollout
     for a, b in zip(first.completions, again.completions, strict=True):
         ends = [i for i, t in enumerate(a.completion_ids) if t in (tok.eos_token_id, stop)]
         if ends:
@@ -635,7 +635,7 @@ def test_a_sampled_token_outside_the_trainers_nucleus_is_kept_and_counted():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the top-p warning
         tr = trainer(config(top_p=top_p, importance_sampling_mode="sequence_mask"), policy=(model, tok))
-    rollout = tr.rollout([0, 1], step=1)
+    rollout = tr.rollout([0, 1], step=1).rollout
     c = rollout.completions[0]
     j = 3
     with torch.no_grad():

@@ -70,9 +70,9 @@ def test_the_check_runs_the_training_forward(tiny, monkeypatch):
     calls = []
     real = batch_module.completion_logits
 
-    def spy(model, b):
+    def spy(model, b, *autocast):
         calls.append(len(b))
-        return real(model, b)
+        return real(model, b, *autocast)
 
     monkeypatch.setattr("cbkit.train.logprobs.completion_logits", spy)
     completions = _completions(tiny.model.config.vocab_size)

@@ -12,11 +12,10 @@ import torch
 
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
-from cbkit.teach import findings, notebook
+from cbkit.teach import findings, fits, is_update, live, notebook, step_views, trl_step
 from cbkit.teach.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
-from cbkit.viz import live
 
 # --- setup and profiles ----------------------------------------------------------------------------------
 
@@ -59,7 +58,7 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("Props", (), {"total_memory": memory_gib * 2**30})())
-    monkeypatch.setattr("cbkit.train.grpo.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.train.order.seed_everything", lambda seed: None)
     env = notebook.setup(profile="full", verbose=False)
     assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
     assert env.model == notebook.GPU_MODEL
@@ -76,7 +75,7 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
 def test_check_fits_adds_training_memory_to_the_planners_rollout(tiny):
     env = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "tiny", "d")
     params = sum(p.numel() for p in tiny.model.parameters())
-    line = notebook.check_fits(env, tiny.model, prompt_ids=[[5, 6, 7], [8, 9]], num_generations=4,
+    line = fits.check_fits(env, tiny.model, prompt_ids=[[5, 6, 7], [8, 9]], num_generations=4,
                                max_new_tokens=8, gradient_accumulation_steps=2)
     # 16 bytes a parameter (fp32 weights, gradients, two AdamW moments), computed here from the model itself.
     assert f"weights, gradients, AdamW: {16 * params / 2**30:.2f}" in line and "rollout peak" in line
@@ -100,7 +99,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
 
     chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS], mode="static")
     first = live.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
-    recorder = notebook.RolloutRecorder()
+    recorder = step_views.RolloutRecorder()
     _train(tiny, [first, recorder], use_transformers_continuous_batching=True)
     second = live.LiveMetricsHook("generate", chart=chart)
     _train(tiny, [second], use_transformers_continuous_batching=False)
@@ -117,7 +116,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
     assert list(memory.y) == pytest.approx([r.metrics["rollout/peak_mem_bytes"] / 2**20 for r in second.records])
     assert len(recorder.rollouts) == 1 and recorder.rollouts[0].backend == "continuous"
 
-    table = notebook.compare_runs({"continuous": first.records, "generate": second.records})
+    table = step_views.compare_runs({"continuous": first.records, "generate": second.records})
     assert list(table.columns) == ["continuous", "generate"]
     expected = sum(r.metrics["rollout/tokens_per_s"] for r in second.records) / 2
     assert table.loc["rollout/tokens_per_s", "generate"] == pytest.approx(expected)
@@ -135,7 +134,7 @@ def test_nan_metrics_are_not_points():
 
 
 def test_metrics_table_groups_by_namespace_and_shows_bytes_in_mib():
-    table = notebook.metrics_table({"reward/mean": 0.25, "rollout/peak_mem_bytes": 3 * 2**20, "rollout/backend": "x"})
+    table = step_views.metrics_table({"reward/mean": 0.25, "rollout/peak_mem_bytes": 3 * 2**20, "rollout/backend": "x"})
     assert table.loc[("rollout", "peak_mem (MiB)"), "value"] == 3
     assert table.loc[("reward", "mean"), "value"] == 0.25
     assert list(table.index.get_level_values(0)) == ["reward", "rollout", "rollout"]
@@ -147,16 +146,16 @@ def test_completions_table_scores_each_completion(tiny):
                               pad_token_id=tok.pad_token_id, seed=0)
     rollout = make_backend("generate", tiny.model, pad_token_id=tok.pad_token_id).generate([[5, 6, 7], [8, 9]], 3,
                                                                                           sampling)
-    table = notebook.completions_table(rollout, tok, ["4", "7"])
+    table = step_views.completions_table(rollout, tok, ["4", "7"])
     assert len(table) == 6 and list(table["gold"]) == ["4"] * 3 + ["7"] * 3
     assert set(table.columns) >= {"group", "finish", "tokens", "answer given", "correctness", "format", "completion"}
     assert list(table["tokens"]) == [len(c.completion_ids) for c in rollout.completions]
     with pytest.raises(ValueError, match="one gold answer per prompt: 2 prompts, 1 answers"):
-        notebook.completions_table(rollout, tok, ["4"])
+        step_views.completions_table(rollout, tok, ["4"])
 
 
 def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     cfg = SweepConfig(model="tiny", ns=(1, 2), repeats=1, max_new_tokens=4, num_prompts=1)
     seen: list[dict] = []
@@ -282,7 +281,7 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
 
 
 def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
-    from cbkit.viz.figures import logprob_scatter, ratio_histogram, ratio_summary
+    from cbkit.teach.figures_ratios import logprob_scatter, ratio_histogram, ratio_summary
 
     fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
     assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
@@ -305,7 +304,7 @@ def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
 
 
 def test_planned_points_feed_the_memory_figure(tiny):
-    from cbkit.measure.planner import planned_points
+    from cbkit.teach.crossover import planned_points
     from cbkit.viz.figures import memory_vs_n
 
     pts = planned_points(tiny.model.config, [4, 8], num_prompts=1, prompt_len=20, max_new_tokens=16, dtype_bytes=4,
@@ -354,7 +353,7 @@ def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk
     assert cpu.trl_micro_batches(16, 1) == 8
     assert cpu.trl_micro_batches(15, 3) == 3  # two does not divide 15: the config's micro-batches
     assert dry.trl_micro_batches(16, 1) == 1
-    whole, chunk = (notebook.check_fits(cpu, tiny.model, prompt_ids=[[5, 6, 7]] * 2, num_generations=4,
+    whole, chunk = (fits.check_fits(cpu, tiny.model, prompt_ids=[[5, 6, 7]] * 2, num_generations=4,
                                         max_new_tokens=8, gradient_accumulation_steps=1, forward_chunk_rows=c)
                     for c in (None, 2))
     assert "one forward of 8 rows" in whole and "one forward of 2 rows" in chunk
@@ -365,11 +364,11 @@ def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
                                tier="t4", gpu_memory_bytes=2**20)  # 1 MiB: the weights alone do not fit
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # the rollout fits anything
     with pytest.raises(MemoryError, match="needs more than this GPU.s 0.0 GiB"):
-        notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
+        fits.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
                             gradient_accumulation_steps=1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**10, 2**40))  # 1 KiB free: no KV pool fits
     with pytest.raises(MemoryError, match="the rollout does not fit"):
-        notebook.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
+        fits.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
                             gradient_accumulation_steps=1)
 
 
@@ -463,20 +462,20 @@ def test_update_with_and_without_is_by_hand():
     from tests.helpers import PROBLEMS, config, trainer
 
     tr = trainer(config(use_transformers_continuous_batching=True))
-    rollout = tr.rollout([0, 1], 0)
+    rollout = tr.rollout([0, 1], 0).rollout
     kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
     ones = dataclasses.replace(kept, is_weights=torch.ones_like(kept.loss_mask, dtype=torch.float32))
-    g = notebook.update_with_and_without_is(tr, ones)
+    g = is_update.update_with_and_without_is(tr, ones)
     assert g["cosine"] == pytest.approx(1, abs=1e-9) and g["norm_ratio"] == pytest.approx(1, abs=1e-9)
-    twice = notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=2 * ones.is_weights))
+    twice = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=2 * ones.is_weights))
     assert twice["cosine"] == pytest.approx(1, abs=1e-9) and twice["norm_ratio"] == pytest.approx(0.5, rel=1e-6)
     one_out = ones.is_weights.clone()
     one_out[0] = 0
-    away = notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
+    away = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
     assert away["cosine"] < 1 - 1e-4
     assert all(p.grad is None for p in tr.model.parameters())
     with pytest.raises(ValueError, match="needs IS weights"):
-        notebook.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
+        is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
 
 
 def test_trl_step_findings_says_why_a_step_without_reward_spread_changed_nothing():
@@ -518,7 +517,7 @@ def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny,
     cfg = CBGRPOConfig(model="tiny", num_generations=4, prompts_per_step=3, max_completion_length=10, max_steps=1,
                        use_transformers_continuous_batching=True, disable_tqdm=True)
     with pytest.raises(Stop):
-        notebook.stock_trl_cb_rollout(tiny.model, tiny.tokenizer, DEFAULT_REWARDS, dataset, cfg, report_to=[],
+        trl_step.stock_trl_cb_rollout(tiny.model, tiny.tokenizer, DEFAULT_REWARDS, dataset, cfg, report_to=[],
                                       save_strategy="no", per_device_train_batch_size=12)
     longest = max(len(tiny.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
                                                          return_dict=True)["input_ids"]) for r in dataset)

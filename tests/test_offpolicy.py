@@ -17,6 +17,8 @@ from cbkit.models.load import load_policy
 from cbkit.rollout import make_backend
 from cbkit.train.hooks import StepHooks
 from cbkit.train.offpolicy import LaggedRollouts, drift_metrics
+from cbkit.train.rollouts import OnPolicyRollouts
+from cbkit.train.setup import pad_token_id
 from tests.helpers import TIMING, config, same_weights, trainer, untimed_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +48,7 @@ def test_drift_metrics_on_a_case_worked_by_hand():
 
 def test_staleness_zero_builds_nothing_and_is_the_on_policy_loop():
     tr = trainer(config())
-    assert tr.offpolicy is None and tr.backend.model is tr.model
+    assert type(tr.rollouts) is OnPolicyRollouts and tr.rollouts.backend is tr.backend and tr.backend.model is tr.model
     record = tr.step()
     assert not any(k.startswith("offpolicy/") for k in record.metrics)
 
@@ -54,8 +56,9 @@ def test_staleness_zero_builds_nothing_and_is_the_on_policy_loop():
 def test_a_lag_of_zero_through_the_snapshot_machinery_changes_no_number():
     """The same loop through the snapshot machinery with k = 0 (the policy samples as it is; nothing is swapped in)
     is the on-policy loop to the bit: the same tokens, rewards, losses and every other metric."""
-    plain, lagged = trainer(config()), trainer(config())
-    lagged.offpolicy = LaggedRollouts(lagged, 0)
+    policy = load_policy("tiny", seed=0)
+    backend = make_backend("generate", policy.model, pad_token_id=pad_token_id(policy.tokenizer))
+    plain, lagged = trainer(config()), trainer(config(), policy=policy, rollouts=LaggedRollouts(policy.model, backend, 0))
     a = [plain.step().metrics for _ in range(2)]
     b = [lagged.step().metrics for _ in range(2)]
     for x, y in zip(a, b, strict=True):
@@ -192,8 +195,8 @@ def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
         tr = trainer(config(max_steps=4, rollout_staleness=2, rollout_snapshots=where))
         runs[where] = ([tr.step().metrics for _ in range(4)], tr.model.state_dict())
         if where == "disk":
-            assert len(list(tr.offpolicy.history._dir.iterdir())) == 3  # k + 1 versions, nothing in memory
-            folder = tr.offpolicy.history._dir
+            assert len(list(tr.rollouts.history._dir.iterdir())) == 3  # k + 1 versions, nothing in memory
+            folder = tr.rollouts.history._dir
             tr.close()
             assert not folder.exists()
     (mem, w_mem), (disk, w_disk) = runs["host"], runs["disk"]

@@ -9,6 +9,7 @@ import types
 import plotly.graph_objects as go
 import pytest
 
+from cbkit.teach import figures_engine, figures_padding
 from cbkit.viz import figures as plots
 from cbkit.viz import live, palette
 from cbkit.viz.live import LiveChart
@@ -351,13 +352,13 @@ def test_timeline_figure_from_a_hand_made_timeline():
     ]
     timeline = {"page_size": 4, "t0": t0, "requests": requests}
     occ = {"t": [0.0, 0.1, 0.3, 0.4], "running": [2, 2, 1, 0], "blocks_in_use": [2, 3, 2, 0], "pool_blocks": 4}
-    fig = plots.timeline_figure(timeline, occ)
+    fig = figures_engine.timeline_figure(timeline, occ)
     bars = [t for t in fig.data if t.type == "bar"]
     assert [b.name for b in bars] == ["group 0", "group 1", "admitted, waiting for its first token"]
     assert list(bars[0].base) == [0.0, 0.0] and list(bars[0].x) == pytest.approx([0.3, 0.1])
     # Request 2 was admitted at 0.1 s and got its first token at 0.25 s: 0.15 s hatched from 0.1 s.
     assert list(bars[2].base) == pytest.approx([0.0, 0.0, 0.1]) and list(bars[2].x) == pytest.approx([0.1, 0.1, 0.15])
-    assert plots.first_token_waits(timeline) == pytest.approx({0: 0.1, 1: 0.1, 2: 0.15})
+    assert figures_engine.first_token_waits(timeline) == pytest.approx({0: 0.1, 1: 0.1, 2: 0.15})
     ticks = _trace(fig, "a generated token")
     assert len(ticks.x) == 6
     assert list(_trace(fig, "KV blocks in use").y) == [2, 3, 2, 0]
@@ -375,7 +376,7 @@ def test_padding_figure_from_a_real_generate_rollout(tiny):
     prompts = [tok("What is 2+2?").input_ids, tok("Hi").input_ids]
     rollout = GenerateBackend(tiny.model).generate(
         prompts, 3, SamplingParams(max_new_tokens=12, eos_token_id=tok.eos_token_id, seed=0))
-    fig = plots.padding_figure(rollout)
+    fig = figures_padding.padding_figure(rollout)
     (heat,) = fig.data
     z = [list(row) for row in heat.z]
     cfg = rollout.engine_config
@@ -392,7 +393,7 @@ def test_padding_figure_refuses_a_cb_rollout():
 
     r = Rollout([Completion(0, (1,), (2,), (0.0,), "eos")], 1, "continuous", 0.1)
     with pytest.raises(ValueError, match="generate"):
-        plots.padding_figure(r)
+        figures_padding.padding_figure(r)
 
 
 # --- plotly.js once per notebook --------------------------------------------------------------------------------
@@ -464,7 +465,7 @@ def test_memory_vs_n_log_axis_and_a_marked_crossover():
 
 
 def test_workloads_figure_draws_both_workloads_with_their_padding():
-    from cbkit.viz.figures import workloads_figure
+    from cbkit.teach.figures_padding import workloads_figure
 
     def pts(speed, pad):
         return [{"backend": "continuous", "N": n, "status": "ok", "speed_vs_generate": s} for n, s in speed.items()] + [
@@ -481,7 +482,7 @@ def test_workloads_figure_draws_both_workloads_with_their_padding():
 
 
 def test_live_sweep_titles_its_chart_by_workload(monkeypatch):
-    import cbkit.viz.live as live
+    import cbkit.teach.live as live
 
     titles = []
 

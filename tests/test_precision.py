@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cbkit.models.load import load_policy, training_precision
-from cbkit.teach.notebook import weight_change
+from cbkit.teach.step_views import weight_change
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from tests.helpers import PROBLEMS, config, letters_reward
@@ -87,7 +87,7 @@ def test_the_notebooks_config_dtype_is_their_precision_rule(monkeypatch, gpu, fo
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("Props", (), {"total_memory": 80 * 2**30})())
-    monkeypatch.setattr("cbkit.train.grpo.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.train.order.seed_everything", lambda seed: None)
     if forced:
         monkeypatch.setenv("CBKIT_TIER", forced)
     else:
@@ -101,14 +101,14 @@ def test_the_a100_tiers_dry_run_on_a_cpu_trains_under_bf16_autocast(monkeypatch)
     from cbkit.teach import notebook
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("cbkit.train.grpo.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.train.order.seed_everything", lambda seed: None)
     monkeypatch.setenv("CBKIT_TIER", "a100")
     env = notebook.setup(profile="ci", verbose=False)
     assert env.dry_run and training_precision(env.compute_dtype, env.device) is torch.bfloat16
 
 
 def test_a_full_step_sweep_refuses_what_the_loop_refuses(monkeypatch):
-    from cbkit.measure.sweep import SweepConfig
+    from cbkit.measure.sweep_config import SweepConfig
 
     _emulate_gpu(monkeypatch, T4)
     with pytest.raises(ValueError, match=REFUSED_T4):
@@ -223,7 +223,7 @@ def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
 
     from cbkit.tasks.data import load_problems
     from cbkit.tasks.rewards import DEFAULT_REWARDS
-    from cbkit.teach.notebook import stock_trl_cb_rollout
+    from cbkit.teach.trl_step import stock_trl_cb_rollout
     from cbkit.trl.rewards import trl_dataset
 
     prepared = []

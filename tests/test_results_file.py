@@ -44,30 +44,27 @@ def test_any_other_unreadable_line_names_the_file_and_the_line(tmp_path):
         ResultsFile(path, FINGERPRINT)
 
 
-# --- `cbkit report` on a damaged file, and on one written by an older cbkit ---------------------------------
+# --- `cbkit report` on a damaged file -------------------------------------------------------------------------------
 
-OLD_FILE = Path(__file__).parent.parent / "docs" / "results" / "cpu-replay.jsonl"
+SWEEP_FILE = Path(__file__).parent.parent / "lab" / "results" / "cpu-replay.jsonl"
 
 
-def test_report_reads_an_old_file_with_a_torn_last_line_under_todays_names(tmp_path, capsys):
-    """docs/results/cpu-replay.jsonl was written before run lines kept one field per fact; cut inside its last
-    run line, `cbkit report` still prints every finished run, with the padding under today's names."""
-    lines = OLD_FILE.read_text().splitlines(keepends=True)
-    old_runs = [json.loads(x) for x in lines if json.loads(x)["kind"] == "run"]
-    assert "static_padding_share" in old_runs[0] and "mean_completion_len" in old_runs[0]  # the old names
+def test_report_reads_a_real_sweep_file_with_a_torn_last_line(tmp_path, capsys):
+    """lab/results/cpu-replay.jsonl, a real sweep's file, cut inside its last run line: `cbkit report` still prints
+    every finished run, and warns about the torn line instead of failing."""
+    lines = SWEEP_FILE.read_text().splitlines(keepends=True)
+    runs_in_file = [json.loads(x) for x in lines if json.loads(x)["kind"] == "run"]
     path = tmp_path / "sweep.jsonl"
     path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
     with pytest.warns(UserWarning, match="torn last line"):
         assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Traceback" not in out
-    kept = old_runs[:-1]
+    kept = runs_in_file[:-1]
     with pytest.warns(UserWarning, match="torn last line"):
         runs = load_runs(path)
     assert [(r["backend"], r["N"]) for r in runs] == [(r["backend"], r["N"]) for r in kept]
-    assert [r["decode_padding_share"] for r in runs] == [r["static_padding_share"] for r in kept]
-    assert [r["kv_padding_share"] for r in runs] == [r["padding_share"] for r in kept]
-    assert not any(k in r for r in runs for k in ("mean_completion_len", "static_padding_share", "padding_share"))
+    assert [r["decode_padding_share"] for r in runs] == [r["decode_padding_share"] for r in kept]
     csv = path.with_suffix(".csv").read_text().splitlines()
     assert len(csv) == 1 + len({(r["backend"], r["N"]) for r in kept})  # a header and one row per point
 

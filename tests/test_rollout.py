@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from cbkit.rollout import ContinuousBackend, GenerateBackend, Rollout, SamplingParams, make_backend
@@ -189,7 +191,10 @@ def test_cpu_pool_sizing_respects_only_real_choices():
 def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
     """cbkit's per-sequence attention (the CPU default) gives the engine's own results, restores the model."""
     sp = _sampling(tiny.tokenizer, temperature=0.8, top_k=30, max_new_tokens=20)
-    dense = ContinuousBackend(tiny.model, cpu_attention="engine").generate(prompts, 2, sp)
+    from tests.reference_attention import engine_own_attention
+
+    with engine_own_attention():
+        dense = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
     varlen = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
     assert varlen.engine_config["attn_implementation"] == "cbkit_flash_varlen_cpu"
     assert dense.engine_config["attn_implementation"] == "sdpa"
@@ -376,9 +381,11 @@ def test_cb_refuses_soft_capping_on_cpu_where_no_engine_attention_applies_it(tin
     sp = _sampling(tiny.tokenizer, do_sample=False, max_new_tokens=12)
     reference = GenerateBackend(model, pad_token_id=tiny.tokenizer.pad_token_id).generate(prompts, 1, sp)
     assert max_logprob_diff(model, reference, sp) < LOGPROB_ATOL
-    for attention in ("batched", "per_sequence", "engine"):
-        with pytest.raises(ValueError, match="soft-capping.*'generate' backend"):
-            ContinuousBackend(model, cpu_attention=attention).generate(prompts, 1, sp)
+    from tests.reference_attention import engine_own_attention
+
+    for attention in (contextlib.nullcontext, engine_own_attention):  # cbkit's varlen attention, the engine's own
+        with attention(), pytest.raises(ValueError, match="soft-capping.*'generate' backend"):
+            ContinuousBackend(model).generate(prompts, 1, sp)
 
 
 def test_a_shared_prompt_is_prefilled_once(tiny, monkeypatch):
@@ -401,3 +408,19 @@ def test_a_shared_prompt_is_prefilled_once(tiny, monkeypatch):
     assert matched == [0, 32, 32, 32, 32]
     ref = GenerateBackend(tiny.model, pad_token_id=0).generate(prompt, 4, sp)
     assert [c.completion_ids for c in cb.completions] == [c.completion_ids for c in ref.completions]
+
+
+def test_the_cpu_pool_rule_is_what_the_engine_allocates(tiny, prompts):
+    """The one CPU pool rule (`cpu_pool_blocks`): a CB rollout on a CPU runs on a pool of exactly the blocks that
+    hold every request at the generation limit at once, counted from the page size the engine reports; a
+    `num_blocks` the caller sets wins, and the rule steps aside."""
+    from cbkit.rollout.engine_config import cpu_pool_blocks
+
+    rows = [list(p) for p in prompts for _ in range(2)]
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
+    sized = make_backend("continuous", tiny.model).generate(prompts, 2, sp)
+    page = sized.engine_config["page_size"]
+    assert sized.engine_config["num_blocks"] == cpu_pool_blocks({}, rows, 6, page)
+    assert sized.engine_config["num_blocks"] == sum(-(-(len(r) + 6) // page) for r in rows) + 1  # worked by hand
+    fixed = make_backend("continuous", tiny.model, cb_config={"num_blocks": 64}).generate(prompts, 2, sp)
+    assert fixed.engine_config["num_blocks"] == 64 and cpu_pool_blocks({"num_blocks": 64}, rows, 6, page) is None

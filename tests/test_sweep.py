@@ -10,7 +10,8 @@ import torch
 
 from cbkit.measure import probe, tables
 from cbkit.measure.results import ResultsFile, aggregate
-from cbkit.measure.sweep import SweepConfig, run_sweep
+from cbkit.measure.sweep import run_sweep
+from cbkit.measure.sweep_config import SweepConfig
 from cbkit.measure.tables import trl_benchmark_table
 
 

@@ -10,14 +10,15 @@ import types
 from pathlib import Path
 
 import nbformat
+import plotly.graph_objects as go
 import pytest
 import torch
 
 from cbkit.cli import main
 from cbkit.measure import roofline
-from cbkit.measure.planner import crossover_vs_pool
-from cbkit.measure.sweep import PRESETS
-from cbkit.teach import notebook, tiers
+from cbkit.measure.presets import PRESETS
+from cbkit.teach import fits, notebook, tiers, trl_step
+from cbkit.teach.crossover import crossover_vs_pool, crossover_vs_pool_figure
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,6 +146,18 @@ def test_a_bigger_pool_moves_the_crossover_to_a_larger_n():
     assert None not in ns and ns == sorted(ns) and ns[0] < ns[-1]
 
 
+def test_the_crossover_figure_draws_each_pool_and_marks_one_beyond_the_range():
+    """01 displays what `crossover_vs_pool_figure` returns: a figure with one point per pool (a pool with no
+    crossover drawn at the top of the range and labelled), the swept N shaded, the notebook's pool marked."""
+    rows = [{"pool_bytes": 2 * 2**30, "crossover_n": 16}, {"pool_bytes": 4 * 2**30, "crossover_n": 64},
+            {"pool_bytes": 8 * 2**30, "crossover_n": None}]
+    fig = crossover_vs_pool_figure(rows, swept=[8, 32], chosen_bytes=4 * 2**30, max_n=512)
+    assert isinstance(fig, go.Figure) and len(fig.data) == 1
+    assert list(fig.data[0].x) == [2.0, 4.0, 8.0] and list(fig.data[0].y) == [16, 64, 512]
+    assert list(fig.data[0].text) == ["", "", "beyond N=512"]
+    assert [s.type for s in fig.layout.shapes] == ["rect", "line"] and fig.layout.shapes[1].x0 == 4.0
+
+
 def test_a_launch_bound_rollout_takes_its_floor_per_step():
     config = tiers.plan_config("llama-tiny-random")  # tiny: every step far under the 2-layer floor
     s = roofline.estimated_rollout_seconds(config, prompt_lens=[4], running=[3, 3, 1], context=6, dtype_bytes=2,
@@ -179,21 +192,21 @@ def test_the_trl_step_04_builds_generates_prompts_times_n(tier, monkeypatch, tmp
     exec(cells[params].source, ns)
     exec(config_cell.source, ns)
     config = ns["config"]
-    args = trl_grpo_config(dataclasses.replace(config, max_steps=1), str(tmp_path), **notebook.trl_step_overrides(env))
+    args = trl_grpo_config(dataclasses.replace(config, max_steps=1), str(tmp_path), **trl_step.trl_step_overrides(env))
     prompts, n = env.sizes.prompts, env.sizes.n
     # TRL's own count of what it generates per step, and the micro-batches it trains in.
     assert args.generation_batch_size == prompts * n
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == prompts * n
-    line = notebook.trl_step_sizes(args, prompts=prompts, num_generations=n, completion_len=env.sizes.max_new_tokens,
+    line = trl_step.trl_step_sizes(args, prompts=prompts, num_generations=n, completion_len=env.sizes.max_new_tokens,
                                    vocab_size=model.config.vocab_size, logits_budget_bytes=env.logits_budget_bytes)
     assert f"{prompts * n} completions" in line
     # Checkpointing off under the name the installed transformers reads (5.17 has no activation_checkpointing).
     assert args.gradient_checkpointing is False and getattr(args, "activation_checkpointing", False) is False
     # The notebook's old override asked for prompts x N per micro-batch: 16x the batch on a GPU tier.
     old = trl_grpo_config(dataclasses.replace(config, max_steps=1), str(tmp_path),
-                          per_device_train_batch_size=prompts * n, **notebook.trl_step_overrides(env))
+                          per_device_train_batch_size=prompts * n, **trl_step.trl_step_overrides(env))
     with pytest.raises(ValueError, match="not prompts x N"):
-        notebook.trl_step_sizes(old, prompts=prompts, num_generations=n, completion_len=env.sizes.max_new_tokens,
+        trl_step.trl_step_sizes(old, prompts=prompts, num_generations=n, completion_len=env.sizes.max_new_tokens,
                                 vocab_size=model.config.vocab_size, logits_budget_bytes=env.logits_budget_bytes)
 
 
@@ -249,7 +262,7 @@ def test_the_precision_rule_follows_the_dtypes_the_code_uses():
 def test_autocast_drift_is_measured_and_above_fp32_rounding():
     from cbkit.models.synthetic import tiny_model
 
-    line = notebook.autocast_drift(tiny_model(), list(range(1, 30)), "bfloat16")
+    line = fits.autocast_drift(tiny_model(), list(range(1, 30)), "bfloat16")
     biggest = float(line.split("by up to ")[1].split(" nats")[0])
     assert 1e-5 < biggest < 1.0  # bf16's 8 bits, far above fp32's ~1e-7, far below a broken forward
 

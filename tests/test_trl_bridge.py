@@ -632,3 +632,12 @@ def test_rloo_trainer_raises_on_a_failed_request(tmp_path, dataset, monkeypatch)
     monkeypatch.setattr(layer, "forward", broken)
     with pytest.raises(RuntimeError, match="injected failure|failed request"):
         tr._generate_single_turn(_prompt_ids(tok), None, {})
+
+
+def test_bridge_rollout_without_a_length_cap_says_what_to_set():
+    # TRL's configs allow max_completion_length=None; the bridge's engine call needs a number (None used to reach
+    # SamplingParams as a TypeError). The check comes before anything else the method reads from the trainer.
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="set max_completion_length"):
+        CBLogprobGRPOTrainer._cb_generate(SimpleNamespace(max_completion_length=None), [[1, 2]])

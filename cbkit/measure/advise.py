@@ -62,7 +62,7 @@ def _flag(text: str, default=None, *aliases: str):
 
 @dataclass
 class AdviseConfig:
-    """What `cbkit advise` is asked: every field is a flag (`cbkit.cli.dataclass_flags`). Only -N is required."""
+    """What `cbkit advise` is asked: every field is a flag (`cbkit.cli.flags.dataclass_flags`). Only -N is required."""
 
     num_generations: int = same_as("num_generations", aliases=("-N",))
     model: str = _flag("the model whose config is planned (no weights loaded): smollm2-offline, tiny, a hub id or a "
@@ -214,17 +214,17 @@ def recommend(
     if multimodal:
         reasons.append("multimodal inputs: transformers' CB engine takes token ids only (text only), so not "
                        "continuous; vLLM is the fast path for multimodal rollouts")
-        if gen_fits is False:
+        if memory is not None and gen_fits is False:
             reasons.append(f"generate() is predicted to need {fmt_bytes(memory.generate.peak_bytes)} of a "
                            f"{fmt_bytes(memory.budget_bytes)} budget: lower N or the prompts per step")
         return Advice("generate", reasons)
-    if gen_fits is False and cb_fits:
+    if memory is not None and gen_fits is False and cb_fits:
         return Advice("continuous", reasons + [
             f"memory: generate() is predicted to need {fmt_bytes(memory.generate.peak_bytes)} (KV for every row at "
             f"full length) and the budget is {fmt_bytes(memory.budget_bytes)}; CB's fixed pool fits "
             f"({fmt_bytes(memory.continuous.peak_bytes)}) and recycles blocks as sequences finish",
         ])
-    if gen_fits is False and cb_fits is False:
+    if memory is not None and gen_fits is False and cb_fits is False:
         lighter: Backend = "continuous" if memory.continuous.peak_bytes < memory.generate.peak_bytes else "generate"
         return Advice(lighter, reasons + [
             f"memory: neither backend is predicted to fit the {fmt_bytes(memory.budget_bytes)} budget "

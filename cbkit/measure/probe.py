@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from cbkit.telemetry import ModelShape
+
 # --- the limit beside the number: a matmul probe and MFU ----------------------------------------------------
 
 # Rows of the probe's [rows x hidden] @ [hidden x intermediate]: a decode step's MLP matmul at a few batch
@@ -31,12 +33,13 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
     It is the ceiling MFU is measured against: a run at MFU 0.3 did 30% of the matmul work this machine
     can do per second. The same code runs on CUDA; on a shared CPU the probe is only as quiet as the machine.
     """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden = cfg.hidden_size
-    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    shape = ModelShape.of(model.config)
+    hidden, inter = shape.hidden, shape.intermediate
     device, dtype = model.device, model.dtype
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best, per_rows, rounds_by_rows = 0.0, {}, {}
+    best = 0.0
+    per_rows: dict[str, float] = {}
+    rounds_by_rows: dict[str, list[float]] = {}
     for r in [r for _ in range(rounds) for r in rows]:
         a = torch.randn(r, hidden, device=device, dtype=dtype)
         b = torch.randn(hidden, inter, device=device, dtype=dtype)
@@ -57,7 +60,7 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
         rounds_by_rows.setdefault(str(r), []).append(flops)
         best = max(best, flops)
         del a, b
-    best_rows = max(per_rows, key=per_rows.get)
+    best_rows = max(per_rows, key=lambda rows_key: per_rows[rows_key])
     return {"peak_flops": best, "probe_flops_by_rows": per_rows, "probe_shape": [hidden, inter],
             "peak_flops_rounds": rounds_by_rows[best_rows], "peak_flops_spread": spread(rounds_by_rows[best_rows]),
             "probe_dtype": str(dtype).removeprefix("torch."), "probe_device": device.type}

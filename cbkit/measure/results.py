@@ -41,19 +41,8 @@ def read_results(path: str | Path, *, repair: bool = False) -> Results:
         raise ValueError(f"{path} is not a cbkit sweep results file (its first line is no header); use another "
                          "--out, or give the file `cbkit sweep` wrote.")
     return Results(path, lines[0].get("fingerprint", {}),
-                   [_current_names(x) for x in lines[1:] if x.get("kind") == "run"],
+                   [x for x in lines[1:] if x.get("kind") == "run"],
                    [x for x in lines[1:] if x.get("kind") == "probe"])
-
-
-# Run-line keys of older cbkit versions -> today's: one field per fact, and padding named by the slots it counts.
-RENAMED_KEYS = {"mean_completion_len": "length_mean", "max_completion_len": "length_max",
-                "padding_share": "kv_padding_share", "static_padding_share": "decode_padding_share"}
-
-
-def _current_names(run: dict[str, Any]) -> dict[str, Any]:
-    if not any(k in run for k in RENAMED_KEYS):
-        return run
-    return {RENAMED_KEYS.get(k, k): v for k, v in run.items() if k not in RENAMED_KEYS or RENAMED_KEYS[k] not in run}
 
 
 class ResultsFile:
@@ -121,7 +110,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
                     "old_logprob_roof_share", "update_roof_share", "rollout_roof_s", "old_logprob_roof_s",
                     "update_roof_s", "planned_rollout_peak_bytes",
-                    # the planned peak's terms (`sweep.plan_terms`)
+                    # the planned peak's terms (`plan_records.plan_terms`)
                     "plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes", "plan_heap_slack_bytes",
                     # the async row (`continuous-async`): what the trainer waited for, the rollout's own wall clock
                     "rollout_wait_s", "publish_wait_s", "rollout_wall_s", "rollout_wall_roof_share",

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cbkit.telemetry import ModelShape
+
 GiB = 1024**3
 
 
@@ -31,6 +33,12 @@ class Machine:
     bytes_per_s: float
     memory_bytes: int | None = None
     source: str = "probed"  # or "datasheet"
+
+    def total_memory(self) -> int:
+        """Device memory in bytes; a probed machine has none recorded."""
+        if self.memory_bytes is None:
+            raise ValueError(f"{self.name} has no device memory recorded; plans need a GPU from roofline.GPUS.")
+        return self.memory_bytes
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -52,25 +60,9 @@ GPUS: dict[str, Machine] = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The numbers of a model config a roofline needs."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def of(cls, config: Any) -> Shape:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size,
-                   getattr(config, "intermediate_size", None) or 4 * config.hidden_size, config.vocab_size)
+class Shape(ModelShape):
+    """The numbers of a model config a roofline needs (`cbkit.telemetry.ModelShape`, read there), and what they
+    cost a token."""
 
     @property
     def matmul_params(self) -> int:

@@ -290,7 +290,8 @@ def _load_offline(dtype: torch.dtype, cache_dir):
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
     _save_atomically(model, tok, cached)
-    return model.to(dtype), tok, "gguf"
+    # transformers wraps to() in functools.wraps(nn.Module.to), so mypy reads `self` as its first argument.
+    return model.to(dtype), tok, "gguf"  # type: ignore[arg-type]
 
 
 def _save_atomically(model, tok, target: Path) -> None:

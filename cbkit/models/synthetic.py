@@ -92,7 +92,8 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: i
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id)
-    return model.to(dtype)
+    # transformers wraps to() in functools.wraps(nn.Module.to), so mypy reads `self` as its first argument.
+    return model.to(dtype)  # type: ignore[arg-type]
 
 
 # --- Llama-3.2-1B's shape with random weights -------------------------------------------------------------------

@@ -17,16 +17,12 @@ def make_backend(
     pad_token_id: int | None = None,
     record_timestamps: bool = False,
     persistent: bool = False,
-    cpu_attention: str = "batched",
-    engine_loop: str = "auto",
 ) -> RolloutBackend:
-    """Build a backend by name; the one place that maps names to classes. `engine_loop` ("auto", "caller" or
-    "thread") says who runs the CB engine's loop (`cbkit.rollout.engine`)."""
+    """Build a backend by name; the one place that maps names to classes."""
     if name == GenerateBackend.name:
         return GenerateBackend(model, pad_token_id=pad_token_id)
     if name == ContinuousBackend.name:
-        return ContinuousBackend(model, cb_config, record_timestamps=record_timestamps, persistent=persistent,
-                                 cpu_attention=cpu_attention, engine_loop=engine_loop)
+        return ContinuousBackend(model, cb_config, record_timestamps=record_timestamps, persistent=persistent)
     raise ValueError(f"Unknown backend {name!r}; choose from {sorted(BACKENDS)}.")
 
 

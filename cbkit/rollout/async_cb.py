@@ -52,13 +52,17 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, compute_stream, resolved_config, timeline, to_completions
+from cbkit.rollout.engine import Engine
+from cbkit.rollout.engine_io import compute_stream, resolved_config, timeline, to_completions
 from cbkit.telemetry import PeakMemory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -84,8 +88,8 @@ class AsyncEngine:
 
     name = "continuous-async"
 
-    def __init__(self, model: torch.nn.Module, cb_config: Mapping[str, Any] | None = None, *,
-                 cpu_attention: str = "batched", record_timestamps: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, cb_config: Mapping[str, Any] | None = None, *,
+                 record_timestamps: bool = True) -> None:
         if cb_config and cb_config.get("allow_block_sharing"):
             raise ValueError("allow_block_sharing=True with async rollouts: a request admitted after an update "
                              "would read prompt KV computed with older weights. Remove it from the continuous "
@@ -95,7 +99,7 @@ class AsyncEngine:
         self._pairs = [(self.snapshot.get_parameter(n), p) for n, p in model.named_parameters()]
         # transformers' thread runs the loop: the trainer trains while it decodes. Bad keys fail now.
         self.engine = Engine(self.snapshot, {**dict(cb_config or {}), "allow_block_sharing": False},
-                             cpu_attention=cpu_attention, engine_loop="thread", record_timestamps=record_timestamps)
+                             engine_loop="thread", record_timestamps=record_timestamps)
         self.version = 0
         self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
         self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)
@@ -189,7 +193,7 @@ class AsyncEngine:
             timeline=timeline(outputs, completions, pending.submitted_at, resolved,
                               swaps=[s for s in self.swaps if s[0] >= pending.submitted_at])
             if self.engine.record_timestamps else None,
-        ).validate()
+        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
@@ -260,12 +264,12 @@ class AsyncEngine:
         with self._lock, torch.no_grad():
             engine = compute_stream(self.engine.manager)
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None
-            if copier is not None:
+            if engine is not None and copier is not None:  # both, or neither
                 copier.wait_stream(engine)
             try:
                 yield
             finally:  # a failed write too: whatever it enqueued lands before the next forward
-                if copier is not None:
+                if engine is not None and copier is not None:
                     engine.wait_stream(copier)
                 elif self.snapshot.device.type == "cuda":
                     torch.cuda.current_stream(self.snapshot.device).synchronize()

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbkit.rollout.base import Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, timeline, to_completions
+from cbkit.rollout.engine import Engine
+from cbkit.rollout.engine_io import timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 __all__ = ["ContinuousBackend"]
@@ -44,14 +45,11 @@ class ContinuousBackend:
         *,
         record_timestamps: bool = False,
         persistent: bool = False,
-        cpu_attention: str = "batched",
-        engine_loop: str = "auto",
     ) -> None:
         # persistent: keep the engine's cache and buffers between calls (a GRPO step each) instead of building them
         # anew; its loop still stops after every call and the model's attention is restored, so training forwards
-        # in between are plain causal forwards. engine_loop: who runs the loop ("auto": the caller's thread on CPU).
-        self.engine = Engine(model, cb_config, persistent=persistent, cpu_attention=cpu_attention,
-                             engine_loop=engine_loop, record_timestamps=record_timestamps)
+        # in between are plain causal forwards.
+        self.engine = Engine(model, cb_config, persistent=persistent, record_timestamps=record_timestamps)
         self.model = model
 
     def close(self) -> None:
@@ -88,4 +86,4 @@ class ContinuousBackend:
             peak_mem_kind=mem.kind,
             engine_config=resolved,
             timeline=timeline(outputs, completions, start, resolved) if self.engine.record_timestamps else None,
-        ).validate()
+        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)

@@ -15,9 +15,8 @@ attention is switched only while the engine runs and restored after it, so train
 Nearly every step of a rollout is decode-only -- one new query token per sequence -- so `varlen_attention`
 gathers the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
 call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) runs on its own.
-`per_sequence_attention` is the plain loop, one SDPA call per sequence: the reference to read and to test against.
-`cpu_attention=` ("batched", the default; "per_sequence"; "engine", the engine's own dense mask) chooses;
-docs/cpu_results.md has what each costs.
+The plain loop, one SDPA call per sequence, is the tests' reference (tests/reference_attention.py); what each
+costs against the engine's dense mask is in docs/cpu_results.md, measured by lab/cpu_attention_ab.py.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def varlen_attention(module, query, key, value, attention_mask=None, scaling=Non
     """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None).
 
     Decoding sequences (one query token each) with the same number of keys go through one SDPA call; sequences
-    that prefill run one call each. `per_sequence_attention` below is the plain loop, kept to read and test against.
+    that prefill run one call each. tests/reference_attention.py has the plain loop it is tested against.
     """
     cu_q = _boundaries(kwargs["cu_seq_lens_q"], module).tolist()
     cu_k = _boundaries(kwargs["cu_seq_lens_k"], module).tolist()
@@ -53,20 +52,6 @@ def varlen_attention(module, query, key, value, attention_mask=None, scaling=Non
     for group in decode:
         out[:, :, group.q_pos] = _batched_decode(query, key, value, group, scaling)
     for i in prefill:
-        _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def per_sequence_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    """The same result as `varlen_attention`, one SDPA call per sequence: the "before" of the decode batching.
-
-    At 64 decoding sequences and 30 layers that is 1920 small calls per generated token of every sequence,
-    each paying the dispatcher and the kernel's set-up for a [9 x L] product.
-    """
-    cu_q = _boundaries(kwargs["cu_seq_lens_q"], module).tolist()
-    cu_k = _boundaries(kwargs["cu_seq_lens_k"], module).tolist()
-    out = torch.empty_like(query)
-    for i in range(len(cu_q) - 1):
         _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -135,7 +120,7 @@ def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Te
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
     rows, k_len = group.rows, group.k_len
     q = query[0, :, group.q_pos].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
-    if group.k_index is None:  # back to back: the packed keys already are the grid
+    if group.k_start is not None:  # back to back: the packed keys already are the grid (k_index is None)
         span = slice(group.k_start, group.k_start + rows * k_len)
         k, v = key[0, :, span], value[0, :, span]
     else:
@@ -169,28 +154,21 @@ def varlen_unsupported_reason(model) -> str | None:
     return None
 
 
-# What `ContinuousBackend(cpu_attention=...)` and `cbkit sweep --cpu-attention` choose from on CPU; "engine" is
-# the engine's own dense-mask SDPA, "per_sequence" the reference loop.
-CPU_ATTENTION = ("batched", "per_sequence", "engine")
-
-
-def register(kind: str = "batched") -> str:
+def register() -> str:
     from transformers import AttentionInterface
 
-    # Looked up at call time through the module, so a test can swap the function in.
-    fn = {"batched": lambda *a, **k: varlen_attention(*a, **k),
-          "per_sequence": lambda *a, **k: per_sequence_attention(*a, **k)}[kind]
-    AttentionInterface.register(NAME, fn)
+    # Looked up at call time through the module, so a test (or a lab A/B) can swap the function in.
+    AttentionInterface.register(NAME, lambda *a, **k: varlen_attention(*a, **k))
     return NAME
 
 
 @contextlib.contextmanager
-def varlen_attention_for_engine(model, kind: str = "batched"):
+def varlen_attention_for_engine(model):
     """Run the CB engine with cbkit's varlen attention; the model's own implementation is restored after."""
     original = model.config._attn_implementation
     # Set on the config directly: `set_attn_implementation` would take the "flash" in the name as a request
     # to import a flash-attn kernel. The attention layers look the function up by this name at every call.
-    model.config._attn_implementation = register(kind)
+    model.config._attn_implementation = register()
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": Fals
 # the unit a request allocates and a group's prompt is shared in: with the engine's 256, a GSM8K prompt is never
 # shared and every request holds 256 tokens from its first (docs/cpu_results.md has the RSS it costs).
 CPU_PAGE_SIZE = 32
-# Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: docs/small_n.md), transformers'
+# Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: lab/small_n.md), transformers'
 # background thread elsewhere.
 ENGINE_LOOPS = ("auto", "caller", "thread")
 # A pool fixed in blocks (`num_blocks`) is sized already; `max_memory_percent` then only gates the engine's admission
@@ -126,8 +126,8 @@ def make_cb_config(
             and page_size(values) % KERNEL_PAGE_MULTIPLE):
         values["max_blocks_per_request"] = 0
     mmp_default = CB_DEFAULTS["max_memory_percent"]
-    workload = workload_blocks(rows, max_new_tokens, page_size(values)) if rows and max_new_tokens else None
-    if cpu and workload and "num_blocks" not in overrides:
+    workload = cpu_pool_blocks(overrides, rows, max_new_tokens, page_size(values)) if cpu else None
+    if workload:
         # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
         if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
             warnings.warn(
@@ -149,6 +149,17 @@ def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_siz
     """Blocks for every request at full length at once, plus one spare (the engine reserves a trash block).
     Always the generation limit, never replayed targets: an engine cannot know a completion's length ahead."""
     return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
+
+
+def cpu_pool_blocks(overrides: Mapping[str, Any], rows: Sequence[Sequence[int]] | None, max_new_tokens: int | None,
+                    page: int) -> int | None:
+    """The CPU pool rule, in one place (`make_cb_config` and notebook 02's stock TRL step apply it): on a CPU a CB
+    pool holds every request at the generation limit at once (`workload_blocks`, pages of ``page`` tokens), unless
+    the caller's ``overrides`` set ``num_blocks`` (None included: the engine then sizes it from memory). None where
+    the rule does not decide: ``num_blocks`` set, or no workload given."""
+    if "num_blocks" in overrides or not rows or not max_new_tokens:
+        return None
+    return workload_blocks(rows, max_new_tokens, page)
 
 
 def _has_field(name: str) -> bool:
@@ -198,6 +209,6 @@ def page_size(config) -> int:
 
     get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
     for key in ("page_size", "block_size"):
-        if get(key):
-            return int(get(key))
+        if value := get(key):
+            return int(value)
     return int(getattr(ContinuousBatchingConfig(), _page_key()))

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from cbkit.rollout.engine import watch_batches
+from cbkit.rollout.engine_io import watch_batches
 
 __all__ = ["BlockReuse", "EngineStep", "EngineTrace", "ScheduledRequest", "record_engine_steps"]
 

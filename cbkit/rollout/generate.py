@@ -95,15 +95,15 @@ class GenerateBackend:
         logprobs = recorder.finish(new_tokens)  # [rows, steps]
 
         completions = []
-        new_tokens, logprobs = new_tokens.tolist(), logprobs.tolist()
+        token_rows, logprob_rows = new_tokens.tolist(), logprobs.tolist()
         for i, row in enumerate(rows):
-            keep, reason = cut_completion(new_tokens[i], sampling, targets[i] if targets else None)
+            keep, reason = cut_completion(token_rows[i], sampling, targets[i] if targets else None)
             completions.append(
                 Completion(
                     group=i // num_generations,
                     prompt_ids=tuple(row),
-                    completion_ids=tuple(new_tokens[i][:keep]),
-                    sampling_logprobs=tuple(logprobs[i][:keep]),
+                    completion_ids=tuple(token_rows[i][:keep]),
+                    sampling_logprobs=tuple(logprob_rows[i][:keep]),
                     finish_reason=reason,
                 )
             )
@@ -115,8 +115,8 @@ class GenerateBackend:
             peak_mem_bytes=mem.peak_bytes,
             peak_mem_kind=mem.kind,
             engine_config={"batch_rows": len(rows), "padded_prompt_len": int(input_ids.shape[1]),
-                           "steps": len(new_tokens[0]) if new_tokens else 0},
-        ).validate()
+                           "steps": len(token_rows[0]) if token_rows else 0},
+        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
 
 
 class _LogprobRecorder(LogitsProcessor):

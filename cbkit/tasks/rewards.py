@@ -250,6 +250,8 @@ def resolve_rewards(
     if callable(reward_funcs) or isinstance(reward_funcs, str):
         reward_funcs = [reward_funcs]
     builtin: set[str] = set()
+    # A str value is a reward model's id, kept for TRL (names_are_builtin=False).
+    funcs: dict[str, RewardFn | str]
     if isinstance(reward_funcs, Mapping):
         funcs = dict(reward_funcs)
     else:
@@ -274,9 +276,9 @@ def resolve_rewards(
     if isinstance(reward_weights, Mapping):
         if not isinstance(reward_funcs, Mapping) and not all(isinstance(f, str) for f in reward_funcs):
             raise ValueError("reward_weights given by name needs reward_funcs given by name (a dict name -> fn).")
-        unknown = set(reward_weights) - set(funcs)
-        if unknown:
-            raise ValueError(f"reward_weights for unknown rewards {sorted(unknown)}; known: {sorted(funcs)}")
+        unknown_weights = set(reward_weights) - set(funcs)
+        if unknown_weights:
+            raise ValueError(f"reward_weights for unknown rewards {sorted(unknown_weights)}; known: {sorted(funcs)}")
         return funcs, [float(reward_weights.get(n, 1.0)) for n in funcs]
     weights = [float(w) for w in reward_weights]
     if len(weights) != len(funcs):

@@ -24,7 +24,7 @@ from cbkit.train.setup import set_up_run
 
 @dataclass
 class DemoConfig:
-    """What `cbkit demo` runs: every field is a flag (`cbkit.cli.dataclass_flags`), the ones the training run also has
+    """What `cbkit demo` runs: every field is a flag (`cbkit.cli.flags.dataclass_flags`), the ones the training run also has
     with `CBGRPOConfig`'s help."""
 
     model: str = same_as("model", default=DEFAULT_MODEL)

@@ -71,8 +71,7 @@ def runs_findings(records: Mapping[str, Sequence[StepRecord]]) -> str:
     differ in length compare fairly) and memory against each other run's. A run's first step is its warm-up
     (the engine's first call builds its cache and kernels) and is left out of the speed when there are more."""
     def mean(recs: Sequence[StepRecord], key: str) -> float:
-        vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
-                and r.metrics[key] == r.metrics[key]]
+        vals = [v for r in recs if isinstance(v := r.metrics.get(key), int | float) and v == v]
         return sum(vals) / len(vals) if vals else float("nan")
 
     lines = []
@@ -127,8 +126,8 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
     """What one CB rollout's timeline shows, in sentences: the pool against the blocks in use, how many
     requests were admitted only after another had finished (recycling), and how long requests sat admitted
     before their first token (the hatched part of their bars)."""
+    from cbkit.teach.figures_engine import first_token_waits
     from cbkit.telemetry import occupancy as compute_occupancy
-    from cbkit.viz.figures import first_token_waits
 
     occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
     requests = timeline["requests"]
@@ -160,7 +159,7 @@ def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] 
         lines.append(f"All {len(requests)} requests were admitted before the first one finished: none waited for "
                      "another's blocks.")
     if long:
-        worst = max(long, key=long.get)
+        worst = max(long, key=lambda i: long[i])
         lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "
                      f"their first token, the longest {long[worst]:.1f} s (request {worst}): admitted, but "
                      "waiting for a slot in the batch.")

@@ -36,14 +36,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cbkit.teach.tiers import GPU_MODEL, GPU_TIERS, LOGITS_BUDGET_BYTES, Sizes, plan_notebook, sizes_for
-from cbkit.train.hooks import StepHooks, StepRecord
 from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
 PROFILE_ENV = "CBKIT_PROFILE"
@@ -55,24 +54,7 @@ CPU_MODEL = "smollm2-offline"
 NO_GPU_HELP = ("On Colab: Runtime > Change runtime type > T4 GPU (or A100), then Runtime > Run all. Elsewhere: a "
                "machine with a CUDA GPU and a CUDA build of torch.")
 
-__all__ = [
-    "NotebookEnv",
-    "RolloutRecorder",
-    "compare_runs",
-    "completions_table",
-    "SHORT_ANSWER_PROMPT",
-    "check_fits",
-    "gpu_tier",
-    "rounded",
-    "weight_change",
-    "metrics_table",
-    "record_phenomena",
-    "setup",
-    "trl_step_overrides",
-    "trl_step_sizes",
-    "stock_trl_cb_rollout",
-    "update_with_and_without_is",
-]
+__all__ = ["NotebookEnv", "SHORT_ANSWER_PROMPT", "gpu_tier", "setup"]
 
 
 GiB = 2**30
@@ -121,7 +103,7 @@ class NotebookEnv:
         return LOGITS_BUDGET_BYTES[self.tier]
 
     @property
-    def forward_chunk_rows(self) -> int:
+    def forward_chunk_rows(self) -> int | None:
         """Completions per training forward (the loop's ``forward_chunk_rows``): on a CPU ``CPU_FORWARD_CHUNK_ROWS``,
         so that a laptop holds one small chunk's fp32 activations at a time; on a GPU (or a tier's dry run) the
         config's default."""
@@ -143,9 +125,8 @@ class NotebookEnv:
         """TRL's ``gradient_accumulation_steps`` for a step of ``rows`` completions. TRL's chunk of rows is its
         micro-batch, so on a CPU it is this notebook's forward chunk (``forward_chunk_rows``) where that divides the
         step; elsewhere the config's ``gradient_accumulation_steps``."""
-        chunk = self.forward_chunk_rows
-        if self.device == "cpu" and not self.dry_run and rows % chunk == 0:
-            return max(gradient_accumulation_steps, rows // chunk)
+        if self.device == "cpu" and not self.dry_run and rows % CPU_FORWARD_CHUNK_ROWS == 0:
+            return max(gradient_accumulation_steps, rows // CPU_FORWARD_CHUNK_ROWS)
         return gradient_accumulation_steps
 
     def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
@@ -242,7 +223,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
     With ``notebook``, also its sizes for the tier, and the tier's plan, refused before model time if it does not
     fit. Bad input (an unknown profile or tier, a GPU tier without a GPU) fails here, saying what to change."""
     from cbkit.models.load import native_bf16
-    from cbkit.train.grpo import seed_everything
+    from cbkit.train.order import seed_everything
 
     profile = resolve_profile(profile)
     forced = resolve_tier()
@@ -351,101 +332,6 @@ def _local_data() -> str:
     return "gsm8k-local:train" if any(p.is_file() for p in gsm8k_local_candidates("train")) else "synthetic"
 
 
-# --- showing one step's metrics --------------------------------------------------------------------------------
-
-
-def metrics_table(metrics: Mapping[str, Any]):
-    """A step's namespaced metrics as a table (pandas DataFrame): namespace, metric, value; bytes as MiB."""
-    import pandas as pd
-
-    rows = []
-    for key in sorted(metrics, key=lambda k: (k.split("/")[0], k)):
-        namespace, _, name = key.partition("/")
-        value = metrics[key]
-        if key.endswith("_bytes") and isinstance(value, int | float):
-            name, value = name.removesuffix("_bytes") + " (MiB)", value / 2**20
-        rows.append({"namespace": namespace, "metric": name or namespace,
-                     "value": round(value, 6) if isinstance(value, float) else value})
-    return pd.DataFrame(rows).set_index(["namespace", "metric"])
-
-
-class RolloutRecorder(StepHooks):
-    """Keeps each step's rollout (``rollouts[-1]`` is the latest), to look at what the loop trained on."""
-
-    def __init__(self, keep: int = 1) -> None:
-        self.keep = keep
-        self.rollouts: list[Any] = []
-
-    def on_rollout_end(self, rollout: Any) -> None:
-        self.rollouts = (self.rollouts + [rollout])[-self.keep:]
-
-
-def completions_table(rollout: Any, tokenizer: Any, answers: Sequence[str], *, max_chars: int = 160):
-    """One row per completion: its group, how it ended, its length, the answer it gave, the gold answer and
-    each default reward; the text is cut to ``max_chars``. ``answers`` holds one gold answer per group."""
-    import pandas as pd
-
-    from cbkit.tasks.rewards import DEFAULT_REWARDS, extract_answer
-
-    if len(answers) != rollout.num_prompts:
-        raise ValueError(f"need one gold answer per prompt: {rollout.num_prompts} prompts, {len(answers)} answers.")
-    texts = [tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in rollout.completions]
-    golds = [answers[c.group] for c in rollout.completions]
-    rows = {
-        "group": [c.group for c in rollout.completions],
-        "finish": [c.finish_reason for c in rollout.completions],
-        "tokens": [len(c.completion_ids) for c in rollout.completions],
-        "answer given": [extract_answer(t) for t in texts],
-        "gold": golds,
-    }
-    for name, fn in DEFAULT_REWARDS.items():
-        rows[name] = fn(texts, golds)
-    rows["completion"] = [t if len(t) <= max_chars else t[: max_chars - 1] + "…" for t in texts]
-    return pd.DataFrame(rows)
-
-
-def compare_runs(records: Mapping[str, Sequence[StepRecord]], keys: Sequence[str] = (
-        "rollout/tokens_per_s", "rollout/seconds", "rollout/peak_mem_bytes", "train/seconds", "reward/mean",
-        "completion/mean_length", "logprob/max_abs_diff", "is/ratio_mean")):
-    """Per run (label -> its step records), the mean of each metric over its steps: one row per metric."""
-    import pandas as pd
-
-    table = {}
-    for label, recs in records.items():
-        col = {}
-        for key in keys:
-            vals = [r.metrics[key] for r in recs if isinstance(r.metrics.get(key), int | float)
-                    and r.metrics[key] == r.metrics[key]]
-            mean = sum(vals) / len(vals) if vals else float("nan")
-            col[key.replace("_bytes", " (MiB)") if key.endswith("_bytes") else key] = (
-                mean / 2**20 if key.endswith("_bytes") else mean)
-        table[label] = col
-    return pd.DataFrame(table)
-
-
-def weight_change(before: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, float]:
-    """How far an update moved the weights: the share of weight elements that changed at all, and the
-    relative norm of the change. ``before`` is a ``state_dict`` copy taken before the update."""
-    changed = total = 0
-    diff_sq = base_sq = 0.0
-    for name, after in model.state_dict().items():
-        if name not in before or not after.is_floating_point():
-            continue
-        old = before[name].to(after.device)
-        changed += int((after != old).sum())
-        total += after.numel()
-        diff_sq += float((after.double() - old.double()).pow(2).sum())
-        base_sq += float(old.double().pow(2).sum())
-    if not total:
-        raise ValueError("no floating-point weight in common between `before` and the model.")
-    return {"changed_share": changed / total, "relative_change": (diff_sq / base_sq) ** 0.5 if base_sq else 0.0}
-
-
-def rounded(values: Mapping[str, Any], digits: int = 4) -> dict[str, Any]:
-    """A metrics dict for printing: floats to ``digits`` significant digits, everything else as it is."""
-    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in values.items()}
-
-
 # A system prompt a 135M model can follow within a few dozen tokens: one worked example of the answer line.
 # Under cbkit's default prompt SmolLM2 rarely reaches "#### <number>" inside a CI-sized budget (32 tokens), so
 # every reward, advantage, loss and gradient would be zero and "one update" would change nothing. With the
@@ -454,248 +340,3 @@ SHORT_ANSWER_PROMPT = (
     "Answer with one short line of working, then the final line '#### <number>'.\n"
     "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
 )
-
-
-def check_fits(env: NotebookEnv, model: Any, *, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               max_new_tokens: int, gradient_accumulation_steps: int, backend: str = "continuous",
-               cb_config: Mapping[str, Any] | None = None, forward_chunk_rows: int | None = None) -> str:
-    """Before a training run: will this tier hold it, and what drift will the precision rule give? Runs the
-    planner (``cbkit.measure.planner.plan``) for the rollout, with the pool ``cb_config`` fixes, and adds what
-    training holds at once (``planner.training_bytes``: fp32 weights, gradients and AdamW's two moments, one
-    micro-batch's logits and activations, or one chunk's: ``forward_chunk_rows``, the config's). On a GPU or a tier's dry run, raises with what to change if the rollout
-    does not fit the free memory or training does not fit the device; returns the estimate as one line either way
-    (on a CPU nothing is refused: RAM is the limit, not a budget). Where the training forwards run under autocast,
-    it also measures on the first prompt how far autocast moves the logprobs from the fp32 weights' own: the drift
-    the IS ratios will show, on this model."""
-    from cbkit.measure.planner import plan, training_bytes
-
-    rows = len(prompt_ids) * num_generations
-    params = sum(p.numel() for p in model.parameters())
-    micro_rows = rows // gradient_accumulation_steps
-    forward_rows = micro_rows if forward_chunk_rows is None else min(forward_chunk_rows, micro_rows)
-    train = training_bytes(params, micro_batch_rows=micro_rows, tokens_per_row=max(map(len, prompt_ids)) +
-                           max_new_tokens, completion_len=max_new_tokens, config=model.config,
-                           autocast=env.autocast_dtype is not None, chunk_rows=forward_chunk_rows)
-    free = env.free_memory_bytes()
-    memory = plan(model.config, num_prompts=len(prompt_ids), num_generations=num_generations,
-                  prompt_len=[len(p) for p in prompt_ids], max_new_tokens=max_new_tokens,
-                  dtype_bytes=next(model.parameters()).element_size(), budget_bytes=free,
-                  device="cuda" if env.gpu or env.dry_run else "cpu", cb_config=cb_config)
-    rollout = memory.continuous if backend == "continuous" else memory.generate
-    line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB ({backend}), training "
-            f"{train['total'] / GiB:.2f} GiB (weights, gradients, AdamW: {train['optimizer_state'] / GiB:.2f}; "
-            f"logits of one forward of {forward_rows} rows: {train['logits'] / GiB:.2f}, budget "
-            f"{env.logits_budget_bytes / GiB:.0f}; its activations: {train['activations'] / GiB:.2f})")
-    if env.gpu or env.dry_run:
-        total = env.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
-        if rollout.fits is False:
-            raise MemoryError(f"{line}: the rollout does not fit the {free / GiB:.1f} GiB free on this GPU. "
-                              "Lower N, the prompts per step or max_completion_length.")
-        if train["total"] + rollout.peak_bytes > total:
-            raise MemoryError(f"{line}: training next to the rollout needs more than this GPU's {total / GiB:.1f} "
-                              "GiB. Lower N or the prompts per step, or raise gradient_accumulation_steps.")
-    if env.autocast_dtype:
-        line += "\n" + autocast_drift(model, prompt_ids[0], env.autocast_dtype)
-    return line
-
-
-def autocast_drift(model: Any, ids: Sequence[int], dtype: str) -> str:
-    """How far a forward under ``dtype`` autocast moves the next-token logprobs of ``ids`` from the fp32 weights'
-    own forward: measured, the part of the sampling-vs-old-logprob drift that the precision rule adds."""
-    x = torch.tensor([list(ids)], device=next(model.parameters()).device)
-    with torch.no_grad():
-        exact = torch.log_softmax(model(x).logits.float(), -1)
-        with torch.autocast(x.device.type, dtype=getattr(torch, dtype)):
-            mixed = torch.log_softmax(model(x).logits.float(), -1)
-    target = x[:, 1:, None]
-    diff = (exact[:, :-1].gather(-1, target) - mixed[:, :-1].gather(-1, target)).abs()
-    return (f"precision, measured on this model: {dtype} autocast moves the logprob of each of {diff.numel()} prompt "
-            f"tokens by up to {diff.max():.2e} nats (mean {diff.mean():.2e}) from the fp32 weights' own; the rollout "
-            "samples in fp32, so expect logprob/max_abs_diff of that order and IS ratios spread around 1 to match")
-
-
-# --- TRL's step, sized as the notebook's --------------------------------------------------------------------------
-
-
-def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
-    """The `GRPOConfig` overrides (TRL's names) of the notebooks' one TRL step. The batch is not among them: the
-    bridge turns ``prompts_per_step`` and ``gradient_accumulation_steps`` into TRL's ``per_device_train_batch_size``
-    (one micro-batch), so that TRL generates exactly prompts x N completions a step.
-
-    Checkpointing is off (TRL defaults it on) under the installed transformers' name for it: 5.17 has only
-    ``gradient_checkpointing``; later 5.x call it ``activation_checkpointing`` and warn on the old name."""
-    from transformers import TrainingArguments
-
-    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
-            "dataloader_pin_memory": env.gpu}
-
-
-def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_len: int, vocab_size: int,
-                   logits_budget_bytes: int) -> str:
-    """Checks a TRL config against the step it should run: its generation batch is prompts x N completions, and
-    each micro-batch's loss logits stay within the tier's budget. Raises with what to change; returns one line."""
-    from cbkit.train.batch import logits_bytes
-
-    world = getattr(args, "world_size", 1) or 1
-    generated = args.generation_batch_size
-    want = prompts * num_generations
-    if generated != want:
-        raise ValueError(f"TRL would generate {generated} completions a step (per_device_train_batch_size "
-                         f"{args.per_device_train_batch_size} x steps_per_generation {args.steps_per_generation} x "
-                         f"{world} processes), not prompts x N = {want}: drop per_device_train_batch_size from the "
-                         "overrides and let prompts_per_step set it.")
-    micro = logits_bytes(args.per_device_train_batch_size, completion_len, vocab_size)
-    if micro > logits_budget_bytes:
-        raise ValueError(f"TRL's micro-batch of {args.per_device_train_batch_size} completions needs "
-                         f"{micro / GiB:.2f} GiB of logits, over the {logits_budget_bytes / GiB:.0f} GiB budget: raise "
-                         "gradient_accumulation_steps (env.micro_batches chooses it).")
-    return (f"TRL generates {generated} completions a step ({prompts} prompts x N={num_generations}), trained in "
-            f"{args.steps_per_generation} micro-batches of {args.per_device_train_batch_size} ({micro / GiB:.2f} GiB "
-            f"of logits each, budget {logits_budget_bytes / GiB:.0f})")
-# --- what the notebooks' text relies on, recorded for the guards -----------------------------------------------
-# A notebook's text says "the static batch pads", "blocks are recycled", "CB is ahead at the largest N". Those are
-# measured at CI size every time CI runs the notebooks, and tests/test_notebooks.py (the phenomenon guards) reads
-# them back from the executed notebook: when a change of sizes, engine or model makes one disappear, the guard
-# fails and names it, instead of the text quietly describing something the run no longer shows.
-
-PHENOMENA_MIME = "application/vnd.cbkit.phenomena+json"
-
-
-def record_phenomena(**values: float | int | bool | str) -> None:
-    """Display the measured numbers a notebook's text relies on as one output: JSON the guards read
-    (``PHENOMENA_MIME``) and a line a reader sees. Numbers only as measured, never thresholds: those are the
-    guards'."""
-    import json
-    import math
-
-    from IPython.display import display
-
-    clean = {}
-    for key, value in values.items():
-        if isinstance(value, torch.Tensor):
-            value = value.item()
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"record_phenomena: {key} is {value}; a phenomenon needs a measured number.")
-        clean[key] = value
-    text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in clean.items())
-    display({PHENOMENA_MIME: json.loads(json.dumps(clean)), "text/plain": f"recorded for the checks: {text}"},
-            raw=True)
-
-
-# --- 02: what the IS correction does to the update itself -----------------------------------------------------
-
-
-def update_with_and_without_is(trainer: Any, prepared: Any) -> dict[str, float]:
-    """How the IS weights change the update on one rollout: the gradient of the weighted log-likelihood of its
-    completions, sum_i w_i sum_t log pi(y_it) over the loss's tokens, computed with the rollout's IS weights
-    (``prepared.is_weights``, a ``Prepared`` from ``GRPOTrainer.prepare`` on a rollout with sampling logprobs)
-    and with every weight 1 (the logprobs dropped). These are the terms the IS weights act on in GRPO's policy
-    gradient, before the advantages scale them, so the comparison needs no reward spread: a CI-sized rollout of a
-    135M model, whose rewards are often all 0, still shows it. Returns the two gradients' cosine, their norms and
-    the norm ratio (without / with); forwarded in the trainer's micro-batches and chunks (`forward_chunk_rows`) as
-    its own updates are, and the model's gradients are left cleared (no optimizer step)."""
-    from cbkit.train.batch import completion_logits
-    from cbkit.train.objective import policy_logprobs
-
-    if prepared.is_weights is None:
-        raise ValueError("update_with_and_without_is needs IS weights: prepare a rollout that kept its sampling "
-                         "logprobs, with importance_sampling_correction on.")
-    model, batch, mask = trainer.model, prepared.batch, prepared.loss_mask
-    ga, chunk = trainer.config.gradient_accumulation_steps, trainer.config.forward_chunk_rows
-    size = max(1, len(batch) // ga)
-    size = min(size, chunk) if chunk else size  # a chunk's backward at a time: 02 at CPU size held 32 rows' at once
-
-    def grad(weighted: bool) -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        for start in range(0, len(batch), size):
-            mb = batch.rows(start, min(start + size, len(batch)))
-            t = mb.completion_width
-            logps = policy_logprobs(completion_logits(model, mb, trainer.autocast_dtype), mb.completion_ids,
-                                    trainer.config.temperature)
-            rows = slice(start, start + len(mb))
-            w = prepared.is_weights[rows, :t] if weighted else 1.0
-            (-(logps * w * mask[rows, :t]).sum() / mask.sum()).backward()
-        flat = torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
-        model.zero_grad(set_to_none=True)
-        return flat
-
-    with_is, without = grad(True), grad(False)
-    # Dot products in float64, a slice at a time: two float64 copies of a 135M model's gradient would be 2 GB.
-    dot = n_with = n_without = 0.0
-    for i in range(0, len(with_is), 1 << 22):
-        a, b = with_is[i:i + (1 << 22)].double(), without[i:i + (1 << 22)].double()
-        dot, n_with, n_without = dot + float(a @ b), n_with + float(a @ a), n_without + float(b @ b)
-    n_with, n_without = n_with ** 0.5, n_without ** 0.5
-    from cbkit.telemetry import release_memory
-
-    with_is = without = a = b = None
-    release_memory()  # the two flat gradients (a copy of the model each) and the forwards' heap
-    if n_with == 0 or n_without == 0:
-        raise ValueError("a gradient is zero: every IS weight is 0 (all completions masked?), so there is nothing "
-                         "to compare; widen the band (clip_max) or use a rollout closer to the policy.")
-    return {"cosine": dot / (n_with * n_without), "norm_with_is": n_with, "norm_without_is": n_without,
-            "norm_ratio": n_without / n_with}
-
-
-def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
-                         **overrides: Any) -> dict[str, Any]:
-    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path (not cbkit's
-    ``CBLogprobGRPOTrainer``), recording what its rollout returned: the completions and the logprobs, which that
-    path sets to None (``_generate_single_turn`` in TRL's grpo_trainer.py). Runs on a copy of ``model``, so the
-    caller's weights do not move. Returns the completions' count, the logprobs as TRL got them, and the step's
-    logged ``sampling/*`` metrics (TRL's importance-sampling diagnostics: absent when it had nothing to correct
-    with)."""
-    import copy
-
-    from trl import GRPOTrainer as StockGRPOTrainer
-
-    from cbkit.trl.config import trl_grpo_config
-    from cbkit.trl.rewards import _trl_rewards, _weights_for
-    from cbkit.trl.trainers import plain_forward
-
-    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
-    args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
-    cb = args.transformers_continuous_batching_config
-    if model.device.type == "cpu" and cb is not None and "num_blocks" not in cb:
-        # Stock TRL hands the engine max_memory_percent, which on a CPU is a share of host RAM: 12 GB of zeroed KV
-        # on a 24 GB machine (02 at CPU size peaked at 16.1 GiB for it; docs/memory.md). The pool cbkit's own CPU
-        # engine gets instead: every completion of the step at its longest prompt and the completion limit.
-        from cbkit.rollout.engine_config import page_size, workload_blocks
-
-        longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                                        return_dict=True)["input_ids"])
-                      if isinstance(row["prompt"], list) else len(tokenizer(row["prompt"])["input_ids"])
-                      for row in dataset)
-        rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
-        args.transformers_continuous_batching_config = {
-            **cb, "num_blocks": workload_blocks(rows, args.max_completion_length, page_size(cb))}
-    if not args.use_transformers_continuous_batching:
-        raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
-                         "use_transformers_continuous_batching=True.")
-    trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
-                               processing_class=tokenizer)
-    seen: dict[str, Any] = {}
-    generate = trainer._generate_single_turn
-
-    def recording(*a: Any, **k: Any):
-        # TRL's own CB generation, minus accelerate's mixed-precision wrapper around the forward (bf16=True where bf16
-        # is native), which would call .float() on the engine's PagedAttentionCache; training keeps the wrapper.
-        with plain_forward(trainer.model):
-            completion_ids, logprobs = generate(*a, **k)
-        seen.update(completions=len(completion_ids), logprobs=logprobs,
-                    tokens=sum(len(c) for c in completion_ids))
-        return completion_ids, logprobs
-
-    trainer._generate_single_turn = recording
-    trainer.train()
-    logs = trainer.state.log_history[0] if trainer.state.log_history else {}
-    seen["sampling_metrics"] = {k: v for k, v in logs.items() if k.startswith("sampling/")}
-    seen["trainer"] = type(trainer).__module__ + "." + type(trainer).__name__
-    # The trainer and its copy of the model, freed with the heap they used (nothing here holds them any longer).
-    trainer = generate = recording = None
-    from cbkit.telemetry import release_memory
-
-    release_memory()
-    return seen

@@ -26,6 +26,7 @@ from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepHooks, StepRecord
 from cbkit.train.offpolicy import LaggedRollouts, versioned_logprobs
+from cbkit.train.setup import set_up_for_config
 from cbkit.train.snapshots import WeightSnapshots
 
 
@@ -90,12 +91,14 @@ def train_runs(policy, initial: Mapping[str, torch.Tensor] | WeightSnapshots, ba
         _put_back(policy.model, initial)
         rec = Recorder()
         rec.config = dataclasses.replace(base, **fields)
-        trainer = GRPOTrainer(rec.config, policy=policy, hooks=[rec],
-                              reward_funcs=reward_funcs)
-        if trainer.offpolicy is None and not fields.get("async_rollouts"):
+        run, backend, rollouts = set_up_for_config(rec.config, policy=policy), None, None
+        if not (rec.config.rollout_staleness or rec.config.async_rollouts):
             # Staleness 0 through the snapshot machinery, so it logs offpolicy/* like the others; the same run as
             # the plain loop to float noise (tests/test_offpolicy.py checks it).
-            trainer.offpolicy = LaggedRollouts(trainer, 0)
+            backend = run.backend(rec.config.backend, warm_up=False, cb_config=rec.config.cb_overrides())
+            rollouts = LaggedRollouts(run.model, backend, 0, rec.config.rollout_snapshots)
+        trainer = GRPOTrainer(rec.config, run, backend=backend, rollouts=rollouts, hooks=[rec],
+                              reward_funcs=reward_funcs)
         trainer.train()
         if keeps(name):
             rec.final = WeightSnapshots(1, place)

@@ -1,7 +1,7 @@
 """KV slot recycling as a model with knobs: what a static batch and a paged pool hold, step by step, for the
 same completion lengths.
 
-The engine timeline (`cbkit.viz.figures.timeline_figure`) shows what one real rollout did. This model lets a reader
+The engine timeline (`cbkit.teach.figures_engine.timeline_figure`) shows what one real rollout did. This model lets a reader
 turn the knobs that decide whether continuous batching pays, N and the spread of completion lengths, and
 redraw in milliseconds. It is a model, and says so on its chart: time is counted in decode steps (one token
 per running sequence per step) and a sequence's prompt is filled in the step it is admitted. What it keeps

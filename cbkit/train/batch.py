@@ -24,11 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from cbkit.rollout.base import Completion
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -142,3 +146,30 @@ def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_by
             "shorten max_completion_length or raise the budget.")
     return next(k for k in range(1, rows + 1) if rows % k == 0 and logits_bytes(rows // k, completion_len,
                                                                                     vocab_size) <= budget_bytes)
+
+
+def longest_first_chunks(start: int, stop: int, rows: int | None, attention_mask: Tensor) -> list[Tensor]:
+    """Rows [start, stop) longest first (real length: prompt + completion tokens, ``attention_mask``), cut into
+    chunks of at most `rows` (None: one chunk); the last may be shorter. A chunk is trimmed to its longest row
+    (`Batch.take`), so rows of about one length pad little where chunks in rollout order pad each to its longest
+    row (docs/measuring.md, "The update against its roof"). Longest first, so each later chunk's tensors fit in the
+    memory the widest one freed. The sort is stable: a rerun forms the same chunks, and the loss is the same sum in
+    another order."""
+    order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)
+    step = stop - start if rows is None else rows
+    return [order[i : i + step] for i in range(0, stop - start, step)]
+
+
+def check_causal_forward(model: PreTrainedModel, attn_implementation: str) -> None:
+    """Refuse a training forward while the model's attention is not the one training began with, or while a CB
+    engine runs on it: a plain forward in that state can run without a causal mask (transformers issue #48296)."""
+    from cbkit.rollout.engine import engine_is_idle
+
+    impl = model.config._attn_implementation
+    if impl != attn_implementation or not engine_is_idle(model):
+        raise RuntimeError(
+            f"The model's attention is {impl!r} (it was {attn_implementation!r} when training began) or a "
+            "continuous batching engine is still running on it. A plain forward in that state can run without "
+            "a causal mask (transformers issue #48296), so the loss would be silently wrong. Stop the CB "
+            "manager (which restores the attention implementation) before a training forward."
+        )

@@ -146,3 +146,30 @@ def load_checkpoint(
     # RNG states hold python tuples and numpy arrays, which weights_only refuses; the file is our own.
     rng = torch.load(path / "rng.pt", weights_only=False)
     return json.loads((path / "trainer_state.json").read_text()), rng
+
+
+def refuse_to_overwrite(output_dir: Path | None, metrics_file: str) -> None:
+    """Refuse to start a fresh run in a folder that already holds one (its checkpoints or a non-empty metrics file)."""
+    if output_dir is None:
+        return
+    metrics = output_dir / metrics_file
+    if checkpoints(output_dir) or (metrics.exists() and metrics.stat().st_size > 0):
+        raise FileExistsError(
+            f"{output_dir} already holds a run (checkpoints or {metrics_file}). Resume it with resume_from=True "
+            "(cbkit train --resume), or choose an empty output_dir."
+        )
+
+
+def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | bool) -> Path:
+    """The checkpoint to resume from: `resume_from` itself, or (True) the newest in `output_dir`."""
+    if resume_from is False:
+        raise ValueError("resume_from=False names no checkpoint: pass a checkpoint directory, or True for the newest "
+                         "in output_dir (leave it None not to resume).")
+    if resume_from is not True:
+        return Path(resume_from)
+    if output_dir is None:
+        raise ValueError("resume_from=True looks in config.output_dir, which is not set.")
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        raise FileNotFoundError(f"No checkpoint-<step> directory in {output_dir} to resume from.")
+    return path

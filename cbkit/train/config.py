@@ -24,6 +24,7 @@ from typing import Any
 
 from cbkit.models.load import training_precision
 from cbkit.tasks.data import SYSTEM_PROMPT
+from cbkit.train.field_types import check_field_types
 from cbkit.train.objective import IS_MODES, LOSS_TYPES
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -197,6 +198,7 @@ class CBGRPOConfig:
                                       default=4)
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # first: every check below compares values of the declared types
         self.use_transformers_continuous_batching = continuous_batching_flag(self.use_transformers_paged,
                                                                              self.use_transformers_continuous_batching)
         self.use_transformers_paged = None  # forwarded: a round trip does not warn again

@@ -4,11 +4,15 @@ Read `GRPOTrainer.step` first: it is the whole algorithm, one stage per line, an
 can call on its own (the tests do). The maths lives in `cbkit.train.objective` (checked against TRL 1.16's own code);
 this file only moves data between the stages and makes them observable through `cbkit.train.hooks`.
 
+Set-up happens once, before the trainer: `cbkit.train.setup.set_up_run` loads the policy and problems and builds
+the chat prompt ids, stop and pad ids; `GRPOTrainer(config, run)` takes that, or calls it once itself.
+
 What one step does
 ------------------
 1. take `prompts_per_step` prompts (a seeded order, reshuffled each epoch; the position is checkpointed);
-2. roll out N completions per prompt through any `RolloutBackend` (transformers' CB engine by default), each
-   with its *sampling logprobs*; the rollout is validated where it enters;
+2. roll out N completions per prompt, each with its *sampling logprobs*, from the run's rollout source
+   (`cbkit.train.rollouts`: on-policy through any `RolloutBackend`, transformers' CB engine by default; or lagged,
+   or async, `cbkit.train.offpolicy`); the rollout is validated once, where it enters;
 3. score every completion with each reward function and sum them with their weights;
 4. turn rewards into group-relative advantages (GRPO: group mean and std; RLOO: leave-one-out);
 5. teacher-force the completions through the policy *before any update* ("old" logprobs). That forward also
@@ -22,51 +26,27 @@ What one step does
 Policy logprobs divide the logits by the sampling temperature, as TRL's do: the ratio compares the policy with
 itself at the temperature it was sampled at.
 
-Top-p / top-k: a decision
--------------------------
-With `top_p < 1` or `top_k > 0` the sampler draws from a *truncated* distribution, while TRL's trainer recomputes
-logprobs from temperature only. Comparing the two, as TRL does, makes every IS ratio smaller than 1 by the mass
-the truncation removed: not a kernel mismatch but a different distribution. Per token that quietly rescales
-the learning rate; per sequence (TRL's default mode) the product over a long completion falls toward 0, and
-`logprob/*` reports a large "mismatch" on a correct engine.
-
-cbkit computes the IS reference, and the `logprob/*` metrics, under the *same processed distribution* the
-sampler used (`objective.replayed_logprobs`: the run's temperature, top-k and top-p), so the ratio compares
-like with like and is ~1 on unchanged weights. A sampled token the trainer's recomputed nucleus leaves out (a
-rounding difference at the boundary is enough) is kept inside its own support rather than given -inf, which
-would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts
-them. The loss's policy ratio stays temperature-only, like TRL's: a truncated policy would give -inf to any token
-that leaves the nucleus after an update. What this does not do
-is correct for the truncation itself (tokens outside the nucleus are never sampled, no weight can fix that);
-`logprob/temperature_only_max_abs_diff` reports its size. The trainer warns once when truncation is on.
+Top-p and top-k: the IS reference is computed under the sampler's own truncated distribution, the loss's ratio
+at temperature only; `cbkit.train.objective` argues the decision. The trainer warns once when truncation is on.
 
 What this loop simplifies, relative to TRL's GRPOTrainer, and why
 -----------------------------------------------------------------
-* One process, one device. Scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`), not a second
-  distributed engine here.
-* One rollout per step, `num_iterations` updates per rollout. TRL's `steps_per_generation` /
-  `generation_batch_size` decouple these; fixing them keeps "step" meaning one thing.
-* Old logprobs are always recomputed (one no-grad forward), even when `num_iterations == 1` where TRL reuses
-  the detached current logprobs: the IS weights and `logprob/*` need them anyway, and the loop keeps one shape.
-* Constant learning rate, AdamW (`optim`: fused by default, as TRL's): no scheduler, no warmup. Runs here are tens
-  of steps.
-* Dropout stays off (the model is kept in eval mode), like TRL's `disable_dropout=True`: the ratio must compare
-  the same function, not two dropout masks.
-* The reference model (beta > 0) is a frozen copy of the policy as loaded; no `sync_ref_model`.
-* Text only, single turn, no tools; reward functions take `(completions, answers)` rather than TRL's kwargs.
-  A reward that raises or returns a non-finite value stops the run with its name and the completion; TRL turns
-  a None into NaN and the NaN into advantage 0.
-* Full fp32 logits per chunk of `forward_chunk_rows` completions (each chunk forwarded, scored and back-propagated
-  on its own, so the step's memory grows with the chunk, not with N; the rows taken longest first, so a chunk pads
-  only to rows of about its own length; no vocabulary-streaming or Liger LM head, no padding-free packing): fine for
-  the small models this kit trains on one machine;
-  `cbkit.train.batch.micro_batches_for` picks `gradient_accumulation_steps` for a logits budget (the notebooks' GPU
-  tiers do), or lower `max_completion_length`.
-* Precision: the weights that train are fp32 on every device; the config's `dtype` is the precision the training
-  forwards compute in, an autocast over those weights (`cbkit.models.load.training_precision`: 'auto' is bf16 where
-  the GPU has it natively, fp32 elsewhere; fp16 is refused, as this loop does no loss scaling). Plain bf16 weights
-  under AdamW would lose every update smaller than bf16's spacing, so a half-precision policy is refused. The rollout
-  samples from the same fp32 weights.
+* One process, one device. Scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`).
+* One rollout per step, `num_iterations` updates per rollout (TRL's `steps_per_generation` decouples them; fixing
+  them keeps "step" meaning one thing). Old logprobs are always recomputed (one no-grad forward), even when TRL
+  would reuse the detached current ones: the IS weights and `logprob/*` need them anyway.
+* Constant learning rate, AdamW (`optim`: fused by default, as TRL's): no scheduler, no warmup.
+* Dropout stays off (eval mode), like TRL's `disable_dropout=True`: the ratio must compare one function, not two
+  dropout masks. The reference model (beta > 0) is a frozen copy of the policy as loaded; no `sync_ref_model`.
+* Text only, single turn, no tools; reward functions take `(completions, answers)`. A reward that raises or
+  returns a non-finite value stops the run with its name and the completion (TRL turns it into advantage 0).
+* Full fp32 logits per chunk of `forward_chunk_rows` completions, each chunk forwarded, scored and back-propagated
+  on its own (memory grows with the chunk, not with N; rows longest first, `logprobs.chunked_logits`); no Liger
+  LM head, no padding-free packing. `cbkit.train.batch.micro_batches_for` sizes `gradient_accumulation_steps`.
+* Precision: the weights that train are fp32 on every device (AdamW on bf16 weights loses every update smaller
+  than bf16's spacing, so a half-precision policy is refused); the config's `dtype` is an autocast over them
+  (`cbkit.models.load.training_precision`: 'auto' is bf16 where the GPU has it natively; fp16 is refused, as this
+  loop does no loss scaling). The rollout samples from the same fp32 weights.
 * The loss variants, IS modes and what the objective leaves out are listed in `cbkit.train.objective`.
 
 Checkpoints (`cbkit.train.checkpoint`) hold the model, optimizer, step, data position, RNG states and config; resuming
@@ -78,46 +58,43 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import random
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from cbkit.models.load import training_precision
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
-from cbkit.rollout.engine import engine_is_idle
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
+from cbkit.telemetry import seconds_since
 from cbkit.train import checkpoint
-from cbkit.train.batch import Batch, completion_logits
+from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.evaluate import build_held_out, eval_sampling, without_held_out
-from cbkit.train.hooks import (
-    CheckpointHook,
-    JSONLHook,
-    NaNGuardHook,
-    ProgressBarHook,
-    StepHooks,
-    StepRecord,
-    TrainState,
-)
+from cbkit.train.hooks import RunStatus, StepHooks, StepRecord, TrainState, default_hooks
+from cbkit.train.logprobs import chunked_logits
 from cbkit.train.objective import (
+    Estimator,
+    ISMode,
+    LossType,
+    ScaleRewards,
     chunk_share,
     group_advantages,
     grpo_loss,
     importance_weights,
     policy_logprobs,
     replayed_logprobs,
+    warn_if_truncated,
 )
-from cbkit.train.offpolicy import STATE_FILE as OFFPOLICY_STATE
-from cbkit.train.offpolicy import AsyncRollouts, LaggedRollouts, drift_metrics
-from cbkit.train.setup import set_up_run
+from cbkit.train.offpolicy import drift_metrics, make_rollout_source
+from cbkit.train.order import PromptOrder, mix_seed, seed_everything
+from cbkit.train.rollouts import RolloutRequest, RolloutSource, SourcedRollout, check_backend, check_entry
+from cbkit.train.setup import RunSetup, set_up_for_config
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -141,28 +118,20 @@ class GRPOTrainer:
     def __init__(
         self,
         config: CBGRPOConfig,
-        policy: Any = None,
+        run: RunSetup | None = None,
+        *,
         backend: RolloutBackend | None = None,
+        rollouts: RolloutSource | None = None,
         reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
         hooks: Sequence[StepHooks] = (),
+        policy: Any = None,
         problems: Sequence[Problem] | None = None,
     ) -> None:
-        if policy is None:
-            from cbkit.models.load import load_policy
-
-            policy = load_policy(config.model, dtype="float32", seed=config.seed)  # `dtype` is the autocast, below
-        model, tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
-        check_fp32_weights(model)
-        check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
-        # The run set-up the sweep and the demo share: problems, prompt ids, stop and pad ids.
-        run = set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
-                         problems=problems, system_prompt=config.system_prompt, options=config.data_options)
-        # The held-out set is drawn first and its questions leave the training problems (cbkit.train.evaluate).
-        self.held_out = build_held_out(config, run.tokenizer) if config.eval_steps else None
-        if self.held_out is not None:
-            kept = without_held_out(run.problems, self.held_out.problems)
-            run.prompts = [run.prompts[i] for i, p in enumerate(run.problems) if p in kept]
-            run.problems = kept
+        """`run`: what `set_up_run` returned; its policy, problems and prompt ids are what this trainer trains on.
+        Without it the trainer calls `set_up_run` once, from the config's model and data (on `policy` and `problems`
+        when given). `backend` samples the on-policy rollouts (None: the config's, built on the policy); `rollouts`
+        replaces the whole rollout source (`cbkit.train.rollouts.RolloutSource`; None: the one the config asks for)."""
+        run = set_up_for_config(config, run, policy=policy, problems=problems)
         self.run_setup = run
         self.model, self.tokenizer = run.model, run.tokenizer
         self.model.eval()  # dropout off for the whole run (see the module docstring)
@@ -171,65 +140,47 @@ class GRPOTrainer:
         self.autocast_dtype = training_precision(config.dtype, self.device)
         self.pad_token_id, self.stop_ids = run.pad_token_id, run.stop_ids
         # The attention the training forward must run with; a CB engine that leaves it switched would make the
-        # forward silently non-causal (transformers #48296), so every forward checks it (`_check_attention`).
+        # forward silently non-causal (transformers #48296), so every forward checks it (`check_causal_forward`).
         self.attn_implementation = self.model.config._attn_implementation
 
-        self.reward_funcs, weights = _resolve_rewards(config, reward_funcs)
+        self.reward_funcs, weights = resolve_rewards(
+            config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)
         self.config = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
-        self.problems, self.prompt_ids = run.problems, run.prompts
+        # The held-out set is drawn first and its questions leave the training problems (cbkit.train.evaluate).
+        self.held_out = build_held_out(config, run.tokenizer) if config.eval_steps else None
+        kept = run.problems if self.held_out is None else without_held_out(run.problems, self.held_out.problems)
+        self.problems = list(kept)
+        self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in kept]
         self.order = PromptOrder(len(self.problems), config.seed)
 
         backend_given = backend is not None
         if backend is None:
             backend = make_backend(config.backend, self.model, cb_config=config.cb_overrides(),
                                    pad_token_id=self.pad_token_id)
-        if not isinstance(backend, RolloutBackend):
-            raise TypeError(
-                f"backend must implement cbkit.rollout.RolloutBackend (a `name` and "
-                f"`generate(prompts, num_generations, sampling, *, prompt_names=None) -> Rollout`); got "
-                f"{type(backend).__name__}."
-            )
-        self.backend = backend
+        self.backend = check_backend(backend)
         # Held-out evaluation runs through the CB engine whatever the training rollouts use, so runs that train
         # with generate() and with CB are scored by the same sampler; a CB training backend is reused.
         self.eval_backend = None
         if self.held_out is not None:
             self.eval_backend = backend if backend.name == "continuous" else make_backend(
                 "continuous", self.model, cb_config=config.cb_overrides(), pad_token_id=self.pad_token_id)
-        # Off-policy rollouts (cbkit.train.offpolicy): None is the on-policy loop, untouched.
         self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
-        self.offpolicy = _offpolicy(self, backend_given=backend_given)
-        self.ref_model = _frozen_copy(self.model) if config.beta > 0 else None
+        self.rollouts = make_rollout_source(self.config, self.model, backend, given=rollouts, backend_given=backend_given,
+                                            max_prompt_len=max(map(len, self.prompt_ids)))
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if config.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
             fused=config.optim == "adamw_torch_fused",
         )
-        self.truncates = config.top_p < 1 or config.top_k > 0
-        if self.truncates:
-            warnings.warn(
-                f"top_p={config.top_p}, top_k={config.top_k}: the rollout samples from a truncated distribution. "
-                "cbkit computes the importance-sampling reference under that same truncated distribution, so the "
-                "IS ratio measures engine-vs-trainer mismatch only (TRL compares with temperature-only logprobs, "
-                "which shrinks every ratio by the truncated mass). The loss's policy ratio stays temperature-only "
-                "and the truncation itself is not corrected; logprob/temperature_only_max_abs_diff shows its size. "
-                "See cbkit.train.grpo's docstring.",
-                UserWarning,
-                stacklevel=2,
-            )
+        self.truncates = warn_if_truncated(config.top_p, config.top_k)
 
         output_dir = Path(config.output_dir) if config.output_dir else None
         self.state = TrainState(step=0, max_steps=config.max_steps, config=self.config, output_dir=output_dir)
         self.data_position = 0
         self._rng_at_step_end = checkpoint.capture_rng()
-        self.hooks: list[StepHooks] = [NaNGuardHook()]
-        if output_dir is not None:
-            self.hooks.append(JSONLHook(output_dir / METRICS_FILE))
-            if config.save_steps:
-                self.hooks.append(CheckpointHook(self.save_checkpoint, config.save_steps))
-        if not config.disable_tqdm:
-            self.hooks.append(ProgressBarHook())
-        self.hooks.extend(hooks)
+        self.hooks = default_hooks(self.config, output_dir / METRICS_FILE if output_dir else None,
+                                   self.save_checkpoint) + list(hooks)
 
     # --- the run --------------------------------------------------------------------------------------------
 
@@ -238,15 +189,15 @@ class GRPOTrainer:
         if resume_from:
             self.resume(resume_from)
         else:
-            self._refuse_to_overwrite()
+            checkpoint.refuse_to_overwrite(self.state.output_dir, METRICS_FILE)
             seed_everything(self.config.seed)
             self._rng_at_step_end = checkpoint.capture_rng()
-        status = "failed"
+        status: RunStatus = "failed"
         try:
             for h in self.hooks:
                 h.on_train_begin(self.state)
             if self.held_out is not None and self.state.step == 0:  # the step-0 point of every held-out curve
-                record = StepRecord(0, self.evaluate())
+                record = StepRecord(0, {**self.evaluate()})
                 for h in self.hooks:
                     h.on_step_end(record)
             while self.state.step < self.config.max_steps:
@@ -263,9 +214,8 @@ class GRPOTrainer:
         return self.state
 
     def close(self) -> None:
-        """Stop an async rollout engine's thread (a no-op for the on-policy loop); `train()` calls it at the end."""
-        if self.offpolicy is not None:
-            self.offpolicy.close()
+        """Release what the rollout source holds (an async engine's thread, snapshot files); `train()` calls it."""
+        self.rollouts.close()
 
     def step(self) -> StepRecord:
         """One GRPO step. Each line is a stage; each stage is a method below."""
@@ -274,20 +224,19 @@ class GRPOTrainer:
         for h in self.hooks:
             h.on_step_begin(step)
         indices = self.order.indices(self.data_position, self.config.prompts_per_step)
-        if self.offpolicy is None:
-            rollout, offpolicy_metrics, scored = self.rollout(indices, step), {}, indices
-        else:  # an older policy's rollout, or the one that decoded while the last step trained
-            rollout, offpolicy_metrics, scored = self.offpolicy.rollout(self, indices, step)
+        got = self.rollout(indices, step)  # from the run's rollout source (on-policy, lagged, async), checked
         for h in self.hooks:
-            h.on_rollout_end(rollout)
-        rewards, metrics = self.score(rollout, [self.problems[i] for i in scored])
-        metrics.update(offpolicy_metrics)
+            h.on_rollout_end(got.rollout)
+        rewards, metrics = self.score(got.rollout, [self.problems[i] for i in got.indices])
+        metrics.update(got.metrics)
         train_start = time.perf_counter()  # training = old-logprob forward + updates: what the rollout is not
-        prepared = self.prepare(rollout, rewards)
+        prepared = self.prepare(got.rollout, rewards)
         metrics.update(prepared.metrics)
+        metrics["train/prepare_seconds"] = seconds_since(train_start, self.device)
+        update_start = time.perf_counter()
         metrics.update(self.optimize(prepared))
-        if self.offpolicy is not None:
-            metrics.update(self.offpolicy.after_step(self, step))
+        metrics["train/update_seconds"] = seconds_since(update_start, self.device)
+        metrics.update(self.rollouts.after_step(self.policy_version))
         metrics["train/seconds"] = time.perf_counter() - train_start
         metrics["step/seconds"] = time.perf_counter() - start
         if self.held_out is not None and (step % self.config.eval_steps == 0 or step == self.config.max_steps):
@@ -309,6 +258,7 @@ class GRPOTrainer:
         """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
         if self.held_out is None:
             raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
+        assert self.eval_backend is not None  # built in __init__ whenever there is a held-out set
         sampling = eval_sampling(self.sampling_params(0))
         return self.held_out.evaluate(self.eval_backend, sampling,
                                       lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -322,22 +272,17 @@ class GRPOTrainer:
         return self.run_setup.sampling(c.max_completion_length, temperature=c.temperature, top_p=c.top_p,
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
-    def rollout(self, indices: Sequence[int], step: int, backend: RolloutBackend | None = None) -> Rollout:
-        """N completions for each prompt, checked against the contract and against what was asked."""
-        n = self.config.num_generations
-        backend = self.backend if backend is None else backend
-        rollout = backend.generate(
-            [self.prompt_ids[i] for i in indices], n, self.sampling_params(step),
-            prompt_names=[self.problems[i].id for i in indices],
-        )
-        rollout.validate()
-        if rollout.num_generations != n or len(rollout.completions) != n * len(indices):
-            raise ValueError(
-                f"Backend {backend.name!r} returned {len(rollout.completions)} completions in groups of "
-                f"{rollout.num_generations} for {len(indices)} prompts x num_generations={n}; expected "
-                f"{n * len(indices)} in groups of {n}."
-            )
-        return rollout
+    def rollout(self, indices: Sequence[int], step: int) -> SourcedRollout:
+        """N completions for each prompt, from the run's rollout source; checked once, here, where they enter."""
+        ahead = self.order.indices(self.data_position + len(indices), self.config.prompts_per_step)
+        # The next step's prompts too: a source that decodes ahead (async) queues them now.
+        request = self._request(indices, step, self._request(ahead, step + 1) if step < self.config.max_steps else None)
+        return check_entry(self.rollouts.rollout(request), request)
+
+    def _request(self, indices: Sequence[int], step: int, following: RolloutRequest | None = None) -> RolloutRequest:
+        return RolloutRequest(list(indices), [self.prompt_ids[i] for i in indices],
+                              [self.problems[i].id for i in indices], self.config.num_generations,
+                              self.sampling_params(step), step, self.policy_version, following)
 
     def score(self, rollout: Rollout, problems: Sequence[Problem]) -> tuple[Tensor, dict[str, Any]]:
         """Weighted sum of the reward functions per completion, plus reward/completion/rollout metrics."""
@@ -368,15 +313,19 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        advantages = group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_estimator)
+        # The config keeps these as plain str (a recipe's YAML value); CBGRPOConfig._check has held each to its
+        # objective Literal's values.
+        advantages = group_advantages(rewards, c.num_generations, cast(ScaleRewards, c.scale_rewards),
+                                      cast(Estimator, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         # The whole completion mask, truncated completions included: their weights never reach the loss when
         # they are masked, and `logprob/*` should describe every token the engine sampled.
+        weights: Tensor | None
         weights, metrics = importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, c.importance_sampling_mode,
+            old_processed, batch.sampling_logps, batch.completion_mask, cast(ISMode, c.importance_sampling_mode),
             c.clip_max, c.clip_min,
         )
         if self.truncates and batch.sampling_logps is not None:
@@ -384,7 +333,7 @@ class GRPOTrainer:
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
             # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
             metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
-        if self.offpolicy is not None:
+        if any(comp.policy_versions is not None for comp in rollout.completions):  # sampled by recorded versions
             metrics.update(drift_metrics(old_processed, batch.sampling_logps, batch.completion_mask,
                                          c.importance_sampling_mode))
         if not c.importance_sampling_correction:
@@ -410,31 +359,32 @@ class GRPOTrainer:
     def accumulate_gradients(self, prepared: Prepared) -> dict[str, float]:
         """Fresh gradients of one optimizer update, summed over `gradient_accumulation_steps` micro-batches."""
         c, p = self.config, prepared
-        self._check_attention()
+        loss_type = cast(LossType, c.loss_type)  # held to LossType's values by CBGRPOConfig._check
+        check_causal_forward(self.model, self.attn_implementation)
         self.optimizer.zero_grad(set_to_none=True)
         ga = c.gradient_accumulation_steps
         size = len(p.batch) // ga
         # dapo divides by the tokens of the whole update, not of one micro-batch: what makes accumulation exact.
         num_items = p.loss_mask.sum()
-        loss_sum, sums = 0.0, {}
+        loss_sum, sums = 0.0, dict[str, float]()
         for k in range(ga):
             micro_mask = p.loss_mask[k * size : (k + 1) * size]
             # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
             # and back-propagated at once: only one chunk's activations and logits are alive (objective.chunk_share).
-            for rows in _chunks(k * size, (k + 1) * size, c.forward_chunk_rows, p.batch.attention_mask):
-                mb = p.batch.take(rows)
+            for rows, mb, logits in chunked_logits(self.model, p.batch, c.forward_chunk_rows, start=k * size,
+                                                   stop=(k + 1) * size, autocast_dtype=self.autocast_dtype):
                 t = mb.completion_width
-                logps = policy_logprobs(completion_logits(self.model, mb, self.autocast_dtype), mb.completion_ids,
-                                        c.temperature)
+                logps = policy_logprobs(logits, mb.completion_ids, c.temperature)
+                del logits  # its graph lives on in logps until this chunk's backward
                 loss, metrics = grpo_loss(
                     logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
-                    loss_type=c.loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
+                    loss_type=loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
                     ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
                     is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
                     max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
                     gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
                 )
-                loss_share, token_share = chunk_share(c.loss_type, p.loss_mask[rows], micro_mask)
+                loss_share, token_share = chunk_share(loss_type, p.loss_mask[rows], micro_mask)
                 (loss * loss_share).backward()
                 loss_sum += loss.item() * loss_share
                 for key, value in metrics.items():
@@ -449,8 +399,7 @@ class GRPOTrainer:
         self.state.resumable = False  # from here until the step ends, the weights belong to no finished step
         self.optimizer.step()
         self.policy_version += 1
-        if self.offpolicy is not None:
-            self.offpolicy.after_update(self)
+        self.rollouts.after_update(self.policy_version)
         return norm
 
     # --- checkpoints ----------------------------------------------------------------------------------------
@@ -463,178 +412,39 @@ class GRPOTrainer:
             trainer_state={"data_position": self.data_position}, rng=self._rng_at_step_end,
             keep=self.config.save_total_limit,
         )
-        if self.offpolicy is not None:  # the older weights the next rollout starts from
-            torch.save(self.offpolicy.state_dict(), path / OFFPOLICY_STATE)
+        self.rollouts.save(path)  # e.g. the older weights the next rollout starts from
         return path
 
     def resume(self, resume_from: str | Path | bool) -> Path:
         """Load a checkpoint (True: the newest in output_dir) after checking it was made with this config."""
-        if resume_from is True:
-            if self.state.output_dir is None:
-                raise ValueError("resume_from=True looks in config.output_dir, which is not set.")
-            path = checkpoint.latest_checkpoint(self.state.output_dir)
-            if path is None:
-                raise FileNotFoundError(f"No checkpoint-<step> directory in {self.state.output_dir} to resume from.")
-        else:
-            path = Path(resume_from)
+        path = checkpoint.resume_path(self.state.output_dir, resume_from)
         checkpoint.check_same_config(checkpoint.read_config(path), self.config, path)
         trainer_state, rng = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.state.step, self.data_position = trainer_state["step"], trainer_state["data_position"]
         self.state.resumed_from = path
         self.policy_version = self.state.step * self.config.num_iterations
-        if self.offpolicy is not None:
-            self.offpolicy.load_state_dict(torch.load(path / OFFPOLICY_STATE, weights_only=True), self)
+        self.rollouts.load(path, self.policy_version)
         checkpoint.restore_rng(rng)
         self._rng_at_step_end = rng
         return path
 
-    # --- helpers --------------------------------------------------------------------------------------------
-
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk of a micro-batch
-        (`forward_chunk_rows`); and [B, T]
-        True where a sampled token lay outside the trainer's replayed nucleus (kept in it, see `replayed_logprobs`)."""
-        self._check_attention()
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk (`forward_chunk_rows`),
+        and True where a sampled token lay outside the trainer's replayed nucleus (kept in it: `replayed_logprobs`)."""
+        check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
         plain = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=self.device)
         processed = plain.clone() if self.truncates else plain
         outside = torch.zeros(batch.completion_ids.shape, dtype=torch.bool, device=self.device)
-        for rows in (r for start in range(0, len(batch), size)
-                     for r in _chunks(start, start + size, c.forward_chunk_rows, batch.attention_mask)):
-            mb = batch.take(rows)
+        for rows, mb, logits in (chunk for start in range(0, len(batch), size)
+                                 for chunk in chunked_logits(model, batch, c.forward_chunk_rows, start=start,
+                                                             stop=start + size, autocast_dtype=self.autocast_dtype)):
             t = mb.completion_width
-            logits = completion_logits(model, mb, self.autocast_dtype)
             plain[rows, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
             if self.truncates:
                 processed[rows, :t], outside[rows, :t] = replayed_logprobs(
                     logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
             del logits  # one chunk's logits alive at a time
         return plain, processed, outside
-
-    def _check_attention(self) -> None:
-        impl = self.model.config._attn_implementation
-        if impl != self.attn_implementation or not engine_is_idle(self.model):
-            raise RuntimeError(
-                f"The model's attention is {impl!r} (it was {self.attn_implementation!r} when training began) or a "
-                "continuous batching engine is still running on it. A plain forward in that state can run without "
-                "a causal mask (transformers issue #48296), so the loss would be silently wrong. Stop the CB "
-                "manager (which restores the attention implementation) before a training forward."
-            )
-
-    def _refuse_to_overwrite(self) -> None:
-        out = self.state.output_dir
-        if out is None:
-            return
-        metrics = out / METRICS_FILE
-        if checkpoint.checkpoints(out) or (metrics.exists() and metrics.stat().st_size > 0):
-            raise FileExistsError(
-                f"{out} already holds a run (checkpoints or {METRICS_FILE}). Resume it with resume_from=True "
-                "(cbkit train --resume), or choose an empty output_dir."
-            )
-
-
-class PromptOrder:
-    """Which problem comes at each position: a seeded shuffle per epoch, so a position alone decides it."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        if n < 1:
-            raise ValueError("No problems to train on: the dataset is empty.")
-        self.n, self.seed = n, seed
-        self._epochs: dict[int, list[int]] = {}
-
-    def indices(self, position: int, count: int) -> list[int]:
-        return [self._epoch(p // self.n)[p % self.n] for p in range(position, position + count)]
-
-    def _epoch(self, epoch: int) -> list[int]:
-        if epoch not in self._epochs:
-            order = list(range(self.n))
-            random.Random(mix_seed(self.seed, epoch)).shuffle(order)
-            self._epochs[epoch] = order
-        return self._epochs[epoch]
-
-
-# --- input checks ---------------------------------------------------------------------------------------------
-
-
-def check_text_only(processing_class: Any, model: Any, continuous_batching: bool) -> None:
-    """Refuse multimodal processors and models: rollouts here are token ids in, token ids out."""
-    parts = [a for a in ("image_processor", "video_processor", "feature_extractor", "audio_processor")
-             if getattr(processing_class, a, None) is not None]
-    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
-    if parts or vision:
-        what = f"{type(processing_class).__name__} (has {', '.join(parts)})" if parts else "a vision-language model"
-        engine = ("transformers' continuous batching engine takes token ids only, no pixel values"
-                  if continuous_batching else "cbkit's rollouts carry token ids only")
-        raise ValueError(
-            f"Got {what}: cbkit trains text-only policies; {engine}. Use a text-only model and its tokenizer, "
-            "or TRL's GRPOTrainer (cbkit.trl.config) for multimodal GRPO."
-        )
-
-
-def _chunks(start: int, stop: int, rows: int | None, attention_mask: Tensor) -> list[Tensor]:
-    """Rows [start, stop) longest first (real length: prompt + completion tokens, ``attention_mask``), cut into
-    chunks of at most `rows` (None: one chunk); the last may be shorter. A chunk is trimmed to its longest row
-    (`Batch.take`), so rows of about one length pad little where chunks in rollout order pad each to its longest
-    row (docs/measuring.md, "The update against its roof"). Longest first, so each later chunk's tensors fit in the memory the widest one freed. The sort is stable: a
-    rerun forms the same chunks, and the loss is the same sum in another order."""
-    order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)
-    step = stop - start if rows is None else rows
-    return [order[i : i + step] for i in range(0, stop - start, step)]
-
-
-def mix_seed(seed: int, *counters: int) -> int:
-    """One seed per (run seed, counter, ...): a stream per step, epoch or process that a rerun draws again, and
-    that two runs with different seeds do not share. Below 2**31 - 1, which every sampler accepts."""
-    for c in counters:
-        seed = seed * 1_000_003 + int(c)
-    return seed % (2**31 - 1)
-
-
-def seed_everything(seed: int) -> None:
-    """torch, python `random` and numpy (if installed) from one seed: what a fresh run starts from."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
-
-
-def check_fp32_weights(model: torch.nn.Module) -> None:
-    """Refuse a policy whose floating-point weights are not all fp32: AdamW on bf16 weights rounds away the small
-    updates GRPO makes, fp16 moments underflow. Lower precision belongs in the config's `dtype`, as an autocast."""
-    half = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
-    if half:
-        raise ValueError(
-            f"GRPOTrainer trains fp32 weights, but this policy has {', '.join(half)} weights. Load it with "
-            "load_policy(..., dtype='float32') (or call model.float()), and choose the training forwards' precision "
-            "with the config's dtype ('auto': bf16 autocast where the GPU has native bf16).")
-
-
-def _offpolicy(trainer: GRPOTrainer, backend_given: bool):
-    """The off-policy rollout source the config asks for, or None for the on-policy loop."""
-    c = trainer.config
-    if not (c.rollout_staleness or c.async_rollouts):
-        return None
-    if backend_given:
-        raise ValueError("rollout_staleness > 0 and async_rollouts=True sample from a copy of the policy's weights "
-                         "with a backend cbkit builds on that copy; pass no backend (backend=None).")
-    return AsyncRollouts(trainer) if c.async_rollouts else LaggedRollouts(trainer, c.rollout_staleness)
-
-
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    ref = copy.deepcopy(model).eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-def _resolve_rewards(
-    config: CBGRPOConfig, reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None
-) -> tuple[dict[str, RewardFn], list[float]]:
-    """Reward functions by name, and one weight each (`cbkit.tasks.rewards.resolve_rewards`: the config's names of
-    built-ins unless callables are passed)."""
-    return resolve_rewards(config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from cbkit.train.config import CBGRPOConfig
 
 Metric = float | int | str
+RunStatus = Literal["running", "finished", "interrupted", "failed"]
 
 
 @dataclass
@@ -60,7 +61,7 @@ class TrainState:
     config: CBGRPOConfig
     output_dir: Path | None = None
     resumed_from: Path | None = None
-    status: Literal["running", "finished", "interrupted", "failed"] = "running"
+    status: RunStatus = "running"
     # True while the model and optimizer are exactly as they were at the end of `step`; False from a step's
     # first optimizer update until that step ends. A checkpoint of `step` can only be written when True.
     resumable: bool = True
@@ -180,3 +181,15 @@ class NaNGuardHook(StepHooks):
                     f"saved; resume from the last checkpoint with a lower learning_rate (now {self.learning_rate}) "
                     "or a max_grad_norm > 0, and check the rewards and advantages of the steps before it."
                 )
+
+
+def default_hooks(config: Any, metrics_path: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
+    """The hooks every run has: the NaN guard, the JSONL log and checkpoints when it writes to a folder, the bar."""
+    hooks: list[StepHooks] = [NaNGuardHook()]
+    if metrics_path is not None:
+        hooks.append(JSONLHook(metrics_path))
+        if config.save_steps:
+            hooks.append(CheckpointHook(save_checkpoint, config.save_steps))
+    if not config.disable_tqdm:
+        hooks.append(ProgressBarHook())
+    return hooks

@@ -1,4 +1,8 @@
-"""Teacher-forced logprobs of a rollout's completions, and the check that the sampler's logprobs match them.
+"""The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it.
+
+`chunked_logits` is the forward every teacher-forced logprob in cbkit comes from: the loop's old logprobs and its
+chunked backward, `teacher_forced_logprobs` (the checks, `cbkit demo`, notebook 02), 02's IS-update experiment and
+the tests' reference all run a batch's rows through it, `forward_chunk_rows` at a time.
 
 The check is the foundation of the importance-sampling correction: on unchanged weights, the logprob a
 backend reports for a token it sampled must equal the logprob a training forward assigns to that token
@@ -9,13 +13,32 @@ under the same processed distribution (temperature, top-k, top-p). If it does no
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch import Tensor
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams
-from cbkit.train.batch import Batch, completion_logits
+from cbkit.train.batch import Batch, completion_logits, longest_first_chunks
 from cbkit.train.objective import policy_logprobs, processed_logprobs
+
+
+def chunked_logits(model, batch: Batch, chunk_rows: int | None, *, start: int = 0, stop: int | None = None,
+                   autocast_dtype: torch.dtype | None = None) -> Iterator[tuple[Tensor, Batch, Tensor]]:
+    """The teacher-forced forward of rows [start, stop) of ``batch``, ``chunk_rows`` rows at a time, longest first
+    (`batch.longest_first_chunks`):
+    per chunk, its row indices into ``batch``, the chunk (`Batch.take`) and its completion logits
+    [rows, completion width, vocab] (`completion_logits`, under ``autocast_dtype`` where given).
+
+    Gradients follow the caller: under ``torch.no_grad`` for old logprobs, with grad for a chunked backward, where
+    the caller back-propagates each chunk's loss before asking for the next, so one chunk's logits and activations
+    are alive at a time. The logits are not kept here: the caller drops them (``del logits``) before the next chunk."""
+    stop = len(batch) if stop is None else stop
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}.")
+    for rows in longest_first_chunks(start, stop, chunk_rows, batch.attention_mask):
+        mb = batch.take(rows)
+        yield rows, mb, completion_logits(model, mb, autocast_dtype)
 
 
 @torch.no_grad()
@@ -23,11 +46,12 @@ def teacher_forced_logprobs(
     model,
     completions: Sequence[Completion],
     sampling: SamplingParams | None = None,
-    batch_size: int = 16,
-) -> list[torch.Tensor]:
-    """Per completion, the logprob of each of its tokens, from the forward training runs.
+    batch_size: int | None = 16,
+) -> list[Tensor]:
+    """Per completion, the logprob of each of its tokens, from the forward training runs (`chunked_logits`,
+    ``batch_size`` rows a forward; None: all at once).
 
-    Each micro-batch goes through `cbkit.train.batch`'s layout and `completion_logits` (left-padded prompts,
+    The completions go through `cbkit.train.batch`'s layout and `completion_logits` (left-padded prompts,
     position ids that count real tokens, `logits_to_keep`), the exact forward behind the loop's old logprobs
     and loss, so every check built on this function (`logprob_check`, `logprob_pairs`, `cbkit demo`,
     notebook 02) checks the forward that training runs, not a second one beside it.
@@ -36,23 +60,20 @@ def teacher_forced_logprobs(
     distribution the sampler used. Greedy sampling is scored under the raw distribution too.
     """
     device = next(model.parameters()).device
-    out: list[torch.Tensor] = []
-    for start in range(0, len(completions), batch_size):
-        chunk = completions[start : start + batch_size]
-        # The pad id only fills masked positions, which no real position attends to: any id gives the same
-        # logprobs. 0 exists in every vocabulary.
-        batch = Batch.from_completions(chunk, pad_token_id=0, device=device, with_logprobs=False)
-        logits = completion_logits(model, batch)
-        for i, c in enumerate(chunk):
-            n = len(c.completion_ids)
-            step_logits = logits[i, :n]
-            tokens = batch.completion_ids[i, :n]
+    # The pad id only fills masked positions, which no real position attends to: any id gives the same
+    # logprobs. 0 exists in every vocabulary.
+    batch = Batch.from_completions(completions, pad_token_id=0, device=device, with_logprobs=False)
+    out: list[Tensor | None] = [None] * len(completions)
+    for rows, mb, logits in chunked_logits(model, batch, batch_size):
+        for i, row in enumerate(rows.tolist()):
+            n = len(completions[row].completion_ids)
+            step_logits, tokens = logits[i, :n], mb.completion_ids[i, :n]
             if sampling is None or not sampling.do_sample:
                 lp = policy_logprobs(step_logits, tokens)  # selective: no [n, V] log-softmax beside the logits
             else:
                 lp = processed_logprobs(step_logits, tokens, sampling.temperature, sampling.top_k, sampling.top_p)
-            out.append(lp.cpu())
-    return out
+            out[row] = lp.cpu()
+    return [lp for lp in out if lp is not None]
 
 
 def logprob_check(model, rollout: Rollout, sampling: SamplingParams) -> dict[str, float]:

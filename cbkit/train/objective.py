@@ -33,6 +33,24 @@ What each quantity is
   (`use_bias_correction_kl=True`); we do too (`kl_bias_correction`). The loss types differ only in how the
   (B, T) matrix becomes a scalar, see `grpo_loss`.
 
+Top-p / top-k in the trainer: a decision
+----------------------------------------
+With `top_p < 1` or `top_k > 0` the sampler draws from a *truncated* distribution, while TRL's trainer recomputes
+logprobs from temperature only. Comparing the two, as TRL does, makes every IS ratio smaller than 1 by the mass
+the truncation removed: not a kernel mismatch but a different distribution. Per token that quietly rescales
+the learning rate; per sequence (TRL's default mode) the product over a long completion falls toward 0, and
+`logprob/*` reports a large "mismatch" on a correct engine.
+
+cbkit computes the IS reference, and the `logprob/*` metrics, under the *same processed distribution* the
+sampler used (`replayed_logprobs`: the run's temperature, top-k and top-p), so the ratio compares
+like with like and is ~1 on unchanged weights. A sampled token the trainer's recomputed nucleus leaves out (a
+rounding difference at the boundary is enough) is kept inside its own support rather than given -inf, which
+would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts
+them. The loss's policy ratio stays temperature-only, like TRL's: a truncated policy would give -inf to any token
+that leaves the nucleus after an update. What this does not do
+is correct for the truncation itself (tokens outside the nucleus are never sampled, no weight can fix that);
+`logprob/temperature_only_max_abs_diff` reports its size. The trainer warns once when truncation is on.
+
 What is simplified (against TRL 1.16)
 -------------------------------------
 * One reward per completion, already combined: no reward weights, no multi-objective aggregation. A
@@ -375,3 +393,22 @@ def grpo_loss(
     if kl is not None:
         metrics["train/kl"] = ((kl.detach() * m).sum() / n_tokens).item()
     return loss, metrics
+
+
+def warn_if_truncated(top_p: float, top_k: int) -> bool:
+    """Warn once that the rollout samples from a truncated distribution (see this module's docstring); True if so."""
+    if not (top_p < 1 or top_k > 0):
+        return False
+    import warnings
+
+    warnings.warn(
+        f"top_p={top_p}, top_k={top_k}: the rollout samples from a truncated distribution. "
+        "cbkit computes the importance-sampling reference under that same truncated distribution, so the "
+        "IS ratio measures engine-vs-trainer mismatch only (TRL compares with temperature-only logprobs, "
+        "which shrinks every ratio by the truncated mass). The loss's policy ratio stays temperature-only "
+        "and the truncation itself is not corrected; logprob/temperature_only_max_abs_diff shows its size. "
+        "See cbkit.train.objective's docstring.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True

@@ -2,7 +2,9 @@
 
 GRPO's importance-sampling (IS) correction divides the policy by the distribution each token was *sampled* from.
 In the on-policy loop the two are the same weights and the correction only absorbs kernel noise (~1e-5 nats in
-fp32). This module makes the rollout genuinely off-policy, in the two ways RL stacks meet it:
+fp32). This module makes the rollout genuinely off-policy, in the two ways RL stacks meet it, each a
+`cbkit.train.rollouts.RolloutSource` built on what it needs (the policy, a backend or the engine, a snapshot store)
+and chosen once by `make_rollout_source`; the loop calls it as it calls the on-policy source:
 
 * **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout is sampled from an exact copy of
   the weights of k optimizer updates earlier, kept in a ring of snapshots; the loss uses the current weights.
@@ -32,21 +34,24 @@ forward does not. `docs/off_policy.md` works it through.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from cbkit.rollout import Rollout
-from cbkit.rollout.async_cb import AsyncEngine
+from cbkit.rollout import Completion, Rollout, RolloutBackend
+from cbkit.rollout.async_cb import AsyncEngine, Pending
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.rollouts import OnPolicyRollouts, RolloutRequest, RolloutSource, SourcedRollout, sample
 from cbkit.train.snapshots import WeightSnapshots
 
-# The loop these sources serve: a `cbkit.train.grpo.GRPOTrainer`, named rather than imported (grpo imports this
-# module, and tests/test_layers.py counts a TYPE_CHECKING import as an import).
-GRPOTrainer = Any
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next rollout must start from
 
 
@@ -106,145 +111,164 @@ def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, ma
 
 def _stamped(rollout: Rollout, version: int) -> Rollout:
     """The rollout with every token marked as sampled by `version` (a backend whose weights held still)."""
-    import dataclasses
-
     done = [dataclasses.replace(c, policy_versions=(version,) * len(c.completion_ids),
                                 prompt_versions=(version,) * len(c.prompt_ids)) for c in rollout.completions]
     return dataclasses.replace(rollout, completions=done)
 
 
-# --- a fixed lag ------------------------------------------------------------------------------------------------
+# --- the sources -------------------------------------------------------------------------------------------------
 
 
-class LaggedRollouts:
+def _token_versions(completion: Completion) -> tuple[int, ...]:
+    """The policy version of each token of an async rollout's completion (`AsyncEngine.collect` stamps them all)."""
+    assert completion.policy_versions is not None, "an async rollout's completion carries its tokens' versions"
+    return completion.policy_versions
+
+
+def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
+                        max_prompt_len: int, given: RolloutSource | None = None,
+                        backend_given: bool = False) -> RolloutSource:
+    """`given` (it wins over the config), or the source the config asks for: on-policy (the default), a fixed lag,
+    or async rollouts.
+
+    `max_prompt_len` (the run's longest prompt) sizes an async engine's KV pool. With `config.output_dir` set the
+    run writes checkpoints, and an async source keeps the weights its pending rollout started on."""
+    if given is not None:
+        if not isinstance(given, RolloutSource):
+            raise TypeError(f"rollouts must be a cbkit.train.rollouts.RolloutSource (subclass it and override "
+                            f"rollout(request)); got {type(given).__name__}.")
+        return given
+    if not (config.rollout_staleness or config.async_rollouts):
+        return OnPolicyRollouts(backend)
+    if backend_given:
+        raise ValueError("rollout_staleness > 0 and async_rollouts=True sample from a copy of the policy's weights "
+                         "with a backend cbkit builds on that copy; pass no backend (backend=None).")
+    if config.async_rollouts:
+        return AsyncRollouts(policy, config, max_prompt_len=max_prompt_len, checkpoints=bool(config.output_dir))
+    return LaggedRollouts(policy, backend, config.rollout_staleness, config.rollout_snapshots)
+
+
+class LaggedRollouts(RolloutSource):
     """`rollout_staleness = k`: the rollout samples from the weights of k updates ago, swapped into the policy.
 
     The last k + 1 versions wait in a ring (`rollout_snapshots`: copies on the device, in host memory or files on
-    disk), the newest being the policy as it is now. For a rollout the oldest is loaded into the policy itself, the
-    trainer's own backend samples, and the newest is loaded back, bitwise: no sampling copy of the model is kept."""
+    disk), the newest being the policy as it is now. For a rollout the oldest is loaded into the policy itself,
+    `backend` (which samples from the policy) samples, and the newest is loaded back, bitwise: no sampling copy of
+    the model is kept."""
 
-    def __init__(self, trainer: GRPOTrainer, staleness: int) -> None:
-        self.k, self._template = staleness, trainer.model  # the policy: what a checkpoint's tensors are shaped like
-        self.history = WeightSnapshots(staleness + 1, trainer.config.rollout_snapshots)
-        self.history.append(0, trainer.model)
+    def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
+                 snapshots: str = "device") -> None:
+        self.k, self.policy, self.backend = staleness, policy, backend
+        self.history = WeightSnapshots(staleness + 1, snapshots)
+        self.history.append(0, policy)
 
-    def rollout(self, trainer: GRPOTrainer, indices: Sequence[int],
-                step: int) -> tuple[Rollout, dict[str, float], list[int]]:
-        """The step's rollout, its staleness metrics, and the problems it scores (all of `indices`)."""
+    def rollout(self, request: RolloutRequest) -> SourcedRollout:
         version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
         if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is
-            rollout = trainer.rollout(indices, step)
+            rollout = sample(self.backend, request)
         else:
-            self.history.load_into(trainer.model, 0)
+            self.history.load_into(self.policy, 0)
             try:
-                rollout = trainer.rollout(indices, step)
+                rollout = sample(self.backend, request)
             finally:
-                self.history.load_into(trainer.model, -1)  # the current weights, bitwise, before the loss sees them
+                self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
         rollout = _stamped(rollout, version)
-        return rollout, staleness_metrics(rollout, trainer.policy_version), list(indices)
+        return SourcedRollout(rollout, list(request.indices), staleness_metrics(rollout, request.policy_version))
 
-    def after_update(self, trainer: GRPOTrainer) -> None:
-        self.history.append(trainer.policy_version, trainer.model)
+    def after_update(self, version: int) -> None:
+        self.history.append(version, self.policy)
 
-    def after_step(self, trainer: GRPOTrainer, step: int) -> dict[str, float]:
-        return {}
+    def save(self, directory: Path) -> None:
+        torch.save({"history": list(self.history.items(self.policy))}, directory / STATE_FILE)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history.items(self._template))}
-
-    def load_state_dict(self, state: Mapping[str, Any], trainer: GRPOTrainer) -> None:
+    def load(self, directory: Path, version: int) -> None:
+        state = torch.load(directory / STATE_FILE, weights_only=True)
         self.history.clear()
-        for version, weights in state["history"]:
-            self.history.append(version, weights, device=trainer.model.device)
+        for v, weights in state["history"]:
+            self.history.append(v, weights, device=self.policy.device)
 
     def close(self) -> None:
         self.history.close()
 
 
-# --- async rollouts ---------------------------------------------------------------------------------------------
+class AsyncRollouts(RolloutSource):
+    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot while step t trains.
 
+    Built on the policy (the engine keeps a snapshot of it, refreshed at each step's end) and the config's
+    async fields (`cb_overrides`, `async_update_at`, `max_staleness`, `stale_rollouts`, `num_iterations`).
+    `target_lengths`, one per completion row, replays a length workload in every rollout it queues, EOS ignored
+    (`cbkit sweep --full-step`'s async row, so every backend decodes the same targets); None: EOS decides."""
 
-class AsyncRollouts:
-    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot while step t trains."""
-
-    def __init__(self, trainer: GRPOTrainer) -> None:
-        c = trainer.config
-        self.engine = AsyncEngine(trainer.model, c.cb_overrides())
-        self.engine.max_prompt_len = max(map(len, trainer.prompt_ids))
-        self.pending = None
+    def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
+                 checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
+        self.config, self.checkpoints = config, checkpoints
+        self.engine = AsyncEngine(policy, config.cb_overrides())
+        self.engine.max_prompt_len = max_prompt_len
+        self.target_lengths = None if target_lengths is None else list(target_lengths)
+        self.pending: Pending | None = None
+        self.previous: dict[str, Tensor] | None = None  # the weights the pending rollout started on (checkpoints)
         self.resume_update: int | None = None  # a resumed run first replays the update its pending rollout met
-        # One length per completion row for every rollout this source queues, EOS ignored: a replayed length workload
-        # (`cbkit sweep --full-step`'s async row, so every backend decodes the same targets). None: EOS decides.
-        self.target_lengths: list[int] | None = None
 
-    def rollout(self, trainer: GRPOTrainer, indices: Sequence[int],
-                step: int) -> tuple[Rollout, dict[str, float], list[int]]:
-        """The rollout queued during the last step (or one now), bounded by max_staleness; the problems it scores."""
-        c, metrics, scored = trainer.config, {}, list(indices)
+    def rollout(self, request: RolloutRequest) -> SourcedRollout:
+        """The rollout queued during the last step (or one now), bounded by max_staleness; the next one queued."""
+        c, metrics, scored = self.config, {}, list(request.indices)
         start = time.perf_counter()
         if self.pending is None:  # the first step, or the first after a resume
-            self.pending = self._submit(trainer, indices, step, self.resume_update is not None)
+            self.pending = self._submit(request, self.resume_update is not None)
             if self.resume_update is not None:
                 self.engine.publish(self.resume_update)
                 self.resume_update = None
         rollout = self.engine.collect(self.pending)
         self.pending = None
         metrics["offpolicy/rollout_wait_s"] = time.perf_counter() - start
-        now = trainer.policy_version
-        oldest = min(v for comp in rollout.completions for v in comp.policy_versions)
+        now = request.policy_version
+        oldest = min(v for comp in rollout.completions for v in _token_versions(comp))
         metrics.update(staleness_metrics(rollout, now))
         metrics["offpolicy/regenerated"] = 0.0
         metrics["offpolicy/dropped_groups"] = 0.0
         if now - oldest > c.max_staleness:
-            rollout, scored, regenerated = self._too_old(trainer, rollout, indices, step, now)
-            metrics["offpolicy/dropped_groups"] = float(len(indices) - len(scored) if not regenerated else 0)
+            rollout, scored, regenerated = self._too_old(rollout, request)
+            metrics["offpolicy/dropped_groups"] = float(len(request.indices) - len(scored) if not regenerated else 0)
             metrics["offpolicy/regenerated"] = float(regenerated)
             metrics.update(staleness_metrics(rollout, now))
-        if step < c.max_steps:  # queue the next step's requests: they decode while this step trains
-            following = trainer.order.indices(trainer.data_position + len(indices), c.prompts_per_step)
-            self.pending = self._submit(trainer, following, step + 1, True)
-        return rollout, metrics, scored
+        if request.following is not None:  # queue the next step's requests: they decode while this step trains
+            self.pending = self._submit(request.following, True)
+        return SourcedRollout(rollout, scored, metrics)
 
-    def after_update(self, trainer: GRPOTrainer) -> None:
-        return None  # the snapshot is refreshed once per step, after its last update (`after_step`)
-
-    def after_step(self, trainer: GRPOTrainer, step: int) -> dict[str, float]:
-        if trainer.state.output_dir is not None:  # without a folder no checkpoint is written: no copy to keep
+    def after_step(self, version: int) -> dict[str, float]:
+        if self.checkpoints:  # without checkpoints there is no copy to keep
             self.previous = self.engine.snapshot_state()  # what the pending rollout started on, for a checkpoint
-        return {"offpolicy/publish_wait_s": self.engine.publish(trainer.policy_version)}
+        return {"offpolicy/publish_wait_s": self.engine.publish(version)}
 
-    def _submit(self, trainer: GRPOTrainer, indices: Sequence[int], step: int, straddle: bool):
-        return self.engine.submit([trainer.prompt_ids[i] for i in indices], trainer.config.num_generations,
-                                  trainer.sampling_params(step),
-                                  update_at=trainer.config.async_update_at if straddle else None,
-                                  prompt_names=[trainer.problems[i].id for i in indices],
-                                  target_lengths=self.target_lengths)
+    def _submit(self, request: RolloutRequest, straddle: bool) -> Pending:
+        return self.engine.submit(request.prompts, request.num_generations, request.sampling,
+                                  update_at=self.config.async_update_at if straddle else None,
+                                  prompt_names=request.prompt_names, target_lengths=self.target_lengths)
 
-    def _too_old(self, trainer: GRPOTrainer, rollout: Rollout, indices: Sequence[int], step: int,
-                 now: int) -> tuple[Rollout, list[int], bool]:
+    def _too_old(self, rollout: Rollout, request: RolloutRequest) -> tuple[Rollout, list[int], bool]:
         """Drop the groups holding a too-old token, or sample the step again on the current weights (also when
         dropping would leave no group: a step needs one). Returns the rollout, its problems, and if it was resampled."""
-        c = trainer.config
+        c, now = self.config, request.policy_version
         if c.stale_rollouts == "drop":
-            fresh = fresh_groups([[comp.policy_versions for comp in g] for g in rollout.groups()], now,
+            fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in rollout.groups()], now,
                                  c.max_staleness)
             if fresh:
-                import dataclasses
-
                 groups = rollout.groups()
                 kept = [dataclasses.replace(comp, group=j) for j, i in enumerate(fresh) for comp in groups[i]]
-                return dataclasses.replace(rollout, completions=kept).validate(), [indices[i] for i in fresh], False
-        return trainer.rollout(indices, step, backend=self.engine), list(indices), True
+                return (dataclasses.replace(rollout, completions=kept), [request.indices[i] for i in fresh],
+                        False)
+        return sample(self.engine, request), list(request.indices), True
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"snapshot": getattr(self, "previous", None) or self.engine.snapshot_state()}
+    def save(self, directory: Path) -> None:
+        snapshot = self.previous if self.previous is not None else self.engine.snapshot_state()
+        torch.save({"snapshot": snapshot}, directory / STATE_FILE)
 
-    def load_state_dict(self, state: Mapping[str, Any], trainer: GRPOTrainer) -> None:
-        step_updates = trainer.config.num_iterations
-        self.engine.load_snapshot(state["snapshot"], max(0, trainer.policy_version - step_updates))
+    def load(self, directory: Path, version: int) -> None:
+        state = torch.load(directory / STATE_FILE, weights_only=True)
+        self.engine.load_snapshot(state["snapshot"], max(0, version - self.config.num_iterations))
         self.pending = None
         # The uninterrupted run's next rollout started on those weights and met this update mid-way.
-        self.resume_update = trainer.policy_version if trainer.state.step > 0 else None
+        self.resume_update = version if version > 0 else None
 
     def close(self) -> None:
         self.engine.close()
@@ -295,7 +319,3 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
 def input_versions(completion) -> list[int]:
     """Per input position of a completion (prompt, then its tokens but the last): the version that processed it."""
     return list(completion.prompt_versions) + list(completion.policy_versions[1:])
-
-
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    return copy.deepcopy(model).eval().requires_grad_(False)

@@ -1,6 +1,7 @@
 """The run set-up: policy, problems, prompt ids, stop and pad ids, sampling, warmed backends.
 
-One place decides these for the loop, the sweep and the demo, so the three entry points cannot drift apart.
+One place decides these for the loop, the sweep and the demo, so the three entry points cannot drift apart. The
+loop takes what `set_up_run` returned (`GRPOTrainer(config, run)`), or calls it once itself from its config.
 """
 
 from __future__ import annotations
@@ -76,3 +77,57 @@ def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype:
                                                                                options=options)
     prompts = [chat_prompt_ids(tok, p, system_prompt=system_prompt) for p in problems]
     return RunSetup(lm, tok, problems, prompts, stop_token_ids(tok, lm), pad_token_id(tok))
+
+
+def set_up_for_config(config: Any, run: RunSetup | None = None, *, policy: Any = None,
+                      problems: Sequence[Any] | None = None) -> RunSetup:
+    """The run set-up a `cbkit.train.config.CBGRPOConfig` trains on: `run` as given, or `set_up_run` called once
+    from the config's model and data (on `policy` and `problems` when given). Either way the policy is checked
+    (fp32 weights, text only) before it trains."""
+    if run is not None:
+        if policy is not None or problems is not None:
+            raise ValueError("Pass either run= (what set_up_run returned, which holds its policy and problems) or "
+                             "policy=/problems=, not both.")
+        policy = (run.model, run.tokenizer)
+    elif policy is None:
+        from cbkit.models.load import load_policy
+
+        policy = load_policy(config.model, dtype="float32", seed=config.seed)  # the config's `dtype` is an autocast
+    model, tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
+    check_fp32_weights(model)
+    check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
+    if run is not None:
+        return run
+    return set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
+                      problems=problems, system_prompt=config.system_prompt, options=config.data_options)
+
+
+# --- what the loop refuses to train ------------------------------------------------------------------------
+
+
+def check_text_only(processing_class: Any, model: Any, continuous_batching: bool) -> None:
+    """Refuse multimodal processors and models: rollouts here are token ids in, token ids out."""
+    parts = [a for a in ("image_processor", "video_processor", "feature_extractor", "audio_processor")
+             if getattr(processing_class, a, None) is not None]
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    if parts or vision:
+        what = f"{type(processing_class).__name__} (has {', '.join(parts)})" if parts else "a vision-language model"
+        engine = ("transformers' continuous batching engine takes token ids only, no pixel values"
+                  if continuous_batching else "cbkit's rollouts carry token ids only")
+        raise ValueError(
+            f"Got {what}: cbkit trains text-only policies; {engine}. Use a text-only model and its tokenizer, "
+            "or TRL's GRPOTrainer (cbkit.trl.config) for multimodal GRPO."
+        )
+
+
+def check_fp32_weights(model: Any) -> None:
+    """Refuse a policy whose floating-point weights are not all fp32: AdamW on bf16 weights rounds away the small
+    updates GRPO makes, fp16 moments underflow. Lower precision belongs in the config's `dtype`, as an autocast."""
+    import torch
+
+    half = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if half:
+        raise ValueError(
+            f"GRPOTrainer trains fp32 weights, but this policy has {', '.join(half)} weights. Load it with "
+            "load_policy(..., dtype='float32') (or call model.float()), and choose the training forwards' precision "
+            "with the config's dtype ('auto': bf16 autocast where the GPU has native bf16).")

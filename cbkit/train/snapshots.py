@@ -90,7 +90,8 @@ class WeightSnapshots:
             kept = self._dir / f"v{version}.bin"
             with open(kept, "wb") as f:
                 for t in state.values():
-                    f.write(_bytes(t.detach().cpu()).numpy())
+                    # numpy's stubs give ndarray its buffer protocol (`__buffer__`) only from Python 3.12 on.
+                    f.write(_bytes(t.detach().cpu()).numpy())  # type: ignore[arg-type]
         self._ring.append((version, kept))
         while len(self._ring) > self.maxlen:
             _, old = self._ring.popleft()
@@ -155,8 +156,9 @@ class WeightSnapshots:
             self._dir = None
 
     def __del__(self) -> None:
-        if getattr(self, "_dir", None) is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        directory = getattr(self, "_dir", None)  # unset when __init__ failed
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _host_copy(t: Tensor) -> Tensor:

@@ -231,7 +231,7 @@ def cb_config_dict(overrides: Mapping[str, Any] | str | None = None) -> dict[str
     if isinstance(overrides, str):  # TRL's CLI passes dict fields as JSON
         import json
 
-        overrides = json.loads(overrides)
+        return cb_config_values(json.loads(overrides))
     return cb_config_values(overrides)  # raises on unknown keys, a bad max_memory_percent, or return_logprobs=False
 
 

@@ -12,30 +12,50 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from trl import GRPOTrainer, RLOOTrainer
 
 from cbkit.rollout.base import SamplingParams
-from cbkit.rollout.engine import Engine, to_completions
-from cbkit.train.grpo import mix_seed
+from cbkit.rollout.engine import Engine
+from cbkit.rollout.engine_io import to_completions
+from cbkit.train.order import mix_seed
 from cbkit.trl.config import trl_grpo_config, trl_rloo_config
 from cbkit.trl.rewards import _trl_rewards, _weights_for
+
+if TYPE_CHECKING:
+    # The type checker reads the mixin as the transformers Trainer it always ends up in; at run time it is a plain
+    # mixin, so both bridge trainers keep TRL's own MRO.
+    from transformers import Trainer as _TrainerHost
+else:
+    _TrainerHost = object
 
 # --- the trainer that keeps the CB logprobs -----------------------------------------------------------------
 
 
-class _CBRollouts:
+class _CBRollouts(_TrainerHost):
     """TRL's CB branch as both bridge trainers run it, through cbkit's engine (`cbkit.rollout.engine`): cut at the
     stop ids, logprobs kept, failures raised, the KV pool sized to the workload on CPU and a seed per call (see the
     module docstring). Mixed into a TRL trainer."""
+
+    # Set by the TRL trainer it is mixed into (GRPOTrainer, RLOOTrainer), beyond transformers' Trainer: its config
+    # (GRPOConfig or RLOOConfig), its FSDP helper, and its sampling settings.
+    args: Any
+    _dist: Any
+    generation_config: Any
+    max_completion_length: int | None
+    eos_token_ids: list[int]
 
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
     _cb_engine: Engine | None = None
 
     def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
         """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`."""
+        max_new_tokens = self.max_completion_length
+        if max_new_tokens is None:
+            raise ValueError("max_completion_length=None: CB rollouts through cbkit's engine need a cap on the "
+                             "completion length; set max_completion_length in the TRL config.")
         from trl.extras.profiling import profiling_context
         from trl.models import unwrap_model_for_generation
 
@@ -61,12 +81,17 @@ class _CBRollouts:
             was_training = unwrapped.training
             with plain_forward(unwrapped):
                 outputs, _ = self._engine_for(unwrapped).run(
-                    rows, self.generation_config, max_new_tokens=self.max_completion_length, seed=self._cb_seed())
+                    rows, self.generation_config, max_new_tokens=max_new_tokens, seed=self._cb_seed())
             unwrapped.train(was_training)
         # The rows arrive repeated N times already; group indices do not matter here.
-        sampling = SamplingParams(max_new_tokens=self.max_completion_length, eos_token_id=tuple(self.eos_token_ids))
-        completions = to_completions(rows, outputs, 1, sampling)
-        return [list(c.completion_ids) for c in completions], [list(c.sampling_logprobs) for c in completions]
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tuple(self.eos_token_ids))
+        ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for c in to_completions(rows, outputs, 1, sampling):
+            assert c.sampling_logprobs is not None  # to_completions keeps them always (raises where there are none)
+            ids.append(list(c.completion_ids))
+            logprobs.append(list(c.sampling_logprobs))
+        return ids, logprobs
 
     def _engine_for(self, model) -> Engine:
         """One engine per trainer, on the model TRL generates with (its CPU pool warning once per trainer)."""
@@ -189,7 +214,7 @@ def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     ("'PagedAttentionCache' object has no attribute 'float'") and TRL then fails with an IndexError on the missing
     completions.
 
-    Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.notebook.stock_trl_cb_rollout`
+    Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.trl_step.stock_trl_cb_rollout`
     do); the wrapper is back for training when the block ends. Generation loses nothing: TRL's CB branch has
     just cast the weights themselves to the half dtype in place, so autocast has nothing left to do there. A model
     accelerate did not wrap passes through untouched.

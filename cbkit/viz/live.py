@@ -21,8 +21,7 @@ and makes every later figure carry ``text/html`` that draws with that copy: no C
 repeated per figure. Colab is the exception: each output there is its own iframe, so a figure must bring its
 own plotly.js (plotly's ``colab`` renderer does, and we leave it alone).
 
-The helpers at the bottom feed a chart from cbkit's loop (``LiveMetricsHook``) and from the sweep
-(``live_sweep``); `cbkit.teach.notebook` re-exports them where the notebooks import them.
+The notebooks feed a chart from cbkit's loop and from the sweep with `cbkit.teach.live`.
 """
 
 from __future__ import annotations
@@ -41,12 +40,10 @@ import plotly.graph_objects as go
 from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
-from cbkit.train.hooks import StepHooks, StepRecord, TrainState
-from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
+from cbkit.viz.palette import PALETTE, TEMPLATE
 
-__all__ = ["FinalFigure", "LiveChart", "LiveMetricsHook", "TRAINING_PANELS", "detect_mode", "embed_plotlyjs",
-           "figure_html", "in_kernel", "live_sweep", "run_style", "text_progress_bars",
-           "under_ci", "widget_available"]
+__all__ = ["FinalFigure", "LiveChart", "detect_mode", "embed_plotlyjs", "figure_html", "in_kernel",
+           "text_progress_bars", "under_ci", "widget_available"]
 
 Mode = Literal["auto", "widget", "html", "static"]
 
@@ -116,6 +113,8 @@ def _last_frame_bar() -> type:
     import tqdm.asyncio
 
     class LastFrameBar(tqdm.asyncio.tqdm):
+        delay: float  # tqdm's own attribute (its `delay=` argument), set by its __init__
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("delay", math.inf)  # nothing is drawn while it runs
             super().__init__(*args, **kwargs)
@@ -185,7 +184,7 @@ class LiveChart:
 
     ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
     in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
-    quantity, as `cbkit.viz.live.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    quantity, as `cbkit.teach.live.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
     last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
     a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
     """
@@ -363,6 +362,7 @@ class LiveChart:
 
     def _update_widget(self) -> None:
         if self._widget is None:
+            assert self._widget_cls is not None, "widget mode is resolved only with a FigureWidget class"
             self._widget = self._widget_cls(self.figure())
             self._trace_index = {key: i for i, key in enumerate(self._series)}
             self._display(self._widget)
@@ -423,102 +423,3 @@ def _ipython_display(obj: Any) -> Any:
     from IPython.display import display
 
     return display(obj, display_id=True)
-
-
-# --- live charts fed by the loop and the sweep ---------------------------------------------------------------
-
-# (panel title, [(series label, metric key, scale)]): what the live training chart draws.
-TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
-    ("reward", (("mean", "reward/mean", 1.0), ("correctness", "reward/correctness", 1.0),
-                ("format", "reward/format", 1.0), ("verified", "reward/verified", 1.0))),
-    ("held-out accuracy", (("held-out accuracy", "eval/accuracy", 1.0),)),
-    ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
-    ("rollout tokens/s", (("tokens/s", "rollout/tokens_per_s", 1.0),)),
-    ("rollout peak memory (MiB)", (("peak memory", "rollout/peak_mem_bytes", 2.0**-20),)),
-    ("logprob drift (nats)", (("max |sampling - policy|", "logprob/max_abs_diff", 1.0),
-                              ("mean |sampling - policy|", "logprob/mean_abs_diff", 1.0))),
-    ("IS ratio", (("ratio mean", "is/ratio_mean", 1.0), ("ratio min", "is/ratio_min", 1.0),
-                  ("ratio max", "is/ratio_max", 1.0))),
-)
-
-
-_DASHES = ("solid", "dash", "dot", "dashdot")
-
-
-def run_style(series: str) -> dict[str, Any]:
-    """Line style of a "run: quantity" series: the colour says which run (a backend's own colour), the dash which
-    quantity within a panel, so two runs in one chart read apart at a glance."""
-    run, _, name = series.rpartition(": ")
-    color = backend_color(run)  # generate / continuous keep their colours from every other cbkit chart
-    position = next((i for _, qs in TRAINING_PANELS for i, (label, _, _) in enumerate(qs) if label == name), 0)
-    return {"color": color, "dash": _DASHES[position % len(_DASHES)]}
-
-
-class LiveMetricsHook(StepHooks):
-    """A live chart of the loop's metrics, one panel per quantity, redrawn as steps finish (throttled).
-
-    ``label`` prefixes every series, so two runs drawn into one chart (``chart=`` the same LiveChart) stay
-    apart, e.g. "continuous" and "generate". The chart is closed when training ends, which keeps its final
-    figure in an executed notebook; ``records`` holds every step's metrics for a later comparison.
-    """
-
-    def __init__(self, label: str = "", *, chart: Any = None, title: str = "GRPO, live",
-                 panels: Sequence[tuple[str, Sequence[tuple[str, str, float]]]] = TRAINING_PANELS,
-                 close_on_end: bool = True, **chart_kwargs: Any) -> None:
-        self.label = label
-        self.panels = tuple(panels)
-        chart_kwargs.setdefault("y_min_span", {"IS ratio": 0.1})  # 1 +- 0.05: bf16-sized mismatches show
-        self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
-                                        **chart_kwargs)
-        self.close_on_end = close_on_end
-        self.records: list[StepRecord] = []  # every training step's record (not the step-0 evaluation)
-
-    def on_step_end(self, record: StepRecord) -> None:
-        if record.step > 0:  # step 0 is the held-out evaluation before training: drawn, not a training step
-            self.records.append(record)
-        for panel, series in self.panels:
-            for name, key, scale in series:
-                value = record.metrics.get(key)
-                if isinstance(value, int | float) and value == value:  # NaN (no logprobs) is not a point
-                    label = f"{self.label}: {name}" if self.label else name
-                    self.chart.add(label, record.step, value * scale, panel=panel)
-
-    def on_train_end(self, state: TrainState) -> None:
-        if self.close_on_end:
-            self.chart.close()
-        else:
-            self.chart.flush()
-
-
-def live_sweep(cfg: Any, out: str | os.PathLike, *, policy: Any = None, mode: str = "auto",
-               on_point: Callable[[dict[str, Any]], None] | None = None,
-               title: str | None = None) -> list[dict[str, Any]]:
-    """`cbkit.measure.sweep.run_sweep` with a live chart: every finished run becomes a point (tokens/s and peak memory
-    against N, one series per backend) the moment it lands. Returns the aggregated points. Runs already in
-    ``out`` are drawn first, so a resumed sweep shows everything it has."""
-    from cbkit.measure.results import load_runs
-    from cbkit.measure.sweep import run_sweep
-
-    workload = getattr(cfg, "lengths", None)
-    title = title or ("N-sweep, live" + (f", workload {workload}" if workload else "") + ": each point is one run")
-    chart = LiveChart(title, ["tokens/s", "peak memory (MiB)"],
-                      x_title="N (completions per prompt)", mode=mode, x_log=True,  # type: ignore[arg-type]
-                      style=lambda backend: {"color": backend_color(backend)})
-
-    def add(run: dict[str, Any]) -> None:
-        if run.get("status", "ok") != "ok":
-            return
-        chart.add(run["backend"], run["N"], run["tokens_per_s"], panel="tokens/s")
-        if run.get("peak_mem_bytes") is not None:
-            chart.add(run["backend"], run["N"], run["peak_mem_bytes"] / 2**20, panel="peak memory (MiB)")
-        if on_point is not None:
-            on_point(run)
-
-    if os.path.exists(out):
-        for run in load_runs(out):
-            add(run)
-    try:
-        points = run_sweep(cfg, out, on_point=add, policy=policy)
-    finally:
-        chart.close()
-    return points

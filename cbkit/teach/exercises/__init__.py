@@ -8,6 +8,8 @@ the expected value, the learner's, and a hint. It returns the verdict as a `Resu
 answer. `cbkit.teach.exercises.solutions` holds the facilitator's answers; the solutions book shows them.
 """
 
+from collections.abc import Callable
+
 from cbkit.teach.exercises.checks import (
     check_aggregate_loss,
     check_blocks_in_use,
@@ -23,7 +25,7 @@ from cbkit.teach.exercises.grading import Result
 
 # notebook -> its exercises, in the order the notebook asks them: (solution name, check). The solutions book and
 # the tests read this table; docs/workshop.md lists the same exercises with their times.
-EXERCISES = {
+EXERCISES: dict[str, list[tuple[str, Callable[..., Result]]]] = {
     "00_quickstart": [("format_score", check_format_score)],
     "01_kv_slot_recycling": [("padding_share", check_padding_share), ("blocks_in_use", check_blocks_in_use)],
     "02_logprob_correctness": [("token_is_weights", check_token_is_weights),

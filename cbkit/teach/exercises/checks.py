@@ -81,7 +81,9 @@ def _padding_reference(prompt_lens: list[int], completion_lens: list[int]) -> fl
         engine_config={"batch_rows": len(prompt_lens), "padded_prompt_len": max(prompt_lens),
                        "steps": max(completion_lens)})
     config = SimpleNamespace(num_attention_heads=1, num_key_value_heads=1, head_dim=1, num_hidden_layers=1)
-    return kv_accounting(rollout, config, 1)["kv_padding_share"]
+    share = kv_accounting(rollout, config, 1)["kv_padding_share"]
+    assert share is not None  # a generate() rollout (its engine_config here) always has its padding counted
+    return share
 
 
 def check_padding_share(fn: Callable[[list[int], list[int]], float], seed: int | None = None, *,

@@ -52,7 +52,9 @@ def blocks_in_use(prompt_len: int, lengths: list[int], page_size: int, pool_bloc
     reached their length leave and their reservation returns to the pool. Stop when none waits or runs.
     """
     worst = -(-(prompt_len + max(lengths)) // page_size)
-    waiting, running, held = list(range(len(lengths))), {}, []
+    waiting = list(range(len(lengths)))
+    running: dict[int, int] = {}  # sequence -> tokens generated
+    held: list[int] = []
     while waiting or running:
         while waiting and (len(running) + 1) * worst <= pool_blocks:
             running[waiting.pop(0)] = 0

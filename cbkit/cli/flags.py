@@ -1,0 +1,124 @@
+"""A dataclass as flags: one per field, made by transformers' `HfArgumentParser` and adapted where it cannot
+express what cbkit needs (`_given_flags_only`, each reason beside it)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from typing import Any
+
+
+def given_fields(args: argparse.Namespace, dtype: type) -> dict[str, Any]:
+    """The fields of `dtype` that were given as flags, as the dataclass takes them."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(dtype) if f.name in vars(args)}
+
+
+def dataclass_flags(dtype: type) -> argparse.ArgumentParser:
+    """One flag per field of `dtype`, made by `HfArgumentParser` and adapted by `_given_flags_only`: a parent
+    parser for `add_parser(..., parents=[...])`, argparse's own way of sharing arguments."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(typing.cast(Any, dtype), add_help=False)  # its DataClassType is a NewType of Any
+    _given_flags_only(parser, dtype)
+    return parser
+
+
+def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
+    """What `HfArgumentParser` cannot express, fixed on the flags it made:
+
+    * Defaults. It fills every field's default into the namespace, so a flag left out is indistinguishable
+      from one given with the default value. cbkit layers a resumed checkpoint's config and a recipe under the
+      flags, so only the flags given may override them: the defaults become `SUPPRESS` (the help still
+      shows them).
+    * `none` for an Optional field: argparse calls the inner type (`float("none")` fails), so an Optional
+      with a non-None default (e.g. `system_prompt`) could not be set back to None from the command line.
+    * dict fields take JSON: `HfArgumentParser` passes `dict[str, Any]` itself as the type, which cannot parse.
+    * list and tuple fields take comma-separated values too (`--ns 8,16,32`, the syntax cbkit's scripts and
+      README use) as well as space-separated ones; `HfArgumentParser` has no tuple support.
+    """
+    hints = typing.get_type_hints(dtype)
+    fields = {f.name: f for f in dataclasses.fields(dtype)}
+    for action in parser._actions:
+        f = fields.get(action.dest)
+        if f is None:
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default: Any = None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        action.default, action.required = argparse.SUPPRESS, required and not isinstance(action,
+                                                                                         argparse._StoreFalseAction)
+        if isinstance(action, argparse._StoreFalseAction):  # the --no-<flag> twin of a boolean
+            continue
+        text = f.metadata.get("help") or f"{dtype.__name__}.{f.name}"
+        action.help = (text if required else f"{text} (default: {default!r})").replace("%", "%%")
+        base, optional = _strip_optional(hints[f.name])
+        flag = action.option_strings[-1]
+        if typing.get_origin(base) is dict:
+            action.type = _json_value(flag)
+        elif _collection(base):
+            action.type, action.nargs = _comma_list(typing.get_args(base)[0], flag), "+"
+            action.__class__ = _ListFlag  # was a plain store action: store the words' lists as one list
+        if optional:
+            action.type = _or_none(action.type)
+
+
+class _ListFlag(argparse._StoreAction):
+    """A list flag whose words may each hold a comma-separated list: `--ns 8,16 32` is [8, 16, 32]; `none`
+    (an Optional list) is None."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, None if None in values else [x for part in values for x in part])
+
+
+def _strip_optional(hint: Any) -> tuple[Any, bool]:
+    args = typing.get_args(hint)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else hint), True
+    return hint, False
+
+
+def _collection(hint: Any) -> bool:
+    return typing.get_origin(hint) in (list, tuple)
+
+
+def _named(fn, name: str):
+    fn.__name__ = name  # argparse names the type in "invalid <name> value" errors
+    return fn
+
+
+def _json_value(flag: str):
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON ({e.msg}): {text!r}. Example: {flag} "
+                                             "'{\"page_size\": 32, \"num_blocks\": 256}'") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object of settings ({{...}}), got {text!r}.")
+        return value
+
+    return _named(parse, "JSON")
+
+
+def _comma_list(item: type, flag: str):
+    def parse(text: str) -> list:
+        try:
+            return [item(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            kind = "integers like 8,16,32,64" if item is int else f"{item.__name__} values"
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind}; got {text!r}.") from None
+
+    return _named(parse, f"{item.__name__} list")
+
+
+def _or_none(parse):
+    def convert(text: str):
+        return None if text.lower() == "none" else parse(text)
+
+    return _named(convert, getattr(parse, "__name__", "value"))

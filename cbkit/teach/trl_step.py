@@ -1,0 +1,120 @@
+"""TRL's own step in the notebooks: its config overrides and batch sizes checked against the notebook's step
+(04), and one step of *stock* `trl.GRPOTrainer` on its CB path, recording the logprobs it drops (02).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cbkit.teach.notebook import GiB, NotebookEnv
+
+
+def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
+    """The `GRPOConfig` overrides (TRL's names) of the notebooks' one TRL step. The batch is not among them: the
+    bridge turns ``prompts_per_step`` and ``gradient_accumulation_steps`` into TRL's ``per_device_train_batch_size``
+    (one micro-batch), so that TRL generates exactly prompts x N completions a step.
+
+    Checkpointing is off (TRL defaults it on) under the installed transformers' name for it: 5.17 has only
+    ``gradient_checkpointing``; later 5.x call it ``activation_checkpointing`` and warn on the old name."""
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
+            "dataloader_pin_memory": env.gpu}
+
+
+def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_len: int, vocab_size: int,
+                   logits_budget_bytes: int) -> str:
+    """Checks a TRL config against the step it should run: its generation batch is prompts x N completions, and
+    each micro-batch's loss logits stay within the tier's budget. Raises with what to change; returns one line."""
+    from cbkit.train.batch import logits_bytes
+
+    world = getattr(args, "world_size", 1) or 1
+    generated = args.generation_batch_size
+    want = prompts * num_generations
+    if generated != want:
+        raise ValueError(f"TRL would generate {generated} completions a step (per_device_train_batch_size "
+                         f"{args.per_device_train_batch_size} x steps_per_generation {args.steps_per_generation} x "
+                         f"{world} processes), not prompts x N = {want}: drop per_device_train_batch_size from the "
+                         "overrides and let prompts_per_step set it.")
+    micro = logits_bytes(args.per_device_train_batch_size, completion_len, vocab_size)
+    if micro > logits_budget_bytes:
+        raise ValueError(f"TRL's micro-batch of {args.per_device_train_batch_size} completions needs "
+                         f"{micro / GiB:.2f} GiB of logits, over the {logits_budget_bytes / GiB:.0f} GiB budget: raise "
+                         "gradient_accumulation_steps (env.micro_batches chooses it).")
+    return (f"TRL generates {generated} completions a step ({prompts} prompts x N={num_generations}), trained in "
+            f"{args.steps_per_generation} micro-batches of {args.per_device_train_batch_size} ({micro / GiB:.2f} GiB "
+            f"of logits each, budget {logits_budget_bytes / GiB:.0f})")
+
+
+def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
+                         **overrides: Any) -> dict[str, Any]:
+    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path (not cbkit's
+    ``CBLogprobGRPOTrainer``), recording what its rollout returned: the completions and the logprobs, which that
+    path sets to None (``_generate_single_turn`` in TRL's grpo_trainer.py). Runs on a copy of ``model``, so the
+    caller's weights do not move. Returns the completions' count, the logprobs as TRL got them, and the step's
+    logged ``sampling/*`` metrics (TRL's importance-sampling diagnostics: absent when it had nothing to correct
+    with)."""
+    import copy
+
+    from trl import GRPOTrainer as StockGRPOTrainer
+
+    from cbkit.trl.config import trl_grpo_config
+    from cbkit.trl.rewards import _trl_rewards, _weights_for
+
+    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
+    args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
+    cb = args.transformers_continuous_batching_config
+    if model.device.type == "cpu" and cb is not None:
+        # Stock TRL hands the engine max_memory_percent, which on a CPU is a share of host RAM: 12 GB of zeroed KV
+        # on a 24 GB machine (02 at CPU size peaked at 16.1 GiB for it; docs/memory.md). The pool cbkit's own CPU
+        # engine gets instead (the CPU pool rule): every completion of the step at its longest prompt and the limit.
+        from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
+
+        longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"])
+                      if isinstance(row["prompt"], list) else len(tokenizer(row["prompt"])["input_ids"])
+                      for row in dataset)
+        rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        blocks = cpu_pool_blocks(cb, rows, args.max_completion_length, page_size(cb))
+        if blocks is not None:
+            args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks}
+    if not args.use_transformers_continuous_batching:
+        raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
+                         "use_transformers_continuous_batching=True.")
+    trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
+                               processing_class=tokenizer)
+    seen = _train_recording(trainer)
+    # The trainer and its copy of the model, freed with the heap they used (nothing here holds them any longer).
+    del trainer
+    from cbkit.telemetry import release_memory
+
+    release_memory()
+    return seen
+
+
+def _train_recording(trainer: Any) -> dict[str, Any]:
+    """Train `trainer` (a stock ``trl.GRPOTrainer``) one step, recording what its rollout (its
+    ``_generate_single_turn``, replaced on this one instance) returned."""
+    from cbkit.trl.trainers import plain_forward
+
+    seen: dict[str, Any] = {}
+    generate = trainer._generate_single_turn
+
+    def recording(*a: Any, **k: Any):
+        # TRL's own CB generation, minus accelerate's mixed-precision wrapper around the forward (bf16=True where bf16
+        # is native), which would call .float() on the engine's PagedAttentionCache; training keeps the wrapper.
+        with plain_forward(trainer.model):
+            completion_ids, logprobs = generate(*a, **k)
+        seen.update(completions=len(completion_ids), logprobs=logprobs,
+                    tokens=sum(len(c) for c in completion_ids))
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = recording
+    trainer.train()
+    logs = trainer.state.log_history[0] if trainer.state.log_history else {}
+    seen["sampling_metrics"] = {k: v for k, v in logs.items() if k.startswith("sampling/")}
+    seen["trainer"] = type(trainer).__module__ + "." + type(trainer).__name__
+    return seen

@@ -1,0 +1,110 @@
+"""Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)`.
+
+The loop asks for "the rollout of step t's prompts" and does not care who samples it. On-policy (the default,
+`OnPolicyRollouts`) the backend samples from the weights as they are; `cbkit.train.offpolicy` has the two
+off-policy sources, a fixed lag (`LaggedRollouts`) and async rollouts (`AsyncRollouts`). A source is given
+what it needs when it is built (the policy, the backend, a snapshot store, the engine): it never calls back
+into the trainer, so a new source (a replay buffer, a remote sampler) is one class, not a branch in the loop.
+
+Besides `rollout`, a source hears of each optimizer update and of each step's end (a lagged source keeps the
+updated weights, an async one publishes them to its engine), saves what it needs in a checkpoint, and closes.
+The on-policy source does nothing at any of them.
+
+What comes back is checked once, where it enters the trainer (`check_entry`): the `Rollout` contract
+(`Rollout.validate`) and the shape the request asked for. Backends do not check their own output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cbkit.rollout import Rollout, RolloutBackend, SamplingParams
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What one step asks for: `num_generations` completions of each prompt, sampled with `sampling`."""
+
+    indices: list[int]  # the problems' positions in the run: what the rollout is scored against
+    prompts: list[list[int]]
+    prompt_names: list[str]
+    num_generations: int
+    sampling: SamplingParams
+    step: int
+    policy_version: int  # optimizer updates so far: the version the loss will be computed with
+    # The next step's request (None at the last step): a source that decodes ahead (async) queues it now.
+    following: RolloutRequest | None = None
+
+
+@dataclass
+class SourcedRollout:
+    """A source's answer: the rollout, the problems it is scored against (a source may drop whole groups), and
+    the source's own metrics (`offpolicy/*`: staleness, waits)."""
+
+    rollout: Rollout
+    indices: list[int]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutSource:
+    """Where a run's rollouts come from. Override `rollout`; the other calls are no-ops unless a source keeps
+    something across steps (`cbkit.train.hooks.StepHooks` works the same way)."""
+
+    def rollout(self, request: RolloutRequest) -> SourcedRollout:
+        raise NotImplementedError(f"{type(self).__name__} must override rollout(request) -> SourcedRollout.")
+
+    def after_update(self, version: int) -> None:
+        """An optimizer update has just made the policy's weights `version`."""
+
+    def after_step(self, version: int) -> dict[str, float]:
+        """The step's last update is done (its weights are `version`); returns metrics for the step."""
+        return {}
+
+    def save(self, directory: Path) -> None:
+        """Write into a checkpoint directory what the next rollouts need beyond the policy's weights."""
+
+    def load(self, directory: Path, version: int) -> None:
+        """Read back what `save` wrote; the policy already holds the checkpoint's weights, `version`."""
+
+    def close(self) -> None:
+        """Release what the source holds (an engine's thread, snapshot files)."""
+
+
+class OnPolicyRollouts(RolloutSource):
+    """The default: the backend samples from the policy's current weights; nothing kept, nothing to save."""
+
+    def __init__(self, backend: RolloutBackend) -> None:
+        self.backend = backend
+
+    def rollout(self, request: RolloutRequest) -> SourcedRollout:
+        return SourcedRollout(sample(self.backend, request), list(request.indices))
+
+
+def sample(backend: RolloutBackend, request: RolloutRequest) -> Rollout:
+    """The request through a backend's `generate` (unchecked: the trainer checks what enters it)."""
+    return backend.generate(request.prompts, request.num_generations, request.sampling,
+                            prompt_names=request.prompt_names)
+
+
+def check_entry(got: SourcedRollout, request: RolloutRequest) -> SourcedRollout:
+    """The one check of a rollout, where it enters the trainer: the contract, then what was asked."""
+    rollout, n = got.rollout.validate(), request.num_generations
+    if rollout.num_generations != n or len(rollout.completions) != n * len(got.indices):
+        raise ValueError(
+            f"Backend {rollout.backend!r} returned {len(rollout.completions)} completions in groups of "
+            f"{rollout.num_generations} for {len(got.indices)} prompts x num_generations={n}; expected "
+            f"{n * len(got.indices)} in groups of {n}."
+        )
+    return got
+
+
+def check_backend(backend: object) -> RolloutBackend:
+    """Refuse, where it enters the trainer, a backend that does not implement the protocol."""
+    if not isinstance(backend, RolloutBackend):
+        raise TypeError(
+            f"backend must implement cbkit.rollout.RolloutBackend (a `name` and "
+            f"`generate(prompts, num_generations, sampling, *, prompt_names=None) -> Rollout`); got "
+            f"{type(backend).__name__}."
+        )
+    return backend
