@@ -408,3 +408,19 @@ def test_a_shared_prompt_is_prefilled_once(tiny, monkeypatch):
     assert matched == [0, 32, 32, 32, 32]
     ref = GenerateBackend(tiny.model, pad_token_id=0).generate(prompt, 4, sp)
     assert [c.completion_ids for c in cb.completions] == [c.completion_ids for c in ref.completions]
+
+
+def test_the_cpu_pool_rule_is_what_the_engine_allocates(tiny, prompts):
+    """The one CPU pool rule (`cpu_pool_blocks`): a CB rollout on a CPU runs on a pool of exactly the blocks that
+    hold every request at the generation limit at once, counted from the page size the engine reports; a
+    `num_blocks` the caller sets wins, and the rule steps aside."""
+    from cbkit.rollout.engine_config import cpu_pool_blocks
+
+    rows = [list(p) for p in prompts for _ in range(2)]
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
+    sized = make_backend("continuous", tiny.model).generate(prompts, 2, sp)
+    page = sized.engine_config["page_size"]
+    assert sized.engine_config["num_blocks"] == cpu_pool_blocks({}, rows, 6, page)
+    assert sized.engine_config["num_blocks"] == sum(-(-(len(r) + 6) // page) for r in rows) + 1  # worked by hand
+    fixed = make_backend("continuous", tiny.model, cb_config={"num_blocks": 64}).generate(prompts, 2, sp)
+    assert fixed.engine_config["num_blocks"] == 64 and cpu_pool_blocks({"num_blocks": 64}, rows, 6, page) is None
