@@ -32,7 +32,7 @@ NOTEBOOK_RUN := CBKIT_PROFILE=ci OMP_NUM_THREADS=$(shell n=$$(( $(NPROC) / $(NOT
 	$(BIN)/python -m pytest -n $(NOTEBOOK_JOBS) --dist worksteal
 endif
 
-.PHONY: setup browser sweep demo test test-more test-bare test-oldest test-notebooks test-skipped test-questions test-tiers book lint \
+.PHONY: setup browser sweep demo test test-more test-bare test-oldest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
 	publish-address clean
 
 setup: $(STAMP)
@@ -141,6 +141,17 @@ test-notebooks: $(STAMP) browser
 test-skipped: $(STAMP)
 	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
 	$(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
+
+# Notebooks executed at their CPU sizes (CBKIT_PROFILE unset, on a machine without a GPU), for the outputs the guide
+# tells facilitators to show at CPU size: the book holds CI-size runs only. Each copy keeps its outputs and gets an
+# HTML page beside it ($(CPU_EXECUTED)/*.html) to open offline or project. Not part of `make test`.
+CPU_EXECUTED ?= runs/notebooks-cpu
+CPU_NOTEBOOKS ?= 05_off_policy
+cpu-notebooks: $(STAMP)
+	mkdir -p $(CPU_EXECUTED) && for nb in $(CPU_NOTEBOOKS); do cp notebooks/$$nb.ipynb $(CPU_EXECUTED)/; done
+	env -u CBKIT_PROFILE -u CBKIT_TIER $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 \
+		--overwrite $(foreach nb,$(CPU_NOTEBOOKS),$(CPU_EXECUTED)/$(nb).ipynb)
+	$(BIN)/jupyter nbconvert --to html $(foreach nb,$(CPU_NOTEBOOKS),$(CPU_EXECUTED)/$(nb).ipynb)
 
 # Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and
 # only the cells that the edited cell and that cell need. `pytest` checks cheaply that every edit applies and compiles;

@@ -2,7 +2,7 @@
 
 Reads the notebooks `make test-notebooks` executed (runs/notebooks), adds a PNG of every figure to them
 (`cbkit.viz.static`: what github.com's viewer shows, where plotly.js does not run), stages them with
-docs/workshop.md and docs/book/ into one source folder laid out as the repository is (so the guide's links to
+docs/workshop.md, docs/objective.md and docs/book/ into one source folder laid out as the repository is (so the guide's links to
 ../notebooks/ work on GitHub and in the book alike), and runs Sphinx with myst-nb on it, without executing
 anything again. The site's front page is <out>/index.html.
 
@@ -106,6 +106,8 @@ def build(paths: list[Path], out: Path, solutions: bool) -> int:
     (src / "index.md").write_text(index)
     # The guide (where its numbers come from is lab/workshop-provenance.md, outside the book).
     shutil.copy(REPO / "docs" / "workshop.md", src / "docs" / "workshop.md")
+    # The GRPO objective, written once (its formulas drawn as MathML by conf.py, offline); the notebooks link to it.
+    shutil.copy(REPO / "docs" / "objective.md", src / "docs" / "objective.md")
     # The learning results (docs/learning.md): the figure of CB against generate() and the hacking lesson, with the
     # numbers scripts/learning_report.py printed from the runs.
     shutil.copy(REPO / "docs" / "learning.md", src / "docs" / "learning.md")

@@ -39,7 +39,7 @@ def test_front_page_links_the_guide_and_every_notebook():
     index = BOOK / "index.html"
     assert index.is_file(), f"{index} missing: run `make book`"
     html = index.read_text(encoding="utf-8")
-    for page in ["docs/workshop.html", "docs/learning.html"] + [f"notebooks/{stem}.html" for stem in EXPECTED]:
+    for page in ["docs/workshop.html", "docs/objective.html", "docs/learning.html"] + [f"notebooks/{stem}.html" for stem in EXPECTED]:
         assert f'href="{page}' in html, f"index.html does not link {page}"
         assert (BOOK / page).is_file(), f"{page} was not built"
 
@@ -68,7 +68,7 @@ def test_the_solutions_book_is_built_beside_with_every_exercise_answered():
 
 
 @needs_book
-@pytest.mark.parametrize("page", ["index.html", "docs/workshop.html", "docs/learning.html"]
+@pytest.mark.parametrize("page", ["index.html", "docs/workshop.html", "docs/objective.html", "docs/learning.html"]
                          + [f"notebooks/{s}.html" for s in EXPECTED])
 def test_no_page_loads_anything_from_the_network(page):
     html = (BOOK / page).read_text(encoding="utf-8")
@@ -130,3 +130,11 @@ def test_figure_pngs_draws_offline_at_the_figure_size(tmp_path):
     nbformat.write(book, path)
     assert add_png_fallbacks(path) == 1 and add_png_fallbacks(path) == 0
     assert "image/png" in nbformat.read(path, as_version=4).cells[0].outputs[0].data
+
+
+@needs_book
+def test_the_objective_page_draws_its_formulas_as_mathml():
+    """docs/objective.md's `$$` formulas become MathML at build time (docs/book/conf.py): the browser draws them with
+    no script, where MathJax would come from a CDN and leave raw LaTeX offline."""
+    html = (BOOK / "docs" / "objective.html").read_text(encoding="utf-8")
+    assert html.count("<math") >= 10 and "mathjax" not in html.lower(), "objective.html: formulas not drawn as MathML"

@@ -80,7 +80,7 @@ def test_entry_points_and_their_arguments():
         "the model attribute _cached_continuous_batching_manager")
     pin({"inputs", "max_new_tokens", "record_timestamps"} <= _params(ContinuousBatchingManager.add_requests),
         "ContinuousBatchingManager.add_requests' arguments")
-    pin({"input_ids", "max_new_tokens", "eos_token_id", "record_timestamps"} <= _params(
+    pin({"input_ids", "request_id", "max_new_tokens", "eos_token_id", "record_timestamps"} <= _params(
         ContinuousBatchingManager.add_request), "ContinuousBatchingManager.add_request's arguments")
     pin({"timeout"} <= _params(ContinuousBatchingManager.get_result), "ContinuousBatchingManager.get_result")
     pin({"keep_for_next_session", "block", "timeout"} <= _params(ContinuousBatchingManager.stop),

@@ -10,6 +10,7 @@ import pytest
 from cbkit.rollout import SamplingParams
 from cbkit.rollout.continuous import ContinuousBackend
 from cbkit.rollout.engine_config import workload_blocks
+from cbkit.rollout.engine_io import HELPER_PREFIX
 from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest, record_engine_steps
 
 PAGE = 16
@@ -69,6 +70,26 @@ def test_a_pool_smaller_than_the_workload_recycles_blocks(tiny, prompts):
     assert any(last_seen[r.released_by] == r.last_step for r in reuses)  # a finished request's block, reused
     mixed = trace.mixed_step()
     assert {r.phase for r in mixed.requests} == {"prefill", "decode"}  # a later prompt joined decoding requests
+
+
+def test_cbkits_helper_prefills_are_named_and_the_timeline_points_into_the_trace(tiny, prompts):
+    """With prefix sharing cbkit prefills each shared prompt first, alone: the trace shows one helper per prompt,
+    named so, computing the whole prompt before any completion is scheduled; the completions are the rollout's rows,
+    and each timeline request names its engine id."""
+    tok = tiny.tokenizer
+    sp = SamplingParams(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=0)
+    long = [p * 3 for p in prompts]  # at least one complete page of 16, so the prompt is worth sharing
+    backend = ContinuousBackend(tiny.model, {"page_size": PAGE}, record_timestamps=True)
+    with record_engine_steps() as trace:
+        rollout = backend.generate(long, 2, sp)
+    lives = trace.lives()
+    helpers = [life for life in lives.values() if life.helper]
+    assert sorted(h.request_id for h in helpers) == ["cbkit-prefill-0", "cbkit-prefill-1"]
+    assert all(h.request_id.startswith(HELPER_PREFIX) for h in helpers)
+    first_completion = min(life.first_step for life in lives.values() if not life.helper)
+    assert all(h.first_token_step < first_completion for h in helpers)
+    completions = {life.request_id for life in lives.values() if not life.helper}
+    assert completions == {r["engine_id"] for r in rollout.timeline["requests"]} and len(completions) == 4
 
 
 def _req(rid, blocks, prompt=1, prompt_len=32, past=40):

@@ -107,7 +107,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
     assert isinstance(fig, go.Figure)  # closed when the second run ended
     names = {t.name for t in fig.data}
     for label in ("continuous", "generate"):
-        for series in ("mean", "tokens/s", "peak memory", "max |sampling - policy|", "ratio mean"):
+        for series in ("train reward", "tokens/s", "peak memory", "max |diff|", "ratio mean"):
             assert f"{label}: {series}" in names
     tokens = next(t for t in fig.data if t.name == "continuous: tokens/s")
     assert list(tokens.x) == [1, 2]
@@ -130,7 +130,7 @@ def test_nan_metrics_are_not_points():
     hook = live.LiveMetricsHook(chart=chart)
     hook.on_step_end(StepRecord(1, {"logprob/max_abs_diff": float("nan"), "reward/mean": 0.5}))
     names = {t.name for t in chart.figure().data}
-    assert names == {"mean"}
+    assert names == {"train reward"}
 
 
 def test_metrics_table_groups_by_namespace_and_shows_bytes_in_mib():
@@ -243,7 +243,11 @@ def test_recycling_model_refuses_bad_input(call, msg):
 
 def test_explorer_headless_returns_the_figure_and_interactive_returns_sliders():
     fig = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=False)
-    assert isinstance(fig, go.Figure) and "paged pool peak" in fig.layout.title.text
+    assert isinstance(fig, go.Figure) and "paged pool, engine admission: peak" in fig.layout.title.text
+    # both admission rules drawn, the engine's named as such, the reservation's step count in the title too
+    names = {t.name for t in fig.data}
+    assert {"paged pool, engine admission: KV slots held", "paged pool, worst-case reservation: KV slots held"} <= names
+    assert "worst-case reservation:" in fig.layout.title.text
     ui = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=True)
     assert [c.description for c in ui.children[:3]] == ["N", "length spread", "pool / static"]
 
@@ -301,6 +305,15 @@ def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
     assert "max |difference| 5.00e-01" in scatter.layout.title.text
     with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
         logprob_scatter([-1.0], [])
+    from cbkit.teach.figures_ratios import logprob_differences
+
+    # -10 against -10 + 3e-5: a y = x scatter draws one dot on the diagonal; the differences are the axis.
+    diffs = logprob_differences([-10.0, -2.0, -0.5], [-10.0 + 3e-5, -2.0, -0.5 - 1e-5])
+    assert list(diffs.data[0].y) == pytest.approx([-3e-5, 0.0, 1e-5], abs=1e-12)
+    assert list(diffs.layout.yaxis.range) == pytest.approx([-3.3e-5, 3.3e-5])
+    assert "max |difference| 3.0e-05, mean 1.3e-05" in diffs.layout.title.text
+    with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
+        logprob_differences([-1.0], [])
 
 
 def test_planned_points_feed_the_memory_figure(tiny):
@@ -430,27 +443,24 @@ def test_one_about_equal_rule_for_sentences_crossover_and_advice():
     assert "parity within 5%" in str(advice)
 
 
-def test_timeline_findings_count_recycling_and_waits():
+def test_timeline_findings_without_the_engine_record_count_blocks_and_claim_no_waits():
+    """Without a trace the findings say what the lengths alone show (blocks needed against the pool) and nothing
+    about who waited: the clocks' start is lifespan[0], which can be stamped before a request is scheduled
+    (tests/test_engine_findings.py has a recorded rollout where it is)."""
     t0 = 100.0
     requests = [dict(id=0, group=0, prompt_len=4, start=t0, end=t0 + 1.0, token_times=[t0 + 0.1, t0 + 1.0]),
                 dict(id=1, group=0, prompt_len=4, start=t0, end=t0 + 2.0, token_times=[t0 + 0.9, t0 + 2.0]),
                 dict(id=2, group=0, prompt_len=4, start=t0 + 1.0, end=t0 + 3.0, token_times=[t0 + 1.1, t0 + 3.0])]
     occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
-    text = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occ)
-    assert "1 of 3 requests were admitted only after another had finished" in text  # request 2, at 1.0 s
-    assert "prompt chunk fits the free blocks" in text
+    text = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occupancy=occ)
     # Page 4, no sharing: prompt 4 + 2 tokens is 2 blocks each, 6 in all against a pool of 2.
     assert "needed 6 blocks in all against the 2-block pool: at least 4 blocks were used by more than one" in text
-    assert "1 requests sat admitted for more than 10% of the rollout (3.0 s)" in text  # request 1: 0.9 s
-    assert "peaked at 3 of a 2-block pool" in text and "offloaded" in text
+    assert "modelled from the request clocks, peaked at 3 of a 2-block pool" in text
+    assert "admitted" not in text and "waited" not in text.replace("Who waited", "")
     # With prefix sharing the group's one complete prompt page is stored once: 1 + 3 x (2 - 1) = 4 blocks.
-    shared = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True}, occ)
+    shared = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True},
+                                        occupancy=occ)
     assert "needed 4 blocks in all" in shared
-    # Nobody waited for another's blocks (all admitted at t0): no admission sentence, the opposite one instead.
-    together = [dict(r, start=t0) for r in requests]
-    none_waited = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": together}, occ)
-    assert "admitted only after" not in none_waited and "fits the free blocks" not in none_waited
-    assert "All 3 requests were admitted before the first one finished" in none_waited
 
 
 def test_update_with_and_without_is_by_hand():
@@ -474,6 +484,14 @@ def test_update_with_and_without_is_by_hand():
     away = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
     assert away["cosine"] < 1 - 1e-4
     assert all(p.grad is None for p in tr.model.parameters())
+    # The noise baseline, cos(A, B) of the two halves' gradients, from another path: weights that keep only half A
+    # (or B) make the "with IS" gradient that half's, and |A + B|^2 = |A|^2 + |B|^2 + 2 A.B.
+    even = (torch.arange(len(one_out)) < len(one_out) // 2).float()[:, None]  # the first half of the rows
+    a = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=ones.is_weights * even))
+    b = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=ones.is_weights * (1 - even)))
+    na, nb, nab = a["norm_with_is"], b["norm_with_is"], a["norm_without_is"]
+    assert g["cosine_halves"] == pytest.approx((nab**2 - na**2 - nb**2) / (2 * na * nb), abs=1e-6)
+    assert -1 < g["cosine_halves"] < 1 - 1e-4  # two samples' gradients are not one direction
     with pytest.raises(ValueError, match="needs IS weights"):
         is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
 
@@ -571,3 +589,38 @@ def test_gpu_estimate_findings_compare_the_shares():
     assert "the rollout was 40% of generate()'s step here (a rollout speed-up can buy at most 1.67x)" in text
     assert "90% on the GPU A (larger than here: at most 10.00x); 42% on the GPU B (about as here: at most 1.72x)" in text
     assert "On the GPU A the estimate gives generate() and CB the same rollout" in text and "GPU B the" not in text
+
+
+def test_reward_trend_reads_thirds_and_slope_not_the_end_steps():
+    from cbkit.teach.findings import reward_trend
+
+    def recs(rewards):
+        return [StepRecord(i, {"reward/mean": r}) for i, r in enumerate(rewards, start=1)]
+
+    # Worked by hand: thirds of 2 steps, 0.15 -> 0.55; slope = sum((x - 3.5) * y) / 17.5 = 1.65 / 17.5.
+    text = reward_trend({"cb": recs([0.1, 0.2, 0.3, 0.2, 0.5, 0.6])})
+    assert "0.150 over steps 1-2 -> 0.550 over steps 5-6" in text and "+0.0943 a step: it rose" in text
+    # The last step above the first reads as learning; the thirds fell and the slope is negative: no rise claimed.
+    falling = reward_trend({"g": recs([0.2, 0.6, 0.5, 0.3, 0.1, 0.3])})
+    assert "it fell" in falling and "rose" not in falling
+    mixed = reward_trend({"g": recs([0.0, 0.2, 0.9, 0.0, 0.1, 0.2])})  # thirds 0.1 -> 0.15, slope -0.1 / 17.5
+    assert "no trend" in mixed and "-0.0057" in mixed
+    assert "too few" in reward_trend({"one": recs([0.3, 0.4])})
+
+
+def test_training_chart_is_a_grid_with_one_legend_entry_per_run_and_labelled_quantities():
+    first = live.LiveMetricsHook("continuous", mode="static", close_on_end=False)
+    for hook in (first, live.LiveMetricsHook("generate", chart=first.chart)):
+        for step in (1, 2, 3):
+            hook.on_step_end(StepRecord(step, {"reward/mean": 0.1 * step, "logprob/max_abs_diff": 1e-6,
+                                               "logprob/mean_abs_diff": 1e-7, "rollout/tokens_per_s": 10.0}))
+    fig = first.chart.figure()
+    assert [t.name for t in fig.data if t.showlegend] == ["continuous", "generate"]  # a legend of runs
+    assert fig.layout.height <= 800  # three rows of two panels: read without scrolling
+    drift = [t for t in fig.data if t.yaxis == "y5"]  # the fifth panel: row 3, column 1
+    assert fig.layout.yaxis5.title.text == "logprob drift (nats)" and len(drift) == 4
+    cb_max, cb_mean = [t for t in drift if t.name == "continuous"]
+    assert cb_max.line.color != cb_mean.line.color and cb_max.marker.symbol != cb_mean.marker.symbol
+    assert list(cb_max.text) == ["", "", "max |diff|"]  # the quantity beside its last point
+    tokens = next(t for t in fig.data if t.yaxis == "y3")
+    assert tokens.text is None  # one quantity in its panel: nothing to tell apart

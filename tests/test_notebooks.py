@@ -230,17 +230,28 @@ GUARDS = {
          {"replay_speed_at_max_n": 1.02}),
         ("the replayed workload pads a static batch", lambda v: v["replay_padding_share"] >= 0.05,
          {"replay_padding_share": 0.0}),
+        # The split of "Why CB wins": prefix sharing prefills the group's prompt about once, and that saves time.
+        ("CB with prefix sharing prefills under half the tokens generate() does",
+         lambda v: 2 * v["cb_prefill_tokens"] < v["generate_prefill_tokens"], {"cb_prefill_tokens": 10**6}),
+        ("turning prefix sharing off makes CB slower", lambda v: v["sharing_saving_s"] > 0,
+         {"sharing_saving_s": -0.1}),
     ],
     "04_grpo_live": [
         ("both runs earn some reward", lambda v: v["continuous_reward_max"] > 0 and v["generate_reward_max"] > 0,
          {"continuous_reward_max": 0.0}),
         ("both runs have nonzero gradients", lambda v: v["continuous_grad_norm_max"] > 0
          and v["generate_grad_norm_max"] > 0, {"generate_grad_norm_max": 0.0}),
+        # At CI size a dozen steps of a random model on the lowercase reward: the chart's trend (slopes +0.045 and
+        # +0.041 a step in one run of this notebook).
+        ("each run's reward rises over its steps", lambda v: v["continuous_reward_slope"] > 0
+         and v["generate_reward_slope"] > 0, {"continuous_reward_slope": -0.001}),
     ],
     "05_off_policy": [
         ("rollouts one update stale drift measurably from the current policy",
          lambda v: v["drift_at_1"] > 10 * max(v["drift_at_0"], 1e-7), {"drift_at_1": 1e-7}),
         ("the IS correction changes the update", lambda v: v["weights_apart"] > 0, {"weights_apart": 0.0}),
+        ("the runs with and without the correction roll out from different weights",
+         lambda v: v["rollouts_differ_from_step"] > 0, {"rollouts_differ_from_step": 0}),
         ("an async completion straddles an optimizer update", lambda v: v["straddling_frac"] > 0,
          {"straddling_frac": 0.0}),
         ("the drift metric catches stale prefix KV", lambda v: v["stale_kv_gap"] > 10 * max(v["fixed_kv_gap"], 1e-7),

@@ -256,3 +256,26 @@ def test_a_backend_passed_with_staleness_is_refused():
     model, tok = load_policy("tiny", seed=0)
     with pytest.raises(ValueError, match=r"pass no backend"):
         trainer(config(rollout_staleness=1), policy=(model, tok), backend=make_backend("generate", model))
+
+
+def test_rollout_sources_says_from_which_step_two_runs_sampled_from_different_weights():
+    from cbkit.rollout.base import Completion, Rollout
+    from cbkit.teach.offpolicy import Recorder, first_different_rollout, rollout_sources
+
+    def run(steps):
+        rec = Recorder()
+        for version, ids, logps in steps:
+            rec.rollouts.append(Rollout([Completion(0, (1, 2), ids, logps, "eos", policy_versions=(version,) * len(ids))],
+                                        1, "continuous", 0.0))
+        return rec
+
+    same = [(0, (5, 6), (-0.5, -1.0)), (0, (7,), (-0.25,))]
+    a = run(same + [(1, (5, 6), (-0.5, -1.0)), (2, (8, 9), (-0.5, -1.0))])
+    b = run(same + [(1, (5, 6), (-0.5, -1.0 + 2**-10)), (2, (8, 4), (-0.5, -1.0))])
+    text = rollout_sources({"with": a, "without": b})
+    assert "with 0, 0, 1, 2; the same in the other run." in text
+    assert "Steps 1-2: the same rollout" in text and "From step 3 on" in text  # the same tokens, not the same weights
+    assert "step 3 9.8e-04, step 4 0.0e+00 (other tokens)" in text and "differ at step(s) 4" in text
+    one_line = rollout_sources({"with": run(same), "without": run(same)})
+    assert "Every one of the 2 steps drew the same rollout" in one_line
+    assert first_different_rollout(a, b) == 3 and first_different_rollout(run(same), run(same)) is None

@@ -385,7 +385,7 @@ def test_padding_figure_from_a_real_generate_rollout(tiny):
         assert row.count(1) == len(c.prompt_ids) and row.count(2) == len(c.completion_ids)
         assert row[cfg["padded_prompt_len"] - 1] == 1  # every prompt ends where generation starts
     share = kv_accounting(rollout, tiny.model.config, 4)["kv_padding_share"]
-    assert f"{share:.0%} of token slots are padding" in fig.layout.title.text
+    assert f"{share:.0%} of all KV slots are padding" in fig.layout.title.text
 
 
 def test_padding_figure_refuses_a_cb_rollout():
@@ -462,6 +462,10 @@ def test_memory_vs_n_log_axis_and_a_marked_crossover():
     (line,) = [s for s in fig.layout.shapes if s.x0 == 19]  # plotly.js draws shapes in data units on a log axis
     assert "planner: N=19" in [a.text for a in fig.layout.annotations]
     assert "measured: none" not in [a.text for a in fig.layout.annotations]
+    # Every tick named in full with its unit, at 1-2-5 steps that bracket the data (2 .. 24 GiB here).
+    assert list(fig.layout.yaxis.tickvals) == [2, 5, 10, 20, 50]
+    assert list(fig.layout.yaxis.ticktext) == ["2 GiB", "5 GiB", "10 GiB", "20 GiB", "50 GiB"]
+    assert plots.log_ticks(0.08, 730)[:3] == [0.05, 0.1, 0.2] and plots.log_ticks(0.08, 730)[-1] == 1000
 
 
 def test_workloads_figure_draws_both_workloads_with_their_padding():

@@ -262,12 +262,14 @@ def _from_measured(m: Measured, reasons: list[str]) -> Advice:
     said = f"CB measured {speed:.2f}x generate()'s completion tokens/s at N={m.n}{mem_text}"
     if versus_parity(speed) > 0:
         return Advice("continuous", reasons + [
-            f"{said}: recycling finished rows' slots pays for the engine's overhead at this length spread",
+            f"{said}: what CB saves here (the group's prompt prefilled once, padding not decoded, freed slots "
+            "refilled: notebook 03's split measures each) pays for the engine's per-step overhead",
             "text only, and the engine runs in the training process on the same weights: no weight sync",
         ], basis)
     if versus_parity(speed) < 0:
         return Advice("generate", reasons + [
-            f"{said}: at this length spread the engine's per-step overhead costs more than the padding it saves",
+            f"{said}: the engine's per-step overhead costs more than what it saves here (shared prompt prefill, "
+            "padding, recycling: notebook 03's split measures each)",
         ], basis)
     lighter: Backend = "continuous" if mem is not None and versus_parity(mem) < 0 else "generate"
     return Advice(lighter, reasons + [

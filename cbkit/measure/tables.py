@@ -126,11 +126,12 @@ def async_overlap_table(points: list[dict[str, Any]]) -> str | None:
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
-    """Every point: speed, memory, the length spread it ran (mean, CV, max; pad = share of a static batch's
-    decode slots those lengths leave as padding), its MFU against the sweep's matmul probe, and its share of the
+    """Every point: speed, memory, the length spread it ran (mean, CV, max; idle = share of a static batch's
+    decode slots those lengths leave to rows already past their end, named apart from the padding share of all KV
+    slots that notebook 01's section 1 prints), its MFU against the sweep's matmul probe, and its share of the
     roofline of its shape (roof = attainable tok/s on the probed machine; bound: c = compute, b = bandwidth)."""
     head = f"{'N':>4} {'backend':<17} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} " \
-           f"{'KV MiB':>8} {'len':>6} {'CV':>5} {'max':>4} {'pad':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} " \
+           f"{'KV MiB':>8} {'len':>6} {'CV':>5} {'max':>4} {'idle':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} " \
            f"{'roof':>7} {'of roof':>7} {'plan err':>8}"
     lines = [head, "-" * len(head)]
 

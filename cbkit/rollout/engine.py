@@ -52,7 +52,7 @@ import torch
 
 from cbkit.rollout.cpu_attention import varlen_attention_for_engine, varlen_unsupported_reason
 from cbkit.rollout.engine_config import cuda_attention, make_cb_config, page_size, resolve_engine_loop
-from cbkit.rollout.engine_io import Scheduled, resolved_config, scheduled, workload_hints
+from cbkit.rollout.engine_io import HELPER_PREFIX, Scheduled, resolved_config, scheduled, workload_hints
 from cbkit.rollout.engine_loops import CACHED_MANAGER, CallerLoop, ThreadLoop
 
 
@@ -143,8 +143,9 @@ class Engine:
                 # still running after the forward, `mark_complete_blocks`), and its N completions find its pages.
                 with driver.paused():
                     _reseed(driver.manager, seed)
-                    prefill = [driver.manager.add_request(list(p), max_new_tokens=2, eos_token_id=-1)
-                               for p in _shared_prompts(rows, page_size(cb_config))]
+                    prefill = [driver.manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}",
+                                                          max_new_tokens=2, eos_token_id=-1)
+                               for k, p in enumerate(_shared_prompts(rows, page_size(cb_config)))]
                 driver.collect(prefill)
                 seed = None  # seeded once per call, before its first request
             with driver.paused():  # all queued while the loop is parked: one drain, so a seeded order of draws

@@ -16,6 +16,16 @@ import torch
 
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
 
+# cbkit's own requests to the engine that are not completions: the prefill of each shared prompt `Engine.run` submits
+# before the completions (two thrown-away tokens). Their ids start with this, so a trace, a finding or a figure can
+# tell them from the completions a rollout asked for.
+HELPER_PREFIX = "cbkit-prefill-"
+
+
+def is_helper(request_id: str) -> bool:
+    """True for a request cbkit submitted for its own purposes (a shared prompt's prefill), not a completion."""
+    return str(request_id).startswith(HELPER_PREFIX)
+
 
 def workload_hints(rows: Sequence[Sequence[int]], max_new_tokens: int):
     try:
@@ -134,7 +144,10 @@ def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: floa
     requests = []
     for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
         start, end = out.lifespan
-        request = {"id": i, "group": c.group, "prompt_len": len(c.prompt_ids), "start": start, "end": end,
+        # "start" is the engine's lifespan[0]: when the request left PENDING, which a prefix-cache match does even in
+        # a step that then fails to schedule it; who was scheduled when is in the engine trace, under "engine_id".
+        request = {"id": i, "engine_id": str(out.request_id), "group": c.group, "prompt_len": len(c.prompt_ids),
+                   "start": start, "end": end,
                    "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
         if c.policy_versions is not None:
             request["token_versions"] = list(c.policy_versions)

@@ -15,6 +15,14 @@ reads them there, so the pictures in notebook 01 are observed, not modelled:
   scheduling). Recorded at every step, they show recycling itself: a block id that one request held until it
   finished appears later in another request's table.
 
+* **who was scheduled when**: a request's first step is when the scheduler admitted it (gave it query tokens),
+  the step that completed its prompt is when its first token was sampled, a step it is missing from between its
+  first and last is a step it waited (starved of a block, or offloaded). `EngineTrace.lives` reads these, where the
+  engine's own ``lifespan[0]`` would not do: transformers stamps it when a request leaves PENDING, which a prefix-
+  cache match does even in a step that then fails to schedule it.
+* **cbkit's helper requests** (the prefill of each shared prompt `cbkit.rollout.engine` submits first; ids
+  starting ``cbkit-prefill-``) are marked ``helper``, so findings about completions can leave them out.
+
 ``record_engine_steps()`` wraps the engine's method for the duration of a ``with`` block, in whatever thread
 the engine runs, and puts it back afterwards; nothing in cbkit's backend changes and nothing is recorded
 outside the block. The engine internals it reads are read by `cbkit.rollout.engine` (`watch_batches`), and
@@ -27,10 +35,11 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from cbkit.rollout.engine_io import watch_batches
+from cbkit.rollout.engine_io import is_helper, watch_batches
 
-__all__ = ["BlockReuse", "EngineStep", "EngineTrace", "ScheduledRequest", "record_engine_steps"]
+__all__ = ["BlockReuse", "EngineStep", "EngineTrace", "RequestLife", "ScheduledRequest", "record_engine_steps"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,11 @@ class ScheduledRequest:
     @property
     def phase(self) -> str:
         return "prefill" if self.past_len < self.prompt_len else "decode"
+
+    @property
+    def helper(self) -> bool:
+        """cbkit's own prefill of a shared prompt, not a completion (`cbkit.rollout.engine_io.HELPER_PREFIX`)."""
+        return is_helper(self.request_id)
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,18 @@ class BlockReuse:
     first_step: int  # the first step the second request held it
 
 
+@dataclass(frozen=True)
+class RequestLife:
+    """One request's life as the scheduler lived it, in engine steps (indices into ``EngineTrace.steps``)."""
+
+    request_id: str
+    helper: bool
+    first_step: int  # the first step that gave it query tokens: its admission
+    first_token_step: int | None  # the step whose forward completed its prompt and sampled its first token
+    last_step: int  # the last step it was in: it finished (or the recording ended) after this one
+    skipped: tuple[int, ...]  # steps between first and last it was left out of: it waited (starved or offloaded)
+
+
 @dataclass
 class EngineTrace:
     """Every step the engine scheduled inside ``record_engine_steps``, and the pool it scheduled them into."""
@@ -89,6 +115,59 @@ class EngineTrace:
             return (len(phases), len(step.requests), step.tokens)
 
         return max(self.steps, key=score)
+
+    def lives(self) -> dict[str, RequestLife]:
+        """request -> its `RequestLife`, in the order the engine first scheduled them."""
+        seen: dict[str, list[int]] = {}
+        token: dict[str, int] = {}
+        helper: dict[str, bool] = {}
+        for step in self.steps:
+            for r in step.requests:
+                seen.setdefault(r.request_id, []).append(step.index)
+                helper[r.request_id] = r.helper
+                if r.request_id not in token and r.past_len + r.query_len >= r.prompt_len:
+                    token[r.request_id] = step.index
+        out = {}
+        for rid, idx in seen.items():
+            present = set(idx)
+            skipped = tuple(i for i in range(idx[0], idx[-1] + 1) if i not in present)
+            out[rid] = RequestLife(rid, helper[rid], idx[0], token.get(rid), idx[-1], skipped)
+        return out
+
+    def blocks_in_use(self) -> list[int]:
+        """Blocks held by some request's block table at each step: the table it was last scheduled with, from its
+        first step to its last (a request that waits keeps its blocks), none while it was offloaded (from the step
+        after its last one before a restart from a lower position, to the restart). A shared page counts once.
+        Blocks the prefix cache keeps for no running request are not counted: the engine evicts them for room."""
+        seen: dict[str, list[tuple[int, ScheduledRequest]]] = {}
+        for step in self.steps:
+            for r in step.requests:
+                seen.setdefault(r.request_id, []).append((step.index, r))
+        held_at: dict[int, set[int]] = {step.index: set() for step in self.steps}
+        for apps in seen.values():
+            for (i, r), nxt in zip(apps, [*apps[1:], None], strict=True):
+                if nxt is None:
+                    held_at[i] |= set(r.blocks)
+                    continue
+                j, later = nxt
+                offloaded = later.past_len < r.past_len + r.query_len  # it restarts at j: nothing held before j
+                for k in range(i, i + 1 if offloaded else j):
+                    held_at[k] |= set(r.blocks)
+        return [len(held_at[step.index]) for step in self.steps]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The trace as JSON-ready data (`from_dict` reads it back): a run recorded once, read again in a test."""
+        return {"pool_blocks": self.pool_blocks, "page_size": self.page_size,
+                "steps": [{"index": s.index, "t": s.t, "requests": [
+                    [r.request_id, r.prompt_len, r.prompt_hash, r.past_len, r.query_len, list(r.blocks)]
+                    for r in s.requests]} for s in self.steps]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineTrace:
+        steps = [EngineStep(s["index"], s["t"], tuple(ScheduledRequest(rid, n, h, past, q, tuple(blocks))
+                                                      for rid, n, h, past, q, blocks in s["requests"]))
+                 for s in data["steps"]]
+        return cls(steps=steps, pool_blocks=data.get("pool_blocks"), page_size=data.get("page_size"))
 
     def restarts(self) -> dict[str, int]:
         """request -> KV tokens it had to compute again: under memory pressure the engine offloads a running

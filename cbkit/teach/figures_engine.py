@@ -8,22 +8,39 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from cbkit.rollout.engine_io import is_helper
 from cbkit.viz.palette import PALETTE, TEMPLATE
+
+# 24 distinct colours (plotly's Dark24; `qualitative` is a lazily loaded attribute mypy cannot see)
+REQUEST_COLORS: tuple[str, ...] = tuple(plotly.colors.qualitative.Dark24)  # type: ignore[attr-defined]
+HELPER_COLOR = "#9e9e9e"  # cbkit's own helper requests: grey, apart from every completion's colour
 
 
 def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None,
-                    *, token_ticks: bool | None = None) -> go.Figure:
+                    *, trace: Any = None, token_ticks: bool | None = None) -> go.Figure:
     """Recycling made visible. Top: one bar per request from its start to its end, coloured by group, with a
     tick per generated token. Below it, sharing the time axis: sequences running, then KV blocks in use
     against the pool size.
 
-    ``occupancy`` defaults to ``cbkit.telemetry.occupancy(timeline)``. Token ticks are drawn when there are
-    at most 20k tokens unless ``token_ticks`` says otherwise.
+    With ``trace`` (the ``EngineTrace`` of the same call) a bar starts at the step the scheduler first gave the
+    request tokens, and the two lower rows are the engine's record: completions in each step, blocks in the block
+    tables. Without it, a bar starts at the engine's ``lifespan[0]`` (stamped when a request leaves PENDING, which a
+    prefix-cache match does even when scheduling then fails) and the rows are ``occupancy``, by default
+    ``cbkit.telemetry.occupancy(timeline)``, a model from those clocks. Token ticks are drawn when there are at most
+    20k tokens unless ``token_ticks`` says otherwise.
     """
-    if occupancy is None:
+    if trace is not None and trace.steps:
+        timeline = scheduled_timeline(timeline, trace)
+        steps = trace.steps
+        held = trace.blocks_in_use()
+        occupancy = {"t": [s.t - timeline["t0"] for s in steps],
+                     "running": [sum(not r.helper for r in s.requests) for s in steps],
+                     "blocks_in_use": held, "pool_blocks": trace.pool_blocks}
+    elif occupancy is None:
         from cbkit.telemetry import occupancy as compute_occupancy
 
         occupancy = compute_occupancy(timeline)
@@ -62,16 +79,16 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
             hovertemplate="request %{y}: token at %{x:.3f} s<extra></extra>",
         ), row=1, col=1)
     t = list(occupancy["t"])
-    fig.add_trace(go.Scatter(x=t, y=list(occupancy["running"]), name="sequences running", mode="lines",
+    fig.add_trace(go.Scatter(x=t, y=list(occupancy["running"]), name="completions in the step" if trace is not None else "sequences running", mode="lines",
                              line={"shape": "hv", "color": PALETTE[0], "width": 2}), row=2, col=1)
-    fig.add_trace(go.Scatter(x=t, y=list(occupancy["blocks_in_use"]), name="KV blocks in use", mode="lines",
+    fig.add_trace(go.Scatter(x=t, y=list(occupancy["blocks_in_use"]), name="KV blocks in block tables" if trace is not None else "KV blocks in use", mode="lines",
                              fill="tozeroy", line={"shape": "hv", "color": PALETTE[3], "width": 2}), row=3, col=1)
     pool = occupancy.get("pool_blocks") or 0
     if pool and t:
         fig.add_trace(go.Scatter(x=[min(t), max(t)], y=[pool, pool], name=f"pool: {pool} blocks", mode="lines",
                                  line={"color": "black", "dash": "dash", "width": 1.5}), row=3, col=1)
     fig.update_yaxes(title_text="request", autorange="reversed", row=1, col=1)
-    fig.update_yaxes(title_text="running", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="in the step" if trace is not None else "running", rangemode="tozero", row=2, col=1)
     fig.update_yaxes(title_text="KV blocks", rangemode="tozero", row=3, col=1)
     fig.update_xaxes(title_text="seconds since the rollout started", row=3, col=1)
     fig.update_layout(
@@ -80,6 +97,20 @@ def timeline_figure(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | 
         legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0}, margin={"b": 120},
     )
     return fig
+
+
+def scheduled_timeline(timeline: Mapping[str, Any], trace: Any) -> dict[str, Any]:
+    """The timeline with each request's ``start`` moved to when the scheduler first gave it tokens (its step's
+    ``t`` in the ``EngineTrace`` of the same call, matched by ``engine_id``; the same perf_counter clock)."""
+    first: dict[str, float] = {}
+    for step in trace.steps:
+        for r in step.requests:
+            first.setdefault(r.request_id, step.t)
+    missing = [r["id"] for r in timeline["requests"] if r.get("engine_id") not in first]
+    if missing:
+        raise ValueError(f"requests {missing[:5]} of the timeline are not in the trace: pass the trace recorded around "
+                         "the same call (`with record_engine_steps() as trace:`), with a timeline that has engine_id.")
+    return {**timeline, "requests": [dict(r, start=first[r["engine_id"]]) for r in timeline["requests"]]}
 
 
 def first_token_waits(timeline: Mapping[str, Any]) -> dict[int, float]:
@@ -97,7 +128,7 @@ def engine_step_figure(step: Any, page_size: int | None = None) -> go.Figure:
     requests = list(step.requests)
     if not requests:
         raise ValueError("engine_step_figure: the step scheduled no request.")
-    labels = [f"{r.request_id} ({r.phase})" for r in requests]
+    labels = [f"{r.request_id} ({'cbkit helper, ' if r.helper else ''}{r.phase})" for r in requests]
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.3, row_heights=[0.3, 0.7],
                         subplot_titles=("the packed batch: each request's query tokens, back to back",
                                         "the block table each request reads (engine block ids)"))
@@ -142,20 +173,26 @@ def engine_step_figure(step: Any, page_size: int | None = None) -> go.Figure:
 
 def block_ids_figure(trace: Any) -> go.Figure:
     """Every KV block id the engine gave each request, over the engine's steps (an ``EngineTrace``): one line
-    per (request, block) for as long as the request's block table held it, coloured by request. A cross marks
+    per (request, block) for as long as the request's block table held it, a colour and a legend entry per
+    request, cbkit's helper requests (the prefill of each shared prompt) in grey and named so. A cross marks
     recycling as the engine did it: a block taken by a request after another had released it."""
     held = trace.holdings()
     order = list(dict.fromkeys(r.request_id for s in trace.steps for r in s.requests))
+    completions = [rid for rid in order if not is_helper(rid)]
+    # One colour per completion: 24 distinct ones (plotly's Dark24) before any repeats; the legend names each.
+    colors = {rid: REQUEST_COLORS[i % len(REQUEST_COLORS)] for i, rid in enumerate(completions)}
     fig = go.Figure()
-    for i, rid in enumerate(order):
+    for rid in order:
+        helper = is_helper(rid)
         xs: list[Any] = []
         ys: list[Any] = []
         for b, (first, last, _) in sorted(held.get(rid, {}).items()):
             xs += [first - 0.4, last + 0.4, None]
             ys += [b, b, None]
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=rid, showlegend=False,
-                                 line={"color": PALETTE[i % len(PALETTE)], "width": 5},
-                                 hovertemplate=f"{rid}: block %{{y}}, step %{{x:.0f}}<extra></extra>"))
+        name = f"{rid} (cbkit helper: a shared prompt's prefill)" if helper else rid
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=name, legendgroup="helpers" if helper else rid,
+                                 line={"color": HELPER_COLOR if helper else colors[rid], "width": 3 if helper else 5},
+                                 hovertemplate=f"{name}: block %{{y}}, step %{{x:.0f}}<extra></extra>"))
     reuses = trace.reuses()
     if reuses:
         fig.add_trace(go.Scatter(
@@ -165,10 +202,12 @@ def block_ids_figure(trace: Any) -> go.Figure:
             text=[f"block {r.block}: {r.released_by} held it to step {r.last_step}, {r.taken_by} from step "
                   f"{r.first_step}" for r in reuses], hovertemplate="%{text}<extra></extra>"))
     pool = f" of a {trace.pool_blocks}-block pool" if trace.pool_blocks else ""
+    helpers = sum(is_helper(r.released_by) for r in reuses)
     fig.update_layout(
         title=f"The engine's own block ids per request over {len(trace.steps)} steps: {len(reuses)} hand-overs"
-              f" of {len({r.block for r in reuses})} distinct blocks{pool}",
-        template=TEMPLATE, height=520, legend={"orientation": "h", "y": -0.15, "x": 0})
+              f" of {len({r.block for r in reuses})} distinct blocks{pool}"
+              + (f" ({helpers} from cbkit's helper prefills)" if helpers else ""),
+        template=TEMPLATE, height=560, legend={"title": {"text": "request"}, "font": {"size": 10}})
     fig.update_xaxes(title_text="engine step (one forward pass)")
     fig.update_yaxes(title_text="KV block id")
     return fig

@@ -55,7 +55,7 @@ def padding_figure(rollout: Any) -> go.Figure:
     fig.update_yaxes(title_text=f"row ({rollout.num_prompts} prompts x N={n})", autorange="reversed")
     fig.update_xaxes(title_text="position in the padded batch (tokens)")
     fig.update_layout(
-        title=f"Static batch: {len(comps)} rows x {width + steps} positions, {share:.0%} of token slots are padding",
+        title=f"Static batch: {len(comps)} rows x {width + steps} positions, {share:.0%} of all KV slots are padding (left or after EOS)",
         template=TEMPLATE, height=max(380, 160 + 12 * len(comps)), margin={"t": 90},
     )
     return fig

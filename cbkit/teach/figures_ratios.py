@@ -38,6 +38,42 @@ def logprob_scatter(sampling: Sequence[float], policy: Sequence[float], *, title
     return fig
 
 
+def logprob_differences(sampling: Sequence[float], policy: Sequence[float], *, title: str | None = None,
+                        max_points: int = 20_000) -> go.Figure:
+    """Where agreement is the point, the differences themselves: sampling minus teacher-forced logprob of each
+    completion token, against its index in the rollout (left), and their histogram (right, on the same y axis). A
+    y = x scatter of the logprobs cannot show differences of 1e-5 beside logprobs of -10; here 0 is the middle of
+    the axis and the axis is as wide as the largest difference. Beyond ``max_points`` tokens an evenly spaced subset
+    is drawn on the left (the histogram and the title count all of them)."""
+    from plotly.subplots import make_subplots
+
+    pairs = [(float(x), float(y)) for x, y in zip(sampling, policy, strict=False)]
+    if len(sampling) != len(policy) or not pairs:
+        raise ValueError(f"need one policy logprob per sampling logprob, got {len(sampling)} and {len(policy)}.")
+    diffs = [x - y for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
+    if not diffs:
+        raise ValueError("no finite pair of logprobs to compare.")
+    worst = max(abs(d) for d in diffs)
+    mean = sum(abs(d) for d in diffs) / len(diffs)
+    stride = max(1, len(diffs) // max_points)
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.75, 0.25], horizontal_spacing=0.03)
+    fig.add_trace(go.Scattergl(x=list(range(0, len(diffs), stride)), y=diffs[::stride], mode="markers",
+                               name="a completion token", marker={"size": 5, "color": PALETTE[1], "opacity": 0.6},
+                               hovertemplate="token %{x}<br>difference %{y:.2e} nats<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Histogram(y=diffs, nbinsy=40, marker={"color": PALETTE[1]}, name="tokens", showlegend=False,
+                               hovertemplate="%{y:.2e} nats: %{x} tokens<extra></extra>"), row=1, col=2)
+    for col in (1, 2):
+        fig.add_hline(y=0, line={"color": "black", "dash": "dash", "width": 1}, row=1, col=col)
+    span = 1.1 * worst if worst > 0 else 1e-7  # exact agreement: a thin axis around 0, not plotly's default
+    fig.update_yaxes(range=[-span, span], exponentformat="e", title_text="sampling - teacher-forced logprob (nats)",
+                     row=1, col=1)
+    fig.update_xaxes(title_text="completion token (rollout order)", row=1, col=1)
+    fig.update_xaxes(title_text="tokens", row=1, col=2)
+    fig.update_layout(title=title or f"{len(diffs)} tokens: max |difference| {worst:.1e}, mean {mean:.1e} nats",
+                      template=TEMPLATE, height=420, showlegend=False)
+    return fig
+
+
 def ratio_summary(values: Sequence[float]) -> tuple[float, float, float]:
     """(median, min, max) of the positive, finite ratios: what a histogram's legend and a notebook's printed
     line both quote, so the two cannot disagree. The median is the middle value (the mean of the two middle

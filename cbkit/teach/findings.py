@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbkit.measure.advise import PARITY_MARGIN, versus_parity
+from cbkit.rollout.engine_io import is_helper
 from cbkit.train.hooks import StepRecord
 
 # The live helpers live in cbkit.viz.live; the notebooks import them from here.
@@ -122,76 +123,167 @@ def blocks_needed(timeline: Mapping[str, Any]) -> int:
     return needed
 
 
-def timeline_findings(timeline: Mapping[str, Any], occupancy: Mapping[str, Any] | None = None) -> str:
-    """What one CB rollout's timeline shows, in sentences: the pool against the blocks in use, how many
-    requests were admitted only after another had finished (recycling), and how long requests sat admitted
-    before their first token (the hatched part of their bars)."""
-    from cbkit.teach.figures_engine import first_token_waits
-    from cbkit.telemetry import occupancy as compute_occupancy
+def timeline_findings(timeline: Mapping[str, Any], trace: Any = None,
+                      occupancy: Mapping[str, Any] | None = None) -> str:
+    """What one CB rollout did with its pool, in sentences: the blocks its completions needed in all against the
+    pool (recycling when more), and, from the engine's own record (``trace``, an
+    ``cbkit.rollout.engine_trace.EngineTrace`` of the same call), the most blocks its block tables held at once and
+    who waited to be admitted or for a place in a step (`admission_findings`).
 
-    occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
+    Without a trace nothing is said about waiting: the timeline's ``start`` is the engine's ``lifespan[0]``, stamped
+    when a request leaves PENDING, which a prefix-cache match does even in a step that then fails to schedule it, so
+    "admitted before the first one finished" read from it can be false. ``occupancy`` (``cbkit.telemetry``'s model
+    of blocks in use from those clocks) is used for the peak only when there is no trace."""
     requests = timeline["requests"]
     if not requests:
         return "The timeline has no request."
-    first_end = min(r["end"] for r in requests)
-    later = sum(r["start"] >= first_end for r in requests)
-    pool, peak = occupancy.get("pool_blocks") or 0, max(occupancy["blocks_in_use"], default=0)
+    pool = timeline.get("pool_blocks") or (occupancy or {}).get("pool_blocks") or 0
     needed = blocks_needed(timeline)
-    wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
-    waits = first_token_waits(timeline)
-    long = {i: w for i, w in waits.items() if w > 0.1 * wall}
-    lines = [f"KV blocks in use peaked at {peak}" + (f" of a {pool}-block pool." if pool else ".")]
-    if pool and peak > pool:
-        lines[0] += (" The count assumes every running request kept its blocks; above the pool, the engine must "
-                     "have offloaded requests and prefilled them again (their bars run longer).")
+    lines = []
+    if trace is not None and trace.steps:
+        held = trace.blocks_in_use()
+        peak = max(held)
+        lines.append(f"The requests' block tables held at most {peak} blocks at once (step {held.index(peak)} of "
+                     f"{len(trace.steps)}, the engine's record)" + (f", of the {pool}-block pool." if pool else "."))
+    else:
+        from cbkit.telemetry import occupancy as compute_occupancy
+
+        occupancy = occupancy if occupancy is not None else compute_occupancy(dict(timeline))
+        peak = max(occupancy["blocks_in_use"], default=0)
+        lines.append(f"KV blocks in use, modelled from the request clocks, peaked at {peak}"
+                     + (f" of a {pool}-block pool." if pool else "."))
     if pool:
-        lines.append(f"The {len(requests)} requests needed {needed} blocks in all against the {pool}-block pool: "
+        lines.append(f"The {len(requests)} completions needed {needed} blocks in all against the {pool}-block pool: "
                      + (f"at least {needed - pool} blocks were used by more than one request in turn (recycling)."
                         if needed > pool else "they fit without any block serving two requests."))
-    if later:
-        # transformers' scheduler (FIFOScheduler): a waiting request joins a step when its next prompt chunk fits
-        # the free blocks; under 15% free (its safety margin) a prefill joins only a step nothing else is in. It
-        # reserves nothing for the tokens still to come, unlike cbkit.teach.recycling's model (see there).
-        lines.append(f"{later} of {len(requests)} requests were admitted only after another had finished: the "
-                     "engine admits a waiting request when its prompt chunk fits the free blocks, so with the pool "
-                     "full they waited for a finished request's blocks.")
+    if trace is not None:
+        lines.append(admission_findings(trace))
     else:
-        lines.append(f"All {len(requests)} requests were admitted before the first one finished: none waited for "
-                     "another's blocks.")
-    if long:
-        worst = max(long, key=lambda i: long[i])
-        lines.append(f"{len(long)} requests sat admitted for more than 10% of the rollout ({wall:.1f} s) before "
-                     f"their first token, the longest {long[worst]:.1f} s (request {worst}): admitted, but "
-                     "waiting for a slot in the batch.")
-    else:
-        lines.append(f"No request waited more than 10% of the rollout ({wall:.1f} s) for its first token.")
+        lines.append("Who waited, and for what, is in the engine's record: run the call inside "
+                     "`record_engine_steps()` and pass its trace.")
     return "\n".join(lines)
+
+
+def admission_findings(trace: Any) -> str:
+    """Who waited, read from what the scheduler did (an ``EngineTrace``): completions first scheduled only after
+    another had finished, completions left out of steps between their first and their last (and whether the
+    engine's read budget for one step explains it), the last first token, and how many completions shared a step.
+    cbkit's helper requests (the prefill of each shared prompt) are counted apart and left out of the rest."""
+    lives = trace.lives()
+    done = [life for life in lives.values() if not life.helper]
+    helpers = len(lives) - len(done)
+    if not done:
+        return "The engine's record holds no completion."
+    steps, total = trace.steps, len(trace.steps)
+    start = min(life.first_step for life in done)
+    first_end = min(done, key=lambda life: (life.last_step, life.request_id))
+    extra = (f" (and {helpers} cbkit helper request{'s' if helpers > 1 else ''}: the one prefill of each shared "
+             "prompt, whose pages the completions then find, left out here)") if helpers else ""
+    lines = [f"The engine's record: {len(done)} completions over {total} steps{extra}."]
+    later = sorted((life for life in done if life.first_step > first_end.last_step), key=lambda life: life.first_step)
+    if later:
+        last = later[-1]
+        lines.append(f"{len(later)} of {len(done)} completions were first scheduled only after another had finished "
+                     f"({first_end.request_id}, at step {first_end.last_step}): they waited to be admitted, the last "
+                     f"({last.request_id}) until step {last.first_step}, "
+                     f"{_secs(steps[last.first_step].t - steps[start].t)} after the first completion step.")
+    else:
+        lines.append(f"All {len(done)} completions were scheduled before the first one finished ({first_end.request_id}, "
+                     f"at step {first_end.last_step}): none waited to be admitted.")
+    stalled = [life for life in done if life.skipped]
+    if stalled:
+        worst, run = max(((life, _longest_run(life.skipped)) for life in stalled), key=lambda x: (len(x[1]), x[0].request_id))
+        seconds = steps[min(run[-1] + 1, total - 1)].t - steps[run[0]].t
+        lines.append(f"{len(stalled)} completions were left out of steps after they had started, admitted but "
+                     f"waiting for a place in the batch: the longest {len(run)} steps in a row ({worst.request_id}, "
+                     f"steps {run[0]}-{run[-1]}, {_secs(seconds)}).")
+        budget = (trace.pool_blocks or 0) * (trace.page_size or 0)
+        if budget:
+            # transformers' scheduler caps the KV one varlen batch reads at the pool's size in tokens
+            # (`cache.max_tokens_read`, its `cache_budget`); a request whose length no longer fits is skipped.
+            length = _lengths(trace)
+            pairs = [(life.request_id, i) for life in stalled for i in life.skipped]
+            bound = sum(sum(r.past_len for r in steps[i].requests) + length[rid][i] > budget for rid, i in pairs)
+            lead = "In every one" if bound == len(pairs) else f"In {bound}"
+            lines.append(f"{lead} of those {len(pairs)} skipped steps the requests already scheduled read so much KV "
+                         "that the waiting one's would have passed the engine's read budget for a step (the pool in "
+                         f"tokens, {trace.pool_blocks} x {trace.page_size} = {budget})" + (
+                             "." if bound == len(pairs) else "; in the others another limit held it back (free "
+                             "blocks, the token budget, the scheduler's safety margin)."))
+    tokens = [life for life in done if life.first_token_step is not None]
+    if tokens:
+        slow = max(tokens, key=lambda life: (life.first_token_step, life.request_id))
+        lines.append(f"The last first token came at step {slow.first_token_step} of {total} ({slow.request_id}), "
+                     f"{_secs(steps[slow.first_token_step].t - steps[start].t)} after the first completion step.")
+    together = max(steps, key=lambda s: sum(not r.helper for r in s.requests))
+    lines.append(f"At most {sum(not r.helper for r in together.requests)} completions shared one forward "
+                 f"(step {together.index}).")
+    return "\n".join(lines)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
+
+
+def _longest_run(indices: Sequence[int]) -> list[int]:
+    best: list[int] = []
+    run: list[int] = []
+    for i in indices:
+        run = [*run, i] if run and i == run[-1] + 1 else [i]
+        best = run if len(run) > len(best) else best
+    return best
+
+
+def _lengths(trace: Any) -> dict[str, dict[int, int]]:
+    """request -> step -> its length (tokens in its KV) as it stood when that step was scheduled."""
+    out: dict[str, dict[int, int]] = {}
+    now: dict[str, int] = {}
+    for step in trace.steps:
+        for r in step.requests:
+            now[r.request_id] = r.past_len
+        for rid, n in now.items():
+            out.setdefault(rid, {})[step.index] = n
+        for r in step.requests:
+            now[r.request_id] = r.past_len + r.query_len
+    return out
 
 
 def engine_trace_findings(trace: Any, step: Any = None) -> str:
     """What the engine's own record (``cbkit.rollout.engine_trace.EngineTrace``) shows, in sentences: what one
     step held (``step``, default the trace's ``mixed_step``), how many blocks passed from one request to another,
-    the first such hand-over, and the requests the engine offloaded and computed again."""
+    the first such hand-over from a finished completion (cbkit's helper requests, the prefill of each shared
+    prompt, counted apart), and the requests the engine offloaded and computed again."""
     if not trace.steps:
         return "The engine scheduled no step inside the recorder."
     step = step if step is not None else trace.mixed_step()
     prefill = [r for r in step.requests if r.phase == "prefill"]
     decode = [r for r in step.requests if r.phase == "decode"]
-    chunks = ", ".join(f"{r.request_id}: {r.query_len} tokens at positions {r.past_len}..{r.past_len + r.query_len - 1}"
-                       for r in prefill)
+
+    def name(rid: str) -> str:
+        return f"{rid} (cbkit's helper prefill)" if is_helper(rid) else rid
+
+    chunks = ", ".join(f"{name(r.request_id)}: {r.query_len} tokens at positions {r.past_len}.."
+                       f"{r.past_len + r.query_len - 1}" for r in prefill)
     lines = [f"Step {step.index} of {len(trace.steps)}: {len(decode)} requests brought one decode token each"
              + (f" and {len(prefill)} a prefill chunk ({chunks})" if prefill else "")
              + f": {step.tokens} tokens in one forward, packed back to back, none of them padding."]
     reuses = trace.reuses()
     pool = f" of the {trace.pool_blocks}-block pool" if trace.pool_blocks else ""
+    from_done = [r for r in reuses if not is_helper(r.released_by)]
+    from_helpers = len(reuses) - len(from_done)
     if reuses:
-        first = min(reuses, key=lambda r: (r.first_step, r.block))
         lines.append(f"Over the rollout the engine handed {len(reuses)} times a block one request had released to "
                      f"another ({len({r.block for r in reuses})} distinct blocks{pool}): recycling, in its own "
-                     f"block ids. The first: block {first.block}, held by {first.released_by} until step "
-                     f"{first.last_step}, taken by {first.taken_by} at step {first.first_step}.")
+                     "block ids" + (f"; {from_helpers} of them from cbkit's helper prefills, the rest from finished "
+                                    "completions." if from_helpers else "."))
     else:
         lines.append(f"No block passed from one request to another{pool}: the pool held every request at once.")
+    if from_done:
+        first = min(from_done, key=lambda r: (r.first_step, r.block))
+        lines.append(f"The first from a completion: block {first.block}, held by {first.released_by} until step "
+                     f"{first.last_step}, taken by {name(first.taken_by)} at step {first.first_step}.")
+    elif reuses:
+        lines.append("No completion's block was handed on: every hand-over came from a helper prefill.")
     again = trace.restarts()
     if again:
         lines.append(f"{len(again)} requests were offloaded when the pool ran out and computed again from position "
@@ -292,4 +384,42 @@ def gpu_estimate_findings(points: Sequence[Mapping[str, Any]], estimated: Sequen
         lines.append(f"On the {' and the '.join(tied)} the estimate gives generate() and CB the same rollout for this "
                      "shape: each decode step is bound by the launch floor, not by the rows it carries (the note "
                      "under the table).")
+    return "\n".join(lines)
+
+
+def _points(recs: Sequence[StepRecord], key: str) -> list[tuple[int, float]]:
+    """The finite values of `key`, step by step (NaN and non-numbers left out)."""
+    values = [(r.step, r.metrics.get(key)) for r in recs]
+    return [(step, float(v)) for step, v in values if isinstance(v, int | float) and v == v]
+
+
+def reward_slope(recs: Sequence[StepRecord], key: str = "reward/mean") -> float:
+    """The least-squares slope of ``key`` against the step (per step); nan under two points."""
+    points = _points(recs, key)
+    if len(points) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(v for _, v in points) / len(points)
+    return sum((x - mx) * (v - my) for x, v in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def reward_trend(records: Mapping[str, Sequence[StepRecord]], key: str = "reward/mean") -> str:
+    """Whether each run's ``key`` moved over its steps, in sentences: the mean of its first third of steps against
+    its last third's, and the least-squares slope a step (`reward_slope`). A run's first and last step alone are
+    one sample each, and a step's reward swings with its prompts; a third of the run and the slope average that
+    out. "rose" or "fell" only where the thirds and the slope agree; otherwise no trend is claimed."""
+    lines = []
+    for label, recs in records.items():
+        points = _points(recs, key)
+        if len(points) < 3:
+            lines.append(f"{label}: {len(points)} step(s) of {key}, too few for a trend.")
+            continue
+        k = max(1, len(points) // 3)
+        head, tail = points[:k], points[-k:]
+        first, last = (sum(v for _, v in part) / k for part in (head, tail))
+        slope = reward_slope(recs, key)
+        verdict = ("it rose" if last > first and slope > 0 else "it fell" if last < first and slope < 0 else
+                   "no trend: the thirds and the slope disagree")
+        lines.append(f"{label}: {key} {first:.3f} over steps {head[0][0]}-{head[-1][0]} -> {last:.3f} over steps "
+                     f"{tail[0][0]}-{tail[-1][0]}, a least-squares slope of {slope:+.4f} a step: {verdict}.")
     return "\n".join(lines)

@@ -13,32 +13,48 @@ from cbkit.train.hooks import StepHooks, StepRecord, TrainState
 from cbkit.viz.live import LiveChart
 from cbkit.viz.palette import backend_color
 
-__all__ = ["LiveMetricsHook", "TRAINING_PANELS", "live_sweep", "run_style"]
+__all__ = ["LiveMetricsHook", "TRAINING_PANELS", "live_sweep", "run_style", "tint"]
 
-# (panel title, [(series label, metric key, scale)]): what the live training chart draws.
+# (panel title, [(series label, metric key, scale)]): what the live training chart draws, six panels in a grid of
+# two columns, so that the chart reads without scrolling. Train reward and held-out accuracy share a panel (both
+# are scores in [0, 1]: the second is the evidence that the run learns); reward's parts are in `compare_runs`' table.
+# Labels are unique across panels: a series' style is found by its label.
 TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
-    ("reward", (("mean", "reward/mean", 1.0), ("correctness", "reward/correctness", 1.0),
-                ("format", "reward/format", 1.0), ("verified", "reward/verified", 1.0))),
-    ("held-out accuracy", (("held-out accuracy", "eval/accuracy", 1.0),)),
+    ("reward", (("train reward", "reward/mean", 1.0), ("held-out accuracy", "eval/accuracy", 1.0))),
     ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
     ("rollout tokens/s", (("tokens/s", "rollout/tokens_per_s", 1.0),)),
     ("rollout peak memory (MiB)", (("peak memory", "rollout/peak_mem_bytes", 2.0**-20),)),
-    ("logprob drift (nats)", (("max |sampling - policy|", "logprob/max_abs_diff", 1.0),
-                              ("mean |sampling - policy|", "logprob/mean_abs_diff", 1.0))),
+    ("logprob drift (nats)", (("max |diff|", "logprob/max_abs_diff", 1.0), ("mean |diff|", "logprob/mean_abs_diff", 1.0))),
     ("IS ratio", (("ratio mean", "is/ratio_mean", 1.0), ("ratio min", "is/ratio_min", 1.0),
                   ("ratio max", "is/ratio_max", 1.0))),
 )
+TRAINING_COLUMNS = 2
+# A quantity's place within its panel: its dash, its marker and how far its run's colour is lightened, so that two
+# series of one run differ in colour too, not by dash alone (a dash cannot be seen on a chart of two points).
+_DASHES = ("solid", "dash", "dot")
+_SYMBOLS = ("circle", "diamond", "square")
+_TINTS = (0.0, 0.45, 0.65)
 
-_DASHES = ("solid", "dash", "dot", "dashdot")
+
+def tint(color: str, share: float) -> str:
+    """``color`` (``#rrggbb``) moved ``share`` of the way to white."""
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * share):02x}" for c in rgb)
 
 
 def run_style(series: str) -> dict[str, Any]:
-    """Line style of a "run: quantity" series: the colour says which run (a backend's own colour), the dash which
-    quantity within a panel, so two runs in one chart read apart at a glance."""
+    """Style of a "run: quantity" series: the run's colour (a backend's own), its legend group (one legend entry a
+    run), and, for a panel's second and third quantities, a lighter tint, a dash and a marker of their own, with the
+    quantity written beside the last point wherever a panel draws more than one."""
     run, _, name = series.rpartition(": ")
-    color = backend_color(run)  # generate / continuous keep their colours from every other cbkit chart
-    position = next((i for _, qs in TRAINING_PANELS for i, (label, _, _) in enumerate(qs) if label == name), 0)
-    return {"color": color, "dash": _DASHES[position % len(_DASHES)]}
+    color = backend_color(run or name)  # generate / continuous keep their colours from every other cbkit chart
+    panel = next((qs for _, qs in TRAINING_PANELS if any(label == name for label, _, _ in qs)), ())
+    position = next((i for i, (label, _, _) in enumerate(panel) if label == name), 0)
+    style = {"color": tint(color, _TINTS[position % 3]), "dash": _DASHES[position % 3],
+             "symbol": _SYMBOLS[position % 3], "group": run or name}
+    if len(panel) > 1:
+        style["label"] = name
+    return style
 
 
 class LiveMetricsHook(StepHooks):
@@ -55,6 +71,8 @@ class LiveMetricsHook(StepHooks):
         self.label = label
         self.panels = tuple(panels)
         chart_kwargs.setdefault("y_min_span", {"IS ratio": 0.1})  # 1 +- 0.05: bf16-sized mismatches show
+        chart_kwargs.setdefault("columns", TRAINING_COLUMNS)
+        chart_kwargs.setdefault("panel_height", 200)
         self.chart = chart or LiveChart(title, [p for p, _ in self.panels], x_title="step", style=run_style,
                                         **chart_kwargs)
         self.close_on_end = close_on_end

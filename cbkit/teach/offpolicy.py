@@ -31,8 +31,9 @@ from cbkit.train.snapshots import WeightSnapshots
 
 
 def lowercase_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """Share of lowercase ASCII letters in a completion. The random tiny model (CI) writes ~1 in 10, with spread,
-    so its groups have nonzero advantages from step 1 and the updates move the weights: what off-policy needs."""
+    """Share of lowercase ASCII letters in a completion. A random model (CI's `llama-tiny-random`) writes a share of
+    0.2-0.3, with spread, so its groups have nonzero advantages from step 1 and the updates move the weights: what
+    off-policy needs, and a reward such a model can move within a dozen steps (04 at CI size)."""
     return [sum(ch in string.ascii_lowercase for ch in c) / max(1, len(c)) for c in completions]
 
 
@@ -124,6 +125,62 @@ def weight_gap(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> 
     num = sum(((a[k].float() - b[k].float()) ** 2).sum().item() for k in a)
     den = sum((a[k].float() ** 2).sum().item() for k in a)
     return (num / den) ** 0.5
+
+
+def _rollout_gaps(a: Recorder, b: Recorder) -> list[tuple[bool, float]]:
+    """Per step of two runs: whether their rollouts are the same tokens, and the largest |sampling logprob| gap."""
+    out = []
+    for ra, rb in zip(a.rollouts, b.rollouts, strict=False):
+        same_tokens = [ca.completion_ids for ca in ra.completions] == [cb.completion_ids for cb in rb.completions]
+        gap = max((abs(x - y) for ca, cb in zip(ra.completions, rb.completions, strict=True)
+                   if ca.sampling_logprobs and cb.sampling_logprobs
+                   for x, y in zip(ca.sampling_logprobs, cb.sampling_logprobs, strict=False)), default=0.0)
+        out.append((same_tokens, gap))
+    return out
+
+
+def first_different_rollout(a: Recorder, b: Recorder) -> int | None:
+    """The first step (1-based) whose rollouts differ between two runs, in tokens or in sampling logprobs: the
+    first one sampled from different weights; None if every step's is the same."""
+    return next((i + 1 for i, (same, gap) in enumerate(_rollout_gaps(a, b)) if not same or gap > 0), None)
+
+
+def rollout_sources(runs: Mapping[str, Recorder]) -> str:
+    """Where two runs' rollouts came from, step by step, read from the rollouts themselves: the policy versions
+    their tokens carry, and whether the two runs' rollouts of a step are the same tokens with the same sampling
+    logprobs (the same weights and seed) or not (different weights). Two runs that differ only in the loss (the IS
+    correction on and off) sample the same rollouts until one comes from weights that their different updates made;
+    until then their reward curves are one line."""
+    (name_a, a), (name_b, b) = list(runs.items())[:2]
+
+    def versions(rec: Recorder) -> list[str]:
+        out = []
+        for rollout in rec.rollouts:
+            vs = sorted({v for c in rollout.completions for v in (c.policy_versions or ())})
+            out.append("-".join(map(str, vs)) if vs else "?")
+        return out
+
+    va, vb = versions(a), versions(b)
+    lines = [f"policy version each step's rollout was sampled from: {name_a} {', '.join(va)}"
+             + ("; the same in the other run." if va == vb else f"; {name_b} {', '.join(vb)}.")]
+    gaps = _rollout_gaps(a, b)
+    first = next((i for i, (same, gap) in enumerate(gaps) if not same or gap > 0), None)
+    if first is None:
+        lines.append(f"Every one of the {len(gaps)} steps drew the same rollout in both runs (same tokens, sampling "
+                     "logprobs equal to the bit): the same weights, so their rewards are one line. Train for more "
+                     "steps than the staleness + 2 for rollouts from weights the two updates made.")
+    else:
+        after = ", ".join(f"step {i + 1} {gap:.1e}" + ("" if same else " (other tokens)")
+                          for i, (same, gap) in enumerate(gaps) if i >= first)
+        same = (f"Steps 1-{first}: the same rollout in both runs (same tokens, sampling logprobs equal to the "
+                "bit). " if first else "")
+        lines.append(f"{same}From step {first + 1} on the rollouts came from different weights; the largest "
+                     f"|sampling logprob| gap between the runs: {after}.")
+        other = [i + 1 for i, (same_tokens, _) in enumerate(gaps) if not same_tokens]
+        lines.append(f"Their sampled tokens differ at step(s) {', '.join(map(str, other))}, so their rewards can too."
+                     if other else "Their sampled tokens are the same at every step, so are their rewards (one line "
+                     "in the figure): the weights differ by too little to change a sampled token.")
+    return "\n".join(lines)
 
 
 def straddler(rollout) -> int | None:

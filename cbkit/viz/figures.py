@@ -91,7 +91,12 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
     if log_y:
-        fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)")
+        # plotly's own log ticks label the minor ones by their first digit only ("5, 2, 1, 5, 2, 0.1"): name each
+        # 1-2-5 tick in full, with its unit.
+        shown = [v for t in fig.data for v in (t.y or ()) if isinstance(v, int | float) and v > 0]
+        vals = log_ticks(min(shown, default=1.0), max(shown, default=1.0))
+        fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)",
+                         tickvals=vals, ticktext=[f"{v:g} {unit}" for v in vals])
     for i, (label, n) in enumerate((marks or {}).items()):
         if n is not None:
             fig.add_vline(x=n, line={"color": "#333", "width": 1.5, "dash": "dot"})  # shapes: data units, log axis too
@@ -101,6 +106,18 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
                       template=TEMPLATE,
                       height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
     return fig
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values at 1, 2 and 5 times each power of ten from just below ``lo`` to just above ``hi`` (both > 0):
+    what a reader expects on a log axis, each one labelled in full."""
+    if not 0 < lo <= hi:
+        raise ValueError(f"log ticks need 0 < lo <= hi, got lo={lo}, hi={hi}.")
+    vals = [m * 10.0**d for d in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+            for m in (1, 2, 5)]
+    below = max((v for v in vals if v <= lo), default=vals[0])
+    above = min((v for v in vals if v >= hi), default=vals[-1])
+    return [float(f"{v:.6g}") for v in vals if below <= v <= above]
 
 
 STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),

@@ -182,9 +182,13 @@ def widget_available() -> bool:
 class LiveChart:
     """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
 
-    ``panels`` are stacked subplots sharing the x axis, each titled on its y axis; a series keeps its colour
-    in every panel, or takes the line style ``style(series)`` returns (e.g. a colour per run and a dash per
-    quantity, as `cbkit.teach.live.LiveMetricsHook` does). ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
+    ``panels`` are subplots sharing the x axis, each titled on its y axis, stacked in one column or laid out in a
+    grid of ``columns``; a series keeps its colour in every panel, or takes the line style ``style(series)``
+    returns (e.g. a colour per run and a dash per quantity, as `cbkit.teach.live.LiveMetricsHook` does). That style
+    may also name the series' legend ``group`` (one legend entry per group, at the top: a run, whatever the
+    quantity), its marker ``symbol``, and a ``label`` written beside its last point (the quantity, so that a
+    panel's series are told apart on the panel, not in a legend of run x quantity). Without groups, each panel of a
+    single column has its own legend beside it. ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
     last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
     a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
     """
@@ -200,6 +204,8 @@ class LiveChart:
         x_log: bool = False,
         style: Callable[[str], Mapping[str, Any]] | None = None,
         y_min_span: Mapping[str, float] | None = None,
+        columns: int = 1,
+        panel_height: int = 260,
         save_html: str | os.PathLike | None = None,
         clock: Callable[[], float] = time.monotonic,
         display: Callable[[Any], Any] | None = None,
@@ -209,6 +215,8 @@ class LiveChart:
             raise ValueError(f"mode must be auto, widget, html or static; got {mode!r}.")
         if not panels:
             raise ValueError("panels must name at least one panel.")
+        if columns < 1:
+            raise ValueError(f"columns must be >= 1, got {columns}.")
         if min_interval_s < 0:
             raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}.")
         self.title = title
@@ -217,6 +225,8 @@ class LiveChart:
         self.x_log = x_log
         self._style = style
         self.y_min_span = dict(y_min_span or {})
+        self.columns = min(columns, len(self.panels))
+        self.panel_height = panel_height
         self.min_interval_s = min_interval_s
         self.save_html = Path(save_html) if save_html is not None else None
         self._clock = clock
@@ -273,25 +283,43 @@ class LiveChart:
         if self._dirty and self._final is None:
             self._redraw(self._clock())
 
+    def _cell(self, panel: str) -> tuple[int, int]:
+        """(row, col) of a panel in the grid, 1-based, filled row by row."""
+        i = self.panels.index(panel)
+        return i // self.columns + 1, i % self.columns + 1
+
+    @property
+    def _grouped(self) -> bool:
+        """Whether the style names legend groups: then one legend for the chart, one entry a group."""
+        return self._style is not None and any("group" in self._style(s) for s in self._names)
+
     def figure(self) -> go.Figure:
         """The chart as a plain figure, with every point added so far."""
-        rows = len(self.panels)
-        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08 if rows > 1 else 0.0)
+        rows = math.ceil(len(self.panels) / self.columns)
+        fig = make_subplots(rows=rows, cols=self.columns, shared_xaxes=True,
+                            vertical_spacing=(0.08 if self.columns == 1 else 0.12) if rows > 1 else 0.0,
+                            horizontal_spacing=0.12)
         shown: set[str] = set()
         for (panel, series), (xs, ys) in self._series.items():
-            fig.add_trace(self._trace(panel, series, xs, ys, first=series not in shown),
-                          row=self.panels.index(panel) + 1, col=1)
-            shown.add(series)
-        for i, panel in enumerate(self.panels, start=1):
-            fig.update_yaxes(title_text=panel, row=i, col=1)
+            trace = self._trace(panel, series, xs, ys, first=series not in shown, shown=shown)
+            fig.add_trace(trace, row=self._cell(panel)[0], col=self._cell(panel)[1])
+            shown.update({series, trace.legendgroup or series})
+        for panel in self.panels:
+            row, col = self._cell(panel)
+            fig.update_yaxes(title_text=panel, row=row, col=col)
         self._apply_min_spans(fig)
-        fig.update_xaxes(title_text=self.x_title, row=rows, col=1)
+        for panel in self.panels[-self.columns:]:  # the bottom panel of each column
+            row, col = self._cell(panel)
+            fig.update_xaxes(title_text=self.x_title, row=row, col=col)
         xs = sorted({x for pts, _ in self._series.values() for x in pts if isinstance(x, int | float)})
         if self.x_log and xs and xs[0] > 0:
             fig.update_xaxes(type="log", tickvals=xs, ticktext=[f"{x:g}" for x in xs])
         elif xs and all(float(x).is_integer() for x in xs):
             fig.update_xaxes(dtick=max(1, math.ceil((xs[-1] - xs[0]) / 10)))  # steps are whole numbers
-        if rows > 1:  # one legend per panel, at the top right of its panel
+        if self._grouped:  # one legend, one entry a group, above the panels
+            fig.update_layout(legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0},
+                              margin={"t": 100, "r": 60})
+        elif rows > 1 and self.columns == 1:  # one legend per panel, at the top right of its panel
             for i in range(1, rows + 1):
                 top = fig.layout["yaxis" if i == 1 else f"yaxis{i}"].domain[1]
                 fig.update_layout({self._legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
@@ -299,27 +327,39 @@ class LiveChart:
             fig.update_layout(margin={"r": 250})
         else:
             fig.update_layout(legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1})
-        fig.update_layout(title=self.title, template=TEMPLATE, height=160 + 260 * rows)
+        fig.update_layout(title=self.title, template=TEMPLATE, height=160 + self.panel_height * rows)
         return fig
 
     def _apply_min_spans(self, fig: Any) -> None:
-        for i, panel in enumerate(self.panels, start=1):
+        for panel in self.panels:
             span = self.y_min_span.get(panel)
             values = [y for (p, _), (_, ys) in self._series.items() if p == panel for y in ys
                       if isinstance(y, int | float) and math.isfinite(y)]
             if span and values:
                 lo, hi = min(values), max(values)
                 mid = (lo + hi) / 2
-                fig.update_yaxes(range=[mid - span / 2, mid + span / 2] if hi - lo < span else None, row=i, col=1)
+                row, col = self._cell(panel)
+                fig.update_yaxes(range=[mid - span / 2, mid + span / 2] if hi - lo < span else None, row=row, col=col)
 
     @staticmethod
     def _legend(row: int) -> str:
         return "legend" if row == 1 else f"legend{row}"
 
-    def _trace(self, panel: str, series: str, xs: Sequence[Any], ys: Sequence[Any], *, first: bool) -> go.Scatter:
+    def _trace(self, panel: str, series: str, xs: Sequence[Any], ys: Sequence[Any], *, first: bool,
+               shown: set[str] | None = None) -> go.Scatter:
+        line = self._line(series)
+        group, label, symbol = line.pop("group", None), line.pop("label", None), line.pop("symbol", None)
+        marker = {"color": line.get("color"), **({"symbol": symbol} if symbol else {})}
+        if group is not None:  # one legend entry a group; the quantity is written beside the last point
+            text = [""] * (len(xs) - 1) + [label] if label and xs else None
+            return go.Scatter(x=list(xs), y=list(ys), name=group, mode="lines+markers" + ("+text" if text else ""),
+                              line=line, marker=marker, text=text, textposition="middle right", cliponaxis=False,
+                              textfont={"color": line.get("color"), "size": 11}, legendgroup=group,
+                              showlegend=group not in (shown or set()),
+                              hovertemplate=f"{series}: %{{y:.4g}}<extra></extra>")
         row = self.panels.index(panel) + 1
-        per_panel = len(self.panels) > 1
-        return go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", line=self._line(series),
+        per_panel = len(self.panels) > 1 and self.columns == 1
+        return go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", line=line, marker=marker,
                           legend=self._legend(row) if per_panel else None,
                           legendgroup=None if per_panel else series, showlegend=per_panel or first)
 
@@ -372,12 +412,16 @@ class LiveChart:
                 if key not in self._trace_index:
                     panel, series = key
                     first = not any(s == series for _, s in self._trace_index)
-                    self._widget.add_trace(self._trace(panel, series, xs, ys, first=first),
-                                           row=self.panels.index(panel) + 1, col=1)
+                    shown = {self._widget.data[i].legendgroup or s for (_, s), i in self._trace_index.items()}
+                    row, col = self._cell(panel)
+                    self._widget.add_trace(self._trace(panel, series, xs, ys, first=first, shown=shown),
+                                           row=row, col=col)
                     self._trace_index[key] = len(self._widget.data) - 1
                 else:
                     trace = self._widget.data[self._trace_index[key]]
                     trace.x, trace.y = list(xs), list(ys)
+                    if trace.text is not None:  # the label stays beside the last point
+                        trace.text = [""] * (len(xs) - 1) + [next(t for t in trace.text if t)]
             self._apply_min_spans(self._widget)
 
     def _update_html(self, fig: go.Figure) -> None:

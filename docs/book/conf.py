@@ -2,9 +2,14 @@
 as one static site. `scripts/build_book.py` stages the sources next to this file and builds it offline; why
 Sphinx + myst-nb is in `docs/design.md`."""
 
+from docutils import nodes as _nodes
+
 project = "cbkit workshop"
 author = "cbkit"
 extensions = ["myst_nb"]
+# `$$ ... $$` and `$ ... $` (docs/objective.md) are maths, drawn by the offline renderer at the end of this file.
+myst_enable_extensions = ["dollarmath"]
+html_math_renderer = "mathml"
 # The notebooks were executed by `make test-notebooks` (nbmake, CI sizes): render what they printed and drew.
 nb_execution_mode = "off"
 # text/html (interactive plotly) outranks the image/png that cbkit.viz.static adds for viewers without JavaScript.
@@ -16,3 +21,29 @@ html_static_path: list[str] = []
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 # The guide links to files of the repository (code, Makefile) that are not pages of the book.
 suppress_warnings = ["myst.xref_missing"]
+
+
+# Maths without MathJax, which Sphinx loads from a CDN: latex2mathml turns the LaTeX into MathML at build time, and
+# the browser draws MathML itself (Chromium 109+, Firefox, Safari). Without latex2mathml the LaTeX source is shown.
+def _mathml(latex: str, display: str) -> str:
+    import html
+
+    try:
+        from latex2mathml.converter import convert
+    except ImportError:
+        return f'<code class="math">{html.escape(latex)}</code>'
+    return convert(latex, display=display)
+
+
+def _visit_inline(self, node):
+    self.body.append(_mathml(node.astext(), "inline"))
+    raise _nodes.SkipNode
+
+
+def _visit_block(self, node):
+    self.body.append(f'<div class="math">{_mathml(node.astext(), "block")}</div>')
+    raise _nodes.SkipNode
+
+
+def setup(app):
+    app.add_html_math_renderer("mathml", (_visit_inline, None), (_visit_block, None))

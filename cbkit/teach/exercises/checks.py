@@ -114,7 +114,7 @@ def check_padding_share(fn: Callable[[list[int], list[int]], float], seed: int |
 def _blocks_reference(prompt_len: int, lengths: list[int], page_size: int, pool_blocks: int) -> list[int]:
     from cbkit.teach.recycling import paged_pool
 
-    held = paged_pool(prompt_len, lengths, page_size, pool_blocks=pool_blocks).held_tokens
+    held = paged_pool(prompt_len, lengths, page_size, pool_blocks=pool_blocks, admission="reserve").held_tokens
     return [h // page_size for h in held]
 
 

@@ -114,25 +114,31 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "t4": Sizes(GPU_MODEL, 4, 8, 256),
         "a100": Sizes(GPU_MODEL, 8, 16, 256)}),
     NotebookSpec("03_n_sweep", "sweep", {
-        "ci": Sizes(_SMOL, 1, 8, 16, sweep_ns=(8, 32), workloads=("fixed", "replay:gsm8k")),
+        "ci": Sizes(_SMOL, 1, 8, 16, sweep_ns=(4, 16), workloads=("fixed", "replay:gsm8k")),
         "cpu": Sizes(_SMOL, 1, 8, 96, sweep_ns=(8, 16, 32, 64), workloads=("fixed", "replay:gsm8k")),
         "t4": Sizes(_SMOL, 8, 8, 1024, sweep_ns=(16, 56), sweep_prompts=8, sweep_new_tokens=1024,
                     workloads=("fixed", "replay:gsm8k"), pool_share=POOL_SHARE),
         "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(16, 64), sweep_prompts=6, sweep_new_tokens=2048,
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, weight_copies=1, sizes={
-        "ci": Sizes(_SMOL, 2, 6, 24, steps=2, learning_rate=5e-5, eval_every=2, eval_prompts=8, eval_n=2),
+        # CI: a dozen steps of the 2-layer random model on the lowercase reward (the notebook's parameters cell), so
+        # the chart shows a trend in a few seconds a run. 1e-2 is a rate only a model this small takes: SmolLM2
+        # learns at 1e-5 to 3e-5, at 26 s a step of 4 prompts x 8 on a 2-core CPU (recipes/smollm2_arith.yaml).
+        "ci": Sizes(DRY_MODEL, 2, 8, 24, steps=12, learning_rate=1e-2, eval_prompts=8, eval_n=2),  # no held-out set
         # CPU: within 5 minutes and 4 GiB on a 2-core laptop with the step split and the TRL step (docs/workshop.md).
         "cpu": Sizes(_SMOL, 2, 4, 32, steps=3, learning_rate=5e-5, eval_every=3, eval_prompts=8, eval_n=2),
         "t4": Sizes(GPU_MODEL, 4, 8, 256, steps=6, learning_rate=3e-6, eval_every=6, eval_prompts=64, eval_n=2),
         "a100": Sizes(GPU_MODEL, 8, 16, 256, steps=8, learning_rate=3e-6, eval_every=8, eval_prompts=64,
                       eval_n=2)}),
     # Off-policy: one run per staleness (3), the uncorrected one at the correction's staleness (the corrected one is
-    # the staleness run's), one async: five training runs. The CI size trains the random tiny model, which shows the
-    # mechanics (drift, ratios, versions), not learning.
+    # the staleness run's), one async: five training runs. The CI size trains the 2-layer random model, whose
+    # word-piece tokens decode to text, at a learning rate a real run uses: it shows the mechanics (drift, ratios,
+    # versions) at a real run's scale, not learning. Its 10 steps at staleness 4 sample steps 6-10 from versions 1-5:
+    # from version 2 on (the first update whose rollout was stale) the runs with and without the correction roll
+    # out from different weights. 5 steps would sample every rollout from the initial weights in both.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 5, weight_copies=1 + 5 + 1, async_run=True,
                  sizes={
-        "ci": Sizes("tiny", 2, 4, 12, steps=5, learning_rate=1e-2),
+        "ci": Sizes(DRY_MODEL, 2, 4, 16, steps=10, learning_rate=1e-4),
         # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens and no system prompt (05 rewards lowercase
         # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (docs/memory.md: in
         # memory they alone need 3 GB).
