@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 import pytest
 
 from cbkit.teach import figures_engine, figures_padding
+from cbkit.viz import display, palette
 from cbkit.viz import figures as plots
-from cbkit.viz import live, palette
 from cbkit.viz.live import LiveChart
 
 GiB = 1024**3
@@ -62,11 +62,11 @@ class FakeWidget(go.Figure):
 @pytest.fixture
 def no_kernel(monkeypatch):
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    monkeypatch.setattr(live, "in_kernel", lambda: False)
+    monkeypatch.setattr(display, "in_kernel", lambda: False)
 
 
 def _kernel(monkeypatch, *, colab: bool = False, ci: bool = False) -> None:
-    monkeypatch.setattr(live, "in_kernel", lambda: True)
+    monkeypatch.setattr(display, "in_kernel", lambda: True)
     if colab:
         monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     else:
@@ -82,48 +82,48 @@ def _kernel(monkeypatch, *, colab: bool = False, ci: bool = False) -> None:
 
 def test_auto_mode_colab_is_html(monkeypatch):
     _kernel(monkeypatch, colab=True)
-    monkeypatch.setattr(live, "widget_available", lambda: True)
-    assert live.detect_mode() == "html"
+    monkeypatch.setattr(display, "widget_available", lambda: True)
+    assert display.detect_mode() == "html"
 
 
 def test_auto_mode_kernel_with_widgets_is_widget(monkeypatch):
     _kernel(monkeypatch)
-    monkeypatch.setattr(live, "widget_available", lambda: True)
-    assert live.detect_mode() == "widget"
+    monkeypatch.setattr(display, "widget_available", lambda: True)
+    assert display.detect_mode() == "widget"
 
 
 def test_auto_mode_kernel_without_anywidget_is_html(monkeypatch):
     _kernel(monkeypatch)
-    monkeypatch.setattr(live, "widget_available", lambda: False)
-    assert live.detect_mode() == "html"
+    monkeypatch.setattr(display, "widget_available", lambda: False)
+    assert display.detect_mode() == "html"
 
 
 @pytest.mark.parametrize("env", [("CI", "1"), ("CBKIT_PROFILE", "ci"), ("PYTEST_CURRENT_TEST", "nb.ipynb::cell")])
 def test_auto_mode_kernel_under_ci_or_nbmake_is_html(monkeypatch, env):
     _kernel(monkeypatch)
-    monkeypatch.setattr(live, "widget_available", lambda: True)
+    monkeypatch.setattr(display, "widget_available", lambda: True)
     monkeypatch.setenv(*env)
-    assert live.detect_mode() == "html"
+    assert display.detect_mode() == "html"
 
 
 def test_in_kernel_needs_an_ipython_shell_with_a_kernel(monkeypatch):
     shell = types.SimpleNamespace(kernel=object())
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
-    assert live.in_kernel()
+    assert display.in_kernel()
     terminal = types.SimpleNamespace()  # terminal IPython: a shell, no kernel
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: terminal))
-    assert not live.in_kernel()
+    assert not display.in_kernel()
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
-    assert not live.in_kernel()
+    assert not display.in_kernel()
     monkeypatch.delitem(sys.modules, "IPython")  # a script that never imported IPython
-    assert not live.in_kernel()
+    assert not display.in_kernel()
 
 
 def test_auto_mode_without_kernel_is_static(monkeypatch):
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    monkeypatch.setattr(live, "in_kernel", lambda: False)
-    monkeypatch.setattr(live, "widget_available", lambda: True)
-    assert live.detect_mode() == "static"
+    monkeypatch.setattr(display, "in_kernel", lambda: False)
+    monkeypatch.setattr(display, "widget_available", lambda: True)
+    assert display.detect_mode() == "static"
     assert LiveChart("t").mode == "static"
 
 
@@ -135,7 +135,7 @@ def test_widget_available_follows_anywidget(monkeypatch):
     real = importlib.util.find_spec
     needed = "anywidget" if int(plotly.__version__.split(".")[0]) >= 6 else "ipywidgets"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == needed else real(name, *a))
-    assert live.widget_available() is False
+    assert display.widget_available() is False
 
 
 # --- the three display modes --------------------------------------------------------------------------------
@@ -163,17 +163,17 @@ def test_widget_mode_updates_one_widget_in_place(monkeypatch):
 
 def test_widget_mode_without_anywidget_falls_back(monkeypatch):
     _kernel(monkeypatch)
-    monkeypatch.setattr(live, "widget_available", lambda: False)
+    monkeypatch.setattr(display, "widget_available", lambda: False)
     with pytest.warns(UserWarning, match="anywidget"):
         chart = LiveChart("w", mode="widget", display=FakeDisplay())
     assert chart.mode == "html"
-    monkeypatch.setattr(live, "in_kernel", lambda: False)
+    monkeypatch.setattr(display, "in_kernel", lambda: False)
     with pytest.warns(UserWarning, match="anywidget"):
         assert LiveChart("w", mode="widget").mode == "static"
 
 
 def test_real_figure_widget_if_installed(monkeypatch):
-    if not live.widget_available():
+    if not display.widget_available():
         pytest.skip("plotly's FigureWidget needs anywidget here; the fallback is tested above")
     _kernel(monkeypatch)
     chart = LiveChart("w", mode="widget", display=FakeDisplay(), clock=FakeClock())
@@ -405,18 +405,18 @@ def test_embed_plotlyjs_puts_the_library_in_the_page_once_and_figures_use_it(mon
 
     shown: list[str] = []
     monkeypatch.setattr("IPython.display.display_html", lambda html, raw=False: shown.append(html))
-    monkeypatch.setattr(live, "_PLOTLYJS_IN_PAGE", False)
+    monkeypatch.setattr(display, "_PLOTLYJS_IN_PAGE", False)
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)
     fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
     _kernel(monkeypatch, colab=True)
-    assert not live.embed_plotlyjs() and shown == []  # Colab: every output is its own iframe
-    assert 'src="https://cdn.plot.ly' in live.figure_html(fig)
+    assert not display.embed_plotlyjs() and shown == []  # Colab: every output is its own iframe
+    assert 'src="https://cdn.plot.ly' in display.figure_html(fig)
     _kernel(monkeypatch)
-    assert live.embed_plotlyjs() and not live.embed_plotlyjs()  # once per kernel
+    assert display.embed_plotlyjs() and not display.embed_plotlyjs()  # once per kernel
     library = get_plotlyjs()
     assert len(shown) == 1 and library in shown[0]
     assert pio.renderers.default == "plotly_mimetype+cbkit_notebook"
-    html = live.figure_html(fig)
+    html = display.figure_html(fig)
     assert "Plotly.newPlot" in html and "cdn" not in html and len(html) < len(library) / 100
     # What a figure cell saves: the JSON mimetype and HTML that draws with the page's copy.
     bundle = pio.renderers._build_mime_bundle(fig.to_dict(), renderers_string=pio.renderers.default)
@@ -432,9 +432,9 @@ def test_progress_bars_are_text_under_ci_and_widgets_in_front_of_a_person(monkey
     monkeypatch.setattr(tqdm.auto, "tqdm", widget_bar)  # both restored after the test
     monkeypatch.setattr(tqdm.autonotebook, "tqdm", tqdm.autonotebook.tqdm)
     _kernel(monkeypatch)
-    assert not live.text_progress_bars() and tqdm.auto.tqdm is widget_bar
+    assert not display.text_progress_bars() and tqdm.auto.tqdm is widget_bar
     _kernel(monkeypatch, ci=True)
-    assert live.text_progress_bars() and issubclass(tqdm.auto.tqdm, tqdm.asyncio.tqdm)
+    assert display.text_progress_bars() and issubclass(tqdm.auto.tqdm, tqdm.asyncio.tqdm)
     out = io.StringIO()
     for _ in tqdm.auto.tqdm(range(3), desc="runs", file=out):
         pass

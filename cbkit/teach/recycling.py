@@ -239,7 +239,7 @@ def recycling_explorer(prompt_len: int = 128, max_len: int = 256, page_size: int
     Where nobody can move a slider (CI, a script) it returns the figure for the given values instead, so the
     executed notebook keeps a chart. ``interactive=None`` decides by `cbkit.viz.figures.detect_mode`.
     """
-    from cbkit.viz.live import detect_mode
+    from cbkit.viz.display import detect_mode
 
     def figure(n: int, spread: float, pool_share: float) -> go.Figure:
         lengths = completion_lengths(n, max_len, spread, seed, replay=replay)
