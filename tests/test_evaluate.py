@@ -177,5 +177,6 @@ def test_the_live_chart_draws_the_step_0_evaluation_but_does_not_count_it_as_a_s
     hook.on_step_end(StepRecord(0, {"eval/accuracy": 0.2}))
     hook.on_step_end(StepRecord(1, {"reward/mean": 0.5, "eval/accuracy": 0.4}))
     assert [r.step for r in hook.records] == [1]  # 04 compares runs over these: every one has reward/mean
-    drawn = {t.name: list(t.y) for t in hook.chart.figure().data}
+    # A trace is named by its run (the legend); the quantity is in its hover text and its label.
+    drawn = {t.hovertemplate.split(": %{")[0]: list(t.y) for t in hook.chart.figure().data}
     assert drawn["continuous: held-out accuracy"] == [0.2, 0.4]
