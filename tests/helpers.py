@@ -113,12 +113,23 @@ def chromium() -> str:
 
 def browser(url: str, *args: str) -> str:
     import subprocess
+    import tempfile
 
-    # No network: a figure that needs a CDN stays blank here, as it would for an offline reader.
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--hide-scrollbars", "--proxy-server=127.0.0.1:9", "--run-all-compositor-stages-before-draw",
-           "--virtual-time-budget=60000", *args, url]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # No network: a figure that needs a CDN stays blank here, as it would for an offline reader. Each call gets a
+    # profile of its own: Chromium hands a URL to a browser already running on the same profile, and one still
+    # shutting down from the call before took it and never answered (a CI run: 04's screenshot idle for 5 minutes,
+    # right after its DOM dump; the same command alone takes 2 s). A call gets 120 s and, timed out, one more try.
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory(prefix="cbkit-chromium-") as profile:
+            cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                   "--hide-scrollbars", "--proxy-server=127.0.0.1:9", "--run-all-compositor-stages-before-draw",
+                   "--virtual-time-budget=60000", f"--user-data-dir={profile}", *args, url]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                break
+            except subprocess.TimeoutExpired:
+                if attempt == 2:
+                    raise
     assert done.returncode == 0, f"chromium failed on {url}: {done.stderr[-2000:]}"
     return done.stdout
 
