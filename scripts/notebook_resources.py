@@ -19,12 +19,19 @@ from pathlib import Path
 SUFFIX = ".resources.json"
 
 REPORT = """\
-import json as _json, time as _time
-import psutil as _psutil
-from cbkit.telemetry import process_peak_rss as _peak
-with open({path!r}, "w") as _f:
-    _json.dump({{"notebook": {stem!r}, "seconds": round(_time.time() - _psutil.Process().create_time(), 1),
-                "peak_rss_bytes": _peak()}}, _f)
+def _cbkit_report_resources():  # a function, so the kernel's namespace gains nothing but this name, deleted below
+    import json
+    import time
+
+    import psutil
+
+    from cbkit.telemetry import process_peak_rss
+
+    with open({path!r}, "w") as f:
+        json.dump({{"notebook": {stem!r}, "seconds": round(time.time() - psutil.Process().create_time(), 1),
+                   "peak_rss_bytes": process_peak_rss()}}, f)
+_cbkit_report_resources()
+del _cbkit_report_resources
 """
 
 
