@@ -42,9 +42,10 @@ from cbkit.train.config import SNAPSHOT_PLACES as WHERE
 # Where a copy is, as a sentence says it (the notebooks print it).
 KEPT_WHERE = {"device": "in the model's device memory", "host": "in host memory", "disk": "in a file"}
 
-# The notebooks' GPU tiers (cbkit.teach.tiers): a T4's 15 GB hold the policy, its AdamW state, a KV pool and the
-# engine's async snapshot, and no ring of copies besides; an A100's 40 or 80 GB hold them where they are fastest.
-TIER_PLACES = {"t4": "host", "a100": "device"}
+# The notebooks' GPU tiers (cbkit.teach.tiers): a T4's ~14.7 GiB hold the policy, its AdamW state, a KV pool and the
+# engine's async snapshot, and no ring of copies besides; nor does a standard Colab runtime's 12.7 GB of RAM hold
+# 05's seven (2 GB each for Qwen2.5-0.5B in fp32): files. An A100's 40 or 80 GB hold them where they are fastest.
+TIER_PLACES = {"t4": "disk", "a100": "device"}
 
 
 def place_for_tier(tier: str, device: str = "cuda") -> str:

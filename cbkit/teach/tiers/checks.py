@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from cbkit.measure import roofline
 from cbkit.rollout.admission import Admission, admission
 from cbkit.teach.tiers.plan import TierPlan, plan_notebook
-from cbkit.teach.tiers.pool import parameter_count, plan_config
+from cbkit.teach.tiers.pool import device_bytes, parameter_count, plan_config
 from cbkit.teach.tiers.table import (
     CAPABILITY,
     CUDA_CONTEXT_BYTES,
@@ -78,7 +78,7 @@ def plan_presets() -> list[PresetPlan]:
         new = preset["max_new_tokens"]
         pool = dict(preset.get("cb_config", {}))
         a = admission(config, pool, dtype=dtype, rows=[range(PROMPT_LEN)] * requests, max_new_tokens=new,
-                      total_bytes=roofline.GPUS[machine].total_memory(), used_bytes=CUDA_CONTEXT_BYTES + resident,
+                      total_bytes=device_bytes(machine), used_bytes=CUDA_CONTEXT_BYTES + resident,
                       capability=CAPABILITY[machine])
         out.append(PresetPlan(name, machine, a, requests, PROMPT_LEN + new, page_size(pool)))
     return out
