@@ -279,3 +279,35 @@ def test_rollout_sources_says_from_which_step_two_runs_sampled_from_different_we
     one_line = rollout_sources({"with": run(same), "without": run(same)})
     assert "Every one of the 2 steps drew the same rollout" in one_line
     assert first_different_rollout(a, b) == 3 and first_different_rollout(run(same), run(same)) is None
+
+
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_a_tied_embedding_is_kept_once_and_comes_back_under_both_names(where):
+    """SmolLM2 and Qwen2.5 tie their embedding to the LM head: `state_dict()` lists the one matrix under two names. A
+    snapshot keeps it once, in every place: its bytes are those of the model's distinct parameters (torch's own
+    `parameters()`, which yields a tied one once), not of its state dict. It comes back bitwise under both names, into
+    a tied model (still tied after) and as a state dict whose two names are one tensor."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    tiny = load_policy("tiny", seed=0).model
+    config = tiny.config.__class__(**{**tiny.config.to_dict(), "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    model, other = type(tiny)(config), type(tiny)(config)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied, as built
+    params = dict(model.named_parameters())  # a tied parameter once
+    assert len(state) == len(params) + 1  # no persistent buffers here; the tied matrix's second name
+    distinct = sum(p.nbytes for p in params.values())
+    assert distinct < sum(t.nbytes for t in state.values())  # the embedding counted twice by the state dict
+    ring = WeightSnapshots(1, where)
+    ring.append(0, model)
+    kept = ring._ring[0][1]
+    held = kept.stat().st_size if where == "disk" else sum(t.nbytes for t in kept.values())
+    assert held == distinct
+    ring.load_into(other)
+    back = other.state_dict()
+    assert same_weights(back, state)
+    assert back["lm_head.weight"].data_ptr() == back["model.embed_tokens.weight"].data_ptr()
+    copy = ring.state_dict(other)
+    assert same_weights(copy, state) and copy["lm_head.weight"] is copy["model.embed_tokens.weight"]
+    ring.close()

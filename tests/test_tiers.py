@@ -278,3 +278,24 @@ def test_a_colab_runtime_without_a_gpu_is_told_how_to_switch(monkeypatch, capsys
     env = notebook.setup("00_quickstart", profile="full", verbose=False)
     assert env.colab and env.tier == "cpu"
     assert "Runtime > Change runtime type" in capsys.readouterr().out
+
+
+def test_04s_async_step_split_row_is_planned_as_the_code_holds_it(tiny):
+    """04's step split puts the weights back from a copy kept in a file on every device, a GPU included (its
+    `model.device` patched to CUDA here): no second copy on the GPU beside the async row's engine snapshot, which the
+    plan counts instead (4 bytes a parameter, the engine's `copy.deepcopy` of the fp32 policy)."""
+    from unittest import mock
+
+    from cbkit.measure.step_timing import _keep_weights
+
+    with mock.patch.object(type(tiny.model), "device", new_callable=mock.PropertyMock,
+                           return_value=torch.device("cuda")):
+        kept = _keep_weights(tiny.model)
+    try:
+        assert kept.where == "disk" and isinstance(kept._ring[0][1], Path)
+    finally:
+        kept.close()
+    plan = tiers.plan_notebook("04_grpo_live", "t4")
+    params = tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
+    assert plan.parts["the async engine's weight snapshot"] == 4 * params
+    assert not any(k.startswith("copies") for k in plan.parts) and plan.host_bytes == 0 and plan.ok

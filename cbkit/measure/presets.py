@@ -13,7 +13,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # shape with random weights, synthetic GSM-style prompts, GSM8K solution lengths replayed up to the benchmark's
     # 2048 new tokens. Sized for <= 8 minutes on one A100/H100/H200 (the estimate is in the script).
     # TRL's CB pool is max_memory_percent=0.5 of what its trainer leaves free, so the sweep holds a training step's
-    # state on the GPU while it measures (`trainer_state`): both backends then see the memory they would in TRL.
+    # state on the GPU while it measures (`trainer_state`: bf16 gradients and AdamW moments, 6 bytes a parameter, as
+    # TRL holds them after its bf16 cast, `rollout_timing.TRAINER_STATE_COPIES`): both backends then see the memory
+    # they would in TRL. `cbkit tiers` checks both at the largest point on an A100-40 (`plan_presets`).
     "trl-benchmark": dict(model="llama-1b-random", data="synthetic", num_prompts=4, ns=(8, 32, 64), max_new_tokens=2048,
                  repeats=1, dtype="bfloat16", lengths="replay:gsm8k", trainer_state=True),
     # TRL's benchmark setting with the real model from the hub; sized for an A100-80GB (about 10 minutes).

@@ -69,9 +69,15 @@ def lengths_record(lengths: Sequence[int]) -> dict[str, Any]:
             "length_max": stats["max"], "decode_padding_share": decode_padding_share(lengths)}
 
 
-def trainer_state_bytes(model) -> int:
-    """What a training step keeps on the device between updates beside the weights: fp32 gradients and AdamW's
-    two fp32 moments (`planner.GRAD_BYTES_PER_PARAM`, `ADAM_BYTES_PER_PARAM`)."""
-    from cbkit.measure.planner import ADAM_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM
+# What TRL's trainer keeps beside the weights between updates: a gradient and AdamW's two moments, each in the
+# weights' own dtype. Under bf16 with CB, TRL casts the policy itself to bf16 (`unwrapped_model.to(torch.bfloat16)`
+# in GRPOTrainer._generate_single_turn); the backward then makes bf16 gradients, torch's AdamW its moments with
+# `torch.zeros_like(param)` (torch/optim/adam.py, `_init_group`), and accelerate's bf16 is autocast with no fp32 master
+# copy: 2 + 2 + 2 = 6 bytes a parameter, not the 12 of fp32 gradients and moments.
+TRAINER_STATE_COPIES = 3
 
-    return (GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM) * sum(p.numel() for p in model.parameters())
+
+def trainer_state_bytes(model) -> int:
+    """What a training step keeps on the device between updates beside the weights, as TRL does
+    (`TRAINER_STATE_COPIES`): a gradient and AdamW's two moments in the weights' dtype, 6 bytes a parameter in bf16."""
+    return TRAINER_STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())

@@ -58,8 +58,8 @@ class SweepConfig:
         "overlap; every later one does (its next rollout decodes while it trains), and the point is their mean",
         default=3)
     trainer_state: bool = _help(
-        "hold a training step's state on the device while measuring (its fp32 gradients and AdamW's two fp32 "
-        "moments: 12 bytes a parameter, beside the weights), as a rollout inside a trainer sees the memory: a CB "
+        "hold a training step's state on the device while measuring (its gradients and AdamW's two moments in the "
+        "weights' dtype, as TRL holds them after its bf16 cast: 6 bytes a parameter in bf16, beside the weights), as a rollout inside a trainer sees the memory: a CB "
         "pool sized as a share of free memory (max_memory_percent) is then a share of what the trainer leaves, as "
         "in TRL", default=False)
     lengths: str = _help(

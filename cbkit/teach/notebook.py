@@ -115,7 +115,8 @@ class NotebookEnv:
     def weights_place(self) -> str:
         """Where a notebook keeps a copy of the weights it comes back to (`cbkit.train.snapshots.WeightSnapshots`),
         by tier (`cbkit.train.snapshots.place_for_tier`): on a CPU a file, so the copy costs disk, not a laptop's RAM;
-        on the t4 tier host memory, so it costs no GPU memory; on the a100 tier the GPU. A tier's dry run chooses
+        on the t4 tier a file too, as neither its GPU nor a Colab runtime's RAM holds 05's copies; on the a100 tier the
+        GPU. A tier's dry run chooses
         what the tier does."""
         from cbkit.train.snapshots import place_for_tier
 

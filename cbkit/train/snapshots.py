@@ -19,6 +19,11 @@ the copies it puts on the device).
 
 A snapshot is bitwise the weights it was taken from, wherever it is kept: the files hold the tensors' raw bytes
 in the model's own state-dict order and dtypes.
+
+**One copy per storage.** `state_dict()` lists a tied weight under each of its names: SmolLM2's and Qwen2.5's
+embedding is also their LM head (``tie_word_embeddings``), 136M of Qwen2.5-0.5B's 494M parameters, so a copy of
+every name would keep that matrix twice. A snapshot keeps each distinct storage once, in every place, and gives it
+back under all its names (`_aliases`).
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from cbkit.train.config import SNAPSHOT_PLACES as WHERE
 # Where a copy is, as a sentence says it (the notebooks print it).
 KEPT_WHERE = {"device": "in the model's device memory", "host": "in host memory", "disk": "in a file"}
 
-# The notebooks' GPU tiers (cbkit.teach.tiers): a T4's 15 GB hold the policy, its AdamW state, a KV pool and the
-# engine's async snapshot, and no ring of copies besides; an A100's 40 or 80 GB hold them where they are fastest.
-TIER_PLACES = {"t4": "host", "a100": "device"}
+# The notebooks' GPU tiers (cbkit.teach.tiers): a T4's ~14.7 GiB hold the policy, its AdamW state, a KV pool and the
+# engine's async snapshot, and no ring of copies besides; nor does a standard Colab runtime's 12.7 GB of RAM hold
+# 05's seven (2 GB each for Qwen2.5-0.5B in fp32): files. An A100's 40 or 80 GB hold them where they are fastest.
+TIER_PLACES = {"t4": "disk", "a100": "device"}
 
 
 def place_for_tier(tier: str, device: str = "cuda") -> str:
@@ -64,7 +70,8 @@ class WeightSnapshots:
         if maxlen < 1:
             raise ValueError(f"maxlen={maxlen} must be >= 1.")
         self.where, self.maxlen = where, maxlen
-        self._ring: collections.deque[tuple[int, dict[str, Tensor] | Path]] = collections.deque()
+        # (version, the distinct tensors or their file, {a tied name: the name its storage is kept under})
+        self._ring: collections.deque[tuple[int, dict[str, Tensor] | Path, dict[str, str]]] = collections.deque()
         self._dir: Path | None = Path(tempfile.mkdtemp(prefix="cbkit-snapshots-")) if where == "disk" else None
 
     def __len__(self) -> int:
@@ -72,14 +79,16 @@ class WeightSnapshots:
 
     @property
     def versions(self) -> list[int]:
-        return [v for v, _ in self._ring]
+        return [v for v, _, _ in self._ring]
 
     def append(self, version: int, weights: torch.nn.Module | Mapping[str, Tensor], *,
                device: torch.device | str | None = None) -> None:
         """Keep `weights` (a model or a state dict) as `version`; the oldest is dropped past `maxlen`. A ``"device"``
         copy goes to `device`, by default where the weights are (give the model's device for a state dict read from a
         checkpoint, which is on the CPU)."""
-        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+        full = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+        aliases = _aliases(full)
+        state = {n: t for n, t in full.items() if n not in aliases}
         kept: dict[str, Tensor] | Path
         if self.where == "device":
             kept = {n: t.detach().to(device or t.device, copy=True) for n, t in state.items()}
@@ -92,24 +101,18 @@ class WeightSnapshots:
                 for t in state.values():
                     # numpy's stubs give ndarray its buffer protocol (`__buffer__`) only from Python 3.12 on.
                     f.write(_bytes(t.detach().cpu()).numpy())  # type: ignore[arg-type]
-        self._ring.append((version, kept))
+        self._ring.append((version, kept, aliases))
         while len(self._ring) > self.maxlen:
-            _, old = self._ring.popleft()
+            _, old, _ = self._ring.popleft()
             if isinstance(old, Path):
                 old.unlink(missing_ok=True)
 
     def load_into(self, model: torch.nn.Module, index: int = 0) -> int:
         """Overwrite `model`'s weights, in place, with the version at `index` (0: the oldest kept, -1: the newest);
         returns that version."""
-        version, kept = self._ring[index]
+        version, kept, aliases = self._ring[index]
         with torch.no_grad():
-            if isinstance(kept, Path):
-                with open(kept, "rb") as f:
-                    for name, t in model.state_dict().items():
-                        _read_into(f, t, name, kept)
-            else:
-                for name, t in model.state_dict().items():
-                    t.copy_(kept[name], non_blocking=True)  # from pinned host memory: queued, not waited for
+            _fill(model.state_dict(), kept, aliases, non_blocking=True)  # from pinned host memory: queued
         device = next(model.parameters()).device
         if device.type == "cuda":
             # The copies are queued on this thread's stream; whoever reads the weights next may run on another (the CB
@@ -120,31 +123,22 @@ class WeightSnapshots:
     def items(self, template: torch.nn.Module) -> Iterator[tuple[int, dict[str, Tensor]]]:
         """Every version as (version, state dict on the CPU), oldest first: what a checkpoint saves. A file is
         read into new tensors shaped like `template`'s state dict."""
-        for version, kept in self._ring:
-            if isinstance(kept, Path):
-                state = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in template.state_dict().items()}
-                with open(kept, "rb") as f:
-                    for name, t in state.items():
-                        _read_into(f, t, name, kept)
-                yield version, state
-            else:
-                yield version, {n: t.to("cpu", copy=True) for n, t in kept.items()}
+        for i, (version, _, _) in enumerate(self._ring):
+            yield version, self.state_dict(template, i)
 
     def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
         """The version at `index` (0: the oldest kept, -1: the newest) as a new state dict on the CPU, shaped like
         `template`'s: a copy, read from its file where it is on disk."""
-        kept = self._ring[index][1]
-        if not isinstance(kept, Path):
-            return {n: t.to("cpu", copy=True) for n, t in kept.items()}
-        state = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in template.state_dict().items()}
-        with open(kept, "rb") as f:  # this version's file only
-            for name, t in state.items():
-                _read_into(f, t, name, kept)
-        return state
+        _, kept, aliases = self._ring[index]
+        # One new tensor per kept storage, each tied name pointing at it, in the template's order.
+        distinct = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in template.state_dict().items()
+                    if n not in aliases}
+        _fill(distinct, kept, {})
+        return {n: distinct[aliases.get(n, n)] for n in template.state_dict()}
 
     def clear(self) -> None:
         while self._ring:
-            _, old = self._ring.popleft()
+            _, old, _ = self._ring.popleft()
             if isinstance(old, Path):
                 old.unlink(missing_ok=True)
 
@@ -159,6 +153,42 @@ class WeightSnapshots:
         directory = getattr(self, "_dir", None)  # unset when __init__ failed
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
+    """{name: the first name} for every entry of `state` that is a view of the same memory as an earlier one (a tied
+    weight): same storage, offset, shape, stride and dtype, so the two names always hold the same values."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, t in state.items():
+        if t.numel() == 0:  # an empty tensor's storage pointer may be shared by unrelated ones
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, aliases: Mapping[str, str], *,
+          non_blocking: bool = False) -> None:
+    """Copy a snapshot into `target`'s tensors (a model's state dict, or new tensors shaped like it): each kept storage
+    into the first name that holds it, then every tied name from it, where `target` does not tie the two itself."""
+    distinct = [n for n in target if n not in aliases]
+    if isinstance(kept, Path):
+        with open(kept, "rb") as f:  # the distinct tensors' bytes, in state-dict order
+            for name in distinct:
+                _read_into(f, target[name], name, kept)
+    else:
+        if set(distinct) != set(kept):
+            raise RuntimeError(f"this weight snapshot holds {len(kept)} tensors and the model {len(distinct)} distinct "
+                               "ones: it was taken from another model (or one tied otherwise).")
+        for name in distinct:
+            target[name].copy_(kept[name], non_blocking=non_blocking)
+    for name, source in aliases.items():
+        if target[name].data_ptr() != target[source].data_ptr():
+            target[name].copy_(target[source])
 
 
 def _host_copy(t: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 plan that checks each one without a GPU (`cbkit tiers`).
 
 A notebook's parameters cell reads its sizes from ``NOTEBOOKS`` (``env.sizes``), so what a facilitator checks
-before a workshop is what the notebook will run. For every notebook and GPU (a T4's 15 GiB in fp16, an A100's
+before a workshop is what the notebook will run. For every notebook and GPU (a T4's 14.74 GiB in fp16, an A100's
 40 and 80 GiB in bf16) the check asks three questions, each answered by arithmetic, never by a run:
 
 * **does it fit?** The planner's peak (`cbkit.measure.planner`) of every rollout the notebook makes, plus the

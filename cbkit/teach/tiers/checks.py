@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from cbkit.measure import roofline
 from cbkit.rollout.admission import Admission, admission
 from cbkit.teach.tiers.plan import TierPlan, plan_notebook
-from cbkit.teach.tiers.pool import parameter_count, plan_config
+from cbkit.teach.tiers.pool import device_bytes, parameter_count, plan_config
 from cbkit.teach.tiers.table import (
     CAPABILITY,
     CUDA_CONTEXT_BYTES,
@@ -18,6 +18,7 @@ from cbkit.teach.tiers.table import (
     PROMPT_LEN,
     RECIPES,
 )
+from cbkit.telemetry import fmt_bytes
 
 
 def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | None = None) -> list[TierPlan]:
@@ -43,25 +44,31 @@ class PresetPlan:
     requests: int  # the largest point's requests
     full_length: int  # tokens one request holds at full length
     page: int  # tokens per KV page
+    generate_bytes: int  # generate()'s planned peak at the largest point, above the weights (`planner.plan`)
+    free_bytes: int  # what the GPU has left for it: total less the CUDA context, the weights and the trainer's state
 
     @property
     def ok(self) -> bool:
-        return self.admission.fits
+        return self.admission.fits and self.generate_bytes <= self.free_bytes
 
     def line(self) -> str:
         a = self.admission
         held = min(self.requests, (a.num_blocks or 0) * self.page // self.full_length) if a.fits else 0
         return (f"--preset {self.preset:14} {self.machine:8} {a.line()}; its pool holds {held} of the largest point's "
-                f"{self.requests} requests at full length | {'ok' if self.ok else 'FAIL'}")
+                f"{self.requests} requests at full length; generate() needs {fmt_bytes(self.generate_bytes)} of "
+                f"{fmt_bytes(self.free_bytes)} | {'ok' if self.ok else 'FAIL'}")
 
 
 def plan_presets() -> list[PresetPlan]:
-    """Each sweep preset's largest point on its GPU: the engine's admission with the preset's own CB settings and, for
-    a preset that holds a trainer's state (`trainer_state`, TRL's setting), that state resident beside the weights."""
+    """Each sweep preset's largest point on its GPU, through both backends it runs: the CB engine's admission with the
+    preset's own CB settings, and `generate()`'s planned peak in what the GPU has left. A preset that holds a
+    trainer's state (`trainer_state`, TRL's setting) has that state resident beside the weights: gradients and
+    AdamW's two moments in the weights' dtype (`rollout_timing.trainer_state_bytes`), 6 bytes a parameter in bf16."""
     import torch
 
-    from cbkit.measure.planner import ADAM_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM
+    from cbkit.measure.planner import plan
     from cbkit.measure.presets import PRESETS
+    from cbkit.measure.rollout_timing import TRAINER_STATE_COPIES
     from cbkit.measure.sweep_config import DEFAULT_NS
     from cbkit.rollout.engine_config import page_size
 
@@ -73,14 +80,18 @@ def plan_presets() -> list[PresetPlan]:
         dtype = getattr(torch, preset["dtype"])
         resident = dtype.itemsize * params
         if preset.get("trainer_state"):
-            resident += (GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM) * params
-        requests = preset["num_prompts"] * max(preset.get("ns", DEFAULT_NS))
-        new = preset["max_new_tokens"]
+            resident += TRAINER_STATE_COPIES * dtype.itemsize * params
+        n = max(preset.get("ns", DEFAULT_NS))
+        requests, new = preset["num_prompts"] * n, preset["max_new_tokens"]
         pool = dict(preset.get("cb_config", {}))
+        total = device_bytes(machine)
         a = admission(config, pool, dtype=dtype, rows=[range(PROMPT_LEN)] * requests, max_new_tokens=new,
-                      total_bytes=roofline.GPUS[machine].total_memory(), used_bytes=CUDA_CONTEXT_BYTES + resident,
-                      capability=CAPABILITY[machine])
-        out.append(PresetPlan(name, machine, a, requests, PROMPT_LEN + new, page_size(pool)))
+                      total_bytes=total, used_bytes=CUDA_CONTEXT_BYTES + resident, capability=CAPABILITY[machine])
+        free = total - CUDA_CONTEXT_BYTES - resident
+        generate = plan(config, num_prompts=preset["num_prompts"], num_generations=n, prompt_len=PROMPT_LEN,
+                        max_new_tokens=new, dtype_bytes=dtype.itemsize, budget_bytes=free, device="cuda").generate
+        out.append(PresetPlan(name, machine, a, requests, PROMPT_LEN + new, page_size(pool), generate.peak_bytes,
+                              free))
     return out
 
 

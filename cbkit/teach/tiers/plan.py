@@ -1,6 +1,6 @@
 """The plan of one notebook on one GPU (`plan_notebook`): its peak by part, every CB engine start it makes with
-transformers' own verdict on it (`EngineStart`, `engine_admission`), its runtime by the roofline, and each memory
-sweep's crossover (`TierPlan`)."""
+transformers' own verdict on it (`EngineStart`, `engine_admission`), the copies of the weights it holds in host
+memory against a Colab runtime's RAM, its runtime by the roofline, and each memory sweep's crossover (`TierPlan`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import Any
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, training_bytes
 from cbkit.rollout.admission import Admission, admission
-from cbkit.teach.tiers.pool import parameter_count, plan_config, pool_config
+from cbkit.teach.tiers.pool import device_bytes, parameter_count, plan_config, pool_config
 from cbkit.teach.tiers.runtime import estimated_train_step, rollout_seconds
 from cbkit.teach.tiers.table import (
     BUDGET_S,
     CAPABILITY,
+    COLAB_RAM_BYTES,
     CUDA_CONTEXT_BYTES,
     LOGITS_BUDGET_BYTES,
     MACHINES,
@@ -64,10 +65,17 @@ class TierPlan:
     pool: dict[str, int]  # the CB engine's pool settings planned: `pool_config`'s, which the notebook runs
     # Every CB engine start the notebook makes, with transformers' own verdict on the memory left at that point.
     starts: list[EngineStart] = dataclasses.field(default_factory=list)
+    # The copies of the weights held in host memory, by part, against a Colab runtime's RAM (`COLAB_RAM_BYTES`).
+    host_parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_memory_bytes: int = COLAB_RAM_BYTES
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_parts.values())
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.memory_bytes
+        return self.peak_bytes <= self.memory_bytes and self.host_bytes <= self.host_memory_bytes
 
     @property
     def admitted(self) -> bool:
@@ -87,7 +95,12 @@ class TierPlan:
 
     def problems(self) -> list[str]:
         out = []
-        if not self.fits:
+        if self.host_bytes > self.host_memory_bytes:
+            out.append(f"does not fit in host RAM: {fmt_bytes(self.host_bytes)} of weight copies ("
+                       + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_parts.items())
+                       + f") > {fmt_bytes(self.host_memory_bytes)}; keep the tier's copies on disk "
+                       "(cbkit.train.snapshots.TIER_PLACES) or lower the model")
+        if self.peak_bytes > self.memory_bytes:
             big = max(self.parts, key=lambda k: self.parts[k])
             lower = next((v for k, v in _LOWER.items() if big.startswith(k)), "the model")
             out.append(f"does not fit: planned {fmt_bytes(self.peak_bytes)} > {fmt_bytes(self.memory_bytes)}; the "
@@ -116,7 +129,8 @@ class TierPlan:
         engine = (f"engine {fmt_bytes(tightest.admission.footprint_bytes)} of "
                   f"{fmt_bytes(tightest.admission.available_bytes)}" if tightest else "no engine")
         return (f"{self.notebook:24} {self.machine:8} {self.dtype:9} peak {fmt_bytes(self.peak_bytes):>10} of "
-                f"{fmt_bytes(self.memory_bytes):>9} | {engine} | ~{self.seconds / 60:4.1f} of "
+                f"{fmt_bytes(self.memory_bytes):>9} | host {fmt_bytes(self.host_bytes)} of "
+                f"{fmt_bytes(self.host_memory_bytes)} | {engine} | ~{self.seconds / 60:4.1f} of "
                 f"{self.budget_s / 60:.0f} min | {cross} | {status}")
 
 
@@ -135,15 +149,23 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     if spec.trains and tier == "a100":
         compute = "bfloat16"  # the training forwards under bf16 autocast; the rollout reads fp32 weights
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)  # the pool the notebook allocates
-    memory = gpu.total_memory() - CUDA_CONTEXT_BYTES
+    memory = device_bytes(machine) - CUDA_CONTEXT_BYTES
     budget = memory - weight_bytes * params
     common: dict[str, Any] = dict(prompt_len=PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=budget,
                   cb_config=pool)
     parts: dict[str, int] = {"weights": weight_bytes * params}
     # Copies of the weights the notebook keeps on the GPU: in the tier's place, and the async engine's own snapshot.
-    on_gpu = spec.weight_copies if place_for_tier(tier) == "device" else 0
+    # A snapshot keeps a tied embedding once (`snapshots._aliases`), as `parameter_count` counts it.
+    place = place_for_tier(tier)
+    on_gpu = spec.weight_copies if place == "device" else 0
     if on_gpu:
         parts[f"copies of the weights on the GPU ({on_gpu})"] = on_gpu * 4 * params
+    # In host memory: the tier's copies where it keeps them there, and those the notebook holds on the CPU anyway.
+    # Summed, though they need not coexist: an upper bound.
+    host_parts = {f"kept in host memory ({spec.weight_copies})": spec.weight_copies * 4 * params} if (
+        place == "host" and spec.weight_copies) else {}
+    if spec.host_copies:
+        host_parts[f"state dicts on the CPU ({spec.host_copies})"] = spec.host_copies * 4 * params
     if spec.async_run:
         parts["the async engine's weight snapshot"] = 4 * params
     copies = sum(v for k, v in parts.items() if k != "weights")
@@ -216,7 +238,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                            s.sweep_ns))
         parts["rollout"] = rollout_peak
         notes.append(f"pool {fmt_bytes(pool['num_blocks'] * pool['page_size'] * _kv(config, weight_bytes))} "
-                     f"({s.pool_share or POOL_SHARE:.0%} of what a training step leaves on {TIER_MEMORY[tier] // GiB}"
+                     f"({s.pool_share or POOL_SHARE:.0%} of what a training step leaves on {TIER_MEMORY[tier] / GiB:.2f}"
                      " GiB)")
     checked = [EngineStart(what, rows, new, dtype_bytes, resident,
                            engine_admission(config, pool, rows=rows, new=new, dtype_bytes=dtype_bytes, machine=machine,
@@ -224,7 +246,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                for (rows, new, dtype_bytes), (what, resident) in starts.items()]
     budget_s = (spec.budget_s or BUDGET_S)[tier]
     return TierPlan(name, tier, machine, compute, sum(parts.values()), memory, seconds,
-                    budget_s, crossovers, parts, notes, pool, checked)
+                    budget_s, crossovers, parts, notes, pool, checked, host_parts)
 
 
 def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, dtype_bytes: int, machine: str,
@@ -236,7 +258,7 @@ def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, 
     import torch
 
     return admission(config, pool, dtype={4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[
-        dtype_bytes], rows=[range(PROMPT_LEN)] * rows, max_new_tokens=new, total_bytes=roofline.GPUS[machine].total_memory(),
+        dtype_bytes], rows=[range(PROMPT_LEN)] * rows, max_new_tokens=new, total_bytes=device_bytes(machine),
         used_bytes=CUDA_CONTEXT_BYTES + resident, capability=CAPABILITY[machine], flash=flash)
 
 

@@ -9,7 +9,15 @@ from typing import Any
 
 from cbkit.measure import roofline
 from cbkit.measure.planner import pool_blocks, training_bytes
-from cbkit.teach.tiers.table import GPU_MODEL, GPU_TIERS, LESSON_PAGE_SIZE, PROMPT_LEN, TIER_MEMORY, Sizes
+from cbkit.teach.tiers.table import (
+    CUDA_TOTAL_BYTES,
+    GPU_MODEL,
+    GPU_TIERS,
+    LESSON_PAGE_SIZE,
+    PROMPT_LEN,
+    TIER_MEMORY,
+    Sizes,
+)
 
 # The hub models' config.json (the numbers the plan reads), so that planning needs no download: Qwen2.5-0.5B-Instruct
 # (the notebooks' GPU model) and SmolLM2-360M-Instruct (the sweep's t4 preset). Llama-3.2-1B-Instruct (the a100
@@ -37,6 +45,11 @@ def plan_config(model: str) -> Any:
     from cbkit.models.load import load_config
 
     return load_config(_SAME_SHAPE.get(model, model))
+
+
+def device_bytes(machine: str) -> int:
+    """A checked GPU's total memory as CUDA reports it where known (`CUDA_TOTAL_BYTES`), else roofline's datasheet."""
+    return CUDA_TOTAL_BYTES.get(machine) or roofline.GPUS[machine].total_memory()
 
 
 def parameter_count(config: Any) -> int:

@@ -12,7 +12,13 @@ GPU_TIERS = ("t4", "a100")
 # The GPUs each tier is checked on: the roofline's datasheet machine and the rollout dtype (a T4 has no bf16).
 MACHINES: dict[str, tuple[str, str]] = {"t4": ("t4", "float16"), "a100-40": ("a100", "bfloat16"),
                                         "a100-80": ("a100", "bfloat16")}
-TIER_MEMORY = {"t4": 15 * GiB, "a100": 40 * GiB}  # the smallest GPU of each tier: what its pool is sized for
+# A T4's board has 15360 MiB; CUDA reports ~14.74 GiB of it as total on a Colab T4 (torch.cuda.mem_get_info's total,
+# the figure of issue 40), less than roofline's 15 GiB datasheet reading. Plans take what CUDA reports where it is known.
+CUDA_TOTAL_BYTES = {"t4": int(14.74 * GiB)}
+TIER_MEMORY = {"t4": CUDA_TOTAL_BYTES["t4"], "a100": 40 * GiB}  # the smallest GPU of each tier: its pool's basis
+# Host RAM of a standard Colab runtime: 12.7 GB, as Colab advertises it (its resources panel), read as 12.7e9 bytes,
+# the lower reading. Every copy of the weights a notebook keeps in host memory is planned against it, on every tier.
+COLAB_RAM_BYTES = int(12.7e9)
 # The compute capability of each GPU checked: it decides the attention the engine runs (`cuda_attention`).
 CAPABILITY = {"t4": (7, 5), "a100-40": (8, 0), "a100-80": (8, 0), "h200": (9, 0)}
 # What a process holds on a GPU before its first tensor: the CUDA context, cuBLAS's workspace, the allocator's
@@ -32,9 +38,10 @@ POOL_SHARE = 0.4  # TRL's example: max_memory_percent=0.4 with the trainer resid
 PROMPT_LEN = 132
 DRY_MODEL = "llama-tiny-random"
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-# Per tier: the loss's logits budget. A T4 has 15 GiB: fp32 weights, gradients and AdamW's two moments of a
-# 0.5B model take 8 GiB, activations and the rollout's KV pool most of the rest. An A100 (40 or 80 GB) has room.
-LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": 2 * GiB, "a100": 8 * GiB}
+# Per tier: the loss's logits budget. A T4 has ~14.7 GiB: fp32 weights, gradients and AdamW's two moments of a
+# 0.5B model take 8 GiB, activations, the rollout's KV pool and 04's and 05's async weight snapshot most of the rest;
+# 1 GiB of logits a micro-batch leaves each notebook >= 1.5 GiB of its plan free (`cbkit tiers`). An A100 has room.
+LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": GiB, "a100": 8 * GiB}
 
 
 @dataclass(frozen=True)
@@ -85,10 +92,14 @@ class NotebookSpec:
     trl_step: bool = False
     budget_s: dict[str, float] | None = None  # per tier; None: BUDGET_S (a notebook's slot in a workshop)
     # Copies of the training weights the notebook keeps at its fullest point, beside the policy, where the tier keeps
-    # them (`cbkit.train.snapshots.place_for_tier`; 04: the initial weights; 05: the initial weights, staleness 4's k + 1 ring and a run's kept
-    # final weights), and whether one of its runs is async (the engine's own weight snapshot, always on the GPU).
+    # them (`cbkit.train.snapshots.place_for_tier`; 04: the initial weights; 05: the initial weights, staleness 4's
+    # k + 1 ring and a run's kept final weights), and whether one of its runs is async (the engine's own weight
+    # snapshot, always on the GPU).
     weight_copies: int = 0
     async_run: bool = False
+    # Copies of the weights it holds in host memory wherever the tier keeps the others (05's section 2 compares three
+    # state dicts on the CPU), planned against `COLAB_RAM_BYTES` with those the tier keeps on the host.
+    host_copies: int = 0
 
     @property
     def trains(self) -> bool:
@@ -120,7 +131,9 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
                     workloads=("fixed", "replay:gsm8k"), pool_share=POOL_SHARE),
         "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(16, 64), sweep_prompts=6, sweep_new_tokens=2048,
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
-    NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, weight_copies=1, sizes={
+    # 04's step split runs a continuous-async row: the async engine's weight snapshot sits on the GPU beside it.
+    NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, weight_copies=1,
+                 async_run=True, sizes={
         # CI: a dozen steps of the 2-layer random model on the lowercase reward (the notebook's parameters cell), so
         # the chart shows a trend in a few seconds a run. 1e-2 is a rate only a model this small takes: SmolLM2
         # learns at 1e-5 to 3e-5, at 26 s a step of 4 prompts x 8 on a 2-core CPU (recipes/smollm2_arith.yaml).
@@ -137,7 +150,7 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
     # from version 2 on (the first update whose rollout was stale) the runs with and without the correction roll
     # out from different weights. 5 steps would sample every rollout from the initial weights in both.
     NotebookSpec("05_off_policy", "train", train_runs=("continuous",) * 5, weight_copies=1 + 5 + 1, async_run=True,
-                 sizes={
+                 host_copies=3, sizes={
         "ci": Sizes(DRY_MODEL, 2, 4, 16, steps=10, learning_rate=1e-4),
         # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens and no system prompt (05 rewards lowercase
         # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (docs/memory.md: in
