@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from cbkit.rollout.cpu_attention import varlen_attention
+from cbkit.rollout.varlen_attention import varlen_attention
 from tests.reference_attention import per_sequence_attention, per_sequence_engine_attention
 
 
