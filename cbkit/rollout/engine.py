@@ -38,6 +38,7 @@ internals; what they rely on is pinned by tests/test_engine_contract.py against 
              `cache.get_device_and_memory_breakdown`, `PagedAttentionMemoryHandler._check_footprint`,
              `.compute_memory_footprint`, `.available_memory`, `distributed.DistributedHelper`
   attention: `ContinuousBatchingConfig.auto_switch_to_flash` (5.2x; 5.17 keeps an attention already "paged|...")
+             and, by name, `utils.attn_mask_is_needed` and `is_flash_attention_requested` (cbkit's varlen attention)
 """
 
 from __future__ import annotations
