@@ -135,17 +135,17 @@ def plan(
     every device, or SDPA for a model that needs the engine's own attention (a sliding window, soft-capping);
     a plan for a GPU with flash-attn passes "flash".
     """
-    if attn_implementation is None:
-        attn_implementation = _engine_attention(config, device, dtype_bytes)
-    if attn_implementation not in ("sdpa", "eager", "flash", "varlen"):
-        raise ValueError(f"attn_implementation must be 'sdpa', 'eager', 'flash', 'varlen' or None (cbkit's choice), "
-                         f"got {attn_implementation!r}.")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     lens = _prompt_lens(prompt_len, num_prompts)
     check_positive(num_prompts=num_prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
                     dtype_bytes=dtype_bytes)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}.")
+    if attn_implementation is None:
+        attn_implementation = _engine_attention(config, device, dtype_bytes)
+    if attn_implementation not in ("sdpa", "eager", "flash", "varlen"):
+        raise ValueError(f"attn_implementation must be 'sdpa', 'eager', 'flash', 'varlen' or None (cbkit's choice), "
+                         f"got {attn_implementation!r}.")
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be > 0 (free memory after the weights), got {budget_bytes}.")
     if mean_completion_len is not None and not 1 <= mean_completion_len <= max_new_tokens:
