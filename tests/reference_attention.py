@@ -39,8 +39,8 @@ def per_sequence_attention(module, query, key, value, attention_mask=None, scali
 @contextlib.contextmanager
 def per_sequence_engine_attention() -> Iterator[None]:
     """CB rollouts inside the block attend with `per_sequence_attention` instead of the batched kernel
-    (`cpu_attention.register` looks `varlen_attention` up through its module at every call)."""
-    with mock.patch("cbkit.rollout.cpu_attention.varlen_attention", per_sequence_attention):
+    (`varlen_attention.register` looks `varlen_attention` up through its module at every call)."""
+    with mock.patch("cbkit.rollout.varlen_attention.varlen_attention", per_sequence_attention):
         yield
 
 
@@ -50,5 +50,5 @@ def engine_own_attention() -> Iterator[None]:
     path cbkit takes for a model its varlen attention cannot serve (`varlen_unsupported_reason`)."""
     with (mock.patch("cbkit.rollout.engine.varlen_unsupported_reason", lambda model: "a test's request"),
           warnings.catch_warnings()):
-        warnings.filterwarnings("ignore", message="cbkit's CPU varlen attention has no a test's request")
+        warnings.filterwarnings("ignore", message="cbkit's varlen attention has no a test's request")
         yield

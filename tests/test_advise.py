@@ -122,10 +122,10 @@ def test_cb_pool_matches_the_engine(tiny, monkeypatch, name, prompt_lens, n, max
     with contextlib.nullcontext() if varlen else engine_own_attention():
         rollout = ContinuousBackend(tiny.model, cb_config).generate(
             prompts, n, SamplingParams(max_new_tokens=max_new, eos_token_id=tiny.tokenizer.eos_token_id, seed=0))
-    # cbkit's CPU varlen attention is a flash-style path to the engine: no dense mask to pay for
+    # cbkit's varlen attention: no dense mask to pay for
     p = plan(tiny.model.config, num_prompts=len(prompts), num_generations=n, prompt_len=prompt_lens,
              max_new_tokens=max_new, dtype_bytes=4, device="cpu", budget_bytes=budget, cb_config=cb_config,
-             attn_implementation="flash" if varlen else "sdpa")
+             attn_implementation="varlen" if varlen else "sdpa")
     resolved = rollout.engine_config
     assert p.continuous.num_blocks == resolved["num_blocks"], name
     assert p.continuous.max_batch_tokens == resolved["max_batch_tokens"]
@@ -142,11 +142,12 @@ def test_cb_pool_on_gpu_does_not_grow_with_n():
     # (max_requests_per_batch = min(requests, 1024)), which shrinks it slightly.
     assert pools == sorted(pools, reverse=True) and pools[-1] > 0.98 * pools[0]
     # 50% of the budget (cbkit's default) goes to the engine: the cache, its buffers and reservations
-    p = plan(cfg, num_generations=8, **sizes).continuous
+    p = plan(cfg, num_generations=8, attn_implementation="sdpa", **sizes).continuous
     assert p.engine_reserved_bytes <= 0.5 * 70 * GiB < p.engine_reserved_bytes + p.cache_tensor_bytes / p.num_blocks * 2
-    # flash attention needs no [batch, cache] mask, so the same budget buys more blocks
-    flash = plan(cfg, num_generations=8, attn_implementation="flash", **sizes).continuous
-    assert flash.num_blocks > p.num_blocks and flash.buffer_bytes < p.buffer_bytes
+    # flash attention and cbkit's varlen one (the default) need no [batch, cache] mask: the budget buys more blocks
+    for attn in ("flash", None):
+        no_mask = plan(cfg, num_generations=8, attn_implementation=attn, **sizes).continuous
+        assert no_mask.num_blocks > p.num_blocks and no_mask.buffer_bytes < p.buffer_bytes
 
 
 def test_cb_on_gpu_needs_a_budget():

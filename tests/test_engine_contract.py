@@ -245,3 +245,26 @@ def test_what_the_admission_check_builds_on():
     # The attention switch cbkit steers (cbkit.rollout.engine.attention_for_engine).
     pin(callable(getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)),
         "ContinuousBatchingManager.switch_to_cb_friendly_attn")
+
+
+def test_how_the_engine_recognises_a_varlen_attention():
+    # cbkit's varlen attention (cbkit/rollout/varlen_attention.py) is registered under a name the engine treats as
+    # flash, so it builds no dense mask and hands over the sequence boundaries, and without a version digit, so it
+    # never looks for flash-attn's block-table kernel. Both decided by these functions, by name.
+    from transformers.generation.continuous_batching import initialization
+    from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+    from transformers.utils import import_utils
+    from transformers.utils.generic import is_flash_attention_requested
+
+    from cbkit.rollout.varlen_attention import NAME
+
+    config = type("Config", (), {"_attn_implementation": NAME})()
+    pin(not attn_mask_is_needed(config), "continuous_batching.utils.attn_mask_is_needed (sdpa/eager only)")
+    pin(is_flash_attention_requested(requested_attention_implementation=NAME)
+        and not is_flash_attention_requested(requested_attention_implementation=NAME, version=[2, 3]),
+        "utils.generic.is_flash_attention_requested ('flash' in the name; a version by 'flash...N')")
+    pin("is_flash_attention_requested(config, version=[2, 3])" in inspect.getsource(
+        initialization.ensure_decode_fast_path_is_available), "the decode path's flash-attn check by version")
+    # cbkit.rollout.engine_config.flash_versions asks for an installed flash-attn only (no hub kernels).
+    for check in (import_utils.is_flash_attn_2_available, import_utils.is_flash_attn_3_available):
+        pin("kernels_fallback_ok" in _params(check), f"import_utils.{check.__name__}(kernels_fallback_ok=...)")

@@ -115,14 +115,13 @@ def test_weight_snapshots_of_a_gpu_model_live_where_their_place_says(where):
 def _start_engine(model, pool, rows, new_tokens):
     """Start transformers' engine on `model` as cbkit's `Engine.run` does (its config, its attention, the workload
     hints) up to the pool being built: the engine's own admission check, on this GPU's own memory reading."""
-    from cbkit.rollout.engine import Engine, attention_for_engine
-    from cbkit.rollout.engine_config import cuda_attention
+    from cbkit.rollout.engine import Engine
     from cbkit.rollout.engine_io import workload_hints
 
     engine = Engine(model, pool)
     cb = engine.config(rows, new_tokens, seed=0)
     gen = SamplingParams(max_new_tokens=new_tokens, eos_token_id=0, seed=0).generation_config()
-    with attention_for_engine(model, cuda_attention(model.dtype)):
+    with engine._attention(cb):
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb,
                                                  workload_hints=workload_hints(rows, new_tokens))
         try:

@@ -15,9 +15,10 @@ import torch
 from cbkit.cli import main
 from cbkit.rollout import engine_config
 from cbkit.rollout.admission import admission
-from cbkit.rollout.engine import attention_for_engine
-from cbkit.rollout.engine_config import cuda_attention, make_cb_config
+from cbkit.rollout.engine import Engine
+from cbkit.rollout.engine_config import engine_attention, make_cb_config
 from cbkit.rollout.engine_io import workload_hints
+from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.teach import tiers
 
 GiB = 2**30
@@ -56,16 +57,38 @@ def test_cbkit_turns_the_engines_own_flash_switch_off():
 # --- the attention the engine runs with ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("capability", "dtype", "flash", "expected"), [
-    (T4, torch.float16, (2,), "sdpa"),  # FA2 has no kernel below compute capability 8.0
-    (A100, torch.bfloat16, (2,), "flash_attention_2"),
-    (A100, torch.float32, (2,), "sdpa"),  # a training policy's fp32 weights: flash-attn refuses them
-    (A100, torch.bfloat16, (), "sdpa"),  # not importable
-    (H100, torch.bfloat16, (3, 2), "flash_attention_3"),
-    (A100, torch.bfloat16, (3, 2), "flash_attention_2"),  # FA3 is Hopper's
+@pytest.mark.parametrize(("device", "capability", "dtype", "flash", "expected"), [
+    ("cuda", T4, torch.float16, (2,), VARLEN),  # FA2 has no kernel below compute capability 8.0
+    ("cuda", A100, torch.bfloat16, (2,), "flash_attention_2"),
+    ("cuda", A100, torch.float32, (2,), VARLEN),  # a training policy's fp32 weights: flash-attn refuses them
+    ("cuda", A100, torch.bfloat16, (), VARLEN),  # not installed (Colab's default image)
+    ("cuda", H100, torch.bfloat16, (3, 2), "flash_attention_3"),
+    ("cuda", H100, torch.bfloat16, (2,), "flash_attention_2"),
+    ("cuda", A100, torch.bfloat16, (3, 2), "flash_attention_2"),  # FA3 is Hopper's
+    ("cpu", None, torch.float32, (), VARLEN),
+    ("cpu", None, torch.bfloat16, (3, 2), VARLEN),  # flash-attn is CUDA's, whatever is installed
 ])
-def test_cuda_attention_choice(capability, dtype, flash, expected):
-    assert cuda_attention(dtype, capability, flash) == expected
+def test_engine_attention_choice(device, capability, dtype, flash, expected):
+    assert engine_attention(device, dtype, capability, flash) == expected
+    # A model that needs the engine's own attention (a window, soft-capping) keeps it where no flash kernel runs.
+    own = engine_attention(device, dtype, capability, flash, needs_own="a sliding window")
+    assert own == (expected if expected.startswith("flash") else "sdpa")
+
+
+def test_flash_versions_counts_no_hub_kernels():
+    # With the `kernels` package, transformers' check answers yes by fetching hub kernels (kernels_fallback_ok=True):
+    # cbkit asks for an installed flash-attn only. The checks answer here as where only the hub fallback exists.
+    from transformers.utils import import_utils
+
+    from cbkit.rollout.engine_config import flash_versions
+
+    def hub_only(kernels_fallback_ok: bool = False) -> bool:
+        return kernels_fallback_ok
+
+    with (mock.patch.object(import_utils, "is_flash_attn_2_available", hub_only),
+          mock.patch.object(import_utils, "is_flash_attn_3_available", hub_only)):
+        assert flash_versions() == ()
+        assert engine_attention("cuda", torch.bfloat16, A100) == VARLEN
 
 
 @contextlib.contextmanager
@@ -101,20 +124,80 @@ def _engine_switch(model, cb) -> str:
     return seen["impl"]
 
 
-@pytest.mark.parametrize(("capability", "dtype"), [(T4, torch.float16), (A100, torch.float32),
-                                                    (A100, torch.bfloat16)])
-@pytest.mark.parametrize("importable", [(2,), ()])
-def test_the_engine_runs_the_attention_cbkit_chose(tiny, capability, dtype, importable):
+def _engine_resolution(model, cb) -> tuple[bool, int, list[str]]:
+    """What transformers' engine makes of the model's attention on a GPU, asked of its own code: whether it builds
+    the dense block-diagonal mask (`attn_mask_is_needed`, the allocation in input_outputs.py), and the
+    `max_blocks_per_request` its config resolution keeps, with CUDA present and every flash-attn kernel import it
+    tries recorded (and answered with a kernel, as on a GPU that has one)."""
+    from transformers.generation.continuous_batching import initialization
+    from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+
+    imports: list[str] = []
+
+    def lazy_import(impl, *a, **k):
+        imports.append(impl)
+        return (None, None, lambda *a, **k: None, None, None), (None, None)
+
+    with (mock.patch("torch.cuda.is_available", return_value=True),
+          mock.patch.object(initialization, "lazy_import_flash_attention", lazy_import)):
+        resolved = initialization.resolve_continuous_batching_config(
+            model.config, cb, workload_hints([[1] * 40] * 4, 40), has_logit_processors=True, device=torch.device("cuda"))
+    return attn_mask_is_needed(model.config), resolved.max_blocks_per_request, imports
+
+
+@pytest.mark.parametrize(("capability", "dtype", "importable", "expected"), [
+    (T4, torch.float16, (2,), VARLEN),
+    (A100, torch.float32, (2,), VARLEN),
+    (A100, torch.bfloat16, (2,), "flash_attention_2"),
+    (A100, torch.bfloat16, (), VARLEN),
+    (H100, torch.bfloat16, (3, 2), "flash_attention_3"),
+])
+@pytest.mark.parametrize("page", [32, 256])
+def test_the_engine_runs_cbkits_attention_and_builds_no_dense_mask(tiny, capability, dtype, importable, expected,
+                                                                   page):
+    # `Engine._attention` as `Engine.run` applies it on a GPU of `capability` with flash-attn `importable`; then
+    # transformers' own switch (which would take flash-attn whenever importable), its mask rule and its decode-path
+    # resolution, each asked what the engine does with the result.
     model = tiny.model
     with (_flash_importable(importable), mock.patch("torch.cuda.get_device_capability", return_value=capability),
+          mock.patch.object(type(model), "device", property(lambda self: torch.device("cuda"))),
+          mock.patch.object(type(model), "dtype", property(lambda self: dtype)),
           mock.patch.object(model, "set_attn_implementation",
                             lambda impl: setattr(model.config, "_attn_implementation", impl))):
-        chosen = cuda_attention(dtype)
-        cb = make_cb_config({}, device=torch.device("cuda"))
-        with attention_for_engine(model, chosen):
+        cb = make_cb_config({"page_size": page}, device=torch.device("cuda"))
+        with Engine(model)._attention(cb):
             ran = _engine_switch(model, cb)
-    assert ran.removeprefix("paged|") == chosen
+            dense_mask, blocks, imports = _engine_resolution(model, cb)
+    assert ran == expected
+    assert not dense_mask  # the issue: on a T4, for fp32 weights and without flash-attn the engine built one
+    if expected == VARLEN:  # no flash-attn kernel is looked for, and the block-table path is off
+        assert imports == [] and blocks == 0
+    else:  # a real flash kernel keeps its block-table decode path where the pages fit it (make_cb_config)
+        kernel_pages = page % 256 == 0
+        assert imports == ([expected] if kernel_pages else []) and (blocks > 0) == kernel_pages
     assert model.config._attn_implementation == "sdpa"  # restored for the training forward
+
+
+def test_a_model_that_needs_the_engines_own_attention_gets_its_dense_mask(tiny):
+    # The one case left to the engine's SDPA and its mask: a model varlen cannot serve (here declared so), where no
+    # flash kernel runs. transformers' own rule says the mask is built.
+    model = tiny.model
+    with (mock.patch("cbkit.rollout.engine.varlen_unsupported_reason", lambda m: "a sliding window"),
+          mock.patch.object(type(model), "device", property(lambda self: torch.device("cuda"))),
+          mock.patch("torch.cuda.get_device_capability", return_value=T4), pytest.warns(UserWarning, match="window")):
+        cb = make_cb_config({}, device=torch.device("cuda"))
+        with Engine(model)._attention(cb):
+            ran = _engine_switch(model, cb)
+            dense_mask, _, _ = _engine_resolution(model, cb)
+    assert ran == "sdpa" and dense_mask
+
+
+def test_cbkits_varlen_attention_refuses_cuda_graphs(tiny):
+    model = tiny.model
+    with mock.patch.object(type(model), "device", property(lambda self: torch.device("cuda"))):
+        cb = make_cb_config({"use_cuda_graph": True}, device=torch.device("cuda"))
+        with pytest.raises(ValueError, match="use_cuda_graph"):
+            Engine(model, {"use_cuda_graph": True})._attention(cb)
 
 
 def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
@@ -128,7 +211,7 @@ def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
     half = copy.deepcopy(tiny.model).half()
     with _flash_importable((2,)), mock.patch("torch.cuda.get_device_capability", return_value=T4):
         assert "flash" in _engine_switch(half, ContinuousBatchingConfig())
-        assert cuda_attention(torch.float16) == "sdpa"
+        assert engine_attention("cuda", torch.float16) == VARLEN
 
 
 # --- the engine's admission check ---------------------------------------------------------------------------------
@@ -154,13 +237,25 @@ def roofline_memory(machine: str) -> int:
     return GPUS[machine].memory_bytes
 
 
+def _engines_own_attention():
+    """`admission` as for a model cbkit's varlen attention cannot serve: the engine's SDPA and its dense mask."""
+    return mock.patch("cbkit.rollout.admission.varlen_unsupported_reason", lambda config: "a sliding window")
+
+
 def test_01s_t4_pool_is_refused_at_cbkits_old_share_and_admitted_now():
     # Issue 34, item 1: with num_blocks fixed, transformers still checks the pool, its buffers and SDPA's attention
-    # mask against max_memory_percent x free memory. At 0.5 (cbkit's default share) a T4 refuses 01's pool.
-    refused = _t4_start(_smollm2_t4_pool(0.5))
+    # mask against max_memory_percent x free memory. At 0.5 (cbkit's default share) a T4 refused 01's pool under
+    # the engine's SDPA.
+    with _engines_own_attention():
+        refused = _t4_start(_smollm2_t4_pool(0.5))
+        admitted = _t4_start(_smollm2_t4_pool(None))
     assert not refused.fits and "Memory footprint" in refused.error and refused.attention == "sdpa"
-    admitted = _t4_start(_smollm2_t4_pool(None))
     assert admitted.fits and admitted.footprint_bytes == refused.footprint_bytes
+    # Issue 40, item 5: cbkit's varlen attention runs on the T4 instead, and the engine's handler reserves no mask:
+    # its footprint drops by the mask's bytes (PagedAttentionMemoryHandler.num_attention_masks = 0).
+    varlen = _t4_start(_smollm2_t4_pool(None))
+    assert varlen.attention == VARLEN and varlen.fits
+    assert varlen.footprint_bytes < admitted.footprint_bytes
 
 
 def test_the_admission_check_is_the_engines_own_at_the_boundary(tiny):
@@ -179,9 +274,11 @@ def test_the_admission_check_is_the_engines_own_at_the_boundary(tiny):
                             total_bytes=total, used_bytes=used)
         assert verdict.fits is starts
         reading = (torch.device("cpu"), total, used, used)
-        assert tiny.model.config._attn_implementation == "sdpa"  # as `admission` takes fp32 weights to run
-        with mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda reading=reading: reading):
-            cb = make_cb_config(pool, device=torch.device("cpu"), rows=rows, max_new_tokens=8)
+        cb = make_cb_config(pool, device=torch.device("cpu"), rows=rows, max_new_tokens=8)
+        # the attention `Engine.run` gives fp32 weights, as `admission` takes it
+        with (mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda reading=reading: reading),
+              Engine(tiny.model, pool)._attention(cb)):
+            assert tiny.model.config._attn_implementation == verdict.attention
             try:
                 manager = tiny.model.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=8),
                                                               continuous_batching_config=cb,
@@ -198,8 +295,10 @@ def test_the_admission_check_is_the_engines_own_at_the_boundary(tiny):
 
 
 def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys):
-    # cbkit's old rule (the sizing share gating a fixed pool) back in: 01 and 03 on a T4 refused, by the engine.
+    # cbkit's old rules (the sizing share gating a fixed pool, the engine's SDPA on a T4) back in: 01 and 03 on a T4
+    # refused, by the engine.
     monkeypatch.setattr(engine_config, "FIXED_POOL_MEMORY_PERCENT", 0.5)
+    monkeypatch.setattr("cbkit.rollout.admission.varlen_unsupported_reason", lambda config: "a sliding window")
     assert main(["tiers", "--notebooks", "01_kv_slot_recycling,03_n_sweep", "--gpus", "t4"]) == 1
     out = capsys.readouterr().out
     for name in ("01_kv_slot_recycling", "03_n_sweep"):
@@ -322,8 +421,13 @@ def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash
     free = 20 * GiB
     verdict = admission(config, pool, dtype=dtype, rows=[range(132)] * 64, max_new_tokens=512, total_bytes=free + GiB,
                         used_bytes=GiB, capability=A100, flash=flash)
+    words = {VARLEN: "varlen", "sdpa": "sdpa"}
     planned = plan(config, num_prompts=8, num_generations=8, prompt_len=132, max_new_tokens=512,
                    dtype_bytes=dtype.itemsize, budget_bytes=free, cb_config=pool, device="cuda",
-                   attn_implementation="flash" if "flash" in verdict.attention else "sdpa")
+                   attn_implementation=words.get(verdict.attention, "flash"))
     assert planned.continuous.engine_reserved_bytes == verdict.footprint_bytes
     assert planned.continuous.num_blocks == verdict.num_blocks
+    if not flash:  # the planner's own default is the engine's decision where no flash-attn is installed
+        default = plan(config, num_prompts=8, num_generations=8, prompt_len=132, max_new_tokens=512,
+                       dtype_bytes=dtype.itemsize, budget_bytes=free, cb_config=pool, device="cuda")
+        assert default.continuous.engine_reserved_bytes == verdict.footprint_bytes

@@ -196,7 +196,7 @@ def test_cpu_varlen_attention_matches_the_engines_dense_path(tiny, prompts):
     with engine_own_attention():
         dense = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
     varlen = ContinuousBackend(tiny.model).generate(prompts, 2, sp)
-    assert varlen.engine_config["attn_implementation"] == "cbkit_flash_varlen_cpu"
+    assert varlen.engine_config["attn_implementation"] == "cbkit_flash_varlen"
     assert dense.engine_config["attn_implementation"] == "sdpa"
     assert tiny.model.config._attn_implementation == "sdpa"
     assert [c.completion_ids for c in dense.completions] == [c.completion_ids for c in varlen.completions]
@@ -355,7 +355,7 @@ def _family_model(kind: str):
 def test_cb_falls_back_to_the_engines_attention_for_a_sliding_window(tiny, prompts):
     """cbkit's varlen attention has no window: with it, the Mistral-style model's tokens differed from generate()'s
     (its logprobs by up to 6 nats). The engine's own attention has one."""
-    from cbkit.rollout.cpu_attention import varlen_unsupported_reason
+    from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
     assert varlen_unsupported_reason(tiny.model) is None
     model = _family_model("mistral")
@@ -374,7 +374,7 @@ def test_cb_refuses_soft_capping_on_cpu_where_no_engine_attention_applies_it(tin
     """Gemma-2-style soft-capping: cbkit's varlen attention and the engine's paged eager both skip it (measured:
     logprobs 0.027 nats off a teacher-forced forward either way), so a CB rollout on CPU is refused; generate()
     applies it and matches the forward."""
-    from cbkit.rollout.cpu_attention import varlen_unsupported_reason
+    from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
     model = _family_model("gemma2")
     assert "soft-capping" in varlen_unsupported_reason(model)

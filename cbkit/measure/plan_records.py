@@ -38,6 +38,7 @@ def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targe
     targets the static batch runs to the longest one; the continuous backend's pool is sized from the
     generation limit as always (it cannot know the lengths in advance), which the planner does by itself."""
     from cbkit.measure.planner import plan
+    from cbkit.rollout.varlen_attention import NAME as VARLEN
 
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
     device: Literal["cuda", "cpu"] = "cuda" if model.device.type == "cuda" else "cpu"
@@ -52,7 +53,7 @@ def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targe
     p = plan(model.config, num_prompts=len(prompts), num_generations=n, prompt_len=[len(x) for x in prompts],
              max_new_tokens=max(targets) if targets else cfg.max_new_tokens, dtype_bytes=dtype_bytes,
              budget_bytes=budget, cb_config=cb_config, device=device,
-             attn_implementation="flash" if "flash" in impl else "sdpa")
+             attn_implementation="varlen" if impl == VARLEN else "flash" if "flash" in impl else "sdpa")
     planned = p.generate.peak_bytes if backend == "generate" else p.continuous.peak_bytes
     measured = run.get("peak_mem_bytes")
     error = measured / planned - 1 if measured and planned else None

@@ -5,6 +5,9 @@ the attention products that grow with context) and must read every weight once a
 the two takes longer on a machine, compute at its peak FLOP/s or bytes at its bandwidth, is the roof that binds.
 Summed over a rollout's decode steps (rows drop out as their completions end) plus the prompts' prefill, that is the
 least time the rollout's work can take: the attainable tokens/s that each backend's speed is a share of.
+Attention is charged per sequence, over its own context: what the engine computes with the varlen or flash attention
+cbkit runs it with on every device (`engine_config.engine_attention`). The engine's dense mask (rows x every row's
+keys), left only to a model that needs the engine's own attention, is work the roof does not count.
 
 The roof is of the *work*, not of a backend: both backends are measured against the same number, so a backend's
 share says how much of the hardware it used, and one that pads or recomputes pays for it in its share.

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from cbkit.rollout.engine_config import cuda_attention, make_cb_config
+from cbkit.rollout.engine_config import engine_attention, make_cb_config
 from cbkit.rollout.engine_io import workload_hints
+from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
     `max_new_tokens`, resolved as `Engine.run` resolves them)? Answered by transformers' own code, on any machine:
     the engine's config resolution, then its `PagedAttentionCache` built on the meta device (no memory touched) with
     the engine's memory reading (`get_device_and_memory_breakdown`) returning this device's numbers. The attention is
-    `cuda_attention`'s choice for that GPU (`capability`, importable flash-attn `flash`): it decides whether the
-    engine reserves an attention mask, and with flash-attn its block-table decode path's buffers."""
+    `engine_attention`'s choice for that GPU (`capability`, importable flash-attn `flash`), as `Engine` applies it:
+    the engine reserves a dense attention mask only where the model needs its own attention, and with flash-attn its
+    block-table decode path's buffers."""
     import copy
     from unittest import mock
 
@@ -53,7 +55,7 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
     from transformers.generation.continuous_batching.distributed import DistributedHelper
 
     text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    attention = cuda_attention(dtype, capability, flash)
+    attention = engine_attention("cuda", dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
     text._attn_implementation = attention
     cb = make_cb_config(overrides, device=torch.device("cuda"), rows=rows, max_new_tokens=max_new_tokens, warn=False)
     # The resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table kernel

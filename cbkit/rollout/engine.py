@@ -4,8 +4,9 @@ Every CB caller in cbkit goes through `Engine`: `ContinuousBackend` (a manager p
 rollouts), `AsyncEngine` (one kept running on a weight snapshot while the trainer trains) and the TRL bridge
 (`cbkit.trl.trainers`). `Engine` owns
 
-* the config: `make_cb_config` (`engine_config.py`: cbkit's defaults, the CPU pool rule) and the attention, cbkit's
-  CPU varlen attention (`cpu_attention.py`) unless the model needs the engine's own;
+* the config: `make_cb_config` (`engine_config.py`: cbkit's defaults, the CPU pool rule) and the attention,
+  `engine_attention`'s choice on every device: flash-attn where it can run, else cbkit's varlen attention
+  (`varlen_attention.py`), unless the model needs the engine's own;
 * the manager's life: built for a call and destroyed after it, or kept (`persistent`), attached to the model only
   for its own calls (`_own`), its KV emptied before every call, since the weights may have changed since
   (`forget_cached_kv`), and reseeded every call;
@@ -37,6 +38,7 @@ internals; what they rely on is pinned by tests/test_engine_contract.py against 
              `cache.get_device_and_memory_breakdown`, `PagedAttentionMemoryHandler._check_footprint`,
              `.compute_memory_footprint`, `.available_memory`, `distributed.DistributedHelper`
   attention: `ContinuousBatchingConfig.auto_switch_to_flash` (5.2x; 5.17 keeps an attention already "paged|...")
+             and, by name, `utils.attn_mask_is_needed` and `is_flash_attention_requested` (cbkit's varlen attention)
 """
 
 from __future__ import annotations
@@ -50,10 +52,17 @@ from typing import Any
 
 import torch
 
-from cbkit.rollout.cpu_attention import varlen_attention_for_engine, varlen_unsupported_reason
-from cbkit.rollout.engine_config import cuda_attention, make_cb_config, page_size, resolve_engine_loop
+from cbkit.rollout.engine_config import (
+    ENGINE_OWN,
+    engine_attention,
+    make_cb_config,
+    page_size,
+    resolve_engine_loop,
+)
 from cbkit.rollout.engine_io import HELPER_PREFIX, Scheduled, resolved_config, scheduled, workload_hints
 from cbkit.rollout.engine_loops import CACHED_MANAGER, CallerLoop, ThreadLoop
+from cbkit.rollout.varlen_attention import NAME as VARLEN
+from cbkit.rollout.varlen_attention import varlen_attention_for_engine, varlen_unsupported_reason
 
 
 class Engine:
@@ -94,25 +103,33 @@ class Engine:
         return cb
 
     def _attention(self, cb_config) -> contextlib.AbstractContextManager:
-        """The attention of the engine's run, the model's own restored after: on a GPU the one `cuda_attention`
-        chooses; on CPU cbkit's varlen attention, whose cost grows with the batch where the engine's dense
-        block-diagonal mask grows with its square (cpu_attention.py), or the engine's own where a model needs it."""
+        """The attention of the engine's run, `engine_attention`'s choice, the model's own restored after: flash-attn
+        where it can run; else cbkit's varlen attention, whose cost grows with the batch where the engine's dense
+        block-diagonal mask grows with its square (varlen_attention.py); else the engine's own where a model needs
+        it."""
         _refuse_softcap_on_cpu(self.model)
-        if self.model.device.type == "cuda":
-            flash_ok = bool(getattr(self.model, "_supports_flash_attn", False))
-            return attention_for_engine(self.model, cuda_attention(self.model.dtype, flash=None if flash_ok else ()))
-        if self.model.device.type != "cpu":
-            return contextlib.nullcontext()
         unsupported = varlen_unsupported_reason(self.model)
-        if unsupported:
-            if not self._warned_varlen:
-                warnings.warn(f"cbkit's CPU varlen attention has no {unsupported}: the CB engine runs with the "
-                              "model's own attention instead (slower on CPU, same results).", UserWarning, stacklevel=4)
-                self._warned_varlen = True
-            return contextlib.nullcontext()
-        if "max_blocks_per_request" not in self.overrides:
-            cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
-        return varlen_attention_for_engine(self.model)
+        flash_ok = bool(getattr(self.model, "_supports_flash_attn", False))
+        choice = engine_attention(self.model.device, self.model.dtype, flash=None if flash_ok else (),
+                                  needs_own=unsupported)
+        if choice == VARLEN:
+            graphs = cb_config.use_cuda_graph
+            if self.model.device.type == "cuda" and (any(graphs) if isinstance(graphs, tuple | list) else graphs):
+                raise ValueError("use_cuda_graph cannot run with cbkit's varlen attention, which reads each batch's "
+                                 "sequence boundaries on the host (a captured graph replays none of that); drop "
+                                 "use_cuda_graph from the continuous batching config, or load fp16/bf16 weights on "
+                                 "a GPU with flash-attn installed.")
+            if "max_blocks_per_request" not in self.overrides:
+                cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
+            return varlen_attention_for_engine(self.model)
+        if unsupported and choice == ENGINE_OWN and not self._warned_varlen:
+            warnings.warn(f"cbkit's varlen attention has no {unsupported}: the CB engine runs with its own attention "
+                          "instead (a dense mask that grows with the square of the batch; same results).",
+                          UserWarning, stacklevel=4)
+            self._warned_varlen = True
+        if choice == ENGINE_OWN and self.model.config._attn_implementation == "eager":
+            return contextlib.nullcontext()  # eager is the engine's other dense path ("paged|eager"), with sinks
+        return attention_for_engine(self.model, choice)
 
     # --- one rollout ------------------------------------------------------------------------------------------
 
@@ -288,7 +305,7 @@ def engine_is_idle(model) -> bool:
 
 @contextlib.contextmanager
 def attention_for_engine(model, implementation: str) -> Iterator[None]:
-    """Run the engine with `implementation` ("sdpa" or "flash_attention_N", `cuda_attention`'s choice), the model's
+    """Run the engine with `implementation` ("sdpa" or "flash_attention_N", `engine_attention`'s choice), the model's
     own attention restored after. transformers 5.2x takes the choice as the model's attention with
     `auto_switch_to_flash=False` (`make_cb_config` sets it); 5.17 has no such switch and turns to flash whenever it
     is importable unless the attention is already a paged one, so there SDPA is given as "paged|sdpa"."""

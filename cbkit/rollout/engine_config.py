@@ -119,7 +119,7 @@ def make_cb_config(
     if cpu and "page_size" not in overrides and "block_size" not in overrides:
         values[_page_key()] = CPU_PAGE_SIZE
     if _has_field("auto_switch_to_flash"):
-        # cbkit chooses the attention itself (`cuda_attention`, applied by the engine module); left on, the engine
+        # cbkit chooses the attention itself (`engine_attention`, applied by the engine module); left on, the engine
         # switches to flash-attn whenever it is importable, which refuses fp32 weights and has no kernel on a T4.
         values["auto_switch_to_flash"] = False
     if (device is not None and torch.device(device).type == "cuda" and "max_blocks_per_request" not in overrides
@@ -172,34 +172,53 @@ def _page_key() -> str:
     return "page_size" if _has_field("page_size") else "block_size"  # block_size up to transformers 5.17
 
 
-# --- the attention the engine runs with on a GPU ----------------------------------------------------------------
+# --- the attention the engine runs with --------------------------------------------------------------------------
+
+# What the engine runs where a model needs its own attention (`varlen_unsupported_reason`): its SDPA path, with the
+# dense block-diagonal mask (a model loaded with eager keeps eager, the engine's other dense path).
+ENGINE_OWN = "sdpa"
 
 
 def flash_versions() -> tuple[int, ...]:
-    """The flash-attn versions transformers would import here (its own check, kernels-hub fallback included: the
-    one the engine's switch asks), newest first."""
+    """The flash-attn versions importable here as installed packages, newest first.
+
+    The hub fallback is not counted (`kernels_fallback_ok=False`, in transformers 5.24's and 5.25's
+    `is_flash_attn_{2,3}_available` alike): with the `kernels` package present it says yes by fetching kernels from
+    the Hub at the first forward, which an offline machine cannot, and which would put rollouts on a kernel no test
+    has run. A flash kernel counts only where a flash-attn package is installed."""
+    import inspect
+
     from transformers.utils import import_utils
 
-    found = [(3, import_utils.is_flash_attn_3_available(kernels_fallback_ok=True)),
-             (2, import_utils.is_flash_attn_2_available(kernels_fallback_ok=True))]
-    return tuple(v for v, ok in found if ok)
+    def importable(check) -> bool:
+        takes = "kernels_fallback_ok" in inspect.signature(check).parameters
+        return bool(check(kernels_fallback_ok=False) if takes else check())
+
+    found = [(3, import_utils.is_flash_attn_3_available), (2, import_utils.is_flash_attn_2_available)]
+    return tuple(v for v, check in found if importable(check))
 
 
-def cuda_attention(dtype: torch.dtype, capability: tuple[int, int] | None = None,
-                   flash: Sequence[int] | None = None) -> str:
-    """The attention cbkit runs the CB engine with on a CUDA device, for weights of `dtype`: flash-attn where it
-    can run, else PyTorch's SDPA. Decided here, not by whether flash-attn happens to be importable (the engine's own
-    rule): flash-attn takes fp16/bf16 only (a training policy's fp32 weights would crash it), FA2 needs compute
-    capability 8.0 (Ampere) or newer (a T4 is 7.5), FA3 a Hopper (9.x). ``capability`` and ``flash`` default to
-    this machine's (`torch.cuda.get_device_capability`, `flash_versions`)."""
-    capability = capability if capability is not None else torch.cuda.get_device_capability()
-    flash = flash_versions() if flash is None else flash
-    if dtype in (torch.float16, torch.bfloat16):
-        if 3 in flash and capability[0] == 9:
-            return "flash_attention_3"
-        if 2 in flash and capability >= (8, 0):
-            return "flash_attention_2"
-    return "sdpa"
+def engine_attention(device: torch.device | str, dtype: torch.dtype, capability: tuple[int, int] | None = None,
+                     flash: Sequence[int] | None = None, needs_own: str | None = None) -> str:
+    """The attention the CB engine runs with, decided by cbkit for every device (not by whether flash-attn happens to
+    be importable, the engine's own rule): "flash_attention_3" on a Hopper (9.x), "flash_attention_2" on compute
+    capability 8.0 or newer, both only for fp16/bf16 weights (a training policy's fp32 weights would crash them; a T4
+    is 7.5) and only where that flash-attn is installed (``flash``); else cbkit's varlen attention (its registered
+    name, `varlen_attention.NAME`), on a CPU, a T4, for fp32 weights and without flash-attn; else, where the model
+    needs it (``needs_own``, `varlen_unsupported_reason`'s answer), the engine's own `ENGINE_OWN`, whose dense mask
+    grows with the square of the batch. ``capability`` and ``flash`` default to this machine's
+    (`torch.cuda.get_device_capability`, `flash_versions`), read only where they decide."""
+    from cbkit.rollout.varlen_attention import NAME
+
+    if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        flash = flash_versions() if flash is None else flash
+        if flash:
+            capability = capability if capability is not None else torch.cuda.get_device_capability()
+            if 3 in flash and capability[0] == 9:
+                return "flash_attention_3"
+            if 2 in flash and capability >= (8, 0):
+                return "flash_attention_2"
+    return ENGINE_OWN if needs_own else NAME
 
 
 def page_size(config) -> int:

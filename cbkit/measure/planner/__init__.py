@@ -118,7 +118,7 @@ def plan(
     num_blocks: int | None = None,
     cb_config: Mapping[str, Any] | None = None,
     device: Literal["cuda", "cpu"] = "cuda",
-    attn_implementation: Literal["sdpa", "eager", "flash"] | None = None,
+    attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None,
     logits_to_keep: bool = True,
     model_name: str = "model",
 ) -> Plan:
@@ -128,19 +128,24 @@ def plan(
     after the weights are loaded (on a GPU what ``torch.cuda.mem_get_info`` reports then); CB on a GPU
     needs it, because the engine sizes its pool as a share of it. ``max_memory_percent``, ``page_size``,
     ``max_batch_tokens``, ``num_blocks`` and ``cb_config`` are the continuous backend's overrides, with
-    cbkit's defaults where left out. ``attn_implementation`` is what the engine runs: "flash" where a
-    flash-attention package is installed on CUDA (the engine switches to it), else "sdpa". None means
-    what cbkit's continuous backend runs: on CPU its per-sequence varlen attention, which the engine
-    treats as flash (no dense mask; cbkit/rollout/cpu_attention.py), on CUDA "sdpa".
+    cbkit's defaults where left out. ``attn_implementation`` is what the engine runs: "flash" (a flash-attn
+    kernel: no dense mask, and its block-table decode path), "varlen" (cbkit's varlen attention: no mask, no
+    block table), "sdpa" or "eager" (the engine's dense mask). None means what cbkit's continuous backend runs
+    (`engine_attention`, the engine's own decision) without flash-attn installed: cbkit's varlen attention on
+    every device, or SDPA for a model that needs the engine's own attention (a sliding window, soft-capping);
+    a plan for a GPU with flash-attn passes "flash".
     """
-    if attn_implementation is None:
-        attn_implementation = "flash" if device == "cpu" else "sdpa"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     lens = _prompt_lens(prompt_len, num_prompts)
     check_positive(num_prompts=num_prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
                     dtype_bytes=dtype_bytes)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}.")
+    if attn_implementation is None:
+        attn_implementation = _engine_attention(config, device, dtype_bytes)
+    if attn_implementation not in ("sdpa", "eager", "flash", "varlen"):
+        raise ValueError(f"attn_implementation must be 'sdpa', 'eager', 'flash', 'varlen' or None (cbkit's choice), "
+                         f"got {attn_implementation!r}.")
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be > 0 (free memory after the weights), got {budget_bytes}.")
     if mean_completion_len is not None and not 1 <= mean_completion_len <= max_new_tokens:
@@ -190,6 +195,18 @@ def _prompt_lens(prompt_len: int | Sequence[int], num_prompts: int) -> list[int]
             raise ValueError(f"every prompt length must be >= 1, got {min(lens)}.")
     return lens
 
+
+
+def _engine_attention(config: Any, device: str, dtype_bytes: int) -> Literal["sdpa", "varlen"]:
+    """`engine_attention`'s answer for a model of ``config`` with no flash-attn installed, in the planner's words."""
+    import torch
+
+    from cbkit.rollout.engine_config import ENGINE_OWN, engine_attention
+    from cbkit.rollout.varlen_attention import varlen_unsupported_reason
+
+    dtype = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    chosen = engine_attention(device, dtype, flash=(), needs_own=varlen_unsupported_reason(config))
+    return "sdpa" if chosen == ENGINE_OWN else "varlen"
 
 
 def _given(**values: Any) -> dict[str, Any]:

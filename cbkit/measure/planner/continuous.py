@@ -18,8 +18,8 @@ checks this):
   [max_batch_tokens, cache tokens + max_batch_tokens];
 - the workload hints (longest prompt, ``max_new_tokens``, number of requests) do **not** cap the pool in
   transformers 5.24 (``resolve_using_hints`` in ``initialization.py``): they only set
-  ``max_blocks_per_request`` (the decode fast path's block table, kept only with flash attention on
-  CUDA) and ``max_requests_per_batch = min(requests, 1024)``, whose LM-head rows are reserved before the
+  ``max_blocks_per_request`` (the decode fast path's block table, kept only with a flash-attn kernel on
+  CUDA, never with cbkit's varlen attention) and ``max_requests_per_batch = min(requests, 1024)``, whose LM-head rows are reserved before the
   pool is sized. On a GPU the pool is therefore about the same size at N=8 and at N=64 (1-2% smaller
   with more requests), which is why ``generate()`` is the lighter of the two at small N and the heavier
   at large N.
@@ -84,11 +84,12 @@ def plan_continuous(
     cfg = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new, warn=False)
     page = page_size(cfg)
 
-    # resolve_using_hints / resolve_without_hints / ensure_decode_fast_path_is_available (initialization.py)
-    flash = attn == "flash"
+    # resolve_using_hints / resolve_without_hints / ensure_decode_fast_path_is_available (initialization.py): the
+    # block table only for a flash-attn kernel; cbkit's varlen attention, like flash, has no mask (attn_mask_is_needed)
+    flash = attn in ("flash", "varlen")
     max_rpb = cfg.max_requests_per_batch or min(requests, _FALLBACK_MAX_REQUESTS_PER_BATCH)
     blocks_per_req = 0
-    if device == "cuda" and flash and cfg.max_blocks_per_request != 0:
+    if device == "cuda" and attn == "flash" and cfg.max_blocks_per_request != 0:
         blocks_per_req = cfg.max_blocks_per_request or _hinted_blocks_per_request(max(lens) + max_new, page)
     # decide_use_cuda_graphs / decide_use_async_batching: graphs only on CUDA; async needs graphs and no mask.
     graphs = cfg.use_cuda_graph if cfg.use_cuda_graph is not None else flash
@@ -167,7 +168,7 @@ def plan_continuous(
         # The mask is torch.empty: host pages become resident only where a batch writes its
         # [batch tokens, batch tokens + cache tokens read] corner, so RSS sees that corner, not the tensor.
         buffers = m * io_per_token + io_mult * masks * s.a * batch_tokens * (batch_tokens + alive)
-        if mask_bytes(sectors):  # no mask at all with a varlen (flash-style) attention
+        if mask_bytes(sectors):  # no mask at all with a varlen or flash attention
             notes.append(f"CPU: the engine reserves {fmt_bytes(mask_bytes(sectors))} of attention mask "
                          f"(max_batch_tokens={m} x cache tokens) but only the part a batch writes becomes resident.")
     peak = cache_tensor + buffers + transient

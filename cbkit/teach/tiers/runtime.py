@@ -19,6 +19,11 @@ def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.
 
 
 def rollout_seconds(config, prompts, n, new, backend, lengths, pool, gpu, dtype, dtype_bytes) -> float:
+    """A rollout's seconds, its matmuls priced in the dtype of the weights it samples from: fp32 weights (4 bytes)
+    at the GPU's fp32 peak whatever the training forwards' autocast dtype (``dtype``), since the engine runs no
+    autocast. Not TF32's: cbkit leaves `torch.backends.cuda.matmul.allow_tf32` at PyTorch's default, off, so that
+    fp32 rollouts sample from the same fp32 products as the fp32 logprob checks."""
+    dtype = "float32" if dtype_bytes == 4 else dtype
     running = _running(prompts * n, new, backend, lengths, pool["num_blocks"], pool["page_size"])
     return roofline.estimated_rollout_seconds(config, prompt_lens=[PROMPT_LEN] * prompts, running=running,
                                               context=PROMPT_LEN + new // 2, dtype_bytes=dtype_bytes, machine=gpu,

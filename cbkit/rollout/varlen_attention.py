@@ -1,34 +1,42 @@
-"""Varlen attention for the CB engine on CPU: each packed sequence attends to its own keys, as on a GPU.
+"""Varlen attention for the CB engine on any device: each packed sequence attends to its own keys.
 
-transformers' CB engine packs every running sequence into one row of tokens. With flash attention (CUDA
-only) a varlen kernel attends each sequence to its own keys. With SDPA or eager -- all a CPU has -- the
-engine instead builds one dense [all queries x all keys] mask that is block-diagonal across sequences
-(`build_attention_mask` in transformers/generation/continuous_batching/input_outputs.py) and runs one
-masked attention over it. Decoding B sequences of length L then costs B x (B x L) instead of B x L: the
-work grows with the *square* of the batch.
+transformers' CB engine packs every running sequence into one row of tokens. With flash attention (fp16/bf16 on a
+CUDA GPU of compute capability 8.0 or newer, with flash-attn installed) a varlen kernel attends each sequence to its
+own keys. Everywhere else -- a CPU, a T4 (7.5), fp32 weights on any GPU, an A100 without flash-attn -- SDPA or eager
+is all the engine has, and it then builds one dense [all queries x all keys] mask that is block-diagonal across
+sequences (`build_attention_mask` in transformers/generation/continuous_batching/input_outputs.py) and runs one
+masked attention over it. Decoding B sequences of length L then costs B x (B x L) instead of B x L: the work grows
+with the *square* of the batch.
 
 So cbkit registers an attention function that splits the packed batch at the engine's `cu_seq_lens_q` /
-`cu_seq_lens_k`. Its registered name contains "flash" because that is how the engine recognises a varlen kernel:
-it then skips the dense mask (which also frees its memory) and passes the sequence boundaries. The model's own
-attention is switched only while the engine runs and restored after it, so training forwards are untouched.
+`cu_seq_lens_k`, written with PyTorch's SDPA only, so it runs on whatever device the query is on. Its registered
+name contains "flash" because that is how the engine recognises a varlen kernel (`is_flash_attention_requested` in
+transformers/utils/generic.py): it then skips the dense mask (which also frees its memory) and passes the sequence
+boundaries. The name carries no version digit: the engine's block-table decode path, which imports flash-attn's
+`flash_attn_with_kvcache`, is only tried for names matching "flash...2"/"flash...3" (`ensure_decode_fast_path_is_
+available` in continuous_batching/initialization.py), so the engine turns it off by itself, and cbkit also sets
+`max_blocks_per_request=0` (`Engine._attention`). The model's own attention is switched only while the engine runs
+and restored after it, so training forwards are untouched. `engine_config.engine_attention` decides where it runs.
 
 Nearly every step of a rollout is decode-only -- one new query token per sequence -- so `varlen_attention`
 gathers the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
 call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) runs on its own.
 The plain loop, one SDPA call per sequence, is the tests' reference (tests/reference_attention.py); what each
-costs against the engine's dense mask is in docs/cpu_results.md, measured by lab/cpu_attention_ab.py.
+costs against the engine's dense mask on a CPU is in docs/cpu_results.md, measured by lab/cpu_attention_ab.py.
 """
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-NAME = "cbkit_flash_varlen_cpu"
+# "flash" makes the engine treat it as varlen (no dense mask); no "2"/"3" after it, so the engine never looks for
+# flash-attn's block-table kernel (tests/test_varlen_attention.py asks transformers' own checks).
+NAME = "cbkit_flash_varlen"
 
 
 def _boundaries(cu, module) -> torch.Tensor:
@@ -39,14 +47,31 @@ def _boundaries(cu, module) -> torch.Tensor:
     return cu
 
 
+# The boundaries last read to the host, by tensor: (the tensor, held so its id is not reused; its version; as a list).
+_HOST: dict[int, tuple[torch.Tensor, int, list[int]]] = {}
+
+
+def _host_list(cu: torch.Tensor) -> list[int]:
+    """`cu` as a Python list, read once per forward rather than once per layer: on a GPU every read waits for the
+    device. The engine hands every layer of a forward the same tensors (`get_model_kwargs` slices new views each
+    step) and writes through them in place, which bumps their version, so the tensor and its version say whether a
+    list read before is still its contents."""
+    hit = _HOST.get(id(cu))
+    if hit is None or hit[0] is not cu or hit[1] != cu._version:
+        if len(_HOST) >= 4:  # the q and k boundaries of the current step; older steps' views are dropped
+            _HOST.clear()
+        hit = _HOST[id(cu)] = (cu, cu._version, cu.tolist())
+    return hit[2]
+
+
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None).
 
     Decoding sequences (one query token each) with the same number of keys go through one SDPA call; sequences
     that prefill run one call each. tests/reference_attention.py has the plain loop it is tested against.
     """
-    cu_q = _boundaries(kwargs["cu_seq_lens_q"], module).tolist()
-    cu_k = _boundaries(kwargs["cu_seq_lens_k"], module).tolist()
+    cu_q = _host_list(_boundaries(kwargs["cu_seq_lens_q"], module))
+    cu_k = _host_list(_boundaries(kwargs["cu_seq_lens_k"], module))
     decode, prefill = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
     out = torch.empty_like(query)
     for group in decode:
@@ -100,12 +125,14 @@ def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.dev
             prefill.append(i)
     groups = []
     for k_len, seqs in by_len.items():
+        # built where the query is: a host tensor moved per step would be one more copy to the device
         q_pos = torch.tensor([cu_q[i] for i in seqs], device=device)
         starts = [cu_k[i] for i in seqs]
         if all(s == starts[0] + j * k_len for j, s in enumerate(starts)):
             groups.append(_DecodeGroup(q_pos, starts[0], None, len(seqs), k_len))
         else:
-            index = (torch.tensor(starts)[:, None] + torch.arange(k_len)[None, :]).flatten().to(device)
+            index = (torch.tensor(starts, device=device)[:, None]
+                     + torch.arange(k_len, device=device)[None, :]).flatten()
             groups.append(_DecodeGroup(q_pos, None, index, len(seqs), k_len))
     return tuple(groups), tuple(prefill)
 
@@ -131,16 +158,18 @@ def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Te
     return o.reshape(rows, heads, dim).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
 
 
-def varlen_unsupported_reason(model) -> str | None:
+def varlen_unsupported_reason(model: Any) -> str | None:
     """Why `varlen_attention` would compute something else than the model's own attention, or None if it would not.
 
     It runs plain causal SDPA: it has no sliding window, no logit soft-capping and no attention sinks,
     and the engine hands those in as keyword arguments (`sliding_window`, `softcap`, `s_aux`) that it would drop.
     A Mistral-style window, Gemma-2's soft-capping or gpt-oss's sinks would silently change the rollout, so for
-    such models the engine keeps its own attention (slower on CPU; it has windows and sinks, but no soft-capping,
-    which `ContinuousBackend` therefore refuses on CPU).
+    such models the engine keeps its own attention (its dense mask; it has windows and sinks, but no soft-capping,
+    which `ContinuousBackend` therefore refuses on CPU). ``model`` may be a config alone (the planner, admission):
+    then sinks, which only the modules show, go unseen; gpt-oss, the model with sinks, also alternates windows.
     """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = getattr(model, "config", model)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     # Where a config lists its layer types they decide (Gemma-2 alternates); else a window set means one is used.
@@ -149,7 +178,8 @@ def varlen_unsupported_reason(model) -> str | None:
         return f"sliding-window attention (sliding_window={window})"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+    modules = model.modules() if hasattr(model, "modules") else ()
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in modules):
         return "attention sinks"
     return None
 

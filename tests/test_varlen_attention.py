@@ -1,13 +1,15 @@
-"""The CPU attention the CB engine runs: the batched decode path against the per-sequence loop and a forward."""
+"""cbkit's varlen attention, which the CB engine runs wherever flash-attn cannot: the batched decode path against the
+per-sequence loop and a forward, on the device of its query, and no dense mask built by the engine."""
 
 from __future__ import annotations
 
 import types
+from unittest import mock
 
 import pytest
 import torch
 
-from cbkit.rollout.cpu_attention import varlen_attention
+from cbkit.rollout.varlen_attention import NAME, varlen_attention
 from tests.reference_attention import per_sequence_attention, per_sequence_engine_attention
 
 
@@ -98,3 +100,60 @@ def test_engine_with_batched_decode_equals_per_sequence_on_smollm2(smollm2, gsm8
     fast, slow = _engine_runs(smollm2, prompts, sp)
     # SmolLM2's larger logits make paged-vs-dense rounding ~2e-5 against a dense forward (tests/test_real_model.py)
     _compare(smollm2, fast, slow, sp, tf_atol=1e-3)
+
+
+def test_every_tensor_it_builds_is_on_the_querys_device():
+    """On the meta device (no data: a device that is neither the CPU nor the engine's boundaries' own), a mix of
+    lock-step decode, gathered decode and a prefill chunk: the plan's index tensors and the output land on the
+    query's device, so on a GPU no step copies them across."""
+    from cbkit.rollout.varlen_attention import _decode_plan
+
+    q, k, v, kw = _packed([1, 1, 1, 4, 1, 1], [5, 9, 5, 6, 5, 5])
+    q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
+    out, _ = varlen_attention(MODULE, q, k, v, scaling=0.3, **kw)
+    assert out.device.type == "meta" and out.shape == (1, 9, 6, 8)
+    groups, prefill = _decode_plan(tuple(kw["cu_seq_lens_q"].tolist()), tuple(kw["cu_seq_lens_k"].tolist()),
+                                   q.device)
+    assert prefill == (3,) and {g.k_len for g in groups} == {5, 9}
+    for g in groups:
+        assert g.q_pos.device.type == "meta" and (g.k_index is None or g.k_index.device.type == "meta")
+    assert any(g.k_index is not None for g in groups)  # the gather path was planned, not only the back-to-back one
+
+
+def test_boundaries_rewritten_in_place_are_read_again():
+    """The engine writes each step's boundaries into the same buffers; the host copy read once per forward must
+    follow (a stale one would attend the new batch with the old batch's boundaries)."""
+    q, k, v, kw = _packed([1, 1, 1], [4, 8, 6])
+    first, _ = varlen_attention(MODULE, q, k, v, scaling=0.3, **kw)
+    kw["cu_seq_lens_k"].copy_(torch.tensor([0, 8, 10, 18], dtype=torch.int32))  # same total, other lengths
+    again, _ = varlen_attention(MODULE, q, k, v, scaling=0.3, **kw)
+    slow, _ = per_sequence_attention(MODULE, q, k, v, scaling=0.3, **kw)
+    torch.testing.assert_close(again, slow, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(first, again)
+
+
+def test_a_cb_rollout_with_cbkits_attention_builds_no_dense_mask(tiny):
+    """A real CB rollout on this CPU with cbkit's choice: transformers' `build_attention_mask` (the dense
+    block-diagonal mask the engine fills for SDPA and eager) is never called, and its buffer is never allocated; the
+    engine's own attention, run the same way, calls it at every step (the spy sees what it should)."""
+    from transformers.generation.continuous_batching import input_outputs
+
+    from cbkit.rollout import ContinuousBackend, SamplingParams
+    from tests.reference_attention import engine_own_attention
+
+    tok = tiny.tokenizer
+    prompts = [tok.encode("hi there"), tok.encode("Tom has 3 apples and buys 4 more.")]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.9, seed=0, eos_token_id=None, pad_token_id=0)
+    calls = []
+    real = input_outputs.build_attention_mask
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with mock.patch.object(input_outputs, "build_attention_mask", spy):
+        ours = ContinuousBackend(tiny.model).generate(prompts, 3, sp)
+        assert calls == [] and ours.engine_config["attn_implementation"] == NAME
+        with engine_own_attention():
+            ContinuousBackend(tiny.model).generate(prompts, 3, sp)
+        assert len(calls) >= sp.max_new_tokens  # one per layer type and step, at least one a step
