@@ -18,7 +18,6 @@ import pytest
 
 from cbkit import cli
 from cbkit.models import load as models
-from cbkit.models import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the bare path must not import: none of it is torch's or transformers' requirement.
