@@ -8,7 +8,7 @@
 # Steps, in this order, each skipped once it has finished (a `<step>.done` marker in the state folder):
 #   gpu-tests   `pytest -m gpu` (tests/test_gpu.py, tests/test_async_rollouts.py), every test cut at
 #               CBKIT_TEST_TIMEOUT_S (tests/conftest.py; the async test may otherwise wait 5 x 120 s) and the whole
-#               step at its share of the budget (`timeout`).
+#               step at what is left of the call (`timeout`).
 #   sweep-64    TRL's benchmark table (`cbkit sweep --preset trl-benchmark`) at N=64 first, where the seed's memory
 #   sweep-8-32  inversion sits, then N=8 and 32. The CB pool is the one an A100-80 would get under TRL's setting:
 #               cbkit's admission check (cbkit/rollout/admission.py, transformers' own memory handler) for the
@@ -20,10 +20,12 @@
 #   nb-01       notebooks 01 and 03 at the a100 tier, code cells in order in one process (no Jupyter kernel on the
 #   nb-03       machine), on synthetic prompts (the tier's gsm8k:train needs the hub; CBKIT_GSM8K_DIR=<dir> with
 #               train.jsonl uses gsm8k-local instead). Figures are built, not drawn.
-# Every step's process appends its host peak RSS (VmHWM) and CUDA peaks to resources.jsonl; the sweep's records
-# carry each run's measured device peak beside its plan (planned_peak_bytes).
+# Every step's process appends its host peak RSS (VmHWM) and CUDA peaks to resources.jsonl (the CUDA ones since the
+# process started, unless a sweep inside it reset them); the sweep's records carry each run's measured device peaks
+# beside its plan (planned_peak_bytes); a notebook prints its tier plan's peak in its log (nb-01.log, nb-03.log).
+# A step is started only when the call has the time it needs left (MIN_S below); the rest wait for the next call.
 #
-# Where it writes. STATE (default runs/gpu-check, runs-dry/... for a dry run; ignored by git as runs/) keeps
+# Where it writes. STATE (default runs/gpu-check, runs/gpu-check-dry for a dry run; ignored by git as runs/) keeps
 # everything a rerun resumes from. On the device machine $OUT starts empty and only it comes back, so when OUT is
 # set the state is also packed into $OUT/gpu-check.tgz and the log copied to $OUT/gpu_check.log after every step.
 # The next call resumes from it: unpack it (`tar xzf gpu-check.tgz -C runs`) and name runs/gpu-check in `carry`.
@@ -232,6 +234,7 @@ for nb in 01_kv_slot_recycling 03_n_sweep; do
    step "nb-${nb%%_*}" "$nb_min" "plotly IPython" -- -c "$NOTEBOOK" "notebooks/$nb.ipynb")
 done
 
+# The last table the sweep printed (every N in the results file so far) beside TRL PR #5765's.
+cat "$STATE"/sweep-64.log "$STATE"/sweep-8-32.log 2>/dev/null | grep -A7 "beside TRL PR #5765" | tail -8
 log "call done in $(( $(date +%s) - start ))s; $(ls "$STATE"/*.done 2>/dev/null | wc -l) of 6 steps done"
-tail -30 "$STATE/sweep-64.log" 2>/dev/null | grep -E "^\|" | head -20
 pack
