@@ -32,7 +32,7 @@ NOTEBOOK_RUN := CBKIT_PROFILE=ci OMP_NUM_THREADS=$(shell n=$$(( $(NPROC) / $(NOT
 	$(BIN)/python -m pytest -n $(NOTEBOOK_JOBS) --dist worksteal
 endif
 
-.PHONY: setup browser sweep demo test test-more test-bare test-oldest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
+.PHONY: setup browser sweep demo gpu-wheels test test-more test-bare test-oldest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
 	publish-address clean
 
 setup: $(STAMP)
@@ -95,7 +95,7 @@ test-more: $(STAMP) browser
 	$(MAKE) test-tiers
 	$(MAKE) test-questions
 
-# The bare path (a GPU machine with torch and transformers only): sweep, advise, report and `scripts/gpu_sweep.sh`'s dry run in a fresh venv holding only
+# The bare path (a GPU machine with torch and transformers only): sweep, advise, report and `scripts/gpu_check.sh`'s dry run in a fresh venv holding only
 # torch + transformers (linked from .venv by scripts/bare_venv.py; BARE_FROM_INDEX=1 pip-installs them instead) and
 # cbkit installed with --no-deps. --no-build-isolation: a machine without a package index cannot fetch setuptools.
 # Part of `make test-more`.
@@ -104,6 +104,25 @@ test-bare: $(STAMP)
 	$(BIN)/python scripts/bare_venv.py $(BARE) $(if $(BARE_FROM_INDEX),--from-index)
 	$(BARE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	CBKIT_BARE_PYTHON=$(abspath $(BARE))/bin/python $(BIN)/python -m pytest -p no:cacheprovider -q tests/test_bare.py
+
+# The wheels scripts/gpu_check.sh needs on a bare GPU machine (Python 3.12, torch and transformers 5.17 installed; no
+# trl, datasets, plotly or IPython), exactly these, into $(GPU_WHEELS), named in the device call's carry: transformers
+# at cbkit's floor; TRL 1.16 with accelerate, datasets and the two datasets needs that the image lacks (pyarrow,
+# pandas, xxhash and fsspec are there); plotly (its narwhals is there); IPython and what `import IPython` needs
+# (notebook 03 imports IPython.display). Fails over 60 MiB: a call carries 64 MiB, the checkout included.
+GPU_WHEELS ?= .whl
+GPU_WHEEL_PINS ?= transformers==$(FLOOR) trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+	plotly==7.1.0 ipython==9.18.1 ipython_pygments_lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2 \
+	pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 stack-data==0.6.3 asttokens==3.0.2 executing==2.3.0 \
+	pure_eval==0.2.4 traitlets==5.16.1 wcwidth==0.9.4
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+		$(GPU_WHEEL_PINS)
+	@total=$$(cat $(GPU_WHEELS)/*.whl | wc -c); \
+	echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS)/*.whl | wc -l) wheels, $$(( total / 1048576 )) MiB ($$total bytes)"; \
+	if [ $$total -gt $$(( 60 * 1048576 )) ]; then \
+		echo "the wheels pass 60 MiB; a device call carries 64 MiB with the checkout: drop one" >&2; exit 1; fi
 
 # The bottom of the transformers range, read from pyproject.toml (5.24: the oldest the engine tests pass on), installed
 # --no-deps into $(OLDEST), which shadows .venv's copy on PYTHONPATH: `make setup` takes the newest release the range

@@ -102,6 +102,32 @@ def _forget_cuda_answers() -> None:
         getattr(getattr(import_utils, name, None), "cache_clear", lambda: None)()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Each test's call cut at $CBKIT_TEST_TIMEOUT_S seconds (scripts/gpu_check.sh sets it), failing with its name:
+    pytest-timeout is not on every GPU image, and a test waiting on a stuck engine (the async test may wait 5 x
+    120 s) must not take a whole device call. SIGALRM interrupts a wait on a lock or a queue in the main thread; a
+    CUDA call blocked in C returns first, so the script's `timeout` stays the outer limit."""
+    import signal
+    import threading
+
+    limit = float(os.environ.get("CBKIT_TEST_TIMEOUT_S") or 0)
+    if limit <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{item.nodeid} ran past CBKIT_TEST_TIMEOUT_S={limit:g} s")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 def gsm8k_dir() -> Path | None:
     """The offline GSM8K copy: $CBKIT_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout."""
     for d in (os.environ.get("CBKIT_GSM8K_DIR"), REPO.parent / "shared" / "data" / "gsm8k"):
@@ -156,9 +182,11 @@ def _leave_the_checkout_alone():
     before = _written_in_the_checkout()
     yield
     after = _written_in_the_checkout()
-    # The folders a make target names for its artefacts (executed notebooks' HTML and screenshots, the book) are
-    # written on purpose; anything else in the checkout is a test that forgot tmp_path.
-    allowed = [Path(os.environ[v]).resolve() for v in ("CBKIT_EXECUTED_NOTEBOOKS", "CBKIT_BOOK") if os.environ.get(v)]
+    # The folders a make target or scripts/gpu_check.sh names for its artefacts (executed notebooks' HTML and
+    # screenshots, the book, the GPU check's state, where this session's own log grows) are written on purpose;
+    # anything else in the checkout is a test that forgot tmp_path.
+    allowed = [Path(os.environ[v]).resolve() for v in ("CBKIT_EXECUTED_NOTEBOOKS", "CBKIT_BOOK", "CBKIT_GPU_CHECK_DIR")
+               if os.environ.get(v)]
     written = sorted(k for k, v in after.items() if before.get(k) != v
                      and not any((REPO / k).resolve().is_relative_to(a) for a in allowed))
     assert not written, f"tests wrote into the checkout (write under tmp_path instead): {written}"

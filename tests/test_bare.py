@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cbkit import cli
 from cbkit.models import load as models
-from cbkit.models import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the bare path must not import: none of it is torch's or transformers' requirement.
@@ -72,47 +73,79 @@ def test_sweep_advise_report_run_bare_and_import_nothing_optional(tmp_path):
     assert all(r["peak_mem_kind"] == "cpu_rss" and r["peak_mem_bytes"] is not None for r in runs)
 
 
-@needs_bare
-def test_gpu_script_dry_run_end_to_end(tmp_path):
-    """scripts/gpu_sweep.sh as a GPU machine runs it, at test size on CPU: the trl-benchmark preset's code path, the
-    extra N added by resuming, every table, and the results in one folder."""
-    out = _run(["bash", "scripts/gpu_sweep.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, OUT=str(tmp_path / "gpu"),
-               EXTRA_IF_UNDER_S="100000")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    files = {p.name for p in (tmp_path / "gpu").iterdir()}
-    assert {"sweep.jsonl", "sweep.csv", "sweep.log", "env.txt"} <= files
-    lines = [json.loads(x) for x in (tmp_path / "gpu" / "sweep.jsonl").read_text().splitlines()]
-    fp = lines[0]["fingerprint"]
-    assert fp["model"] == synthetic.RANDOM_TINY_NAME and fp["lengths"] == "replay:gsm8k"
-    runs = [x for x in lines if x.get("kind") == "run"]
-    # N=2 and 4 from the first call, N=3 added by the resumed second call, one run per backend each.
-    assert sorted((r["N"], r["backend"]) for r in runs) == sorted(
-        (n, b) for n in (2, 3, 4) for b in ("generate", "continuous"))
-    assert all(r["status"] == "ok" and r["planned_peak_bytes"] for r in runs)
-    log = (tmp_path / "gpu" / "sweep.log").read_text()
-    assert "This run beside TRL PR #5765" in log and "| 64 | 41.12 | 32.84 | 1.25x | -16.66 |" in log
-    assert "the planner's prediction beside the measured peaks" in log
-    assert "not on the weight values" in log
+STEPS = ("gpu-tests", "sweep-64", "trl-step", "sweep-8-32", "nb-01", "nb-03")
 
 
 @needs_bare
-def test_gpu_check_dry_run_end_to_end(tmp_path):
-    """scripts/gpu_check.sh as the bare GPU machine runs it, at test size on this CPU: the gpu tests collected (and
-    skipped: no CUDA), the recipe's first step through `cbkit train`, TRL's table one N at a time with a trainer's
-    state held, and every result in one folder of at most the 8 files a device run brings back."""
-    out = _run(["bash", "scripts/gpu_check.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, OUT=str(tmp_path / "check"))
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    folder = tmp_path / "check"
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    assert len(files) <= 8 and {"machine.json", "gpu_tests.log", "recipe.log", "sweep.jsonl"} <= {p.name for p in files}
-    assert "FAILED" not in (folder / "gpu_check.log").read_text()
-    tests = (folder / "gpu_tests.log").read_text()
+def test_gpu_check_dry_run_end_to_end_and_resumed(tmp_path):
+    """scripts/gpu_check.sh as the bare GPU machine runs it, at test size on this CPU, without the wheels it carries
+    there: the gpu tests collected (and skipped: no CUDA), TRL's table at the largest N first on the pool an
+    A100-80 would give (here scaled down), the steps that need TRL, plotly or IPython skipped and named, each
+    step's host peak recorded, and the state packed into the few files a device call brings back. A second call
+    runs nothing that finished and the skipped steps again."""
+    state, out = tmp_path / "state", tmp_path / "out"
+    run = _run(["bash", "scripts/gpu_check.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, STATE=str(state), OUT=str(out),
+               WHEELS="")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    log = (state / "gpu_check.log").read_text()
+    assert "FAILED" not in log and "CUT" not in log, log
+    done = {p.stem for p in state.glob("*.done")}
+    assert done == {"gpu-tests", "sweep-64", "sweep-8-32"}, log
+    assert "trl-step: SKIPPED, needs trl datasets" in log and "nb-01: SKIPPED, needs plotly IPython" in log
+    assert log.index("sweep-64: ok") < log.index("sweep-8-32: ok")  # the largest N first
+    tests = (state / "gpu-tests.log").read_text()
     assert "skipped" in tests and "error" not in tests.lower()
-    metrics = [json.loads(x) for x in (folder / "recipe" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1] and "train/loss" in metrics[0]
-    runs = [x for x in map(json.loads, (folder / "sweep.jsonl").read_text().splitlines()) if x.get("kind") == "run"]
+    pool = json.loads((state / "pool.json").read_text())["cb_config"]
+    runs = [x for x in map(json.loads, (state / "sweep.jsonl").read_text().splitlines()) if x.get("kind") == "run"]
     assert sorted((r["N"], r["backend"]) for r in runs) == [(n, b) for n in (2, 4) for b in ("continuous", "generate")]
     assert all(r["status"] == "ok" and r["trainer_state_bytes"] > 0 for r in runs)
+    # The fixed pool reached the engine: every CB run resolved the admission's block count.
+    fingerprint = json.loads((state / "sweep.jsonl").read_text().splitlines()[0])["fingerprint"]
+    assert fingerprint["cb_config"]["num_blocks"] == pool["num_blocks"] > 0
+    resources = [json.loads(x) for x in (state / "resources.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resources] == ["gpu-tests", "sweep-64", "sweep-8-32"]
+    assert all(r["exit"] == 0 and r["host_peak_rss_bytes"] > 100 * 2**20 for r in resources)
+    # What a device call brings back: at most 8 files, named in letters, digits, '.', '_' and '-'.
+    back = sorted(p.name for p in out.iterdir())
+    assert back == ["gpu-check.tgz", "gpu_check.log"]
+    again = _run(["bash", "scripts/gpu_check.sh"], CBKIT_DRY_RUN="1", PYTHON=BARE, STATE=str(state), OUT=str(out),
+                 WHEELS="")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    second = (state / "gpu_check.log").read_text()[len(log):]
+    assert all(f"{s}: done in an earlier call, skipped" in second for s in done)
+    assert "trl-step: SKIPPED" in second and len((state / "resources.jsonl").read_text().splitlines()) == 3
+
+
+def test_checkout_guard_lets_the_gpu_check_folder_grow(tmp_path):
+    """scripts/gpu_check.sh keeps its state in the checkout (runs/gpu-check, which a device call carries) and the gpu
+    tests' log grows there while their session runs: tests/conftest.py's guard failed that session. It leaves alone
+    the folder named by CBKIT_GPU_CHECK_DIR, and still fails a session that writes elsewhere in the checkout."""
+    folder = ROOT / "runs" / f"guard-check-{os.getpid()}"
+    folder.mkdir(parents=True)
+    try:
+        outcomes = []
+        for allowed in ("", str(folder)):
+            with open(folder / "tests.log", "w") as log:
+                code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                                       "tests/test_layers.py"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=300, env={**os.environ, "CBKIT_GPU_CHECK_DIR": allowed}).returncode
+            outcomes.append((code, "tests wrote into the checkout" in (folder / "tests.log").read_text()))
+        assert outcomes == [(1, True), (0, False)]
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_each_test_is_cut_at_the_timeout_the_script_sets(tmp_path):
+    """CBKIT_TEST_TIMEOUT_S (tests/conftest.py's hook; the GPU image may lack pytest-timeout): a test blocked on a
+    wait, as the async test waits on the engine, fails with its name and the limit, and the next test still runs."""
+    (tmp_path / "test_waits.py").write_text(
+        "import threading\n\ndef test_waits():\n    threading.Event().wait(120)\n\ndef test_after():\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                          "-n", "0", str(tmp_path / "test_waits.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=100, env={**os.environ, "CBKIT_TEST_TIMEOUT_S": "2", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert "test_waits.py::test_waits ran past CBKIT_TEST_TIMEOUT_S=2 s" in out.stdout
+    assert "1 failed, 1 passed" in out.stdout
 
 
 def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):

@@ -271,8 +271,9 @@ def test_bf16_mixed_precision_stock_breaks_bridge_runs(tmp_path, dataset):
     5.17.0), that calls `.float()` on it and the engine thread dies. Stock TRL then has no completions and fails
     with an IndexError; the bridge generates through the plain forward (`plain_forward`) under either version.
 
-    bf16 logprobs: the engine (paged attention) and TRL's forward (sdpa, autocast) round differently; with this
-    model's large logits (bf16 spacing is 0.125 at |x| ~ 20) measured mean ~1.5e-2 and max ~0.2 per token;
+    bf16 logprobs: the engine (paged attention, bf16 weights) and TRL's forward (sdpa, autocast over the fp32
+    weights) round differently; with this model's large logits (bf16 spacing is 0.125 at |x| ~ 20) measured mean
+    ~3.6e-2 and max ~0.18 per token;
     asserted mean < 0.05, max < 0.5, and the ratio's batch mean within 0.05 of 1.
     """
     bf16 = {"bf16": True, "use_cpu": True}
@@ -282,7 +283,8 @@ def test_bf16_mixed_precision_stock_breaks_bridge_runs(tmp_path, dataset):
             stock.train()
     else:
         stock.train()  # nothing for the wrapper to choke on
-    # TRL's CB branch casts the policy to bf16 in place before generating: training would go on in bf16.
+    # TRL's CB branch casts the policy to bf16 in place before generating: training would go on in bf16 (the bridge
+    # does not: the test below).
     assert next(stock.model.parameters()).dtype == torch.bfloat16
     logs = Logs()
     tr = _bridge(tmp_path, dataset, callbacks=[logs], trl_overrides=bf16, importance_sampling_mode="token_truncate")
@@ -294,6 +296,45 @@ def test_bf16_mixed_precision_stock_breaks_bridge_runs(tmp_path, dataset):
     assert step["sampling/sampling_logp_difference/max"] < 0.5
     assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.05)
     assert "forward" in tr.model.__dict__  # accelerate's wrapper is back for training
+
+
+def test_bf16_bridge_step_leaves_the_callers_policy_fp32_for_cbkits_loop(tmp_path, dataset):
+    """TRL's CB branch casts the policy it is given to bf16 in place (`unwrapped_model.to(torch.bfloat16)`, never cast
+    back): notebook 04 hands its policy to the bridge, and its own cells re-run afterwards refused it
+    (`check_fp32_weights`). The bridge samples from bf16 copies of the weights instead: after a bf16 TRL step the
+    policy is fp32, it moved (TRL trained it), and cbkit's loop trains it on with CB rollouts."""
+    from cbkit.train.setup import check_fp32_weights
+    from tests.helpers import config, trainer
+
+    model, tok = _policy()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cast: list[torch.dtype] = []  # the weights' dtype the engine sampled from: TRL's bf16, as in stock TRL
+    original = Engine.run
+
+    def spy(self, *a, **k):
+        cast.append(next(self.model.parameters()).dtype)
+        return original(self, *a, **k)
+
+    tr = build_trainer(model, tok, [distinct_chars_reward, format_reward], dataset, RUN, output_dir=str(tmp_path),
+                       bf16=True, use_cpu=True, **TRL_ONLY)
+    own_forward = model.__dict__.get("forward")  # TRL's __init__ adds its fused LM head, a pass-through here
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "run", spy)
+        tr.train()
+    assert cast == [torch.bfloat16]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {b.dtype for b in model.buffers() if b.is_floating_point()} <= {torch.float32}
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert moved  # TRL's update landed on the caller's fp32 weights, not on a copy
+    # AdamW's moments are fp32 too: TRL trained fp32 master weights under autocast.
+    assert {s["exp_avg"].dtype for s in tr.optimizer.state.values()} == {torch.float32}
+    check_fp32_weights(model)
+    step = trainer(config(max_steps=1, use_transformers_continuous_batching=True), policy=(model, tok))
+    # ... with its own forward: accelerate's autocast wrapper, left on by TRL's train, made cbkit's CB rollout write
+    # bf16 keys into its fp32 KV cache (a RuntimeError in the engine).
+    assert model.__dict__.get("forward") is own_forward and "_original_forward" not in model.__dict__
+    step.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_bridge_refuses_what_it_does_not_handle(tmp_path, dataset):

@@ -169,7 +169,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     )
     sweep.add_argument("--preset", choices=["trl-benchmark", "a100", "t4"], default=None,
                        help="sizes for one GPU: trl-benchmark (TRL PR #5765's setting: Llama-3.2-1B's shape, random "
-                            "weights, no download; scripts/gpu_sweep.sh), a100 / t4 (hub models); flags given "
+                            "weights, no download; scripts/gpu_check.sh), a100 / t4 (hub models); flags given "
                             "explicitly override it")
     sweep.add_argument("--dry-run", action="store_true",
                        help="run the preset at test size on CPU (a tiny model of the same family, N=2,4, 8 "

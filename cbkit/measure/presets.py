@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # TRL's benchmark setting (PR #5765) on a GPU machine with no network (scripts/gpu_sweep.sh): Llama-3.2-1B-Instruct's exact
+    # TRL's benchmark setting (PR #5765) on a GPU machine with no network (scripts/gpu_check.sh): Llama-3.2-1B-Instruct's exact
     # shape with random weights, synthetic GSM-style prompts, GSM8K solution lengths replayed up to the benchmark's
     # 2048 new tokens. Sized for <= 8 minutes on one A100/H100/H200 (the estimate is in the script).
     # TRL's CB pool is max_memory_percent=0.5 of what its trainer leaves free, so the sweep holds a training step's
@@ -56,13 +56,13 @@ def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None
             major, minor = torch.cuda.get_device_capability()
             raise ValueError(
                 f"--preset {preset} runs in bfloat16, which {torch.cuda.get_device_name()} (compute capability "
-                f"{major}.{minor}) only emulates; add --dtype float16 (DTYPE=float16 for scripts/gpu_sweep.sh)."
+                f"{major}.{minor}) only emulates; add --dtype float16."
             )
         return
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     raise ValueError(
         f"--preset {preset} needs {PRESET_NEEDS[preset]}; no CUDA device is visible here (torch {torch.__version__}, "
-        f"{build}). Run it on a GPU machine, or add --dry-run (CBKIT_DRY_RUN=1 bash scripts/gpu_sweep.sh) to run "
+        f"{build}). Run it on a GPU machine, or add --dry-run (CBKIT_DRY_RUN=1 bash scripts/gpu_check.sh) to run "
         "the same sweep at test size on this CPU."
     )
 

@@ -45,8 +45,9 @@ CBKIT_FIELDS: tuple[str, ...] = _SAME_NAME + tuple(_RENAMED) + _SPECIAL
 LOOP_ONLY: dict[str, str] = {
     "model": "the model (or its id) is build_trainer's first argument; TRL loads an id itself",
     "dtype": "the precision cbkit's loop computes in over fp32 weights; TRL's nearest is bf16 mixed precision, which "
-             "the bridge sets where bf16 is native, but TRL's CB branch then casts the weights themselves to bf16 "
-             "(docs/scale_out.md). The model's own dtype is the caller's (model_init_kwargs={'dtype': ...} for an id)",
+             "the bridge sets where bf16 is native (its rollouts sample from bf16 copies, where TRL's CB branch "
+             "casts the weights themselves: docs/scale_out.md). The model's own dtype is the caller's "
+             "(model_init_kwargs={'dtype': ...} for an id)",
     "data": "the dataset is build_trainer's train_dataset (trl_dataset(load_problems(...)))",
     "num_problems": "the dataset is build_trainer's train_dataset: cut it before",
     "system_prompt": "trl_dataset(problems, system_prompt=...) puts it in the prompts",

@@ -71,15 +71,14 @@ class _CBRollouts(_TrainerHost):
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            # The same casts TRL's CB branch makes (in place, as there), so training sees what stock TRL sees.
-            if self.args.bf16:
-                unwrapped.to(torch.bfloat16)
-            elif self.args.fp16:
-                unwrapped.to(torch.float16)
-            if getattr(self.args, "cast_lm_head_to_fp32", False):
-                unwrapped.lm_head.to(torch.float32)
+            # TRL's CB branch casts the model itself (`unwrapped_model.to(torch.bfloat16)`) and never casts it
+            # back: from the first rollout on it trains bf16 weights with bf16 Adam moments. The bridge samples in
+            # the same precision from half copies of the weights and leaves the fp32 ones to train (see
+            # `half_weights_for_rollout`).
+            half = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+            keep = unwrapped.lm_head if getattr(self.args, "cast_lm_head_to_fp32", False) else None
             was_training = unwrapped.training
-            with plain_forward(unwrapped):
+            with half_weights_for_rollout(unwrapped, half, keep=keep), plain_forward(unwrapped):
                 outputs, _ = self._engine_for(unwrapped).run(
                     rows, self.generation_config, max_new_tokens=max_new_tokens, seed=self._cb_seed())
             unwrapped.train(was_training)
@@ -92,6 +91,22 @@ class _CBRollouts(_TrainerHost):
             ids.append(list(c.completion_ids))
             logprobs.append(list(c.sampling_logprobs))
         return ids, logprobs
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's `train`, after which the caller's model has its own `forward` again. Under bf16/fp16 mixed precision
+        accelerate's `prepare_model` replaces the instance's forward by autocast + `convert_outputs_to_fp32` and
+        leaves it there: the model a notebook hands over and then trains with cbkit's loop would run cbkit's CB
+        rollouts under autocast against an fp32 KV cache (the engine's `index_copy_` refuses bf16 into fp32). A
+        second `train` prepares the model again (transformers' `Trainer._inner_training_loop`)."""
+        found = {k: self.model.__dict__.get(k) for k in ("forward", "_original_forward")}
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for k, v in found.items():
+                if v is None:
+                    self.model.__dict__.pop(k, None)
+                else:
+                    self.model.__dict__[k] = v
 
     def _engine_for(self, model) -> Engine:
         """One engine per trainer, on the model TRL generates with (its CPU pool warning once per trainer)."""
@@ -203,6 +218,37 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
 
 @contextmanager
+def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, *,
+                             keep: torch.nn.Module | None = None) -> Iterator[None]:
+    """Inside the block ``model``'s floating-point weights and buffers are ``dtype`` copies (``keep``'s stay as they
+    are: TRL's ``cast_lm_head_to_fp32``); after it, the very tensors it had before, bit for bit. ``None``: no cast.
+
+    What TRL's CB branch's in-place ``model.to(dtype)`` does for the rollout, without its lasting effect: training
+    goes on from the fp32 weights (the ``Parameter`` objects the optimizer holds are the same throughout; only their
+    ``.data`` is swapped). The two alternatives lose: casting back after the rollout rounds the fp32 weights to bf16
+    every step, which erases every update under half of bf16's spacing (0.2-0.4% of a weight), and a deep copy of the
+    module holds a second fp32 model while it is cast. Here the rollout holds 2 bytes a parameter beside the fp32
+    weights, and only while it runs. On a T4 nothing is cast (the bridge sets neither ``bf16``, which it has not
+    natively, nor ``fp16``) unless the caller asks for ``fp16=True``.
+    """
+    if dtype is None:
+        yield
+        return
+    kept = {id(t) for t in (*keep.parameters(), *keep.buffers())} if keep is not None else set()
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # parameters() and buffers() list a tied weight once, so its fp32 tensor is saved once, before it is swapped.
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point() and t.dtype != dtype and id(t) not in kept:
+            saved.append((t, t.data))
+            t.data = t.data.to(dtype)
+    try:
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
+@contextmanager
 def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model``'s own ``forward`` inside the block, not the one accelerate installs under mixed precision.
 
@@ -215,9 +261,9 @@ def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     completions.
 
     Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.trl_step.stock_trl_cb_rollout`
-    do); the wrapper is back for training when the block ends. Generation loses nothing: TRL's CB branch has
-    just cast the weights themselves to the half dtype in place, so autocast has nothing left to do there. A model
-    accelerate did not wrap passes through untouched.
+    do); the wrapper is back for training when the block ends. Generation loses nothing: the weights themselves are
+    in the half dtype for the rollout (TRL's cast in place, the bridge's `half_weights_for_rollout`), so autocast
+    has nothing left to do there. A model accelerate did not wrap passes through untouched.
     """
     wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     if wrapped is None:
