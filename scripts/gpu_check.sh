@@ -140,8 +140,8 @@ if [ "$DRY" = 1 ]; then dry=(--dry-run); long_ns=4; short_ns=2; else dry=(); lon
 import json, sys
 import torch
 from cbkit.measure import roofline
-from cbkit.measure.planner import ADAM_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM
 from cbkit.measure.presets import DRY_RUN, PRESETS
+from cbkit.measure.rollout_timing import TRAINER_STATE_COPIES
 from cbkit.rollout.admission import admission
 from cbkit.teach.tiers.checks import PROMPT_LEN, parameter_count, plan_config
 from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES
@@ -149,8 +149,9 @@ from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES
 preset = {**PRESETS["trl-benchmark"], **(DRY_RUN if sys.argv[2] == "1" else {})}
 config = plan_config(preset["model"])
 dtype = getattr(torch, preset["dtype"])
-# Weights in the preset's dtype, and the trainer's fp32 gradients and AdamW moments the sweep holds (trainer_state).
-resident = (dtype.itemsize + GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM) * parameter_count(config)
+# Weights in the preset's dtype and the trainer state the sweep holds beside them (trainer_state: TRL's gradient and
+# AdamW moments after its bf16 cast, TRAINER_STATE_COPIES copies in the weights' dtype).
+resident = dtype.itemsize * (1 + TRAINER_STATE_COPIES) * parameter_count(config)
 rows = [range(PROMPT_LEN)] * (preset["num_prompts"] * max(PRESETS["trl-benchmark"]["ns"]))
 used = CUDA_CONTEXT_BYTES + resident
 # A dry run's tiny model would get tens of GB of pool from an A100-80 (allocated on this CPU): it asks the same check
