@@ -226,10 +226,31 @@ def check_model_dir(path: Path) -> None:
         )
 
 
+def pretrained_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    """The keyword arguments of every ``from_pretrained`` cbkit makes: the dtype, and hub kernels off.
+
+    transformers 5.25 turns ``use_kernels`` on by default (``from_pretrained``: None becomes True) and then raises
+    "Kernels are not available" unless the ``kernels`` package is importable at 0.19.1 <= version < 0.20
+    (``set_use_kernels``, ``is_kernels_available``): the README's first call fails on an offline machine or a mirror
+    without it. Where it is there, layers (Llama's RMSNorm among them) get forwards downloaded from the hub on CUDA,
+    code no cbkit test has run and whose numbers the parity tests never compared. So cbkit decides: off, and the
+    attention is the one cbkit's engine config chooses. 5.24 reads the same keyword (default off) and kernelises
+    through the same ``set_use_kernels``; a transformers without that method gets no keyword it would not read.
+    ``from_config`` (models/synthetic.py) never kernelises (5.25's ``_from_config`` passes its keywords to the
+    model's ``__init__``), so it gets none.
+    """
+    from transformers import PreTrainedModel
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if hasattr(PreTrainedModel, "set_use_kernels"):
+        kwargs["use_kernels"] = False
+    return kwargs
+
+
 def _load_pretrained(name: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(name, **pretrained_kwargs(dtype))
 
 
 def _load_tokenizer(name: str):
@@ -284,10 +305,10 @@ def _load_offline(dtype: torch.dtype, cache_dir):
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     cached = cache_root(cache_dir) / f"smollm2-135m-instruct-{key}"
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cached, **pretrained_kwargs(dtype))
         tok = AutoTokenizer.from_pretrained(cached, padding_side="left")
         return model, tok, "gguf-cache"
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **pretrained_kwargs(torch.float32))
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
     _save_atomically(model, tok, cached)
     # transformers wraps to() in functools.wraps(nn.Module.to), so mypy reads `self` as its first argument.
