@@ -228,8 +228,9 @@ def check_model_dir(path: Path) -> None:
         )
 
 
-def pretrained_kwargs(dtype: torch.dtype) -> dict[str, Any]:
-    """The keyword arguments of every ``from_pretrained`` cbkit makes: the dtype, and hub kernels off.
+def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make (`cbkit.trl.trainers`'
+    ``model_init_kwargs``): the dtype where given, and hub kernels off.
 
     transformers 5.25 turns ``use_kernels`` on by default (``from_pretrained``: None becomes True) and then raises
     "Kernels are not available" unless the ``kernels`` package is importable at 0.19.1 <= version < 0.20
@@ -243,7 +244,7 @@ def pretrained_kwargs(dtype: torch.dtype) -> dict[str, Any]:
     """
     from transformers import PreTrainedModel
 
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
     if hasattr(PreTrainedModel, "set_use_kernels"):
         kwargs["use_kernels"] = False
     return kwargs
