@@ -269,4 +269,5 @@ def test_a_cb_step_under_bf16_autocast_stays_inside_the_gpu_tests_rounding_bound
     # The weights that sampled: a fresh load of the same seed, before the step moved them.
     sampler = load_policy("tiny", dtype=torch.float32, seed=0).model
     tol = rounding_bound(sampler, prepare.call_args.args[1].completions, tr.config.temperature, torch.bfloat16)
+    print(f"CPU GRPO step: logprob/max_abs_diff {diffs}, bf16 autocast bound {tol:.3f}")
     assert diffs["float32"] < 1e-4 < 1e-3 < diffs["bfloat16"] < tol < 1.0, (diffs, tol)
