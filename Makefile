@@ -32,7 +32,7 @@ NOTEBOOK_RUN := CBKIT_PROFILE=ci OMP_NUM_THREADS=$(shell n=$$(( $(NPROC) / $(NOT
 	$(BIN)/python -m pytest -n $(NOTEBOOK_JOBS) --dist worksteal
 endif
 
-.PHONY: setup browser sweep demo gpu-wheels test test-more test-bare test-oldest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
+.PHONY: setup browser sweep demo gpu-wheels test test-more test-bare test-oldest test-newest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
 	publish-address clean
 
 setup: $(STAMP)
@@ -86,10 +86,12 @@ test: lint browser
 	$(BIN)/python -m pytest --serial=only $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(MAKE) test-notebooks
 
-# The rest of CI, after `make test` (.ci/run): the bare venv, the notebooks without their skippable sections, the
-# book (from the notebooks `make test` executed), the GPU tiers' dry runs, and each Question's code edit.
+# The rest of CI, after `make test` (.ci/run): the bare venv, the newest transformers the range allows, the notebooks
+# without their skippable sections, the book (from the notebooks `make test` executed), the GPU tiers' dry runs, and
+# each Question's code edit.
 test-more: $(STAMP) browser
 	$(MAKE) test-bare
+	$(MAKE) test-newest
 	$(MAKE) test-skipped
 	$(MAKE) book
 	$(MAKE) test-tiers
@@ -140,6 +142,35 @@ test-oldest: $(STAMP)
 	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -c \
 		"import transformers as t; assert t.__version__ == '$(FLOOR)', f'{t.__file__} is {t.__version__}'"
 	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -m pytest -p no:cacheprovider -q $(OLDEST_TESTS)
+
+# The top of the transformers range: the newest release the registry has inside pyproject.toml's range (what a fresh
+# install or Colab resolves), installed --no-deps into $(NEWEST)/transformers, which shadows .venv's copy; the
+# version is checked against `pip index versions`. Without `kernels` (an offline machine, a mirror without it:
+# transformers 5.25 requires it) OLDEST_TESTS, the README's example (a CB rollout and a GRPO step on SmolLM2) and
+# the load path's kernels choice run; then, with the newest `kernels` the registry has importable (in
+# $(NEWEST)/kernels), the README's example, 04's TRL step and the kernels choice again. Part of `make test-more`.
+NEWEST ?= .venv-newest
+RANGE := $(shell sed -n 's/.*"\(transformers>=[^"]*\)".*/\1/p' pyproject.toml)
+KERNELS_TESTS ?= tests/test_readme.py::test_the_readme_example_runs \
+	tests/test_tiers.py::test_the_trl_step_04_builds_generates_prompts_times_n \
+	tests/test_models.py::test_loading_turns_hub_kernels_off_through_the_installed_from_pretrained
+NEWEST_TESTS ?= $(OLDEST_TESTS) $(KERNELS_TESTS)
+test-newest: $(STAMP)
+	rm -rf $(NEWEST)
+	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST)/transformers "$(RANGE)"
+	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST)/kernels kernels
+	$(BIN)/python -m pip index versions transformers 2>/dev/null | sed -n 's/^Available versions: //p' > $(NEWEST)/index
+	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers $(BIN)/python -c "import transformers as t; \
+		from packaging.specifiers import SpecifierSet; from packaging.version import Version; \
+		allowed = SpecifierSet('$(RANGE)'.removeprefix('transformers')); \
+		top = max(v for v in map(Version, open('$(NEWEST)/index').read().split(', ')) if v in allowed); \
+		assert Version(t.__version__) == top, f'{t.__file__} is {t.__version__}, the newest in $(RANGE) is {top}'"
+	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers $(BIN)/python -c "import importlib.util as u; \
+		assert u.find_spec('kernels') is None, 'kernels is importable from .venv: the run without it needs it absent'"
+	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers $(BIN)/python -m pytest -p no:cacheprovider -q -n $(TEST_JOBS) \
+		$(sort $(NEWEST_TESTS))
+	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers:$(abspath $(NEWEST))/kernels $(BIN)/python -m pytest \
+		-p no:cacheprovider -q $(KERNELS_TESTS)
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
 # $(NOTEBOOK_JOBS) at a time, on copies that keep their outputs; the committed notebooks stay stripped. Each cell must
@@ -206,4 +237,4 @@ book: $(STAMP) browser
 		tests/test_book.py
 
 clean:
-	rm -rf $(VENV) $(BARE) $(OLDEST) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(BARE) $(OLDEST) $(NEWEST) .pytest_cache .ruff_cache .mypy_cache

@@ -35,6 +35,26 @@ def max_logprob_diff(model, rollout, sampling: SamplingParams) -> float:
     return worst
 
 
+def rounding_bound(model, completions, temperature: float, dtype: torch.dtype) -> float:
+    """How far two forwards of the same weights may put a token's logprob apart when one computes in ``dtype``
+    (half-precision weights, or a bf16 autocast over fp32 ones) and the other in fp32 or in ``dtype`` with other
+    kernels. Each sub-layer's update to the residual stream is computed from a ``dtype`` copy of its input and comes
+    out rounded to ``dtype`` (2 per layer), and the logits are rounded once: 2L + 1 roundings, each within eps
+    (``torch.finfo(dtype).eps``) relative to the scale of the values, at most the largest |logit| / temperature Z that
+    the sampler saw (a plain forward of ``model``, whose weights must be the ones that sampled). A logit then moves by
+    at most (2L + 1) eps Z, and a log-softmax by at most twice its inputs' largest change (the token's logit and the
+    log-sum-exp): 2 (2L + 1) eps Z. A wrong temperature, a token scored at the wrong position or another token's
+    logprob miss it by nats."""
+    scale = 0.0
+    for c in completions:
+        ids = torch.tensor([list(c.prompt_ids) + list(c.completion_ids)], device=model.device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1: len(ids[0]) - 1]
+        scale = max(scale, logits.float().abs().max().item())
+    layers = model.config.num_hidden_layers
+    return 2 * (2 * layers + 1) * torch.finfo(dtype).eps * scale / temperature
+
+
 def cb_forward_returns_its_cache(model, tokenizer) -> bool:
     """Whether the installed transformers' CB engine gets its `PagedAttentionCache` back among the model forward's
     outputs: the object accelerate's bf16 wrapper (`convert_outputs_to_fp32`) calls `.float()` on. Asked of

@@ -6,13 +6,16 @@ Only built-in models: a GPU machine has no hub and no gguf package.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from cbkit.models.load import load_policy, native_bf16
 from cbkit.rollout import ContinuousBackend, SamplingParams
+from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.logprobs import teacher_forced_logprobs
-from tests.helpers import config, trainer
+from tests.helpers import config, rounding_bound, trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -24,31 +27,14 @@ def _prompts(tok) -> list[list[int]]:
                                     return_dict=False) for q in QUESTIONS]
 
 
-def _logit_scale(model, completions, temperature: float) -> float:
-    """The largest |logit| / temperature the sampler saw for these completions, from a plain forward."""
-    scale = 0.0
-    for c in completions:
-        ids = torch.tensor([list(c.prompt_ids) + list(c.completion_ids)], device=model.device)
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1: len(ids[0]) - 1]
-        scale = max(scale, logits.float().abs().max().item())
-    return scale / temperature
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_rollout_logprobs_match_the_training_forward(dtype, temperature):
     """The CB engine samples in `dtype` from the tiny model; each sampling logprob must equal the training forward's
     (`cbkit.train.logprobs.teacher_forced_logprobs`, same weights, same dtype) within what the dtype's rounding
-    allows, not fp32's 1e-4.
-
-    The bound: the two forwards do the same arithmetic with other kernels (paged attention over a packed batch
-    against dense attention over a padded one), so they differ by rounding. Each rounds the residual stream to the
-    dtype after every sub-layer (2 per layer) and rounds the logits once: 2L + 1 roundings, each within eps (the
-    dtype's `torch.finfo(dtype).eps`) relative to the scale of the values, at most the largest |logit| / temperature
-    Z that the sampler saw. A logit then differs by at most (2L + 1) eps Z between the two, and a log-softmax moves by
-    at most twice its inputs' largest change (the token's logit, and the log-sum-exp): tol = 2 (2L + 1) eps Z. A
-    wrong temperature, a token scored at the wrong position or another token's logprob miss it by nats."""
+    allows, not fp32's 1e-4: the two forwards do the same arithmetic with other kernels (paged attention over a
+    packed batch against dense attention over a padded one), so they differ by rounding, 2 (2L + 1) eps Z
+    (`tests.helpers.rounding_bound` derives it)."""
     if dtype == torch.bfloat16 and not native_bf16():
         pytest.skip("bf16 is emulated on this GPU (compute capability < 8.0)")
     policy = load_policy("tiny", dtype=dtype, device="cuda", seed=0)
@@ -57,8 +43,7 @@ def test_half_precision_rollout_logprobs_match_the_training_forward(dtype, tempe
                               pad_token_id=tok.pad_token_id, seed=0)
     rollout = ContinuousBackend(model).generate(_prompts(tok), 4, sampling)
     reference = teacher_forced_logprobs(model, rollout.completions, sampling)
-    layers = model.config.num_hidden_layers
-    tol = 2 * (2 * layers + 1) * torch.finfo(dtype).eps * _logit_scale(model, rollout.completions, temperature)
+    tol = rounding_bound(model, rollout.completions, temperature, dtype)
     assert 0 < tol < 1.0, f"a bound of {tol:.2f} nats could not tell a wrong logprob from rounding"
     worst = max((torch.tensor(c.sampling_logprobs) - r.float()).abs().max().item()
                 for c, r in zip(rollout.completions, reference, strict=True))
@@ -67,17 +52,24 @@ def test_half_precision_rollout_logprobs_match_the_training_forward(dtype, tempe
     assert rollout.peak_mem_kind == "cuda_allocated"
 
 
-def test_a_grpo_step_on_a_gpu_moves_its_fp32_weights():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_grpo_step_on_a_gpu_moves_its_fp32_weights(dtype):
     """One step of cbkit's loop with the CB backend on the GPU: the weights stay fp32 on the device, every one
-    finite, and the update moves them; the engine's logprobs agree with the trainer's fp32 forward (kernels differ:
-    the CPU suite's 1e-4 is for the CPU's; 1e-3 still tells a wrong distribution)."""
+    finite, and the update moves them. The engine samples the fp32 weights; the trainer's old-logprob forward runs
+    in the loop's `dtype` (`training_precision`). Under float32 the two agree within 1e-3 (kernels differ: the CPU
+    suite's 1e-4 is for the CPU's; 1e-3 still tells a wrong distribution). Under bf16 autocast (what `auto` is on a
+    GPU with native bf16) they differ by bf16's roundings, up to 2 (2L + 1) eps Z (`tests.helpers.rounding_bound`;
+    tests/test_precision.py checks the same bound on a CPU)."""
+    if dtype == "bfloat16" and not native_bf16():
+        pytest.skip("bf16 is emulated on this GPU (compute capability < 8.0): the loop refuses it")
     policy = load_policy("tiny", dtype=torch.float32, device="cuda", seed=0)
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
-    tr = trainer(config(use_transformers_continuous_batching=True, max_steps=1), policy=policy)
-    try:
-        record = tr.step()
-    finally:
-        tr.close()
+    tr = trainer(config(use_transformers_continuous_batching=True, max_steps=1, dtype=dtype), policy=policy)
+    with mock.patch.object(GRPOTrainer, "prepare", autospec=True, side_effect=GRPOTrainer.prepare) as prepare:
+        try:
+            record = tr.step()
+        finally:
+            tr.close()
     after = tr.model.state_dict()
     assert all(t.dtype == torch.float32 and t.device.type == "cuda" for t in after.values())
     assert all(torch.isfinite(t).all() for t in after.values())
@@ -85,7 +77,15 @@ def test_a_grpo_step_on_a_gpu_moves_its_fp32_weights():
     assert moved, "the step left every weight as it was"
     m = record.metrics
     assert m["reward/zero_std_frac"] < 1.0  # some group's rewards differed: the loss had a gradient
-    assert m["rollout/backend"] == "continuous" and m["logprob/max_abs_diff"] < 1e-3
+    assert m["rollout/backend"] == "continuous"
+    if dtype == "float32":
+        tol = 1e-3
+    else:  # the bound on the weights that sampled: a fresh load of the same seed, before the step moved them
+        sampler = load_policy("tiny", dtype=torch.float32, device="cuda", seed=0).model
+        tol = rounding_bound(sampler, prepare.call_args.args[1].completions, tr.config.temperature, torch.bfloat16)
+        assert 1e-3 < tol < 1.0, tol
+    print(f"GRPO step dtype={dtype}: logprob/max_abs_diff {m['logprob/max_abs_diff']:.2e}, bound {tol:.2e}")
+    assert m["logprob/max_abs_diff"] < tol
 
 
 @pytest.mark.parametrize("where", ["device", "host", "disk"])

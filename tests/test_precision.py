@@ -244,3 +244,30 @@ def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
     assert ("bf16", True) in prepared  # the wrapper was there
     assert seen["trainer"] == "trl.trainer.grpo_trainer.GRPOTrainer"
     assert seen["completions"] == 4 and seen["tokens"] > 0 and seen["logprobs"] is None
+
+
+def test_a_cb_step_under_bf16_autocast_stays_inside_the_gpu_tests_rounding_bound():
+    """The `gpu` test's bound for a GRPO step under bf16 autocast (tests/test_gpu.py), checked where torch's CPU
+    autocast really computes in bf16: the engine samples the fp32 weights, the old-logprob forward runs under bf16
+    autocast, and the two differ by bf16's roundings, within 2 (2L + 1) eps Z (`tests.helpers.rounding_bound`) but far
+    beyond fp32's (the same step in float32, under the CPU suite's 1e-4): the bound is not so loose that a step
+    without autocast would be needed to meet it."""
+    from unittest import mock
+
+    from tests.helpers import rounding_bound, trainer
+
+    diffs = {}
+    for dtype in ("float32", "bfloat16"):
+        tr = trainer(config(use_transformers_continuous_batching=True, max_steps=1, dtype=dtype),
+                     policy=load_policy("tiny", dtype=torch.float32, seed=0))
+        with mock.patch.object(GRPOTrainer, "prepare", autospec=True, side_effect=GRPOTrainer.prepare) as prepare:
+            try:
+                diffs[dtype] = tr.step().metrics["logprob/max_abs_diff"]
+            finally:
+                tr.close()
+        assert tr.autocast_dtype is (torch.bfloat16 if dtype == "bfloat16" else None)
+    # The weights that sampled: a fresh load of the same seed, before the step moved them.
+    sampler = load_policy("tiny", dtype=torch.float32, seed=0).model
+    tol = rounding_bound(sampler, prepare.call_args.args[1].completions, tr.config.temperature, torch.bfloat16)
+    print(f"CPU GRPO step: logprob/max_abs_diff {diffs}, bf16 autocast bound {tol:.3f}")
+    assert diffs["float32"] < 1e-4 < 1e-3 < diffs["bfloat16"] < tol < 1.0, (diffs, tol)

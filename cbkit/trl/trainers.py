@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from trl import GRPOTrainer, RLOOTrainer
 
+from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
 from cbkit.rollout.engine import Engine
 from cbkit.rollout.engine_io import to_completions
@@ -330,6 +331,8 @@ def build_trainer(
         overrides = {"eval_strategy": "no", "eval_on_start": False, **overrides}
     to_args = trl_rloo_config if rloo else trl_grpo_config
     args = to_args(cfg, output_dir or ("cbkit-trl-rloo" if rloo else "cbkit-trl"), **overrides)
+    if isinstance(model, str):  # TRL loads it with these: hub kernels off as in cbkit's loads, unless the caller says
+        args.model_init_kwargs = {**pretrained_kwargs(), **(args.model_init_kwargs or {})}
     stock, cb = (RLOOTrainer, CBRLOOTrainer) if rloo else (GRPOTrainer, CBLogprobGRPOTrainer)
     cls = cb if args.use_transformers_continuous_batching and not args.use_vllm else stock
     return cls(
