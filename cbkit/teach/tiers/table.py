@@ -19,11 +19,11 @@ TIER_MEMORY = {"t4": CUDA_TOTAL_BYTES["t4"], "a100": 40 * GiB}  # the smallest G
 # Host RAM of a standard Colab runtime: 12.7 GB, as Colab advertises it (its resources panel), read as 12.7e9 bytes,
 # the lower reading. Every copy of the weights a notebook keeps in host memory is planned against it, on every tier.
 COLAB_RAM_BYTES = int(12.7e9)
-# The compute capability of each GPU checked: it decides the attention the engine runs (`cuda_attention`).
+# The compute capability of each GPU checked: it decides the attention the engine runs (`engine_attention`).
 CAPABILITY = {"t4": (7, 5), "a100-40": (8, 0), "a100-80": (8, 0), "h200": (9, 0)}
 # What a process holds on a GPU before its first tensor: the CUDA context, cuBLAS's workspace, the allocator's
 # rounding. An assumption (PyTorch's CUDA context is commonly 0.3-0.5 GiB) until a GPU run reads it
-# (scripts/gpu_check.py records torch.cuda.mem_get_info() after start-up).
+# (scripts/gpu_check.sh records torch.cuda.mem_get_info() after start-up).
 CUDA_CONTEXT_BYTES = GiB // 2
 # KV pages of the notebooks' pools, on every device: a GSM8K chat prompt (~130 tokens) fills four, so the N
 # completions of a group share its prompt's pages (prefix sharing), as on a CPU. The engine's GPU default, 256
