@@ -65,10 +65,11 @@ EDITS = {
              until="print(points_table(points))"),
     ],
     "04_grpo_live": [
-        Edit(1, "transformers_continuous_batching_config=env.pool_config(policy.model), disable_tqdm=True,",
-             "transformers_continuous_batching_config=env.pool_config(policy.model), disable_tqdm=True,\n"
-             "    importance_sampling_correction=False,", "`importance_sampling_correction=False`"),
-        Edit(2, "N = S.n\n", "N = 16\n", "`N` to 16"),
+        Edit(1, "    transformers_continuous_batching_config=env.pool_config(policy.model),\n",
+             "    transformers_continuous_batching_config=env.pool_config(policy.model),\n"
+             "    importance_sampling_correction=False,\n", "`importance_sampling_correction=False`"),
+        Edit(2, "S.prompts, S.n\n", "S.prompts, 16\n", "`N` to 16"),
+        Edit(4, "TRACED_N = N ", "TRACED_N = 4 * N ", "`TRACED_N = 4 * N`"),
     ],
     "05_off_policy": [
         Edit(1, 'importance_sampling_mode="token_truncate"', 'importance_sampling_mode="sequence_mask"',

@@ -12,7 +12,7 @@ import torch
 
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
-from cbkit.teach import findings, fits, is_update, live, notebook, step_views, trl_step
+from cbkit.teach import findings, fits, is_update, live, notebook, trl_step
 from cbkit.teach.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
@@ -99,8 +99,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
 
     chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS], mode="static")
     first = live.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
-    recorder = step_views.RolloutRecorder()
-    _train(tiny, [first, recorder], use_transformers_continuous_batching=True)
+    _train(tiny, [first], use_transformers_continuous_batching=True)
     second = live.LiveMetricsHook("generate", chart=chart)
     _train(tiny, [second], use_transformers_continuous_batching=False)
     fig = chart._final
@@ -114,13 +113,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
     assert list(tokens.y) == [r.metrics["rollout/tokens_per_s"] for r in first.records]
     memory = next(t for t in fig.data if t.name == "generate: peak memory")
     assert list(memory.y) == pytest.approx([r.metrics["rollout/peak_mem_bytes"] / 2**20 for r in second.records])
-    assert len(recorder.rollouts) == 1 and recorder.rollouts[0].backend == "continuous"
-
-    table = step_views.compare_runs({"continuous": first.records, "generate": second.records})
-    assert list(table.columns) == ["continuous", "generate"]
-    expected = sum(r.metrics["rollout/tokens_per_s"] for r in second.records) / 2
-    assert table.loc["rollout/tokens_per_s", "generate"] == pytest.approx(expected)
-    assert "rollout/peak_mem (MiB)" in table.index
+    assert [r.metrics["rollout/backend"] for r in first.records + second.records] == ["continuous"] * 2 + ["generate"] * 2
 
 
 def test_nan_metrics_are_not_points():
@@ -131,27 +124,6 @@ def test_nan_metrics_are_not_points():
     hook.on_step_end(StepRecord(1, {"logprob/max_abs_diff": float("nan"), "reward/mean": 0.5}))
     names = {t.name for t in chart.figure().data}
     assert names == {"train reward"}
-
-
-def test_metrics_table_groups_by_namespace_and_shows_bytes_in_mib():
-    table = step_views.metrics_table({"reward/mean": 0.25, "rollout/peak_mem_bytes": 3 * 2**20, "rollout/backend": "x"})
-    assert table.loc[("rollout", "peak_mem (MiB)"), "value"] == 3
-    assert table.loc[("reward", "mean"), "value"] == 0.25
-    assert list(table.index.get_level_values(0)) == ["reward", "rollout", "rollout"]
-
-
-def test_completions_table_scores_each_completion(tiny):
-    tok = tiny.tokenizer
-    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id, seed=0)
-    rollout = make_backend("generate", tiny.model, pad_token_id=tok.pad_token_id).generate([[5, 6, 7], [8, 9]], 3,
-                                                                                          sampling)
-    table = step_views.completions_table(rollout, tok, ["4", "7"])
-    assert len(table) == 6 and list(table["gold"]) == ["4"] * 3 + ["7"] * 3
-    assert set(table.columns) >= {"group", "finish", "tokens", "answer given", "correctness", "format", "completion"}
-    assert list(table["tokens"]) == [len(c.completion_ids) for c in rollout.completions]
-    with pytest.raises(ValueError, match="one gold answer per prompt: 2 prompts, 1 answers"):
-        step_views.completions_table(rollout, tok, ["4"])
 
 
 def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
@@ -408,24 +380,6 @@ def test_sweep_findings_say_what_the_points_say():
     assert "did not use less peak memory than generate() at the largest N measured (N=16)" in findings.sweep_findings(back)
 
 
-def test_runs_findings_compare_two_runs():
-    def rec(step, reward, tps, mem):
-        return StepRecord(step, {"reward/mean": reward, "rollout/tokens_per_s": tps, "rollout/peak_mem_bytes": mem,
-                                 "train/loss": 0.01, "train/grad_norm": 2.0})
-
-    # Step 1 is each run's warm-up: continuous's is 10x slow, and counting it would flip the verdict
-    # (mean 37 vs 40 tokens/s); after it, continuous runs at 60 against generate's 40 tokens/s.
-    text = findings.runs_findings({"continuous": [rec(1, 0.1, 6.0, 300), rec(2, 0.3, 60.0, 300), rec(3, 0.2, 60.0, 300)],
-                                   "generate": [rec(1, 0.2, 40.0, 200), rec(2, 0.2, 40.0, 200), rec(3, 0.2, 40.0, 200)]})
-    assert "continuous: reward/mean 0.100 at step 1 -> 0.200 at step 3" in text
-    assert "Mean reward: continuous 0.200, generate 0.200: the same." in text
-    assert ("continuous's rollouts ran at 1.50x generate's completion tokens/s (after each run's first (warm-up) "
-            "step: faster) and used 1.50x its peak memory (more).") in text
-    # One step each: nothing to leave out, and the sentence says the warm-up is in.
-    one = findings.runs_findings({"continuous": [rec(1, 0.1, 41.0, 300)], "generate": [rec(1, 0.1, 40.0, 300)]})
-    assert "1.02x generate's completion tokens/s (one step each, warm-up included: about the same: within 5%)" in one
-
-
 def test_one_about_equal_rule_for_sentences_crossover_and_advice():
     """A ratio inside the parity band is "about the same" in the sentences, never a crossover, and parity in the
     advice: the three places read one rule (cbkit.measure.advise.versus_parity)."""
@@ -496,17 +450,6 @@ def test_update_with_and_without_is_by_hand():
         is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
 
 
-def test_trl_step_findings_says_why_a_step_without_reward_spread_changed_nothing():
-    from cbkit.teach.findings import trl_step_findings
-
-    flat = trl_step_findings({"reward": 0.0, "frac_reward_zero_std": 1.0, "loss": 0.0, "grad_norm": 0.0})
-    assert "every group's rewards were 0" in flat and "changed nothing" in flat
-    assert "were equal" in trl_step_findings({"reward": 0.5, "frac_reward_zero_std": 1.0, "loss": 0.0,
-                                              "grad_norm": 0.0})
-    moved = trl_step_findings({"reward": 0.25, "frac_reward_zero_std": 0.5, "loss": 0.01, "grad_norm": 0.3})
-    assert "50% of its groups" in moved and "changed nothing" not in moved
-
-
 def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny, monkeypatch):
     """02's stock TRL step: TRL hands the engine max_memory_percent, which a CPU reads as a share of host RAM (02 at
     CPU size peaked at 16.1 GiB for it). On a CPU the helper gives the engine the pool cbkit's own CPU engine gets:
@@ -540,72 +483,6 @@ def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny,
     longest = max(len(tiny.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
                                                          return_dict=True)["input_ids"]) for r in dataset)
     assert seen["cb"]["num_blocks"] == workload_blocks([[0] * longest] * 12, 10, page_size(seen["cb"]))
-
-
-def _step_runs(cb_step, cb_rollout, async_step=None, async_wait=None, async_train=(1.0, 4.0)):
-    """Full-step run lines: generate()'s 10 s step with a 6 s rollout (1 s old-logprob forward, 3 s update), CB's
-    with the given step and rollout seconds (the same 4 s of training), an async row optionally."""
-    def run(b, step, rollout, old, update, **kw):
-        return {"backend": b, "N": 8, "repeat": 0, "status": "ok", "step_s": step, "rollout_s": rollout,
-                "old_logprob_s": old, "update_s": update, "other_s": step - rollout - old - update,
-                "rollout_share": rollout / step, "tokens_per_s": 100 / step, "peak_mem_bytes": 2**30, **kw}
-
-    runs = [run("generate", 10.0, 6.0, 1.0, 3.0), run("continuous", cb_step, cb_rollout, 1.0, 3.0)]
-    if async_step is not None:
-        runs.append(run("continuous-async", async_step, async_wait, *async_train, rollout_wall_s=5.0,
-                        steady_steps=2))
-    return runs
-
-
-def test_step_split_findings_follow_the_ceiling_and_the_overlap():
-    from cbkit.measure.results import aggregate
-
-    # CB's rollout 2x as fast: the ceiling is 1 / (0.4 + 0.3) = 1.43x; a 7 s step is at it, 8.5 s below it
-    at = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0)))
-    assert "the rollout was 60% of generate()'s 10.00 s step, so even a rollout taking no time would make the step at " \
-           "most 2.50x faster" in at
-    assert "CB's rollout ran 2.00x as fast as generate()'s, which predicts a step 1.43x as fast; the step went 1.43x, " \
-           "at its ceiling" in at
-    below = findings.step_split_findings(aggregate(_step_runs(8.5, 3.0)))
-    assert "the step went 1.18x, below its ceiling: CB's step paid for something outside its rollout" in below
-    # async: waited 0.5 s of CB's 3 s rollout (overlap 2.5 s) and its step is 1 s shorter: what the step gained
-    fast = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=6.0, async_wait=0.5)))
-    assert "the overlap bought 2.50 s; its step took 6.00 s against CB's 7.00 s (faster)" in fast
-    assert "The step gained 1.00 s of the 2.50 s the overlap hid." in fast
-    faster = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=3.0, async_wait=0.5)))
-    assert "The step gained 4.00 s, more than the 2.50 s the overlap hid" in faster
-    # the same wait, but its training took 2.5 s longer beside the decode: no faster than CB
-    slow = findings.step_split_findings(aggregate(_step_runs(7.0, 3.0, async_step=7.1, async_wait=0.5,
-                                                             async_train=(2.0, 4.5))))
-    assert "(about the same: within 5%)" in slow and "took 2.50 s longer than CB's" in slow
-
-
-def test_gpu_estimate_findings_compare_the_shares():
-    points = [{"backend": "generate", "N": 8, "status": "ok", "rollout_share": 0.4}]
-    rows = [{"N": 8, "backend": "generate = CB", "name": "GPU A", "rollout_share": 0.9, "tied": True},
-            {"N": 8, "backend": "generate", "name": "GPU B", "rollout_share": 0.42, "tied": False},
-            {"N": 8, "backend": "continuous", "name": "GPU B", "rollout_share": 0.3, "tied": False}]
-    text = findings.gpu_estimate_findings(points, rows)
-    assert "the rollout was 40% of generate()'s step here (a rollout speed-up can buy at most 1.67x)" in text
-    assert "90% on the GPU A (larger than here: at most 10.00x); 42% on the GPU B (about as here: at most 1.72x)" in text
-    assert "On the GPU A the estimate gives generate() and CB the same rollout" in text and "GPU B the" not in text
-
-
-def test_reward_trend_reads_thirds_and_slope_not_the_end_steps():
-    from cbkit.teach.findings import reward_trend
-
-    def recs(rewards):
-        return [StepRecord(i, {"reward/mean": r}) for i, r in enumerate(rewards, start=1)]
-
-    # Worked by hand: thirds of 2 steps, 0.15 -> 0.55; slope = sum((x - 3.5) * y) / 17.5 = 1.65 / 17.5.
-    text = reward_trend({"cb": recs([0.1, 0.2, 0.3, 0.2, 0.5, 0.6])})
-    assert "0.150 over steps 1-2 -> 0.550 over steps 5-6" in text and "+0.0943 a step: it rose" in text
-    # The last step above the first reads as learning; the thirds fell and the slope is negative: no rise claimed.
-    falling = reward_trend({"g": recs([0.2, 0.6, 0.5, 0.3, 0.1, 0.3])})
-    assert "it fell" in falling and "rose" not in falling
-    mixed = reward_trend({"g": recs([0.0, 0.2, 0.9, 0.0, 0.1, 0.2])})  # thirds 0.1 -> 0.15, slope -0.1 / 17.5
-    assert "no trend" in mixed and "-0.0057" in mixed
-    assert "too few" in reward_trend({"one": recs([0.3, 0.4])})
 
 
 def test_training_chart_is_a_grid_with_one_legend_entry_per_run_and_labelled_quantities():

@@ -17,7 +17,7 @@ __all__ = ["LiveMetricsHook", "TRAINING_PANELS", "live_sweep", "run_style", "tin
 
 # (panel title, [(series label, metric key, scale)]): what the live training chart draws, six panels in a grid of
 # two columns, so that the chart reads without scrolling. Train reward and held-out accuracy share a panel (both
-# are scores in [0, 1]: the second is the evidence that the run learns); reward's parts are in `compare_runs`' table.
+# are scores in [0, 1]: the second is the evidence that the run learns); reward's parts are in each record's metrics.
 # Labels are unique across panels: a series' style is found by its label.
 TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
     ("reward", (("train reward", "reward/mean", 1.0), ("held-out accuracy", "eval/accuracy", 1.0))),

@@ -1,5 +1,5 @@
-"""TRL's own step in the notebooks: its config overrides and batch sizes checked against the notebook's step
-(04), and one step of *stock* `trl.GRPOTrainer` on its CB path, recording the logprobs it drops (02).
+"""TRL's own step in the notebooks: its config overrides (04), and one step of *stock* `trl.GRPOTrainer` on its CB
+path, recording the logprobs it drops (02).
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cbkit.teach.notebook import GiB, NotebookEnv
+from cbkit.teach.notebook import NotebookEnv
 
 
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
@@ -23,30 +23,6 @@ def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
             "dataloader_pin_memory": env.gpu}
-
-
-def trl_step_sizes(args: Any, *, prompts: int, num_generations: int, completion_len: int, vocab_size: int,
-                   logits_budget_bytes: int) -> str:
-    """Checks a TRL config against the step it should run: its generation batch is prompts x N completions, and
-    each micro-batch's loss logits stay within the tier's budget. Raises with what to change; returns one line."""
-    from cbkit.train.batch import logits_bytes
-
-    world = getattr(args, "world_size", 1) or 1
-    generated = args.generation_batch_size
-    want = prompts * num_generations
-    if generated != want:
-        raise ValueError(f"TRL would generate {generated} completions a step (per_device_train_batch_size "
-                         f"{args.per_device_train_batch_size} x steps_per_generation {args.steps_per_generation} x "
-                         f"{world} processes), not prompts x N = {want}: drop per_device_train_batch_size from the "
-                         "overrides and let prompts_per_step set it.")
-    micro = logits_bytes(args.per_device_train_batch_size, completion_len, vocab_size)
-    if micro > logits_budget_bytes:
-        raise ValueError(f"TRL's micro-batch of {args.per_device_train_batch_size} completions needs "
-                         f"{micro / GiB:.2f} GiB of logits, over the {logits_budget_bytes / GiB:.0f} GiB budget: raise "
-                         "gradient_accumulation_steps (env.micro_batches chooses it).")
-    return (f"TRL generates {generated} completions a step ({prompts} prompts x N={num_generations}), trained in "
-            f"{args.steps_per_generation} micro-batches of {args.per_device_train_batch_size} ({micro / GiB:.2f} GiB "
-            f"of logits each, budget {logits_budget_bytes / GiB:.0f})")
 
 
 def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,

@@ -91,11 +91,13 @@ ANSWERS: dict[str, list[str]] = {
         "rewards, so decode each completion (`policy.tokenizer.decode(c.completion_ids, skip_special_tokens=True)`) "
         "and score it yourself (for instance with `cbkit.tasks.rewards.format_reward`), or keep the rollout and print "
         "in `on_step_end`. Pass it in `hooks=[...]` next to the live chart's hook.",
-        "Compare the printed rollout share of `generate()`'s step and the Amdahl ceiling at both sizes. The "
-        "old-logprob forward and the update grow with the number of completions times their length; the static "
-        "batch's rollout grows with the number of rows and with the longest row (more draws, a longer longest), "
-        "while a decode step on a small batch costs about the same for more rows. Which grows faster on this "
-        "machine decides whether the share, and the ceiling, grow or shrink.",
+        "`generate()` still takes one forward per generated position, now carrying 4x the rows, so its tokens a step "
+        "grow 4x while its milliseconds a step grow far less (a small batch's decode step is mostly fixed cost). The "
+        "pool was sized for N completions, so the engine now runs fewer at once than there are requests: the most "
+        "requests in one step stays near N's count, the others wait for recycled blocks, and the number of engine "
+        "steps grows. CB's tokens a step no longer match generate()'s, so compare tokens/s: CB's fixed cost per step "
+        "is now shared by fewer tokens than generate()'s, unless padding appears (unequal lengths) to make the static "
+        "batch waste rows.",
     ],
     "05_off_policy": [
         "In a sequence mode a completion's ratio is the product of its token ratios, so its log is the sum of the "
