@@ -93,12 +93,14 @@ ANSWERS: dict[str, list[str]] = {
         "in `on_step_end`. Pass it in `hooks=[...]` next to the live chart's hook.",
         "Both backends still take about one forward per generated position, each now carrying 4x the tokens (on a "
         "CPU cbkit sizes the pool to the workload, so all 4N x prompts requests run at once: the most requests in one "
-        "step grows 4x). The milliseconds a step grow for both, by about the same factor, so CB's tokens/s against "
-        "generate()'s barely moves (0.46x at N and 0.47x at 4N in one CI run). So CB's extra cost is not a fixed "
-        "cost per step that more rows would share: it grows with the requests in the step (per-request scheduling, "
-        "block tables, cbkit's varlen attention gathering each sequence's keys). What would move the ratio is what "
-        "this shape lacks: unequal lengths (padding), a pool smaller than the rollout (recycling), prompts of "
-        "several pages (sharing), and a model whose forward outweighs the engine's work (a GPU-size model).",
+        "step grows 4x). Read the milliseconds a step of each: if CB's grow less than generate()'s, part of the "
+        "engine's extra work was a fixed cost per step that more rows now share, and CB's tokens/s moves toward "
+        "generate()'s; if both grow alike, the extra work grows with the requests in a step (per-request scheduling, "
+        "block tables, cbkit's varlen attention gathering each sequence's keys). On a shared 2-core machine two CI "
+        "runs disagreed (CB at 0.47x generate()'s tokens/s at both N in one, 0.38x -> 0.67x in the other): run it a "
+        "few times before you decide. What moves the ratio for certain is what this shape lacks: unequal lengths "
+        "(padding), a pool smaller than the rollout (recycling), prompts of several pages (sharing), and a model "
+        "whose forward outweighs the engine's work.",
     ],
     "05_off_policy": [
         "In a sequence mode a completion's ratio is the product of its token ratios, so its log is the sum of the "
