@@ -146,7 +146,7 @@ class PeakMemory:
             self._rss = rss_reader()
             self._baseline = self._peak_rss = self._rss()
             # Linux keeps the exact high-water mark itself; no poller thread then competes with the code being
-            # measured for the GIL (docs/cpu_results.md: what a 5 ms poller cost the CB engine's thread).
+            # measured for the GIL (lab/cpu_results.md: what a 5 ms poller cost the CB engine's thread).
             self._hwm = _reset_high_water_mark()
             if not self._hwm:
                 self._thread = threading.Thread(target=self._poll, daemon=True)

@@ -14,7 +14,7 @@ import torch
 
 # Llama-3's pre-tokenizer pattern (its tokenizer.json): words with their leading space, numbers in groups of
 # up to three digits, punctuation runs, newlines. Llama-3's 128k vocabulary holds nearly every common English
-# piece as one token, so one id per piece gives prompts about a real BPE's length (docs/cpu_results.md compares
+# piece as one token, so one id per piece gives prompts about a real BPE's length (lab/cpu_results.md compares
 # the counts). Llama-3's own template adds a date header that ChatML has not.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"

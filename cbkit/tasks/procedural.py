@@ -5,7 +5,7 @@ gives every completion reward 0 and teaches nothing, one it always solves teache
 a 135M model's reach (a few percent correct), so a run on it can only learn the answer's *format*, and games that
 reward (docs/learning.md). reasoning-gym's generators (MIT, maintained, made for RL on reasoning) draw problems
 from a seed at a chosen difficulty, so the difficulty can be set where the model sits in the window that has
-signal and room: docs/learning.md says what was measured to choose it.
+signal and room: lab/learning.md has what was measured to choose it.
 
 A source is `reasoning-gym:<dataset>`, its knobs a dict (`CBGRPOConfig.data_options`), e.g.
 `reasoning-gym:chain_sum` with `{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}`. Problem i depends only
