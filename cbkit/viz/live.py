@@ -1,21 +1,9 @@
-"""The live display: charts that update while work runs, in every place a notebook is opened.
+"""The live display: charts that update while work runs, wherever a notebook is opened.
 
-A live chart has to cope with four places, and no single plotly mechanism works in all of them:
-
-* JupyterLab / VS Code: ``go.FigureWidget`` updates in place. Since plotly 6 it is an ``anywidget``
-  widget, so it needs that package; without it plotly hands back a stand-in that cannot display.
-* Colab: the widget front end is ipywidgets 7 and plotly's FigureWidget does not render there. What works
-  everywhere is an IPython display handle whose HTML is replaced (``handle.update``).
-* nbmake / CI: nobody watches, but the executed notebook should keep the final figure as a static output,
-  and a widget's state is not saved into it.
-* scripts and terminals: nothing to display; ``close()`` returns the figure (and can save it as HTML).
-
-``LiveChart(mode="auto")`` picks one of these (``detect_mode`` says how), keeps every point in memory, and
-redraws at most once per ``min_interval_s``: sending a figure is expensive (the whole HTML, in html mode),
-adding a point is not.
-
-Where and how a figure is drawn (plotly.js once per notebook, ``text/html`` outputs): `cbkit.viz.display`.
-The notebooks feed a chart from cbkit's loop and from the sweep with `cbkit.teach.live`.
+JupyterLab / VS Code update a ``go.FigureWidget`` in place (plotly 6 needs ``anywidget``); Colab (ipywidgets 7)
+and CI get an IPython display handle whose HTML is replaced, and keep the final figure as a static output;
+scripts get the figure from ``close()``. ``LiveChart(mode="auto")`` picks one (`display.detect_mode`) and redraws at
+most once per ``min_interval_s``: sending a figure is expensive, adding a point is not.
 """
 
 from __future__ import annotations
@@ -38,21 +26,15 @@ __all__ = ["FinalFigure", "LiveChart"]
 
 Mode = Literal["auto", "widget", "html", "static"]
 
-# --- the live chart ------------------------------------------------------------------------------------------
-
 
 class LiveChart:
-    """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
+    """A chart that updates while work runs, throttled; ``close()`` returns the final figure.
 
-    ``panels`` are subplots sharing the x axis, each titled on its y axis, stacked in one column or laid out in a
-    grid of ``columns``; a series keeps its colour in every panel, or takes the line style ``style(series)``
-    returns (e.g. a colour per run and a dash per quantity, as `cbkit.teach.live.LiveMetricsHook` does). That style
-    may also name the series' legend ``group`` (one legend entry per group, at the top: a run, whatever the
-    quantity), its marker ``symbol``, and a ``label`` written beside its last point (the quantity, so that a
-    panel's series are told apart on the panel, not in a legend of run x quantity). Without groups, each panel of a
-    single column has its own legend beside it. ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
-    last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
-    a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
+    ``panels`` are subplots sharing the x axis, in one column or a grid of ``columns``. A series keeps its colour in
+    every panel, or takes the line style ``style(series)`` returns, which may also name its legend ``group`` (one
+    entry per group), its marker ``symbol`` and a ``label`` written beside its last point. ``add`` stores a point and
+    redraws once ``min_interval_s`` has passed; ``flush`` redraws now. ``clock``, ``display`` and ``figure_widget``
+    are injectable for tests.
     """
 
     def __init__(
@@ -249,8 +231,6 @@ class LiveChart:
         self._final = fig
         return fig
 
-    # --- display back ends ---
-
     def _redraw(self, now: float) -> None:
         self._last = now
         self._dirty = False
@@ -289,8 +269,6 @@ class LiveChart:
     def _update_html(self, fig: go.Figure) -> None:
         from IPython.display import HTML
 
-        # Each redraw is a fragment that uses the notebook's plotly.js (embed_plotlyjs): a redraw costs the
-        # figure's data, never the library.
         content = HTML(display.figure_html(fig))
         if self._handle is None:
             self._handle = self._display(content)
@@ -307,10 +285,8 @@ class LiveChart:
 
 
 class FinalFigure:
-    """A figure as a display *bundle*, so a display handle can replace the live chart's last HTML snapshot
-    with it. A plotly figure cannot: it displays itself through its renderer and ignores the display id, so
-    the stale snapshot would stay above it. The bundle carries plotly's JSON (JupyterLab, VS Code) and HTML
-    (nbconvert, nbviewer, GitHub, Colab) drawn with the notebook's embedded plotly.js (``figure_html``)."""
+    """A figure as a display bundle (plotly's JSON and HTML), so a display handle can replace the live chart's last
+    HTML snapshot with it: a plotly figure ignores the display id and the stale snapshot would stay above it."""
 
     def __init__(self, figure: go.Figure) -> None:
         self.figure = figure
