@@ -95,11 +95,8 @@ class LiveChart:
             else:
                 resolved = "html" if display.in_kernel() else "static"
                 if mode == "widget":
-                    warnings.warn(
-                        "plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
-                        f"showing the chart in {resolved} mode instead.",
-                        stacklevel=3,
-                    )
+                    warnings.warn("plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
+                                  f"showing the chart in {resolved} mode instead.", stacklevel=3)
         return resolved
 
     def add(self, series: str, x: Any, y: Any, panel: str | None = None) -> None:
@@ -166,7 +163,7 @@ class LiveChart:
         elif rows > 1 and self.columns == 1:  # one legend per panel, at the top right of its panel
             for i in range(1, rows + 1):
                 top = fig.layout["yaxis" if i == 1 else f"yaxis{i}"].domain[1]
-                fig.update_layout({self._legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
+                fig.update_layout({_legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
                                                      "font": {"size": 11}}})
             fig.update_layout(margin={"r": 250})
         else:
@@ -185,10 +182,6 @@ class LiveChart:
                 row, col = self._cell(panel)
                 fig.update_yaxes(range=[mid - span / 2, mid + span / 2] if hi - lo < span else None, row=row, col=col)
 
-    @staticmethod
-    def _legend(row: int) -> str:
-        return "legend" if row == 1 else f"legend{row}"
-
     def _trace(self, panel: str, series: str, xs: Sequence[Any], ys: Sequence[Any], *, first: bool,
                shown: set[str] | None = None) -> go.Scatter:
         line = self._line(series)
@@ -204,7 +197,7 @@ class LiveChart:
         row = self.panels.index(panel) + 1
         per_panel = len(self.panels) > 1 and self.columns == 1
         return go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", line=line, marker=marker,
-                          legend=self._legend(row) if per_panel else None,
+                          legend=_legend(row) if per_panel else None,
                           legendgroup=None if per_panel else series, showlegend=per_panel or first)
 
     def _line(self, series: str) -> dict[str, Any]:
@@ -269,19 +262,17 @@ class LiveChart:
     def _update_html(self, fig: go.Figure) -> None:
         from IPython.display import HTML
 
-        content = HTML(display.figure_html(fig))
+        self._show(HTML(display.figure_html(fig)))
+
+    def _show_final(self, fig: go.Figure) -> None:
+        self.updates += 1
+        self._show(FinalFigure(fig))
+
+    def _show(self, content: Any) -> None:
         if self._handle is None:
             self._handle = self._display(content)
         else:
             self._handle.update(content)
-
-    def _show_final(self, fig: go.Figure) -> None:
-        self.updates += 1
-        final = FinalFigure(fig)
-        if self._handle is None:
-            self._handle = self._display(final)
-        else:
-            self._handle.update(final)
 
 
 class FinalFigure:
@@ -294,11 +285,13 @@ class FinalFigure:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         import json
 
-        return {
-            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
-            "text/html": display.figure_html(self.figure),
-            "text/plain": f"<plotly figure: {self.figure.layout.title.text}>",
-        }
+        return {"application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
+                "text/html": display.figure_html(self.figure),
+                "text/plain": f"<plotly figure: {self.figure.layout.title.text}>"}
+
+
+def _legend(row: int) -> str:
+    return "legend" if row == 1 else f"legend{row}"
 
 
 def _ipython_display(obj: Any) -> Any:
