@@ -1,9 +1,6 @@
-"""Reading the JSONL files cbkit appends to (the sweep's results, the loop's metrics): one home for one rule.
-
-Both files are appended one line per finished run or step, so a crash mid-write leaves at most a torn *last* line:
-the record in flight. That line is dropped with a warning (and, with ``repair``, cut from the file so the next
-append starts on a line of its own); any other unreadable line is an error naming the file and the line, because
-it means the file was edited or mixed up, not interrupted.
+"""The JSONL files cbkit appends to (the sweep's results, the loop's metrics), one line per run or step: a crash
+leaves at most a torn *last* line, dropped with a warning (with ``repair``, cut from the file); any other unreadable
+line means the file was edited or mixed up, and is an error naming it.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from typing import Any
 
 
 def read_jsonl(path: str | os.PathLike[str], *, repair: bool = False, what: str = "record") -> list[dict[str, Any]]:
-    """The records of a JSONL file, a torn last line dropped (see the module docstring). ``what`` names a record in
-    the warning ("run", "step")."""
+    """The records of a JSONL file, a torn last line dropped; ``what`` names a record in the warning."""
     path = Path(path)
     text = path.read_text()
     lines = text.splitlines(keepends=True)
@@ -48,8 +44,6 @@ def read_jsonl(path: str | os.PathLike[str], *, repair: bool = False, what: str 
 
 def append_jsonl(path: str | Path, record: dict[str, Any], *, fsync: bool = False) -> None:
     """One record as one line, flushed (and with ``fsync`` on disk) before this returns."""
-    import os
-
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()

@@ -1,12 +1,9 @@
-"""Measuring a rollout: peak memory, the way DESIGN.md's measurement rules say.
+"""Measuring a rollout: peak memory, KV bytes, and the engine's occupancy over time.
 
-On CUDA the peak is `max_memory_allocated` after `reset_peak_memory_stats` (reserved is kept alongside).
-On CPU there is no allocator counter to ask, so the peak is the process's RSS high-water mark above the
-baseline taken when the probe starts (after the model is loaded): on Linux the kernel's own VmHWM, reset at
-the start (`/proc/self/clear_refs`), exact and with no thread of ours running beside the code measured;
-elsewhere a poller thread samples RSS every 5 ms (it misses shorter spikes, and its wake-ups compete for the
-GIL). RSS counts allocator slack, so CPU figures are indicative: compare backends side by side in one
-process, never across machines.
+On CUDA the peak is `max_memory_allocated` after `reset_peak_memory_stats`. On CPU it is the process's RSS
+high-water mark above the baseline at the start: on Linux the kernel's own VmHWM, reset at the start (exact, and no
+thread of ours beside the code measured); elsewhere a poller thread sampling RSS every 5 ms. RSS counts allocator
+slack: compare backends side by side in one process, never across machines.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ if TYPE_CHECKING:
 
 
 def return_freed_memory_to_os() -> None:
-    """glibc keeps freed heap pages in the process; the next run would reuse them without raising RSS and
-    look cheaper than it was. Trimming first makes every run's RSS rise from the same floor."""
+    """Hand glibc's freed heap back, so every run's RSS rises from the same floor."""
     import contextlib
     import ctypes
     import sys
@@ -42,9 +38,8 @@ def resident_bytes() -> int:
 
 
 def release_memory(model: torch.nn.Module | None = None) -> None:
-    """Collect what no longer has a reference (a trainer and its cycles), drop `model`'s gradients, and give glibc's
-    freed heap back to the system, so resident memory falls to what is still held. A notebook calls it between
-    sections: what one section trained with is not carried into the next."""
+    """Collect what no longer has a reference (a trainer and its cycles), drop `model`'s gradients and hand the freed
+    heap back, so resident memory falls to what is still held (a notebook, between sections)."""
     import gc
 
     if model is not None:
@@ -54,11 +49,8 @@ def release_memory(model: torch.nn.Module | None = None) -> None:
 
 
 def rss_reader() -> Callable[[], int]:
-    """A function returning this process's resident set size in bytes.
-
-    psutil where it is installed (any OS); without it, Linux's ``/proc/self/statm``, which is what psutil reads
-    there too, so the bare install (torch + transformers only) measures CPU memory the same way.
-    """
+    """A function returning this process's resident set size in bytes: psutil where installed, else Linux's
+    ``/proc/self/statm`` (what psutil reads there too), so the bare install measures the same way."""
     try:
         import psutil
     except ImportError:
@@ -78,9 +70,7 @@ def rss_reader() -> Callable[[], int]:
 
 
 _STATUS = Path("/proc/self/status")
-# The kernel keeps one peak-RSS counter per process and PeakMemory resets it; what each reset discards is kept here,
-# so the process's peak since it started can still be read (process_peak_rss). Process-wide, as the counter is.
-_peak_before_resets = 0
+_peak_before_resets = 0  # what PeakMemory's resets of the kernel's one counter discarded (process_peak_rss)
 
 
 def _reset_high_water_mark() -> bool:
@@ -106,9 +96,8 @@ def _high_water_mark() -> int:
 
 
 def process_peak_rss() -> int:
-    """This process's peak RSS in bytes since it started, 0 where unknown: on Linux the larger of VmHWM and what
-    every PeakMemory reset of it discarded; elsewhere (no /proc, so nothing resets it) getrusage's ru_maxrss.
-    `make test-notebooks` reads it in each notebook's kernel after the last cell (scripts/notebook_resources.py)."""
+    """This process's peak RSS in bytes since it started (0 where unknown): VmHWM and what PeakMemory's resets
+    discarded, or getrusage's ru_maxrss where there is no /proc."""
     if hwm := _high_water_mark():
         return max(_peak_before_resets, hwm)
     try:
@@ -145,8 +134,7 @@ class PeakMemory:
             return_freed_memory_to_os()
             self._rss = rss_reader()
             self._baseline = self._peak_rss = self._rss()
-            # Linux keeps the exact high-water mark itself; no poller thread then competes with the code being
-            # measured for the GIL (docs/cpu_results.md: what a 5 ms poller cost the CB engine's thread).
+            # Linux keeps the exact high-water mark: no poller then competes for the GIL (lab/cpu_results.md).
             self._hwm = _reset_high_water_mark()
             if not self._hwm:
                 self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -177,10 +165,8 @@ class PeakMemory:
 
 
 def cuda_peaks(device: torch.device | str) -> dict[str, int]:
-    """Right after a measured call: the allocator's peak *reserved* bytes since the call's `PeakMemory` reset the
-    peak counters (absolute, weights included: what PyTorch held from the driver), and the device's used bytes
-    now (total - free from cudaMemGetInfo: every process, the CUDA context and the allocator's cache, what
-    nvidia-smi shows). Empty on CPU. These need no NVML bindings, which a bare GPU machine may lack."""
+    """Right after a measured call: the allocator's peak reserved bytes since `PeakMemory` reset the counters, and
+    the device's used bytes now (what nvidia-smi shows), without NVML bindings. Empty on CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return {}
@@ -189,12 +175,9 @@ def cuda_peaks(device: torch.device | str) -> dict[str, int]:
     return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)), "device_used_bytes": int(total - free)}
 
 
-# --- NVML (per-process GPU memory, as nvidia-smi sees it) ---------------------------------------------------
-
-
 def nvml_process_bytes(device_index: int = 0) -> int | None:
-    """GPU memory this process holds according to the driver (includes the CUDA context and allocator
-    slack that `max_memory_allocated` does not see). None without `nvidia-ml-py` or a GPU."""
+    """GPU memory this process holds according to the driver (CUDA context and allocator slack included); None
+    without `nvidia-ml-py` or a GPU."""
     try:
         import os
 
@@ -222,14 +205,10 @@ def fmt_bytes(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
-# --- KV-cache accounting --------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ModelShape:
-    """A model's shape, read from its transformers config in this one place (every KV, FLOP and memory count in
-    cbkit starts here): a multimodal config's text model, grouped-query attention's KV heads (None: one per
-    head), an explicit ``head_dim`` (None: hidden / heads), the MLP's width (None: 4 x hidden)."""
+    """A model's shape, read from its transformers config in this one place (every KV, FLOP and memory count starts
+    here): a multimodal config's text model, GQA's KV heads, ``head_dim``, the MLP's width."""
 
     layers: int
     heads: int
@@ -245,7 +224,6 @@ class ModelShape:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        # A stand-in config with only the attention's fields (enough to count KV bytes) reads 0 for the rest.
         hidden = getattr(config, "hidden_size", 0)
         return cls(config.num_hidden_layers, heads, kv_heads, head_dim, hidden,
                    getattr(config, "intermediate_size", None) or 4 * hidden, getattr(config, "vocab_size", 0))
@@ -277,19 +255,11 @@ def kv_accounting(rollout, config, dtype_bytes: int) -> dict[str, float | int | 
     return {"kv_bytes": None, "kv_bytes_per_token": per_token, "token_slots": None, "kv_padding_share": None}
 
 
-# --- the engine timeline: recycling made visible ----------------------------------------------------------------
-
-
 def occupancy(timeline: Mapping[str, Any]) -> dict[str, Any]:
-    """Sequences running and KV blocks held by running requests over time, from per-request start/end and token
-    timestamps.
-
-    A request holds ceil((prompt + generated) / page_size) blocks from its start until it ends, one more each
-    time its length crosses a page boundary; at its end they return to the pool. With prefix sharing (the
-    engine's ``allow_block_sharing``, on by default) the *complete* pages of a prompt are stored once and
-    shared by every request of its group, from the group's first start to its last end. Blocks the engine
-    keeps cached after a request ends, for later reuse, are not counted: it evicts them under pressure.
-    """
+    """Sequences running and KV blocks held by running requests over time, from per-request start, end and token
+    times: a request holds ceil((prompt + generated) / page_size) blocks until it ends; with prefix sharing a
+    prompt's complete pages are held once per group, from its first start to its last end. Blocks the engine keeps
+    cached after a request ends are not counted (it evicts them under pressure)."""
     page = timeline["page_size"]
     t0 = timeline["t0"]
     sharing = bool(timeline.get("prefix_sharing", False))
@@ -332,8 +302,8 @@ def occupancy(timeline: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def seconds_since(start: float, device: torch.device) -> float:
-    """Wall seconds since `start` (`time.perf_counter`), once the kernels this thread queued on `device` have run:
-    only this thread's stream is waited for, so an async engine's kernels on its own stream are not counted."""
+    """Wall seconds since `start` (`time.perf_counter`), once this thread's stream on `device` has run (an async
+    engine's kernels on its own stream are not counted)."""
     import time
 
     if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""docs/cpu_results.md's CPU table, printed from the results files `scripts/cpu_sweeps.sh` wrote (nothing typed by hand).
+"""lab/cpu_results.md's CPU table, printed from the results files `scripts/cpu_sweeps.sh` wrote (nothing typed by hand).
 
 MFU is put against one peak for the whole table: the highest matmul probe any of the files recorded (a probe
 on a shared VM reads low when the host is busy, never high), so the rows compare with each other.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/cpu_results.md's CPU tables: every workload of `cbkit sweep --lengths` on the offline SmolLM2 (fp32, one GSM8K
+# lab/cpu_results.md's CPU tables: every workload of `cbkit sweep --lengths` on the offline SmolLM2 (fp32, one GSM8K
 # prompt, 96 new tokens). Run on a quiet machine (nothing else running: the numbers are ratios, but a busy machine
 # changes them). Results land in lab/results/; the CPU attention's "befores" at N=64 are lab/cpu_attention_ab.py's.
 set -euo pipefail

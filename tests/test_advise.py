@@ -462,7 +462,7 @@ def test_the_planned_activations_are_what_autograd_saves(tiny):
 
 def test_generate_on_a_cpu_carries_glibc_heap_slack_until_a_layer_is_mmapped():
     """On a CPU the static batch's plan adds `CPU_HEAP_SLACK` x its cache (glibc keeps freed torch.cat blocks
-    resident beside the new ones, measured in docs/memory.md) while one layer's K is below glibc's largest mmap
+    resident beside the new ones, measured in lab/memory.md) while one layer's K is below glibc's largest mmap
     threshold; above it the blocks are mmapped and returned, so nothing is added; a GPU plan never has it."""
     from transformers import LlamaConfig
 

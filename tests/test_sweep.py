@@ -164,7 +164,7 @@ def test_full_step_collects_the_last_points_garbage_before_its_baseline(tiny, tm
     """A full-step point reads its memory baseline only after the cyclic garbage collector has run. What the last
     point left in reference cycles (its trainer, with AdamW's moments) would otherwise sit in the baseline and be
     freed at whatever moment the collector runs inside the step, taking up to its size off the measured peak
-    (docs/measuring.md: CB's N=8 step on SmolLM2 measured 1.46 GB that way and 2.40 GB collected first)."""
+    (lab/full_step.md: CB's N=8 step on SmolLM2 measured 1.46 GB that way and 2.40 GB collected first)."""
     import gc
     import weakref
 

@@ -1,15 +1,8 @@
-"""`cbkit <command>`: the kit's entry points. Each command is a function taking parsed args, easy to add to.
+"""`cbkit <command>`: the kit's entry points.
 
-`train`, `sweep`, `demo` and `advise` take one flag per field of their config dataclass (`CBGRPOConfig`,
-`SweepConfig`, `DemoConfig`, `AdviseConfig`), made by transformers' `HfArgumentParser`, the parser TRL's scripts
-use: typed from the annotation, help from the field's metadata, both `--num_generations` and `--num-generations`
-(and a field's `aliases`, such as `-N`), booleans as `--flag [true|false]` plus `--no-flag` where the default is
-True. A field added to a dataclass is a flag without touching this file; a field without a default is a required
-flag.
-`cbkit train --config recipe.yaml` reads a run from a YAML file of `CBGRPOConfig` fields, the way TRL's
-`TrlParser` reads `--config`; flags given next to it win. (TRL itself is not imported: a bare GPU image has
-transformers but not trl.) What `HfArgumentParser` cannot express is adapted in `_given_flags_only`, each
-reason beside it.
+`train`, `sweep`, `demo` and `advise` take one flag per field of their config dataclass, made by transformers'
+`HfArgumentParser` (the parser TRL's scripts use; `cbkit.cli.flags`): a field added is a flag. `cbkit train --config
+recipe.yaml` reads a YAML file of `CBGRPOConfig` fields, as TRL's `--config` does; flags given next to it win.
 """
 
 from __future__ import annotations
@@ -28,9 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_demo, add_sweep, add_report, add_plot, add_train, add_advise, add_tiers):  # the help's order
         add(sub)
-    for command in (parser, *sub.choices.values()):
-        # A flag's bad value reaches main() as an ArgumentError, which prints it as the one line every other
-        # bad input gets, instead of argparse's usage dump.
+    for command in (parser, *sub.choices.values()):  # a bad flag value: one line, as every other bad input
         command.exit_on_error = False
     return parser
 
@@ -49,6 +40,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, ModuleNotFoundError, FileNotFoundError, FileExistsError, FloatingPointError) as e:
-        # Bad input: one clear line that says what to change, not a traceback.
         print(f"cbkit {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -26,18 +26,9 @@ def dataclass_flags(dtype: type) -> argparse.ArgumentParser:
 
 
 def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
-    """What `HfArgumentParser` cannot express, fixed on the flags it made:
-
-    * Defaults. It fills every field's default into the namespace, so a flag left out is indistinguishable
-      from one given with the default value. cbkit layers a resumed checkpoint's config and a recipe under the
-      flags, so only the flags given may override them: the defaults become `SUPPRESS` (the help still
-      shows them).
-    * `none` for an Optional field: argparse calls the inner type (`float("none")` fails), so an Optional
-      with a non-None default (e.g. `system_prompt`) could not be set back to None from the command line.
-    * dict fields take JSON: `HfArgumentParser` passes `dict[str, Any]` itself as the type, which cannot parse.
-    * list and tuple fields take comma-separated values too (`--ns 8,16,32`, the syntax cbkit's scripts and
-      README use) as well as space-separated ones; `HfArgumentParser` has no tuple support.
-    """
+    """What `HfArgumentParser` cannot express, fixed on the flags it made: defaults become `SUPPRESS` (a resumed
+    checkpoint's config and a recipe lie under the flags, so only flags given may override them); `none` sets an
+    Optional field to None; dict fields take JSON; list and tuple fields take comma-separated values too."""
     hints = typing.get_type_hints(dtype)
     fields = {f.name: f for f in dataclasses.fields(dtype)}
     for action in parser._actions:
@@ -68,8 +59,7 @@ def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
 
 
 class _ListFlag(argparse._StoreAction):
-    """A list flag whose words may each hold a comma-separated list: `--ns 8,16 32` is [8, 16, 32]; `none`
-    (an Optional list) is None."""
+    """A list flag whose words may each hold a comma-separated list: `--ns 8,16 32` is [8, 16, 32]."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, None if None in values else [x for part in values for x in part])

@@ -67,13 +67,13 @@ def _plot(args: argparse.Namespace) -> int:
     fig = reward_curve(rows, keys, title=f"Reward per step: {path}")
     fig.write_html(out, include_plotlyjs=True)  # plotly.js embedded: the file opens offline
     said = []
-    for k in keys:  # each metric's first and last measured value (eval/* only exists on the steps that evaluated)
+    for k in keys:  # each metric's first and last measured value
         have = [r for r in rows if isinstance(r.get(k), int | float)]
         if have:
             said.append(f"{k} {have[0][k]:.3f} -> {have[-1][k]:.3f} (step {have[0]['step']} -> {have[-1]['step']})")
     trained = sum(r["step"] > 0 for r in rows)
     print(f"{trained} steps: {', '.join(said)}; figure: {out}")
-    if args.png:  # the same figure as a static image (a README, a slide), drawn by the installed Chromium
+    if args.png:
         from cbkit.viz.static import figure_pngs
 
         Path(args.png).write_bytes(figure_pngs([fig])[0])

@@ -28,7 +28,7 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
     [rows x hidden] @ [hidden x intermediate] ``torch.mm`` over ``rows``, each timed over repeated calls
     for at least ``min_seconds`` after one warm-up (CUDA synchronised before every clock read), the shapes
     taken in turn for ``rounds`` rounds: one short pass per shape reads low and unevenly on a CPU
-    (docs/cpu_results.md).
+    (lab/cpu_results.md).
 
     It is the ceiling MFU is measured against: a run at MFU 0.3 did 30% of the matmul work this machine
     can do per second. The same code runs on CUDA; on a shared CPU the probe is only as quiet as the machine.

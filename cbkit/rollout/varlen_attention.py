@@ -22,7 +22,7 @@ Nearly every step of a rollout is decode-only -- one new query token per sequenc
 gathers the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
 call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) runs on its own.
 The plain loop, one SDPA call per sequence, is the tests' reference (tests/reference_attention.py); what each
-costs against the engine's dense mask on a CPU is in docs/cpu_results.md, measured by lab/cpu_attention_ab.py.
+costs against the engine's dense mask on a CPU is in lab/cpu_results.md, measured by lab/cpu_attention_ab.py.
 """
 from __future__ import annotations
 

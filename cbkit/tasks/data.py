@@ -1,18 +1,8 @@
-"""Prompts for GRPO rollouts: GSM8K (hub or local JSONL) and a seeded synthetic generator.
+"""Prompts for GRPO rollouts: GSM8K (hub or local JSONL), reasoning-gym tasks and a seeded synthetic generator.
 
-Why a synthetic default. The experiments here are about *rollouts* (how long completions get, how
-unevenly, and what that does to padded vs continuous batching), not about GSM8K scores. A generator
-needs no network (CI, air-gapped machines), costs nothing to load, is reproducible from a seed, and
-is built to produce what rollout experiments need: questions from ~15 to ~80 words, needing 1 to 5
-arithmetic steps, so completion lengths vary the way they do on real word problems. Its answers are
-computed, not written down, and each problem carries a GSM8K-style worked solution whose
-`<<a*b=c>>` annotations can be re-evaluated, so a test can check every one. Use real GSM8K when the
-reward curve is the point: `load_problems("gsm8k")` on Colab, `"gsm8k-local"` or a `.jsonl` path here.
-
-Why `#### <number>`. It is GSM8K's own convention (every gold solution ends with `#### 72`), so one
-extractor (`cbkit.tasks.rewards.extract_answer`) reads both the gold answers and the model's completions,
-and the format reward has a single, checkable target: the last line. A fixed marker also tells a
-small model where to stop, which shortens the long tail of completions that dominates rollout time.
+The synthetic default needs no network, is reproducible from a seed, and varies completion lengths the way word
+problems do, which is what rollout experiments need; use real GSM8K when the reward curve is the point. Answers end
+in GSM8K's own `#### <number>`, so one extractor (`rewards.extract_answer`) reads gold answers and completions.
 """
 
 from __future__ import annotations
@@ -38,8 +28,7 @@ SYSTEM_PROMPT = (
 GSM8K_HUB_ID = "openai/gsm8k"
 GSM8K_SPLITS = ("test", "train")
 GSM8K_DIR_ENV = "CBKIT_GSM8K_DIR"
-# Synthetic problems are free, so `n=None` needs a size; 256 covers a few dozen GRPO steps.
-DEFAULT_SYNTHETIC_N = 256
+DEFAULT_SYNTHETIC_N = 256  # generated sources need a size for n=None
 
 ACCEPTED_SOURCES = (
     "'synthetic' (seeded generator, offline)",
@@ -60,9 +49,6 @@ class Problem:
     solution: str | None = None
 
 
-# --------------------------------------------------------------------------------------------- GSM8K
-
-
 def _gold_from_solution(solution: str) -> str | None:
     if "####" not in solution:
         return None
@@ -75,20 +61,14 @@ def _problems_from_rows(rows: Iterable[tuple[str, Mapping[str, Any]]], id_prefix
     for i, (where, row) in enumerate(rows):
         question, solution = row.get("question"), row.get("answer")
         if not isinstance(question, str) or not isinstance(solution, str):
-            raise ValueError(
-                f"{where}: expected string fields 'question' and 'answer', got keys {sorted(row)}; "
-                'each row must look like {"question": "...", "answer": "... #### 72"}'
-            )
+            raise ValueError(f"{where}: expected string fields 'question' and 'answer', got keys {sorted(row)}; "
+                             'each row must look like {"question": "...", "answer": "... #### 72"}')
         if "####" not in solution:
-            raise ValueError(
-                f"{where}: the 'answer' field has no '####'; GSM8K answers end with '#### <gold number>'"
-            )
+            raise ValueError(f"{where}: the 'answer' field has no '####'; GSM8K answers end with '#### <gold number>'")
         gold = _gold_from_solution(solution)
         if gold is None:
-            raise ValueError(
-                f"{where}: the text after the last '####' is {solution.rsplit('####', 1)[1].strip()!r}, "
-                "not a number; write the gold answer as '#### 72'"
-            )
+            raise ValueError(f"{where}: the text after the last '####' is {solution.rsplit('####', 1)[1].strip()!r}, "
+                             "not a number; write the gold answer as '#### 72'")
         problems.append(Problem(f"{id_prefix}-{i}", question, gold, solution))
     return problems
 
@@ -103,10 +83,8 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
     _check_limit(limit)
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"GSM8K file not found: {path}. Pass a GSM8K-format .jsonl (one "
-            '{"question": ..., "answer": "... #### 72"} object per line), or use source="synthetic".'
-        )
+        raise FileNotFoundError(f"GSM8K file not found: {path}. Pass a GSM8K-format .jsonl (one "
+                                '{"question": ..., "answer": "... #### 72"} object per line), or use source="synthetic".')
 
     def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
         taken = 0
@@ -120,9 +98,7 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{where}: not valid JSON ({e.msg}); each line must be one JSON object"
-                    ) from e
+                    raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from e
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
                 taken += 1
@@ -144,15 +120,13 @@ def load_gsm8k_hub(split: str = "test", limit: int | None = None) -> list[Proble
 
         ds = load_dataset(GSM8K_HUB_ID, "main", split=split)
     except Exception as e:
-        raise RuntimeError(
-            f"could not load {GSM8K_HUB_ID} from the hub ({type(e).__name__}: {e}). Offline? Use "
-            f"source='synthetic', 'gsm8k-local' (with ${GSM8K_DIR_ENV}), or a path to a .jsonl file."
-        ) from e
+        raise RuntimeError(f"could not load {GSM8K_HUB_ID} from the hub ({type(e).__name__}: {e}). Offline? Use "
+                           f"source='synthetic', 'gsm8k-local' (with ${GSM8K_DIR_ENV}), or a path to a .jsonl file."
+                           ) from e
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    problems = _problems_from_rows(
-        ((f"{GSM8K_HUB_ID} {split} row {i}", row) for i, row in enumerate(ds)), f"gsm8k-{split}"
-    )
+    problems = _problems_from_rows(((f"{GSM8K_HUB_ID} {split} row {i}", row) for i, row in enumerate(ds)),
+                                   f"gsm8k-{split}")
     if not problems:
         raise ValueError(f"empty dataset: {GSM8K_HUB_ID} split {split!r} has no rows")
     return problems
@@ -174,22 +148,12 @@ def _load_gsm8k_local(split: str, limit: int | None) -> list[Problem]:
         if candidate.is_file():
             return load_gsm8k_jsonl(candidate, limit=limit)
     looked = "\n  ".join(str(c) for c in candidates)
-    raise FileNotFoundError(
-        f"gsm8k-local: no {split}.jsonl found; looked in\n  {looked}\n"
-        f"Set ${GSM8K_DIR_ENV} to the folder holding {split}.jsonl, pass the .jsonl path itself, "
-        "or use source='synthetic'."
-    )
-
-
-# ----------------------------------------------------------------------------------------- synthetic
+    raise FileNotFoundError(f"gsm8k-local: no {split}.jsonl found; looked in\n  {looked}\nSet ${GSM8K_DIR_ENV} to "
+                            f"the folder holding {split}.jsonl, pass the .jsonl path itself, or use source='synthetic'.")
 
 
 def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
-    """`n` GSM-style word problems (`cbkit.tasks.wordproblems`) with computed non-negative integer answers,
-    reproducible from `seed`.
-
-    Problem i depends only on (seed, i), so a larger `n` extends the list without changing its start.
-    """
+    """`n` GSM-style word problems (`cbkit.tasks.wordproblems`); problem i depends only on (seed, i)."""
     _check_limit(n, "n")
     problems = []
     for i in range(n):
@@ -198,16 +162,10 @@ def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
     return problems
 
 
-# ------------------------------------------------------------------------------------------ one door
-
-
 def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0,
                   options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """The one entry point. `n` caps the count (fewer if the data has fewer); `seed` is for generated sources
-    (synthetic, reasoning-gym), `options` for reasoning-gym's difficulty knobs (`cbkit.tasks.procedural`).
-
-    Real GSM8K rows come in file order, so `n` always picks the same first rows.
-    """
+    """The one entry point. `n` caps the count (GSM8K's first rows, in file order); `seed` is for generated
+    sources, `options` for reasoning-gym's difficulty knobs (`cbkit.tasks.procedural`)."""
     _check_limit(n, "n")
     if options and not is_procedural(source):
         raise ValueError(f"data_options {dict(options)} are knobs of a reasoning-gym source; {source!r} takes none. "
@@ -231,32 +189,19 @@ def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0
     return problems
 
 
-# --------------------------------------------------------------------------------------------- chat
-
-
-def chat_prompt_ids(
-    tokenizer: Any, problem_or_question: Problem | str, system_prompt: str | None = SYSTEM_PROMPT
-) -> list[int]:
-    """Token ids of the chat-formatted prompt (system + user + generation prompt), as a plain list.
-
-    `system_prompt=None` sends the user turn alone, for chat templates that reject a system role.
-    """
+def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,
+                    system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
+    """Token ids of the chat-formatted prompt (system + user + generation prompt); `system_prompt=None` sends the
+    user turn alone, for chat templates that reject a system role."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"{type(tokenizer).__name__} has no chat template, so prompts cannot be formatted as a chat. "
-            "Load an instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) "
-            "or set tokenizer.chat_template."
-        )
-    question = (
-        problem_or_question.question if isinstance(problem_or_question, Problem) else problem_or_question
-    )
+        raise ValueError(f"{type(tokenizer).__name__} has no chat template, so prompts cannot be formatted as a chat. "
+                         "Load an instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) or set "
+                         "tokenizer.chat_template.")
+    question = problem_or_question.question if isinstance(problem_or_question, Problem) else problem_or_question
     messages = [{"role": "user", "content": question}]
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    # transformers 5.x returns a BatchEncoding by default; 4.x returned a list. Accept both.
-    out = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     if isinstance(out, Mapping):
         out = out["input_ids"]
     if hasattr(out, "tolist"):

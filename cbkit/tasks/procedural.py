@@ -1,17 +1,11 @@
 """Procedural tasks from `reasoning-gym`: arithmetic whose difficulty is a knob, answers checked by `math-verify`.
 
-Why these, for learning. GRPO learns only where a group's completions disagree: a task the policy never solves
-gives every completion reward 0 and teaches nothing, one it always solves teaches nothing either. GSM8K is out of
-a 135M model's reach (a few percent correct), so a run on it can only learn the answer's *format*, and games that
-reward (docs/learning.md). reasoning-gym's generators (MIT, maintained, made for RL on reasoning) draw problems
-from a seed at a chosen difficulty, so the difficulty can be set where the model sits in the window that has
-signal and room: docs/learning.md says what was measured to choose it.
-
-A source is `reasoning-gym:<dataset>`, its knobs a dict (`CBGRPOConfig.data_options`), e.g.
-`reasoning-gym:chain_sum` with `{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}`. Problem i depends only
-on (seed, i), as for cbkit's synthetic problems. Answers are scored by `cbkit.tasks.rewards.verified_reward`
-(math-verify), not by the dataset's own `score_answer`, which wants the bare answer string and gives 0.07 to
-"The answer is 8".
+GRPO learns only where a group's completions disagree, and GSM8K is out of a 135M model's reach, so a run on it can
+only learn (and game) the answer's format (docs/learning.md). reasoning-gym draws problems from a seed at a chosen
+difficulty, set where the model sits between never and always right (lab/learning.md). A source is
+`reasoning-gym:<dataset>`, its knobs `CBGRPOConfig.data_options`, e.g. `reasoning-gym:chain_sum` with
+`{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}`; answers are scored by `verified_reward`, not by the
+dataset's `score_answer` (which gives 0.07 to "The answer is 8").
 """
 
 from __future__ import annotations

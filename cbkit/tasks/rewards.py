@@ -187,7 +187,7 @@ def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
     math-verify reads the last `\\boxed{}` if there is one, else the last number or expression: "7 + 5 = 12" is
     right for 12, "12, or maybe 13" is not. The answer must be a number as written: math-verify also reads a final
     *expression* and evaluates it, so "The answer to 7 + 7 is" ends on `7 + 7` and is "right" for 14. A GRPO run
-    on one-digit sums learned exactly that, echoing the question last (docs/learning.md, "The verifier gamed"), so
+    on one-digit sums learned exactly that, echoing the question last (docs/learning.md, "Two runs that gamed their reward"), so
     an expression is not an answer here. Held-out accuracy (`eval/accuracy`) is always this score, whatever a run is
     trained on.
     """

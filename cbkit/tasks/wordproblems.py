@@ -1,13 +1,8 @@
 """The seeded word-problem generator behind `load_problems("synthetic")`: six GSM-style templates.
 
-Each template draws its numbers from a `random.Random`, writes the question, and builds a GSM8K-style worked
-solution whose `<<a*b=c>>` annotations are the computation itself, so the answer is computed, never written
-down, and a test can re-evaluate every step. Questions run from ~15 to ~80 words and need 1 to 5 arithmetic
-steps; number-free scene-setting sentences are mixed in because real GSM8K questions carry them, and their
-length (not their content) is what moves prompt lengths, which is what the rollout experiments need.
-
-The loader (`cbkit.tasks.data.synthetic_gsm`) wraps each `word_problem` into a `Problem`; this module knows nothing
-about prompts, datasets or rewards.
+Each template draws its numbers from a `random.Random` and builds a GSM8K-style worked solution whose `<<a*b=c>>`
+annotations are the computation itself, so a test can re-evaluate every step. Number-free scene-setting sentences
+are mixed in, as GSM8K's questions carry them: their length is what moves prompt lengths.
 """
 
 from __future__ import annotations
@@ -15,48 +10,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-_PEOPLE = (
-    ("Maya", "she", "her"),
-    ("Liam", "he", "his"),
-    ("Aisha", "she", "her"),
-    ("Noah", "he", "his"),
-    ("Sofia", "she", "her"),
-    ("Kenji", "he", "his"),
-    ("Priya", "she", "her"),
-    ("Mateo", "he", "his"),
-    ("Chloe", "she", "her"),
-    ("Omar", "he", "his"),
-    ("Elena", "she", "her"),
-    ("Tariq", "he", "his"),
-    ("Grace", "she", "her"),
-    ("Jonas", "he", "his"),
-    ("Lucia", "she", "her"),
-    ("Daniel", "he", "his"),
-)
-_SHOP_ITEMS = (
-    ("notebooks", 2, 6),
-    ("pens", 1, 3),
-    ("boxes of crayons", 3, 8),
-    ("sandwiches", 4, 9),
-    ("movie tickets", 6, 14),
-    ("apples", 1, 2),
-    ("cups of coffee", 2, 5),
-    ("bags of rice", 5, 12),
-    ("t-shirts", 8, 20),
-    ("plant pots", 3, 10),
-)
+_PEOPLE = (("Maya", "she", "her"), ("Liam", "he", "his"), ("Aisha", "she", "her"), ("Noah", "he", "his"),
+           ("Sofia", "she", "her"), ("Kenji", "he", "his"), ("Priya", "she", "her"), ("Mateo", "he", "his"),
+           ("Chloe", "she", "her"), ("Omar", "he", "his"), ("Elena", "she", "her"), ("Tariq", "he", "his"),
+           ("Grace", "she", "her"), ("Jonas", "he", "his"), ("Lucia", "she", "her"), ("Daniel", "he", "his"))
+_SHOP_ITEMS = (("notebooks", 2, 6), ("pens", 1, 3), ("boxes of crayons", 3, 8), ("sandwiches", 4, 9),
+               ("movie tickets", 6, 14), ("apples", 1, 2), ("cups of coffee", 2, 5), ("bags of rice", 5, 12),
+               ("t-shirts", 8, 20), ("plant pots", 3, 10))
 _SHARE_THINGS = ("stickers", "marbles", "cookies", "baseball cards", "seashells", "crayons", "strawberries")
-_MACHINES = (
-    ("bakery oven", "bakes", "loaves of bread"),
-    ("printer", "prints", "pages"),
-    ("toy factory machine", "builds", "toy cars"),
-    ("juice press", "fills", "bottles"),
-    ("sewing machine", "stitches", "patches"),
-)
+_MACHINES = (("bakery oven", "bakes", "loaves of bread"), ("printer", "prints", "pages"),
+             ("toy factory machine", "builds", "toy cars"), ("juice press", "fills", "bottles"),
+             ("sewing machine", "stitches", "patches"))
 _PURCHASES = ("bike helmet", "board game", "pair of shoes", "video game", "backpack", "telescope")
 _JOBS = ("babysitting", "walking dogs", "mowing lawns", "washing cars", "tutoring")
-# Number-free filler: GSM8K questions carry scene-setting, and its length (not its content) is what
-# moves prompt lengths around, which is what the rollout experiments need.
 _SCENES = (
     "It is an ordinary weekday in a small town.",
     "Everyone involved wants to know the exact number, so they write everything down carefully.",
@@ -108,11 +74,8 @@ def _shopping(rng: random.Random) -> tuple[str, str, int]:
     if rng.random() < 0.5:
         bill = next(b for b in (10, 20, 50, 100, 200, 500) if b >= total)
         change = sol.step(f"{bill} - {total}", bill - total, "The change is {} dollars.")
-        return (
-            f"{text} {subj.capitalize()} pays with a ${bill} bill. How much change does {subj} get back?",
-            sol.finish(change),
-            change,
-        )
+        return (f"{text} {subj.capitalize()} pays with a ${bill} bill. How much change does {subj} get back?",
+                sol.finish(change), change)
     return f"{text} How much money does {subj} spend in total?", sol.finish(total), total
 
 
@@ -124,9 +87,7 @@ def _sharing(rng: random.Random) -> tuple[str, str, int]:
     shared = friends * each
     style = rng.randint(0, 2)
     if style == 0:
-        text = (
-            f"{name} has {shared} {things}. {subj.capitalize()} shares them equally among {friends} friends."
-        )
+        text = f"{name} has {shared} {things}. {subj.capitalize()} shares them equally among {friends} friends."
     else:
         keep = rng.randint(1, 15)
         if style == 1:
@@ -134,7 +95,6 @@ def _sharing(rng: random.Random) -> tuple[str, str, int]:
             text = f"{name} has {have} {things}."
         else:
             packs = rng.randint(2, 6)
-            # Pick the pack size so that packs * size covers the shared part and the kept part.
             size = -(-(shared + keep) // packs)
             have = sol.step(f"{packs} * {size}", packs * size, f"{name} has {{}} {things}.")
             keep = have - shared
@@ -175,11 +135,8 @@ def _rates(rng: random.Random) -> tuple[str, str, int]:
     if rng.random() < 0.4:
         price = rng.randint(1, 5)
         money = sol.step(f"{total} * {price}", total * price, "They are sold for {} dollars.")
-        return (
-            f"{text} Every {good}one is sold for ${price}. How many dollars does the owner earn in {days} days?",
-            sol.finish(money),
-            money,
-        )
+        return (f"{text} Every {good}one is sold for ${price}. How many dollars does the owner earn in {days} days?",
+                sol.finish(money), money)
     return f"{text} How many {good}{things} does it make in {days} days?", sol.finish(total), total
 
 
@@ -214,11 +171,8 @@ def _ages(rng: random.Random) -> tuple[str, str, int]:
         age = sol.step(f"{ages[-1]} + {later}", ages[-1] + later, f"In {later} years {last} will be {{}}.")
         return " ".join(text) + f" How old will {last} be in {later} years?", sol.finish(age), age
     total = sol.step(" + ".join(map(str, ages)), sum(ages), "Together they are {} years old.")
-    ask_sum = (
-        f"What is the sum of all {('three', 'four')[len(ages) - 3]} ages?"
-        if len(ages) > 2
-        else (f"What is the sum of {people[0]}'s and {people[1]}'s ages?")
-    )
+    ask_sum = (f"What is the sum of all {('three', 'four')[len(ages) - 3]} ages?" if len(ages) > 2
+               else f"What is the sum of {people[0]}'s and {people[1]}'s ages?")
     return f"{' '.join(text)} {ask_sum}", sol.finish(total), total
 
 
@@ -228,11 +182,8 @@ def _savings(rng: random.Random) -> tuple[str, str, int]:
     weekly, weeks = rng.randint(3, 25), rng.randint(2, 12)
     saved = sol.step(f"{weekly} * {weeks}", weekly * weeks, f"{name} saves {{}} dollars.")
     if rng.random() < 0.25:
-        return (
-            f"{name} saves ${weekly} every week. How much money does {subj} save in {weeks} weeks?",
-            sol.finish(saved),
-            saved,
-        )
+        return (f"{name} saves ${weekly} every week. How much money does {subj} save in {weeks} weeks?",
+                sol.finish(saved), saved)
     start = rng.randint(5, 60)
     text = f"{name} has ${start} in {poss} piggy bank."
     text += f" {subj.capitalize()} saves ${weekly} every week for {weeks} weeks."
@@ -267,22 +218,13 @@ def _travel(rng: random.Random) -> tuple[str, str, int]:
     if rng.random() < 0.5:
         trip = total + rng.randint(5, 120)
         left = sol.step(f"{trip} - {total}", trip - total, "{} miles are left.")
-        return (
-            f"{text} The whole trip is {trip} miles long. How many miles does {subj} still have to drive?",
-            sol.finish(left),
-            left,
-        )
+        return (f"{text} The whole trip is {trip} miles long. How many miles does {subj} still have to drive?",
+                sol.finish(left), left)
     return f"{text} How many miles does {subj} drive in total?", sol.finish(total), total
 
 
 _TEMPLATES: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (
-    _shopping,
-    _sharing,
-    _rates,
-    _ages,
-    _savings,
-    _travel,
-)
+    _shopping, _sharing, _rates, _ages, _savings, _travel)
 
 
 def word_problem(seed: int, i: int) -> tuple[str, str, int]:

@@ -45,7 +45,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     cb = args.transformers_continuous_batching_config
     if model.device.type == "cpu" and cb is not None:
         # Stock TRL hands the engine max_memory_percent, which on a CPU is a share of host RAM: 12 GB of zeroed KV
-        # on a 24 GB machine (02 at CPU size peaked at 16.1 GiB for it; docs/memory.md). The pool cbkit's own CPU
+        # on a 24 GB machine (02 at CPU size peaked at 16.1 GiB for it; lab/memory.md). The pool cbkit's own CPU
         # engine gets instead (the CPU pool rule): every completion of the step at its longest prompt and the limit.
         from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
 

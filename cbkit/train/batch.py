@@ -152,7 +152,7 @@ def longest_first_chunks(start: int, stop: int, rows: int | None, attention_mask
     """Rows [start, stop) longest first (real length: prompt + completion tokens, ``attention_mask``), cut into
     chunks of at most `rows` (None: one chunk); the last may be shorter. A chunk is trimmed to its longest row
     (`Batch.take`), so rows of about one length pad little where chunks in rollout order pad each to its longest
-    row (docs/measuring.md, "The update against its roof"). Longest first, so each later chunk's tensors fit in the
+    row (lab/full_step.md, "The update, profiled"). Longest first, so each later chunk's tensors fit in the
     memory the widest one freed. The sort is stable: a rerun forms the same chunks, and the loss is the same sum in
     another order."""
     order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)

@@ -1,10 +1,6 @@
-"""cbkit's config onto TRL's `GRPOConfig` / `RLOOConfig`.
-
-cbkit uses TRL's field names wherever TRL has the concept, so most fields copy across; this module holds the
-exceptions (TRL names the importance-sampling fields after vLLM, counts steps in updates, and decays the learning
-rate by default) and the CB engine config, validated by the rollout backend's own resolver. docs/trl_bridge.md
-explains each mapping and what TRL does with it.
-"""
+"""cbkit's config onto TRL's `GRPOConfig` / `RLOOConfig`: most fields keep TRL's names; the exceptions (vLLM-named
+IS fields, steps counted in updates, a constant learning rate) and the CB engine config are here. docs/trl_bridge.md
+explains each mapping."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from cbkit.models.load import native_bf16
 from cbkit.rollout.engine_config import cb_config_values
 from cbkit.train.config import continuous_batching_flag
 
-# cbkit field -> TRL field. Everything not listed keeps its name (see _SAME_NAME).
 _RENAMED: dict[str, str] = {
     "importance_sampling_correction": "vllm_importance_sampling_correction",
     "importance_sampling_mode": "vllm_importance_sampling_mode",
@@ -36,12 +31,11 @@ _SAME_NAME: tuple[str, ...] = (
     "reward_weights", "save_total_limit", "disable_tqdm",
     "use_transformers_continuous_batching", "transformers_continuous_batching_config",
 )
-# Read by the bridge itself rather than copied (see `_trl_config`): TRL counts them in other units.
+# Read by the bridge itself rather than copied: TRL counts them in other units.
 _SPECIAL: tuple[str, ...] = ("advantage_estimator", "use_transformers_paged", "prompts_per_step", "max_steps",
                              "save_steps", "reward_funcs", "eval_steps", "eval_num_generations")
 CBKIT_FIELDS: tuple[str, ...] = _SAME_NAME + tuple(_RENAMED) + _SPECIAL
-# cbkit config fields with no TRL config field, and why. tests/test_trl_bridge.py checks that every field of
-# cbkit.train.config.CBGRPOConfig is either mapped (CBKIT_FIELDS) or listed here.
+# cbkit config fields with no TRL config field, and why (tests/test_trl_bridge.py: every field is mapped or here).
 LOOP_ONLY: dict[str, str] = {
     "model": "the model (or its id) is build_trainer's first argument; TRL loads an id itself",
     "dtype": "the precision cbkit's loop computes in over fp32 weights; TRL's nearest is bf16 mixed precision, which "
@@ -68,52 +62,37 @@ LOOP_ONLY: dict[str, str] = {
 }
 
 
-# --- config mapping -----------------------------------------------------------------------------------------
-
-
 def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **overrides: Any):
-    """A `trl.GRPOConfig` for the run `cfg_or_kwargs` describes, on the CB path, with cbkit's CB defaults.
-
-    `cfg_or_kwargs`: a cbkit config (any object with cbkit's field names as attributes), a dict of those
-    fields, or None. `overrides` are `GRPOConfig` arguments under TRL's names and win over the mapped values.
-    """
+    """A `trl.GRPOConfig` for the run `cfg_or_kwargs` describes (a cbkit config, a dict of its fields, or None), on
+    the CB path with cbkit's CB defaults; `overrides` are `GRPOConfig` arguments under TRL's names and win."""
     values = _cbkit_values(cfg_or_kwargs)
     estimator = values.pop("advantage_estimator", "grpo")
     if estimator != "grpo":
-        raise ValueError(
-            f"advantage_estimator={estimator!r}: TRL's GRPOTrainer has only the group-mean baseline. Use "
-            "build_trainer (which picks TRL's RLOOTrainer for it) or trl_rloo_config for the leave-one-out "
-            "estimator, or set advantage_estimator='grpo'."
-        )
+        raise ValueError(f"advantage_estimator={estimator!r}: TRL's GRPOTrainer has only the group-mean baseline. "
+                         "Use build_trainer (which picks TRL's RLOOTrainer for it) or trl_rloo_config for the "
+                         "leave-one-out estimator, or set advantage_estimator='grpo'.")
     return _trl_config(GRPOConfig, values, output_dir, overrides)
 
 
 def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo", **overrides: Any):
-    """A `trl.RLOOConfig` for the run `cfg_or_kwargs` describes (see `trl_grpo_config`).
-
-    `scale_rewards` becomes `normalize_advantages`; settings RLOOConfig does not have (`loss_type`, the IS
-    settings, `kl_bias_correction`) are dropped, with a warning when they differ from TRL's GRPO defaults.
-    """
+    """A `trl.RLOOConfig` (see `trl_grpo_config`): `scale_rewards` becomes `normalize_advantages`; settings RLOO
+    lacks are dropped, with a warning when they differ from TRL's GRPO defaults."""
     values = _cbkit_values(cfg_or_kwargs)
     values.pop("advantage_estimator", None)  # RLOO is the leave-one-out estimator whatever the config says
     if "scale_rewards" in values:
         scale = values.pop("scale_rewards")
         if scale not in ("batch", "none"):
-            raise ValueError(
-                f"scale_rewards={scale!r} has no RLOO equivalent: TRL's RLOOTrainer normalises advantages over the "
-                "whole batch or not at all. Set scale_rewards='batch' (normalize_advantages=True) or 'none'."
-            )
+            raise ValueError(f"scale_rewards={scale!r} has no RLOO equivalent: TRL's RLOOTrainer normalises "
+                             "advantages over the whole batch or not at all. Set scale_rewards='batch' "
+                             "(normalize_advantages=True) or 'none'.")
         values["normalize_advantages"] = scale == "batch"
     rloo_fields = {f.name for f in dataclasses.fields(RLOOConfig)}
     grpo_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     dropped = {k: v for k, v in values.items() if k not in _SPECIAL and _trl_name(k) not in rloo_fields}
     changed = {k: v for k, v in dropped.items() if v != grpo_defaults.get(_trl_name(k), object())}
     if changed:
-        warnings.warn(
-            f"RLOOConfig (TRL 1.16) has no equivalent for {changed}; ignored. TRL's RLOO uses its own "
-            "sequence-level loss and has no importance-sampling correction.",
-            stacklevel=2,
-        )
+        warnings.warn(f"RLOOConfig (TRL 1.16) has no equivalent for {changed}; ignored. TRL's RLOO uses its own "
+                      "sequence-level loss and has no importance-sampling correction.", stacklevel=2)
     values = {k: v for k, v in values.items() if k not in dropped}
     return _trl_config(RLOOConfig, values, output_dir, overrides)
 
@@ -133,11 +112,9 @@ def _cbkit_values(cfg: Any) -> dict[str, Any]:
             for k in unknown:
                 close = difflib.get_close_matches(k, CBKIT_FIELDS, n=1)
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ValueError(
-                f"Unknown cbkit config field(s) {', '.join(hints)}. cbkit fields: {', '.join(sorted(CBKIT_FIELDS))}. "
-                "TRL-only settings go in the keyword overrides under TRL's names, e.g. "
-                "trl_grpo_config(cfg, output_dir, logging_steps=1)."
-            )
+            raise ValueError(f"Unknown cbkit config field(s) {', '.join(hints)}. cbkit fields: "
+                             f"{', '.join(sorted(CBKIT_FIELDS))}. TRL-only settings go in the keyword overrides "
+                             "under TRL's names, e.g. trl_grpo_config(cfg, output_dir, logging_steps=1).")
         values = dict(cfg)
     else:
         missing = object()
@@ -156,17 +133,13 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
     unknown = sorted(set(overrides) - fields)
     if unknown:
         close = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
-        raise ValueError(
-            f"Unknown {config_cls.__name__} argument(s) {unknown}"
-            + "".join(f"; {k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
-            + ". Overrides use TRL's names; cbkit's names go in the first argument."
-        )
-    if overrides.get("use_vllm"):
-        # Asking for vLLM here means "generate with vLLM instead": the config's CB settings no longer apply.
+        raise ValueError(f"Unknown {config_cls.__name__} argument(s) {unknown}"
+                         + "".join(f"; {k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
+                         + ". Overrides use TRL's names; cbkit's names go in the first argument.")
+    if overrides.get("use_vllm"):  # generate with vLLM instead: the config's CB settings no longer apply
         if overrides.get("use_transformers_continuous_batching"):
-            raise ValueError(
-                "use_vllm=True and use_transformers_continuous_batching=True: choose one generation backend."
-            )
+            raise ValueError("use_vllm=True and use_transformers_continuous_batching=True: choose one generation "
+                             "backend.")
         values = {k: v for k, v in values.items() if not k.startswith(("use_transformers", "transformers_"))}
     kwargs: dict[str, Any] = {
         "use_transformers_continuous_batching": not overrides.get("use_vllm", False),
@@ -181,21 +154,14 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
     kwargs.update(overrides)
     if kwargs["use_transformers_continuous_batching"]:
         kwargs["transformers_continuous_batching_config"] = cb_config_dict(
-            kwargs.get("transformers_continuous_batching_config")
-        )
+            kwargs.get("transformers_continuous_batching_config"))
     return config_cls(output_dir=str(output_dir), **kwargs)
 
 
 def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
-    """Pop the fields TRL counts differently and return them in TRL's units.
-
-    A cbkit step is one rollout and `num_iterations` optimizer updates on it; TRL's `max_steps` and `save_steps`
-    count optimizer updates (it regenerates every `steps_per_generation * num_iterations` micro-batches, i.e.
-    every `num_iterations` updates). cbkit's `prompts_per_step` prompts x N completions are split into
-    `gradient_accumulation_steps` micro-batches; TRL's `per_device_train_batch_size` is one micro-batch of
-    completions (one process: with several, TRL's generation batch grows with the number of processes).
-    `reward_funcs` names the rewards `reward_weights` belongs to; the trainer takes the functions themselves.
-    """
+    """Pop the fields TRL counts differently and return them in TRL's units: a cbkit step is one rollout and
+    `num_iterations` updates, a TRL step one update; cbkit's prompts x N completions a step are split into
+    `gradient_accumulation_steps` micro-batches of `per_device_train_batch_size` (one process)."""
     iterations = int(values.get("num_iterations", 1) or 1)
     out: dict[str, Any] = {}
     values.pop("reward_funcs", None)
@@ -218,11 +184,9 @@ def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
         completions = int(values.pop("prompts_per_step")) * int(values.get("num_generations", 8))
         ga = int(values.get("gradient_accumulation_steps", 1) or 1)
         if completions % ga:
-            raise ValueError(
-                f"prompts_per_step x num_generations = {completions} completions do not split into "
-                f"gradient_accumulation_steps={ga} equal micro-batches; TRL needs per_device_train_batch_size to "
-                "be a whole number."
-            )
+            raise ValueError(f"prompts_per_step x num_generations = {completions} completions do not split into "
+                             f"gradient_accumulation_steps={ga} equal micro-batches; TRL needs "
+                             "per_device_train_batch_size to be a whole number.")
         out["per_device_train_batch_size"] = completions // ga
     return out
 
@@ -236,9 +200,4 @@ def cb_config_dict(overrides: Mapping[str, Any] | str | None = None) -> dict[str
     return cb_config_values(overrides)  # raises on unknown keys, a bad max_memory_percent, or return_logprobs=False
 
 
-__all__ = [
-    "CBKIT_FIELDS",
-    "cb_config_dict",
-    "trl_grpo_config",
-    "trl_rloo_config",
-]
+__all__ = ["CBKIT_FIELDS", "cb_config_dict", "trl_grpo_config", "trl_rloo_config"]

@@ -1,9 +1,4 @@
-"""cbkit's rewards as TRL reward functions, and the problems as a TRL dataset.
-
-TRL calls ``fn(prompts=..., completions=..., **dataset_columns, ...)`` with chat completions as message lists;
-cbkit's rewards are ``fn(completions, answers)``. The adapter takes the text and the ``answer`` column and keeps
-``__name__``, which TRL logs as ``rewards/<name>/mean``.
-"""
+"""cbkit's rewards as TRL reward functions, and the problems as a TRL dataset."""
 
 from __future__ import annotations
 
@@ -16,15 +11,10 @@ import torch
 from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.tasks.rewards import resolve_rewards, reward_scores
 
-# --- data ---------------------------------------------------------------------------------------------------
-
 
 def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
-    """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column and the gold `answer`.
-
-    TRL applies the tokenizer's chat template itself; the default system prompt is `cbkit.tasks.data.SYSTEM_PROMPT`
-    (the `#### <number>` instruction the format reward checks), None sends the user turn alone.
-    """
+    """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column (with `system_prompt` unless
+    None) and the gold `answer`."""
     from datasets import Dataset
 
     head = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
@@ -34,16 +24,10 @@ def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
     })
 
 
-# --- rewards ------------------------------------------------------------------------------------------------
-
-
 class TRLReward:
-    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls.
-
-    TRL passes every dataset column by name, so the gold answers arrive as `kwargs[answer_column]`; chat
-    completions arrive as message lists and are reduced to their text. `__name__` is kept: TRL logs the
-    reward as `rewards/<__name__>/mean`. A class rather than a closure so it pickles like `fn` does.
-    """
+    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls: the gold answers from the dataset
+    column `answer_column`, chat completions reduced to their text, `__name__` kept (TRL logs
+    `rewards/<__name__>/mean`). A class rather than a closure so it pickles like `fn` does."""
 
     def __init__(self, fn: Callable[[list[str], list[str]], list[float]], answer_column: str = "answer") -> None:
         self.fn = fn
@@ -54,10 +38,9 @@ class TRLReward:
     def __call__(self, prompts=None, completions=None, **kwargs) -> list[float]:
         if self.answer_column not in kwargs:
             columns = sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)
-            raise ValueError(
-                f"reward {self.__name__!r} needs the gold answers in a dataset column {self.answer_column!r}; the "
-                f"columns TRL passed are {columns}. Add the column or pass answer_column= to trl_reward."
-            )
+            raise ValueError(f"reward {self.__name__!r} needs the gold answers in a dataset column "
+                             f"{self.answer_column!r}; the columns TRL passed are {columns}. Add the column or pass "
+                             "answer_column= to trl_reward.")
         texts = [_completion_text(c) for c in completions]
         answers = [str(a) for a in kwargs[self.answer_column]]
         return reward_scores(self.__name__, self.fn, texts, answers)
@@ -101,11 +84,8 @@ def _is_trl_native(fn) -> bool:
 
 
 def _weights_for(reward_funcs, reward_weights, cfg: Any):
-    """The weights to hand TRL: `reward_weights` when given, else the config's, matched to the functions by name.
-
-    Without this a TRL run trained every reward at 1.0 where cbkit's loop, from the same config, weighs the
-    format reward 0.5 (`cbkit.tasks.rewards.DEFAULT_REWARD_WEIGHTS`): not the same experiment.
-    """
+    """The weights to hand TRL: `reward_weights` when given, else the config's, matched to the functions by name
+    (so a TRL run weighs the rewards as cbkit's loop does from the same config)."""
     if reward_weights is not None or cfg is None:
         return reward_weights
     if isinstance(cfg, Mapping):
@@ -120,19 +100,15 @@ def _weights_for(reward_funcs, reward_weights, cfg: Any):
         return {n: float(w) for n, w in zip(names, weights, strict=True) if n in reward_funcs}
     count = 1 if callable(reward_funcs) or isinstance(reward_funcs, str) else len(reward_funcs)
     if count != len(weights):
-        raise ValueError(
-            f"The config's reward_weights {list(weights)} are for {len(weights)} reward functions, got {count}. "
-            "Pass reward_funcs as a name -> fn dict with the config's names, or reward_weights= explicitly."
-        )
+        raise ValueError(f"The config's reward_weights {list(weights)} are for {len(weights)} reward functions, got "
+                         f"{count}. Pass reward_funcs as a name -> fn dict with the config's names, or "
+                         "reward_weights= explicitly.")
     return list(weights)
 
 
 def _trl_rewards(reward_funcs, reward_weights, answer_column: str):
-    """cbkit rewards (a callable, a list, or cbkit's name -> fn mapping) as TRL's list, and weights as its list.
-
-    Names and weights follow the loop's rules (`cbkit.tasks.rewards.resolve_rewards`), except that a string stays
-    what TRL makes of it, a reward model's id; no weights stays None (TRL's default, 1.0 each).
-    """
+    """cbkit rewards as TRL's list and weights as its list, by the loop's rules (`resolve_rewards`), except that a
+    string stays a reward model's id and no weights stays None (TRL's default, 1.0 each)."""
     funcs, weights = resolve_rewards(reward_funcs, reward_weights, names_are_builtin=False)
     adapted = [f if _is_trl_native(f) else trl_reward(f, answer_column) for f in funcs.values()]
     return adapted, None if reward_weights is None else weights

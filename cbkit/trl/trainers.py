@@ -25,23 +25,17 @@ from cbkit.train.order import mix_seed
 from cbkit.trl.config import trl_grpo_config, trl_rloo_config
 from cbkit.trl.rewards import _trl_rewards, _weights_for
 
-if TYPE_CHECKING:
-    # The type checker reads the mixin as the transformers Trainer it always ends up in; at run time it is a plain
-    # mixin, so both bridge trainers keep TRL's own MRO.
+if TYPE_CHECKING:  # the type checker reads the mixin as the Trainer it ends up in; at run time a plain mixin
     from transformers import Trainer as _TrainerHost
 else:
     _TrainerHost = object
 
-# --- the trainer that keeps the CB logprobs -----------------------------------------------------------------
-
 
 class _CBRollouts(_TrainerHost):
-    """TRL's CB branch as both bridge trainers run it, through cbkit's engine (`cbkit.rollout.engine`): cut at the
-    stop ids, logprobs kept, failures raised, the KV pool sized to the workload on CPU and a seed per call (see the
-    module docstring). Mixed into a TRL trainer."""
+    """TRL's CB branch as both bridge trainers run it, through cbkit's engine: cut at the stop ids, logprobs kept,
+    failures raised, the KV pool sized to the workload on CPU and a seed per call. Mixed into a TRL trainer, which
+    sets the attributes below."""
 
-    # Set by the TRL trainer it is mixed into (GRPOTrainer, RLOOTrainer), beyond transformers' Trainer: its config
-    # (GRPOConfig or RLOOConfig), its FSDP helper, and its sampling settings.
     args: Any
     _dist: Any
     generation_config: Any
@@ -72,10 +66,7 @@ class _CBRollouts(_TrainerHost):
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            # TRL's CB branch casts the model itself (`unwrapped_model.to(torch.bfloat16)`) and never casts it
-            # back: from the first rollout on it trains bf16 weights with bf16 Adam moments. The bridge samples in
-            # the same precision from half copies of the weights and leaves the fp32 ones to train (see
-            # `half_weights_for_rollout`).
+            # TRL casts the model itself to bf16 for good; the bridge samples from half copies instead.
             half = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
             keep = unwrapped.lm_head if getattr(self.args, "cast_lm_head_to_fp32", False) else None
             was_training = unwrapped.training
@@ -83,22 +74,18 @@ class _CBRollouts(_TrainerHost):
                 outputs, _ = self._engine_for(unwrapped).run(
                     rows, self.generation_config, max_new_tokens=max_new_tokens, seed=self._cb_seed())
             unwrapped.train(was_training)
-        # The rows arrive repeated N times already; group indices do not matter here.
         sampling = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tuple(self.eos_token_ids))
         ids: list[list[int]] = []
         logprobs: list[list[float]] = []
         for c in to_completions(rows, outputs, 1, sampling):
-            assert c.sampling_logprobs is not None  # to_completions keeps them always (raises where there are none)
+            assert c.sampling_logprobs is not None  # to_completions raises where there are none
             ids.append(list(c.completion_ids))
             logprobs.append(list(c.sampling_logprobs))
         return ids, logprobs
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's `train`, after which the caller's model has its own `forward` again. Under bf16/fp16 mixed precision
-        accelerate's `prepare_model` replaces the instance's forward by autocast + `convert_outputs_to_fp32` and
-        leaves it there: the model a notebook hands over and then trains with cbkit's loop would run cbkit's CB
-        rollouts under autocast against an fp32 KV cache (the engine's `index_copy_` refuses bf16 into fp32). A
-        second `train` prepares the model again (transformers' `Trainer._inner_training_loop`)."""
+        """TRL's `train`, after which the caller's model has its own `forward` again: accelerate's mixed-precision
+        wrapper left on it would run cbkit's later CB rollouts under autocast against an fp32 KV cache."""
         found = {k: self.model.__dict__.get(k) for k in ("forward", "_original_forward")}
         try:
             return super().train(*args, **kwargs)
@@ -122,41 +109,29 @@ class _CBRollouts(_TrainerHost):
 
 
 class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path.
+    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path
+    (`use_transformers_continuous_batching=True` without vLLM, which has the logprobs already)."""
 
-    Only for `use_transformers_continuous_batching=True` without vLLM (with vLLM, TRL already has the
-    logprobs; use `GRPOTrainer`). See the module docstring for what is overridden and why.
-    """
-
-    # Class defaults: TRL's __init__ reads `use_vllm` before this class's own attributes exist.
     _is_gate_open = False
     _scoring = False
 
     def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
         if args is None or not getattr(args, "use_transformers_continuous_batching", False):
-            raise ValueError(
-                "CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
-                "use_transformers_continuous_batching=True (trl_grpo_config sets it)."
-            )
+            raise ValueError("CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
+                             "use_transformers_continuous_batching=True (trl_grpo_config sets it).")
         if getattr(args, "use_vllm", False):
-            raise ValueError(
-                "use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS correction; "
-                "use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False to generate with CB."
-            )
+            raise ValueError("use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS "
+                             "correction; use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False.")
         cb = dict(args.transformers_continuous_batching_config or {})
         if cb.get("return_logprobs") is False:
-            raise ValueError(
-                "transformers_continuous_batching_config has return_logprobs=False; remove it (this trainer "
-                "exists to keep them)."
-            )
+            raise ValueError("transformers_continuous_batching_config has return_logprobs=False; remove it (this "
+                             "trainer exists to keep them).")
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         # TRL checks this in __init__ only when use_vllm is True (grpo_trainer.py, `loss_type == "vespo"`).
         if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
                 and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
-            raise ValueError(
-                f"loss_type='vespo' needs importance_sampling_mode 'token_truncate' or 'token_mask', got "
-                f"{self.vllm_importance_sampling_mode!r}."
-            )
+            raise ValueError(f"loss_type='vespo' needs importance_sampling_mode 'token_truncate' or 'token_mask', "
+                             f"got {self.vllm_importance_sampling_mode!r}.")
         if self.vllm_importance_sampling_correction and (
             (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
         ):
@@ -221,23 +196,18 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 @contextmanager
 def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, *,
                              keep: torch.nn.Module | None = None) -> Iterator[None]:
-    """Inside the block ``model``'s floating-point weights and buffers are ``dtype`` copies (``keep``'s stay as they
-    are: TRL's ``cast_lm_head_to_fp32``); after it, the very tensors it had before, bit for bit. ``None``: no cast.
+    """Inside the block ``model``'s floating-point weights and buffers are ``dtype`` copies (``keep``'s stay: TRL's
+    ``cast_lm_head_to_fp32``); after it, the very tensors it had before, bit for bit. ``None``: no cast.
 
-    What TRL's CB branch's in-place ``model.to(dtype)`` does for the rollout, without its lasting effect: training
-    goes on from the fp32 weights (the ``Parameter`` objects the optimizer holds are the same throughout; only their
-    ``.data`` is swapped). The two alternatives lose: casting back after the rollout rounds the fp32 weights to bf16
-    every step, which erases every update under half of bf16's spacing (0.2-0.4% of a weight), and a deep copy of the
-    module holds a second fp32 model while it is cast. Here the rollout holds 2 bytes a parameter beside the fp32
-    weights, and only while it runs. On a T4 nothing is cast (the bridge sets neither ``bf16``, which it has not
-    natively, nor ``fp16``) unless the caller asks for ``fp16=True``.
+    TRL's in-place ``model.to(dtype)`` for the rollout, without its lasting effect: only each ``Parameter``'s
+    ``.data`` is swapped, so training goes on from the fp32 weights. Casting back instead would round away every
+    update under half of bf16's spacing, and a deep copy would hold a second fp32 model.
     """
     if dtype is None:
         yield
         return
     kept = {id(t) for t in (*keep.parameters(), *keep.buffers())} if keep is not None else set()
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    # parameters() and buffers() list a tied weight once, so its fp32 tensor is saved once, before it is swapped.
     for t in (*model.parameters(), *model.buffers()):
         if t.is_floating_point() and t.dtype != dtype and id(t) not in kept:
             saved.append((t, t.data))
@@ -253,18 +223,10 @@ def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, 
 def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model``'s own ``forward`` inside the block, not the one accelerate installs under mixed precision.
 
-    With ``mixed_precision`` bf16 or fp16 (TRL's ``bf16=True``, which `cbkit.trl.config` sets wherever bf16 is native,
-    and which accelerate honours on a CPU too), ``Accelerator.prepare_model`` keeps the model's forward as
-    ``_original_forward`` and replaces the instance's ``forward`` by autocast + ``convert_outputs_to_fp32``, which
-    walks the outputs and calls ``.float()`` on anything with a half ``dtype``. The CB engine's forward returns its
-    ``PagedAttentionCache``, which has a dtype and no ``.float()``: the engine's generation loop dies
-    ("'PagedAttentionCache' object has no attribute 'float'") and TRL then fails with an IndexError on the missing
-    completions.
-
-    Wrap TRL's CB generation call in it (the bridge's `_CBRollouts` and `cbkit.teach.trl_step.stock_trl_cb_rollout`
-    do); the wrapper is back for training when the block ends. Generation loses nothing: the weights themselves are
-    in the half dtype for the rollout (TRL's cast in place, the bridge's `half_weights_for_rollout`), so autocast
-    has nothing left to do there. A model accelerate did not wrap passes through untouched.
+    Under bf16/fp16 ``Accelerator.prepare_model`` replaces the instance's ``forward`` by autocast +
+    ``convert_outputs_to_fp32``, which calls ``.float()`` on the CB engine's ``PagedAttentionCache``: the engine's
+    loop dies and TRL fails with an IndexError. The rollout loses nothing (its weights are in the half dtype
+    already); the wrapper is back for training when the block ends.
     """
     wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     if wrapped is None:
@@ -278,12 +240,8 @@ def plain_forward(model: torch.nn.Module) -> Iterator[None]:
 
 
 class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
-    """`trl.RLOOTrainer` with the GRPO bridge's CB call: it survives bf16/fp16 mixed precision (`plain_forward`),
-    sizes the CPU pool to the workload (TRL's `max_memory_percent=0.5` there means half of host RAM), seeds each
-    call, and raises on a failed request.
-
-    RLOO in TRL 1.16 has no IS correction, so unlike `CBLogprobGRPOTrainer` the logprobs are dropped.
-    """
+    """`trl.RLOOTrainer` with the GRPO bridge's CB call; RLOO in TRL 1.16 has no IS correction, so the logprobs
+    are dropped."""
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
         if not self.use_transformers_continuous_batching or self.use_vllm:
@@ -291,9 +249,6 @@ class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
         if images is not None and any(images):
             raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
         return self._cb_generate(prompt_ids)[0]
-
-
-# --- building trainers --------------------------------------------------------------------------------------
 
 
 def build_trainer(
@@ -310,10 +265,8 @@ def build_trainer(
     callbacks=None,
     **overrides: Any,
 ):
-    """TRL's trainer for a cbkit run: the config's `advantage_estimator` picks GRPO ("grpo", the default) or RLOO
-    ("rloo"); on the CB path it is the subclass that runs cbkit's CB call (`CBLogprobGRPOTrainer`, whose
-    sampling logprobs feed TRL's IS correction, or `CBRLOOTrainer`, which has no correction to feed), otherwise
-    the stock trainer.
+    """TRL's trainer for a cbkit run: the config's `advantage_estimator` picks GRPO (default) or RLOO; on the CB
+    path the bridge's subclass, otherwise the stock trainer.
 
     `reward_funcs`: cbkit rewards (`fn(completions, answers)`, adapted with `trl_reward`), TRL-native ones
     (taking `**kwargs`, passed as they are), or cbkit's name -> fn dict (then `reward_weights` may be by name).
@@ -335,10 +288,8 @@ def build_trainer(
         args.model_init_kwargs = {**pretrained_kwargs(), **(args.model_init_kwargs or {})}
     stock, cb = (RLOOTrainer, CBRLOOTrainer) if rloo else (GRPOTrainer, CBLogprobGRPOTrainer)
     cls = cb if args.use_transformers_continuous_batching and not args.use_vllm else stock
-    return cls(
-        model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, callbacks=callbacks,
-    )
+    return cls(model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+               processing_class=tokenizer, callbacks=callbacks)
 
 
 def is_metrics(logs: Mapping[str, float]) -> dict[str, float]:

@@ -1,13 +1,7 @@
 """Where a notebook's figures are drawn, and how: plotly.js embedded once per notebook, figures as ``text/html``
-that draws with that copy, progress bars that survive an executed notebook, and where the code runs (a kernel,
-Colab, CI, a terminal). `cbkit.viz.live` builds its live charts on it.
-
-**Figures that survive the notebook.** An executed notebook is read in nbconvert's HTML, on GitHub, in
-nbviewer, offline. None of them draws plotly's JSON mimetype; they draw ``text/html``. ``embed_plotlyjs``
-(called by ``cbkit.teach.notebook.setup``) puts plotly.js into the notebook once, as an output of the setup cell,
-and makes every later figure carry ``text/html`` that draws with that copy: no CDN, and a 4 MB library is not
-repeated per figure. Colab is the exception: each output there is its own iframe, so a figure must bring its
-own plotly.js (plotly's ``colab`` renderer does, and we leave it alone).
+that draws with that copy (what nbconvert, GitHub and nbviewer read; no CDN, no 4 MB library per figure), progress
+bars that survive an executed notebook, and where the code runs. Colab is the exception: each output there is its own
+iframe, so a figure brings its own plotly.js.
 """
 
 from __future__ import annotations
@@ -25,34 +19,22 @@ from plotly.io.base_renderers import MimetypeRenderer
 __all__ = ["detect_mode", "embed_plotlyjs", "figure_html", "in_kernel", "text_progress_bars", "under_ci",
            "widget_available"]
 
-# Set by embed_plotlyjs once plotly.js is in the page: from then on a figure's HTML needs no copy of its own.
-_PLOTLYJS_IN_PAGE = False
-
-
-# --- plotly.js, once per notebook -----------------------------------------------------------------------------
-
-
+_PLOTLYJS_IN_PAGE = False  # set by embed_plotlyjs: from then on a figure's HTML needs no copy of its own
 RENDERER = "cbkit_notebook"
 
 
 class EmbeddedHTMLRenderer(MimetypeRenderer):
-    """plotly renderer for ``text/html`` that draws with the notebook's one copy of plotly.js.
-
-    plotly's own ``notebook`` renderer does the same but adds a MathJax ``<script>`` from a CDN to every
-    figure; cbkit's figures have no LaTeX, so this one adds nothing that needs the network."""
+    """plotly renderer for ``text/html`` that draws with the notebook's one copy of plotly.js (plotly's ``notebook``
+    renderer adds a MathJax script from a CDN to every figure)."""
 
     def to_mimebundle(self, fig_dict: Any) -> dict[str, str]:
         return {"text/html": figure_html(fig_dict)}
 
 
 def embed_plotlyjs() -> bool:
-    """Put plotly.js into the notebook once and make every figure output carry HTML that uses it.
-
-    Displays the library now, as an output of the calling cell, and sets plotly's default renderer to
-    ``plotly_mimetype+cbkit_notebook``: the JSON mimetype for JupyterLab / VS Code, and ``text/html`` for
-    everything that reads the saved file. Returns whether it did anything: not outside a kernel, not on Colab
-    (see the module docstring), and not a second time in the same kernel.
-    """
+    """Put plotly.js into the notebook once (an output of the calling cell) and make every figure output carry
+    plotly's JSON and ``text/html`` that uses it. Returns whether it did anything (not outside a kernel, on Colab,
+    or twice)."""
     global _PLOTLYJS_IN_PAGE
     if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
         return False
@@ -68,14 +50,8 @@ def embed_plotlyjs() -> bool:
 
 
 def text_progress_bars() -> bool:
-    """Under CI (nbmake), make ``tqdm.auto`` draw text bars instead of notebook widgets; returns whether it did.
-
-    A saved notebook keeps a tqdm widget only as the text of its first frame ("0%"), because the widget's
-    later state lives in the front end nobody runs in CI. These bars write one line when they close, their
-    last frame: what every reader (nbconvert, GitHub, JupyterLab) then shows is where the run finished. In front of a person
-    (JupyterLab, Colab) the widget stays. ``tqdm.auto`` is looked up when a bar is made (transformers) or when
-    a module is imported (``cbkit.measure.sweep``), so this runs in ``setup()``, before the notebook imports them.
-    """
+    """Under CI (nbmake), make ``tqdm.auto`` draw text bars that write their last frame once, instead of widgets a
+    saved notebook keeps as "0%"; returns whether it did. Runs in ``setup()``, before anything imports tqdm.auto."""
     if not (under_ci() and in_kernel()):
         return False
     import tqdm.auto
@@ -86,8 +62,7 @@ def text_progress_bars() -> bool:
 
 
 def _last_frame_bar() -> type:
-    """tqdm's text bar (with ``tqdm.auto``'s asyncio support) that writes one line, its last frame, when it
-    closes: a saved notebook keeps every frame of a text bar as its own line, so only the last is written."""
+    """tqdm's text bar (with ``tqdm.auto``'s asyncio support) that writes one line, its last frame, when it closes."""
     import tqdm.asyncio
 
     class LastFrameBar(tqdm.asyncio.tqdm):
@@ -106,15 +81,12 @@ def _last_frame_bar() -> type:
 
 
 def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
-    """A figure as an HTML fragment: using the notebook's plotly.js when it is embedded, else loading its own
-    from the CDN (Colab, where outputs do not share scripts, and where plotly's own renderer does the same)."""
+    """A figure as an HTML fragment: using the notebook's plotly.js when it is embedded, else loading its own from
+    the CDN (Colab, where outputs do not share scripts)."""
     import plotly.io as pio
 
     return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
                        include_mathjax=False, default_width="100%", validate=False)
-
-
-# --- where are we running? ---------------------------------------------------------------------------------
 
 
 def detect_mode() -> Literal["widget", "html", "static"]:
@@ -130,8 +102,7 @@ def detect_mode() -> Literal["widget", "html", "static"]:
 
 
 def in_kernel() -> bool:
-    """True inside a Jupyter kernel. Only looks at an IPython that is already imported: a script that never
-    imported it cannot be running in a kernel."""
+    """True inside a Jupyter kernel (looks only at an IPython already imported)."""
     ipython = sys.modules.get("IPython")
     get = getattr(ipython, "get_ipython", None)
     shell = get() if get is not None else None
@@ -142,7 +113,6 @@ def under_ci() -> bool:
     """CI or a notebook test run, where nobody watches a widget and its state would not be saved."""
     if os.environ.get("CBKIT_PROFILE") == "ci" or os.environ.get("CI"):
         return True
-    # nbmake runs the kernel as a child of pytest, which inherits the variable pytest sets during a test.
     return "PYTEST_CURRENT_TEST" in os.environ
 
 

@@ -1,10 +1,6 @@
 """The sweep's figures and its HTML report (`cbkit sweep`, `cbkit report`): throughput, memory and a full step's
-phases against N, one line per backend.
-
-The figures read the sweep's points (one dict per backend x N, see ``cbkit.measure.sweep``). A run that ran out of
-memory or failed is *annotated* at its N and never drawn as a zero: a missing measurement is not a small one.
-The notebooks' own figures (the engine timeline, a static batch's padding, logprobs and ratios) live in
-``cbkit.teach.figures_*``; the live display in ``cbkit.viz.live``.
+phases against N, one line per backend, from the sweep's points (one dict per backend x N). A run that ran out of
+memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
 """
 
 from __future__ import annotations
@@ -24,12 +20,8 @@ from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
 __all__ = ["memory_vs_n", "step_split_figure", "sweep_report", "throughput_vs_n", "write_report"]
 
 
-# --- the sweep's figures ------------------------------------------------------------------------------------
-
-
 def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """Completion tokens/s vs N, one line per backend, the speed ratio to generate() printed at each point.
-    One trace per backend; OOM and failed points are gaps in the line and annotated at their N."""
+    """Completion tokens/s vs N, one line per backend, the speed ratio to generate() under each N."""
     fig = go.Figure()
     for backend in _backends(points):
         pts = _by_backend(points, backend)
@@ -61,38 +53,25 @@ def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
     fig = go.Figure()
     for backend in _backends(points):
         pts = _by_backend(points, backend)
-        ns = [p["N"] for p in pts]
         color = backend_color(backend)
-        measured = [_scaled(p.get("peak_mem_bytes"), scale) if _ok(p) else None for p in pts]
-        if any(v is not None for v in measured):
-            fig.add_trace(go.Scatter(
-                x=ns, y=measured, name=f"{backend}: measured peak", mode="lines+markers",
-                line={"color": color, "width": 2.5}, marker={"size": 9}, legendgroup=backend, connectgaps=False,
-                hovertemplate=f"{backend} measured<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
-            ))
         # Analytic KV is what the configuration needs, so it is drawn for OOM points too.
-        kv = [_scaled(p.get("kv_bytes"), scale) for p in pts]
-        if any(v is not None for v in kv):
-            fig.add_trace(go.Scatter(
-                x=ns, y=kv, name=f"{backend}: KV (analytic)", mode="lines", legendgroup=backend,
-                line={"color": color, "dash": "dash", "width": 1.5},
-                hovertemplate=f"{backend} analytic KV<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
-            ))
-        planned = [_scaled(p.get("planned_peak_bytes"), scale) for p in pts]
-        if any(v is not None for v in planned):
-            fig.add_trace(go.Scatter(
-                x=ns, y=planned, name=f"{backend}: planner", mode="markers", legendgroup=backend,
-                marker={"color": color, "symbol": "diamond-open", "size": 12, "line": {"width": 2}},
-                hovertemplate=f"{backend} planner<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>",
-            ))
+        for key, what, style in (
+                ("peak_mem_bytes", "measured peak", {"mode": "lines+markers", "marker": {"size": 9},
+                                                     "line": {"color": color, "width": 2.5}}),
+                ("kv_bytes", "KV (analytic)", {"mode": "lines", "line": {"color": color, "dash": "dash", "width": 1.5}}),
+                ("planned_peak_bytes", "planner", {"mode": "markers", "marker": {
+                    "color": color, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}})):
+            ys = [_scaled(p.get(key), scale) if _ok(p) or key != "peak_mem_bytes" else None for p in pts]
+            if any(v is not None for v in ys):
+                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=f"{backend}: {what}", legendgroup=backend,
+                                         connectgaps=False, **style,
+                                         hovertemplate=f"{backend} {what}<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>"))
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
     measured_as = " / ".join(_kind(k) for k in kinds) or "not measured"
     _n_axis(fig, points, "mem_vs_generate")
     _annotate_failures(fig, points)
     fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
-    if log_y:
-        # plotly's own log ticks label the minor ones by their first digit only ("5, 2, 1, 5, 2, 0.1"): name each
-        # 1-2-5 tick in full, with its unit.
+    if log_y:  # plotly labels minor log ticks by their first digit only: name each 1-2-5 tick in full
         shown = [v for t in fig.data for v in (t.y or ()) if isinstance(v, int | float) and v > 0]
         vals = log_ticks(min(shown, default=1.0), max(shown, default=1.0))
         fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)",
@@ -125,10 +104,8 @@ STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"
 
 
 def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """A full GRPO step per backend and N (`cbkit sweep --full-step`) as one stacked bar of its phases (rollout,
-    old-logprob forward, update, other), with the step's speed-up over generate() beside the Amdahl ceiling its
-    rollout's speed-up predicts. An async CB bar's rollout is what its trainer still waited for, with the overlap
-    bought written beside it. Failed points are a labelled empty bar, never a zero-length one."""
+    """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's speed-up
+    over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still waited for."""
     pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)),
                  key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
@@ -163,8 +140,8 @@ def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
 
 def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-sweep",
                  meta: Mapping[str, Any] | None = None) -> str:
-    """One self-contained HTML page: the run's settings, both charts (plotly's JS inline, so it opens
-    offline), every point as a table, and the ratios to generate() at each N."""
+    """One self-contained HTML page: the run's settings, the charts (plotly's JS inline, so it opens offline) and
+    every point as a table with its ratios to generate()."""
     charts = [
         throughput_vs_n(points).to_html(full_html=False, include_plotlyjs=True),
         memory_vs_n(points).to_html(full_html=False, include_plotlyjs=False),
@@ -205,7 +182,6 @@ indicative. Points that ran out of memory or failed are marked at their N, never
 {charts_html}
 <h2>Points</h2>
 <table><tr>{head}</tr>{body}</table>
-{_ratio_table(points)}
 </body></html>
 """
 
@@ -217,36 +193,6 @@ def write_report(points: Sequence[Mapping[str, Any]], path: str | os.PathLike,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(sweep_report(points, title, meta), encoding="utf-8")
     return path
-
-
-def _ratio_table(points: Sequence[Mapping[str, Any]]) -> str:
-    others = [b for b in _backends(points) if b != "generate"]
-    ns = sorted({p["N"] for p in points})
-    if not others:
-        return ""
-    by = {(p["backend"], p["N"]): p for p in points}
-    rows = []
-    for n in ns:
-        cells = [f"<td>{n}</td>"]
-        for b in others:
-            p = by.get((b, n))
-            gen = by.get(("generate", n))
-            if p is None:
-                cells += ["<td>&ndash;</td>", "<td>&ndash;</td>"]
-            elif not _ok(p) or (gen is not None and not _ok(gen)):
-                failed = ", ".join(f"{q['backend']} {q['status'].upper()}" for q in (gen, p) if q and not _ok(q))
-                cells += [f"<td colspan='2'>{html.escape(failed)}</td>"]
-            else:
-                cells += [f"<td>{_ratio(p.get('speed_vs_generate'))}</td>",
-                          f"<td>{_ratio(p.get('mem_vs_generate'))}</td>"]
-        rows.append(f"<tr>{''.join(cells)}</tr>")
-    head = "".join(f"<th>{html.escape(b)} speed</th><th>{html.escape(b)} memory</th>" for b in others)
-    return f"<h2>Ratios to generate()</h2><table><tr><th>N</th>{head}</tr>{''.join(rows)}</table>"
-
-
-# --- the static batch's padding -----------------------------------------------------------------------------
-
-# --- helpers ------------------------------------------------------------------------------------------------
 
 
 def _ok(p: Mapping[str, Any]) -> bool:

@@ -1,21 +1,9 @@
-"""The live display: charts that update while work runs, in every place a notebook is opened.
+"""The live display: charts that update while work runs, wherever a notebook is opened.
 
-A live chart has to cope with four places, and no single plotly mechanism works in all of them:
-
-* JupyterLab / VS Code: ``go.FigureWidget`` updates in place. Since plotly 6 it is an ``anywidget``
-  widget, so it needs that package; without it plotly hands back a stand-in that cannot display.
-* Colab: the widget front end is ipywidgets 7 and plotly's FigureWidget does not render there. What works
-  everywhere is an IPython display handle whose HTML is replaced (``handle.update``).
-* nbmake / CI: nobody watches, but the executed notebook should keep the final figure as a static output,
-  and a widget's state is not saved into it.
-* scripts and terminals: nothing to display; ``close()`` returns the figure (and can save it as HTML).
-
-``LiveChart(mode="auto")`` picks one of these (``detect_mode`` says how), keeps every point in memory, and
-redraws at most once per ``min_interval_s``: sending a figure is expensive (the whole HTML, in html mode),
-adding a point is not.
-
-Where and how a figure is drawn (plotly.js once per notebook, ``text/html`` outputs): `cbkit.viz.display`.
-The notebooks feed a chart from cbkit's loop and from the sweep with `cbkit.teach.live`.
+JupyterLab / VS Code update a ``go.FigureWidget`` in place (plotly 6 needs ``anywidget``); Colab (ipywidgets 7)
+and CI get an IPython display handle whose HTML is replaced, and keep the final figure as a static output;
+scripts get the figure from ``close()``. ``LiveChart(mode="auto")`` picks one (`display.detect_mode`) and redraws at
+most once per ``min_interval_s``: sending a figure is expensive, adding a point is not.
 """
 
 from __future__ import annotations
@@ -38,21 +26,15 @@ __all__ = ["FinalFigure", "LiveChart"]
 
 Mode = Literal["auto", "widget", "html", "static"]
 
-# --- the live chart ------------------------------------------------------------------------------------------
-
 
 class LiveChart:
-    """A chart that updates while work runs, throttled and batched; ``close()`` returns the final figure.
+    """A chart that updates while work runs, throttled; ``close()`` returns the final figure.
 
-    ``panels`` are subplots sharing the x axis, each titled on its y axis, stacked in one column or laid out in a
-    grid of ``columns``; a series keeps its colour in every panel, or takes the line style ``style(series)``
-    returns (e.g. a colour per run and a dash per quantity, as `cbkit.teach.live.LiveMetricsHook` does). That style
-    may also name the series' legend ``group`` (one legend entry per group, at the top: a run, whatever the
-    quantity), its marker ``symbol``, and a ``label`` written beside its last point (the quantity, so that a
-    panel's series are told apart on the panel, not in a legend of run x quantity). Without groups, each panel of a
-    single column has its own legend beside it. ``x_log`` puts x on a log axis ticked at the points. ``add`` only stores the point and redraws when ``min_interval_s`` has passed since the
-    last redraw; ``flush`` redraws now. ``clock``, ``display`` (a callable that shows an object and returns
-    a handle with ``update``) and ``figure_widget`` (the FigureWidget class) are injectable for tests.
+    ``panels`` are subplots sharing the x axis, in one column or a grid of ``columns``. A series keeps its colour in
+    every panel, or takes the line style ``style(series)`` returns, which may also name its legend ``group`` (one
+    entry per group), its marker ``symbol`` and a ``label`` written beside its last point. ``add`` stores a point and
+    redraws once ``min_interval_s`` has passed; ``flush`` redraws now. ``clock``, ``display`` and ``figure_widget``
+    are injectable for tests.
     """
 
     def __init__(
@@ -113,11 +95,8 @@ class LiveChart:
             else:
                 resolved = "html" if display.in_kernel() else "static"
                 if mode == "widget":
-                    warnings.warn(
-                        "plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
-                        f"showing the chart in {resolved} mode instead.",
-                        stacklevel=3,
-                    )
+                    warnings.warn("plotly's FigureWidget needs the 'anywidget' package (pip install anywidget); "
+                                  f"showing the chart in {resolved} mode instead.", stacklevel=3)
         return resolved
 
     def add(self, series: str, x: Any, y: Any, panel: str | None = None) -> None:
@@ -184,7 +163,7 @@ class LiveChart:
         elif rows > 1 and self.columns == 1:  # one legend per panel, at the top right of its panel
             for i in range(1, rows + 1):
                 top = fig.layout["yaxis" if i == 1 else f"yaxis{i}"].domain[1]
-                fig.update_layout({self._legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
+                fig.update_layout({_legend(i): {"x": 1.02, "xanchor": "left", "y": top, "yanchor": "top",
                                                      "font": {"size": 11}}})
             fig.update_layout(margin={"r": 250})
         else:
@@ -203,10 +182,6 @@ class LiveChart:
                 row, col = self._cell(panel)
                 fig.update_yaxes(range=[mid - span / 2, mid + span / 2] if hi - lo < span else None, row=row, col=col)
 
-    @staticmethod
-    def _legend(row: int) -> str:
-        return "legend" if row == 1 else f"legend{row}"
-
     def _trace(self, panel: str, series: str, xs: Sequence[Any], ys: Sequence[Any], *, first: bool,
                shown: set[str] | None = None) -> go.Scatter:
         line = self._line(series)
@@ -222,7 +197,7 @@ class LiveChart:
         row = self.panels.index(panel) + 1
         per_panel = len(self.panels) > 1 and self.columns == 1
         return go.Scatter(x=list(xs), y=list(ys), name=series, mode="lines+markers", line=line, marker=marker,
-                          legend=self._legend(row) if per_panel else None,
+                          legend=_legend(row) if per_panel else None,
                           legendgroup=None if per_panel else series, showlegend=per_panel or first)
 
     def _line(self, series: str) -> dict[str, Any]:
@@ -248,8 +223,6 @@ class LiveChart:
         self._dirty = False
         self._final = fig
         return fig
-
-    # --- display back ends ---
 
     def _redraw(self, now: float) -> None:
         self._last = now
@@ -289,28 +262,22 @@ class LiveChart:
     def _update_html(self, fig: go.Figure) -> None:
         from IPython.display import HTML
 
-        # Each redraw is a fragment that uses the notebook's plotly.js (embed_plotlyjs): a redraw costs the
-        # figure's data, never the library.
-        content = HTML(display.figure_html(fig))
+        self._show(HTML(display.figure_html(fig)))
+
+    def _show_final(self, fig: go.Figure) -> None:
+        self.updates += 1
+        self._show(FinalFigure(fig))
+
+    def _show(self, content: Any) -> None:
         if self._handle is None:
             self._handle = self._display(content)
         else:
             self._handle.update(content)
 
-    def _show_final(self, fig: go.Figure) -> None:
-        self.updates += 1
-        final = FinalFigure(fig)
-        if self._handle is None:
-            self._handle = self._display(final)
-        else:
-            self._handle.update(final)
-
 
 class FinalFigure:
-    """A figure as a display *bundle*, so a display handle can replace the live chart's last HTML snapshot
-    with it. A plotly figure cannot: it displays itself through its renderer and ignores the display id, so
-    the stale snapshot would stay above it. The bundle carries plotly's JSON (JupyterLab, VS Code) and HTML
-    (nbconvert, nbviewer, GitHub, Colab) drawn with the notebook's embedded plotly.js (``figure_html``)."""
+    """A figure as a display bundle (plotly's JSON and HTML), so a display handle can replace the live chart's last
+    HTML snapshot with it: a plotly figure ignores the display id and the stale snapshot would stay above it."""
 
     def __init__(self, figure: go.Figure) -> None:
         self.figure = figure
@@ -318,11 +285,13 @@ class FinalFigure:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         import json
 
-        return {
-            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
-            "text/html": display.figure_html(self.figure),
-            "text/plain": f"<plotly figure: {self.figure.layout.title.text}>",
-        }
+        return {"application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {}},
+                "text/html": display.figure_html(self.figure),
+                "text/plain": f"<plotly figure: {self.figure.layout.title.text}>"}
+
+
+def _legend(row: int) -> str:
+    return "legend" if row == 1 else f"legend{row}"
 
 
 def _ipython_display(obj: Any) -> Any:

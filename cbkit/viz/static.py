@@ -1,19 +1,7 @@
-"""Figures as PNG images: the fallback wherever JavaScript does not run.
-
-An executed notebook's plotly figures are ``text/html`` that draws with plotly.js (`cbkit.viz.live`). Where no
-script runs (github.com's notebook viewer, a mail client, a PDF), that output is blank. A ``image/png`` next to
-it in the same output bundle is what such a viewer shows instead, while every browser-based reader (nbconvert,
-nbviewer, JupyterLab, the book) still prefers the interactive HTML, because every renderer ranks ``text/html``
-above ``image/png``.
-
-The images come from kaleido (plotly's exporter), which drives a headless Chromium: the one installed on the
-machine (``/usr/bin/chromium`` here, found on PATH or through ``$BROWSER_PATH``), never a downloaded one. Two
-of kaleido's defaults would reach for the network and are turned off: MathJax (from a CDN; cbkit's figures
-have no LaTeX) and plotly.js, which comes from the installed ``plotly`` package. All the figures of a notebook
-are drawn by one browser, started once, because starting Chromium costs more than drawing a figure.
-
-This module is the one home for figure -> PNG; the book (``make book``) and anything else that needs a
-static image call it.
+"""Figures as PNG images: the fallback wherever JavaScript does not run (github.com's notebook viewer, a PDF). An
+``image/png`` beside a figure's ``text/html`` is what such a viewer shows; every browser-based reader still prefers
+the HTML. kaleido draws them with the installed Chromium (on PATH or ``$BROWSER_PATH``), offline (no MathJax), all
+of a notebook's figures in one browser.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Figures of training runs, drawn from what the loop logged: `metrics.jsonl` rows and rollouts' timelines.
-
-`reward_curve` is the learning figure (`cbkit plot runs/learn/metrics.jsonl`); `runs_curves` puts one metric of
-several runs side by side (notebook 05's corrected vs uncorrected runs); `drift_figure` plots the off-policy
-metrics against staleness; `async_timeline` draws an async rollout's requests with each token coloured by the
-policy version that sampled it, the moment each update landed, and the training it overlapped.
-"""
+"""A training run's figure from its `metrics.jsonl`: the reward and held-out accuracy per step (`cbkit plot`)."""
 
 from __future__ import annotations
 

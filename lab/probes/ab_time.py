@@ -6,7 +6,7 @@
       MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=2 .venv/bin/python lab/probes/ab_time.py 32,64 fixed128k
       done
 
-Results: docs/memory.md."""
+Results: lab/memory.md."""
 
 import json
 import sys

@@ -4,7 +4,7 @@ terms (KV, last-step transients, first forward). Run as it was, twice, once with
     OMP_NUM_THREADS=2 .venv/bin/python lab/probes/gen_mem.py 8,16,32,64
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=2 .venv/bin/python lab/probes/gen_mem.py 8,32,64
 
-Results: docs/memory.md."""
+Results: lab/memory.md."""
 
 import json
 import sys

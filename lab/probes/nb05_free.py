@@ -3,7 +3,7 @@ after loading and after each run.
 
     OMP_NUM_THREADS=1 .venv/bin/python lab/probes/nb05_free.py
 
-Results: docs/memory.md."""
+Results: lab/memory.md."""
 
 import time
 

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python lab/probes/nb05_mem.py 4 5 8 48   # k=4, 5 steps, N=8, 48 tokens
 
-Run before `train_runs` released memory between runs. Results: docs/memory.md."""
+Run before `train_runs` released memory between runs. Results: lab/memory.md."""
 
 import sys
 import time

@@ -5,7 +5,7 @@
     PYTHONPATH=$PWD     python lab/probes/onpolicy_parity.py /tmp/par_new
     # then compare OUT/cb0/metrics.jsonl and OUT/cb1/metrics.jsonl without the timing keys
 
-docs/off_policy.md reports the comparison of the off-policy work against the commit before it.
+lab/async_step_time.md reports the comparison of the off-policy work against the commit before it.
 """
 import string
 import sys

@@ -16,7 +16,7 @@ that turns a plan into a backend (``recommend``) is `cbkit.measure.advise`.
 Accuracy. The CB block count is exact: tests/test_advise.py builds the engine on the tiny model (workload,
 ``num_blocks`` and memory sizing, default and small ``max_batch_tokens``) and compares. Peak *bytes* are
 an estimate, and on CPU a lower bound: RSS counts what the plan does not model (allocator slack, the engine
-thread's malloc arena); docs/cpu_results.md has how far apart they were. Every sweep run records its
+thread's malloc arena); lab/cpu_results.md has how far apart they were. Every sweep run records its
 ``plan_error``.
 
 Simplifications: full and sliding-window attention only (no MLA, no linear attention); activations are
