@@ -1,23 +1,11 @@
 """A rollout as training tensors, and the teacher-forced forward that scores its completions.
 
-Layout: prompts left-padded to a common width P, completions right-padded to a common width T, so every
-row's completion starts at column P and one `logits_to_keep=T+1` forward yields exactly the logits that
-predict completion tokens (column P-1 predicts the first). `position_ids` count real tokens only, so a
-left-padded prompt sits at the positions the rollout engine gave it.
-
-A micro-batch or chunk of rows (`Batch.rows`, `Batch.take`) is re-trimmed to its own widths: with uneven completion
-lengths (the reason to use continuous batching at all) most are much narrower than the whole step's batch, the more
-so as the trainer takes a micro-batch's rows longest first before cutting it into chunks.
-
-**The logits budget.** The loss needs, per micro-batch, the logits over the whole vocabulary at every
-completion position, in fp32, their log-softmax, and the gradient of both: about ``LOGIT_COPIES`` fp32 copies
-of ``[rows, T, V]``. With Qwen2.5's 151,936-token vocabulary, 128 completions x 256 tokens is 20 GB per copy,
-more than a T4 holds. ``micro_batches_for`` picks the number of micro-batches (the loop's
-``gradient_accumulation_steps``) that keeps them under a stated budget; the notebooks' GPU tiers use it.
-
-**Mixed precision.** ``completion_logits(..., autocast_dtype=torch.bfloat16)`` runs the forward under
-autocast while the weights stay fp32: AdamW's updates at a learning rate of 1e-6 are far below bf16's
-resolution (8 bits of mantissa), so bf16 *weights* would lose most of them; fp32 master weights keep them.
+Prompts left-padded to a width P, completions right-padded to T: every completion starts at column P, and one
+`logits_to_keep=T+1` forward gives exactly the logits that predict completion tokens; `position_ids` count real
+tokens, as the engine did. A chunk of rows (`Batch.take`) is re-trimmed to its own widths. The loss holds about
+``LOGIT_COPIES`` fp32 copies of [rows, T, V] (Qwen2.5's 151,936-token vocabulary: 20 GB a copy at 128 x 256), so
+``micro_batches_for`` picks the micro-batches that fit a budget. ``autocast_dtype`` runs the forward in bf16 over
+fp32 weights: bf16 *weights* would round away AdamW's small updates.
 """
 
 from __future__ import annotations

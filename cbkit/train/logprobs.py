@@ -1,13 +1,9 @@
 """The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it.
 
-`chunked_logits` is the forward every teacher-forced logprob in cbkit comes from: the loop's old logprobs and its
-chunked backward, `teacher_forced_logprobs` (the checks, `cbkit demo`, notebook 02), 02's IS-update experiment and
-the tests' reference all run a batch's rows through it, `forward_chunk_rows` at a time.
-
-The check is the foundation of the importance-sampling correction: on unchanged weights, the logprob a
-backend reports for a token it sampled must equal the logprob a training forward assigns to that token
-under the same processed distribution (temperature, top-k, top-p). If it does not, the correction would
-"correct" for a difference that is really a bug.
+`chunked_logits` is the forward every teacher-forced logprob comes from: the loop's old logprobs and chunked
+backward, `teacher_forced_logprobs` (the checks, `cbkit demo`, notebook 02) and the tests' reference. On unchanged
+weights the logprob a backend reports for a sampled token must equal the training forward's under the same
+processed distribution; otherwise the IS correction would "correct" a bug.
 """
 
 from __future__ import annotations

@@ -1,35 +1,20 @@
 """Off-policy rollouts: sampling from an older policy on purpose, measuring how far off it is, and async GRPO.
 
-GRPO's importance-sampling (IS) correction divides the policy by the distribution each token was *sampled* from.
-In the on-policy loop the two are the same weights and the correction only absorbs kernel noise (~1e-5 nats in
-fp32). This module makes the rollout genuinely off-policy, in the two ways RL stacks meet it, each a
-`cbkit.train.rollouts.RolloutSource` built on what it needs (the policy, a backend or the engine, a snapshot store)
-and chosen once by `make_rollout_source`; the loop calls it as it calls the on-policy source:
+Two `cbkit.train.rollouts.RolloutSource`s, chosen once by `make_rollout_source`; the loop calls them as it calls the
+on-policy one:
 
-* **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout is sampled from an exact copy of
-  the weights of k optimizer updates earlier, kept in a ring of snapshots; the loss uses the current weights.
-  Exact and reproducible, so a learner can set k and watch what it does;
+* **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout samples an exact copy of the
+  weights of k updates earlier (a ring of snapshots); the loss uses the current weights;
 * **async rollouts** (`async_rollouts`, `AsyncRollouts` over `cbkit.rollout.async_cb.AsyncEngine`): step t+1's
-  requests decode in the CB engine while step t trains, and the update lands mid-rollout, so a completion's
-  tokens come from two policy versions. A rollout with a token more than `max_staleness` updates old is
-  regenerated or its groups dropped (`stale_rollouts`).
+  requests decode while step t trains and the update lands mid-rollout, so a completion's tokens come from two
+  versions; a token more than `max_staleness` updates old is regenerated or its group dropped (`stale_rollouts`).
 
-Both report `offpolicy/*` every step (`drift_metrics`): the staleness itself, |sampling - current| logprob
-(mean, max), a KL estimate, the spread of the raw IS ratios before any clip, and where the clip bit
-(`is/clipped_frac`, from `cbkit.train.objective.importance_weights`).
-
-Why IS on the engine's own logprobs stays exact when the weights change mid-sequence
--------------------------------------------------------------------------------------
-The correction needs, for each token, the probability of the distribution it was drawn from. The engine reports
-exactly that: the log-softmax of the logits its forward computed at that moment, whatever those logits were
-made of -- new weights for the current query, and for the prefix the KV the cache holds, written by whichever
-weights processed those positions. An after-the-fact "old logprobs" forward under one set of weights (TRL PR
-#5781's approach to CB) recomputes the prefix's KV with *those* weights: it is right for no token whose prefix
-was processed by another version, so it divides by a distribution nothing was sampled from.
-`versioned_logprobs` rebuilds the engine's computation from the recorded versions -- each segment of positions
-forwarded with the weights that processed it, on top of the KV of the segments before -- and
-`tests/test_async_rollouts.py` checks that it reproduces the engine's logprobs while either single-version
-forward does not. `docs/off_policy.md` works it through.
+Both report `offpolicy/*` (`drift_metrics`: staleness, |sampling - current| logprob, a KL estimate, the raw IS
+ratios before any clip). IS on the engine's own logprobs stays exact when the weights change mid-sequence: the
+engine reports the distribution it drew from, prefix KV of whichever version wrote it included, while an after-the-
+fact forward under one set of weights (TRL PR #5781) divides by a distribution nothing was sampled from.
+`versioned_logprobs` replays the engine's computation version by version; `tests/test_async_rollouts.py` checks it
+reproduces the engine's logprobs and that neither single-version forward does (`docs/off_policy.md`).
 """
 
 from __future__ import annotations
@@ -162,6 +147,8 @@ class LaggedRollouts(RolloutSource):
         self.history = WeightSnapshots(staleness + 1, snapshots)
         self.history.append(0, policy)
 
+    drift = staticmethod(drift_metrics)
+
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
         if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is
@@ -208,6 +195,8 @@ class AsyncRollouts(RolloutSource):
         self.pending: Pending | None = None
         self.previous: dict[str, Tensor] | None = None  # the weights the pending rollout started on (checkpoints)
         self.resume_update: int | None = None  # a resumed run first replays the update its pending rollout met
+
+    drift = staticmethod(drift_metrics)
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         """The rollout queued during the last step (or one now), bounded by max_staleness; the next one queued."""

@@ -1,29 +1,12 @@
-"""A ring of the policy's recent weights, for rollouts sampled from an older policy (`rollout_staleness`), and the
-copies of the weights a notebook comes back to.
+"""A ring of the policy's recent weights, for rollouts from an older policy (`rollout_staleness`), and the copies of
+the weights a notebook comes back to.
 
-A lag of k updates needs the weights of the last k + 1 versions at hand: k + 1 copies of the model, 2.7 GB at k = 4
-for a 135M model in fp32. Where they wait is a choice, because it decides which memory pays:
-
-* ``"device"``: a clone on the model's device. On a GPU the fastest (device-to-device copies) and the most
-  expensive: GPU memory, which the step itself runs short of.
-* ``"host"``: a copy in CPU memory, pinned where CUDA is (page-locked, so a copy to or from the GPU runs at the
-  bus's full speed and a load into the model can be asynchronous). Costs host RAM and two transfers over the bus a
-  step; no GPU memory. On a CPU it is the same place as ``"device"``.
-* ``"disk"``: one file per version in a temporary folder, written once when the version is made and read straight
-  into the model when it is due (`LaggedRollouts` loads the oldest into the policy for the rollout and the newest
-  back after it): no copy stays in memory, at the price of one write and two reads of the weights a step (the page
-  cache, not the process, holds what the disk has just seen).
-
-`place_for_tier` is where the notebooks' tiers keep theirs (`NotebookEnv.weights_place`; the tiers' planner counts
-the copies it puts on the device).
-
-A snapshot is bitwise the weights it was taken from, wherever it is kept: the files hold the tensors' raw bytes
-in the model's own state-dict order and dtypes.
-
-**One copy per storage.** `state_dict()` lists a tied weight under each of its names: SmolLM2's and Qwen2.5's
-embedding is also their LM head (``tie_word_embeddings``), 136M of Qwen2.5-0.5B's 494M parameters, so a copy of
-every name would keep that matrix twice. A snapshot keeps each distinct storage once, in every place, and gives it
-back under all its names (`_aliases`).
+A lag of k updates needs the last k + 1 versions at hand; where they wait decides which memory pays: ``"device"``
+(a clone on the model's device: fastest, and GPU memory), ``"host"`` (CPU memory, pinned where CUDA is: two
+transfers over the bus a step, no GPU memory) or ``"disk"`` (a file per version, read straight into the model when
+due: one write and two reads a step, no memory). A snapshot is bitwise the weights it was taken from, and keeps
+each distinct storage once: a tied embedding (SmolLM2, Qwen2.5) is one matrix under two names (`_aliases`).
+`place_for_tier` is where the notebooks' tiers keep theirs.
 """
 
 from __future__ import annotations
