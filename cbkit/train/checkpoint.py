@@ -108,10 +108,8 @@ def load_checkpoint(
                if not (path / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not a complete cbkit checkpoint: missing {missing}.")
-    device = next(model.parameters()).device
-    load_model(model, str(path / "model.safetensors"), device=str(device))
-    # Loaded on the CPU: load_state_dict moves each moment to its parameter's device and keeps AdamW's step
-    # counters where it wants them.
+    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    # On the CPU: load_state_dict moves each moment to its parameter's device.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     # RNG states hold python tuples and numpy arrays, which weights_only refuses; the file is our own.
     rng = torch.load(path / "rng.pt", weights_only=False)

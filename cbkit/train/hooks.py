@@ -117,11 +117,8 @@ class ProgressBarHook(StepHooks):
 
 
 class JSONLHook(StepHooks):
-    """Appends one JSON line per finished step and flushes it to disk before the next step starts.
-
-    On train begin it drops lines of steps after the one training starts from: after a resume from step k,
-    steps k+1.. are about to be run again, and lines a crashed run wrote for them must not appear twice.
-    """
+    """One JSON line per finished step, on disk before the next starts; on train begin the lines of steps after the
+    one it starts from are dropped (a resumed run writes them again)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -143,12 +140,8 @@ class JSONLHook(StepHooks):
 
 
 class CheckpointHook(StepHooks):
-    """Saves every `save_steps` steps and when training ends, through the loop's own `save(step)`.
-
-    At the end (finished, interrupted or failed) it saves only if `state.resumable`: the weights are those of a
-    finished step. An interrupt during a rollout therefore keeps the last finished step on disk; one during an
-    optimizer update cannot, and the previous checkpoint stays the resume point.
-    """
+    """Saves every `save_steps` steps and when training ends, then only if `state.resumable` (the weights are a
+    finished step's: an interrupt mid-update leaves the previous checkpoint the resume point)."""
 
     def __init__(self, save: Callable[[int], Path], save_steps: int) -> None:
         self.save = save

@@ -117,16 +117,9 @@ def processed_logprobs(
 def replayed_logprobs(
     logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """`processed_logprobs` of tokens a sampler *did* draw, each kept inside its own support; and where that mattered.
-
-    The trainer replays the sampler's truncation on its own logits. A token at the edge of the nucleus can fall
-    inside it for the sampler and outside for the trainer: a bf16 rounding or another kernel is enough. Then
-    `processed_logprobs` says -inf for a token that was sampled, the IS ratio exp(old - sampled) is 0, and under
-    `sequence_*` modes the whole completion's loss is zeroed without a word (the `logprob/*` gaps read inf). The
-    token was in the sampler's support, so it is put back into the trainer's: its own raw score is restored
-    before normalising, the rest of the nucleus is unchanged, and the ratio measures the small numeric gap it
-    really is. Returns (logprobs [...], outside [...] bool: the tokens the trainer's nucleus had left out).
-    """
+    """`processed_logprobs` of tokens the sampler *did* draw, each kept inside its own support: a token at the edge
+    of the nucleus (a bf16 rounding is enough) would otherwise get -inf, an IS ratio of 0 and, per sequence, zero its
+    completion's loss. Returns (logprobs, outside: where the trainer's nucleus had left the token out)."""
     scores = _sampler_scores(logits, temperature, top_k, top_p)
     index = tokens.unsqueeze(-1)
     outside = scores.gather(-1, index).squeeze(-1) == -math.inf
@@ -228,14 +221,8 @@ def importance_weights(
 
 
 def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tensor) -> tuple[float, float]:
-    """What `grpo_loss` of a chunk of a micro-batch's rows is multiplied by to be that chunk's part of the
-    micro-batch's `grpo_loss`, and the same for its token-share metrics (`train/clip_ratio/*`, `train/kl`).
-
-    So a micro-batch can be forwarded, scored and back-propagated a chunk of rows at a time, and the chunks' scaled
-    losses (and gradients) add up to the micro-batch's. grpo and dr_grpo average over rows: a chunk weighs its rows'
-    share. bnpo divides by the micro-batch's tokens: a chunk weighs its tokens' share. dapo already divides by
-    the step's token count (`num_items_in_batch`): 1. The metrics are shares of the micro-batch's tokens.
-    """
+    """The factors that make a chunk's `grpo_loss` (and its token-share metrics) its part of the micro-batch's, so
+    the chunks' losses and gradients add up: grpo/dr_grpo its rows' share, bnpo its tokens' share, dapo 1."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")
     tokens = float(chunk_mask.sum())

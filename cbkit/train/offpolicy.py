@@ -44,14 +44,9 @@ STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next r
 
 
 def drift_metrics(current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
-    """How far the rollout's sampling distribution is from the policy the loss uses, over completion tokens.
-
-    `current_logps` are the trainer's logprobs of the sampled tokens before this step's update (under the sampler's
-    processed distribution), `sampling_logps` the engine's. With r = exp(current - sampling) per token:
-    `kl` is the k3 estimate E[r - 1 - log r] of KL(sampling || current) on samples from the sampler (>= 0, and 0
-    only when the two agree on every sampled token); `ratio_*` are the raw IS ratios (per token, or per sequence
-    for `sequence_*` modes) before `clip_max`/`clip_min`, so their spread shows what the clip will have to cut.
-    """
+    """How far the sampler (`sampling_logps`) is from the policy the loss uses (`current_logps`, before this step's
+    update), over completion tokens. With r = exp(current - sampling): `kl` is the k3 estimate E[r - 1 - log r] of
+    KL(sampling || current); `ratio_*` the raw IS ratios (per sequence for `sequence_*` modes) before any clip."""
     if sampling_logps is None:
         return {}
     m = mask.bool() & ~sampling_logps.isnan()
@@ -84,12 +79,8 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
-    """The indices of the groups to keep: those whose every token is at most `max_staleness` updates old.
-
-    `group_versions[g][c]` is the policy version of each token of completion c of group g; `now` is the version
-    the loss is computed with. A group is the unit: one too-old token drops its whole group, because GRPO's
-    advantages compare a completion with its siblings and a group with a member missing has another baseline.
-    """
+    """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
+    updates older than `now`. One too-old token drops its whole group: a group missing a member has another baseline."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
@@ -113,11 +104,8 @@ def _token_versions(completion: Completion) -> tuple[int, ...]:
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
-    """`given` (it wins over the config), or the source the config asks for: on-policy (the default), a fixed lag,
-    or async rollouts.
-
-    `max_prompt_len` (the run's longest prompt) sizes an async engine's KV pool. With `config.output_dir` set the
-    run writes checkpoints, and an async source keeps the weights its pending rollout started on."""
+    """`given` (it wins), or the source the config asks for: on-policy (the default), a fixed lag, or async
+    rollouts (`max_prompt_len` sizes its KV pool; with `output_dir` it keeps what a checkpoint needs)."""
     if given is not None:
         if not isinstance(given, RolloutSource):
             raise TypeError(f"rollouts must be a cbkit.train.rollouts.RolloutSource (subclass it and override "
