@@ -39,17 +39,9 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(
-    output_dir: str | os.PathLike[str],
-    step: int,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    config: CBGRPOConfig,
-    trainer_state: dict[str, Any],
-    rng: dict[str, Any],
-    keep: int = 1,
-) -> Path:
+def save_checkpoint(output_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, config: CBGRPOConfig, trainer_state: dict[str, Any],
+                    rng: dict[str, Any], keep: int = 1) -> Path:
     """Write `checkpoint-<step>` atomically, then delete all but the `keep` newest. Returns its path."""
     from safetensors.torch import save_model
 
@@ -97,9 +89,8 @@ def check_same_config(saved: CBGRPOConfig, now: CBGRPOConfig, path: str | os.Pat
         )
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_checkpoint(path: str | os.PathLike[str], *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights and optimizer state in place; return (trainer_state, rng) for the loop to apply."""
     from safetensors.torch import load_model
 

@@ -55,9 +55,8 @@ class CBGRPOConfig:
     system_prompt: str | None = _help("System prompt for every chat prompt; None sends the user turn alone. "
                                       "Default: cbkit.tasks.data.SYSTEM_PROMPT (asks for '#### <number>').",
                                       default=SYSTEM_PROMPT)
-    prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this "
-                                  "from per_device_train_batch_size x steps_per_generation / num_generations.",
-                                  default=2)
+    prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this from "
+                                  "per_device_train_batch_size x steps_per_generation / num_generations.", default=2)
     # --- sampling (TRL names) ---
     num_generations: int = _help("Completions per prompt (N, the group size). At least 2: a group of 1 has no "
                                  "baseline.", default=8)
@@ -69,8 +68,7 @@ class CBGRPOConfig:
     top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
     reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards: 'correctness', 'format', "
-                                    "'verified' (math-verify)). "
-                                    "GRPOTrainer(reward_funcs=...) takes callables instead.",
+                                    "'verified' (math-verify)). GRPOTrainer(reward_funcs=...) takes callables instead.",
                                     default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
                                                "cbkit.tasks.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
@@ -100,22 +98,19 @@ class CBGRPOConfig:
     mask_truncated_completions: bool = _help("Leave completions that hit max_completion_length out of the loss "
                                              "(they still count in the advantages).", default=False)
     # --- importance-sampling correction (TRL: vllm_importance_sampling_*) ---
-    importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs, correcting "
-                                                 "for the rollout engine differing from the training forward.",
-                                                 default=True)
+    importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs, correcting for the "
+                                                 "rollout engine differing from the training forward.", default=True)
     importance_sampling_mode: str = _help(f"One of {IS_MODES}: per token or per sequence, clamp (truncate) or "
                                           "zero (mask) ratios outside [clip_min, clip_max]. TRL's default.",
                                           default="sequence_mask")
-    clip_max: float = _help("Upper bound of the importance-sampling ratio (TRL's "
-                            "vllm_importance_sampling_clip_max, C_max); not the policy ratio's clip (epsilon).",
-                            default=3.0)
+    clip_max: float = _help("Upper bound of the importance-sampling ratio (TRL's vllm_importance_sampling_clip_max, "
+                            "C_max); not the policy ratio's clip (epsilon).", default=3.0)
     clip_min: float | None = _help("Lower bound of the importance-sampling ratio (TRL's "
                                    "vllm_importance_sampling_clip_min); None: no lower bound.", default=None)
     # --- off-policy rollouts (cbkit.train.offpolicy; TRL's AsyncGRPOConfig names where it has the concept) ---
-    rollout_staleness: int = _help("Sample step t's rollout from the policy of this many optimizer updates earlier "
-                                   "(an exact weight snapshot) while the loss uses the current one; 0 is the "
-                                   "on-policy loop. No TRL twin: TRL's staleness is whatever its async queue gives.",
-                                   default=0)
+    rollout_staleness: int = _help("Sample step t's rollout from the policy of this many optimizer updates earlier (an "
+                                   "exact weight snapshot) while the loss uses the current one; 0 is the on-policy "
+                                   "loop. No TRL twin: TRL's staleness is whatever its async queue gives.", default=0)
     rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'device', "
                                    "'host' (no GPU memory, two transfers a step) or 'disk' (no memory; "
                                    "cbkit.train.snapshots).", default="host")
@@ -129,14 +124,12 @@ class CBGRPOConfig:
     stale_rollouts: str = _help(f"What to do with a too-old rollout: one of {STALE_ROLLOUTS}: sample it again on "
                                 "the current weights, or drop its groups (TRL drops).", default="regenerate")
     # --- rollout engine (TRL names) ---
-    use_transformers_continuous_batching: bool = _help("Roll out with transformers' continuous batching engine "
-                                                       "(True) or one static padded generate() batch (False).",
-                                                       default=True)
+    use_transformers_continuous_batching: bool = _help("Roll out with transformers' continuous batching engine (True) "
+                                                       "or one static padded generate() batch (False).", default=True)
     transformers_continuous_batching_config: dict[str, Any] = _help(
         "ContinuousBatchingConfig fields you set; the engine gets cbkit's defaults (max_memory_percent=0.5, "
         "use_cuda_graph=False: cbkit.rollout.engine_config.CB_DEFAULTS) under them.", default_factory=dict)
-    use_transformers_paged: bool | None = _help("Deprecated: use use_transformers_continuous_batching.",
-                                                default=None)
+    use_transformers_paged: bool | None = _help("Deprecated: use use_transformers_continuous_batching.", default=None)
     # --- optimisation (TRL names) ---
     learning_rate: float = _help("AdamW learning rate, constant (TRL's default is 1e-6 with linear decay; short "
                                  "runs on small models need more).", default=1e-5)
@@ -148,13 +141,10 @@ class CBGRPOConfig:
                        "the same update to float rounding.", default="adamw_torch_fused")
     max_grad_norm: float = _help("Clip the gradient's global norm to this; 0 disables clipping.", default=1.0)
     # --- the run ---
-    max_steps: int = _help("Steps to train; one step = one rollout and num_iterations optimizer updates.",
-                           default=20)
+    max_steps: int = _help("Steps to train; one step = one rollout and num_iterations optimizer updates.", default=20)
     seed: int = _help("Seeds the data order, every rollout's sampler and torch/python/numpy RNGs.", default=0)
-    output_dir: str | None = _help("Where metrics.jsonl and checkpoint-<step>/ go; None writes nothing.",
-                                   default=None)
-    save_steps: int = _help("Checkpoint every save_steps steps and at the end; 0 disables checkpoints.",
-                            default=10)
+    output_dir: str | None = _help("Where metrics.jsonl and checkpoint-<step>/ go; None writes nothing.", default=None)
+    save_steps: int = _help("Checkpoint every save_steps steps and at the end; 0 disables checkpoints.", default=10)
     save_total_limit: int = _help("Keep this many newest checkpoints.", default=1)
     disable_tqdm: bool = _help("No progress bar.", default=False)
     # --- held-out evaluation (cbkit.train.evaluate; TRL: eval_strategy='steps', eval_steps) ---
@@ -164,8 +154,7 @@ class CBGRPOConfig:
     eval_data: str | None = _help("Source of the held-out problems; None: the training source (with another seed "
                                   "for generated ones). Their questions are removed from the training problems.",
                                   default=None)
-    eval_num_problems: int = _help("Held-out problems (distinct questions; fewer if the source has fewer).",
-                                   default=64)
+    eval_num_problems: int = _help("Held-out problems (distinct questions; fewer if the source has fewer).", default=64)
     eval_num_generations: int = _help("Completions sampled per held-out problem, at the training temperature.",
                                       default=4)
 

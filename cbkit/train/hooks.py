@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cbkit.jsonl import read_jsonl
+from cbkit.train.order import capture_rng
 
 if TYPE_CHECKING:
     from cbkit.rollout import Rollout
@@ -59,8 +60,6 @@ class TrainState:
     rng: dict[str, Any] | None = None  # the RNG states at the end of `step`: what a checkpoint of it restores
 
     def finish_step(self, step: int, prompts: int) -> None:
-        from cbkit.train.order import capture_rng
-
         self.step, self.data_position, self.rng, self.resumable = step, self.data_position + prompts, capture_rng(), True
 
 

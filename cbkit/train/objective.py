@@ -149,10 +149,8 @@ def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float
 
 
 def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """What TRL's training forward computes: log_softmax(logits / temperature) at the token, no top-k/top-p, in fp32.
-
-    Selectively: the token's score minus the logsumexp over the vocabulary, so no [..., V] log-softmax is made
-    beside the logits (TRL's `selective_log_softmax`); autograd keeps the scores once for the backward."""
+    """What TRL's training forward computes: log_softmax(logits / temperature) at the token, in fp32, selectively
+    (the score minus the logsumexp: no [..., V] log-softmax beside the logits, as TRL's `selective_log_softmax`)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
     scores = logits.float() if temperature == 1 else logits.float() / temperature
@@ -170,14 +168,9 @@ def importance_weights(
     clip_max: float | None = 3.0,
     clip_min: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Per-token IS weights [B, T] correcting for sampling-engine vs training-forward mismatch, and metrics.
-
-    `policy_logps_old` are the training forward's logprobs of the rollout before any update; `sampling_logps`
-    the engine's (NaN where it could not score a token: that token gets no correction, like TRL).
-    Metrics, as TRL's `sampling/importance_sampling_ratio/*` (after truncation/masking) and
-    `sampling/sampling_logp_difference/*`: ratio stats are over completion tokens (token modes) or over
-    sequences (sequence modes); `is/clipped_frac` is the share of those truncated or masked.
-    """
+    """Per-token IS weights [B, T] for the engine's `sampling_logps` (NaN: no correction for that token, as TRL)
+    against the trainer's `policy_logps_old`, and TRL's `sampling/*` metrics as `is/*` and `logprob/*`: ratios
+    over tokens or sequences (by mode) after the clip, `is/clipped_frac` the share clipped or masked."""
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}; use one of {IS_MODES}")
     if sampling_logps is None:  # e.g. TRL's transformers-CB path: no sampling logprobs, no correction

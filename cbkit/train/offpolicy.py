@@ -122,12 +122,8 @@ def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: 
 
 
 class LaggedRollouts(RolloutSource):
-    """`rollout_staleness = k`: the rollout samples from the weights of k updates ago, swapped into the policy.
-
-    The last k + 1 versions wait in a ring (`rollout_snapshots`: copies on the device, in host memory or files on
-    disk), the newest being the policy as it is now. For a rollout the oldest is loaded into the policy itself,
-    `backend` (which samples from the policy) samples, and the newest is loaded back, bitwise: no sampling copy of
-    the model is kept."""
+    """`rollout_staleness = k`: the last k + 1 versions wait in a ring (`rollout_snapshots`); for a rollout the oldest
+    is loaded into the policy itself, `backend` samples, and the newest is loaded back, bitwise (no sampling copy)."""
 
     def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
@@ -167,12 +163,9 @@ class LaggedRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot while step t trains.
-
-    Built on the policy (the engine keeps a snapshot of it, refreshed at each step's end) and the config's
-    async fields (`cb_overrides`, `async_update_at`, `max_staleness`, `stale_rollouts`, `num_iterations`).
-    `target_lengths`, one per completion row, replays a length workload in every rollout it queues, EOS ignored
-    (`cbkit sweep --full-step`'s async row, so every backend decodes the same targets); None: EOS decides."""
+    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot of the policy (refreshed at each
+    step's end) while step t trains. `target_lengths`, one per completion row, replays a length workload, EOS
+    ignored (`cbkit sweep --full-step`'s async row); None: EOS decides."""
 
     def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
                  checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
@@ -260,11 +253,9 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
                        temperature: float = 1.0) -> Tensor:
     """Logprobs of `completion_ids` as an engine computed them when its weights changed mid-sequence.
 
-    `position_versions[i]` is the version whose forward processed input position i (prompt, then completion
-    tokens but the last): it wrote that position's KV and, from the last prompt position on, sampled the next
-    token. Consecutive positions of one version go through `model` loaded with `weights[version]`, on top of
-    the KV cache the earlier segments left: exactly what the engine's cache held. `model`'s weights are
-    overwritten.
+    `position_versions[i]` is the version whose forward processed input position i (prompt, then completion tokens
+    but the last). Each run of one version goes through `model` loaded with its weights, on top of the KV cache the
+    earlier runs left, as the engine's cache held it. `model`'s weights are overwritten.
     """
     from transformers import DynamicCache
 
