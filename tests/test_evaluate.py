@@ -77,7 +77,7 @@ def test_evaluation_changes_nothing_the_run_trains(tmp_path):
     for name in ("evaluated", "silent"):
         trainer = GRPOTrainer(config(eval_steps=1, output_dir=str(tmp_path / name)), policy=load_policy("tiny", seed=0))
         if name == "silent":
-            trainer.held_out = None
+            trainer.held_out.every = 0  # the same held-out split, never evaluated
         trainer.train()
         trainers[name] = trainer
     for p, q in zip(trainers["evaluated"].model.parameters(), trainers["silent"].model.parameters(), strict=True):
@@ -100,7 +100,7 @@ def test_evaluating_twice_on_the_same_weights_gives_the_same_numbers():
 
 def test_a_generate_run_is_evaluated_through_the_cb_engine():
     trainer = GRPOTrainer(config(use_transformers_continuous_batching=False), policy=load_policy("tiny", seed=0))
-    assert trainer.backend.name == "generate" and trainer.eval_backend.name == "continuous"
+    assert trainer.backend.name == "generate" and trainer.held_out.backend.name == "continuous"
 
 
 def test_without_held_out_refuses_to_leave_nothing():

@@ -1,23 +1,11 @@
 """A rollout as training tensors, and the teacher-forced forward that scores its completions.
 
-Layout: prompts left-padded to a common width P, completions right-padded to a common width T, so every
-row's completion starts at column P and one `logits_to_keep=T+1` forward yields exactly the logits that
-predict completion tokens (column P-1 predicts the first). `position_ids` count real tokens only, so a
-left-padded prompt sits at the positions the rollout engine gave it.
-
-A micro-batch or chunk of rows (`Batch.rows`, `Batch.take`) is re-trimmed to its own widths: with uneven completion
-lengths (the reason to use continuous batching at all) most are much narrower than the whole step's batch, the more
-so as the trainer takes a micro-batch's rows longest first before cutting it into chunks.
-
-**The logits budget.** The loss needs, per micro-batch, the logits over the whole vocabulary at every
-completion position, in fp32, their log-softmax, and the gradient of both: about ``LOGIT_COPIES`` fp32 copies
-of ``[rows, T, V]``. With Qwen2.5's 151,936-token vocabulary, 128 completions x 256 tokens is 20 GB per copy,
-more than a T4 holds. ``micro_batches_for`` picks the number of micro-batches (the loop's
-``gradient_accumulation_steps``) that keeps them under a stated budget; the notebooks' GPU tiers use it.
-
-**Mixed precision.** ``completion_logits(..., autocast_dtype=torch.bfloat16)`` runs the forward under
-autocast while the weights stay fp32: AdamW's updates at a learning rate of 1e-6 are far below bf16's
-resolution (8 bits of mantissa), so bf16 *weights* would lose most of them; fp32 master weights keep them.
+Prompts left-padded to a width P, completions right-padded to T: every completion starts at column P, and one
+`logits_to_keep=T+1` forward gives exactly the logits that predict completion tokens; `position_ids` count real
+tokens, as the engine did. A chunk of rows (`Batch.take`) is re-trimmed to its own widths. The loss holds about
+``LOGIT_COPIES`` fp32 copies of [rows, T, V] (Qwen2.5's 151,936-token vocabulary: 20 GB a copy at 128 x 256), so
+``micro_batches_for`` picks the micro-batches that fit a budget. ``autocast_dtype`` runs the forward in bf16 over
+fp32 weights: bf16 *weights* would round away AdamW's small updates.
 """
 
 from __future__ import annotations
@@ -79,7 +67,6 @@ class Batch:
         return self.completion_ids.size(1)
 
     def rows(self, start: int, stop: int) -> Batch:
-        """Rows [start, stop), trimmed to the widest prompt and completion among them."""
         return self.take(slice(start, stop))
 
     def take(self, rows: slice | Tensor) -> Batch:
@@ -101,10 +88,8 @@ class Batch:
 
 
 def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = None) -> Tensor:
-    """[B, T, V] fp32 logits at the positions that predict each completion token (teacher forcing).
-
-    ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the forward under ``torch.autocast`` on the model's device
-    type, leaving the weights in their own (fp32) dtype; the logits come back in fp32 either way."""
+    """[B, T, V] fp32 logits at the positions that predict each completion token (teacher forcing), the forward
+    under ``torch.autocast(autocast_dtype)`` where given (the weights stay fp32)."""
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     t = batch.completion_width
     device_type = batch.input_ids.device.type
@@ -119,9 +104,8 @@ def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = 
     return out.logits[:, :-1].float()
 
 
-# fp32 [rows, T, V] tensors alive at once in the loss of one forward (a micro-batch, or a chunk of its rows): the
-# logits, their log-softmax, and the gradient of each during backward. An upper bound since policy logprobs are a
-# selective log-softmax (`objective.policy_logprobs` keeps the scores, not a log-softmax beside them).
+# fp32 [rows, T, V] tensors alive at once in the loss of one forward: logits, log-softmax, and their gradients
+# (an upper bound: `objective.policy_logprobs` is a selective log-softmax).
 LOGIT_COPIES = 4
 
 
@@ -131,9 +115,8 @@ def logits_bytes(rows: int, completion_len: int, vocab_size: int) -> int:
 
 
 def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_bytes: int) -> int:
-    """The fewest micro-batches (a divisor of ``rows``, so they are equal, as the loop requires) whose logits
-    stay within ``budget_bytes``. Raises if a single completion does not fit: then the budget, the length or
-    the vocabulary has to change, and no number of micro-batches helps."""
+    """The fewest micro-batches (a divisor of ``rows``) whose logits stay within ``budget_bytes``; an error when
+    one completion alone does not fit."""
     for name, value in (("rows", rows), ("completion_len", completion_len), ("vocab_size", vocab_size),
                         ("budget_bytes", budget_bytes)):
         if value < 1:
@@ -149,12 +132,9 @@ def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_by
 
 
 def longest_first_chunks(start: int, stop: int, rows: int | None, attention_mask: Tensor) -> list[Tensor]:
-    """Rows [start, stop) longest first (real length: prompt + completion tokens, ``attention_mask``), cut into
-    chunks of at most `rows` (None: one chunk); the last may be shorter. A chunk is trimmed to its longest row
-    (`Batch.take`), so rows of about one length pad little where chunks in rollout order pad each to its longest
-    row (lab/full_step.md, "The update, profiled"). Longest first, so each later chunk's tensors fit in the
-    memory the widest one freed. The sort is stable: a rerun forms the same chunks, and the loss is the same sum in
-    another order."""
+    """Rows [start, stop) longest first (prompt + completion tokens), cut into chunks of at most `rows` (None: one):
+    a chunk trimmed to its longest row pads little, and each later chunk fits in the memory the widest one freed.
+    The sort is stable: a rerun forms the same chunks."""
     order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)
     step = stop - start if rows is None else rows
     return [order[i : i + step] for i in range(0, stop - start, step)]

@@ -1,23 +1,15 @@
-"""Checkpoints a killed run can continue from: written atomically, read back exactly.
+"""Checkpoints a killed run continues from, written atomically and read back exactly, and the run's start or resume.
 
-A checkpoint is a directory `checkpoint-<step>/` holding everything that decides what the next step computes:
-
-    model.safetensors     the policy's weights (shared tensors, e.g. tied embeddings, stored once)
-    optimizer.pt          AdamW's state (moments, step counts)
-    rng.pt                torch (CPU and CUDA), python `random` and numpy RNG states at the end of the step
-    trainer_state.json    the step, the data position, cbkit's version
-    config.json           the run's config, compared field by field on resume
-
-It is written into a temporary sibling and renamed into place, so a crash mid-write leaves either the old
-checkpoint or the new one, never half of one. The reference model (beta > 0) is not saved: it is the policy as
-loaded before training, which loading the same `model` again reproduces.
+`checkpoint-<step>/` holds `model.safetensors` (a tied tensor once), `optimizer.pt`, `rng.pt` (torch, CUDA, python,
+numpy at the step's end), `trainer_state.json` (step, data position, cbkit's version) and `config.json` (compared
+field by field on resume), plus what the rollout source saves. Written into a temporary sibling and renamed, so a
+crash leaves the old checkpoint or the new one. The reference model (beta > 0) is the policy as loaded: not saved.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
@@ -27,6 +19,8 @@ from typing import Any
 import torch
 
 from cbkit.train.config import CBGRPOConfig
+from cbkit.train.hooks import METRICS_FILE
+from cbkit.train.order import capture_rng, restore_rng, seed_everything
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -45,41 +39,9 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
-def capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-
-
-def save_checkpoint(
-    output_dir: str | os.PathLike[str],
-    step: int,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    config: CBGRPOConfig,
-    trainer_state: dict[str, Any],
-    rng: dict[str, Any],
-    keep: int = 1,
-) -> Path:
+def save_checkpoint(output_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, config: CBGRPOConfig, trainer_state: dict[str, Any],
+                    rng: dict[str, Any], keep: int = 1) -> Path:
     """Write `checkpoint-<step>` atomically, then delete all but the `keep` newest. Returns its path."""
     from safetensors.torch import save_model
 
@@ -127,9 +89,8 @@ def check_same_config(saved: CBGRPOConfig, now: CBGRPOConfig, path: str | os.Pat
         )
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_checkpoint(path: str | os.PathLike[str], *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights and optimizer state in place; return (trainer_state, rng) for the loop to apply."""
     from safetensors.torch import load_model
 
@@ -138,10 +99,8 @@ def load_checkpoint(
                if not (path / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not a complete cbkit checkpoint: missing {missing}.")
-    device = next(model.parameters()).device
-    load_model(model, str(path / "model.safetensors"), device=str(device))
-    # Loaded on the CPU: load_state_dict moves each moment to its parameter's device and keeps AdamW's step
-    # counters where it wants them.
+    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    # On the CPU: load_state_dict moves each moment to its parameter's device.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     # RNG states hold python tuples and numpy arrays, which weights_only refuses; the file is our own.
     rng = torch.load(path / "rng.pt", weights_only=False)
@@ -172,4 +131,43 @@ def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | b
     path = latest_checkpoint(output_dir)
     if path is None:
         raise FileNotFoundError(f"No checkpoint-<step> directory in {output_dir} to resume from.")
+    return path
+
+
+# --- a trainer's run: started fresh or resumed, saved ---------------------------------------------------------
+
+
+def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> None:
+    """Start `trainer`'s run: fresh (refusing a folder that holds a run; the RNGs seeded from the config), or with
+    `resume_from` (True: the newest checkpoint in output_dir) exactly where that checkpoint left it."""
+    if resume_from:
+        resume(trainer, resume_from)
+        return
+    refuse_to_overwrite(trainer.state.output_dir, METRICS_FILE)
+    seed_everything(trainer.config.seed)
+    trainer.state.rng = capture_rng()
+
+
+def save(trainer: Any, step: int) -> Path:
+    """`checkpoint-<step>` of `trainer`'s run, and what its rollout source needs (e.g. the older weights)."""
+    state = trainer.state
+    if state.output_dir is None:
+        raise ValueError("save_checkpoint needs config.output_dir.")
+    path = save_checkpoint(state.output_dir, step, model=trainer.model, optimizer=trainer.optimizer,
+                           config=trainer.config, trainer_state={"data_position": state.data_position},
+                           rng=state.rng or capture_rng(), keep=trainer.config.save_total_limit)
+    trainer.rollouts.save(path)
+    return path
+
+
+def resume(trainer: Any, resume_from: str | os.PathLike[str] | bool) -> Path:
+    """Load a checkpoint into `trainer` after checking it was made with the same config."""
+    state = trainer.state
+    path = resume_path(state.output_dir, resume_from)
+    check_same_config(read_config(path), trainer.config, path)
+    saved, rng = load_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+    state.step, state.data_position, state.resumed_from, state.rng = saved["step"], saved["data_position"], path, rng
+    trainer.policy_version = state.step * trainer.config.num_iterations
+    trainer.rollouts.load(path, trainer.policy_version)
+    restore_rng(rng)
     return path

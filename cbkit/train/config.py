@@ -1,14 +1,6 @@
-"""The run's config: one dataclass, TRL's names, only the fields cbkit's loop reads.
-
-Names follow TRL 1.16's `GRPOConfig` wherever TRL has the concept (`num_generations`, `max_completion_length`,
-`beta`, `epsilon`, `loss_type`, ...), so a reader can move between the two and `cbkit.trl.config` can map
-one onto the other field by field. Three groups have no TRL twin and say so in their help: where prompts come
-from (`data`, `num_problems`, `prompts_per_step`, `system_prompt`), the model (`model`, `dtype`), and the
-importance-sampling settings (`importance_sampling_correction`, `importance_sampling_mode`, `clip_max`,
-`clip_min`), which TRL spells `vllm_importance_sampling_*` because it only corrects vLLM rollouts; cbkit corrects
-its own CB rollouts, so the prefix is dropped and the semantics kept.
-
-Every check in `__post_init__` raises with what to change, so a bad flag fails before a model is loaded.
+"""The run's config: one dataclass, TRL 1.16's `GRPOConfig` names wherever TRL has the concept, only the fields the
+loop reads (`cbkit.trl.config` maps it onto TRL's field by field). The IS settings drop TRL's `vllm_` prefix: cbkit
+corrects its own CB rollouts. Every check in `__post_init__` says what to change, before a model is loaded.
 """
 
 from __future__ import annotations
@@ -35,10 +27,7 @@ SNAPSHOT_PLACES = {"device": "a copy on the model's device (GPU memory on a GPU)
                    "host": "a copy in CPU memory, pinned where CUDA is (host RAM, no GPU memory)",
                    "disk": "a file in a temporary folder (no memory)"}
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # TRL's names (TrainingArguments.optim) for torch's AdamW
-# Fields a resumed run may change: they decide how long and where the run goes, not what it computes.
-# forward_chunk_rows changes only how many rows one forward holds: the loss is the same to float rounding;
-# rollout_snapshots only where the older weights wait (bitwise the same either way); optim only which of torch's
-# two AdamW kernels takes the step (the same update to float rounding, and the same optimizer state).
+# Fields a resumed run may change: how long and where it goes, or how (not what) it computes.
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm",
                      "forward_chunk_rows", "eval_steps", "rollout_snapshots", "optim")
 
@@ -54,11 +43,8 @@ class CBGRPOConfig:
     # --- model and prompts (cbkit's own) ---
     model: str = _help("Policy to train: 'smollm2-offline', 'tiny' (tests), a hub id or a local directory.",
                        default="smollm2-offline")
-    dtype: str = _help("Training compute precision; the weights that train are fp32 whatever it says. 'auto': bf16 "
-                       "autocast on a GPU with native bf16 (compute capability >= 8.0), fp32 elsewhere (a T4, a CPU); "
-                       "'float32': no autocast; 'bfloat16': bf16 autocast (refused on a GPU without native bf16); "
-                       "'float16' is refused (fp16 needs loss scaling, which this loop does not do).",
-                       default="auto")
+    dtype: str = _help("Autocast over the fp32 weights: 'auto' (bf16 on a GPU with native bf16, else fp32), "
+                       "'float32' or 'bfloat16'; 'float16' is refused (no loss scaling here).", default="auto")
     data: str = _help("Prompt source: 'synthetic' (offline), 'gsm8k-local[:split]', 'gsm8k[:split]' (hub) or a "
                       ".jsonl path.", default="synthetic")
     data_options: dict[str, Any] = _help("A reasoning-gym source's difficulty knobs (reasoning_gym.create_dataset "
@@ -69,9 +55,8 @@ class CBGRPOConfig:
     system_prompt: str | None = _help("System prompt for every chat prompt; None sends the user turn alone. "
                                       "Default: cbkit.tasks.data.SYSTEM_PROMPT (asks for '#### <number>').",
                                       default=SYSTEM_PROMPT)
-    prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this "
-                                  "from per_device_train_batch_size x steps_per_generation / num_generations.",
-                                  default=2)
+    prompts_per_step: int = _help("Prompts per step; each gets num_generations completions. TRL derives this from "
+                                  "per_device_train_batch_size x steps_per_generation / num_generations.", default=2)
     # --- sampling (TRL names) ---
     num_generations: int = _help("Completions per prompt (N, the group size). At least 2: a group of 1 has no "
                                  "baseline.", default=8)
@@ -83,8 +68,7 @@ class CBGRPOConfig:
     top_k: int = _help("Keep only the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards (TRL: reward_funcs is a trainer argument, reward_weights a config field) ---
     reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards: 'correctness', 'format', "
-                                    "'verified' (math-verify)). "
-                                    "GRPOTrainer(reward_funcs=...) takes callables instead.",
+                                    "'verified' (math-verify)). GRPOTrainer(reward_funcs=...) takes callables instead.",
                                     default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function. None: 1.0 each (TRL), except "
                                                "cbkit.tasks.rewards.DEFAULT_REWARD_WEIGHTS for the built-ins "
@@ -108,61 +92,44 @@ class CBGRPOConfig:
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer update; must divide "
                                              "prompts_per_step x num_generations.", default=1)
     forward_chunk_rows: int | None = _help(
-        "Completions per teacher-forced forward inside a micro-batch: the old-logprob forward and the loss run chunk "
-        "by chunk, each chunk's loss scaled to its share of the micro-batch's and back-propagated at once, so only "
-        "one chunk's activations and logits are alive (the loss and gradient are the micro-batch's, to float "
-        "rounding). None: the whole micro-batch in one forward. No TRL twin: TRL's chunk of rows is its "
-        "micro-batch (per_device_train_batch_size), and its fused LM head streams the vocabulary.", default=4)
+        "Completions per teacher-forced forward: each chunk's loss is back-propagated at once, so one chunk's "
+        "activations and logits are alive (the same gradient to float rounding). None: a whole micro-batch.",
+        default=4)
     mask_truncated_completions: bool = _help("Leave completions that hit max_completion_length out of the loss "
                                              "(they still count in the advantages).", default=False)
     # --- importance-sampling correction (TRL: vllm_importance_sampling_*) ---
-    importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs, correcting "
-                                                 "for the rollout engine differing from the training forward.",
-                                                 default=True)
+    importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs, correcting for the "
+                                                 "rollout engine differing from the training forward.", default=True)
     importance_sampling_mode: str = _help(f"One of {IS_MODES}: per token or per sequence, clamp (truncate) or "
                                           "zero (mask) ratios outside [clip_min, clip_max]. TRL's default.",
                                           default="sequence_mask")
-    clip_max: float = _help("Upper bound of the importance-sampling ratio (TRL's "
-                            "vllm_importance_sampling_clip_max, C_max); not the policy ratio's clip (epsilon).",
-                            default=3.0)
+    clip_max: float = _help("Upper bound of the importance-sampling ratio (TRL's vllm_importance_sampling_clip_max, "
+                            "C_max); not the policy ratio's clip (epsilon).", default=3.0)
     clip_min: float | None = _help("Lower bound of the importance-sampling ratio (TRL's "
-                                   "vllm_importance_sampling_clip_min); None: no lower bound.",
-                                                       default=None)
+                                   "vllm_importance_sampling_clip_min); None: no lower bound.", default=None)
     # --- off-policy rollouts (cbkit.train.offpolicy; TRL's AsyncGRPOConfig names where it has the concept) ---
-    rollout_staleness: int = _help("Sample step t's rollout from the policy of this many optimizer updates earlier "
-                                   "(an exact weight snapshot) while the loss uses the current one; 0 is the "
-                                   "on-policy loop. No TRL twin: TRL's staleness is whatever its async queue gives.",
-                                   default=0)
-    # The default spends host RAM, not the GPU's: a step reads its snapshots twice (the oldest into the policy for
-    # the rollout, the newest back), so their place costs two transfers a step, while the GPU's memory is what the
-    # step itself runs short of (KV pool, activations, AdamW state). On a CPU, "host" and "device" are one place.
-    rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'device' "
-                                   "(a copy each on the model's device: on a GPU the fastest, and k + 1 models' worth of "
-                                   "its memory), 'host' (a copy each in CPU memory, pinned where CUDA is: no GPU memory, "
-                                   "two host-device transfers a step) or 'disk' (a file each in a temporary folder, read "
-                                   "into the policy for the rollout and back after it: no copy stays in memory, at one "
-                                   "write and two reads of the weights a step).", default="host")
-    async_rollouts: bool = _help("Queue step t+1's rollout in the CB engine while step t trains, on an in-process "
-                                 "weight snapshot refreshed after every update, so a completion can straddle an "
-                                 "update (TRL: AsyncGRPOTrainer, with a vLLM server). Needs the continuous backend.",
+    rollout_staleness: int = _help("Sample step t's rollout from the policy of this many optimizer updates earlier (an "
+                                   "exact weight snapshot) while the loss uses the current one; 0 is the on-policy "
+                                   "loop. No TRL twin: TRL's staleness is whatever its async queue gives.", default=0)
+    rollout_snapshots: str = _help("Where rollout_staleness keeps the last k + 1 versions of the weights: 'device', "
+                                   "'host' (no GPU memory, two transfers a step) or 'disk' (no memory; "
+                                   "cbkit.train.snapshots).", default="host")
+    async_rollouts: bool = _help("Decode step t+1's rollout in the CB engine while step t trains; a completion can "
+                                 "straddle an update (TRL: AsyncGRPOTrainer). Needs the continuous backend.",
                                  default=False)
     async_update_at: int = _help("Async only: the engine forward of the next rollout before which the new weights "
-                                 "land (the engine waits there for the update). Pinning it makes an async run "
-                                 "reproducible and resumable; on a real GPU run the update lands when training ends.",
-                                 default=8)
+                                 "land (pinned: reproducible and resumable).", default=8)
     max_staleness: int = _help("Async only: a rollout holding a token sampled more than this many updates before "
                                "the loss's policy is too old (TRL AsyncGRPOConfig's name and meaning).", default=4)
     stale_rollouts: str = _help(f"What to do with a too-old rollout: one of {STALE_ROLLOUTS}: sample it again on "
                                 "the current weights, or drop its groups (TRL drops).", default="regenerate")
     # --- rollout engine (TRL names) ---
-    use_transformers_continuous_batching: bool = _help("Roll out with transformers' continuous batching engine "
-                                                       "(True) or one static padded generate() batch (False).",
-                                                       default=True)
+    use_transformers_continuous_batching: bool = _help("Roll out with transformers' continuous batching engine (True) "
+                                                       "or one static padded generate() batch (False).", default=True)
     transformers_continuous_batching_config: dict[str, Any] = _help(
         "ContinuousBatchingConfig fields you set; the engine gets cbkit's defaults (max_memory_percent=0.5, "
         "use_cuda_graph=False: cbkit.rollout.engine_config.CB_DEFAULTS) under them.", default_factory=dict)
-    use_transformers_paged: bool | None = _help("Deprecated: use use_transformers_continuous_batching.",
-                                                default=None)
+    use_transformers_paged: bool | None = _help("Deprecated: use use_transformers_continuous_batching.", default=None)
     # --- optimisation (TRL names) ---
     learning_rate: float = _help("AdamW learning rate, constant (TRL's default is 1e-6 with linear decay; short "
                                  "runs on small models need more).", default=1e-5)
@@ -170,19 +137,14 @@ class CBGRPOConfig:
     adam_beta1: float = _help("AdamW beta1.", default=0.9)
     adam_beta2: float = _help("AdamW beta2.", default=0.999)
     adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
-    optim: str = _help(
-        "torch's AdamW kernel, under TRL's names: 'adamw_torch_fused' (one pass over each parameter; TRL's default "
-        "with torch >= 2.8) or 'adamw_torch' (several passes over each parameter, each bound by memory bandwidth). "
-        "The same update to float rounding.", default="adamw_torch_fused")
+    optim: str = _help("torch's AdamW kernel (TRL's names): 'adamw_torch_fused' (TRL's default) or 'adamw_torch'; "
+                       "the same update to float rounding.", default="adamw_torch_fused")
     max_grad_norm: float = _help("Clip the gradient's global norm to this; 0 disables clipping.", default=1.0)
     # --- the run ---
-    max_steps: int = _help("Steps to train; one step = one rollout and num_iterations optimizer updates.",
-                           default=20)
+    max_steps: int = _help("Steps to train; one step = one rollout and num_iterations optimizer updates.", default=20)
     seed: int = _help("Seeds the data order, every rollout's sampler and torch/python/numpy RNGs.", default=0)
-    output_dir: str | None = _help("Where metrics.jsonl and checkpoint-<step>/ go; None writes nothing.",
-                                   default=None)
-    save_steps: int = _help("Checkpoint every save_steps steps and at the end; 0 disables checkpoints.",
-                            default=10)
+    output_dir: str | None = _help("Where metrics.jsonl and checkpoint-<step>/ go; None writes nothing.", default=None)
+    save_steps: int = _help("Checkpoint every save_steps steps and at the end; 0 disables checkpoints.", default=10)
     save_total_limit: int = _help("Keep this many newest checkpoints.", default=1)
     disable_tqdm: bool = _help("No progress bar.", default=False)
     # --- held-out evaluation (cbkit.train.evaluate; TRL: eval_strategy='steps', eval_steps) ---
@@ -192,8 +154,7 @@ class CBGRPOConfig:
     eval_data: str | None = _help("Source of the held-out problems; None: the training source (with another seed "
                                   "for generated ones). Their questions are removed from the training problems.",
                                   default=None)
-    eval_num_problems: int = _help("Held-out problems (distinct questions; fewer if the source has fewer).",
-                                   default=64)
+    eval_num_problems: int = _help("Held-out problems (distinct questions; fewer if the source has fewer).", default=64)
     eval_num_generations: int = _help("Completions sampled per held-out problem, at the training temperature.",
                                       default=4)
 

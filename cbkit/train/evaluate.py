@@ -1,25 +1,16 @@
 """Held-out evaluation: accuracy on problems the run never trains on, at step 0 and every `eval_steps` steps.
 
-Train reward is no evidence that a recipe learns its task: it is measured on the prompts being trained on, and it
-rises just as well when the policy games the reward (docs/learning.md shows a run whose format reward went
-0.34 -> 1.0 while its correctness fell to 0). So the loop also samples completions for a fixed set of problems it
-never trains on and scores them with `verified_reward` (math-verify), whatever the training reward is:
-
-* **fixed**: the same problems, prompts and sampling seed at every evaluation and in every run of a recipe (its
-  seed is `EVAL_SEED`, not the run's), so two evaluations differ only by the weights, and two runs (two seeds, CB
-  against `generate()`) are compared on the same problems and the same random numbers;
-* **no leak**: the set is drawn first (`eval_data`, default the training source, with `EVAL_SEED`) and every
-  training problem whose question is in it is removed (`without_held_out`), so a generated task with a small
-  problem space cannot train on an evaluation question, and a file source loses its first `eval_num_problems`
-  rows to evaluation;
-* **through the CB engine**, `eval_num_generations` samples per problem at the training temperature (accuracy at
-  the temperature the policy is trained at; greedy decoding would hide what sampling still gets wrong), timed on
-  its own (`eval/seconds`, outside `step/seconds`), with the RNG state around it restored, so a run with evaluation
-  trains exactly as the same run without it.
+Train reward is no evidence that a recipe learns (it rises as well when the policy games the reward;
+docs/learning.md), so the loop samples a fixed set of problems it never trains on and scores them with
+`verified_reward` (math-verify): the same problems, prompts and seed (`EVAL_SEED`) in every evaluation and every run
+of a recipe; drawn first, their questions removed from the training problems (`without_held_out`); through the CB
+engine at the training temperature, timed on its own (`eval/seconds`), with the RNG state restored around it, so a
+run with evaluation trains exactly as the same run without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +33,8 @@ def question_key(problem: Problem) -> str:
 
 def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> list[Problem]:
     """`train` minus every problem whose question is a held-out one; an error if nothing is left to train on."""
+    if not held_out:
+        return list(train)
     banned = {question_key(p) for p in held_out}
     kept = [p for p in train if question_key(p) not in banned]
     if not kept:
@@ -53,25 +46,61 @@ def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> l
 
 @dataclass
 class HeldOut:
-    """The fixed evaluation set of a run, its chat prompts, and how it is sampled."""
+    """A run's fixed evaluation set, and when and how it is scored: before training and every `every` steps (and
+    after the last), through `backend`. Empty (`every=0`, no problems) for a run without evaluation."""
 
     problems: list[Problem]
     prompts: list[list[int]]
     num_generations: int
+    every: int = 0  # eval_steps
+    last_step: int = 0  # max_steps
+    backend: RolloutBackend | None = None
+    sampling: SamplingParams | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
+    rewards: Mapping[str, Callable[..., list[float]]] | None = None
 
-    def evaluate(self, backend: RolloutBackend, sampling: SamplingParams, decode: Callable[[Sequence[int]], str],
-                 rewards: Mapping[str, Callable[..., list[float]]] | None = None) -> dict[str, float]:
+    @classmethod
+    def for_run(cls, config: Any, run: Any, backend: RolloutBackend, sampling: SamplingParams,
+                rewards: Mapping[str, Callable[..., list[float]]]) -> HeldOut:
+        """The set `config` asks for, scored through the CB engine whatever the training rollouts use (a CB training
+        backend is reused), so runs with `generate()` and with CB are scored by one sampler."""
+        if not config.eval_steps:
+            return cls([], [], 0)
+        if backend.name != "continuous":
+            from cbkit.rollout import make_backend
+
+            backend = make_backend("continuous", run.model, cb_config=config.cb_overrides(),
+                                   pad_token_id=run.pad_token_id)
+        return dataclasses.replace(
+            build_held_out(config, run.tokenizer), every=config.eval_steps, last_step=config.max_steps,
+            backend=backend, sampling=dataclasses.replace(sampling, seed=EVAL_SEED), rewards=rewards,
+            decode=lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def before_training(self, step: int) -> list[Any]:
+        """The step-0 record of the held-out curve, when a run starts from step 0 with evaluation on."""
+        from cbkit.train.hooks import StepRecord
+
+        return [StepRecord(0, dict(self.evaluate()))] if self.every and step == 0 else []
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """`eval/*` on the steps that evaluate (every `every`, and the last), nothing on the others."""
+        due = self.every and (step % self.every == 0 or step == self.last_step)
+        return self.evaluate() if due else {}
+
+    def evaluate(self) -> dict[str, float]:
         """Sample `num_generations` completions per held-out problem and score them: `eval/accuracy` (math-verify),
         `eval/<reward>` for each training reward, `eval/mean_length`, `eval/truncated_frac`, `eval/seconds`."""
+        if self.backend is None or self.sampling is None or self.decode is None:
+            raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # the training stream of random numbers is left as it was
-            rollout = backend.generate(self.prompts, self.num_generations, sampling,
-                                       prompt_names=[p.id for p in self.problems])
-        texts = [decode(c.completion_ids) for c in rollout.completions]
+            rollout = self.backend.generate(self.prompts, self.num_generations, self.sampling,
+                                            prompt_names=[p.id for p in self.problems])
+        texts = [self.decode(c.completion_ids) for c in rollout.completions]
         answers = [self.problems[c.group].answer for c in rollout.completions]
         metrics: dict[str, float] = {"eval/accuracy": _mean(verified_reward(texts, answers))}
-        if rewards:
-            _, per_reward = compute_rewards(texts, answers, dict(rewards), [1.0] * len(rewards),
+        if self.rewards:
+            _, per_reward = compute_rewards(texts, answers, dict(self.rewards), [1.0] * len(self.rewards),
                                             num_generations=self.num_generations)
             metrics.update({f"eval/{k.removeprefix('reward/')}": _mean(v) for k, v in per_reward.items()})
         lengths = [len(c.completion_ids) for c in rollout.completions]
@@ -96,13 +125,6 @@ def build_held_out(config: Any, tokenizer: Any) -> HeldOut:
     unique = list({question_key(p): p for p in drawn}.values())[: config.eval_num_problems]
     prompts = [chat_prompt_ids(tokenizer, p, system_prompt=config.system_prompt) for p in unique]
     return HeldOut(unique, prompts, config.eval_num_generations)
-
-
-def eval_sampling(train_sampling: SamplingParams) -> SamplingParams:
-    """The training sampling (temperature, top-p/k, length, stop ids) with the evaluation's fixed seed."""
-    import dataclasses
-
-    return dataclasses.replace(train_sampling, seed=EVAL_SEED)
 
 
 def _mean(values: Sequence[float | bool]) -> float:

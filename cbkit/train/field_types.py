@@ -71,30 +71,17 @@ def _as_type(value: Any, hint: Any) -> tuple[bool, Any]:
         return all(k[0] and v[0] for k, v in pairs), value if same else {k[1]: v[1] for k, v in pairs}
     if hint is bool:  # YAML's true/false; 0 and 1 are not switches
         return isinstance(value, bool), value
-    if hint is int:
-        if isinstance(value, bool):
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
             return False, value
-        if isinstance(value, numbers.Integral):
-            return True, int(value)
-        if isinstance(value, numbers.Real) and float(value).is_integer():
-            return True, int(float(value))
-        if isinstance(value, str):
-            try:
-                return True, int(value)
-            except ValueError:
-                return False, value
-        return False, value
-    if hint is float:
-        if isinstance(value, bool):
+        try:
+            number = int(value) if isinstance(value, numbers.Integral) else hint(value) if isinstance(
+                value, str) else float(value)
+        except ValueError:
             return False, value
-        if isinstance(value, numbers.Real):
-            return True, float(value)
-        if isinstance(value, str):
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, value
-        return False, value
+        if hint is int and not (isinstance(number, int) or number.is_integer()):
+            return False, value
+        return True, hint(number)
     if isinstance(hint, type):
         return isinstance(value, hint), value
     return True, value  # a hint this does not model: the field's own checks have it

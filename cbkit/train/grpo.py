@@ -1,56 +1,27 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 
-Read `GRPOTrainer.step` first: it is the whole algorithm, one stage per line, and every stage is a method you
-can call on its own (the tests do). The maths lives in `cbkit.train.objective` (checked against TRL 1.16's own code);
-this file only moves data between the stages and makes them observable through `cbkit.train.hooks`.
+Read `GRPOTrainer.step` first: it is the whole algorithm, one stage a line, each stage a method the tests call on
+its own. The maths is `cbkit.train.objective` (checked against TRL 1.16's code); this file moves data between the
+stages and makes them observable (`cbkit.train.hooks`). What varies between runs is an object built once, not a
+branch here: where a rollout comes from (`cbkit.train.rollouts.RolloutSource`: on-policy, or lagged or async in
+`cbkit.train.offpolicy`, which also own their drift metrics), when the held-out set is scored
+(`cbkit.train.evaluate.HeldOut`), and how a run starts or resumes (`cbkit.train.checkpoint`).
 
-Set-up happens once, before the trainer: `cbkit.train.setup.set_up_run` loads the policy and problems and builds
-the chat prompt ids, stop and pad ids; `GRPOTrainer(config, run)` takes that, or calls it once itself.
-
-What one step does
-------------------
-1. take `prompts_per_step` prompts (a seeded order, reshuffled each epoch; the position is checkpointed);
-2. roll out N completions per prompt, each with its *sampling logprobs*, from the run's rollout source
-   (`cbkit.train.rollouts`: on-policy through any `RolloutBackend`, transformers' CB engine by default; or lagged,
-   or async, `cbkit.train.offpolicy`); the rollout is validated once, where it enters;
-3. score every completion with each reward function and sum them with their weights;
-4. turn rewards into group-relative advantages (GRPO: group mean and std; RLOO: leave-one-out);
-5. teacher-force the completions through the policy *before any update* ("old" logprobs). That forward also
-   gives `logprob/*`: how far the engine's sampling logprobs are from the trainer's on the same weights;
-6. importance-sampling (IS) weights exp(old - sampling) correct for the engine not being the training forward
-   (other kernels, paged attention, maybe bf16); released TRL skips this on its CB path because it drops the
-   engine's logprobs, cbkit keeps them;
-7. `num_iterations` times: `gradient_accumulation_steps` micro-batches of policy forward + clipped loss +
-   backward, then clip the gradient norm and take one AdamW step.
-
-Policy logprobs divide the logits by the sampling temperature, as TRL's do: the ratio compares the policy with
-itself at the temperature it was sampled at.
-
-Top-p and top-k: the IS reference is computed under the sampler's own truncated distribution, the loss's ratio
-at temperature only; `cbkit.train.objective` argues the decision. The trainer warns once when truncation is on.
+The rollout keeps the engine's *sampling logprobs* (`cbkit.rollout`); the old-logprob forward before any update
+gives `logprob/*` (engine vs trainer on the same weights) and the importance-sampling (IS) weights exp(old -
+sampling), which correct for the engine not being the training forward. Released TRL drops those logprobs on its
+CB path and skips the correction; cbkit keeps them.
 
 What this loop simplifies, relative to TRL's GRPOTrainer, and why
 -----------------------------------------------------------------
-* One process, one device. Scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`).
-* One rollout per step, `num_iterations` updates per rollout (TRL's `steps_per_generation` decouples them; fixing
-  them keeps "step" meaning one thing). Old logprobs are always recomputed (one no-grad forward), even when TRL
-  would reuse the detached current ones: the IS weights and `logprob/*` need them anyway.
-* Constant learning rate, AdamW (`optim`: fused by default, as TRL's): no scheduler, no warmup.
-* Dropout stays off (eval mode), like TRL's `disable_dropout=True`: the ratio must compare one function, not two
-  dropout masks. The reference model (beta > 0) is a frozen copy of the policy as loaded; no `sync_ref_model`.
-* Text only, single turn, no tools; reward functions take `(completions, answers)`. A reward that raises or
-  returns a non-finite value stops the run with its name and the completion (TRL turns it into advantage 0).
-* Full fp32 logits per chunk of `forward_chunk_rows` completions, each chunk forwarded, scored and back-propagated
-  on its own (memory grows with the chunk, not with N; rows longest first, `logprobs.chunked_logits`); no Liger
-  LM head, no padding-free packing. `cbkit.train.batch.micro_batches_for` sizes `gradient_accumulation_steps`.
-* Precision: the weights that train are fp32 on every device (AdamW on bf16 weights loses every update smaller
-  than bf16's spacing, so a half-precision policy is refused); the config's `dtype` is an autocast over them
-  (`cbkit.models.load.training_precision`: 'auto' is bf16 where the GPU has it natively; fp16 is refused, as this
-  loop does no loss scaling). The rollout samples from the same fp32 weights.
-* The loss variants, IS modes and what the objective leaves out are listed in `cbkit.train.objective`.
-
-Checkpoints (`cbkit.train.checkpoint`) hold the model, optimizer, step, data position, RNG states and config; resuming
-with a config that computes something else is refused with the list of differing fields.
+* One process, one device; scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`).
+* One rollout per step, `num_iterations` updates on it; old logprobs always recomputed (the IS weights need them).
+* Constant learning rate, AdamW (`optim`), no scheduler. Dropout off (eval mode), as TRL's `disable_dropout`.
+  The reference model (beta > 0) is a frozen copy of the policy as loaded.
+* Text only, single turn; a reward that raises or is not finite stops the run with its name.
+* fp32 logits a chunk of `forward_chunk_rows` completions at a time, each chunk back-propagated on its own.
+* The weights that train are fp32; `dtype` is an autocast over them (`cbkit.models.load.training_precision`).
+  Policy logprobs divide the logits by the temperature, as TRL's; top-p/top-k: see `cbkit.train.objective`.
 """
 
 from __future__ import annotations
@@ -75,14 +46,10 @@ from cbkit.telemetry import seconds_since
 from cbkit.train import checkpoint
 from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
-from cbkit.train.evaluate import build_held_out, eval_sampling, without_held_out
-from cbkit.train.hooks import RunStatus, StepHooks, StepRecord, TrainState, default_hooks
+from cbkit.train.evaluate import HeldOut, without_held_out
+from cbkit.train.hooks import StepHooks, StepRecord, TrainState, default_hooks, emit
 from cbkit.train.logprobs import chunked_logits
 from cbkit.train.objective import (
-    Estimator,
-    ISMode,
-    LossType,
-    ScaleRewards,
     chunk_share,
     group_advantages,
     grpo_loss,
@@ -91,12 +58,10 @@ from cbkit.train.objective import (
     replayed_logprobs,
     warn_if_truncated,
 )
-from cbkit.train.offpolicy import drift_metrics, make_rollout_source
-from cbkit.train.order import PromptOrder, mix_seed, seed_everything
+from cbkit.train.offpolicy import make_rollout_source
+from cbkit.train.order import PromptOrder, mix_seed
 from cbkit.train.rollouts import RolloutRequest, RolloutSource, SourcedRollout, check_backend, check_entry
 from cbkit.train.setup import RunSetup, set_up_for_config
-
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -115,99 +80,65 @@ class Prepared:
 class GRPOTrainer:
     """cbkit's GRPO trainer. `GRPOTrainer(config).train()` runs it; `step()` runs one step."""
 
-    def __init__(
-        self,
-        config: CBGRPOConfig,
-        run: RunSetup | None = None,
-        *,
-        backend: RolloutBackend | None = None,
-        rollouts: RolloutSource | None = None,
-        reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
-        hooks: Sequence[StepHooks] = (),
-        policy: Any = None,
-        problems: Sequence[Problem] | None = None,
-    ) -> None:
-        """`run`: what `set_up_run` returned; its policy, problems and prompt ids are what this trainer trains on.
-        Without it the trainer calls `set_up_run` once, from the config's model and data (on `policy` and `problems`
-        when given). `backend` samples the on-policy rollouts (None: the config's, built on the policy); `rollouts`
-        replaces the whole rollout source (`cbkit.train.rollouts.RolloutSource`; None: the one the config asks for)."""
-        run = set_up_for_config(config, run, policy=policy, problems=problems)
-        self.run_setup = run
-        self.model, self.tokenizer = run.model, run.tokenizer
-        self.model.eval()  # dropout off for the whole run (see the module docstring)
+    def __init__(self, config: CBGRPOConfig, run: RunSetup | None = None, *, backend: RolloutBackend | None = None,
+                 rollouts: RolloutSource | None = None,
+                 reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
+                 hooks: Sequence[StepHooks] = (), policy: Any = None, problems: Sequence[Problem] | None = None) -> None:
+        """`run`: what `set_up_run` returned (else it is called once, on `policy`/`problems` when given). `backend`
+        samples the on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
+        self.run_setup = run = set_up_for_config(config, run, policy=policy, problems=problems)
+        self.model, self.tokenizer, self.pad_token_id = run.model, run.tokenizer, run.pad_token_id
+        self.model.eval()  # dropout off for the whole run
         self.device = next(self.model.parameters()).device
-        # The training forwards' autocast over the fp32 weights, or None (see the module docstring).
-        self.autocast_dtype = training_precision(config.dtype, self.device)
-        self.pad_token_id, self.stop_ids = run.pad_token_id, run.stop_ids
-        # The attention the training forward must run with; a CB engine that leaves it switched would make the
-        # forward silently non-causal (transformers #48296), so every forward checks it (`check_causal_forward`).
+        self.autocast_dtype = training_precision(config.dtype, self.device)  # over the fp32 weights, or None
+        # A CB engine that leaves the attention switched makes a forward silently non-causal (transformers #48296).
         self.attn_implementation = self.model.config._attn_implementation
-
         self.reward_funcs, weights = resolve_rewards(
             config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)
-        self.config = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
-        # The held-out set is drawn first and its questions leave the training problems (cbkit.train.evaluate).
-        self.held_out = build_held_out(config, run.tokenizer) if config.eval_steps else None
-        kept = run.problems if self.held_out is None else without_held_out(run.problems, self.held_out.problems)
-        self.problems = list(kept)
-        self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in kept]
-        self.order = PromptOrder(len(self.problems), config.seed)
+        self.config = c = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
+        self.truncates = warn_if_truncated(c.top_p, c.top_k)
 
-        backend_given = backend is not None
+        given = backend is not None
         if backend is None:
-            backend = make_backend(config.backend, self.model, cb_config=config.cb_overrides(),
-                                   pad_token_id=self.pad_token_id)
+            backend = make_backend(c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id)
         self.backend = check_backend(backend)
-        # Held-out evaluation runs through the CB engine whatever the training rollouts use, so runs that train
-        # with generate() and with CB are scored by the same sampler; a CB training backend is reused.
-        self.eval_backend = None
-        if self.held_out is not None:
-            self.eval_backend = backend if backend.name == "continuous" else make_backend(
-                "continuous", self.model, cb_config=config.cb_overrides(), pad_token_id=self.pad_token_id)
-        self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
-        self.rollouts = make_rollout_source(self.config, self.model, backend, given=rollouts, backend_given=backend_given,
+        # The held-out set is drawn first; its questions leave the training problems (cbkit.train.evaluate).
+        self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
+        self.problems = without_held_out(run.problems, self.held_out.problems)
+        self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]
+        self.order = PromptOrder(len(self.problems), c.seed)
+        self.rollouts = make_rollout_source(c, self.model, self.backend, given=rollouts, backend_given=given,
                                             max_prompt_len=max(map(len, self.prompt_ids)))
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if config.beta > 0 else None
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if c.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
-            fused=config.optim == "adamw_torch_fused",
-        )
-        self.truncates = warn_if_truncated(config.top_p, config.top_k)
-
-        output_dir = Path(config.output_dir) if config.output_dir else None
-        self.state = TrainState(step=0, max_steps=config.max_steps, config=self.config, output_dir=output_dir)
-        self.data_position = 0
-        self._rng_at_step_end = checkpoint.capture_rng()
-        self.hooks = default_hooks(self.config, output_dir / METRICS_FILE if output_dir else None,
-                                   self.save_checkpoint) + list(hooks)
+            [p for p in self.model.parameters() if p.requires_grad], lr=c.learning_rate,
+            betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_epsilon, weight_decay=c.weight_decay,
+            fused=c.optim == "adamw_torch_fused")
+        self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
+        self.state = TrainState(step=0, max_steps=c.max_steps, config=c,
+                                output_dir=Path(c.output_dir) if c.output_dir else None)
+        self.hooks = default_hooks(c, self.state.output_dir, self.save_checkpoint) + list(hooks)
 
     # --- the run --------------------------------------------------------------------------------------------
 
     def train(self, resume_from: str | Path | bool | None = None) -> TrainState:
         """Run until `max_steps`. `resume_from=True` resumes from the newest checkpoint in `output_dir`."""
-        if resume_from:
-            self.resume(resume_from)
-        else:
-            checkpoint.refuse_to_overwrite(self.state.output_dir, METRICS_FILE)
-            seed_everything(self.config.seed)
-            self._rng_at_step_end = checkpoint.capture_rng()
-        status: RunStatus = "failed"
+        checkpoint.start(self, resume_from)  # a fresh run, or exactly where a checkpoint left it
         try:
             for h in self.hooks:
                 h.on_train_begin(self.state)
-            if self.held_out is not None and self.state.step == 0:  # the step-0 point of every held-out curve
-                record = StepRecord(0, {**self.evaluate()})
-                for h in self.hooks:
-                    h.on_step_end(record)
+            for record in self.held_out.before_training(self.state.step):  # step 0 of every held-out curve
+                emit(self.hooks, self.state, record)
             while self.state.step < self.config.max_steps:
                 self.step()
-            status = "finished"
+            self.state.status = "finished"
         except KeyboardInterrupt:
-            status = "interrupted"
+            self.state.status = "interrupted"
+            raise
+        except BaseException:
+            self.state.status = "failed"
             raise
         finally:
-            self.state.status = status
             for h in self.hooks:
                 h.on_train_end(self.state)
             self.close()
@@ -219,12 +150,11 @@ class GRPOTrainer:
 
     def step(self) -> StepRecord:
         """One GRPO step. Each line is a stage; each stage is a method below."""
-        start = time.perf_counter()
-        step = self.state.step + 1
+        start, step = time.perf_counter(), self.state.step + 1
         for h in self.hooks:
             h.on_step_begin(step)
-        indices = self.order.indices(self.data_position, self.config.prompts_per_step)
-        got = self.rollout(indices, step)  # from the run's rollout source (on-policy, lagged, async), checked
+        indices = self.order.indices(self.state.data_position, self.config.prompts_per_step)
+        got = self.rollout(indices, step)  # from the run's rollout source, checked where it enters
         for h in self.hooks:
             h.on_rollout_end(got.rollout)
         rewards, metrics = self.score(got.rollout, [self.problems[i] for i in got.indices])
@@ -239,30 +169,13 @@ class GRPOTrainer:
         metrics.update(self.rollouts.after_step(self.policy_version))
         metrics["train/seconds"] = time.perf_counter() - train_start
         metrics["step/seconds"] = time.perf_counter() - start
-        if self.held_out is not None and (step % self.config.eval_steps == 0 or step == self.config.max_steps):
-            metrics.update(self.evaluate())  # timed on its own: eval/seconds, not in step/seconds
-
-        self.state.step, self.data_position = step, self.data_position + len(indices)
-        self._rng_at_step_end = checkpoint.capture_rng()
-        self.state.resumable = True
-        record = StepRecord(step, metrics)
-        try:
-            for h in self.hooks:
-                h.on_step_end(record)
-        except Exception:
-            self.state.resumable = False  # e.g. the NaN guard: this step's update is in the weights, keep it off disk
-            raise
-        return record
+        metrics.update(self.held_out.after_step(step))  # eval/* when due, timed on its own (eval/seconds)
+        self.state.finish_step(step, len(indices))
+        return emit(self.hooks, self.state, StepRecord(step, metrics))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
-        if self.held_out is None:
-            raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
-        assert self.eval_backend is not None  # built in __init__ whenever there is a held-out set
-        sampling = eval_sampling(self.sampling_params(0))
-        return self.held_out.evaluate(self.eval_backend, sampling,
-                                      lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                                      self.reward_funcs)
+        return self.held_out.evaluate()
 
     # --- the stages -----------------------------------------------------------------------------------------
 
@@ -273,9 +186,9 @@ class GRPOTrainer:
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
     def rollout(self, indices: Sequence[int], step: int) -> SourcedRollout:
-        """N completions for each prompt, from the run's rollout source; checked once, here, where they enter."""
-        ahead = self.order.indices(self.data_position + len(indices), self.config.prompts_per_step)
-        # The next step's prompts too: a source that decodes ahead (async) queues them now.
+        """N completions for each prompt, from the run's rollout source; checked once, here, where they enter. The
+        request names the next step's prompts too (none after the last step): a source may decode them ahead."""
+        ahead = self.order.indices(self.state.data_position + len(indices), self.config.prompts_per_step)
         request = self._request(indices, step, self._request(ahead, step + 1) if step < self.config.max_steps else None)
         return check_entry(self.rollouts.rollout(request), request)
 
@@ -313,10 +226,9 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        # The config keeps these as plain str (a recipe's YAML value); CBGRPOConfig._check has held each to its
-        # objective Literal's values.
-        advantages = group_advantages(rewards, c.num_generations, cast(ScaleRewards, c.scale_rewards),
-                                      cast(Estimator, c.advantage_estimator))
+        # The config's str fields are held to the objective's Literal values by CBGRPOConfig._check.
+        advantages = group_advantages(rewards, c.num_generations, cast(Any, c.scale_rewards),
+                                      cast(Any, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
@@ -325,7 +237,7 @@ class GRPOTrainer:
         # they are masked, and `logprob/*` should describe every token the engine sampled.
         weights: Tensor | None
         weights, metrics = importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, cast(ISMode, c.importance_sampling_mode),
+            old_processed, batch.sampling_logps, batch.completion_mask, cast(Any, c.importance_sampling_mode),
             c.clip_max, c.clip_min,
         )
         if self.truncates and batch.sampling_logps is not None:
@@ -333,9 +245,9 @@ class GRPOTrainer:
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
             # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
             metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
-        if any(comp.policy_versions is not None for comp in rollout.completions):  # sampled by recorded versions
-            metrics.update(drift_metrics(old_processed, batch.sampling_logps, batch.completion_mask,
-                                         c.importance_sampling_mode))
+        # How far the sampler was from this policy: `offpolicy/*` from a source that samples older weights.
+        metrics.update(self.rollouts.drift(old_processed, batch.sampling_logps, batch.completion_mask,
+                                           c.importance_sampling_mode))
         if not c.importance_sampling_correction:
             weights, metrics["is/skipped"] = None, 1.0
         loss_mask = batch.completion_mask
@@ -359,7 +271,7 @@ class GRPOTrainer:
     def accumulate_gradients(self, prepared: Prepared) -> dict[str, float]:
         """Fresh gradients of one optimizer update, summed over `gradient_accumulation_steps` micro-batches."""
         c, p = self.config, prepared
-        loss_type = cast(LossType, c.loss_type)  # held to LossType's values by CBGRPOConfig._check
+        loss_type = cast(Any, c.loss_type)
         check_causal_forward(self.model, self.attn_implementation)
         self.optimizer.zero_grad(set_to_none=True)
         ga = c.gradient_accumulation_steps
@@ -402,49 +314,26 @@ class GRPOTrainer:
         self.rollouts.after_update(self.policy_version)
         return norm
 
-    # --- checkpoints ----------------------------------------------------------------------------------------
-
     def save_checkpoint(self, step: int) -> Path:
-        if self.state.output_dir is None:
-            raise ValueError("save_checkpoint needs config.output_dir.")
-        path = checkpoint.save_checkpoint(
-            self.state.output_dir, step, model=self.model, optimizer=self.optimizer, config=self.config,
-            trainer_state={"data_position": self.data_position}, rng=self._rng_at_step_end,
-            keep=self.config.save_total_limit,
-        )
-        self.rollouts.save(path)  # e.g. the older weights the next rollout starts from
-        return path
-
-    def resume(self, resume_from: str | Path | bool) -> Path:
-        """Load a checkpoint (True: the newest in output_dir) after checking it was made with this config."""
-        path = checkpoint.resume_path(self.state.output_dir, resume_from)
-        checkpoint.check_same_config(checkpoint.read_config(path), self.config, path)
-        trainer_state, rng = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
-        self.state.step, self.data_position = trainer_state["step"], trainer_state["data_position"]
-        self.state.resumed_from = path
-        self.policy_version = self.state.step * self.config.num_iterations
-        self.rollouts.load(path, self.policy_version)
-        checkpoint.restore_rng(rng)
-        self._rng_at_step_end = rng
-        return path
+        return checkpoint.save(self, step)
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk (`forward_chunk_rows`),
-        and True where a sampled token lay outside the trainer's replayed nucleus (kept in it: `replayed_logprobs`)."""
+        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk, and True where a
+        sampled token lay outside the trainer's replayed nucleus (kept in it: `objective.replayed_logprobs`)."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
         plain = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=self.device)
         processed = plain.clone() if self.truncates else plain
         outside = torch.zeros(batch.completion_ids.shape, dtype=torch.bool, device=self.device)
-        for rows, mb, logits in (chunk for start in range(0, len(batch), size)
-                                 for chunk in chunked_logits(model, batch, c.forward_chunk_rows, start=start,
-                                                             stop=start + size, autocast_dtype=self.autocast_dtype)):
-            t = mb.completion_width
-            plain[rows, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
-            if self.truncates:
-                processed[rows, :t], outside[rows, :t] = replayed_logprobs(
-                    logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
-            del logits  # one chunk's logits alive at a time
+        for start in range(0, len(batch), size):
+            for rows, mb, logits in chunked_logits(model, batch, c.forward_chunk_rows, start=start,
+                                                   stop=start + size, autocast_dtype=self.autocast_dtype):
+                t = mb.completion_width
+                plain[rows, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
+                if self.truncates:
+                    processed[rows, :t], outside[rows, :t] = replayed_logprobs(
+                        logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
+                del logits  # one chunk's logits alive at a time
         return plain, processed, outside

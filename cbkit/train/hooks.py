@@ -1,22 +1,11 @@
-"""Step hooks: how every stage of a GRPO step becomes observable without the loop knowing who watches.
+"""Step hooks: every stage of a step made observable without the loop knowing who watches.
 
-A hook subclasses `StepHooks` and overrides only what it needs; the others are no-ops. The loop calls, in order:
-
-    on_train_begin(state)            once, after a resume has been applied (state.step is where it starts)
-    on_step_begin(step)              per step, before the rollout
-    on_rollout_end(rollout)          the validated `Rollout`, before rewards
-    on_step_end(record)              the finished step's `StepRecord` (weights already updated); with held-out
-                                     evaluation on, also once before the first step with step 0 and the
-                                     `eval/*` metrics alone
-    on_train_end(state)              once, also after an error or an interrupt (state.status says which)
-
-Hooks run in list order. The built-ins are ordered by the loop so that `NaNGuardHook` sees a step before the
-JSONL writer and the checkpoint hook do: a diverged step is neither logged nor saved. A live chart is one
-more `on_step_end` that reads `record.metrics`.
-
-Metric names are namespaced: `reward/*`, `completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`,
-`offpolicy/*` when the rollout comes from older weights (`cbkit.train.offpolicy`), and `eval/*` on the steps that
-ran the held-out evaluation (`cbkit.train.evaluate`).
+A hook subclasses `StepHooks` and overrides what it needs. The loop calls `on_train_begin(state)` (after a resume
+is applied), per step `on_step_begin(step)`, `on_rollout_end(rollout)` and `on_step_end(record)` (with held-out
+evaluation on, also once before the first step: step 0, the `eval/*` metrics alone), and `on_train_end(state)`
+(also after an error or an interrupt: `state.status`). The built-ins run the NaN guard before the JSONL writer and
+the checkpoints, so a diverged step is neither logged nor saved. Metrics are namespaced: `reward/*`,
+`completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`, `offpolicy/*`, `eval/*`.
 """
 
 from __future__ import annotations
@@ -30,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cbkit.jsonl import read_jsonl
+from cbkit.train.order import capture_rng
 
 if TYPE_CHECKING:
     from cbkit.rollout import Rollout
     from cbkit.train.config import CBGRPOConfig
 
 Metric = float | int | str
+METRICS_FILE = "metrics.jsonl"  # in output_dir
 RunStatus = Literal["running", "finished", "interrupted", "failed"]
 
 
@@ -54,7 +45,7 @@ class StepRecord:
 
 @dataclass
 class TrainState:
-    """What the loop shares with hooks at the start and end of training."""
+    """Where the run is: shared with hooks, and what a checkpoint records besides the weights."""
 
     step: int  # last finished step (0 before the first)
     max_steps: int
@@ -65,6 +56,22 @@ class TrainState:
     # True while the model and optimizer are exactly as they were at the end of `step`; False from a step's
     # first optimizer update until that step ends. A checkpoint of `step` can only be written when True.
     resumable: bool = True
+    data_position: int = 0  # prompts taken so far (`cbkit.train.order.PromptOrder`)
+    rng: dict[str, Any] | None = None  # the RNG states at the end of `step`: what a checkpoint of it restores
+
+    def finish_step(self, step: int, prompts: int) -> None:
+        self.step, self.data_position, self.rng, self.resumable = step, self.data_position + prompts, capture_rng(), True
+
+
+def emit(hooks: list[StepHooks], state: TrainState, record: StepRecord) -> StepRecord:
+    """`on_step_end` of every hook; a hook that raises (the NaN guard) leaves the step's weights off disk."""
+    try:
+        for h in hooks:
+            h.on_step_end(record)
+    except Exception:
+        state.resumable = False
+        raise
+    return record
 
 
 class StepHooks:
@@ -109,11 +116,8 @@ class ProgressBarHook(StepHooks):
 
 
 class JSONLHook(StepHooks):
-    """Appends one JSON line per finished step and flushes it to disk before the next step starts.
-
-    On train begin it drops lines of steps after the one training starts from: after a resume from step k,
-    steps k+1.. are about to be run again, and lines a crashed run wrote for them must not appear twice.
-    """
+    """One JSON line per finished step, on disk before the next starts; on train begin the lines of steps after the
+    one it starts from are dropped (a resumed run writes them again)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -135,12 +139,8 @@ class JSONLHook(StepHooks):
 
 
 class CheckpointHook(StepHooks):
-    """Saves every `save_steps` steps and when training ends, through the loop's own `save(step)`.
-
-    At the end (finished, interrupted or failed) it saves only if `state.resumable`: the weights are those of a
-    finished step. An interrupt during a rollout therefore keeps the last finished step on disk; one during an
-    optimizer update cannot, and the previous checkpoint stays the resume point.
-    """
+    """Saves every `save_steps` steps and when training ends, then only if `state.resumable` (the weights are a
+    finished step's: an interrupt mid-update leaves the previous checkpoint the resume point)."""
 
     def __init__(self, save: Callable[[int], Path], save_steps: int) -> None:
         self.save = save
@@ -183,11 +183,11 @@ class NaNGuardHook(StepHooks):
                 )
 
 
-def default_hooks(config: Any, metrics_path: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
+def default_hooks(config: Any, output_dir: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
     """The hooks every run has: the NaN guard, the JSONL log and checkpoints when it writes to a folder, the bar."""
     hooks: list[StepHooks] = [NaNGuardHook()]
-    if metrics_path is not None:
-        hooks.append(JSONLHook(metrics_path))
+    if output_dir is not None:
+        hooks.append(JSONLHook(output_dir / METRICS_FILE))
         if config.save_steps:
             hooks.append(CheckpointHook(save_checkpoint, config.save_steps))
     if not config.disable_tqdm:

@@ -1,13 +1,9 @@
 """The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it.
 
-`chunked_logits` is the forward every teacher-forced logprob in cbkit comes from: the loop's old logprobs and its
-chunked backward, `teacher_forced_logprobs` (the checks, `cbkit demo`, notebook 02), 02's IS-update experiment and
-the tests' reference all run a batch's rows through it, `forward_chunk_rows` at a time.
-
-The check is the foundation of the importance-sampling correction: on unchanged weights, the logprob a
-backend reports for a token it sampled must equal the logprob a training forward assigns to that token
-under the same processed distribution (temperature, top-k, top-p). If it does not, the correction would
-"correct" for a difference that is really a bug.
+`chunked_logits` is the forward every teacher-forced logprob comes from: the loop's old logprobs and chunked
+backward, `teacher_forced_logprobs` (the checks, `cbkit demo`, notebook 02) and the tests' reference. On unchanged
+weights the logprob a backend reports for a sampled token must equal the training forward's under the same
+processed distribution; otherwise the IS correction would "correct" a bug.
 """
 
 from __future__ import annotations
@@ -25,14 +21,9 @@ from cbkit.train.objective import policy_logprobs, processed_logprobs
 
 def chunked_logits(model, batch: Batch, chunk_rows: int | None, *, start: int = 0, stop: int | None = None,
                    autocast_dtype: torch.dtype | None = None) -> Iterator[tuple[Tensor, Batch, Tensor]]:
-    """The teacher-forced forward of rows [start, stop) of ``batch``, ``chunk_rows`` rows at a time, longest first
-    (`batch.longest_first_chunks`):
-    per chunk, its row indices into ``batch``, the chunk (`Batch.take`) and its completion logits
-    [rows, completion width, vocab] (`completion_logits`, under ``autocast_dtype`` where given).
-
-    Gradients follow the caller: under ``torch.no_grad`` for old logprobs, with grad for a chunked backward, where
-    the caller back-propagates each chunk's loss before asking for the next, so one chunk's logits and activations
-    are alive at a time. The logits are not kept here: the caller drops them (``del logits``) before the next chunk."""
+    """The teacher-forced forward of rows [start, stop), ``chunk_rows`` at a time, longest first: per chunk its row
+    indices, the chunk (`Batch.take`) and its completion logits. Gradients follow the caller (no_grad for old
+    logprobs; a chunked backward back-propagates each chunk before asking for the next)."""
     stop = len(batch) if stop is None else stop
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}.")
@@ -48,17 +39,9 @@ def teacher_forced_logprobs(
     sampling: SamplingParams | None = None,
     batch_size: int | None = 16,
 ) -> list[Tensor]:
-    """Per completion, the logprob of each of its tokens, from the forward training runs (`chunked_logits`,
-    ``batch_size`` rows a forward; None: all at once).
-
-    The completions go through `cbkit.train.batch`'s layout and `completion_logits` (left-padded prompts,
-    position ids that count real tokens, `logits_to_keep`), the exact forward behind the loop's old logprobs
-    and loss, so every check built on this function (`logprob_check`, `logprob_pairs`, `cbkit demo`,
-    notebook 02) checks the forward that training runs, not a second one beside it.
-
-    `sampling=None` gives the raw policy distribution (temperature 1, nothing truncated); otherwise the
-    distribution the sampler used. Greedy sampling is scored under the raw distribution too.
-    """
+    """Per completion, the logprob of each of its tokens from the forward training runs (`chunked_logits`,
+    ``batch_size`` rows a forward), so every check built on it checks that forward. `sampling=None` (or greedy): the
+    raw distribution; otherwise the one the sampler used."""
     device = next(model.parameters()).device
     # The pad id only fills masked positions, which no real position attends to: any id gives the same
     # logprobs. 0 exists in every vocabulary.
@@ -90,15 +73,9 @@ def logprob_check(model, rollout: Rollout, sampling: SamplingParams) -> dict[str
 
 @torch.no_grad()
 def logprob_pairs(model, rollout: Rollout, sampling: SamplingParams, batch_size: int = 16) -> dict[str, torch.Tensor]:
-    """Every completion token's sampling logprob next to two teacher-forced references, flattened:
-
-    * ``processed``: the policy under the distribution the sampler used (temperature, top-k, top-p), the
-      reference cbkit's importance-sampling correction uses;
-    * ``temperature_only``: the policy with temperature alone, what TRL's trainer compares against.
-    * ``sequence``: the completion index of each token, for per-sequence sums.
-
-    Without truncation (top_k 0, top_p 1) the two references are the same numbers.
-    """
+    """Every completion token's sampling logprob beside two teacher-forced references, flattened: ``processed``
+    (the sampler's distribution: cbkit's IS reference), ``temperature_only`` (TRL's), and ``sequence`` (each token's
+    completion index)."""
     if not rollout.has_logprobs:
         raise ValueError(f"This {rollout.backend!r} rollout carries no sampling logprobs "
                          f"({rollout.logprobs_missing_reason}); there is nothing to compare.")

@@ -1,66 +1,30 @@
 """The objective: advantages, the clipped policy loss, KL and the importance-sampling (IS) correction.
 
-Everything here is a pure function on tensors: no model, no trainer, no process group. The loop
-(`cbkit/train/grpo.py`) hands in rewards and logprobs and gets back tensors and a dict of float metrics. TRL 1.16
-is the definition we follow, and `tests/test_objective.py` runs TRL's own trainer code as the oracle, so
-"matches TRL" below is a tested claim, not a paraphrase.
+Pure functions on tensors. TRL 1.16 is the definition followed, and `tests/test_objective.py` runs TRL's own code
+as the oracle, so "as TRL" below is a tested claim.
 
-What each quantity is
----------------------
-* **Advantage** (`group_advantages`): how much better a completion did than its group of N siblings.
-  GRPO (`GRPOTrainer._generate_and_score_completions`): r_i minus the group mean, divided by the group's
-  std (`scale_rewards="group"`, TRL's default), by the whole batch's std (`"batch"`), or not divided
-  (`"none"`, Dr. GRPO). The std is the unbiased (Bessel-corrected) one of TRL's `nanstd`, and 1e-4 is added
-  to it, so a group whose rewards are all equal gets advantage 0 rather than NaN.
-  RLOO (`RLOOTrainer`): the baseline is the mean of the *other* N-1 rewards, so a completion is never
-  compared with itself. `RLOOConfig.normalize_advantages=True` then standardises over the batch; that is our
-  `"batch"`. TRL's RLOO has no per-group scaling, so `"group"` is refused rather than invented.
-* **Sampling vs policy logprobs**: the rollout engine samples from logits/temperature, then top-k, then
-  top-p (transformers' warper order), and reports log p of the sampled token under *that* distribution
-  (`processed_logprobs`). TRL's training forward recomputes log p with temperature only
-  (`add_fused_lm_head(temperature=...)`), never top-k/top-p (`policy_logprobs`). With top_p < 1 the two
-  differ by construction, not only by numerics: keep that in mind when reading `logprob/*` metrics.
-* **Importance weights** (`importance_weights`): the policy that produced the rollout (CB/vLLM kernels,
-  maybe bf16) is not exactly the training forward. TRL's correction
-  (`vllm_importance_sampling_correction`) weighs each token's loss by rho = exp(old - sampling): per token
-  (`token_*`) or one rho = exp(sum over the completion of the log-ratios) per sequence (`sequence_*`, a sum,
-  not a mean), then either clamps rho to [clip_min, clip_max] (`*_truncate`) or zeroes it outside
-  (`*_mask`). TRL computes it only when `use_vllm=True`; with transformers CB it gets no sampling logprobs
-  and skips the correction silently. We report that case as `is/skipped = 1.0` with weights exactly 1.
-* **Loss** (`grpo_loss`): PPO's clipped surrogate per token, -min(rho_t A, clip(rho_t, 1-eps, 1+eps_high) A)
-  with rho_t = exp(policy - old), times the IS weight, plus beta times the k3 KL estimate
-  exp(ref - pol) - (ref - pol) - 1. TRL 1.16 multiplies that KL by rho_t by default
-  (`use_bias_correction_kl=True`); we do too (`kl_bias_correction`). The loss types differ only in how the
-  (B, T) matrix becomes a scalar, see `grpo_loss`.
+* **Advantage** (`group_advantages`): r_i minus its group's mean, divided by the group's std (`"group"`, TRL's
+  default), the batch's (`"batch"`) or nothing (`"none"`, Dr. GRPO); TRL's Bessel-corrected std plus 1e-4. RLOO:
+  the baseline is the mean of the *other* N-1 rewards (TRL's RLOO has no per-group scaling: refused).
+* **Sampling vs policy logprobs**: the engine samples from logits/temperature, then top-k, then top-p, and
+  reports log p under *that* distribution (`processed_logprobs`); the training forward uses temperature only
+  (`policy_logprobs`), as TRL's.
+* **IS weights** (`importance_weights`): rho = exp(old - sampling) per token (`token_*`) or per sequence
+  (`sequence_*`, the sum of the log-ratios), clamped to [clip_min, clip_max] (`*_truncate`) or zeroed outside
+  (`*_mask`). TRL computes it only with vLLM; on its CB path it has no sampling logprobs (our `is/skipped`).
+* **Loss** (`grpo_loss`): -min(rho_t A, clip(rho_t, 1-eps, 1+eps_high) A), rho_t = exp(policy - old), times the
+  IS weight, plus beta times the k3 KL exp(ref - pol) - (ref - pol) - 1 (times rho_t: `kl_bias_correction`).
 
-Top-p / top-k in the trainer: a decision
-----------------------------------------
-With `top_p < 1` or `top_k > 0` the sampler draws from a *truncated* distribution, while TRL's trainer recomputes
-logprobs from temperature only. Comparing the two, as TRL does, makes every IS ratio smaller than 1 by the mass
-the truncation removed: not a kernel mismatch but a different distribution. Per token that quietly rescales
-the learning rate; per sequence (TRL's default mode) the product over a long completion falls toward 0, and
-`logprob/*` reports a large "mismatch" on a correct engine.
+Top-p / top-k, a decision: compared with temperature-only logprobs (as TRL does) every IS ratio shrinks by the mass
+the truncation removed, and per sequence the product falls toward 0 on a correct engine. cbkit computes the IS
+reference and `logprob/*` under the sampler's own processed distribution (`replayed_logprobs`), a sampled token
+the trainer's nucleus leaves out kept inside its support (`logprob/outside_support_tokens` counts them). The
+loss's ratio stays temperature-only; the truncation itself is not corrected
+(`logprob/temperature_only_max_abs_diff` shows its size).
 
-cbkit computes the IS reference, and the `logprob/*` metrics, under the *same processed distribution* the
-sampler used (`replayed_logprobs`: the run's temperature, top-k and top-p), so the ratio compares
-like with like and is ~1 on unchanged weights. A sampled token the trainer's recomputed nucleus leaves out (a
-rounding difference at the boundary is enough) is kept inside its own support rather than given -inf, which
-would zero its ratio and, per sequence, the whole completion's loss; `logprob/outside_support_tokens` counts
-them. The loss's policy ratio stays temperature-only, like TRL's: a truncated policy would give -inf to any token
-that leaves the nucleus after an update. What this does not do
-is correct for the truncation itself (tokens outside the nucleus are never sampled, no weight can fix that);
-`logprob/temperature_only_max_abs_diff` reports its size. The trainer warns once when truncation is on.
-
-What is simplified (against TRL 1.16)
--------------------------------------
-* One reward per completion, already combined: no reward weights, no multi-objective aggregation. A
-  non-finite reward is an error here; TRL treats NaN as "unscorable" and gives it advantage 0 silently.
-* Token-level policy ratio only (no GSPO `importance_sampling_level="sequence"`), no two-sided `delta`, no
-  cispo/sapo/luspo/vespo, no off-policy sequence mask, no entropy mask or bonus. RLOO's KL-in-reward and
-  its sequence-level ratio are not here; `estimator="rloo"` only changes the baseline.
-* One process. `dapo` normalises by `num_items_in_batch`: pass the token count of all micro-batches of one
-  optimizer step; TRL's count spans the generation batch, the same thing when `steps_per_generation`
-  equals `gradient_accumulation_steps` (its default).
+Left out against TRL 1.16: GSPO's sequence-level ratio, two-sided `delta`, cispo/sapo, entropy masks; a
+non-finite reward is an error (TRL gives it advantage 0). `dapo` divides by `num_items_in_batch`: the tokens of
+all micro-batches of one optimizer step.
 """
 
 from __future__ import annotations
@@ -153,16 +117,9 @@ def processed_logprobs(
 def replayed_logprobs(
     logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """`processed_logprobs` of tokens a sampler *did* draw, each kept inside its own support; and where that mattered.
-
-    The trainer replays the sampler's truncation on its own logits. A token at the edge of the nucleus can fall
-    inside it for the sampler and outside for the trainer: a bf16 rounding or another kernel is enough. Then
-    `processed_logprobs` says -inf for a token that was sampled, the IS ratio exp(old - sampled) is 0, and under
-    `sequence_*` modes the whole completion's loss is zeroed without a word (the `logprob/*` gaps read inf). The
-    token was in the sampler's support, so it is put back into the trainer's: its own raw score is restored
-    before normalising, the rest of the nucleus is unchanged, and the ratio measures the small numeric gap it
-    really is. Returns (logprobs [...], outside [...] bool: the tokens the trainer's nucleus had left out).
-    """
+    """`processed_logprobs` of tokens the sampler *did* draw, each kept inside its own support: a token at the edge
+    of the nucleus (a bf16 rounding is enough) would otherwise get -inf, an IS ratio of 0 and, per sequence, zero its
+    completion's loss. Returns (logprobs, outside: where the trainer's nucleus had left the token out)."""
     scores = _sampler_scores(logits, temperature, top_k, top_p)
     index = tokens.unsqueeze(-1)
     outside = scores.gather(-1, index).squeeze(-1) == -math.inf
@@ -192,10 +149,8 @@ def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float
 
 
 def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """What TRL's training forward computes: log_softmax(logits / temperature) at the token, no top-k/top-p, in fp32.
-
-    Selectively: the token's score minus the logsumexp over the vocabulary, so no [..., V] log-softmax is made
-    beside the logits (TRL's `selective_log_softmax`); autograd keeps the scores once for the backward."""
+    """What TRL's training forward computes: log_softmax(logits / temperature) at the token, in fp32, selectively
+    (the score minus the logsumexp: no [..., V] log-softmax beside the logits, as TRL's `selective_log_softmax`)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
     scores = logits.float() if temperature == 1 else logits.float() / temperature
@@ -213,14 +168,9 @@ def importance_weights(
     clip_max: float | None = 3.0,
     clip_min: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Per-token IS weights [B, T] correcting for sampling-engine vs training-forward mismatch, and metrics.
-
-    `policy_logps_old` are the training forward's logprobs of the rollout before any update; `sampling_logps`
-    the engine's (NaN where it could not score a token: that token gets no correction, like TRL).
-    Metrics, as TRL's `sampling/importance_sampling_ratio/*` (after truncation/masking) and
-    `sampling/sampling_logp_difference/*`: ratio stats are over completion tokens (token modes) or over
-    sequences (sequence modes); `is/clipped_frac` is the share of those truncated or masked.
-    """
+    """Per-token IS weights [B, T] for the engine's `sampling_logps` (NaN: no correction for that token, as TRL)
+    against the trainer's `policy_logps_old`, and TRL's `sampling/*` metrics as `is/*` and `logprob/*`: ratios
+    over tokens or sequences (by mode) after the clip, `is/clipped_frac` the share clipped or masked."""
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}; use one of {IS_MODES}")
     if sampling_logps is None:  # e.g. TRL's transformers-CB path: no sampling logprobs, no correction
@@ -264,14 +214,8 @@ def importance_weights(
 
 
 def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tensor) -> tuple[float, float]:
-    """What `grpo_loss` of a chunk of a micro-batch's rows is multiplied by to be that chunk's part of the
-    micro-batch's `grpo_loss`, and the same for its token-share metrics (`train/clip_ratio/*`, `train/kl`).
-
-    So a micro-batch can be forwarded, scored and back-propagated a chunk of rows at a time, and the chunks' scaled
-    losses (and gradients) add up to the micro-batch's. grpo and dr_grpo average over rows: a chunk weighs its rows'
-    share. bnpo divides by the micro-batch's tokens: a chunk weighs its tokens' share. dapo already divides by
-    the step's token count (`num_items_in_batch`): 1. The metrics are shares of the micro-batch's tokens.
-    """
+    """The factors that make a chunk's `grpo_loss` (and its token-share metrics) its part of the micro-batch's, so
+    the chunks' losses and gradients add up: grpo/dr_grpo its rows' share, bnpo its tokens' share, dapo 1."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")
     tokens = float(chunk_mask.sum())

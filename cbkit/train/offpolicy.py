@@ -1,35 +1,20 @@
 """Off-policy rollouts: sampling from an older policy on purpose, measuring how far off it is, and async GRPO.
 
-GRPO's importance-sampling (IS) correction divides the policy by the distribution each token was *sampled* from.
-In the on-policy loop the two are the same weights and the correction only absorbs kernel noise (~1e-5 nats in
-fp32). This module makes the rollout genuinely off-policy, in the two ways RL stacks meet it, each a
-`cbkit.train.rollouts.RolloutSource` built on what it needs (the policy, a backend or the engine, a snapshot store)
-and chosen once by `make_rollout_source`; the loop calls it as it calls the on-policy source:
+Two `cbkit.train.rollouts.RolloutSource`s, chosen once by `make_rollout_source`; the loop calls them as it calls the
+on-policy one:
 
-* **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout is sampled from an exact copy of
-  the weights of k optimizer updates earlier, kept in a ring of snapshots; the loss uses the current weights.
-  Exact and reproducible, so a learner can set k and watch what it does;
+* **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout samples an exact copy of the
+  weights of k updates earlier (a ring of snapshots); the loss uses the current weights;
 * **async rollouts** (`async_rollouts`, `AsyncRollouts` over `cbkit.rollout.async_cb.AsyncEngine`): step t+1's
-  requests decode in the CB engine while step t trains, and the update lands mid-rollout, so a completion's
-  tokens come from two policy versions. A rollout with a token more than `max_staleness` updates old is
-  regenerated or its groups dropped (`stale_rollouts`).
+  requests decode while step t trains and the update lands mid-rollout, so a completion's tokens come from two
+  versions; a token more than `max_staleness` updates old is regenerated or its group dropped (`stale_rollouts`).
 
-Both report `offpolicy/*` every step (`drift_metrics`): the staleness itself, |sampling - current| logprob
-(mean, max), a KL estimate, the spread of the raw IS ratios before any clip, and where the clip bit
-(`is/clipped_frac`, from `cbkit.train.objective.importance_weights`).
-
-Why IS on the engine's own logprobs stays exact when the weights change mid-sequence
--------------------------------------------------------------------------------------
-The correction needs, for each token, the probability of the distribution it was drawn from. The engine reports
-exactly that: the log-softmax of the logits its forward computed at that moment, whatever those logits were
-made of -- new weights for the current query, and for the prefix the KV the cache holds, written by whichever
-weights processed those positions. An after-the-fact "old logprobs" forward under one set of weights (TRL PR
-#5781's approach to CB) recomputes the prefix's KV with *those* weights: it is right for no token whose prefix
-was processed by another version, so it divides by a distribution nothing was sampled from.
-`versioned_logprobs` rebuilds the engine's computation from the recorded versions -- each segment of positions
-forwarded with the weights that processed it, on top of the KV of the segments before -- and
-`tests/test_async_rollouts.py` checks that it reproduces the engine's logprobs while either single-version
-forward does not. `docs/off_policy.md` works it through.
+Both report `offpolicy/*` (`drift_metrics`: staleness, |sampling - current| logprob, a KL estimate, the raw IS
+ratios before any clip). IS on the engine's own logprobs stays exact when the weights change mid-sequence: the
+engine reports the distribution it drew from, prefix KV of whichever version wrote it included, while an after-the-
+fact forward under one set of weights (TRL PR #5781) divides by a distribution nothing was sampled from.
+`versioned_logprobs` replays the engine's computation version by version; `tests/test_async_rollouts.py` checks it
+reproduces the engine's logprobs and that neither single-version forward does (`docs/off_policy.md`).
 """
 
 from __future__ import annotations
@@ -59,14 +44,9 @@ STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next r
 
 
 def drift_metrics(current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
-    """How far the rollout's sampling distribution is from the policy the loss uses, over completion tokens.
-
-    `current_logps` are the trainer's logprobs of the sampled tokens before this step's update (under the sampler's
-    processed distribution), `sampling_logps` the engine's. With r = exp(current - sampling) per token:
-    `kl` is the k3 estimate E[r - 1 - log r] of KL(sampling || current) on samples from the sampler (>= 0, and 0
-    only when the two agree on every sampled token); `ratio_*` are the raw IS ratios (per token, or per sequence
-    for `sequence_*` modes) before `clip_max`/`clip_min`, so their spread shows what the clip will have to cut.
-    """
+    """How far the sampler (`sampling_logps`) is from the policy the loss uses (`current_logps`, before this step's
+    update), over completion tokens. With r = exp(current - sampling): `kl` is the k3 estimate E[r - 1 - log r] of
+    KL(sampling || current); `ratio_*` the raw IS ratios (per sequence for `sequence_*` modes) before any clip."""
     if sampling_logps is None:
         return {}
     m = mask.bool() & ~sampling_logps.isnan()
@@ -99,12 +79,8 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
-    """The indices of the groups to keep: those whose every token is at most `max_staleness` updates old.
-
-    `group_versions[g][c]` is the policy version of each token of completion c of group g; `now` is the version
-    the loss is computed with. A group is the unit: one too-old token drops its whole group, because GRPO's
-    advantages compare a completion with its siblings and a group with a member missing has another baseline.
-    """
+    """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
+    updates older than `now`. One too-old token drops its whole group: a group missing a member has another baseline."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
@@ -128,11 +104,8 @@ def _token_versions(completion: Completion) -> tuple[int, ...]:
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
-    """`given` (it wins over the config), or the source the config asks for: on-policy (the default), a fixed lag,
-    or async rollouts.
-
-    `max_prompt_len` (the run's longest prompt) sizes an async engine's KV pool. With `config.output_dir` set the
-    run writes checkpoints, and an async source keeps the weights its pending rollout started on."""
+    """`given` (it wins), or the source the config asks for: on-policy (the default), a fixed lag, or async
+    rollouts (`max_prompt_len` sizes its KV pool; with `output_dir` it keeps what a checkpoint needs)."""
     if given is not None:
         if not isinstance(given, RolloutSource):
             raise TypeError(f"rollouts must be a cbkit.train.rollouts.RolloutSource (subclass it and override "
@@ -149,18 +122,16 @@ def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: 
 
 
 class LaggedRollouts(RolloutSource):
-    """`rollout_staleness = k`: the rollout samples from the weights of k updates ago, swapped into the policy.
-
-    The last k + 1 versions wait in a ring (`rollout_snapshots`: copies on the device, in host memory or files on
-    disk), the newest being the policy as it is now. For a rollout the oldest is loaded into the policy itself,
-    `backend` (which samples from the policy) samples, and the newest is loaded back, bitwise: no sampling copy of
-    the model is kept."""
+    """`rollout_staleness = k`: the last k + 1 versions wait in a ring (`rollout_snapshots`); for a rollout the oldest
+    is loaded into the policy itself, `backend` samples, and the newest is loaded back, bitwise (no sampling copy)."""
 
     def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
         self.k, self.policy, self.backend = staleness, policy, backend
         self.history = WeightSnapshots(staleness + 1, snapshots)
         self.history.append(0, policy)
+
+    drift = staticmethod(drift_metrics)
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
@@ -192,12 +163,9 @@ class LaggedRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot while step t trains.
-
-    Built on the policy (the engine keeps a snapshot of it, refreshed at each step's end) and the config's
-    async fields (`cb_overrides`, `async_update_at`, `max_staleness`, `stale_rollouts`, `num_iterations`).
-    `target_lengths`, one per completion row, replays a length workload in every rollout it queues, EOS ignored
-    (`cbkit sweep --full-step`'s async row, so every backend decodes the same targets); None: EOS decides."""
+    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot of the policy (refreshed at each
+    step's end) while step t trains. `target_lengths`, one per completion row, replays a length workload, EOS
+    ignored (`cbkit sweep --full-step`'s async row); None: EOS decides."""
 
     def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
                  checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
@@ -208,6 +176,8 @@ class AsyncRollouts(RolloutSource):
         self.pending: Pending | None = None
         self.previous: dict[str, Tensor] | None = None  # the weights the pending rollout started on (checkpoints)
         self.resume_update: int | None = None  # a resumed run first replays the update its pending rollout met
+
+    drift = staticmethod(drift_metrics)
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         """The rollout queued during the last step (or one now), bounded by max_staleness; the next one queued."""
@@ -283,11 +253,9 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
                        temperature: float = 1.0) -> Tensor:
     """Logprobs of `completion_ids` as an engine computed them when its weights changed mid-sequence.
 
-    `position_versions[i]` is the version whose forward processed input position i (prompt, then completion
-    tokens but the last): it wrote that position's KV and, from the last prompt position on, sampled the next
-    token. Consecutive positions of one version go through `model` loaded with `weights[version]`, on top of
-    the KV cache the earlier segments left: exactly what the engine's cache held. `model`'s weights are
-    overwritten.
+    `position_versions[i]` is the version whose forward processed input position i (prompt, then completion tokens
+    but the last). Each run of one version goes through `model` loaded with its weights, on top of the KV cache the
+    earlier runs left, as the engine's cache held it. `model`'s weights are overwritten.
     """
     from transformers import DynamicCache
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -36,12 +38,24 @@ def mix_seed(seed: int, *counters: int) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    """torch, python `random` and numpy (if installed) from one seed: what a fresh run starts from."""
+    """torch, python `random` and numpy from one seed: what a fresh run starts from."""
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
+    np.random.seed(seed)
 
-        np.random.seed(seed)
-    except ImportError:
-        pass
+
+def capture_rng() -> dict[str, Any]:
+    """torch (CPU and CUDA), python and numpy RNG states: what a checkpoint of a step's end restores."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])

@@ -1,23 +1,17 @@
 """Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)`.
 
-The loop asks for "the rollout of step t's prompts" and does not care who samples it. On-policy (the default,
-`OnPolicyRollouts`) the backend samples from the weights as they are; `cbkit.train.offpolicy` has the two
-off-policy sources, a fixed lag (`LaggedRollouts`) and async rollouts (`AsyncRollouts`). A source is given
-what it needs when it is built (the policy, the backend, a snapshot store, the engine): it never calls back
-into the trainer, so a new source (a replay buffer, a remote sampler) is one class, not a branch in the loop.
-
-Besides `rollout`, a source hears of each optimizer update and of each step's end (a lagged source keeps the
-updated weights, an async one publishes them to its engine), saves what it needs in a checkpoint, and closes.
-The on-policy source does nothing at any of them.
-
-What comes back is checked once, where it enters the trainer (`check_entry`): the `Rollout` contract
-(`Rollout.validate`) and the shape the request asked for. Backends do not check their own output.
+On-policy (`OnPolicyRollouts`, the default) the backend samples the weights as they are; `cbkit.train.offpolicy`
+has a fixed lag and async rollouts. A source is given what it needs when built and never calls back into the
+trainer; it hears of each update and step end, reports its own drift metrics, saves what a checkpoint needs, and
+closes. What comes back is checked once, where it enters the trainer (`check_entry`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from torch import Tensor
 
 from cbkit.rollout import Rollout, RolloutBackend, SamplingParams
 
@@ -59,6 +53,10 @@ class RolloutSource:
 
     def after_step(self, version: int) -> dict[str, float]:
         """The step's last update is done (its weights are `version`); returns metrics for the step."""
+        return {}
+
+    def drift(self, current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
+        """How far the sampler was from the policy the loss uses (`offpolicy/*`); nothing for an on-policy source."""
         return {}
 
     def save(self, directory: Path) -> None:

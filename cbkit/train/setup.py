@@ -1,8 +1,5 @@
-"""The run set-up: policy, problems, prompt ids, stop and pad ids, sampling, warmed backends.
-
-One place decides these for the loop, the sweep and the demo, so the three entry points cannot drift apart. The
-loop takes what `set_up_run` returned (`GRPOTrainer(config, run)`), or calls it once itself from its config.
-"""
+"""The run set-up: policy, problems, prompt ids, stop and pad ids, sampling, warmed backends, decided in one place
+for the loop, the sweep and the demo (`GRPOTrainer(config, run)` takes it, or makes it once from its config)."""
 
 from __future__ import annotations
 
@@ -12,17 +9,11 @@ from typing import Any
 
 from cbkit.tasks.data import SYSTEM_PROMPT
 
-# --- the run set-up: model, prompts, stop and pad ids, sampling, warmed backends ---------------------------
-
 
 @dataclass
 class RunSetup:
-    """What every rollout of a run needs, built once by `set_up_run` for the loop, the sweep and the demo.
-
-    One place decides the stop ids (the tokenizer's EOS with the model's generation-config ids: Llama-3 and
-    Qwen2.5 list several), the pad id (the tokenizer's, else its EOS; a static batch needs one) and the
-    chat-formatted prompt ids, so the three entry points cannot drift apart.
-    """
+    """What every rollout of a run needs: the stop ids (the tokenizer's EOS with the model's generation-config ids:
+    Llama-3 and Qwen2.5 list several), the pad id (the tokenizer's, else its EOS) and the chat prompt ids."""
 
     model: Any
     tokenizer: Any
@@ -81,25 +72,21 @@ def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype:
 
 def set_up_for_config(config: Any, run: RunSetup | None = None, *, policy: Any = None,
                       problems: Sequence[Any] | None = None) -> RunSetup:
-    """The run set-up a `cbkit.train.config.CBGRPOConfig` trains on: `run` as given, or `set_up_run` called once
-    from the config's model and data (on `policy` and `problems` when given). Either way the policy is checked
-    (fp32 weights, text only) before it trains."""
-    if run is not None:
-        if policy is not None or problems is not None:
-            raise ValueError("Pass either run= (what set_up_run returned, which holds its policy and problems) or "
-                             "policy=/problems=, not both.")
-        policy = (run.model, run.tokenizer)
-    elif policy is None:
+    """The run set-up a `CBGRPOConfig` trains on: `run` as given, or `set_up_run` from the config (on `policy` and
+    `problems` when given), the policy checked first (fp32 weights, text only)."""
+    if run is not None and (policy is not None or problems is not None):
+        raise ValueError("Pass either run= (what set_up_run returned, which holds its policy and problems) or "
+                         "policy=/problems=, not both.")
+    if run is None and policy is None:
         from cbkit.models.load import load_policy
 
         policy = load_policy(config.model, dtype="float32", seed=config.seed)  # the config's `dtype` is an autocast
-    model, tokenizer = policy  # a LoadedPolicy or a (model, tokenizer) pair
+    model, tokenizer = (run.model, run.tokenizer) if run is not None else policy
     check_fp32_weights(model)
     check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
-    if run is not None:
-        return run
-    return set_up_run(config.model, config.data, config.num_problems, seed=config.seed, policy=policy,
-                      problems=problems, system_prompt=config.system_prompt, options=config.data_options)
+    return run if run is not None else set_up_run(
+        config.model, config.data, config.num_problems, seed=config.seed, policy=policy, problems=problems,
+        system_prompt=config.system_prompt, options=config.data_options)
 
 
 # --- what the loop refuses to train ------------------------------------------------------------------------

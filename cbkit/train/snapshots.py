@@ -1,29 +1,12 @@
-"""A ring of the policy's recent weights, for rollouts sampled from an older policy (`rollout_staleness`), and the
-copies of the weights a notebook comes back to.
+"""A ring of the policy's recent weights, for rollouts from an older policy (`rollout_staleness`), and the copies of
+the weights a notebook comes back to.
 
-A lag of k updates needs the weights of the last k + 1 versions at hand: k + 1 copies of the model, 2.7 GB at k = 4
-for a 135M model in fp32. Where they wait is a choice, because it decides which memory pays:
-
-* ``"device"``: a clone on the model's device. On a GPU the fastest (device-to-device copies) and the most
-  expensive: GPU memory, which the step itself runs short of.
-* ``"host"``: a copy in CPU memory, pinned where CUDA is (page-locked, so a copy to or from the GPU runs at the
-  bus's full speed and a load into the model can be asynchronous). Costs host RAM and two transfers over the bus a
-  step; no GPU memory. On a CPU it is the same place as ``"device"``.
-* ``"disk"``: one file per version in a temporary folder, written once when the version is made and read straight
-  into the model when it is due (`LaggedRollouts` loads the oldest into the policy for the rollout and the newest
-  back after it): no copy stays in memory, at the price of one write and two reads of the weights a step (the page
-  cache, not the process, holds what the disk has just seen).
-
-`place_for_tier` is where the notebooks' tiers keep theirs (`NotebookEnv.weights_place`; the tiers' planner counts
-the copies it puts on the device).
-
-A snapshot is bitwise the weights it was taken from, wherever it is kept: the files hold the tensors' raw bytes
-in the model's own state-dict order and dtypes.
-
-**One copy per storage.** `state_dict()` lists a tied weight under each of its names: SmolLM2's and Qwen2.5's
-embedding is also their LM head (``tie_word_embeddings``), 136M of Qwen2.5-0.5B's 494M parameters, so a copy of
-every name would keep that matrix twice. A snapshot keeps each distinct storage once, in every place, and gives it
-back under all its names (`_aliases`).
+A lag of k updates needs the last k + 1 versions at hand; where they wait decides which memory pays: ``"device"``
+(a clone on the model's device: fastest, and GPU memory), ``"host"`` (CPU memory, pinned where CUDA is: two
+transfers over the bus a step, no GPU memory) or ``"disk"`` (a file per version, read straight into the model when
+due: one write and two reads a step, no memory). A snapshot is bitwise the weights it was taken from, and keeps
+each distinct storage once: a tied embedding (SmolLM2, Qwen2.5) is one matrix under two names (`_aliases`).
+`place_for_tier` is where the notebooks' tiers keep theirs.
 """
 
 from __future__ import annotations
@@ -39,21 +22,15 @@ from torch import Tensor
 
 from cbkit.train.config import SNAPSHOT_PLACES as WHERE
 
-# Where a copy is, as a sentence says it (the notebooks print it).
 KEPT_WHERE = {"device": "in the model's device memory", "host": "in host memory", "disk": "in a file"}
 
-# The notebooks' GPU tiers (cbkit.teach.tiers): a T4's ~14.7 GiB hold the policy, its AdamW state, a KV pool and the
-# engine's async snapshot, and no ring of copies besides; nor does a standard Colab runtime's 12.7 GB of RAM hold
-# 05's seven (2 GB each for Qwen2.5-0.5B in fp32): files. An A100's 40 or 80 GB hold them where they are fastest.
+# A T4's ~14.7 GiB (and a Colab runtime's 12.7 GB of RAM) hold no ring of copies besides the run: files. An A100 does.
 TIER_PLACES = {"t4": "disk", "a100": "device"}
 
 
 def place_for_tier(tier: str, device: str = "cuda") -> str:
-    """Where a notebook on `tier` keeps a copy of the weights it comes back to (`WeightSnapshots`' ``where``).
-
-    A GPU tier chooses by its memory (`TIER_PLACES`), on its GPU and in its dry run on a CPU alike, so CI runs the
-    tier's branch. Otherwise (the ``cpu`` and ``ci`` tiers): on a CPU a file, so the copy costs disk, not a laptop's
-    RAM; on a GPU under the ci profile, which may be a T4, host memory."""
+    """Where a notebook on `tier` keeps a copy of the weights (`WeightSnapshots`' ``where``): a GPU tier's choice
+    (`TIER_PLACES`, in its CPU dry run too); otherwise a file on a CPU, host memory on a GPU."""
     if tier in TIER_PLACES:
         return TIER_PLACES[tier]
     return "disk" if device == "cpu" else "host"
@@ -83,9 +60,8 @@ class WeightSnapshots:
 
     def append(self, version: int, weights: torch.nn.Module | Mapping[str, Tensor], *,
                device: torch.device | str | None = None) -> None:
-        """Keep `weights` (a model or a state dict) as `version`; the oldest is dropped past `maxlen`. A ``"device"``
-        copy goes to `device`, by default where the weights are (give the model's device for a state dict read from a
-        checkpoint, which is on the CPU)."""
+        """Keep `weights` (a model or a state dict) as `version`, dropping the oldest past `maxlen`; a ``"device"``
+        copy goes to `device` (default: where the weights are)."""
         full = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
         aliases = _aliases(full)
         state = {n: t for n, t in full.items() if n not in aliases}
@@ -121,14 +97,12 @@ class WeightSnapshots:
         return version
 
     def items(self, template: torch.nn.Module) -> Iterator[tuple[int, dict[str, Tensor]]]:
-        """Every version as (version, state dict on the CPU), oldest first: what a checkpoint saves. A file is
-        read into new tensors shaped like `template`'s state dict."""
+        """Every version as (version, state dict on the CPU), oldest first: what a checkpoint saves."""
         for i, (version, _, _) in enumerate(self._ring):
             yield version, self.state_dict(template, i)
 
     def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
-        """The version at `index` (0: the oldest kept, -1: the newest) as a new state dict on the CPU, shaped like
-        `template`'s: a copy, read from its file where it is on disk."""
+        """The version at `index` as a new state dict on the CPU, shaped like `template`'s."""
         _, kept, aliases = self._ring[index]
         # One new tensor per kept storage, each tied name pointing at it, in the template's order.
         distinct = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in template.state_dict().items()
@@ -156,8 +130,7 @@ class WeightSnapshots:
 
 
 def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
-    """{name: the first name} for every entry of `state` that is a view of the same memory as an earlier one (a tied
-    weight): same storage, offset, shape, stride and dtype, so the two names always hold the same values."""
+    """{name: the first name} for every entry of `state` that views the same memory as an earlier one (a tied weight)."""
     first: dict[tuple, str] = {}
     out = {}
     for name, t in state.items():
@@ -173,8 +146,7 @@ def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
 
 def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, aliases: Mapping[str, str], *,
           non_blocking: bool = False) -> None:
-    """Copy a snapshot into `target`'s tensors (a model's state dict, or new tensors shaped like it): each kept storage
-    into the first name that holds it, then every tied name from it, where `target` does not tie the two itself."""
+    """Copy a snapshot into `target`'s tensors: each kept storage into its first name, then every tied name from it."""
     distinct = [n for n in target if n not in aliases]
     if isinstance(kept, Path):
         with open(kept, "rb") as f:  # the distinct tensors' bytes, in state-dict order
