@@ -1,35 +1,159 @@
-"""The plan of one notebook on one GPU (`plan_notebook`): its peak by part, every CB engine start it makes with
-transformers' own verdict on it (`EngineStart`, `engine_admission`), the copies of the weights it holds in host
-memory against a Colab runtime's RAM, its runtime by the roofline, and each memory sweep's crossover (`TierPlan`)."""
+"""`cbkit tiers`: one notebook on one GPU (`plan_notebook`): its peak by part, every CB engine start it makes with
+transformers' own verdict on it (`EngineStart`), the copies of the weights it holds in host memory against a Colab
+runtime's RAM, its runtime by the roofline, and each memory sweep's crossover (`TierPlan`); every notebook, recipe and
+sweep preset checked (`plan_all`, `plan_recipes`, `plan_presets`, `tiers_report`). The pool a notebook fixes
+(`pool_config`) is the one it runs and the one planned; the pool's size and what it keeps running come from the one
+pool model (`cbkit.rollout.admission`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, training_bytes
-from cbkit.rollout.admission import Admission, admission
-from cbkit.teach.tiers.pool import device_bytes, parameter_count, plan_config, pool_config
-from cbkit.teach.tiers.runtime import estimated_train_step, rollout_seconds
+from cbkit.rollout.admission import Admission, admission, pool_blocks, running
 from cbkit.teach.tiers.table import (
     BUDGET_S,
     CAPABILITY,
     COLAB_RAM_BYTES,
     CUDA_CONTEXT_BYTES,
+    CUDA_TOTAL_BYTES,
+    GPU_MODEL,
+    GPU_TIERS,
+    LESSON_PAGE_SIZE,
     LOGITS_BUDGET_BYTES,
     MACHINES,
+    NOTEBOOKS,
     OVERHEAD_S,
     POOL_SHARE,
     PROMPT_LEN,
+    RECIPES,
     TIER_MEMORY,
     GiB,
+    Sizes,
     notebook_spec,
 )
 from cbkit.telemetry import fmt_bytes
 from cbkit.train.snapshots import place_for_tier
+
+# The hub models' config.json (the numbers the plan reads), so that planning needs no download: Qwen2.5-0.5B-Instruct
+# (the notebooks' GPU model) and SmolLM2-360M-Instruct (the sweep's t4 preset). Llama-3.2-1B-Instruct (the a100
+# preset) has the shape of `llama-1b-random`, which cbkit builds in code.
+_PLAN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    GPU_MODEL: ("Qwen2Config", dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                                    num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                                    tie_word_embeddings=True)),
+    "HuggingFaceTB/SmolLM2-360M-Instruct": ("LlamaConfig", dict(
+        num_hidden_layers=32, hidden_size=960, intermediate_size=2560, num_attention_heads=15, num_key_value_heads=5,
+        head_dim=64, vocab_size=49152, tie_word_embeddings=True)),
+}
+_SAME_SHAPE = {"meta-llama/Llama-3.2-1B-Instruct": "llama-1b-random"}
+
+
+@functools.cache
+def plan_config(model: str) -> Any:
+    """The config a plan reads, without weights: written out for the GPU model (a real transformers config, which
+    the engine's admission check builds its cache from), else `models.load.load_config`."""
+    if model in _PLAN_CONFIGS:
+        import transformers
+
+        kind, values = _PLAN_CONFIGS[model]
+        return getattr(transformers, kind)(**values)
+    from cbkit.models.load import load_config
+
+    return load_config(_SAME_SHAPE.get(model, model))
+
+
+def device_bytes(machine: str) -> int:
+    """A checked GPU's total memory as CUDA reports it where known (`CUDA_TOTAL_BYTES`), else roofline's datasheet."""
+    return CUDA_TOTAL_BYTES.get(machine) or roofline.GPUS[machine].total_memory()
+
+
+def parameter_count(config: Any) -> int:
+    """Weights of a config: its matmul weights plus the embedding where it is not tied to the LM head (norms and
+    biases, well under 1%, left out)."""
+    shape = roofline.Shape.of(config)
+    tied = getattr(config, "tie_word_embeddings", True)
+    return shape.matmul_params + (0 if tied else shape.vocab * shape.hidden)
+
+
+def pool_bytes(config: Any, tier: str, share: float, *, memory_bytes: int | None = None) -> int:
+    """``share`` x what a training step of this model leaves free on the tier's smallest GPU: its memory less the
+    optimizer state (16 bytes a parameter, `planner.training_bytes`). A model too large to train there (a 1B on a
+    T4) gets the share of what its bf16/fp16 weights leave."""
+    memory = memory_bytes or TIER_MEMORY[tier]
+    params = parameter_count(config)
+    state = training_bytes(params, micro_batch_rows=0, tokens_per_row=0, completion_len=1, config=config,
+                           autocast=True)["optimizer_state"]
+    left = memory - state if state < memory / 2 else memory - 2 * params
+    if not 0 < share <= 1:
+        raise ValueError(f"pool_share is a share of free memory in (0, 1], got {share}.")
+    return int(share * left)
+
+
+def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows: Sequence[Sequence[int]] = (),
+                max_new_tokens: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """The CB engine settings that fix a notebook's pool: ``{}`` (cbkit's default) where the sizes fix none. The one
+    rule for it: the notebook runs it (`NotebookEnv.pool_config`) and `plan_notebook` plans with it.
+
+    GPU tiers: `pool_bytes` as ``num_blocks`` of ``LESSON_PAGE_SIZE`` tokens, or without a ``pool_share`` every request
+    (``rows``, else prompts x n of the sizes) at full length. On a dry run the pool is the same share
+    of a tier's GPU, capped to hold half the requests ``rows`` at full length, so that a CPU does not allocate
+    gigabytes and the waiting still happens. CPU: ``pool_sequences`` sequences of the first row at full length."""
+    from cbkit.rollout.engine_config import workload_blocks
+
+    page = LESSON_PAGE_SIZE
+    if sizes.pool_share is not None and tier in GPU_TIERS:
+        blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page,
+                             dtype_bytes=dtype_bytes)
+        if dry_run and rows:
+            blocks = min(blocks, workload_blocks(rows[: max(1, len(rows) // 2)], max_new_tokens or 1, page))
+        return {"page_size": page, "num_blocks": blocks}
+    if tier in GPU_TIERS:  # every request at full length: a share of free memory would be gigabytes
+        # Each request gets room for a prompt twice the mean, whatever the rows' own lengths: the plan, which has no
+        # prompts, then sizes the very pool the notebook allocates. A longer prompt waits for a request to end.
+        requests = len(rows) or sizes.prompts * sizes.n
+        return {"page_size": page, "num_blocks": workload_blocks([range(2 * PROMPT_LEN)] * requests,
+                                                                 max_new_tokens or sizes.max_new_tokens, page)}
+    if sizes.pool_sequences is not None and rows:
+        return {"page_size": page, "num_blocks": workload_blocks([rows[0]] * sizes.pool_sequences,
+                                                                 max_new_tokens or sizes.max_new_tokens, page)}
+    return {}
+
+
+def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.Machine, dtype: str) -> float:
+    """The old-logprob forward and the loss's forward and backward of one step, by the roofline."""
+    return roofline.estimated_train_seconds(config, rows=rows, tokens_per_row=PROMPT_LEN + new_tokens,
+                                            machine=gpu, dtype=dtype, forwards=2)
+
+
+def rollout_seconds(config, prompts, n, new, backend, lengths, pool, gpu, dtype, dtype_bytes) -> float:
+    """A rollout's seconds, its matmuls priced in the dtype of the weights it samples from: fp32 weights (4 bytes)
+    at the GPU's fp32 peak whatever the training forwards' autocast dtype (``dtype``), since the engine runs no
+    autocast. Not TF32's: cbkit leaves `torch.backends.cuda.matmul.allow_tf32` at PyTorch's default, off, so that
+    fp32 rollouts sample from the same fp32 products as the fp32 logprob checks."""
+    dtype = "float32" if dtype_bytes == 4 else dtype
+    running = _running(prompts * n, new, backend, lengths, pool["num_blocks"], pool["page_size"])
+    return roofline.estimated_rollout_seconds(config, prompt_lens=[PROMPT_LEN] * prompts, running=running,
+                                              context=PROMPT_LEN + new // 2, dtype_bytes=dtype_bytes, machine=gpu,
+                                              dtype=dtype)
+
+
+@functools.cache
+def _running(rows: int, new: int, backend: str, lengths: str, num_blocks: int, page: int) -> tuple[int, ...]:
+    """Sequences decoding at each step: a static batch's rows until each one's target; the pool what its blocks
+    cover, refilled as sequences end (`admission.running`)."""
+    from cbkit.measure.workload import parse_lengths
+
+    targets = parse_lengths(lengths).targets(rows, new, seed=0) or [new] * rows
+    if backend == "generate":
+        return tuple(sum(t >= step for t in targets) for step in range(1, max(targets) + 1))
+    return running(PROMPT_LEN, targets, page, max(num_blocks, -(-(PROMPT_LEN + new) // page)), new)
+
 
 # The part of a plan that is too large -> the sizes that shrink it.
 _LOWER = {"rollout": "N (n, sweep_ns), the prompts or the new tokens", "weights": "the model",
@@ -270,3 +394,94 @@ def _micro_batches(rows: int, new_tokens: int, config: Any, tier: str) -> int:
 
 def _kv(config: Any, dtype_bytes: int) -> int:
     return roofline.Shape.of(config).kv_bytes_per_token(dtype_bytes)
+
+def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | None = None) -> list[TierPlan]:
+    return [plan_notebook(nb, m) for nb in (notebooks or list(NOTEBOOKS)) for m in (machines or list(MACHINES))]
+
+
+def plan_recipes(machines: Sequence[str] | None = None) -> list[TierPlan]:
+    """The learning recipes (``RECIPES``) on every GPU: an estimate until a GPU runs them."""
+    return [plan_notebook(r, m) for r in RECIPES for m in (machines or list(MACHINES))]
+
+
+# --- the sweep's GPU presets -------------------------------------------------------------------------------------
+
+# The GPUs each `cbkit sweep --preset` is meant for (cbkit.measure.presets.PRESET_NEEDS), checked on the smallest.
+PRESET_MACHINES = {"trl-benchmark": "a100-40", "a100": "a100-40", "t4": "t4"}
+
+
+@dataclass
+class PresetPlan:
+    preset: str
+    machine: str
+    admission: Admission
+    requests: int  # the largest point's requests
+    full_length: int  # tokens one request holds at full length
+    page: int  # tokens per KV page
+    generate_bytes: int  # generate()'s planned peak at the largest point, above the weights (`planner.plan`)
+    free_bytes: int  # what the GPU has left for it: total less the CUDA context, the weights and the trainer's state
+
+    @property
+    def ok(self) -> bool:
+        return self.admission.fits and self.generate_bytes <= self.free_bytes
+
+    def line(self) -> str:
+        a = self.admission
+        held = min(self.requests, (a.num_blocks or 0) * self.page // self.full_length) if a.fits else 0
+        return (f"--preset {self.preset:14} {self.machine:8} {a.line()}; its pool holds {held} of the largest point's "
+                f"{self.requests} requests at full length; generate() needs {fmt_bytes(self.generate_bytes)} of "
+                f"{fmt_bytes(self.free_bytes)} | {'ok' if self.ok else 'FAIL'}")
+
+
+def plan_presets() -> list[PresetPlan]:
+    """Each sweep preset's largest point on its GPU, through both backends it runs: the CB engine's admission with the
+    preset's own CB settings, and `generate()`'s planned peak in what the GPU has left. A preset that holds a
+    trainer's state (`trainer_state`, TRL's setting) has that state resident beside the weights: gradients and
+    AdamW's two moments in the weights' dtype (`rollout_timing.trainer_state_bytes`), 6 bytes a parameter in bf16."""
+    import torch
+
+    from cbkit.measure.planner import plan
+    from cbkit.measure.presets import PRESETS
+    from cbkit.measure.rollout_timing import TRAINER_STATE_COPIES
+    from cbkit.measure.sweep_config import DEFAULT_NS
+    from cbkit.rollout.engine_config import page_size
+
+    out = []
+    for name, preset in PRESETS.items():
+        machine = PRESET_MACHINES[name]
+        config = plan_config(preset["model"])
+        params = parameter_count(config)
+        dtype = getattr(torch, preset["dtype"])
+        resident = dtype.itemsize * params
+        if preset.get("trainer_state"):
+            resident += TRAINER_STATE_COPIES * dtype.itemsize * params
+        n = max(preset.get("ns", DEFAULT_NS))
+        requests, new = preset["num_prompts"] * n, preset["max_new_tokens"]
+        pool = dict(preset.get("cb_config", {}))
+        total = device_bytes(machine)
+        a = admission(config, pool, dtype=dtype, rows=[range(PROMPT_LEN)] * requests, max_new_tokens=new,
+                      total_bytes=total, used_bytes=CUDA_CONTEXT_BYTES + resident, capability=CAPABILITY[machine])
+        free = total - CUDA_CONTEXT_BYTES - resident
+        generate = plan(config, num_prompts=preset["num_prompts"], num_generations=n, prompt_len=PROMPT_LEN,
+                        max_new_tokens=new, dtype_bytes=dtype.itemsize, budget_bytes=free, device="cuda").generate
+        out.append(PresetPlan(name, machine, a, requests, PROMPT_LEN + new, page_size(pool), generate.peak_bytes,
+                              free))
+    return out
+
+
+def tiers_report(plans: Sequence[TierPlan]) -> str:
+    """One line a notebook and GPU, then what is wrong with each failing one and the assumptions."""
+    lines = [p.line() for p in plans]
+    for p in plans:
+        lines += [f"  {p.notebook} on {p.machine}: {problem}" for problem in p.problems()]
+    lines += [
+        "",
+        f"Runtime: an estimate, not a measurement. Each decode step at {roofline.DECODE_EFFICIENCY:.0%} of the "
+        f"lower roof (datasheet peaks), never under {roofline.LAUNCH_S_PER_LAYER * 1e3:.2f} ms a layer (HF's eager "
+        f"kernel launches, from TRL PR #5765's 41.12 s for 2048 steps of a 16-layer model on an A100); training at "
+        f"{roofline.TRAIN_EFFICIENCY:.0%} of the matmul peak; plus {OVERHEAD_S} s of imports and loading; downloads "
+        "excluded. Memory: the planner's peak of every rollout (generate() held until its longest row ends, the CB "
+        f"pool fixed at its share of the tier's smallest GPU), prompts of {PROMPT_LEN} tokens, plus the weights "
+        "and, where the notebook trains, the optimizer state, one micro-batch's logits and its activations.",
+    ]
+    return "\n".join(lines)
