@@ -381,7 +381,7 @@ def test_the_trl_benchmark_preset_holds_a_trainers_state():
 def test_the_held_trainer_state_is_what_adamw_keeps_after_trls_bf16_cast():
     """TRL under bf16 with CB casts the policy to bf16 in place; one real backward and torch's AdamW step on a bf16
     model then hold its gradients and two moments: the bytes the sweep holds (`trainer_state_bytes`), 6 a parameter."""
-    from cbkit.measure.rollout_timing import trainer_state_bytes
+    from cbkit.measure.presets import trainer_state_bytes
     from cbkit.models.load import load_policy
 
     model = load_policy("tiny", seed=0).model.to(torch.bfloat16)

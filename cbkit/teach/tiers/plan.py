@@ -15,7 +15,7 @@ from typing import Any
 
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, training_bytes
-from cbkit.rollout.admission import Admission, admission, pool_blocks, running
+from cbkit.rollout.admission import Admission, admission, blocks_needed, pool_blocks, running
 from cbkit.teach.tiers.table import (
     BUDGET_S,
     CAPABILITY,
@@ -395,6 +395,7 @@ def _micro_batches(rows: int, new_tokens: int, config: Any, tier: str) -> int:
 def _kv(config: Any, dtype_bytes: int) -> int:
     return roofline.Shape.of(config).kv_bytes_per_token(dtype_bytes)
 
+
 def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | None = None) -> list[TierPlan]:
     return [plan_notebook(nb, m) for nb in (notebooks or list(NOTEBOOKS)) for m in (machines or list(MACHINES))]
 
@@ -416,8 +417,7 @@ class PresetPlan:
     machine: str
     admission: Admission
     requests: int  # the largest point's requests
-    full_length: int  # tokens one request holds at full length
-    page: int  # tokens per KV page
+    per_request: int  # blocks one request holds at full length
     generate_bytes: int  # generate()'s planned peak at the largest point, above the weights (`planner.plan`)
     free_bytes: int  # what the GPU has left for it: total less the CUDA context, the weights and the trainer's state
 
@@ -427,24 +427,21 @@ class PresetPlan:
 
     def line(self) -> str:
         a = self.admission
-        held = min(self.requests, (a.num_blocks or 0) * self.page // self.full_length) if a.fits else 0
+        held = min(self.requests, (a.num_blocks or 0) // self.per_request)
         return (f"--preset {self.preset:14} {self.machine:8} {a.line()}; its pool holds {held} of the largest point's "
                 f"{self.requests} requests at full length; generate() needs {fmt_bytes(self.generate_bytes)} of "
                 f"{fmt_bytes(self.free_bytes)} | {'ok' if self.ok else 'FAIL'}")
 
 
 def plan_presets() -> list[PresetPlan]:
-    """Each sweep preset's largest point on its GPU, through both backends it runs: the CB engine's admission with the
-    preset's own CB settings, and `generate()`'s planned peak in what the GPU has left. A preset that holds a
-    trainer's state (`trainer_state`, TRL's setting) has that state resident beside the weights: gradients and
-    AdamW's two moments in the weights' dtype (`rollout_timing.trainer_state_bytes`), 6 bytes a parameter in bf16."""
+    """Each sweep preset's largest point on its GPU, through both backends: the CB engine's admission with the preset's
+    CB settings, and `generate()`'s planned peak in what the GPU has left; a preset that holds a trainer's state
+    (`presets.trainer_state_bytes`) has it resident beside the weights."""
     import torch
 
     from cbkit.measure.planner import plan
-    from cbkit.measure.presets import PRESETS
-    from cbkit.measure.rollout_timing import TRAINER_STATE_COPIES
+    from cbkit.measure.presets import PRESETS, TRAINER_STATE_COPIES
     from cbkit.measure.sweep_config import DEFAULT_NS
-    from cbkit.rollout.engine_config import page_size
 
     out = []
     for name, preset in PRESETS.items():
@@ -464,8 +461,8 @@ def plan_presets() -> list[PresetPlan]:
         free = total - CUDA_CONTEXT_BYTES - resident
         generate = plan(config, num_prompts=preset["num_prompts"], num_generations=n, prompt_len=PROMPT_LEN,
                         max_new_tokens=new, dtype_bytes=dtype.itemsize, budget_bytes=free, device="cuda").generate
-        out.append(PresetPlan(name, machine, a, requests, PROMPT_LEN + new, page_size(pool), generate.peak_bytes,
-                              free))
+        out.append(PresetPlan(name, machine, a, requests, blocks_needed(PROMPT_LEN, new, a.page_size, share_prompt=False),
+                              generate.peak_bytes, free))
     return out
 
 
@@ -474,14 +471,9 @@ def tiers_report(plans: Sequence[TierPlan]) -> str:
     lines = [p.line() for p in plans]
     for p in plans:
         lines += [f"  {p.notebook} on {p.machine}: {problem}" for problem in p.problems()]
-    lines += [
-        "",
-        f"Runtime: an estimate, not a measurement. Each decode step at {roofline.DECODE_EFFICIENCY:.0%} of the "
-        f"lower roof (datasheet peaks), never under {roofline.LAUNCH_S_PER_LAYER * 1e3:.2f} ms a layer (HF's eager "
-        f"kernel launches, from TRL PR #5765's 41.12 s for 2048 steps of a 16-layer model on an A100); training at "
-        f"{roofline.TRAIN_EFFICIENCY:.0%} of the matmul peak; plus {OVERHEAD_S} s of imports and loading; downloads "
-        "excluded. Memory: the planner's peak of every rollout (generate() held until its longest row ends, the CB "
-        f"pool fixed at its share of the tier's smallest GPU), prompts of {PROMPT_LEN} tokens, plus the weights "
-        "and, where the notebook trains, the optimizer state, one micro-batch's logits and its activations.",
-    ]
+    lines += ["", f"Runtime: an estimate, not a measurement: each decode step at {roofline.DECODE_EFFICIENCY:.0%} "
+              f"of the lower roof (datasheet peaks), never under {roofline.LAUNCH_S_PER_LAYER * 1e3:.2f} ms a layer; "
+              f"training at {roofline.TRAIN_EFFICIENCY:.0%} of the matmul peak; plus {OVERHEAD_S} s of imports and "
+              f"loading. Memory: the planner's peak of every rollout, prompts of {PROMPT_LEN} tokens, plus the "
+              "weights and, where the notebook trains, the optimizer state, one micro-batch's logits and activations."]
     return "\n".join(lines)
