@@ -413,8 +413,8 @@ def test_a_preset_whose_generate_peak_does_not_fit_fails(monkeypatch):
 ])
 @pytest.mark.parametrize("flash", [(), (2,)])
 def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash):
-    # The planner mirrors the engine's sizing by hand (it plans hundreds of points; the engine's own code takes ~30 ms
-    # a call): for the same pool, memory and attention its engine_reserved_bytes is the engine's own footprint.
+    # The planner's CB pool is the one pool model's (`admission`), given the budget as the free memory and the
+    # attention it names: for the same pool, memory and attention it reserves what the engine check says.
     from cbkit.measure.planner import plan
 
     config = tiers.plan_config(model)
