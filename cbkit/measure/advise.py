@@ -144,8 +144,9 @@ def recommend(num_generations: int, *, completion_cv: float | None = None, mean_
     if multimodal:
         return Advice("generate", ["multimodal: the CB engine takes token ids only"])
     if gen_fits is False and memory is not None:
-        lighter = "continuous" if cb_fits or memory.continuous.peak_bytes < memory.generate.peak_bytes else "generate"
-        return Advice(lighter, ["memory: generate() does not fit" + ("" if cb_fits else ", nor CB; lower N")])
+        cb = bool(cb_fits) or memory.continuous.peak_bytes < memory.generate.peak_bytes
+        return Advice("continuous" if cb else "generate",
+                      ["memory: generate() does not fit" + ("" if cb_fits else ", nor CB; lower N")])
     if measured is not None:
         speed, mem = measured.speed_vs_generate, measured.mem_vs_generate
         if speed is None:
@@ -154,8 +155,8 @@ def recommend(num_generations: int, *, completion_cv: float | None = None, mean_
         basis = f"measured: {measured.describe()}"
         if versus_parity(speed):
             return Advice("continuous" if versus_parity(speed) > 0 else "generate", [said], basis)
-        lighter: Backend = "continuous" if mem is not None and versus_parity(mem) < 0 else "generate"
-        return Advice(lighter, [f"{said}: parity, so memory decides"], basis)
+        return Advice("continuous" if mem is not None and versus_parity(mem) < 0 else "generate",
+                      [f"{said}: parity, so memory decides"], basis)
     if n < CB_MIN_N:
         return Advice("generate", [f"N={n} < {CB_MIN_N}"], TRL_BENCHMARK_BASIS)
     if completion_cv is not None:

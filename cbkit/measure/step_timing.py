@@ -128,7 +128,7 @@ def measure_steps(cfg, setup, n: int, rep: int, targets: Sequence[int] | None = 
     from cbkit.train.offpolicy import AsyncRollouts
 
     class Seen(StepHooks):
-        rollout = None
+        rollout: Any = None
 
         def on_rollout_end(self, rollout) -> None:
             self.rollout = rollout
@@ -174,13 +174,14 @@ def measure_steps(cfg, setup, n: int, rep: int, targets: Sequence[int] | None = 
         release_memory(model)
     steady = steps if synchronous else steps[1:]
 
-    def mean(key: str, default: float | None = None) -> float:
-        return statistics.mean(s.get(key, default) for s in steady)  # type: ignore[misc]
+    def mean(key: str, default: float = 0.0) -> float:
+        return statistics.mean(float(s.get(key, default)) for s in steady)
 
     step_s, old_s, update_s, wall_s = (mean(k) for k in ("step/seconds", "train/prepare_seconds",
                                                          "train/update_seconds", "rollout/seconds"))
     rollout_s = wall_s if synchronous else mean("offpolicy/rollout_wait_s") + mean("offpolicy/publish_wait_s", 0.0)
     rollout = seen.rollout
+    assert rollout is not None, "the loop ran a step without a rollout"
     tokens = sum(len(c.completion_ids) for c in rollout.completions)
     measured = {"status": "ok", "step_s": step_s, "rollout_s": rollout_s, "train_s": mean("train/seconds"),
                 "old_logprob_s": old_s, "update_s": update_s, "other_s": step_s - rollout_s - old_s - update_s,

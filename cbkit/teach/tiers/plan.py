@@ -40,9 +40,7 @@ from cbkit.teach.tiers.table import (
 from cbkit.telemetry import fmt_bytes
 from cbkit.train.snapshots import place_for_tier
 
-# The hub models' config.json (the numbers the plan reads), so that planning needs no download: Qwen2.5-0.5B-Instruct
-# (the notebooks' GPU model) and SmolLM2-360M-Instruct (the sweep's t4 preset). Llama-3.2-1B-Instruct (the a100
-# preset) has the shape of `llama-1b-random`, which cbkit builds in code.
+# The hub models' config.json numbers, so that planning needs no download (Llama-3.2-1B has `llama-1b-random`'s shape).
 _PLAN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     GPU_MODEL: ("Qwen2Config", dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
                                     num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
@@ -56,8 +54,7 @@ _SAME_SHAPE = {"meta-llama/Llama-3.2-1B-Instruct": "llama-1b-random"}
 
 @functools.cache
 def plan_config(model: str) -> Any:
-    """The config a plan reads, without weights: written out for the GPU model (a real transformers config, which
-    the engine's admission check builds its cache from), else `models.load.load_config`."""
+    """The config a plan reads, without weights: a real transformers config, which the admission check builds on."""
     if model in _PLAN_CONFIGS:
         import transformers
 
@@ -74,17 +71,15 @@ def device_bytes(machine: str) -> int:
 
 
 def parameter_count(config: Any) -> int:
-    """Weights of a config: its matmul weights plus the embedding where it is not tied to the LM head (norms and
-    biases, well under 1%, left out)."""
+    """Weights of a config: its matmul weights, plus the embedding where untied (norms and biases left out)."""
     shape = roofline.Shape.of(config)
     tied = getattr(config, "tie_word_embeddings", True)
     return shape.matmul_params + (0 if tied else shape.vocab * shape.hidden)
 
 
 def pool_bytes(config: Any, tier: str, share: float, *, memory_bytes: int | None = None) -> int:
-    """``share`` x what a training step of this model leaves free on the tier's smallest GPU: its memory less the
-    optimizer state (16 bytes a parameter, `planner.training_bytes`). A model too large to train there (a 1B on a
-    T4) gets the share of what its bf16/fp16 weights leave."""
+    """``share`` x what a training step of this model (16 bytes a parameter) leaves free on the tier's smallest GPU;
+    for a model too large to train there, x what its 2-byte weights leave."""
     memory = memory_bytes or TIER_MEMORY[tier]
     params = parameter_count(config)
     state = training_bytes(params, micro_batch_rows=0, tokens_per_row=0, completion_len=1, config=config,
@@ -97,13 +92,11 @@ def pool_bytes(config: Any, tier: str, share: float, *, memory_bytes: int | None
 
 def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows: Sequence[Sequence[int]] = (),
                 max_new_tokens: int | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """The CB engine settings that fix a notebook's pool: ``{}`` (cbkit's default) where the sizes fix none. The one
-    rule for it: the notebook runs it (`NotebookEnv.pool_config`) and `plan_notebook` plans with it.
-
-    GPU tiers: `pool_bytes` as ``num_blocks`` of ``LESSON_PAGE_SIZE`` tokens, or without a ``pool_share`` every request
-    (``rows``, else prompts x n of the sizes) at full length. On a dry run the pool is the same share
-    of a tier's GPU, capped to hold half the requests ``rows`` at full length, so that a CPU does not allocate
-    gigabytes and the waiting still happens. CPU: ``pool_sequences`` sequences of the first row at full length."""
+    """The CB engine settings that fix a notebook's pool (``{}``: cbkit's default): the notebook runs it
+    (`NotebookEnv.pool_config`) and `plan_notebook` plans with it. GPU tiers: `pool_bytes` as ``num_blocks`` of
+    ``LESSON_PAGE_SIZE`` tokens (on a dry run capped to half the ``rows`` at full length, so a CPU allocates no
+    gigabytes and the waiting still happens), or without a ``pool_share`` every request at full length, a prompt of
+    twice the mean each. CPU: ``pool_sequences`` sequences of the first row at full length."""
     from cbkit.rollout.engine_config import workload_blocks
 
     page = LESSON_PAGE_SIZE
@@ -113,9 +106,7 @@ def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows:
         if dry_run and rows:
             blocks = min(blocks, workload_blocks(rows[: max(1, len(rows) // 2)], max_new_tokens or 1, page))
         return {"page_size": page, "num_blocks": blocks}
-    if tier in GPU_TIERS:  # every request at full length: a share of free memory would be gigabytes
-        # Each request gets room for a prompt twice the mean, whatever the rows' own lengths: the plan, which has no
-        # prompts, then sizes the very pool the notebook allocates. A longer prompt waits for a request to end.
+    if tier in GPU_TIERS:  # the plan, which has no prompts, sizes the very pool the notebook allocates
         requests = len(rows) or sizes.prompts * sizes.n
         return {"page_size": page, "num_blocks": workload_blocks([range(2 * PROMPT_LEN)] * requests,
                                                                  max_new_tokens or sizes.max_new_tokens, page)}
@@ -132,10 +123,8 @@ def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.
 
 
 def rollout_seconds(config, prompts, n, new, backend, lengths, pool, gpu, dtype, dtype_bytes) -> float:
-    """A rollout's seconds, its matmuls priced in the dtype of the weights it samples from: fp32 weights (4 bytes)
-    at the GPU's fp32 peak whatever the training forwards' autocast dtype (``dtype``), since the engine runs no
-    autocast. Not TF32's: cbkit leaves `torch.backends.cuda.matmul.allow_tf32` at PyTorch's default, off, so that
-    fp32 rollouts sample from the same fp32 products as the fp32 logprob checks."""
+    """A rollout's seconds, priced in the dtype of the weights it samples from: fp32 weights at the fp32 peak (not
+    TF32's: cbkit leaves it off) whatever the training's autocast ``dtype``, as the engine runs no autocast."""
     dtype = "float32" if dtype_bytes == 4 else dtype
     running = _running(prompts * n, new, backend, lengths, pool["num_blocks"], pool["page_size"])
     return roofline.estimated_rollout_seconds(config, prompt_lens=[PROMPT_LEN] * prompts, running=running,
@@ -278,14 +267,12 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     common: dict[str, Any] = dict(prompt_len=PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=budget,
                   cb_config=pool)
     parts: dict[str, int] = {"weights": weight_bytes * params}
-    # Copies of the weights the notebook keeps on the GPU: in the tier's place, and the async engine's own snapshot.
-    # A snapshot keeps a tied embedding once (`snapshots._aliases`), as `parameter_count` counts it.
+    # Copies of the weights on the GPU: in the tier's place (`snapshots.place_for_tier`), the async engine's snapshot.
     place = place_for_tier(tier)
     on_gpu = spec.weight_copies if place == "device" else 0
     if on_gpu:
         parts[f"copies of the weights on the GPU ({on_gpu})"] = on_gpu * 4 * params
-    # In host memory: the tier's copies where it keeps them there, and those the notebook holds on the CPU anyway.
-    # Summed, though they need not coexist: an upper bound.
+    # In host memory: the tier's copies kept there and those the notebook holds on the CPU (summed: an upper bound).
     host_parts = {f"kept in host memory ({spec.weight_copies})": spec.weight_copies * 4 * params} if (
         place == "host" and spec.weight_copies) else {}
     if spec.host_copies:
@@ -375,10 +362,8 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
 
 def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, dtype_bytes: int, machine: str,
                      resident: int, flash: Sequence[int] = ()) -> Admission:
-    """transformers' own verdict (`cbkit.rollout.admission.admission`) on a CB engine start of `rows` requests of
-    `PROMPT_LEN` + `new` tokens with `pool`, on `machine` with `resident` bytes already on it (plus the CUDA
-    context). Without flash-attn (``flash=()``, as on Colab) the engine also reserves its attention mask: the
-    tighter case, and the only one for fp32 weights."""
+    """transformers' own verdict (`admission`) on a CB engine start of `rows` requests of `PROMPT_LEN` + `new` tokens
+    with `pool` on `machine`, `resident` bytes (and the CUDA context) beside it; without flash-attn, as on Colab."""
     import torch
 
     return admission(config, pool, dtype={4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[
