@@ -431,3 +431,16 @@ def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash
         default = plan(config, num_prompts=8, num_generations=8, prompt_len=132, max_new_tokens=512,
                        dtype_bytes=dtype.itemsize, budget_bytes=free, cb_config=pool, device="cuda")
         assert default.continuous.engine_reserved_bytes == verdict.footprint_bytes
+
+
+def test_what_the_pool_model_reads_of_the_engines_cache_beyond_the_admission_check():
+    # cbkit.rollout.admission.admission also reads the mask the memory handler reserves and the cache tensor it builds
+    # (the planner's CB peak): pinned here beside the names tests/test_engine_contract.py pins.
+    import inspect
+
+    from transformers.generation.continuous_batching import cache
+
+    assert list(inspect.signature(cache.PagedAttentionMemoryHandler.attention_mask_bytes).parameters) == [
+        "self", "max_batch_tokens", "num_sectors"], "PagedAttentionMemoryHandler.attention_mask_bytes(M, S)"
+    assert "self.cache_tensor = " in inspect.getsource(cache.PagedAttentionCache.__init__), \
+        "PagedAttentionCache.cache_tensor"
