@@ -141,7 +141,7 @@ import json, sys
 import torch
 from cbkit.measure import roofline
 from cbkit.measure.presets import DRY_RUN, PRESETS
-from cbkit.measure.rollout_timing import TRAINER_STATE_COPIES
+from cbkit.measure.presets import TRAINER_STATE_COPIES
 from cbkit.rollout.admission import admission
 from cbkit.teach.tiers.checks import PROMPT_LEN, parameter_count, plan_config
 from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES

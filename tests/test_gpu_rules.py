@@ -381,7 +381,7 @@ def test_the_trl_benchmark_preset_holds_a_trainers_state():
 def test_the_held_trainer_state_is_what_adamw_keeps_after_trls_bf16_cast():
     """TRL under bf16 with CB casts the policy to bf16 in place; one real backward and torch's AdamW step on a bf16
     model then hold its gradients and two moments: the bytes the sweep holds (`trainer_state_bytes`), 6 a parameter."""
-    from cbkit.measure.rollout_timing import trainer_state_bytes
+    from cbkit.measure.presets import trainer_state_bytes
     from cbkit.models.load import load_policy
 
     model = load_policy("tiny", seed=0).model.to(torch.bfloat16)
@@ -413,8 +413,8 @@ def test_a_preset_whose_generate_peak_does_not_fit_fails(monkeypatch):
 ])
 @pytest.mark.parametrize("flash", [(), (2,)])
 def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash):
-    # The planner mirrors the engine's sizing by hand (it plans hundreds of points; the engine's own code takes ~30 ms
-    # a call): for the same pool, memory and attention its engine_reserved_bytes is the engine's own footprint.
+    # The planner's CB pool is the one pool model's (`admission`), given the budget as the free memory and the
+    # attention it names: for the same pool, memory and attention it reserves what the engine check says.
     from cbkit.measure.planner import plan
 
     config = tiers.plan_config(model)
@@ -431,3 +431,16 @@ def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash
         default = plan(config, num_prompts=8, num_generations=8, prompt_len=132, max_new_tokens=512,
                        dtype_bytes=dtype.itemsize, budget_bytes=free, cb_config=pool, device="cuda")
         assert default.continuous.engine_reserved_bytes == verdict.footprint_bytes
+
+
+def test_what_the_pool_model_reads_of_the_engines_cache_beyond_the_admission_check():
+    # cbkit.rollout.admission.admission also reads the mask the memory handler reserves and the cache tensor it builds
+    # (the planner's CB peak): pinned here beside the names tests/test_engine_contract.py pins.
+    import inspect
+
+    from transformers.generation.continuous_batching import cache
+
+    assert list(inspect.signature(cache.PagedAttentionMemoryHandler.attention_mask_bytes).parameters) == [
+        "self", "max_batch_tokens", "num_sectors"], "PagedAttentionMemoryHandler.attention_mask_bytes(M, S)"
+    assert "self.cache_tensor = " in inspect.getsource(cache.PagedAttentionCache.__init__), \
+        "PagedAttentionCache.cache_tensor"

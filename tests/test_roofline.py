@@ -163,7 +163,7 @@ def test_a_rollout_from_fp32_weights_is_priced_at_the_fp32_peak():
     where the engine runs no autocast and cbkit sets no TF32; the runtime plan prices those matmuls at the datasheet's
     fp32 peak (19.5 TFLOP/s), not bf16's (312). With 2-byte weights the rollout's own dtype still decides."""
     from cbkit.teach import tiers
-    from cbkit.teach.tiers.runtime import rollout_seconds
+    from cbkit.teach.tiers.plan import rollout_seconds
 
     config = tiers.plan_config(tiers.GPU_MODEL)
     a100, pool = GPUS["a100-40"], {"num_blocks": 4000, "page_size": 32}

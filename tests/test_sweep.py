@@ -288,7 +288,7 @@ def test_cli_full_step_replay_runs_end_to_end(tmp_path, capsys):
     assert printed.count("(estimate, not measured)") == 1 and printed.count("| NVIDIA T4 (float16 rollout) | 2 |") == 1
     # the tiny model's decode steps all sit on the launch floor: one row stands for both backends, and a line says why
     assert "| NVIDIA T4 (float16 rollout) | 2 | generate = CB |" in printed
-    assert "the estimate cannot separate generate() from CB" in printed
+    assert "under the launch floor" in printed
 
 
 def test_async_cb_is_refused_without_full_step(capsys):
@@ -465,12 +465,6 @@ def test_cli_says_which_workload_ran(tmp_path, capsys):
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "lengths: replay:gsm8k" in printed and "scaled x8/232" in printed and "matmul probe:" in printed
-    # The planned peak, term by term beside the measured one: the terms add up to the plan, for both backends.
-    assert "The planned peak, term by term, beside the measured peak (MiB)" in printed
-    for r in _runs(out):
-        terms = sum(r[k] for k in ("plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes",
-                                   "plan_heap_slack_bytes"))
-        assert terms == r["planned_peak_bytes"], r["backend"]
 
 
 def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp_path, monkeypatch, capsys):

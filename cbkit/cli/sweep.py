@@ -53,11 +53,10 @@ def _sweep(args: argparse.Namespace) -> int:
 def _print_results(points, out, fingerprint: dict, *, estimate: bool = False, force_gpu_tables: bool = False) -> None:
     """What a sweep prints at its end and `cbkit report` prints again from its file, in one order: what ran, the
     points, TRL's benchmark table, then a full-step sweep's split by phase (with ``estimate``, the same steps on
-    GPUs, which reads the model's config) or the roofline shares; the CSV, the GPU tables, the HTML report."""
+    GPUs, which reads the model's config); the CSV, the GPU tables, the HTML report."""
     from cbkit.measure.tables import (
         points_table,
         results_summary,
-        roof_table,
         step_split_table,
         trl_benchmark_table,
         write_csv,
@@ -74,8 +73,6 @@ def _print_results(points, out, fingerprint: dict, *, estimate: bool = False, fo
         print(step_split_table(points))
         if estimate:
             _estimated_split(out, fingerprint["model"])
-    else:
-        print(roof_table(points))
     write_csv(points, out.with_suffix(".csv"))
     _gpu_tables(points, fingerprint.get("model"), force=force_gpu_tables)
     _finish_report(points, out, fingerprint)
@@ -106,14 +103,10 @@ def _random_weights_note(model: str) -> None:
 
 
 def _gpu_tables(points, model: str | None, *, force: bool = False) -> None:
-    """The planner's peak term by term beside each measured peak; on a GPU run (or the trl-benchmark preset's dry
-    run) also every memory counter beside the planner, and TRL PR #5765's table beside this run's."""
-    from cbkit.measure.tables import memory_table, plan_terms_table, trl_comparison_table
+    """On a GPU run (or the trl-benchmark preset's dry run): every memory counter beside the planner, and TRL PR
+    #5765's table beside this run's."""
+    from cbkit.measure.tables import memory_table, trl_comparison_table
 
-    terms = plan_terms_table(points)
-    if terms is not None:
-        print("\nThe planned peak, term by term, beside the measured peak (MiB)")
-        print(terms)
     if not force and not any(p.get("peak_reserved_bytes") is not None for p in points):
         return
     print("\nMemory (GiB): the planner's prediction beside the measured peaks")

@@ -1,10 +1,5 @@
-"""What this machine can do: a matmul probe at the model's dtype and width, a read-bandwidth probe, and MFU.
-
-A run's model FLOP utilisation is 2 x matmul parameters x completion tokens / seconds, over the probed peak: the
-number that says how far a backend is from the hardware, next to its speed. The two probes together are the roofs
-`measure/roofline.py` turns into the attainable tokens/s of a run's shape; `machine_probe` takes both, with the
-spread of their rounds, and records a probe that cannot run instead of guessing its number.
-"""
+"""What this machine can do: a matmul probe at the model's dtype and width, a read-bandwidth probe (the two roofs
+`roofline` turns into a run's attainable tokens/s), and MFU. A probe that cannot run is recorded, never guessed."""
 
 from __future__ import annotations
 
@@ -16,23 +11,14 @@ import torch
 
 from cbkit.telemetry import ModelShape
 
-# --- the limit beside the number: a matmul probe and MFU ----------------------------------------------------
-
-# Rows of the probe's [rows x hidden] @ [hidden x intermediate]: a decode step's MLP matmul at a few batch
-# sizes (a decode step has one row per running sequence), the largest near what the hardware sustains.
+# Rows of the probe's [rows x hidden] @ [hidden x intermediate]: a decode step's MLP matmul at a few batch sizes.
 PROBE_ROWS = (64, 512, 4096)
 
 
 def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0.25, rounds: int = 3) -> dict[str, Any]:
-    """This machine's matmul throughput at the model's dtype and width: the best FLOP/s of a
-    [rows x hidden] @ [hidden x intermediate] ``torch.mm`` over ``rows``, each timed over repeated calls
-    for at least ``min_seconds`` after one warm-up (CUDA synchronised before every clock read), the shapes
-    taken in turn for ``rounds`` rounds: one short pass per shape reads low and unevenly on a CPU
-    (lab/cpu_results.md).
-
-    It is the ceiling MFU is measured against: a run at MFU 0.3 did 30% of the matmul work this machine
-    can do per second. The same code runs on CUDA; on a shared CPU the probe is only as quiet as the machine.
-    """
+    """The best FLOP/s of a [rows x hidden] @ [hidden x intermediate] ``torch.mm`` at the model's dtype, each shape
+    timed over repeated calls for at least ``min_seconds`` after a warm-up (CUDA synchronised before every clock
+    read), the shapes in turn for ``rounds`` rounds: one short pass per shape reads low and unevenly on a CPU."""
     shape = ModelShape.of(model.config)
     hidden, inter = shape.hidden, shape.intermediate
     device, dtype = model.device, model.dtype
@@ -67,35 +53,25 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
 
 
 def matmul_params(model) -> int:
-    """Parameters that take part in a matmul per token: every ``nn.Linear`` weight, the LM head included
-    (tied to the embedding or not, it multiplies the hidden state by vocab x hidden). The input embedding is
-    a lookup and not counted; attention's score and value products (which grow with context) are left out,
-    as in the usual 2 x parameters per token estimate."""
+    """Every ``nn.Linear`` weight, the LM head included (tied or not): the 2 x parameters a token of MFU."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops: float) -> float | None:
-    """Model FLOP utilisation: 2 x matmul params x useful completion tokens / seconds / probed peak FLOP/s.
-    Useful tokens are the completion tokens (padding never counts, the prompt's prefill neither), so a
-    static batch's padded slots lower its MFU, as they lower its throughput."""
+    """Model FLOP utilisation: 2 x matmul params x completion tokens (never padding) / seconds / probed peak."""
     if not seconds or seconds <= 0 or not peak_flops:
         return None
     return 2 * params * completion_tokens / seconds / peak_flops
 
 
-# --- the other roof: memory bandwidth ---------------------------------------------------------------------------
-
-# The bandwidth probe reads this many bytes per pass: far more than any last-level cache, so it times DRAM (or HBM),
-# as a decode step does when it reads every weight once.
+# Bytes a bandwidth pass reads: far more than any last-level cache, so it times DRAM or HBM, as a decode step does.
 BANDWIDTH_BYTES = 256 * 2**20
 
 
 def bandwidth_probe(device: torch.device | str = "cpu", nbytes: int = BANDWIDTH_BYTES, min_seconds: float = 0.1,
                     rounds: int = 3) -> dict[str, Any]:
-    """This machine's read bandwidth: a sum over an ``nbytes`` float32 tensor (every byte read once, almost no
-    arithmetic), repeated for at least ``min_seconds`` per round after one warm-up pass; the best round is the
-    roof, every round is kept so the spread of a noisy machine shows. Reading is what a decode step does with the
-    weights and the KV cache; a copy would also time writes, which it barely has."""
+    """Read bandwidth: a sum over an ``nbytes`` float32 tensor (every byte read once), repeated for ``min_seconds``
+    a round after a warm-up; the best round is the roof, every round kept so a noisy machine's spread shows."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -126,9 +102,8 @@ def spread(values: Sequence[float]) -> float | None:
 
 def machine_probe(model, *, matmul_rounds: int = 3, matmul_seconds: float = 0.25,
                   bandwidth_rounds: int = 3) -> dict[str, Any]:
-    """Both roofs of this machine, probed now: matmul FLOP/s at the model's dtype and width and read bandwidth,
-    with the spread of each over its rounds. A probe that cannot run leaves its fields None and says why under
-    ``probe_missing`` (name -> reason): a roof is never made up, and whatever does not need it is still measured."""
+    """Both roofs of this machine, probed now, with each one's spread over its rounds. A probe that cannot run leaves
+    its fields None and says why under ``probe_missing``: a roof is never made up."""
     out: dict[str, Any] = {"peak_flops": None, "bytes_per_s": None, "probe_missing": {}}
     try:
         mm = matmul_probe(model, min_seconds=matmul_seconds, rounds=matmul_rounds)

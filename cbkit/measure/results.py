@@ -86,14 +86,23 @@ class ResultsFile:
         self._append(record)
 
 
-def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median over repeats per (backend, N), then ratios to generate() at the same N.
+# What `aggregate` takes the median of: a run's speed, memory and lengths, its roofs, a full step's phases and their
+# roofs, the async row's waits.
+_MEDIANS = ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "kv_padding_share",
+            "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean", "length_cv", "length_max",
+            "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes", "nvml_bytes",
+            "bytes_per_s", "roof_tokens_per_s", "roof_share", "old_logprob_s", "update_s", "other_s", "rollout_share",
+            "rollout_roof_share", "old_logprob_roof_share", "update_roof_share", "rollout_roof_s",
+            "old_logprob_roof_s", "update_roof_s", "planned_rollout_peak_bytes", "rollout_wait_s", "publish_wait_s",
+            "rollout_wall_s", "rollout_wall_roof_share", "steady_steps", "first_step_s")
 
-    The async row (`continuous-async`) is also set beside synchronous CB at its N: ``overlap_s``, the overlap it
-    bought, is CB's rollout seconds minus the seconds the async trainer still waited for its rollout (the rollout
-    time taken off the step's critical path), and ``step_vs_sync`` its step's speed-up over CB's. The two differ
-    by what running decode and training at once costs each of them on shared hardware (two CPU cores, one GPU):
-    an overlap that buys seconds of rollout can still leave the step no faster."""
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median over repeats per (backend, N), then ratios to generate() at the same N; a full step's speed-up beside
+    the Amdahl ceiling its rollout's speed-up predicts; the async row (`continuous-async`) beside synchronous CB at its
+    N: ``overlap_s``, CB's rollout seconds minus what the async trainer still waited for its rollout, and
+    ``step_vs_sync``, its step's speed-up over CB's (the two differ by what running decode and training at once costs
+    each on shared hardware)."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["backend"], r["N"]), []).append(r)
@@ -102,27 +111,15 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = [r for r in rs if r["status"] == "ok"]
         point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
                                  "status": "ok" if ok else rs[0]["status"]}
-        for key in ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes",
-                    "kv_padding_share", "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean",
-                    "length_cv", "length_max", "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes",
-                    "device_used_bytes", "nvml_bytes", "bytes_per_s", "roof_tokens_per_s", "roof_share",
-                    # a full step's phases (`cbkit sweep --full-step`), and each one's share of its roof
-                    "old_logprob_s", "update_s", "other_s", "rollout_share", "rollout_roof_share",
-                    "old_logprob_roof_share", "update_roof_share", "rollout_roof_s", "old_logprob_roof_s",
-                    "update_roof_s", "planned_rollout_peak_bytes",
-                    # the planned peak's terms (`plan_records.plan_terms`)
-                    "plan_cache_bytes", "plan_transient_bytes", "plan_buffer_bytes", "plan_heap_slack_bytes",
-                    # the async row (`continuous-async`): what the trainer waited for, the rollout's own wall clock
-                    "rollout_wait_s", "publish_wait_s", "rollout_wall_s", "rollout_wall_roof_share",
-                    "steady_steps", "first_step_s"):
+        for key in _MEDIANS:
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
         if point["rollout_share"] is None and point["step_s"] and point["rollout_s"] is not None:
             point["rollout_share"] = point["rollout_s"] / point["step_s"]  # a full step written before the split
         if not ok:
             point["peak_mem_bytes"] = max((r["peak_mem_bytes"] or 0 for r in rs), default=None)
-        point["peak_mem_kind"] = next((r.get("peak_mem_kind") for r in rs if r.get("peak_mem_kind")), None)
-        point["lengths"] = next((r.get("lengths") for r in rs if r.get("lengths")), None)
+        for key in ("peak_mem_kind", "lengths"):
+            point[key] = next((r.get(key) for r in rs if r.get(key)), None)
         for key in ("roof_bound", "roof_missing", "planned_phase"):  # the same every repeat
             point[key] = next((r.get(key) for r in ok if r.get(key)), None)
         points.append(point)

@@ -1,18 +1,13 @@
 """The roofline of a rollout: how fast its shape could go on a machine, by FLOPs and by bytes.
 
-A decode step over R rows multiplies every matmul weight by R hidden states (2 x matmul params x R FLOPs, plus
-the attention products that grow with context) and must read every weight once and each row's KV cache. Which of
-the two takes longer on a machine, compute at its peak FLOP/s or bytes at its bandwidth, is the roof that binds.
-Summed over a rollout's decode steps (rows drop out as their completions end) plus the prompts' prefill, that is the
-least time the rollout's work can take: the attainable tokens/s that each backend's speed is a share of.
-Attention is charged per sequence, over its own context: what the engine computes with the varlen or flash attention
-cbkit runs it with on every device (`engine_config.engine_attention`). The engine's dense mask (rows x every row's
-keys), left only to a model that needs the engine's own attention, is work the roof does not count.
-
-The roof is of the *work*, not of a backend: both backends are measured against the same number, so a backend's
-share says how much of the hardware it used, and one that pads or recomputes pays for it in its share.
-The peaks come from a probe on this machine (`measure/probe.py`) or, for a GPU not at hand, from its datasheet
-(`GPUS`, marked as such wherever it is printed).
+A decode step over R rows multiplies every matmul weight by R hidden states (2 x matmul params x R FLOPs, plus the
+attention products that grow with context, charged per sequence over its own keys, as the varlen or flash attention
+cbkit runs computes them) and reads every weight once and each row's KV. Whichever takes longer on a machine, compute
+at its peak FLOP/s or bytes at its bandwidth, binds. Summed over a rollout's decode steps (rows drop out as their
+completions end) plus the prompts' prefill, that is the least time the work can take: the attainable tokens/s each
+backend's speed is a share of. The roof is of the *work*, not of a backend: one that pads or recomputes pays for it
+in its share. Peaks come from a probe of this machine (`measure/probe.py`) or, for a GPU not at hand, its datasheet
+(`GPUS`). `estimated_*` turn a roof into an estimate of wall time for `cbkit tiers` and the GPU step table.
 """
 
 from __future__ import annotations
@@ -64,13 +59,11 @@ GPUS: dict[str, Machine] = {
 
 @dataclass(frozen=True)
 class Shape(ModelShape):
-    """The numbers of a model config a roofline needs (`cbkit.telemetry.ModelShape`, read there), and what they
-    cost a token."""
+    """A model config's shape (`cbkit.telemetry.ModelShape`) and what it costs a token."""
 
     @property
     def matmul_params(self) -> int:
-        """Weights that multiply a hidden state once per token: q, k, v, o, the gated MLP's three, the LM head.
-        Equal to counting a Llama-family model's ``nn.Linear`` weights (`probe.matmul_params`)."""
+        """Weights that multiply a hidden state once per token: q, k, v, o, the gated MLP's three, the LM head."""
         attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
         mlp = 3 * self.hidden * self.intermediate
         return self.layers * (attn + mlp) + self.vocab * self.hidden
@@ -114,12 +107,9 @@ def prefill(shape: Shape, prompt_lens: Sequence[int], dtype_bytes: int) -> StepC
 def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_lengths: Sequence[int],
                      prompt_of: Sequence[int] | None = None, dtype_bytes: int, peak_flops: float,
                      bytes_per_s: float) -> dict[str, Any]:
-    """The least time a rollout's work takes on a machine, and the tokens/s that makes.
-
-    `prompt_lens` are the distinct prompts (each prefilled once); `completion_lengths` the tokens each completion
-    generates; `prompt_of[i]` the prompt of completion i (default: completions split evenly, in order). Decode
-    step t runs every completion still going, at context prompt + t. Returns the attainable tokens/s, its
-    seconds, and how many of the decode steps are compute-bound (the rest are bandwidth-bound)."""
+    """The least time a rollout's work takes on a machine, and the tokens/s that makes: `prompt_lens` the distinct
+    prompts (each prefilled once), `completion_lengths` each completion's tokens, `prompt_of[i]` completion i's prompt
+    (default: split evenly, in order); decode step t runs every completion still going, at context prompt + t."""
     if peak_flops <= 0 or bytes_per_s <= 0:
         raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
     shape = Shape.of(config)
@@ -147,10 +137,9 @@ ADAMW_BYTES_PER_PARAM = 7 * 4
 
 
 def teacher_forced_forward(shape: Shape, rows: Sequence[tuple[int, int]], dtype_bytes: int, forwards: int) -> StepCost:
-    """The work of one teacher-forced forward over ``rows`` of (prompt tokens, completion tokens): every matmul weight
-    over every real token (the LM head only over the completion's positions and the one before them, as
-    ``logits_to_keep`` does), the causal attention products, and the weights read once per forward call
-    (``forwards``: one per chunk of rows). Padding is not work: the roof is of the tokens, not of a layout."""
+    """One teacher-forced forward over ``rows`` of (prompt, completion) tokens: every matmul weight over every real
+    token (the LM head over the completion's positions, as ``logits_to_keep`` does), the causal attention products,
+    the weights read once per forward call (``forwards``). Padding is not work."""
     head = shape.vocab * shape.hidden
     body = shape.matmul_params - head
     flops = sum(2 * body * (p + c) + 2 * head * (c + 1) + shape.attention_flops((p + c) * (p + c + 1) // 2)
@@ -160,9 +149,8 @@ def teacher_forced_forward(shape: Shape, rows: Sequence[tuple[int, int]], dtype_
 
 def training_roofline(config: Any, *, rows: Sequence[tuple[int, int]], forwards: int, params: int, dtype_bytes: int,
                       peak_flops: float, bytes_per_s: float, num_iterations: int = 1) -> dict[str, float]:
-    """The least seconds of a GRPO step's two training phases on a machine: the old-logprob forward (one no-grad
-    forward of every row), and the update (``num_iterations`` x a forward and its backward, which costs two more
-    forwards' FLOPs and reads the weights twice more, then AdamW's pass over every parameter, bandwidth-bound)."""
+    """The least seconds of a GRPO step's training phases: the old-logprob forward, and the update (``num_iterations``
+    x a forward and its backward, three forwards' FLOPs and weight reads, then AdamW's bandwidth-bound pass)."""
     if peak_flops <= 0 or bytes_per_s <= 0:
         raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
     fwd = teacher_forced_forward(Shape.of(config), rows, dtype_bytes, forwards)
@@ -174,12 +162,9 @@ def training_roofline(config: Any, *, rows: Sequence[tuple[int, int]], forwards:
 
 
 # --- an estimate of wall time, from the roof --------------------------------------------------------------------
-# A roof is the least time; an estimate needs two more numbers, both assumptions and named as such wherever
-# printed. `efficiency`: the share of the lower roof a step reaches. `step_floor_s`: the least a step takes
-# whatever its size, because HF's eager forward launches its kernels one by one from Python, about a dozen per
-# layer; a small batch is bound by those launches, not by the GPU. The floor is calibrated on TRL PR #5765's
-# generate() with Llama-3.2-1B on an A100 (41.12 s for up to 2048 decode steps at N=64: 20 ms a step, 1.25 ms
-# per layer), the one GPU measurement of this shape we have.
+# Two assumptions, named as such wherever printed: the share of the lower roof a step reaches, and a floor under
+# every step, because HF's eager forward launches its kernels one by one from Python (calibrated on TRL PR #5765's
+# generate() of Llama-3.2-1B on an A100: 41.12 s for 2048 decode steps, 1.25 ms a layer).
 LAUNCH_S_PER_LAYER = 41.12 / 2048 / 16
 DECODE_EFFICIENCY = 0.5  # HF eager decode at large batch: bandwidth-bound, kernels far from peak bandwidth
 TRAIN_EFFICIENCY = 0.3  # MFU of an HF eager forward + backward of a sub-1B model (no fused kernels, no compile)
@@ -188,11 +173,8 @@ TRAIN_EFFICIENCY = 0.3  # MFU of an HF eager forward + backward of a sub-1B mode
 def estimated_rollout_seconds(config: Any, *, prompt_lens: Sequence[int], running: Sequence[int], context: int,
                               dtype_bytes: int, machine: Machine, dtype: str,
                               efficiency: float = DECODE_EFFICIENCY, step_floor_s: float | None = None) -> float:
-    """Wall seconds of a rollout by the roof, slowed to ``efficiency`` and never under the per-step floor.
-
-    ``running[t]`` is how many sequences decode at step t (a static batch: all rows until the longest ends; the
-    CB engine: what its pool admits), each taken at ``context`` tokens of KV (a mean: the estimate does not
-    follow each row). The prompts' prefill is added once."""
+    """Wall seconds of a rollout by the roof, slowed to ``efficiency``, never under the per-step floor: ``running[t]``
+    sequences decode at step t, each at ``context`` tokens of KV (a mean), after the prompts' prefill."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency is a share of the roof in (0, 1], got {efficiency}.")
     shape = Shape.of(config)
@@ -215,9 +197,8 @@ def step_floor_seconds(config: Any) -> float:
 
 def rows_off_the_floor(config: Any, *, context: int, dtype_bytes: int, machine: Machine, dtype: str,
                        efficiency: float = DECODE_EFFICIENCY, limit: int = 1 << 20) -> int | None:
-    """The fewest rows at which one decode step at ``context`` tokens of KV each takes longer by the roof (slowed to
-    ``efficiency``) than the launch floor: below it, the estimate charges a static batch's padded rows nothing and
-    cannot tell the backends apart. None if even ``limit`` rows stay under the floor."""
+    """The fewest rows at which one decode step at ``context`` tokens of KV each takes longer by the roof than the
+    launch floor (below it padded rows cost nothing in the estimate); None if even ``limit`` rows stay under it."""
     shape, floor = Shape.of(config), step_floor_seconds(config)
     peak, bw = machine.flops(dtype), machine.bytes_per_s
 
@@ -247,11 +228,9 @@ def estimated_train_seconds(config: Any, *, rows: int, tokens_per_row: int, mach
 
 def estimated_step_split(config: Any, *, prompt_lens: Sequence[int], targets: Sequence[int], machine: Machine,
                          rollout_dtype: str, train_dtype: str, dtype_bytes: int) -> dict[str, dict[str, float]]:
-    """An estimate (not a measurement) of one GRPO step's phases on ``machine``, per backend: the rollout
-    (`estimated_rollout_seconds`: a static batch runs every row until the longest target ends; the CB pool, taken
-    as large enough for every row, runs each row until its own), the old-logprob forward (one forward's FLOPs)
-    and the update (a forward and its backward), both at ``TRAIN_EFFICIENCY`` of ``train_dtype``'s peak.
-    ``targets``: one completion length per row, prompts in ``prompt_lens`` split evenly over the rows."""
+    """An estimate (not a measurement) of one GRPO step's phases on ``machine``, per backend: the rollout (a static
+    batch runs every row until the longest target ends, a pool large enough for every row each row until its own),
+    the old-logprob forward and the update at ``TRAIN_EFFICIENCY``. ``targets``: one completion length per row."""
     rows, longest = len(targets), max(targets)
     context = round(statistics.mean(prompt_lens)) + longest // 2
     tokens_per_row = round(statistics.mean(prompt_lens)) + round(statistics.mean(targets))

@@ -1,6 +1,5 @@
-"""What one sweep measures (`SweepConfig`, every field a `cbkit sweep` flag), checked before any model time, and
-what makes two sweeps' runs comparable (its fingerprint, the results file's first line).
-"""
+"""What one sweep measures (`SweepConfig`, every field a `cbkit sweep` flag), checked before any model time, and what
+makes two sweeps' runs comparable (its fingerprint, the results file's first line)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,9 @@ from cbkit.measure.workload import LengthWorkload, parse_lengths
 from cbkit.rollout import BACKENDS
 from cbkit.train.config import _help
 
-# A full-step-only backend: the continuous backend with async rollouts (`cbkit.train.offpolicy.AsyncRollouts`), step
-# t+1's rollout decoding in transformers' thread while step t trains. Not a `RolloutBackend`: only a whole step (in
-# fact several) can show what it buys, so a rollout-only sweep refuses it.
+# CB with async rollouts (`AsyncRollouts`): step t+1's rollout decodes while step t trains. Not a `RolloutBackend`:
+# only whole steps show what it buys, so a rollout-only sweep refuses it.
 ASYNC_BACKEND = "continuous-async"
-
 
 DEFAULT_NS = (8, 16, 32, 64)
 
@@ -58,10 +55,9 @@ class SweepConfig:
         "overlap; every later one does (its next rollout decodes while it trains), and the point is their mean",
         default=3)
     trainer_state: bool = _help(
-        "hold a training step's state on the device while measuring (its gradients and AdamW's two moments in the "
-        "weights' dtype, as TRL holds them after its bf16 cast: 6 bytes a parameter in bf16, beside the weights), as a rollout inside a trainer sees the memory: a CB "
-        "pool sized as a share of free memory (max_memory_percent) is then a share of what the trainer leaves, as "
-        "in TRL", default=False)
+        "hold a training step's state on the device while measuring (a gradient and AdamW's two moments in the "
+        "weights' dtype, as TRL holds them): a CB pool sized as a share of free memory is then a share of what the "
+        "trainer leaves, as in TRL", default=False)
     lengths: str = _help(
         "how long each completion runs: replay:gsm8k (GSM8K solution lengths scaled so their p95 is "
         "--max-new-tokens, EOS ignored), fixed (all to the limit), natural (EOS decides), or replay:FILE (a "

@@ -1,34 +1,18 @@
-"""Length workloads: how long each completion of a rollout runs, and how much spread that gives.
+"""Length workloads: how long each completion of a rollout runs, and how much spread that gives. CB wins back the
+decode slots a static batch spends on rows already finished, so whether it wins depends on that spread; a benchmark
+says what spread it ran, and controls it. One string names each (``cbkit sweep --lengths``):
 
-Continuous batching wins back the decode slots a static batch spends on rows that already finished, so
-*whether* it wins depends on how much completion lengths vary. A benchmark must therefore say what spread
-it ran, and control it. Four workloads, named by one string (``cbkit sweep --lengths``):
+* ``natural``: EOS decides, as in training;
+* ``fixed``: every completion runs to ``max_new_tokens``, EOS ignored: the zero-spread control;
+* ``replay:gsm8k``: each length drawn (seeded, with replacement) from GSM8K's 7,473 train reference solutions in
+  SmolLM2 tokens (shipped in ``cbkit/resources``, made by ``scripts/gsm8k_lengths.py``), scaled so their p95 is the
+  limit: ``clip(round(L * max_new_tokens / p95(L)), 1, max_new_tokens)``, fixed before anything was measured;
+* ``replay:FILE``: lengths from an earlier ``natural`` sweep's results JSONL or a plain list, replayed as they are.
+  A value above ``max_new_tokens`` is an error, not a clip: clipping would shrink the very spread the run measures.
 
-* ``natural``: EOS decides, as in training. The spread is whatever the model produces; a small model
-  with a short limit often runs most completions to the limit, which leaves nothing to win back.
-* ``fixed``: every completion runs to ``max_new_tokens`` (EOS ignored): the zero-spread control, where
-  CB can only lose its own overhead.
-* ``replay:gsm8k``: each completion's length is drawn (seeded, with replacement) from the token lengths of
-  GSM8K's 7,473 *train* reference solutions (SmolLM2's tokenizer; mean 124.6, CV 0.44, p95 232, max 454),
-  shipped with the package (``cbkit/resources``, made by ``scripts/gsm8k_lengths.py``). Those lengths are
-  scaled to the run's limit, fixed before anything was measured:
-  ``target = clip(round(L * max_new_tokens / p95(L)), 1, max_new_tokens)``, so 95% of completions end
-  before the limit and the longest 5% are cut at it, whatever the limit is.
-* ``replay:FILE``: lengths from a file, replayed *as they are* (in tokens, no scaling): an earlier
-  ``natural`` sweep's results JSONL (every run line records its per-completion lengths; all of them are
-  pooled) or a plain list, one integer per line or a JSON list.
-
-In a replay (and in ``fixed``) EOS is ignored and every request stops at its target, so both backends do
-exactly the same useful work and only the way they batch it differs. Serving benchmarks replay a dataset's
-output lengths the same way (vLLM's throughput benchmark replays ShareGPT output lengths with EOS ignored).
-The static batch still runs to the longest target of its batch: the rows that finished early are its
-padding, which is the cost being compared.
-
-A FILE value above ``max_new_tokens`` is an error, not a clip: clipping would pile those completions up
-at the limit and quietly shrink the very spread the run is meant to measure. The error names the longest
-value, so the fix (raise ``--max-new-tokens``, or use a file made at this limit) is one flag away. The
-context window needs no check of its own: every prompt + ``max_new_tokens`` is already checked against it
-(`cbkit.rollout.base.check_request`), and targets never exceed ``max_new_tokens``.
+In a replay (and ``fixed``) EOS is ignored and every request stops at its target, so both backends do the same useful
+work and only the batching differs, as serving benchmarks replay a dataset's output lengths (vLLM's throughput
+benchmark replays ShareGPT's). The static batch still runs to its longest target: the rest is its padding.
 """
 
 from __future__ import annotations
@@ -65,19 +49,16 @@ class LengthWorkload:
         return self.kind == "replay" and self.source == "gsm8k"
 
     def check(self, max_new_tokens: int) -> None:
-        """Refuse a file whose lengths cannot run at this limit (see the module docstring for why no clip)."""
+        """Refuse a file whose lengths cannot run at this limit (no clip: see the module docstring)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if self.kind == "replay" and not self.scaled:
             longest = max(self.source_lengths)
             if longest > max_new_tokens:
                 over = sum(x > max_new_tokens for x in self.source_lengths)
-                raise ValueError(
-                    f"--lengths {self.spec}: {over} of {len(self.source_lengths)} lengths exceed "
-                    f"max_new_tokens={max_new_tokens} (longest {longest}). A replay does not clip them (that "
-                    f"would change the spread it measures): raise --max-new-tokens to at least {longest}, or "
-                    "use a file made at this limit."
-                )
+                raise ValueError(f"--lengths {self.spec}: {over} of {len(self.source_lengths)} lengths exceed "
+                                 f"max_new_tokens={max_new_tokens} (longest {longest}). A replay does not clip them: "
+                                 f"raise --max-new-tokens to at least {longest}, or use a file made at this limit.")
 
     def distribution(self, max_new_tokens: int) -> list[int]:
         """The lengths targets are drawn from at this limit; empty for ``natural``."""
@@ -91,11 +72,8 @@ class LengthWorkload:
         return list(self.source_lengths)
 
     def targets(self, rows: int, max_new_tokens: int, seed: int) -> list[int] | None:
-        """One target per completion row (group order), drawn with replacement; None for ``natural``.
-
-        The draw depends only on (seed, rows), so both backends at one sweep point get the same targets and
-        a rerun reproduces them.
-        """
+        """One target per completion row (group order), drawn with replacement from (seed, rows) only: both
+        backends at a sweep point get the same targets, and a rerun reproduces them. None for ``natural``."""
         pool = self.distribution(max_new_tokens)
         if not pool:
             return None

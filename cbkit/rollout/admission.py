@@ -1,6 +1,9 @@
-"""Will a CB engine start on a GPU's memory? transformers' own verdict, answered on any machine (`admission`).
+"""The paged KV pool, modelled once: how large the engine makes it (`admission`: transformers' own sizing and memory
+check, run on any machine), how many of its blocks a group of completions needs (`blocks_needed`: the prompt's
+complete pages shared), and how many sequences it keeps decoding as finished ones hand their blocks back (`running`:
+recycling). The planner, the admission check before a CB rollout and `cbkit tiers` all call this module.
 
-Part of the engine: this module reaches transformers' CB internals (its config resolution, its cache and memory
+Part of the engine: `admission` reaches transformers' CB internals (its config resolution, its cache and memory
 handler), listed in `cbkit/rollout/engine.py` and pinned by tests/test_engine_contract.py.
 """
 
@@ -12,15 +15,15 @@ from typing import Any
 
 import torch
 
-from cbkit.rollout.engine_config import engine_attention, make_cb_config
+from cbkit.rollout.engine_config import engine_attention, make_cb_config, page_size
 from cbkit.rollout.engine_io import workload_hints
 from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
 
 @dataclass(frozen=True)
 class Admission:
-    """transformers' own verdict on starting a CB engine: its memory handler's footprint check, run on a GPU's memory
-    as the engine would read it there."""
+    """transformers' own verdict on starting a CB engine, and the pool it would build: its memory handler's footprint
+    check, run on a device's memory as the engine would read it there."""
 
     fits: bool
     footprint_bytes: int  # what the engine reserves: the pool, its per-token buffers, the attention mask, ...
@@ -29,6 +32,9 @@ class Admission:
     max_batch_tokens: int | None
     attention: str
     error: str | None  # the engine's own message where it refuses
+    page_size: int = 0
+    cache_bytes: int = 0  # the cache tensor it allocates: the pool's sectors and two trash sectors
+    mask_bytes: int = 0  # its dense attention masks (none with flash or cbkit's varlen attention)
 
     def line(self) -> str:
         verdict = "starts" if self.fits else "REFUSED"
@@ -37,58 +43,69 @@ class Admission:
 
 
 def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype, rows: Sequence[Sequence[int]],
-              max_new_tokens: int, total_bytes: int, used_bytes: int, capability: tuple[int, int] = (8, 0),
-              flash: Sequence[int] = ()) -> Admission:
-    """Would a CB engine start on a CUDA device of `total_bytes` with `used_bytes` already taken (weights, a
-    trainer's state, other copies), for a model of `config` in `dtype` and this call's pool (`overrides`, `rows`,
-    `max_new_tokens`, resolved as `Engine.run` resolves them)? Answered by transformers' own code, on any machine:
-    the engine's config resolution, then its `PagedAttentionCache` built on the meta device (no memory touched) with
-    the engine's memory reading (`get_device_and_memory_breakdown`) returning this device's numbers. The attention is
-    `engine_attention`'s choice for that GPU (`capability`, importable flash-attn `flash`), as `Engine` applies it:
-    the engine reserves a dense attention mask only where the model needs its own attention, and with flash-attn its
-    block-table decode path's buffers."""
+              max_new_tokens: int, total_bytes: int, used_bytes: int = 0, capability: tuple[int, int] = (8, 0),
+              flash: Sequence[int] = (), device: str = "cuda", attention: str | None = None) -> Admission:
+    """Would a CB engine start on a `device` of `total_bytes` with `used_bytes` already taken (weights, a trainer's
+    state, other copies), for a model of `config` in `dtype` and this call's pool (`overrides`, `rows`,
+    `max_new_tokens`, resolved as `Engine.run` resolves them), and what pool would it build? Answered by
+    transformers' own code, on any machine: the engine's config resolution, then its `PagedAttentionCache` built on
+    the meta device (no memory touched) with the engine's memory reading (`get_device_and_memory_breakdown`)
+    returning this device's numbers. The attention is `engine_attention`'s choice for that device (`capability`,
+    importable flash-attn `flash`), as `Engine` applies it, unless `attention` names one: the engine reserves a dense
+    attention mask only where the model needs its own attention."""
     import copy
+    import inspect
+    from contextlib import nullcontext
     from unittest import mock
 
+    from transformers import AutoModelForCausalLM
     from transformers.generation.continuous_batching import cache as cache_module
     from transformers.generation.continuous_batching import initialization
     from transformers.generation.continuous_batching.distributed import DistributedHelper
 
     text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    attention = engine_attention("cuda", dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
+    attention = attention or engine_attention(device, dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
     text._attn_implementation = attention
-    cb = make_cb_config(overrides, device=torch.device("cuda"), rows=rows, max_new_tokens=max_new_tokens, warn=False)
-    # The resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table kernel
-    # imports (its decode path): answered as on that GPU.
+    cb = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new_tokens, warn=False)
+    # On a GPU the resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table
+    # kernel imports (its decode path): answered as on that GPU.
     flash_kernel = ((None, None, lambda *a, **k: None, None, None), (None, None))
-    with (mock.patch("torch.cuda.is_available", return_value=True),
-          mock.patch.object(initialization, "lazy_import_flash_attention", lambda *a, **k: flash_kernel)):
+    gpu = (mock.patch("torch.cuda.is_available", return_value=True),
+           mock.patch.object(initialization, "lazy_import_flash_attention", lambda *a, **k: flash_kernel))
+    with gpu[0] if device == "cuda" else nullcontext(), gpu[1] if device == "cuda" else nullcontext():
         resolved = _call(initialization.resolve_continuous_batching_config, config=text, cb_config=cb,
                          workload_hints=workload_hints(rows, max_new_tokens), has_logit_processors=True,
-                         device=torch.device("cuda"))
+                         device=torch.device(device))
     seen: dict[str, int] = {}
     handler = cache_module.PagedAttentionMemoryHandler
     original_check = handler._check_footprint
 
-    def check(self, max_batch_tokens: int, num_blocks: int):
-        seen.update(footprint=int(self.compute_memory_footprint(max_batch_tokens, num_blocks)),
-                    available=int(self.available_memory), max_batch_tokens=int(max_batch_tokens))
-        return original_check(self, max_batch_tokens, num_blocks)
+    def check(self, max_batch_tokens: int, num_sectors: int):
+        seen.update(footprint=int(self.compute_memory_footprint(max_batch_tokens, num_sectors)),
+                    available=int(self.available_memory), max_batch_tokens=int(max_batch_tokens),
+                    mask=int(self.attention_mask_bytes(max_batch_tokens, num_sectors)))
+        return original_check(self, max_batch_tokens, num_sectors)
 
-    breakdown = (torch.device("cuda"), int(total_bytes), int(used_bytes), int(used_bytes))
+    # The engine asks the loaded model whether it slices hidden states before its LM head (`logits_to_keep`).
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(text)]
+        keeps = "logits_to_keep" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
+    except KeyError:
+        keeps = False
+    breakdown = (torch.device(device), int(total_bytes), int(used_bytes), int(used_bytes))
     helper = _call(DistributedHelper, device_mesh=None, cpu_group_timeout=None, tp_plan={})
     try:
         with (mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda: breakdown),
               mock.patch.object(handler, "_check_footprint", check)):
             built = _call(cache_module.PagedAttentionCache, config=text, continuous_batching_config=resolved,
                           device="meta", distributed_helper=helper, tp_plan={}, dtype=dtype,
-                          model_supports_logits_to_keep=_keeps_logits(text))
+                          model_supports_logits_to_keep=keeps)
     except (MemoryError, ValueError) as e:
         if "footprint" not in seen:
             raise
-        return Admission(False, seen["footprint"], seen["available"], None, None, attention, str(e))
+        return Admission(False, seen["footprint"], seen["available"], None, None, attention, str(e), page_size(cb))
     return Admission(True, seen["footprint"], seen["available"], int(built.num_blocks), seen["max_batch_tokens"],
-                     attention, None)
+                     attention, None, page_size(cb), int(built.cache_tensor.numel()), seen["mask"])
 
 
 def _call(fn, **kwargs):
@@ -100,17 +117,38 @@ def _call(fn, **kwargs):
     return fn(**{k: v for k, v in kwargs.items() if k in names})
 
 
-def _keeps_logits(config) -> bool:
-    """Whether the model class of `config` slices hidden states before its LM head (`logits_to_keep`), as the engine
-    asks the loaded model (`_supports_logits_to_keep`): it changes what the engine reserves for logits."""
-    import inspect
+def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: int) -> int:
+    """The engine's ``num_blocks`` for a pool of ``pool_bytes`` of KV: a pool fixed in bytes, whatever the device's
+    free memory (the engine's own sizing takes a share of whatever is free)."""
+    from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
-    from transformers import AutoModelForCausalLM
+    per_block = kv_bytes_per_token(config, dtype_bytes) * page_size
+    if pool_bytes < per_block:
+        raise ValueError(f"a pool of {fmt_bytes(pool_bytes)} holds no block of {page_size} tokens "
+                         f"({fmt_bytes(per_block)}); give it more memory.")
+    return pool_bytes // per_block
 
-    try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        return False
-    # transformers annotates every lazy auto mapping's value as the tokenizer mapping's (slow, fast) pair; a model
-    # mapping's value is the model class.
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
+
+def blocks_needed(prompt_len: int, tokens: int, page: int, *, n: int = 1, share_prompt: bool = True) -> int:
+    """Blocks a group of `n` sequences of one prompt holds once each has `tokens` tokens past the prompt: with the
+    engine's prefix sharing (``allow_block_sharing``, full attention only) the prompt's complete pages once, each
+    sequence its own pages after them."""
+    shared = prompt_len // page if share_prompt and n > 1 else 0
+    return shared + n * (-(-(prompt_len + tokens) // page) - shared)
+
+
+def running(prompt_len: int, targets: Sequence[int], page: int, pool: int, max_len: int) -> tuple[int, ...]:
+    """Sequences decoding at each step of a rollout in a pool of `pool` blocks, with recycling: a sequence is admitted
+    while the pool covers every running one's worst case (prompt + `max_len`, its own pages), decodes one token a
+    step, and hands its blocks back at its `targets` length, where the next waiting sequence takes them."""
+    worst = blocks_needed(prompt_len, max_len, page, share_prompt=False)
+    if pool < worst:
+        raise ValueError(f"a pool of {pool} blocks cannot hold one sequence at full length ({worst} blocks).")
+    waiting, steps = list(targets)[::-1], []
+    left: list[int] = []  # tokens each running sequence still has to decode
+    while waiting or left:
+        while waiting and (len(left) + 1) * worst <= pool:
+            left.append(waiting.pop())
+        steps.append(len(left))
+        left = [t - 1 for t in left if t > 1]
+    return tuple(steps)

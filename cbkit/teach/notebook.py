@@ -336,7 +336,7 @@ def _local_data() -> str:
 # A system prompt a 135M model can follow within a few dozen tokens: one worked example of the answer line.
 # Under cbkit's default prompt SmolLM2 rarely reaches "#### <number>" inside a CI-sized budget (32 tokens), so
 # every reward, advantage, loss and gradient would be zero and "one update" would change nothing. With the
-# example, some completions end on the answer line early, so rewards differ within a group (docs/cpu_results.md).
+# example, some completions end on the answer line early, so rewards differ within a group (lab/cpu_results.md).
 SHORT_ANSWER_PROMPT = (
     "Answer with one short line of working, then the final line '#### <number>'.\n"
     "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"

@@ -1,35 +1,148 @@
-"""The plan of one notebook on one GPU (`plan_notebook`): its peak by part, every CB engine start it makes with
-transformers' own verdict on it (`EngineStart`, `engine_admission`), the copies of the weights it holds in host
-memory against a Colab runtime's RAM, its runtime by the roofline, and each memory sweep's crossover (`TierPlan`)."""
+"""`cbkit tiers`: one notebook on one GPU (`plan_notebook`): its peak by part, every CB engine start it makes with
+transformers' own verdict on it (`EngineStart`), the copies of the weights it holds in host memory against a Colab
+runtime's RAM, its runtime by the roofline, and each memory sweep's crossover (`TierPlan`); every notebook, recipe and
+sweep preset checked (`plan_all`, `plan_recipes`, `plan_presets`, `tiers_report`). The pool a notebook fixes
+(`pool_config`) is the one it runs and the one planned; the pool's size and what it keeps running come from the one
+pool model (`cbkit.rollout.admission`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, training_bytes
-from cbkit.rollout.admission import Admission, admission
-from cbkit.teach.tiers.pool import device_bytes, parameter_count, plan_config, pool_config
-from cbkit.teach.tiers.runtime import estimated_train_step, rollout_seconds
+from cbkit.rollout.admission import Admission, admission, blocks_needed, pool_blocks, running
 from cbkit.teach.tiers.table import (
     BUDGET_S,
     CAPABILITY,
     COLAB_RAM_BYTES,
     CUDA_CONTEXT_BYTES,
+    CUDA_TOTAL_BYTES,
+    GPU_MODEL,
+    GPU_TIERS,
+    LESSON_PAGE_SIZE,
     LOGITS_BUDGET_BYTES,
     MACHINES,
+    NOTEBOOKS,
     OVERHEAD_S,
     POOL_SHARE,
     PROMPT_LEN,
+    RECIPES,
     TIER_MEMORY,
     GiB,
+    Sizes,
     notebook_spec,
 )
 from cbkit.telemetry import fmt_bytes
 from cbkit.train.snapshots import place_for_tier
+
+# The hub models' config.json numbers, so that planning needs no download (Llama-3.2-1B has `llama-1b-random`'s shape).
+_PLAN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    GPU_MODEL: ("Qwen2Config", dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                                    num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                                    tie_word_embeddings=True)),
+    "HuggingFaceTB/SmolLM2-360M-Instruct": ("LlamaConfig", dict(
+        num_hidden_layers=32, hidden_size=960, intermediate_size=2560, num_attention_heads=15, num_key_value_heads=5,
+        head_dim=64, vocab_size=49152, tie_word_embeddings=True)),
+}
+_SAME_SHAPE = {"meta-llama/Llama-3.2-1B-Instruct": "llama-1b-random"}
+
+
+@functools.cache
+def plan_config(model: str) -> Any:
+    """The config a plan reads, without weights: a real transformers config, which the admission check builds on."""
+    if model in _PLAN_CONFIGS:
+        import transformers
+
+        kind, values = _PLAN_CONFIGS[model]
+        return getattr(transformers, kind)(**values)
+    from cbkit.models.load import load_config
+
+    return load_config(_SAME_SHAPE.get(model, model))
+
+
+def device_bytes(machine: str) -> int:
+    """A checked GPU's total memory as CUDA reports it where known (`CUDA_TOTAL_BYTES`), else roofline's datasheet."""
+    return CUDA_TOTAL_BYTES.get(machine) or roofline.GPUS[machine].total_memory()
+
+
+def parameter_count(config: Any) -> int:
+    """Weights of a config: its matmul weights, plus the embedding where untied (norms and biases left out)."""
+    shape = roofline.Shape.of(config)
+    tied = getattr(config, "tie_word_embeddings", True)
+    return shape.matmul_params + (0 if tied else shape.vocab * shape.hidden)
+
+
+def pool_bytes(config: Any, tier: str, share: float, *, memory_bytes: int | None = None) -> int:
+    """``share`` x what a training step of this model (16 bytes a parameter) leaves free on the tier's smallest GPU;
+    for a model too large to train there, x what its 2-byte weights leave."""
+    memory = memory_bytes or TIER_MEMORY[tier]
+    params = parameter_count(config)
+    state = training_bytes(params, micro_batch_rows=0, tokens_per_row=0, completion_len=1, config=config,
+                           autocast=True)["optimizer_state"]
+    left = memory - state if state < memory / 2 else memory - 2 * params
+    if not 0 < share <= 1:
+        raise ValueError(f"pool_share is a share of free memory in (0, 1], got {share}.")
+    return int(share * left)
+
+
+def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows: Sequence[Sequence[int]] = (),
+                max_new_tokens: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """The CB engine settings that fix a notebook's pool (``{}``: cbkit's default): the notebook runs it
+    (`NotebookEnv.pool_config`) and `plan_notebook` plans with it. GPU tiers: `pool_bytes` as ``num_blocks`` of
+    ``LESSON_PAGE_SIZE`` tokens (on a dry run capped to half the ``rows`` at full length, so a CPU allocates no
+    gigabytes and the waiting still happens), or without a ``pool_share`` every request at full length, a prompt of
+    twice the mean each. CPU: ``pool_sequences`` sequences of the first row at full length."""
+    from cbkit.rollout.engine_config import workload_blocks
+
+    page = LESSON_PAGE_SIZE
+    if sizes.pool_share is not None and tier in GPU_TIERS:
+        blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page,
+                             dtype_bytes=dtype_bytes)
+        if dry_run and rows:
+            blocks = min(blocks, workload_blocks(rows[: max(1, len(rows) // 2)], max_new_tokens or 1, page))
+        return {"page_size": page, "num_blocks": blocks}
+    if tier in GPU_TIERS:  # the plan, which has no prompts, sizes the very pool the notebook allocates
+        requests = len(rows) or sizes.prompts * sizes.n
+        return {"page_size": page, "num_blocks": workload_blocks([range(2 * PROMPT_LEN)] * requests,
+                                                                 max_new_tokens or sizes.max_new_tokens, page)}
+    if sizes.pool_sequences is not None and rows:
+        return {"page_size": page, "num_blocks": workload_blocks([rows[0]] * sizes.pool_sequences,
+                                                                 max_new_tokens or sizes.max_new_tokens, page)}
+    return {}
+
+
+def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.Machine, dtype: str) -> float:
+    """The old-logprob forward and the loss's forward and backward of one step, by the roofline."""
+    return roofline.estimated_train_seconds(config, rows=rows, tokens_per_row=PROMPT_LEN + new_tokens,
+                                            machine=gpu, dtype=dtype, forwards=2)
+
+
+def rollout_seconds(config, prompts, n, new, backend, lengths, pool, gpu, dtype, dtype_bytes) -> float:
+    """A rollout's seconds, priced in the dtype of the weights it samples from: fp32 weights at the fp32 peak (not
+    TF32's: cbkit leaves it off) whatever the training's autocast ``dtype``, as the engine runs no autocast."""
+    dtype = "float32" if dtype_bytes == 4 else dtype
+    running = _running(prompts * n, new, backend, lengths, pool["num_blocks"], pool["page_size"])
+    return roofline.estimated_rollout_seconds(config, prompt_lens=[PROMPT_LEN] * prompts, running=running,
+                                              context=PROMPT_LEN + new // 2, dtype_bytes=dtype_bytes, machine=gpu,
+                                              dtype=dtype)
+
+
+@functools.cache
+def _running(rows: int, new: int, backend: str, lengths: str, num_blocks: int, page: int) -> tuple[int, ...]:
+    """Sequences decoding at each step: a static batch's rows until each one's target; the pool what its blocks
+    cover, refilled as sequences end (`admission.running`)."""
+    from cbkit.measure.workload import parse_lengths
+
+    targets = parse_lengths(lengths).targets(rows, new, seed=0) or [new] * rows
+    if backend == "generate":
+        return tuple(sum(t >= step for t in targets) for step in range(1, max(targets) + 1))
+    return running(PROMPT_LEN, targets, page, max(num_blocks, -(-(PROMPT_LEN + new) // page)), new)
+
 
 # The part of a plan that is too large -> the sizes that shrink it.
 _LOWER = {"rollout": "N (n, sweep_ns), the prompts or the new tokens", "weights": "the model",
@@ -154,14 +267,12 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     common: dict[str, Any] = dict(prompt_len=PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=budget,
                   cb_config=pool)
     parts: dict[str, int] = {"weights": weight_bytes * params}
-    # Copies of the weights the notebook keeps on the GPU: in the tier's place, and the async engine's own snapshot.
-    # A snapshot keeps a tied embedding once (`snapshots._aliases`), as `parameter_count` counts it.
+    # Copies of the weights on the GPU: in the tier's place (`snapshots.place_for_tier`), the async engine's snapshot.
     place = place_for_tier(tier)
     on_gpu = spec.weight_copies if place == "device" else 0
     if on_gpu:
         parts[f"copies of the weights on the GPU ({on_gpu})"] = on_gpu * 4 * params
-    # In host memory: the tier's copies where it keeps them there, and those the notebook holds on the CPU anyway.
-    # Summed, though they need not coexist: an upper bound.
+    # In host memory: the tier's copies kept there and those the notebook holds on the CPU (summed: an upper bound).
     host_parts = {f"kept in host memory ({spec.weight_copies})": spec.weight_copies * 4 * params} if (
         place == "host" and spec.weight_copies) else {}
     if spec.host_copies:
@@ -251,10 +362,8 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
 
 def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, dtype_bytes: int, machine: str,
                      resident: int, flash: Sequence[int] = ()) -> Admission:
-    """transformers' own verdict (`cbkit.rollout.admission.admission`) on a CB engine start of `rows` requests of
-    `PROMPT_LEN` + `new` tokens with `pool`, on `machine` with `resident` bytes already on it (plus the CUDA
-    context). Without flash-attn (``flash=()``, as on Colab) the engine also reserves its attention mask: the
-    tighter case, and the only one for fp32 weights."""
+    """transformers' own verdict (`admission`) on a CB engine start of `rows` requests of `PROMPT_LEN` + `new` tokens
+    with `pool` on `machine`, `resident` bytes (and the CUDA context) beside it; without flash-attn, as on Colab."""
     import torch
 
     return admission(config, pool, dtype={4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[
@@ -270,3 +379,86 @@ def _micro_batches(rows: int, new_tokens: int, config: Any, tier: str) -> int:
 
 def _kv(config: Any, dtype_bytes: int) -> int:
     return roofline.Shape.of(config).kv_bytes_per_token(dtype_bytes)
+
+
+def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | None = None) -> list[TierPlan]:
+    return [plan_notebook(nb, m) for nb in (notebooks or list(NOTEBOOKS)) for m in (machines or list(MACHINES))]
+
+
+def plan_recipes(machines: Sequence[str] | None = None) -> list[TierPlan]:
+    """The learning recipes (``RECIPES``) on every GPU: an estimate until a GPU runs them."""
+    return [plan_notebook(r, m) for r in RECIPES for m in (machines or list(MACHINES))]
+
+
+# --- the sweep's GPU presets -------------------------------------------------------------------------------------
+
+# The GPUs each `cbkit sweep --preset` is meant for (cbkit.measure.presets.PRESET_NEEDS), checked on the smallest.
+PRESET_MACHINES = {"trl-benchmark": "a100-40", "a100": "a100-40", "t4": "t4"}
+
+
+@dataclass
+class PresetPlan:
+    preset: str
+    machine: str
+    admission: Admission
+    requests: int  # the largest point's requests
+    per_request: int  # blocks one request holds at full length
+    generate_bytes: int  # generate()'s planned peak at the largest point, above the weights (`planner.plan`)
+    free_bytes: int  # what the GPU has left for it: total less the CUDA context, the weights and the trainer's state
+
+    @property
+    def ok(self) -> bool:
+        return self.admission.fits and self.generate_bytes <= self.free_bytes
+
+    def line(self) -> str:
+        a = self.admission
+        held = min(self.requests, (a.num_blocks or 0) // self.per_request)
+        return (f"--preset {self.preset:14} {self.machine:8} {a.line()}; its pool holds {held} of the largest point's "
+                f"{self.requests} requests at full length; generate() needs {fmt_bytes(self.generate_bytes)} of "
+                f"{fmt_bytes(self.free_bytes)} | {'ok' if self.ok else 'FAIL'}")
+
+
+def plan_presets() -> list[PresetPlan]:
+    """Each sweep preset's largest point on its GPU, through both backends: the CB engine's admission with the preset's
+    CB settings, and `generate()`'s planned peak in what the GPU has left; a preset that holds a trainer's state
+    (`presets.trainer_state_bytes`) has it resident beside the weights."""
+    import torch
+
+    from cbkit.measure.planner import plan
+    from cbkit.measure.presets import PRESETS, TRAINER_STATE_COPIES
+    from cbkit.measure.sweep_config import DEFAULT_NS
+
+    out = []
+    for name, preset in PRESETS.items():
+        machine = PRESET_MACHINES[name]
+        config = plan_config(preset["model"])
+        params = parameter_count(config)
+        dtype = getattr(torch, preset["dtype"])
+        resident = dtype.itemsize * params
+        if preset.get("trainer_state"):
+            resident += TRAINER_STATE_COPIES * dtype.itemsize * params
+        n = max(preset.get("ns", DEFAULT_NS))
+        requests, new = preset["num_prompts"] * n, preset["max_new_tokens"]
+        pool = dict(preset.get("cb_config", {}))
+        total = device_bytes(machine)
+        a = admission(config, pool, dtype=dtype, rows=[range(PROMPT_LEN)] * requests, max_new_tokens=new,
+                      total_bytes=total, used_bytes=CUDA_CONTEXT_BYTES + resident, capability=CAPABILITY[machine])
+        free = total - CUDA_CONTEXT_BYTES - resident
+        generate = plan(config, num_prompts=preset["num_prompts"], num_generations=n, prompt_len=PROMPT_LEN,
+                        max_new_tokens=new, dtype_bytes=dtype.itemsize, budget_bytes=free, device="cuda").generate
+        out.append(PresetPlan(name, machine, a, requests, blocks_needed(PROMPT_LEN, new, a.page_size, share_prompt=False),
+                              generate.peak_bytes, free))
+    return out
+
+
+def tiers_report(plans: Sequence[TierPlan]) -> str:
+    """One line a notebook and GPU, then what is wrong with each failing one and the assumptions."""
+    lines = [p.line() for p in plans]
+    for p in plans:
+        lines += [f"  {p.notebook} on {p.machine}: {problem}" for problem in p.problems()]
+    lines += ["", f"Runtime: an estimate, not a measurement: each decode step at {roofline.DECODE_EFFICIENCY:.0%} "
+              f"of the lower roof (datasheet peaks), never under {roofline.LAUNCH_S_PER_LAYER * 1e3:.2f} ms a layer; "
+              f"training at {roofline.TRAIN_EFFICIENCY:.0%} of the matmul peak; plus {OVERHEAD_S} s of imports and "
+              f"loading. Memory: the planner's peak of every rollout, prompts of {PROMPT_LEN} tokens, plus the "
+              "weights and, where the notebook trains, the optimizer state, one micro-batch's logits and activations."]
+    return "\n".join(lines)

@@ -12,35 +12,28 @@ GPU_TIERS = ("t4", "a100")
 # The GPUs each tier is checked on: the roofline's datasheet machine and the rollout dtype (a T4 has no bf16).
 MACHINES: dict[str, tuple[str, str]] = {"t4": ("t4", "float16"), "a100-40": ("a100", "bfloat16"),
                                         "a100-80": ("a100", "bfloat16")}
-# A T4's board has 15360 MiB; CUDA reports ~14.74 GiB of it as total on a Colab T4 (torch.cuda.mem_get_info's total,
-# the figure of issue 40), less than roofline's 15 GiB datasheet reading. Plans take what CUDA reports where it is known.
+# What CUDA reports as a Colab T4's total (torch.cuda.mem_get_info), less than its datasheet's 15 GiB.
 CUDA_TOTAL_BYTES = {"t4": int(14.74 * GiB)}
 TIER_MEMORY = {"t4": CUDA_TOTAL_BYTES["t4"], "a100": 40 * GiB}  # the smallest GPU of each tier: its pool's basis
-# Host RAM of a standard Colab runtime: 12.7 GB, as Colab advertises it (its resources panel), read as 12.7e9 bytes,
-# the lower reading. Every copy of the weights a notebook keeps in host memory is planned against it, on every tier.
+# Host RAM of a standard Colab runtime, as Colab advertises it: every copy of the weights kept on the host is planned
+# against it.
 COLAB_RAM_BYTES = int(12.7e9)
 # The compute capability of each GPU checked: it decides the attention the engine runs (`engine_attention`).
 CAPABILITY = {"t4": (7, 5), "a100-40": (8, 0), "a100-80": (8, 0), "h200": (9, 0)}
-# What a process holds on a GPU before its first tensor: the CUDA context, cuBLAS's workspace, the allocator's
-# rounding. An assumption (PyTorch's CUDA context is commonly 0.3-0.5 GiB) until a GPU run reads it
-# (scripts/gpu_check.sh records torch.cuda.mem_get_info() after start-up).
+# What a process holds on a GPU before its first tensor (CUDA context, cuBLAS workspace): an assumption until a GPU
+# run reads it (scripts/gpu_check.sh records torch.cuda.mem_get_info() after start-up).
 CUDA_CONTEXT_BYTES = GiB // 2
-# KV pages of the notebooks' pools, on every device: a GSM8K chat prompt (~130 tokens) fills four, so the N
-# completions of a group share its prompt's pages (prefix sharing), as on a CPU. The engine's GPU default, 256
-# tokens, is never filled by one, and nothing would be shared. Pages under 256 tokens turn the engine's
-# block-table decode path off (`engine_config.KERNEL_PAGE_MULTIPLE`).
+# KV pages of the notebooks' pools: a GSM8K chat prompt (~130 tokens) fills four, so a group's N completions share
+# its prompt's pages (prefix sharing); the engine's GPU default, 256 tokens, is never filled by one.
 LESSON_PAGE_SIZE = 32
 BUDGET_S = {"t4": 600, "a100": 300}
 OVERHEAD_S = 30  # imports, model build or load from the local cache, the engine's start; downloads excluded
 POOL_SHARE = 0.4  # TRL's example: max_memory_percent=0.4 with the trainer resident
-# A chat prompt's length: GSM8K test questions with cbkit's system prompt average 122.5 tokens with the piece
-# tokenizer of llama-1b-random and 131.6 with SmolLM2's BPE (cbkit.models.synthetic).
+# A chat prompt's length: GSM8K test questions with cbkit's system prompt, in SmolLM2's tokens (131.6 on average).
 PROMPT_LEN = 132
 DRY_MODEL = "llama-tiny-random"
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-# Per tier: the loss's logits budget. A T4 has ~14.7 GiB: fp32 weights, gradients and AdamW's two moments of a
-# 0.5B model take 8 GiB, activations, the rollout's KV pool and 04's and 05's async weight snapshot most of the rest;
-# 1 GiB of logits a micro-batch leaves each notebook >= 1.5 GiB of its plan free (`cbkit tiers`). An A100 has room.
+# Per tier: the loss's logits budget a micro-batch. On a T4 a 0.5B model's fp32 training state takes 8 of ~14.7 GiB.
 LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": GiB, "a100": 8 * GiB}
 
 
@@ -153,7 +146,7 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
                  host_copies=3, sizes={
         "ci": Sizes(DRY_MODEL, 2, 4, 16, steps=10, learning_rate=1e-4),
         # CPU: 5 steps reach staleness 4 (as at CI size); N=4 x 16 tokens and no system prompt (05 rewards lowercase
-        # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (docs/memory.md: in
+        # there) keep the notebook within 5 minutes, and it keeps its weight snapshots on disk (lab/memory.md: in
         # memory they alone need 3 GB).
         "cpu": Sizes(_SMOL, 2, 4, 16, steps=5, learning_rate=5e-5),
         "t4": Sizes(GPU_MODEL, 2, 8, 128, steps=6, learning_rate=3e-6, dry_steps=5),

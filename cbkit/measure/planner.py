@@ -1,0 +1,307 @@
+"""Will it fit? One rollout's peak memory above the weights through each backend, from the model's config alone.
+
+* ``generate()`` keeps every row of the static batch until the *last* row finishes: its KV grows with N, held to the
+  longest prompt + ``max_new_tokens`` (an upper bound: one row of many usually runs to the limit), plus the last
+  step's transients that scale with rows x vocabulary.
+* The CB engine allocates one pool up front and keeps it, whatever the batch needs. Its size is the engine's own
+  (`cbkit.rollout.admission`: transformers' sizing run on the meta device), so the block count is exact; the plan adds
+  the activations of the largest batch it runs (with prefix sharing, each repeated prompt is prefilled once).
+* The training step beside the rollout: `training_bytes`, `step_peak_bytes`.
+
+``crossover_n`` is the smallest N at which CB's planned peak is below ``generate()``'s. Peak *bytes* are an estimate,
+and on a CPU a lower bound: RSS counts what the plan does not model. glibc keeps the blocks ``torch.cat`` frees
+resident (generate()'s growing cache, a chunked backward's activations), so on a CPU the plan adds that heap slack,
+fitted on one machine (2 cores, torch 2.13, SmolLM2-135M; `lab/refit_cpu_heap.py` refits it, lab/cpu_heap.md has
+the runs); never on a GPU. Every sweep run records its ``plan_error``. Full and sliding-window attention only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cbkit.measure.roofline import Shape
+from cbkit.models.load import DTYPES
+from cbkit.rollout.admission import admission, blocks_needed, pool_blocks
+from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
+
+__all__ = ["DTYPE_BYTES", "TRAIN_STATE_BYTES_PER_PARAM", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n",
+           "plan", "pool_blocks", "step_peak_bytes", "training_bytes"]
+
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+# glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
+CPU_CHUNK_HEAP_SLACK = 0.25  # a chunked backward: share of one chunk's part its earlier chunks leave (fitted)
+TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
+GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
+_ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+
+
+@dataclass(frozen=True)
+class GeneratePlan:
+    rows: int
+    padded_len: int  # longest prompt + decode steps: every row's KV length at the end
+    kv_bytes: int
+    prefill_bytes: int  # the first forward: prompt KV + activations of rows x longest prompt tokens
+    decode_transient_bytes: int  # last step: logits and their copies, plus one layer's torch.cat
+    peak_bytes: int
+    fits: bool | None  # None without a budget
+    cpu_heap_slack_bytes: int = 0  # CPU only, and none where one layer's K is mmapped
+
+
+@dataclass(frozen=True)
+class ContinuousPlan:
+    sized_by: Literal["num_blocks", "workload", "memory"]
+    num_blocks: int  # whole-model blocks of page_size tokens, as the engine reports them
+    page_size: int
+    max_batch_tokens: int
+    pool_bytes: int  # num_blocks x page_size x KV bytes/token: the capacity (as telemetry reports it)
+    cache_tensor_bytes: int  # the tensor the engine allocates
+    buffer_bytes: int  # its attention mask (on a CPU the part a batch writes)
+    transient_bytes: int  # activations of the largest batch, cache reads, LM-head rows
+    engine_reserved_bytes: int  # what the engine budgets for itself (its memory handler's footprint)
+    peak_bytes: int
+    full_length_sequences: int  # sequences the pool holds at prompt + max_new_tokens at once
+    fits: bool | None
+    batch_tokens: int = 0  # the most tokens one forward runs
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    num_prompts: int
+    num_generations: int
+    num_sequences: int
+    prompt_len: int  # the longest prompt
+    max_new_tokens: int
+    dtype_bytes: int
+    device: str
+    budget_bytes: int | None
+    kv_bytes_per_token: int
+    generate: GeneratePlan
+    continuous: ContinuousPlan
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        g, c = self.generate, self.continuous
+        budget = f"budget {fmt_bytes(self.budget_bytes)} free after the weights" if self.budget_bytes else "no budget"
+        return "\n".join([
+            f"{self.model}: {self.num_prompts} prompts x N={self.num_generations}, prompt {self.prompt_len} + up to "
+            f"{self.max_new_tokens} new tokens, {self.dtype_bytes}-byte dtype, {self.device}, {budget}; KV "
+            f"{fmt_bytes(self.kv_bytes_per_token)} a token",
+            f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
+            f"x {g.padded_len} positions) + last step {fmt_bytes(g.decode_transient_bytes)}"
+            + (f" + CPU heap slack {fmt_bytes(g.cpu_heap_slack_bytes)}" if g.cpu_heap_slack_bytes else ""),
+            f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_fit(c.fits)}  pool {fmt_bytes(c.cache_tensor_bytes)} "
+            f"({c.num_blocks} blocks x {c.page_size} tokens, sized by {c.sized_by}, {c.full_length_sequences} "
+            f"sequences at full length) + mask {fmt_bytes(c.buffer_bytes)} + transients {fmt_bytes(c.transient_bytes)}",
+            *[f"note: {n}" for n in self.notes]])
+
+
+def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int | Sequence[int],
+         max_new_tokens: int, dtype_bytes: int, mean_completion_len: float | None = None,
+         budget_bytes: int | None = None, max_memory_percent: float | None = None, page_size: int | None = None,
+         max_batch_tokens: int | None = None, num_blocks: int | None = None,
+         cb_config: Mapping[str, Any] | None = None, device: Literal["cuda", "cpu"] = "cuda",
+         attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None,
+         model_name: str = "model") -> Plan:
+    """Predict the peak memory above the weights of one rollout through each backend.
+
+    ``prompt_len`` is one length for every prompt or one per prompt. ``budget_bytes`` is the memory free after the
+    weights are loaded; CB needs it unless the pool is fixed (``num_blocks``, or a CPU, where cbkit sizes the pool to
+    the workload). ``max_memory_percent``, ``page_size``, ``max_batch_tokens``, ``num_blocks`` and ``cb_config`` are
+    the continuous backend's overrides. ``attn_implementation`` is what the engine runs: "flash", "varlen" (cbkit's:
+    no mask), "sdpa" or "eager" (the engine's dense mask); None is cbkit's own choice without flash-attn."""
+    import torch
+
+    from cbkit.rollout.varlen_attention import NAME as VARLEN
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(prompt_len, int):
+        lens = [prompt_len] * max(num_prompts, 0)
+    else:
+        lens = [int(p) for p in prompt_len]
+        if len(lens) != num_prompts:
+            raise ValueError(f"prompt_len gives {len(lens)} lengths for num_prompts={num_prompts}.")
+    for name, v in dict(num_prompts=num_prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
+                        dtype_bytes=dtype_bytes, prompt_len=min(lens, default=1)).items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}.")
+    if attn_implementation not in (None, "sdpa", "eager", "flash", "varlen"):
+        raise ValueError(f"attn_implementation must be 'sdpa', 'eager', 'flash', 'varlen' or None (cbkit's choice), "
+                         f"got {attn_implementation!r}.")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be > 0 (free memory after the weights), got {budget_bytes}.")
+    if mean_completion_len is not None and not 1 <= mean_completion_len <= max_new_tokens:
+        raise ValueError(f"mean_completion_len must be between 1 and max_new_tokens={max_new_tokens}, "
+                         f"got {mean_completion_len}.")
+    overrides = {**(cb_config or {}), **{k: v for k, v in dict(
+        max_memory_percent=max_memory_percent, page_size=page_size, max_batch_tokens=max_batch_tokens,
+        num_blocks=num_blocks).items() if v is not None}}
+    s = Shape.of(text)
+    layer_token = 2 * s.kv_heads * s.head_dim * dtype_bytes  # K and V of one token in one layer
+    sliding, window = _sliding(text)
+    rows = num_prompts * num_generations
+    gen = _plan_generate(s, layer_token, sliding, window, rows, max(lens), max_new_tokens, dtype_bytes, budget_bytes, device)
+
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    requests = [range(p) for p in lens for _ in range(num_generations)]
+    attention = VARLEN if attn_implementation == "varlen" else _ATTENTION.get(attn_implementation or "")
+    fixed = overrides.get("num_blocks") is not None or (device == "cpu" and "num_blocks" not in overrides)
+    if budget_bytes is None and not fixed:
+        raise ValueError("The CB engine sizes its pool as a share of free memory: give budget_bytes (free memory "
+                         "after the weights), or num_blocks to fix the pool.")
+    a = admission(text, overrides, dtype=dtype, rows=requests, max_new_tokens=max_new_tokens, device=device,
+                  total_bytes=budget_bytes or 2**50, attention=attention)
+    notes = [] if a.fits else [f"CB: the engine would refuse to start: {a.error}"]
+    blocks, page, m = a.num_blocks or 0, a.page_size, a.max_batch_tokens or 0
+    flash_like = a.mask_bytes == 0
+    # The largest batch: with prefix sharing (full attention only) each repeated prompt is prefilled alone first,
+    # and its N requests then compute only the tokens past its last complete page.
+    if not sliding and num_generations > 1 and overrides.get("allow_block_sharing", True):
+        tails = sum(num_generations * ((p % page) or page) if p >= page else num_generations * p for p in lens)
+        batch = min(m, max(sum(p for p in lens if p >= page), tails))
+    else:
+        batch = min(m, sum(lens) * num_generations)
+    completion = mean_completion_len if mean_completion_len is not None else max_new_tokens
+    alive = min(blocks * page, int(sum(num_generations * (p + completion) for p in lens)))
+    kv_heads_at_peak = 2 * s.kv_heads if flash_like else 2 * s.heads + s.kv_heads
+    lm_row = s.hidden * dtype_bytes + s.vocab * 4
+    transient = (batch * _forward_bytes_per_token(s, dtype_bytes) + alive * kv_heads_at_peak * s.head_dim * dtype_bytes
+                 + min(rows, 1024) * lm_row)
+    # On a CPU the mask is torch.empty: only the corner a batch writes becomes resident.
+    mask = a.mask_bytes if device == "cuda" or not a.mask_bytes else dtype_bytes * batch * (batch + alive)
+    peak = (a.cache_bytes or a.footprint_bytes) + mask + transient  # refused: what it would have reserved
+    held = blocks // blocks_needed(max(lens), max_new_tokens, page, share_prompt=False)
+    if held < rows and blocks:
+        notes.append(f"CB: the pool holds {held} of {rows} sequences at full length; the rest wait for recycled "
+                     "blocks (that is the point, not an error).")
+    sized_by: Literal["num_blocks", "workload", "memory"] = (
+        "num_blocks" if overrides.get("num_blocks") is not None else "workload" if fixed else "memory")
+    fits = None if budget_bytes is None else (a.fits and peak <= budget_bytes)
+    cb = ContinuousPlan(sized_by, blocks, page, m, blocks * page * s.layers * layer_token, a.cache_bytes, mask,
+                        transient, a.footprint_bytes, peak, held, fits, batch)
+    return Plan(model_name, num_prompts, num_generations, rows, max(lens), max_new_tokens, dtype_bytes, device,
+                budget_bytes, kv_bytes_per_token(text, dtype_bytes), gen, cb, notes)
+
+
+def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
+    """The smallest N at which CB's planned peak is below generate()'s, or None up to ``max_n``. Takes ``plan``'s
+    keywords except ``num_generations``. generate()'s KV grows with N and CB's pool does not, so once CB is the
+    lighter it stays so: the N is found by doubling, then bisecting."""
+    if "num_generations" in plan_kwargs:
+        raise TypeError("crossover_n scans N itself; do not pass num_generations.")
+    if max_n < 1:
+        raise ValueError(f"max_n must be >= 1, got {max_n}.")
+
+    def lighter(n: int) -> bool:
+        p = plan(config, num_generations=n, **plan_kwargs)
+        return p.continuous.peak_bytes < p.generate.peak_bytes
+
+    lo, hi = 0, 1  # lighter(lo) is False, or lo = 0
+    while not lighter(hi):
+        if hi >= max_n:
+            return None
+        lo, hi = hi, min(2 * hi, max_n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if lighter(mid) else (mid, hi)
+    return hi
+
+
+def _sliding(cfg: Any) -> tuple[int, int | None]:
+    """Layers that attend to a sliding window, and the window, as transformers' caches group them."""
+    types, window = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
+    if types is None:  # no layer_types and a window: every layer slides
+        return (Shape.of(cfg).layers if window is not None else 0), window
+    if set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"The planner knows full and sliding-window attention only, not {sorted(set(types))}.")
+    sliding = sum(t == "sliding_attention" for t in types)
+    return sliding, window if sliding else None
+
+
+def _forward_bytes_per_token(s: Shape, a: int) -> int:
+    """Activations of one token inside one decoder layer, no gradients: the residual and its normed copy, plus the
+    larger of the attention projections and the MLP's gate, up and product."""
+    return a * (2 * s.hidden + max(s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + s.hidden, 3 * s.intermediate))
+
+
+def _plan_generate(s: Shape, layer_token: int, sliding: int, window: int | None, rows: int, prompt: int, max_new: int, a: int,
+                   budget: int | None, device: str) -> GeneratePlan:
+    """transformers' DynamicCache grows with torch.cat, so the peak is at the end: rows x (longest prompt + decode
+    steps) of KV (a sliding-window layer keeps its window), plus the last step's logits, generate's fp32 copy, the
+    log-probs cbkit keeps and the softmax, and torch.cat holding one layer's old K beside the new."""
+    length = prompt + max_new
+    kv = rows * ((s.layers - sliding) * length + sliding * min(length, window or length)) * layer_token
+    layer_k = rows * length * layer_token // 2
+    slack = min(int(CPU_HEAP_SLACK * kv), CPU_HEAP_SLACK_MAX) if device == "cpu" and layer_k < GLIBC_MMAP_THRESHOLD_MAX else 0
+    decode = rows * s.vocab * (a + 3 * 4) + layer_k
+    prefill = (rows * prompt * (s.layers * layer_token + _forward_bytes_per_token(s, a)) + rows * prompt * prompt
+               + rows * s.vocab * (a + 4))
+    peak = max(kv + slack + decode, prefill)
+    return GeneratePlan(rows, length, kv, prefill, decode, peak, None if budget is None else peak <= budget, slack)
+
+
+def _fit(fits: bool | None) -> str:
+    return "" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")
+
+
+# --- the training step beside the rollout -----------------------------------------------------------------------
+
+
+def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
+                   autocast: bool, chunk_rows: int | None = None) -> dict[str, int]:
+    """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one forward's loss
+    logits (`cbkit.train.batch.logits_bytes`) and its saved activations, for the micro-batch or `chunk_rows` of it
+    (the loop's `forward_chunk_rows`). An estimate: the loop's other buffers are not counted."""
+    from cbkit.train.batch import logits_bytes
+
+    rows = micro_batch_rows if chunk_rows is None else min(chunk_rows, micro_batch_rows)
+    parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
+             "logits": logits_bytes(rows, completion_len, Shape.of(config).vocab),
+             "activations": rows * tokens_per_row * activation_bytes_per_token(config, tokens_per_row, autocast)}
+    return {**parts, "total": sum(parts.values())}
+
+
+def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool) -> int:
+    """What autograd keeps per token of a training forward (Llama-family layer, SDPA with a padding mask), counted
+    tensor by tensor with ``saved_tensors_hooks`` (a test repeats the count): per layer two RMSNorms (3 x hidden
+    each), q, k and v at the query heads' width, SDPA's output and log-sum-exp, its float mask (one a key position),
+    the gated MLP's four intermediate-wide tensors; the final norm once. 4-byte elements, or 2 under autocast."""
+    s = Shape.of(config)
+    per_layer = 6 * s.hidden + 4 * s.heads * s.head_dim + s.heads + tokens_per_row + 4 * s.intermediate
+    return (2 if autocast else 4) * (s.layers * per_layer + 3 * s.hidden)
+
+
+def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
+                    tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
+                    optimizer_state_resident: bool = False, device: str = "cuda",
+                    later_tokens_per_row: int | None = None, later_completion_len: int | None = None) -> dict[str, int]:
+    """The peak one GRPO step holds above its weights: the largest of its phases, which follow each other. The
+    rollout; the backward of one chunk (gradients, which live from the first backward to the update, plus the
+    chunk's logits and activations; from the second chunk on also the LM head's whole fp32 weight gradient, and on a
+    CPU the heap earlier chunks leave); the optimizer step (gradients and AdamW's moments, held through the whole
+    step with `optimizer_state_resident`). The trainer forwards rows longest first: ``later_*`` give the widest row
+    after the first chunk where lengths are known (None: every chunk as wide as the first)."""
+    def chunk_bytes(tokens: int, completion: int) -> int:
+        t = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens,
+                           completion_len=completion, config=config, autocast=autocast, chunk_rows=chunk_rows)
+        return t["logits"] + t["activations"]
+
+    grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
+    resident = moments if optimizer_state_resident else 0
+    s = Shape.of(config)
+    first = chunk_bytes(tokens_per_row, completion_len)
+    backward = grads + first + resident
+    if chunk_rows is not None and micro_batch_rows > chunk_rows:
+        later = first if later_tokens_per_row is None else chunk_bytes(
+            min(later_tokens_per_row, tokens_per_row), min(later_completion_len or completion_len, completion_len))
+        chunk = later + GRAD_BYTES_PER_PARAM * s.vocab * s.hidden
+        slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" else 0
+        backward = max(backward, grads + chunk + slack + resident)
+    parts = {"rollout": rollout_peak_bytes + resident, "backward": backward, "optimizer_step": grads + moments}
+    return {**parts, "peak": max(parts.values())}
