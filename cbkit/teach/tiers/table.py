@@ -124,9 +124,8 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
                     workloads=("fixed", "replay:gsm8k"), pool_share=POOL_SHARE),
         "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(16, 64), sweep_prompts=6, sweep_new_tokens=2048,
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
-    # 04's step split runs a continuous-async row: the async engine's weight snapshot sits on the GPU beside it.
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, weight_copies=1,
-                 async_run=True, sizes={
+                 sizes={
         # CI: a dozen steps of the 2-layer random model on the lowercase reward (the notebook's parameters cell), so
         # the chart shows a trend in a few seconds a run. 1e-2 is a rate only a model this small takes: SmolLM2
         # learns at 1e-5 to 3e-5, at 26 s a step of 4 prompts x 8 on a 2-core CPU (recipes/smollm2_arith.yaml).
