@@ -1,7 +1,7 @@
 """Will a CB engine start on a GPU's memory? transformers' own verdict, answered on any machine (`admission`).
 
-Part of the engine: this module reaches transformers' CB internals (its config resolution, its cache and memory
-handler), listed in `cbkit/rollout/engine.py` and pinned by tests/test_engine_contract.py.
+The engine's internals it runs (its config resolution, its cache and memory handler) are reached through
+`cbkit.rollout.upstream.engine_footprint`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.engine_config import engine_attention, make_cb_config
-from cbkit.rollout.engine_io import workload_hints
+from cbkit.rollout.upstream import engine_footprint, workload_hints
 from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
 
@@ -47,70 +47,9 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
     `engine_attention`'s choice for that GPU (`capability`, importable flash-attn `flash`), as `Engine` applies it:
     the engine reserves a dense attention mask only where the model needs its own attention, and with flash-attn its
     block-table decode path's buffers."""
-    import copy
-    from unittest import mock
-
-    from transformers.generation.continuous_batching import cache as cache_module
-    from transformers.generation.continuous_batching import initialization
-    from transformers.generation.continuous_batching.distributed import DistributedHelper
-
-    text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
     attention = engine_attention("cuda", dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
-    text._attn_implementation = attention
     cb = make_cb_config(overrides, device=torch.device("cuda"), rows=rows, max_new_tokens=max_new_tokens, warn=False)
-    # The resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table kernel
-    # imports (its decode path): answered as on that GPU.
-    flash_kernel = ((None, None, lambda *a, **k: None, None, None), (None, None))
-    with (mock.patch("torch.cuda.is_available", return_value=True),
-          mock.patch.object(initialization, "lazy_import_flash_attention", lambda *a, **k: flash_kernel)):
-        resolved = _call(initialization.resolve_continuous_batching_config, config=text, cb_config=cb,
-                         workload_hints=workload_hints(rows, max_new_tokens), has_logit_processors=True,
-                         device=torch.device("cuda"))
-    seen: dict[str, int] = {}
-    handler = cache_module.PagedAttentionMemoryHandler
-    original_check = handler._check_footprint
-
-    def check(self, max_batch_tokens: int, num_blocks: int):
-        seen.update(footprint=int(self.compute_memory_footprint(max_batch_tokens, num_blocks)),
-                    available=int(self.available_memory), max_batch_tokens=int(max_batch_tokens))
-        return original_check(self, max_batch_tokens, num_blocks)
-
-    breakdown = (torch.device("cuda"), int(total_bytes), int(used_bytes), int(used_bytes))
-    helper = _call(DistributedHelper, device_mesh=None, cpu_group_timeout=None, tp_plan={})
-    try:
-        with (mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda: breakdown),
-              mock.patch.object(handler, "_check_footprint", check)):
-            built = _call(cache_module.PagedAttentionCache, config=text, continuous_batching_config=resolved,
-                          device="meta", distributed_helper=helper, tp_plan={}, dtype=dtype,
-                          model_supports_logits_to_keep=_keeps_logits(text))
-    except (MemoryError, ValueError) as e:
-        if "footprint" not in seen:
-            raise
-        return Admission(False, seen["footprint"], seen["available"], None, None, attention, str(e))
-    return Admission(True, seen["footprint"], seen["available"], int(built.num_blocks), seen["max_batch_tokens"],
-                     attention, None)
-
-
-def _call(fn, **kwargs):
-    """`fn` with the keyword arguments its signature takes: the engine's internals differ across transformers
-    5.17-5.2x by a parameter here and there (tests/test_engine_contract.py pins each)."""
-    import inspect
-
-    names = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in names})
-
-
-def _keeps_logits(config) -> bool:
-    """Whether the model class of `config` slices hidden states before its LM head (`logits_to_keep`), as the engine
-    asks the loaded model (`_supports_logits_to_keep`): it changes what the engine reserves for logits."""
-    import inspect
-
-    from transformers import AutoModelForCausalLM
-
-    try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        return False
-    # transformers annotates every lazy auto mapping's value as the tokenizer mapping's (slow, fast) pair; a model
-    # mapping's value is the model class.
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
+    footprint, available, blocks, batch_tokens, error = engine_footprint(
+        config, cb, attention=attention, dtype=dtype, hints=workload_hints(rows, max_new_tokens),
+        total_bytes=total_bytes, used_bytes=used_bytes)
+    return Admission(error is None, footprint, available, blocks, batch_tokens, attention, error)

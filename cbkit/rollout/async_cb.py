@@ -57,8 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine
-from cbkit.rollout.engine_io import compute_stream, resolved_config, timeline, to_completions
+from cbkit.rollout.engine import Engine, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 if TYPE_CHECKING:
@@ -186,7 +185,7 @@ class AsyncEngine:
             to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
             strict=True)]
         self._pending = None
-        resolved = resolved_config(self.engine.manager)
+        resolved = self.engine.resolved()
         return Rollout(
             completions=completions, num_generations=pending.num_generations, backend=self.name, wall_s=wall,
             peak_mem_bytes=mem.peak_bytes, peak_mem_kind=mem.kind, engine_config=resolved,
@@ -262,7 +261,7 @@ class AsyncEngine:
         Before the engine has built its stream (or without one) there is no stream to order against: on a GPU this
         thread then waits for its copies on the host, so that the first forward, on whatever stream, sees them."""
         with self._lock, torch.no_grad():
-            engine = compute_stream(self.engine.manager)
+            engine = self.engine.stream()
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None
             if engine is not None and copier is not None:  # both, or neither
                 copier.wait_stream(engine)

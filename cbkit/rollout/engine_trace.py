@@ -37,7 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbkit.rollout.engine_io import is_helper, watch_batches
+from cbkit.rollout.engine import is_helper
+from cbkit.rollout.upstream import watch_batches
 
 __all__ = ["BlockReuse", "EngineStep", "EngineTrace", "RequestLife", "ScheduledRequest", "record_engine_steps"]
 
@@ -59,7 +60,7 @@ class ScheduledRequest:
 
     @property
     def helper(self) -> bool:
-        """cbkit's own prefill of a shared prompt, not a completion (`cbkit.rollout.engine_io.HELPER_PREFIX`)."""
+        """cbkit's own prefill of a shared prompt, not a completion (`cbkit.rollout.engine.HELPER_PREFIX`)."""
         return is_helper(self.request_id)
 
 
