@@ -86,4 +86,3 @@ class ContinuousBackend:
             engine_config=resolved,
             timeline=timeline(outputs, completions, start, resolved) if self.engine.record_timestamps else None,
         )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
-
