@@ -1,17 +1,15 @@
 """The engine: one class owns transformers' continuous batching manager, and drives it through the public API.
 
-Every CB caller in cbkit goes through `Engine`: `ContinuousBackend` (a manager per rollout, or one kept between
-rollouts), `AsyncEngine` (one kept running on a weight snapshot while the trainer trains) and the TRL bridge
-(`cbkit.trl.trainers`). `Engine` owns the config (`make_cb_config`: cbkit's defaults, the CPU pool rule), the attention
-(`engine_attention`'s choice on every device: flash-attn where it can run, else cbkit's varlen attention, unless the
-model needs the engine's own), the manager's life (built for a call, or kept: attached to the model only for its own
-calls, its KV emptied and its sampler reseeded before each) and who runs its loop: transformers' thread
-(`ThreadLoop`, the public context manager) or the caller's (`upstream.CallerLoop`, faster on a CPU).
+Every CB caller goes through `Engine`: `ContinuousBackend` (a manager per rollout, or one kept between rollouts),
+`AsyncEngine` (one kept running on a weight snapshot) and the TRL bridge. It owns the config (`make_cb_config`), the
+attention (`engine_attention`'s choice), the manager's life (built per call, or kept: attached to the model only for
+its own calls, its KV emptied and its sampler reseeded before each) and who runs its loop: transformers' thread
+(`ThreadLoop`) or the caller's (`upstream.CallerLoop`, faster on a CPU). What the public API cannot do is in
+`cbkit.rollout.upstream`, the one module that reaches transformers' private names.
 
 Why not `generate_batch`, the public one-shot call: it logs a failed request and returns fewer results (cbkit raises),
-queues its requests into a running loop without `pause()` (so a seeded run's draws depend on thread timing), has no
-per-request length (a replayed workload) and no first prefill of a shared prompt. What the public API cannot do at all
-is in `cbkit.rollout.upstream`, the one module that reaches transformers' private names.
+queues requests into a running loop without `pause()` (a seeded run's draws would depend on thread timing), and has
+no per-request length (a replayed workload) nor a first prefill of each shared prompt.
 """
 
 from __future__ import annotations

@@ -70,33 +70,21 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     valid = cb_config_keys()
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise ValueError(
-            f"Unknown continuous batching config key(s) {unknown}. transformers' ContinuousBatchingConfig "
-            f"accepts: {', '.join(valid)}."
-        )
+        raise ValueError(f"Unknown continuous batching config key(s) {unknown}. transformers' "
+                         f"ContinuousBatchingConfig accepts: {', '.join(valid)}.")
     if overrides.get("return_logprobs") is False:
-        raise ValueError(
-            "return_logprobs=False would drop the sampling logprobs the importance-sampling correction needs; "
-            "remove it from the continuous batching config (cbkit always sets it to True)."
-        )
+        raise ValueError("return_logprobs=False would drop the sampling logprobs the importance-sampling correction "
+                         "needs; remove it from the continuous batching config (cbkit always sets it to True).")
     values = {**CB_DEFAULTS, **overrides, "return_logprobs": True}
     mmp = values.get("max_memory_percent")
     if mmp is not None and not (isinstance(mmp, int | float) and 0 < mmp <= 1):
-        raise ValueError(
-            f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
-        )
+        raise ValueError(f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5.")
     return values
 
 
-def make_cb_config(
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    seed: int | None = None,
-    device: torch.device | None = None,
-    rows: Sequence[Sequence[int]] | None = None,
-    max_new_tokens: int | None = None,
-    warn: bool = True,
-):
+def make_cb_config(overrides: Mapping[str, Any] | None = None, *, seed: int | None = None,
+                   device: torch.device | None = None, rows: Sequence[Sequence[int]] | None = None,
+                   max_new_tokens: int | None = None, warn: bool = True):
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
     On CPU the engine would size its pool as a share of *host RAM*: gigabytes of zeroed KV for a small model. There
@@ -125,13 +113,10 @@ def make_cb_config(
     if workload:
         # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
         if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
-            warnings.warn(
-                f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
-                f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
-                f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
-                "to let the engine size it from max_memory_percent.",
-                UserWarning, stacklevel=3,
-            )
+            warnings.warn(f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a "
+                          f"CPU the engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
+                          f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
+                          "to let the engine size it from max_memory_percent.", UserWarning, stacklevel=3)
         values["num_blocks"] = workload
     if values.get("num_blocks") is not None and "max_memory_percent" not in overrides:
         values["max_memory_percent"] = FIXED_POOL_MEMORY_PERCENT
