@@ -225,17 +225,11 @@ class AsyncEngine:
     def _writing_weights(self) -> Iterator[None]:
         """Write the snapshot's weights inside this block, between two engine forwards, on the device too.
 
-        The lock keeps every forward's *enqueueing* whole. On a GPU the kernels run later: the engine's on its compute
-        stream, this thread's copies on its current stream, and nothing orders two streams (PyTorch creates them
-        non-blocking). Two one-way waits do, both on the device, so neither thread waits on the host:
-
-        * before the first copy, this stream waits for the work the engine has enqueued so far, which ends with the
-          forward that just released the lock: no copy overwrites weights a running forward still reads;
-        * after the last copy, the engine's stream waits for this one: the next forward, enqueued once the lock is
-          free, reads the new weights whole.
-
-        Before the engine has built its stream (or without one) there is no stream to order against: on a GPU this
-        thread then waits for its copies on the host, so that the first forward, on whatever stream, sees them."""
+        The lock keeps every forward's *enqueueing* whole; on a GPU the kernels run later, the engine's on its own
+        stream and these copies on this thread's, and nothing orders two streams. Two one-way waits do, on the device:
+        this stream first waits for what the engine has enqueued (no copy overwrites weights a forward still reads),
+        and after the last copy the engine's stream waits for this one (the next forward reads the new weights whole).
+        Before the engine has built its stream, a GPU copy is waited for on the host."""
         with self._lock, torch.no_grad():
             engine = self.engine.stream()
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None

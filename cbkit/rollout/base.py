@@ -84,13 +84,10 @@ class SamplingParams:
 
 
 # What a rollout takes from the model's own `generation_config`: token ids and cache / compile settings, none of which
-# changes the distribution a token is drawn from. Everything else there (repetition_penalty, no_repeat_ngram_size,
-# min_p, typical_p, epsilon/eta cutoffs, bad_words_ids, suppress_tokens, sequence_bias, min_new_tokens, forced
-# tokens, guidance, watermarking: every field transformers' `_get_logits_processor` turns into a processor; and
-# beams, extra return sequences, stop strings, time limits) is the checkpoint's advice for chat, not the rollout's.
-# `generate()` fills every field its config leaves unset from the model's, so without this a rollout would sample
-# from another distribution than its SamplingParams say (Qwen2.5-Instruct ships repetition_penalty=1.05): off-policy
-# by a knob nobody set. The CB engine reads only the config it is given.
+# changes the distribution a token is drawn from. The rest there (repetition_penalty, min_p, bad_words_ids, ...: every
+# field `_get_logits_processor` turns into a processor) is the checkpoint's advice for chat, which `generate()` would
+# fill into every field the rollout leaves unset (Qwen2.5-Instruct ships repetition_penalty=1.05): off-policy by a knob
+# nobody set. The CB engine reads only the config it is given.
 GENERATION_CONFIG_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache",
                           "cache_implementation", "cache_config", "compile_config", "disable_compile")
 _WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were named (once each)
