@@ -490,7 +490,7 @@ def test_the_largest_batch_is_the_one_the_engine_runs_with_and_without_prefix_sh
     tokens past its last full page; without it every copy prefills its whole prompt in one batch."""
     from cbkit.rollout.base import SamplingParams
     from cbkit.rollout.engine import Engine
-    from cbkit.rollout.engine_io import watch_batches
+    from cbkit.rollout.upstream import watch_batches
 
     tok = tiny.tokenizer
     prompts = [[65 + i % 20 for i in range(70)], [90 + i % 7 for i in range(45)]]  # 2 and 1 full 32-token pages

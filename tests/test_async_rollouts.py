@@ -266,7 +266,7 @@ def test_on_a_gpu_a_weight_update_is_ordered_against_the_engines_stream(write, m
     streams = _Streams()
     streams.current, compute = streams.new("trainer"), streams.new("engine")
     streams.patch(monkeypatch)
-    monkeypatch.setattr("cbkit.rollout.async_cb.compute_stream", lambda manager: compute, raising=False)
+    monkeypatch.setattr("cbkit.rollout.upstream.forward_stream", lambda manager: compute)
     try:
         running = streams.enqueue(compute, "forward on the old weights")
         _perturb(model)
@@ -352,8 +352,6 @@ def test_on_a_gpu_every_forward_reads_one_published_version_whole():
     its end: a float64 sum per tensor, left on the device until the rollout is over (a host sync per forward would
     order the streams itself and hide the race). Every fingerprint must be one published version's, whole, the one
     the engine recorded, and the same at both ends (no copy ran under the forward)."""
-    from cbkit.rollout.engine_io import compute_stream
-
     big = torch.cuda.get_device_properties(0).total_memory >= 40 * 2**30
     model = load_policy("llama-1b-random" if big else "llama-tiny-random", dtype=torch.float32, device="cuda").model
     params = list(model.parameters())
@@ -366,7 +364,7 @@ def test_on_a_gpu_every_forward_reads_one_published_version_whole():
     starts: list[tuple[torch.Tensor, int, bool]] = []
     ends: list[torch.Tensor] = []
     engine.snapshot.register_forward_pre_hook(lambda m, a: starts.append(
-        (device_print(mine), engine.version, torch.cuda.current_stream() == compute_stream(engine.engine.manager))))
+        (device_print(mine), engine.version, torch.cuda.current_stream() == engine.engine.stream())))
     engine.snapshot.register_forward_hook(lambda m, a, o: ends.append(device_print(mine)), prepend=True)  # in the lock
     prints = {0: device_print(params)}
     try:

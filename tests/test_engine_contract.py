@@ -1,16 +1,16 @@
 """Pin what cbkit uses of transformers' CB engine, so an upgrade that moves it fails here, loudly, by name.
 
-Like TRL's TestTransformersContinuousBatchingContract: names, signatures and fields (the rollout tests cover
-behaviour). The engine's modules (`ENGINE_MODULES`: rollout/engine.py and the three it is split into) are the only
-ones that touch the engine's internals, and engine.py's docstring lists them; every pin below says which transformers
-version it failed on. After an upgrade, fix those modules to the new API, then the pin. The last tests keep the
-internals in those modules: no other module of cbkit reaches them.
+Like TRL's TestTransformersContinuousBatchingContract: the public entry points' arguments, and every private name
+`cbkit.rollout.upstream` reaches (`upstream.PINNED`, read from its docstring), each pinned on a real manager of the
+tiny model. The last tests keep those names in that one module. After an upgrade, fix `upstream.py` to the new API,
+then the pin.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 from pathlib import Path
 
@@ -19,19 +19,18 @@ import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager, ContinuousMixin
-from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
 import cbkit
-from cbkit.rollout import SamplingParams
+from cbkit.rollout import SamplingParams, upstream
 from cbkit.rollout.engine import Engine
 from cbkit.rollout.engine_config import cb_config_keys, make_cb_config
-from cbkit.rollout.engine_io import compute_stream, watch_batches, workload_hints
+from cbkit.rollout.upstream import PINNED, watch_batches, workload_hints
 
 
 def pin(ok: bool, what: str) -> None:
-    assert ok, (f"transformers {transformers.__version__}: {what} is gone or has changed; cbkit/rollout/engine.py "
-                "and its modules rely on it (its docstring lists what they use). Fix them to the new API, then this pin.")
+    assert ok, (f"transformers {transformers.__version__}: {what} is gone or has changed; cbkit/rollout/upstream.py "
+                "relies on it (its docstring lists what it reaches). Fix it to the new API, then this pin.")
 
 
 def _params(fn) -> set[str]:
@@ -85,7 +84,7 @@ def test_entry_points_and_their_arguments():
     pin({"timeout"} <= _params(ContinuousBatchingManager.get_result), "ContinuousBatchingManager.get_result")
     pin({"keep_for_next_session", "block", "timeout"} <= _params(ContinuousBatchingManager.stop),
         "ContinuousBatchingManager.stop's arguments")
-    for name in ("is_running", "start", "destroy", "pause", "warmup", "_create_batch_processor", "_generation_step"):
+    for name in ("is_running", "start", "destroy", "pause", "warmup"):
         pin(callable(getattr(ContinuousBatchingManager, name, None)), f"ContinuousBatchingManager.{name}")
     pin(hasattr(transformers.LlamaForCausalLM, "continuous_batching_context_manager"),
         "the models' continuous_batching_context_manager")
@@ -111,43 +110,57 @@ def test_generation_config_accepts_what_sampling_params_builds():
     assert (gc.do_sample, gc.temperature, gc.top_k, gc.top_p, gc.eos_token_id) == (True, 0.7, 20, 0.9, 2)
 
 
-def test_the_manager_and_processor_internals(tiny):
-    """A real manager on the tiny model: every attribute the caller's loop, `_own`, `forget_cached_kv`, `_reseed`
-    and `resolved_config` read, and what a scheduled batch holds (`scheduled`, read by the trace and async)."""
+@pytest.fixture(scope="module")
+def engine_objects(tiny):
+    """A real manager on the tiny model with one batch prepared (no thread), and every object `PINNED` names."""
     model, tok = tiny.model, tiny.tokenizer
     gen = SamplingParams(max_new_tokens=3, eos_token_id=tok.eos_token_id, seed=0).generation_config()
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=make_cb_config(
         device=model.device, rows=[[1] * 8], max_new_tokens=3))
+    processor = manager.batch_processor = manager._create_batch_processor()
     try:
-        for name in ("_original_attn_impl", "_use_prefix_sharing", "batch_processor", "input_queue", "warmed_up",
-                     "is_tp_driver", "continuous_batching_config", "model"):
-            pin(hasattr(manager, name), f"ContinuousBatchingManager.{name}")
-        status = manager.background_thread_status
-        pin(callable(getattr(status, "clear", None)) and callable(getattr(status, "mark_as_stopped", None)),
-            "ContinuousBatchingManager.background_thread_status.clear / mark_as_stopped")
-        pin(hasattr(manager.output_router, "output_queue"), "ContinuousBatchingManager.output_router.output_queue")
-        pin(callable(getattr(manager.distributed_helper, "set_tp_seed", None)),
-            "ContinuousBatchingManager.distributed_helper.set_tp_seed")
-        processor = manager._create_batch_processor()
-        for name in ("prepare_next_batch", "update_batch", "inputs_and_outputs", "cache"):
-            pin(hasattr(processor, name), f"ContinuousBatchProcessor.{name}")
-        # The stream the forwards run on, which AsyncEngine.publish orders its copies against: None on a CPU, on the
-        # async-batching IOs too (which only a GPU can build; its source is pinned instead).
-        pin(hasattr(processor.inputs_and_outputs, "compute_stream"), "ContinuousBatchProcessor.inputs_and_outputs"
-            ".compute_stream")
-        pin("self.compute_stream" in inspect.getsource(ContinuousBatchingAsyncIOs.__init__),
-            "ContinuousBatchingAsyncIOs.compute_stream")
-        manager.batch_processor = processor
-        assert compute_stream(manager) is None and compute_stream(None) is None
-        cache = processor.cache
-        pin(callable(getattr(cache, "reset", None)) and isinstance(cache.num_blocks, int), "PagedAttentionCache")
-        allocator = next(iter(cache.cache_allocators.values()))
-        pin(hasattr(allocator, "block_table") and isinstance(allocator.tokens_per_page, int),
-            "PagedAttentionCache.cache_allocators[...].block_table / tokens_per_page")
+        manager.add_request([1] * 8, max_new_tokens=3)
+        processor.prepare_next_batch()
+        future = processor.inputs_and_outputs.requests_in_batch[0]
+        from transformers.generation.continuous_batching import cache
+
+        yield {"model": model, "manager": manager, "status": manager.background_thread_status,
+               "router": manager.output_router, "helper": manager.distributed_helper, "processor": processor,
+               "cache": processor.cache, "allocator": next(iter(processor.cache.cache_allocators.values())),
+               "io": processor.inputs_and_outputs, "future": future, "state": future.state,
+               "handler": cache.PagedAttentionMemoryHandler, "transformers": transformers,
+               "cb": transformers.generation.continuous_batching}
     finally:
         manager.batch_processor = None
         model.set_attn_implementation(manager._original_attn_impl)
         manager.destroy()
+
+
+# Set in a method, not on the object `engine_objects` holds: pinned in the source that sets them.
+SET_IN = {"model._cached_continuous_batching_manager": ContinuousMixin.init_continuous_batching,
+          "handler.available_memory": "cache.PagedAttentionMemoryHandler.__init__"}
+
+
+@pytest.mark.parametrize("name", PINNED)
+def test_each_private_name_cbkit_reaches(engine_objects, name):
+    root, *path, attr = name.split(".")
+    where = SET_IN.get(name)
+    if where is not None:
+        if isinstance(where, str):
+            module, *rest = where.split(".")
+            where = importlib.import_module(f"transformers.generation.continuous_batching.{module}")
+            for part in rest:
+                where = getattr(where, part)
+        pin(attr in inspect.getsource(where), name)
+        return
+    obj = engine_objects[root]
+    for part in path:
+        obj = getattr(obj, part, None) or importlib.import_module(f"{obj.__name__}.{part}")
+    pin(hasattr(obj, attr), name)
+
+
+def test_the_pinned_list_is_the_upstream_docstrings():
+    assert len(PINNED) == len(set(PINNED)) > 40 and all(f"`{n}`" in upstream.__doc__ for n in PINNED)
 
 
 def test_a_scheduled_batch_reads_as_requests_in_positions(tiny):
@@ -180,71 +193,60 @@ def test_watching_batches_puts_the_engine_back():
     assert ContinuousBatchProcessor.prepare_next_batch is before
 
 
-# Attributes and modules of transformers' CB engine that are not its public entry points (add_requests & co.).
-INTERNALS = {"_generation_step", "_create_batch_processor", "_original_attn_impl", "_cached_continuous_batching_manager",
-             "_use_prefix_sharing", "batch_processor", "background_thread_status", "output_router", "input_queue",
-             "distributed_helper", "requests_in_batch", "inputs_and_outputs", "cache_allocators", "block_table",
-             "init_continuous_batching", "continuous_batching_context_manager", "generate_batch", "warmed_up",
-             "compute_stream"}
+# The private names above, as they appear in code (the distinctive ones), and the public entry points that build a
+# manager: the first only in upstream.py, the second only there and in engine.py, which owns the manager.
+PRIVATE = {n.rsplit(".", 1)[1] for n in PINNED} - {"model", "reset", "clear", "cache", "state", "request_id",
+                                                   "num_blocks", "max_batch_tokens", "update_batch", "query_length"}
+ENTRY = {"init_continuous_batching", "continuous_batching_context_manager", "generate_batch"}
+ROLLOUT = Path(cbkit.__file__).parent / "rollout"
 
 
-def _internal_uses(path: Path) -> list[str]:
+def _uses(path: Path, names: set[str]) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in INTERNALS:
+        if isinstance(node, ast.Attribute) and node.attr in names:
             found.append(f"{path.name}:{node.lineno} .{node.attr}")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in INTERNALS:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
             found.append(f"{path.name}:{node.lineno} {node.value!r}")  # getattr(x, "name")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "transformers.generation.continuous_batching"):
+                "transformers.generation.continuous_batching."):
             found.append(f"{path.name}:{node.lineno} from {node.module}")
     return found
 
 
-# The engine, split by concept: the class and its manager (engine.py), who runs the loop, what goes in and out, and
-# the admission check. These alone reach transformers' CB internals.
-ENGINE_MODULES = ("engine.py", "engine_loops.py", "engine_io.py", "admission.py")
-ROLLOUT = Path(cbkit.__file__).parent / "rollout"
-
-
 @pytest.mark.parametrize("path", sorted(p for p in Path(cbkit.__file__).parent.rglob("*.py")
-                                        if not (p.parent == ROLLOUT and p.name in ENGINE_MODULES)),
+                                        if p != ROLLOUT / "upstream.py"),
                          ids=lambda p: str(p.relative_to(Path(cbkit.__file__).parent)))
-def test_only_the_engine_modules_reach_inside_the_engine(path):
-    assert not _internal_uses(path), (f"{path} uses transformers' CB internals {_internal_uses(path)}: go through "
-                                      "cbkit.rollout.engine, which owns the manager (and tests/test_engine_contract.py)")
+def test_only_upstream_reaches_inside_the_engine(path):
+    names = PRIVATE if path == ROLLOUT / "engine.py" else PRIVATE | ENTRY
+    assert not _uses(path, names), (f"{path} reaches transformers' CB internals {_uses(path, names)}: go through "
+                                    "cbkit.rollout.upstream (pinned here) or cbkit.rollout.engine, which owns the manager")
 
 
-def test_the_internals_check_sees_each_engine_module():
-    uses = {name: _internal_uses(ROLLOUT / name) for name in ENGINE_MODULES}
-    assert all(uses.values()), f"an engine module reaches no internal: drop it from ENGINE_MODULES ({uses})"
-    assert any("_generation_step" in u for u in uses["engine_loops.py"])
-    assert any("from transformers.generation" in u for u in uses["admission.py"])
+def test_the_internals_check_sees_upstream():
+    uses = _uses(ROLLOUT / "upstream.py", PRIVATE)
+    assert any("_generation_step" in u for u in uses) and any("from transformers.generation" in u for u in uses)
 
 
-def test_what_the_admission_check_builds_on():
-    # cbkit.rollout.admission.admission: the engine's config resolution, then its cache built on the meta device with its
-    # memory reading patched; the footprint read where the handler checks it.
+def test_the_arguments_upstream_passes_its_internals():
+    """`upstream.engine_footprint` (the admission check) calls the engine's config resolution and builds its cache on
+    the meta device; the async engine orders its copies against the async IOs' stream (a GPU's; pinned in source)."""
     from transformers.generation.continuous_batching import cache, initialization
     from transformers.generation.continuous_batching.distributed import DistributedHelper
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
 
-    pin(callable(getattr(cache, "get_device_and_memory_breakdown", None)),
-        "continuous_batching.cache.get_device_and_memory_breakdown (the handler's memory reading, looked up there)")
-    pin({"config", "continuous_batching_config", "device", "distributed_helper", "dtype"} <= _params(
-        cache.PagedAttentionCache.__init__), "PagedAttentionCache's arguments")
-    pin("self.num_blocks" in inspect.getsource(cache.PagedAttentionCache.__init__), "PagedAttentionCache.num_blocks")
-    handler = cache.PagedAttentionMemoryHandler
-    pin(len(_params(handler._check_footprint)) == 3 and callable(getattr(handler, "compute_memory_footprint", None)),
-        "PagedAttentionMemoryHandler._check_footprint(max_batch_tokens, num_...) and compute_memory_footprint")
-    pin("self.available_memory" in inspect.getsource(handler.__init__), "PagedAttentionMemoryHandler.available_memory")
-    pin({"config", "cb_config", "workload_hints", "has_logit_processors"} <= _params(
+    pin({"config", "continuous_batching_config", "device", "distributed_helper", "dtype",
+         "model_supports_logits_to_keep"} <= _params(cache.PagedAttentionCache.__init__), "PagedAttentionCache's arguments")
+    pin(len(_params(cache.PagedAttentionMemoryHandler._check_footprint)) == 3,
+        "PagedAttentionMemoryHandler._check_footprint(max_batch_tokens, num_...)")
+    pin({"config", "cb_config", "workload_hints", "has_logit_processors", "device"} <= _params(
         initialization.resolve_continuous_batching_config), "initialization.resolve_continuous_batching_config")
-    pin({"device_mesh", "cpu_group_timeout"} <= _params(DistributedHelper.__init__), "DistributedHelper's arguments")
+    pin({"device_mesh", "cpu_group_timeout", "tp_plan"} <= _params(DistributedHelper.__init__),
+        "DistributedHelper's arguments")
     pin("lazy_import_flash_attention(" in inspect.getsource(initialization.ensure_decode_fast_path_is_available),
         "initialization.lazy_import_flash_attention (the decode path's kernel check, answered as on a GPU)")
-    # The attention switch cbkit steers (cbkit.rollout.engine.attention_for_engine).
-    pin(callable(getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)),
-        "ContinuousBatchingManager.switch_to_cb_friendly_attn")
+    pin("self.compute_stream" in inspect.getsource(ContinuousBatchingAsyncIOs.__init__),
+        "ContinuousBatchingAsyncIOs.compute_stream")
 
 
 def test_how_the_engine_recognises_a_varlen_attention():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cbkit.rollout.engine_io import is_helper
+from cbkit.rollout.engine import is_helper
 from cbkit.rollout.engine_trace import EngineTrace
 from cbkit.teach import findings
 from cbkit.teach.figures_engine import block_ids_figure, timeline_figure

@@ -9,8 +9,8 @@ import pytest
 
 from cbkit.rollout import SamplingParams
 from cbkit.rollout.continuous import ContinuousBackend
+from cbkit.rollout.engine import HELPER_PREFIX
 from cbkit.rollout.engine_config import workload_blocks
-from cbkit.rollout.engine_io import HELPER_PREFIX
 from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest, record_engine_steps
 
 PAGE = 16

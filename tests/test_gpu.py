@@ -116,7 +116,7 @@ def _start_engine(model, pool, rows, new_tokens):
     """Start transformers' engine on `model` as cbkit's `Engine.run` does (its config, its attention, the workload
     hints) up to the pool being built: the engine's own admission check, on this GPU's own memory reading."""
     from cbkit.rollout.engine import Engine
-    from cbkit.rollout.engine_io import workload_hints
+    from cbkit.rollout.upstream import workload_hints
 
     engine = Engine(model, pool)
     cb = engine.config(rows, new_tokens, seed=0)

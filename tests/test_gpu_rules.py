@@ -17,7 +17,7 @@ from cbkit.rollout import engine_config
 from cbkit.rollout.admission import admission
 from cbkit.rollout.engine import Engine
 from cbkit.rollout.engine_config import engine_attention, make_cb_config
-from cbkit.rollout.engine_io import workload_hints
+from cbkit.rollout.upstream import workload_hints
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.teach import tiers
 

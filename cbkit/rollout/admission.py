@@ -3,8 +3,8 @@ check, run on any machine), how many of its blocks a group of completions needs 
 complete pages shared), and how many sequences it keeps decoding as finished ones hand their blocks back (`running`:
 recycling). The planner, the admission check before a CB rollout and `cbkit tiers` all call this module.
 
-Part of the engine: `admission` reaches transformers' CB internals (its config resolution, its cache and memory
-handler), listed in `cbkit/rollout/engine.py` and pinned by tests/test_engine_contract.py.
+The engine's internals it runs (its config resolution, its cache and memory handler) are reached through
+`cbkit.rollout.upstream.engine_footprint`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cbkit.rollout.engine_config import engine_attention, make_cb_config, page_size
-from cbkit.rollout.engine_io import workload_hints
+from cbkit.rollout.upstream import engine_footprint, workload_hints
 from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
 
@@ -53,68 +53,12 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
     returning this device's numbers. The attention is `engine_attention`'s choice for that device (`capability`,
     importable flash-attn `flash`), as `Engine` applies it, unless `attention` names one: the engine reserves a dense
     attention mask only where the model needs its own attention."""
-    import copy
-    import inspect
-    from contextlib import nullcontext
-    from unittest import mock
-
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.continuous_batching import cache as cache_module
-    from transformers.generation.continuous_batching import initialization
-    from transformers.generation.continuous_batching.distributed import DistributedHelper
-
-    text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
     attention = attention or engine_attention(device, dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
-    text._attn_implementation = attention
     cb = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new_tokens, warn=False)
-    # On a GPU the resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table
-    # kernel imports (its decode path): answered as on that GPU.
-    flash_kernel = ((None, None, lambda *a, **k: None, None, None), (None, None))
-    gpu = (mock.patch("torch.cuda.is_available", return_value=True),
-           mock.patch.object(initialization, "lazy_import_flash_attention", lambda *a, **k: flash_kernel))
-    with gpu[0] if device == "cuda" else nullcontext(), gpu[1] if device == "cuda" else nullcontext():
-        resolved = _call(initialization.resolve_continuous_batching_config, config=text, cb_config=cb,
-                         workload_hints=workload_hints(rows, max_new_tokens), has_logit_processors=True,
-                         device=torch.device(device))
-    seen: dict[str, int] = {}
-    handler = cache_module.PagedAttentionMemoryHandler
-    original_check = handler._check_footprint
-
-    def check(self, max_batch_tokens: int, num_sectors: int):
-        seen.update(footprint=int(self.compute_memory_footprint(max_batch_tokens, num_sectors)),
-                    available=int(self.available_memory), max_batch_tokens=int(max_batch_tokens),
-                    mask=int(self.attention_mask_bytes(max_batch_tokens, num_sectors)))
-        return original_check(self, max_batch_tokens, num_sectors)
-
-    # The engine asks the loaded model whether it slices hidden states before its LM head (`logits_to_keep`).
-    try:
-        cls = AutoModelForCausalLM._model_mapping[type(text)]
-        keeps = "logits_to_keep" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
-    except KeyError:
-        keeps = False
-    breakdown = (torch.device(device), int(total_bytes), int(used_bytes), int(used_bytes))
-    helper = _call(DistributedHelper, device_mesh=None, cpu_group_timeout=None, tp_plan={})
-    try:
-        with (mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda: breakdown),
-              mock.patch.object(handler, "_check_footprint", check)):
-            built = _call(cache_module.PagedAttentionCache, config=text, continuous_batching_config=resolved,
-                          device="meta", distributed_helper=helper, tp_plan={}, dtype=dtype,
-                          model_supports_logits_to_keep=keeps)
-    except (MemoryError, ValueError) as e:
-        if "footprint" not in seen:
-            raise
-        return Admission(False, seen["footprint"], seen["available"], None, None, attention, str(e), page_size(cb))
-    return Admission(True, seen["footprint"], seen["available"], int(built.num_blocks), seen["max_batch_tokens"],
-                     attention, None, page_size(cb), int(built.cache_tensor.numel()), seen["mask"])
-
-
-def _call(fn, **kwargs):
-    """`fn` with the keyword arguments its signature takes: the engine's internals differ across transformers
-    5.17-5.2x by a parameter here and there (tests/test_engine_contract.py pins each)."""
-    import inspect
-
-    names = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in names})
+    f = engine_footprint(config, cb, attention=attention, dtype=dtype, hints=workload_hints(rows, max_new_tokens),
+                         total_bytes=total_bytes, used_bytes=used_bytes, device=device)
+    return Admission(f.error is None, f.footprint, f.available, f.num_blocks, f.max_batch_tokens, attention, f.error,
+                     page_size(cb), f.cache_bytes, f.mask_bytes)
 
 
 def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: int) -> int:

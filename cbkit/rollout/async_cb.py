@@ -1,46 +1,22 @@
 """Async rollouts on transformers' CB engine, in one process: the next rollout decodes while this step trains.
 
-`continuous.py` starts the engine for a rollout and stops it after; here it keeps running. The loop submits step
-t+1's requests, trains step t on the policy while the engine thread decodes them, and publishes the updated
-weights between two engine forwards, so a completion can straddle an optimizer update. Every token records the
-*policy version* (the count of optimizer updates) of the weights whose forward sampled it.
+`continuous.py` starts the engine for a rollout and stops it after; here it keeps running on transformers' thread.
+The loop submits step t+1's requests, trains step t while the engine decodes them, and publishes the updated weights
+between two engine forwards, so a completion can straddle an update; every token records the *policy version* (the
+count of optimizer updates) of the weights whose forward sampled it.
 
-Why a snapshot, not the training weights themselves
----------------------------------------------------
-transformers' manager has a `pause()` made for updating a model in place between engine steps, so sharing one
-copy looks possible. Two things block it for a trainer that runs *while* the engine decodes:
+The engine decodes on `snapshot`, an in-process copy of the weights (no gradients, no optimizer state), refreshed by a
+device-to-device `copy_` after each update, not on the training weights, though the manager's `pause()` is made for
+updating a model in place: the attention implementation is a field of the model's config, switched for the engine
+until it stops, so a training forward meanwhile would run the paged attention without a causal mask (transformers
+#48296); and `optimizer.step()` writes the parameters while the engine's thread reads them.
 
-* the attention implementation is a field of the model's config (`config._attn_implementation`), read by every
-  attention layer at every call. A running engine needs it switched (to `paged|eager`, a flash kernel, or on
-  CPU cbkit's varlen attention) until it stops; a training forward on the same module meanwhile runs that
-  attention, without a causal mask (transformers #48296; `GRPOTrainer._check_attention` refuses it);
-* `optimizer.step()` writes the parameters in place while the engine thread reads them: without a barrier a
-  forward can see some layers updated and others not.
-
-So the engine decodes on an in-process copy of the weights, `snapshot`: its own module and config (the attention
-switch stays on it), refreshed after each update by a device-to-device `copy_`. No server, no second engine,
-one extra copy of the weights (no gradients, no optimizer state).
-
-No forward sees a half-applied update
--------------------------------------
-A forward pre-hook on the snapshot takes a lock that its forward post-hook (`always_call`) releases, and
-`publish` copies the weights under the same lock: a forward is enqueued entirely before or entirely after a copy.
-On a GPU that orders only the enqueueing: the engine's kernels run later, on its own CUDA stream, and the copies
-on the trainer's. So `publish` also orders the two streams both ways (`_writing_weights` says how). The
-pre-hook also writes down, for every request in the batch, the positions that forward computes and the version
-it computes them with: the token it samples and the KV it writes. `tests/test_async_rollouts.py` checks the
-versions, and fingerprints the weights every forward saw.
-
-Where the update lands, and why it is pinned
---------------------------------------------
-On a GPU the update would land whenever training finishes: a matter of timing, so two runs would differ in
-which tokens came from which weights. cbkit pins it: the engine runs `update_at` forwards of the next rollout
-on the old weights and waits before the next one until the update is published (or the rollout finishes
-first). The overlap is real -- those forwards run while the trainer computes -- and a run is reproducible and
-resumable (`state_dict` keeps the weights a pending rollout started on).
-
-Prefix sharing is off here (`allow_block_sharing=False`): a request admitted after an update would otherwise
-read a prompt page another request computed before it, KV from weights it does not know it used.
+No forward sees a half-applied update: a forward pre-hook on the snapshot takes a lock its post-hook releases, and
+`publish` copies under the same lock; on a GPU it also orders the two CUDA streams both ways (`_writing_weights`).
+The pre-hook writes down the positions each forward computes for each request and the version it computes them with.
+The update lands at a pinned forward (`update_at`), not whenever training ends, so a run is reproducible and
+resumable (`state_dict` keeps the weights a pending rollout started on). Prefix sharing is off: a request admitted
+after an update would read prompt KV computed before it.
 """
 
 from __future__ import annotations
@@ -57,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine
-from cbkit.rollout.engine_io import compute_stream, resolved_config, timeline, to_completions
+from cbkit.rollout.engine import Engine, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 if TYPE_CHECKING:
@@ -186,7 +161,7 @@ class AsyncEngine:
             to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
             strict=True)]
         self._pending = None
-        resolved = resolved_config(self.engine.manager)
+        resolved = self.engine.resolved()
         return Rollout(
             completions=completions, num_generations=pending.num_generations, backend=self.name, wall_s=wall,
             peak_mem_bytes=mem.peak_bytes, peak_mem_kind=mem.kind, engine_config=resolved,
@@ -250,19 +225,13 @@ class AsyncEngine:
     def _writing_weights(self) -> Iterator[None]:
         """Write the snapshot's weights inside this block, between two engine forwards, on the device too.
 
-        The lock keeps every forward's *enqueueing* whole. On a GPU the kernels run later: the engine's on its compute
-        stream, this thread's copies on its current stream, and nothing orders two streams (PyTorch creates them
-        non-blocking). Two one-way waits do, both on the device, so neither thread waits on the host:
-
-        * before the first copy, this stream waits for the work the engine has enqueued so far, which ends with the
-          forward that just released the lock: no copy overwrites weights a running forward still reads;
-        * after the last copy, the engine's stream waits for this one: the next forward, enqueued once the lock is
-          free, reads the new weights whole.
-
-        Before the engine has built its stream (or without one) there is no stream to order against: on a GPU this
-        thread then waits for its copies on the host, so that the first forward, on whatever stream, sees them."""
+        The lock keeps every forward's *enqueueing* whole; on a GPU the kernels run later, the engine's on its own
+        stream and these copies on this thread's, and nothing orders two streams. Two one-way waits do, on the device:
+        this stream first waits for what the engine has enqueued (no copy overwrites weights a forward still reads),
+        and after the last copy the engine's stream waits for this one (the next forward reads the new weights whole).
+        Before the engine has built its stream, a GPU copy is waited for on the host."""
         with self._lock, torch.no_grad():
-            engine = compute_stream(self.engine.manager)
+            engine = self.engine.stream()
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None
             if engine is not None and copier is not None:  # both, or neither
                 copier.wait_stream(engine)

@@ -84,13 +84,10 @@ class SamplingParams:
 
 
 # What a rollout takes from the model's own `generation_config`: token ids and cache / compile settings, none of which
-# changes the distribution a token is drawn from. Everything else there (repetition_penalty, no_repeat_ngram_size,
-# min_p, typical_p, epsilon/eta cutoffs, bad_words_ids, suppress_tokens, sequence_bias, min_new_tokens, forced
-# tokens, guidance, watermarking: every field transformers' `_get_logits_processor` turns into a processor; and
-# beams, extra return sequences, stop strings, time limits) is the checkpoint's advice for chat, not the rollout's.
-# `generate()` fills every field its config leaves unset from the model's, so without this a rollout would sample
-# from another distribution than its SamplingParams say (Qwen2.5-Instruct ships repetition_penalty=1.05): off-policy
-# by a knob nobody set. The CB engine reads only the config it is given.
+# changes the distribution a token is drawn from. The rest there (repetition_penalty, min_p, bad_words_ids, ...: every
+# field `_get_logits_processor` turns into a processor) is the checkpoint's advice for chat, which `generate()` would
+# fill into every field the rollout leaves unset (Qwen2.5-Instruct ships repetition_penalty=1.05): off-policy by a knob
+# nobody set. The CB engine reads only the config it is given.
 GENERATION_CONFIG_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache",
                           "cache_implementation", "cache_config", "compile_config", "disable_compile")
 _WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were named (once each)
@@ -278,45 +275,32 @@ def check_request(
 
 
 def check_target_lengths(target_lengths: Sequence[int], rows: int, max_new_tokens: int) -> None:
-    """One whole number per completion row, each in 1..max_new_tokens. max_new_tokens is the bound because
-    check_request already fits every prompt + max_new_tokens into the model's context."""
+    """One whole number per completion row, each in 1..max_new_tokens (check_request has fitted every prompt +
+    max_new_tokens into the model's context)."""
     targets = list(target_lengths)
     if len(targets) != rows:
-        raise ValueError(
-            f"target_lengths has {len(targets)} entries for {rows} completion rows (prompts x N): give one "
-            "target per completion, in group order (prompt 0's N targets first)."
-        )
+        raise ValueError(f"target_lengths has {len(targets)} entries for {rows} completion rows (prompts x N): give one "
+                         "target per completion, in group order (prompt 0's N targets first).")
     for i, t in enumerate(targets):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 1 <= t <= max_new_tokens:
-            raise ValueError(
-                f"target_lengths[{i}] is {t!r}; every target must be a whole number of tokens in "
-                f"1..max_new_tokens={max_new_tokens}. Scale the workload to the limit or raise max_new_tokens."
-            )
+            raise ValueError(f"target_lengths[{i}] is {t!r}; every target must be a whole number of tokens in "
+                             f"1..max_new_tokens={max_new_tokens}. Scale the workload to the limit or raise max_new_tokens.")
 
 
-def cut_completion(
-    tokens: Sequence[int], sampling: SamplingParams, target: int | None
-) -> tuple[int, FinishReason]:
-    """Length to keep and why generation stopped: at EOS / the limit, or, with a target, at exactly the target
-    (EOS ignored). An engine that produced fewer tokens than the target broke the contract: say so."""
-    if target is None:
-        return cut_at_eos(tokens, sampling.eos_ids, sampling.max_new_tokens)
-    if len(tokens) < target:
-        raise RuntimeError(f"Generation stopped after {len(tokens)} tokens, short of its target of {target}.")
-    return target, "length"
-
-
-def cut_at_eos(tokens: Sequence[int], eos_ids: frozenset[int], max_new_tokens: int) -> tuple[int, FinishReason]:
-    """Length to keep (EOS included) and why generation stopped."""
+def cut_completion(tokens: Sequence[int], sampling: SamplingParams, target: int | None) -> tuple[int, FinishReason]:
+    """Length to keep (EOS included) and why generation stopped: at EOS or the limit, or, with a target, at exactly the
+    target (EOS ignored). An engine that stopped short of all of them broke the contract: say so, do not guess."""
+    if target is not None:
+        if len(tokens) < target:
+            raise RuntimeError(f"Generation stopped after {len(tokens)} tokens, short of its target of {target}.")
+        return target, "length"
     for i, t in enumerate(tokens):
-        if t in eos_ids:
+        if t in sampling.eos_ids:
             return i + 1, "eos"
-    if len(tokens) >= max_new_tokens:
+    if len(tokens) >= sampling.max_new_tokens:
         return len(tokens), "length"
-    # An engine that stops short of both EOS and the budget broke the contract; say so instead of guessing.
-    raise RuntimeError(
-        f"Generation stopped after {len(tokens)} tokens without EOS and before max_new_tokens={max_new_tokens}."
-    )
+    raise RuntimeError(f"Generation stopped after {len(tokens)} tokens without EOS and before "
+                       f"max_new_tokens={sampling.max_new_tokens}.")
 
 
 def stop_token_ids(tokenizer: Any, model: Any = None) -> int | tuple[int, ...] | None:

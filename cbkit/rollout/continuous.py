@@ -28,8 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbkit.rollout.base import Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine
-from cbkit.rollout.engine_io import timeline, to_completions
+from cbkit.rollout.engine import Engine, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 __all__ = ["ContinuousBackend"]

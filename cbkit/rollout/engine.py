@@ -1,50 +1,20 @@
-"""The engine: one class owns transformers' continuous batching manager; the engine's modules alone reach inside it.
+"""The engine: one class owns transformers' continuous batching manager, and drives it through the public API.
 
-Every CB caller in cbkit goes through `Engine`: `ContinuousBackend` (a manager per rollout, or one kept between
-rollouts), `AsyncEngine` (one kept running on a weight snapshot while the trainer trains) and the TRL bridge
-(`cbkit.trl.trainers`). `Engine` owns
+Every CB caller goes through `Engine`: `ContinuousBackend` (a manager per rollout, or one kept between rollouts),
+`AsyncEngine` (one kept running on a weight snapshot) and the TRL bridge. It owns the config (`make_cb_config`), the
+attention (`engine_attention`'s choice), the manager's life (built per call, or kept: attached to the model only for
+its own calls, its KV emptied and its sampler reseeded before each) and who runs its loop: transformers' thread
+(`ThreadLoop`) or the caller's (`upstream.CallerLoop`, faster on a CPU). What the public API cannot do is in
+`cbkit.rollout.upstream`, the one module that reaches transformers' private names.
 
-* the config: `make_cb_config` (`engine_config.py`: cbkit's defaults, the CPU pool rule) and the attention,
-  `engine_attention`'s choice on every device: flash-attn where it can run, else cbkit's varlen attention
-  (`varlen_attention.py`), unless the model needs the engine's own;
-* the manager's life: built for a call and destroyed after it, or kept (`persistent`), attached to the model only
-  for its own calls (`_own`), its KV emptied before every call, since the weights may have changed since
-  (`forget_cached_kv`), and reseeded every call;
-* who runs the loop: transformers' background thread or the caller's thread (`engine_loops.py`);
-* collecting (a failed request raises, where transformers' `generate_batch` logs it and returns fewer results).
-
-Beside it: `engine_io.py` (the workload hints, the resolved settings, what each step scheduled -- read by
-`engine_trace.py` and the async engine -- and outputs turned into `Completion`s and the timeline) and
-`admission.py` (would the engine start on a GPU's memory: transformers' own check, run on any machine).
-
-These four modules (engine, engine_loops, engine_io, admission) are the only ones that touch transformers' CB
-internals; what they rely on is pinned by tests/test_engine_contract.py against the installed version:
-  model:     `_cached_continuous_batching_manager` (where a kept manager lives), `init_continuous_batching`,
-             `continuous_batching_context_manager`, `set_attn_implementation`, `config._attn_implementation`
-  manager:   `_create_batch_processor`, `_generation_step`, `_original_attn_impl`, `_use_prefix_sharing`,
-             `batch_processor`, `background_thread_status` (`clear`, `mark_as_stopped`), `input_queue`,
-             `output_router.output_queue`, `current_batch`, `warmed_up`, `warmup`, `distributed_helper`
-             (`set_tp_seed`, `cpu_comm_group`), `is_tp_driver`, `continuous_batching_config`, `pause`,
-             `add_request(s)`, `get_result`, `is_running`, `start`, `stop`, `destroy`
-  processor: `ContinuousBatchProcessor.prepare_next_batch`, `update_batch`, `cache` (`reset`, `num_blocks`,
-             `cache_allocators[...]` `.block_table`, `.tokens_per_page`), `inputs_and_outputs.requests_in_batch`
-             (`future.query_length`, `future.state` `.request_id`, `.position_offset`, `.initial_tokens`),
-             `inputs_and_outputs.compute_stream` (`compute_stream`)
-  outputs:   `GenerationOutput` `.generated_tokens`, `.logprobs`, `.error`, `.lifespan`, `.timestamps`,
-             `.is_finished()`, `.request_id`
-  module:    `transformers.generation.continuous_batching.utils.WorkloadHints`
-  admission: `initialization.resolve_continuous_batching_config` (`.lazy_import_flash_attention`),
-             `cache.PagedAttentionCache` (`num_blocks`),
-             `cache.get_device_and_memory_breakdown`, `PagedAttentionMemoryHandler._check_footprint`,
-             `.compute_memory_footprint`, `.available_memory`, `distributed.DistributedHelper`
-  attention: `ContinuousBatchingConfig.auto_switch_to_flash` (5.2x; 5.17 keeps an attention already "paged|...")
-             and, by name, `utils.attn_mask_is_needed` and `is_flash_attention_requested` (cbkit's varlen attention)
+Why not `generate_batch`, the public one-shot call: it logs a failed request and returns fewer results (cbkit raises),
+queues requests into a running loop without `pause()` (a seeded run's draws would depend on thread timing), and has
+no per-request length (a replayed workload) nor a first prefill of each shared prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +22,8 @@ from typing import Any
 
 import torch
 
+from cbkit.rollout import upstream
+from cbkit.rollout.base import Completion, SamplingParams, cut_completion
 from cbkit.rollout.engine_config import (
     ENGINE_OWN,
     engine_attention,
@@ -59,41 +31,76 @@ from cbkit.rollout.engine_config import (
     page_size,
     resolve_engine_loop,
 )
-from cbkit.rollout.engine_io import HELPER_PREFIX, Scheduled, resolved_config, scheduled, workload_hints
-from cbkit.rollout.engine_loops import CACHED_MANAGER, CallerLoop, ThreadLoop
+from cbkit.rollout.upstream import CallerLoop, Scheduled, forget_cached_kv, resolved_config, workload_hints
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.rollout.varlen_attention import varlen_attention_for_engine, varlen_unsupported_reason
+
+# cbkit's own requests that are not completions: the prefill of each shared prompt `Engine.run` submits first (two
+# thrown-away tokens). Their ids start with this, so a trace or a figure can tell them from the completions.
+HELPER_PREFIX = "cbkit-prefill-"
+
+
+def is_helper(request_id: str) -> bool:
+    """True for a request cbkit submitted for its own purposes (a shared prompt's prefill), not a completion."""
+    return str(request_id).startswith(HELPER_PREFIX)
+
+
+class ThreadLoop:
+    """transformers' own driver: the loop in its background thread, results read with `get_result`."""
+
+    def __init__(self, model, persistent: bool, *, warmup: bool = True, **engine_kwargs: Any) -> None:
+        self._context = model.continuous_batching_context_manager(
+            block=True, timeout=5, persistent_manager=persistent, warmup=warmup, **engine_kwargs)
+        self.manager: Any = None
+
+    def __enter__(self) -> ThreadLoop:
+        self.manager = self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._context.__exit__(*exc)
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Park the running loop while requests are queued, so it takes them in one drain: how they are grouped into
+        batches, and so the order random numbers are drawn in, does not depend on thread timing."""
+        return self.manager.pause()
+
+    def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
+        out = self.manager.get_result(timeout=timeout)
+        if out is not None:
+            upstream.finished(out, results)
+        elif not self.manager.is_running():
+            raise RuntimeError(f"The CB engine stopped after {len(results)} of {expected} requests; see the log above.")
+
+    def collect(self, ids: list[str]) -> dict[str, Any]:
+        """Wait for every request in `ids` to finish; raise on a failed one or a stopped engine."""
+        results: dict[str, Any] = {}
+        while len(results) < len(ids):
+            self.take(results, 1.0, len(ids))
+        return results
 
 
 class Engine:
     """One CB manager on one model: configured, attached, driven and read here (see the module docstring).
 
-    `run` is one rollout's worth of requests, start to finish; `start` / `submit` / `take` / `stop` keep the
-    manager running on transformers' thread between calls (the async engine)."""
+    `run` is one rollout's worth of requests, start to finish; `start` / `queue` / `take` / `close` keep the manager
+    running on transformers' thread between calls (the async engine)."""
 
     def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, persistent: bool = False,
                  engine_loop: str = "auto", record_timestamps: bool = False) -> None:
-        # engine_loop: who runs the manager's loop ("auto": the caller's thread on CPU, transformers' elsewhere;
-        # the async engine asks for the thread, which decodes while the trainer trains).
         resolve_engine_loop(engine_loop, torch.device("cpu"), cb_config)  # checked now, resolved per call
         self.model, self.overrides = model, dict(cb_config or {})
         make_cb_config(self.overrides)  # fail at construction, not at the first rollout
-        self.persistent, self.engine_loop = persistent, engine_loop
-        self.record_timestamps = record_timestamps
-        # transformers keeps one manager per model and hands it to whoever asks next; this engine attaches only its
-        # own kept one, for the length of its own calls (`_own`).
-        self._kept: Any = None
+        self.persistent, self.engine_loop, self.record_timestamps = persistent, engine_loop, record_timestamps
+        self._kept: Any = None  # this engine's kept manager, attached to the model only during its calls (`_own`)
         self._key: tuple | None = None  # the sampling settings and config the kept manager was built with
         self._loop: ThreadLoop | None = None  # the manager kept running by `start`
         self._stack: contextlib.ExitStack | None = None
-        self._warned_varlen = False  # the note that this model needs the engine's own attention, once
-        self._warned_pool = False  # make_cb_config's CPU pool warning, once per engine rather than per call
+        self._warned_varlen = self._warned_pool = False  # each note once per engine, not per call
 
     @property
     def manager(self) -> Any:
         return self._loop.manager if self._loop is not None else self._kept
-
-    # --- config and attention ---------------------------------------------------------------------------------
 
     def config(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None):
         """This call's `ContinuousBatchingConfig`: the CPU pool sized to `rows` at `max_new_tokens`."""
@@ -109,8 +116,8 @@ class Engine:
         it."""
         _refuse_softcap_on_cpu(self.model)
         unsupported = varlen_unsupported_reason(self.model)
-        flash_ok = bool(getattr(self.model, "_supports_flash_attn", False))
-        choice = engine_attention(self.model.device, self.model.dtype, flash=None if flash_ok else (),
+        choice = engine_attention(self.model.device, self.model.dtype,
+                                  flash=None if upstream.supports_flash(self.model) else (),
                                   needs_own=unsupported)
         if choice == VARLEN:
             graphs = cb_config.use_cuda_graph
@@ -153,13 +160,13 @@ class Engine:
             self.model, self.persistent, generation_config=gen_config, continuous_batching_config=cb_config,
             workload_hints=workload_hints(rows, max(targets) if targets else max_new_tokens))
         with attention, self._own(), driver:
-            if getattr(driver.manager, "_use_prefix_sharing", False):
+            if upstream.prefix_sharing(driver.manager):
                 # The engine shares a prompt's complete KV pages between requests, but only pages a finished forward
                 # has written: N copies of a prompt admitted in one step all compute it. So each repeated prompt is
                 # prefilled first, alone (two tokens, thrown away: the engine registers the pages of a request
                 # still running after the forward, `mark_complete_blocks`), and its N completions find its pages.
                 with driver.paused():
-                    _reseed(driver.manager, seed)
+                    upstream.reseed(driver.manager, seed)
                     prefill = [driver.manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}",
                                                           max_new_tokens=2, eos_token_id=-1)
                                for k, p in enumerate(_shared_prompts(rows, page_size(cb_config)))]
@@ -175,14 +182,13 @@ class Engine:
                targets: Sequence[int] | None = None) -> list[str]:
         """Reseed the sampler, then queue `rows`; ids in row order. Call it with the loop paused."""
         manager = driver.manager
-        _reseed(manager, seed)
+        upstream.reseed(manager, seed)
         if targets is None:
             return list(manager.add_requests(inputs=[list(r) for r in rows], max_new_tokens=max_new_tokens,
                                              record_timestamps=self.record_timestamps))
         # `add_requests`' order (sorted by prompt when prefix sharing is on: cache hits), one limit per request.
-        order = list(range(len(rows)))
-        if getattr(manager, "_use_prefix_sharing", False):
-            order.sort(key=lambda i: list(rows[i]), reverse=True)
+        order = sorted(range(len(rows)), key=lambda i: list(rows[i]), reverse=True) \
+            if upstream.prefix_sharing(manager) else range(len(rows))
         ids = [""] * len(rows)
         for i in order:
             rid = manager.add_request(list(rows[i]), max_new_tokens=int(targets[i]), eos_token_id=-1,
@@ -199,15 +205,15 @@ class Engine:
         `init_continuous_batching` returns whatever manager is cached on the model, whoever built it: without this, a
         call that keeps nothing would run on another engine's kept manager (its config, its cache) and destroy it.
         On exit, even a failed one, the manager the call left attached is the one to keep, when persistent."""
-        previous, mine = getattr(self.model, CACHED_MANAGER, None), self._kept
-        _attach(self.model, mine)
+        previous, mine = upstream.attached(self.model), self._kept
+        upstream.attach(self.model, mine)
         try:
             yield
         finally:
-            kept = getattr(self.model, CACHED_MANAGER, None)
+            kept = upstream.attached(self.model)
             self._kept = kept if self.persistent else None
             # Our own kept manager stays attached (engine_is_idle and close() look there); someone else's comes back.
-            _attach(self.model, kept if previous is None or previous is mine else previous)
+            upstream.attach(self.model, kept if previous is None or previous is mine else previous)
 
     def close(self) -> None:
         """Stop a running manager and free this engine's kept one (KV pool, buffers); another engine's is left."""
@@ -215,8 +221,8 @@ class Engine:
             self._stack.close()
         self._stack = self._loop = None
         if self._kept is not None:
-            if getattr(self.model, CACHED_MANAGER, None) is self._kept:
-                delattr(self.model, CACHED_MANAGER)
+            if upstream.attached(self.model) is self._kept:
+                upstream.attach(self.model, None)
             self._kept.destroy()
             self._kept = None
         self._key = None
@@ -245,8 +251,7 @@ class Engine:
 
     def queue(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
               targets: Sequence[int] | None = None) -> list[str]:
-        """`submit` to the running manager (hold `paused()` around it for a seeded order of draws); ``targets``
-        as in `run`."""
+        """`submit` to the running manager (hold `paused()` around it for a seeded order of draws)."""
         return self.submit(self._running(), rows, max_new_tokens, seed, targets=targets)
 
     def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
@@ -254,51 +259,64 @@ class Engine:
         self._running().take(results, timeout, expected)
 
     def scheduled(self) -> list[Scheduled]:
-        """The requests of the batch the running manager is about to run (see `scheduled`)."""
-        processor = getattr(self.manager, "batch_processor", None)
-        return scheduled(processor, blocks=False) if processor is not None else []
+        """The requests of the batch the running manager is about to run (`upstream.scheduled`)."""
+        return upstream.scheduled(upstream.processor_of(self.manager), blocks=False)
+
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream the running manager's forwards run on (`upstream.forward_stream`), or None."""
+        return upstream.forward_stream(self.manager)
+
+    def resolved(self) -> dict[str, Any]:
+        return resolved_config(self.manager)
 
 
-# --- the manager's state --------------------------------------------------------------------------------------
+# --- outputs -> cbkit records ---------------------------------------------------------------------------------
 
 
-def _attach(model, manager) -> None:
-    if manager is not None:
-        setattr(model, CACHED_MANAGER, manager)
-    elif hasattr(model, CACHED_MANAGER):
-        delattr(model, CACHED_MANAGER)
+def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_generations: int,
+                   sampling: SamplingParams, targets: Sequence[int] | None = None) -> list[Completion]:
+    """One `Completion` per row (rows in group order), cut at EOS, the limit or the row's target."""
+    completions = []
+    for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
+        keep, reason = cut_completion(out.generated_tokens, sampling, targets[i] if targets else None)
+        logprobs = list(out.logprobs or [])
+        if len(logprobs) < keep:
+            raise RuntimeError(
+                f"The CB engine returned {len(logprobs)} logprobs for {keep} tokens (request {i}); does this "
+                "transformers version support ContinuousBatchingConfig.return_logprobs?"
+            )
+        completions.append(Completion(
+            group=i // num_generations, prompt_ids=tuple(row), completion_ids=tuple(out.generated_tokens[:keep]),
+            sampling_logprobs=tuple(float(x) for x in logprobs[:keep]), finish_reason=reason))
+    return completions
 
 
-def forget_cached_kv(manager) -> None:
-    """Drop every KV block a kept manager holds, prefix cache included, before a call that may see new weights.
-
-    The prefix cache's hashes cover token ids, not weights, so it must not outlive them (docs/design.md, "A kept
-    engine"). Sharing inside one call (the N completions of a prompt) is kept; `cache.reset()` is the engine's own
-    call for an empty pool, the one it makes after its warm-up.
-    """
-    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
-    if cache is not None:
-        cache.reset()
-
-
-def _reseed(manager, seed: int | None) -> None:
-    """Seed the sampler for this call, as a fresh manager seeds itself when its batch processor is built: a kept
-    one would otherwise ignore every later call's seed, and a resumed run would not draw what the uninterrupted
-    one did."""
-    if seed is None:
-        return
-    manager.continuous_batching_config.seed = seed  # what `resolved_config` reports
-    set_tp_seed = getattr(getattr(manager, "distributed_helper", None), "set_tp_seed", None)
-    if set_tp_seed is not None:
-        set_tp_seed(seed, manager.model.device)
-    else:
-        torch.manual_seed(seed)
+def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: float, resolved: Mapping[str, Any],
+             swaps: Sequence[tuple[float, int]] | None = None) -> dict[str, Any]:
+    """Engine clocks per request, in the shape `cbkit.telemetry.occupancy` and the timeline plots read; with the
+    policy version of every token and when each update landed, where the completions carry versions."""
+    requests = []
+    for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
+        start, end = out.lifespan
+        # "start" is the engine's lifespan[0]: when the request left PENDING, which a prefix-cache match does even in
+        # a step that then fails to schedule it; who was scheduled when is in the engine trace, under "engine_id".
+        request = {"id": i, "engine_id": str(out.request_id), "group": c.group, "prompt_len": len(c.prompt_ids),
+                   "start": start, "end": end,
+                   "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
+        if c.policy_versions is not None:
+            request["token_versions"] = list(c.policy_versions)
+        requests.append(request)
+    out = {"page_size": resolved.get("page_size"), "pool_blocks": resolved.get("num_blocks"), "t0": t0,
+           "prefix_sharing": bool(resolved.get("allow_block_sharing", False)), "requests": requests}
+    if swaps is not None:
+        out["swaps"] = list(swaps)
+    return out
 
 
 def engine_is_idle(model) -> bool:
     """True when no CB engine is running on the model and its attention is its own again, so a plain forward is an
     ordinary causal forward. A kept manager that is stopped counts as idle: stopping restores the attention."""
-    manager = getattr(model, CACHED_MANAGER, None)
+    manager = upstream.attached(model)
     running = manager is not None and manager.is_running()
     return not running and not str(model.config._attn_implementation).startswith("paged")
 
@@ -306,16 +324,10 @@ def engine_is_idle(model) -> bool:
 @contextlib.contextmanager
 def attention_for_engine(model, implementation: str) -> Iterator[None]:
     """Run the engine with `implementation` ("sdpa" or "flash_attention_N", `engine_attention`'s choice), the model's
-    own attention restored after. transformers 5.2x takes the choice as the model's attention with
-    `auto_switch_to_flash=False` (`make_cb_config` sets it); 5.17 has no such switch and turns to flash whenever it
-    is importable unless the attention is already a paged one, so there SDPA is given as "paged|sdpa"."""
-    from transformers import ContinuousBatchingConfig
-
+    own attention restored after; `make_cb_config` sets `auto_switch_to_flash=False`, so the engine keeps it."""
     original = model.config._attn_implementation
-    switchable = "auto_switch_to_flash" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    target = implementation if switchable or implementation.startswith("flash") else f"paged|{implementation}"
-    if target != original:
-        model.set_attn_implementation(target)
+    if implementation != original:
+        model.set_attn_implementation(implementation)
     try:
         yield
     finally:
@@ -324,11 +336,9 @@ def attention_for_engine(model, implementation: str) -> Iterator[None]:
 
 
 def _refuse_softcap_on_cpu(model) -> None:
-    """Gemma-2-style attention soft-capping has no CPU path in the engine: say so before sampling wrong tokens.
-
-    On CPU the engine attends with `paged|eager`, which applies sinks but not `softcap`; cbkit's varlen attention
-    has none either. Both would sample from another model than the one trained. Flash attention on a GPU applies it.
-    """
+    """Gemma-2-style attention soft-capping has no CPU path in the engine (its `paged|eager` applies sinks, not
+    `softcap`; cbkit's varlen attention has neither): say so before sampling from another model than the one trained.
+    Flash attention on a GPU applies it."""
     cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if cap is not None and model.device.type == "cpu":
         raise ValueError(

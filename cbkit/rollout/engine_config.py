@@ -1,8 +1,7 @@
-"""The CB engine's settings, resolved once: cbkit's defaults, the CPU pool rule, the page size, who runs the loop.
+"""The CB engine's settings, resolved once: cbkit's defaults, the CPU pool rule, the page size, the attention, the loop.
 
-Everything here works on transformers' public `ContinuousBatchingConfig` and plain values, so the planner, the
-training config and the TRL bridge can resolve a config without a model; `cbkit.rollout.engine` is the one module
-that hands it to an engine.
+All of it works on transformers' public `ContinuousBatchingConfig` and plain values, so the planner, the training
+config and the TRL bridge resolve a config without a model; `cbkit.rollout.engine` hands it to an engine.
 """
 
 from __future__ import annotations
@@ -62,45 +61,30 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     """cbkit's defaults + the user's keys + `return_logprobs=True`, checked: the device-independent part of
     `make_cb_config`, and what the TRL bridge writes into TRL's config."""
     overrides = dict(overrides or {})
-    # Tokens per KV page: page_size in transformers 5.24, block_size before (and in TRL configs written for it).
-    # Either spelling is taken, and handed on under the installed one.
-    key = _page_key()
-    other = "block_size" if key == "page_size" else "page_size"
-    if other in overrides:
-        if key in overrides and overrides[key] != overrides[other]:
-            raise ValueError(f"page_size={overrides.get('page_size')!r} and block_size={overrides.get('block_size')!r} "
+    # Tokens per KV page: page_size since transformers 5.17, block_size before (and in TRL configs written for it).
+    if "block_size" in overrides:
+        if overrides.get("page_size", overrides["block_size"]) != overrides["block_size"]:
+            raise ValueError(f"page_size={overrides['page_size']!r} and block_size={overrides['block_size']!r} "
                              "are one setting, tokens per KV page; give one of them.")
-        overrides[key] = overrides.pop(other)
+        overrides["page_size"] = overrides.pop("block_size")
     valid = cb_config_keys()
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise ValueError(
-            f"Unknown continuous batching config key(s) {unknown}. transformers' ContinuousBatchingConfig "
-            f"accepts: {', '.join(valid)}."
-        )
+        raise ValueError(f"Unknown continuous batching config key(s) {unknown}. transformers' "
+                         f"ContinuousBatchingConfig accepts: {', '.join(valid)}.")
     if overrides.get("return_logprobs") is False:
-        raise ValueError(
-            "return_logprobs=False would drop the sampling logprobs the importance-sampling correction needs; "
-            "remove it from the continuous batching config (cbkit always sets it to True)."
-        )
+        raise ValueError("return_logprobs=False would drop the sampling logprobs the importance-sampling correction "
+                         "needs; remove it from the continuous batching config (cbkit always sets it to True).")
     values = {**CB_DEFAULTS, **overrides, "return_logprobs": True}
     mmp = values.get("max_memory_percent")
     if mmp is not None and not (isinstance(mmp, int | float) and 0 < mmp <= 1):
-        raise ValueError(
-            f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5 for half."
-        )
+        raise ValueError(f"max_memory_percent must be a fraction in (0, 1] of free memory, got {mmp!r}; e.g. 0.5.")
     return values
 
 
-def make_cb_config(
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    seed: int | None = None,
-    device: torch.device | None = None,
-    rows: Sequence[Sequence[int]] | None = None,
-    max_new_tokens: int | None = None,
-    warn: bool = True,
-):
+def make_cb_config(overrides: Mapping[str, Any] | None = None, *, seed: int | None = None,
+                   device: torch.device | None = None, rows: Sequence[Sequence[int]] | None = None,
+                   max_new_tokens: int | None = None, warn: bool = True):
     """cbkit's defaults + the user's overrides + what cbkit requires, validated with errors that say what to change.
 
     On CPU the engine would size its pool as a share of *host RAM*: gigabytes of zeroed KV for a small model. There
@@ -117,11 +101,10 @@ def make_cb_config(
     values = cb_config_values(overrides)
     cpu = device is not None and torch.device(device).type == "cpu"
     if cpu and "page_size" not in overrides and "block_size" not in overrides:
-        values[_page_key()] = CPU_PAGE_SIZE
-    if _has_field("auto_switch_to_flash"):
-        # cbkit chooses the attention itself (`engine_attention`, applied by the engine module); left on, the engine
-        # switches to flash-attn whenever it is importable, which refuses fp32 weights and has no kernel on a T4.
-        values["auto_switch_to_flash"] = False
+        values["page_size"] = CPU_PAGE_SIZE
+    # cbkit chooses the attention itself (`engine_attention`, applied by the engine module); left on, the engine
+    # switches to flash-attn whenever it is importable, which refuses fp32 weights and has no kernel on a T4.
+    values["auto_switch_to_flash"] = False
     if (device is not None and torch.device(device).type == "cuda" and "max_blocks_per_request" not in overrides
             and page_size(values) % KERNEL_PAGE_MULTIPLE):
         values["max_blocks_per_request"] = 0
@@ -130,13 +113,10 @@ def make_cb_config(
     if workload:
         # A max_memory_percent equal to cbkit's default is the default, not a choice (configs merge defaults in).
         if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
-            warnings.warn(
-                f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a CPU the "
-                f"engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
-                f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
-                "to let the engine size it from max_memory_percent.",
-                UserWarning, stacklevel=3,
-            )
+            warnings.warn(f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a "
+                          f"CPU the engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
+                          f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
+                          "to let the engine size it from max_memory_percent.", UserWarning, stacklevel=3)
         values["num_blocks"] = workload
     if values.get("num_blocks") is not None and "max_memory_percent" not in overrides:
         values["max_memory_percent"] = FIXED_POOL_MEMORY_PERCENT
@@ -162,16 +142,6 @@ def cpu_pool_blocks(overrides: Mapping[str, Any], rows: Sequence[Sequence[int]] 
     return workload_blocks(rows, max_new_tokens, page)
 
 
-def _has_field(name: str) -> bool:
-    from transformers import ContinuousBatchingConfig
-
-    return name in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-
-
-def _page_key() -> str:
-    return "page_size" if _has_field("page_size") else "block_size"  # block_size up to transformers 5.17
-
-
 # --- the attention the engine runs with --------------------------------------------------------------------------
 
 # What the engine runs where a model needs its own attention (`varlen_unsupported_reason`): its SDPA path, with the
@@ -180,22 +150,13 @@ ENGINE_OWN = "sdpa"
 
 
 def flash_versions() -> tuple[int, ...]:
-    """The flash-attn versions importable here as installed packages, newest first.
-
-    The hub fallback is not counted (`kernels_fallback_ok=False`, in transformers 5.24's and 5.25's
-    `is_flash_attn_{2,3}_available` alike): with the `kernels` package present it says yes by fetching kernels from
-    the Hub at the first forward, which an offline machine cannot, and which would put rollouts on a kernel no test
-    has run. A flash kernel counts only where a flash-attn package is installed."""
-    import inspect
-
+    """The flash-attn versions installed here as packages, newest first. The hub fallback is not counted
+    (`kernels_fallback_ok=False`): with the `kernels` package it says yes by fetching kernels from the Hub at the first
+    forward, which an offline machine cannot, and which would put rollouts on a kernel no test has run."""
     from transformers.utils import import_utils
 
-    def importable(check) -> bool:
-        takes = "kernels_fallback_ok" in inspect.signature(check).parameters
-        return bool(check(kernels_fallback_ok=False) if takes else check())
-
     found = [(3, import_utils.is_flash_attn_3_available), (2, import_utils.is_flash_attn_2_available)]
-    return tuple(v for v, check in found if importable(check))
+    return tuple(v for v, available in found if available(kernels_fallback_ok=False))
 
 
 def engine_attention(device: torch.device | str, dtype: torch.dtype, capability: tuple[int, int] | None = None,
@@ -222,12 +183,9 @@ def engine_attention(device: torch.device | str, dtype: torch.dtype, capability:
 
 
 def page_size(config) -> int:
-    """Tokens per KV page of a resolved ContinuousBatchingConfig or a dict of engine keys (the engine's default
-    where none is set). The one page-size lookup: the backend, the planner and the TRL bridge call it."""
+    """Tokens per KV page of a resolved ContinuousBatchingConfig or a dict of engine keys (the engine's default where
+    none is set). The one page-size lookup: the backend, the planner and the TRL bridge call it."""
     from transformers import ContinuousBatchingConfig
 
     get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
-    for key in ("page_size", "block_size"):
-        if value := get(key):
-            return int(value)
-    return int(getattr(ContinuousBatchingConfig(), _page_key()))
+    return int(get("page_size") or get("block_size") or ContinuousBatchingConfig().page_size)

@@ -1,32 +1,12 @@
 """What transformers' CB engine scheduled, step by step, read from the engine itself: an opt-in recorder.
 
-The engine timeline (`cbkit.rollout.continuous`'s ``record_timestamps``) says when each request ran; it cannot
-say what one forward pass held, nor which KV blocks a request used. Both live inside the engine, and this module
-reads them there, so the pictures in notebook 01 are observed, not modelled:
-
-* **one step as the scheduler built it.** After the engine's ``ContinuousBatchProcessor.prepare_next_batch``
-  has scheduled a batch (``scheduler.schedule_batch``: decoding requests first, then prefill chunks of the
-  waiting ones while the token budget lasts) and laid it out (``inputs_and_outputs.prepare_batch_tensors``),
-  the batch's ``requests_in_batch`` says, per request, how many query tokens it brought and from which position:
-  a prefill chunk (positions inside the prompt) or one decode token. They are packed back to back, with no
-  padding (the engine's ``cumulative_seqlens_q``).
-* **the block table each request reads**: the KV cache allocator's ``block_table[request_id]``, the engine's
-  own block ids, as they stand after this step's allocation (``can_store_request_tokens`` allocates them while
-  scheduling). Recorded at every step, they show recycling itself: a block id that one request held until it
-  finished appears later in another request's table.
-
-* **who was scheduled when**: a request's first step is when the scheduler admitted it (gave it query tokens),
-  the step that completed its prompt is when its first token was sampled, a step it is missing from between its
-  first and last is a step it waited (starved of a block, or offloaded). `EngineTrace.lives` reads these, where the
-  engine's own ``lifespan[0]`` would not do: transformers stamps it when a request leaves PENDING, which a prefix-
-  cache match does even in a step that then fails to schedule it.
-* **cbkit's helper requests** (the prefill of each shared prompt `cbkit.rollout.engine` submits first; ids
-  starting ``cbkit-prefill-``) are marked ``helper``, so findings about completions can leave them out.
-
-``record_engine_steps()`` wraps the engine's method for the duration of a ``with`` block, in whatever thread
-the engine runs, and puts it back afterwards; nothing in cbkit's backend changes and nothing is recorded
-outside the block. The engine internals it reads are read by `cbkit.rollout.engine` (`watch_batches`), and
-`tests/test_engine_contract.py` pins them against the installed transformers.
+The timeline (``record_timestamps``) says when each request ran, not what one forward held nor which KV blocks a
+request used; `record_engine_steps` reads both inside the engine (`upstream.watch_batches`), for every batch scheduled
+inside its ``with`` block, in whatever thread the engine runs. Per step and request: the query tokens it brought and
+from which position (a prefill chunk, or one decode token), packed back to back without padding, and its block table
+as it stands after this step's allocation. From those, `EngineTrace` reads who was admitted when, who waited, which
+block passed from a finished request to another (recycling) and who was offloaded and restarted. Requests whose ids
+start with `cbkit.rollout.engine.HELPER_PREFIX` (the first prefill of a shared prompt) are marked ``helper``.
 """
 
 from __future__ import annotations
@@ -37,7 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbkit.rollout.engine_io import is_helper, watch_batches
+from cbkit.rollout.engine import is_helper
+from cbkit.rollout.upstream import watch_batches
 
 __all__ = ["BlockReuse", "EngineStep", "EngineTrace", "RequestLife", "ScheduledRequest", "record_engine_steps"]
 
@@ -59,7 +40,7 @@ class ScheduledRequest:
 
     @property
     def helper(self) -> bool:
-        """cbkit's own prefill of a shared prompt, not a completion (`cbkit.rollout.engine_io.HELPER_PREFIX`)."""
+        """cbkit's own prefill of a shared prompt, not a completion (`cbkit.rollout.engine.HELPER_PREFIX`)."""
         return is_helper(self.request_id)
 
 

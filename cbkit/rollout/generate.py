@@ -1,21 +1,13 @@
 """The static batch: every completion of every prompt goes through one `model.generate` call.
 
-Read this file next to `continuous.py`; they do the same job. Here all P*N sequences are left-padded to
-the longest prompt and decoded in lock-step until the *last* one finishes: a sequence that hit EOS after
-20 tokens still occupies its row (and its KV cache, allocated for the full length up front) while the
-longest one runs to max_new_tokens. That padding is the waste continuous batching removes.
+Read this file next to `continuous.py`; they do the same job. Here all P*N sequences are left-padded to the longest
+prompt and decoded in lock-step until the *last* one finishes: a row that hit EOS early keeps its slot (and its KV
+cache, allocated for the full length up front). That padding is the waste continuous batching removes.
 
-Sampling logprobs are the log_softmax of the *processed* logits (after temperature / top-k / top-p), at
-the token that was drawn. `output_scores=True` would hand them over, but it keeps every step's
-[rows, vocab] scores alive until the end -- 400 MB for 16 rows x 128 steps of SmolLM2's 49k vocabulary,
-more than the KV cache itself, which would make the static batch look worse than it is. Instead a small
-logits processor at the end of the warper chain keeps one step of log-probs and gathers the previous
-step's sampled token on the next call.
-
-With per-request target lengths (a replayed length workload) EOS is switched off and the batch runs to its
-*longest* target, because that is what a static batch costs when its rows finish at different times: the
-rows that reached their target early keep occupying their slots as padding. Each row is then cut at its own
-target.
+Sampling logprobs are the log_softmax of the *processed* logits at the drawn token. `output_scores=True` would keep
+every step's [rows, vocab] scores alive to the end (more than the KV cache itself), so a small logits processor at
+the end of the warper chain keeps one step of log-probs and gathers the previous step's token on the next call.
+With per-request target lengths EOS is off and the batch runs to its *longest* target, as a static batch does.
 """
 
 from __future__ import annotations

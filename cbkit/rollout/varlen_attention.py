@@ -1,28 +1,17 @@
 """Varlen attention for the CB engine on any device: each packed sequence attends to its own keys.
 
-transformers' CB engine packs every running sequence into one row of tokens. With flash attention (fp16/bf16 on a
-CUDA GPU of compute capability 8.0 or newer, with flash-attn installed) a varlen kernel attends each sequence to its
-own keys. Everywhere else -- a CPU, a T4 (7.5), fp32 weights on any GPU, an A100 without flash-attn -- SDPA or eager
-is all the engine has, and it then builds one dense [all queries x all keys] mask that is block-diagonal across
-sequences (`build_attention_mask` in transformers/generation/continuous_batching/input_outputs.py) and runs one
-masked attention over it. Decoding B sequences of length L then costs B x (B x L) instead of B x L: the work grows
-with the *square* of the batch.
+The engine packs every running sequence into one row of tokens. With flash attention (fp16/bf16, compute capability
+8.0 or newer, flash-attn installed) a varlen kernel attends each sequence to its own keys; everywhere else (a CPU, a
+T4, fp32 weights, no flash-attn) the engine's SDPA or eager path builds one dense [all queries x all keys] mask,
+block-diagonal across sequences, so decoding B sequences of length L costs B x (B x L): the square of the batch.
 
-So cbkit registers an attention function that splits the packed batch at the engine's `cu_seq_lens_q` /
-`cu_seq_lens_k`, written with PyTorch's SDPA only, so it runs on whatever device the query is on. Its registered
-name contains "flash" because that is how the engine recognises a varlen kernel (`is_flash_attention_requested` in
-transformers/utils/generic.py): it then skips the dense mask (which also frees its memory) and passes the sequence
-boundaries. The name carries no version digit: the engine's block-table decode path, which imports flash-attn's
-`flash_attn_with_kvcache`, is only tried for names matching "flash...2"/"flash...3" (`ensure_decode_fast_path_is_
-available` in continuous_batching/initialization.py), so the engine turns it off by itself, and cbkit also sets
-`max_blocks_per_request=0` (`Engine._attention`). The model's own attention is switched only while the engine runs
-and restored after it, so training forwards are untouched. `engine_config.engine_attention` decides where it runs.
-
-Nearly every step of a rollout is decode-only -- one new query token per sequence -- so `varlen_attention`
-gathers the decoding sequences' keys into one [rows, KV heads, longest, D] batch with a padding mask and makes one
-call per layer; a prefill chunk (several query tokens, causal, continuing a cached prefix) runs on its own.
-The plain loop, one SDPA call per sequence, is the tests' reference (tests/reference_attention.py); what each
-costs against the engine's dense mask on a CPU is in lab/cpu_results.md, measured by lab/cpu_attention_ab.py.
+cbkit registers an attention function that splits the packed batch at the engine's `cu_seq_lens_q` / `cu_seq_lens_k`,
+written with PyTorch's SDPA only. Its name contains "flash", which is how the engine recognises a varlen kernel (it
+then builds no dense mask), and no version digit, so the engine never tries flash-attn's block-table decode path
+(cbkit also sets `max_blocks_per_request=0`). The model's attention is switched only while the engine runs.
+`engine_config.engine_attention` decides where it runs. Nearly every step is decode-only, so the decoding sequences'
+keys go through one SDPA call per equal length; a prefill chunk runs on its own. tests/reference_attention.py has
+the plain loop it is tested against; docs/cpu_results.md what each costs on a CPU.
 """
 from __future__ import annotations
 

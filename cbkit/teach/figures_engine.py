@@ -12,7 +12,7 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from cbkit.rollout.engine_io import is_helper
+from cbkit.rollout.engine import is_helper
 from cbkit.viz.palette import PALETTE, TEMPLATE
 
 # 24 distinct colours (plotly's Dark24; `qualitative` is a lazily loaded attribute mypy cannot see)

@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbkit.measure.advise import PARITY_MARGIN, versus_parity
-from cbkit.rollout.engine_io import is_helper
+from cbkit.rollout.engine import is_helper
+from cbkit.train.hooks import StepRecord
 
 # The live helpers live in cbkit.viz.live; the notebooks import them from here.
 

@@ -19,8 +19,7 @@ from trl import GRPOTrainer, RLOOTrainer
 
 from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
-from cbkit.rollout.engine import Engine
-from cbkit.rollout.engine_io import to_completions
+from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.order import mix_seed
 from cbkit.trl.config import trl_grpo_config, trl_rloo_config
 from cbkit.trl.rewards import _trl_rewards, _weights_for
