@@ -73,7 +73,7 @@ EDITS = {
     "05_off_policy": [
         Edit(1, 'importance_sampling_mode="token_truncate"', 'importance_sampling_mode="sequence_mask"',
              '`importance_sampling_mode="sequence_mask"`', until="gap = {k: step_mean"),
-        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="weight_gap(corrected"),
+        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="apart = distance(now, corrected)"),
         Edit(3, "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT)",
              "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT,\n"
              "                                            num_iterations=2, max_staleness=1)",

@@ -99,13 +99,16 @@ ANSWERS: dict[str, list[str]] = {
     ],
     "05_off_policy": [
         "In a sequence mode a completion's ratio is the product of its token ratios, so its log is the sum of the "
-        "token log-ratios: it spreads with the completion's length. Compare `offpolicy/ratio_min` and "
-        "`offpolicy/ratio_max` (now per completion, far wider) and `is/clipped_frac` (now the share of completions "
-        "above `clip_max`, masked to weight 0) at staleness 4 with section 1's token-mode lines. One far-off token, "
-        "or a small drift repeated over many tokens, takes a whole completion out of the band.",
+        "token log-ratios: it spreads with the completion's length. Compare section 1's printed std of the IS ratios "
+        "(`offpolicy/ratio_std`, now per completion, far wider) and section 2's `clipped` column (`is/clipped_frac`, "
+        "now the share of completions above `clip_max`, masked to weight 0) at staleness 4 with the token-mode run. "
+        "One far-off token, or a small drift repeated over many tokens, takes a whole completion out of the band.",
         "At staleness 1 the rollout is one update old, so the drift (section 1's line for k=1 against k=4) is smaller, "
-        "the IS ratios sit nearer 1, and the correction reweighs less. Compare the printed distance between the two "
-        "runs' weights and the printed range of the IS ratios with the staleness-4 run.",
+        "the IS ratios sit nearer 1, and the correction reweighs each token less; but the rollouts come from weights "
+        "the two runs' updates made from step 3 on, not step 6, so the table has more steps whose tokens differ. "
+        "Compare the printed distance between the two runs' weights, the table's `clipped` column and the step from "
+        "which the rollouts differ with the staleness-4 run: the smaller reweighting and the longer feedback pull the "
+        "distance in opposite directions, and the run says which wins.",
         "With two optimizer updates per step, the rollout queued on version v is trained on at version v + 2: its "
         "tokens are two updates old, past `max_staleness=1`, so the default `stale_rollouts='regenerate'` samples it "
         "again on the current weights. `offpolicy/regenerated` reads 1 at those steps, and the step time includes a "
