@@ -54,6 +54,8 @@ EDITS = {
              '`importance_sampling_mode="token_truncate"`', until="seq_weight = kept.is_weights"),
         Edit(3, "copy.deepcopy(model).to(torch.bfloat16)", "copy.deepcopy(model).to(torch.float16)",
              "`.to(torch.float16)`", gpu_only=True),
+        Edit(4, "                      disable_tqdm=True)", "                      disable_tqdm=True, clip_max=1.0)",
+             "`clip_max=1.0`", until="shuffled vs none"),
     ],
     "03_n_sweep": [
         Edit(1, "MAX_NEW_TOKENS = S.sweep_new_tokens or S.max_new_tokens",

@@ -61,6 +61,12 @@ ANSWERS: dict[str, list[str]] = {
         "fp16 keeps 10 mantissa bits against bf16's 7, so each value is rounded about 8x more finely and the rollout's "
         "logprobs sit closer to the fp32 policy's: compare the printed max and mean |diff| and the spread of the ratio "
         "histogram for the two runs. The price is range: fp16's 5-bit exponent can overflow where bf16's 8 bits do not.",
+        "With `clip_max=1` every completion the policy finds likelier than the sampler did gets weight 0, so the "
+        "printed masked count rises to those completions (for a bf16 rollout, some of them). A weight of 0 takes a "
+        "completion's term out of the update, so the IS update turns further from the unweighted one: compare the IS "
+        "cosine with the first run's. The shuffled weights are the same weights, zeros included, put on other "
+        "completions, so their cosines fall too: the comparison still asks whether the mismatch fell on the "
+        "completions that carry the update, now with weights of a wider spread.",
     ],
     "03_n_sweep": [
         "The printed length CV and decode padding share should stay where they were, since the replayed lengths scale "
