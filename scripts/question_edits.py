@@ -54,6 +54,8 @@ EDITS = {
              '`importance_sampling_mode="token_truncate"`', until="seq_weight = kept.is_weights"),
         Edit(3, "copy.deepcopy(model).to(torch.bfloat16)", "copy.deepcopy(model).to(torch.float16)",
              "`.to(torch.float16)`", gpu_only=True),
+        Edit(4, "                      disable_tqdm=True)", "                      disable_tqdm=True, clip_max=1.0)",
+             "`clip_max=1.0`", until="shuffled vs none"),
     ],
     "03_n_sweep": [
         Edit(1, "MAX_NEW_TOKENS = S.sweep_new_tokens or S.max_new_tokens",
@@ -74,7 +76,7 @@ EDITS = {
     "05_off_policy": [
         Edit(1, 'importance_sampling_mode="token_truncate"', 'importance_sampling_mode="sequence_mask"',
              '`importance_sampling_mode="sequence_mask"`', until="gap = {k: step_mean"),
-        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="weight_gap(corrected"),
+        Edit(2, "CORRECTION_AT = 4 ", "CORRECTION_AT = 1 ", "`CORRECTION_AT = 1`", until="apart = distance(now, corrected)"),
         Edit(3, "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT)",
              "async_rollouts=True, async_update_at=ASYNC_UPDATE_AT,\n"
              "                                            num_iterations=2, max_staleness=1)",

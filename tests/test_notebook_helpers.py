@@ -12,7 +12,7 @@ import torch
 
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
-from cbkit.teach import findings, fits, is_update, live, notebook, trl_step
+from cbkit.teach import findings, fits, live, notebook, trl_step
 from cbkit.teach.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
@@ -256,38 +256,6 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
     dropped.validate()
 
 
-def test_ratio_histogram_shares_bins_and_keeps_one_on_the_axis():
-    from cbkit.teach.figures_ratios import logprob_scatter, ratio_histogram, ratio_summary
-
-    fig = ratio_histogram({"spread": [0.5, 0.9, 1.1, 2.0], "exact": [1.0] * 10})
-    assert fig.data[0].xbins.size == fig.data[1].xbins.size and fig.data[0].histnorm == "percent"
-    assert "1" in fig.layout.xaxis.ticktext
-    assert "median 1," in fig.data[1].name
-    # Even count: the middle two of 0.5, 0.9, 1.1, 2.0 average to 1.0 (torch.median would say 0.9); the
-    # legend quotes what ratio_summary returns, which the notebooks print.
-    assert ratio_summary([2.0, 0.5, 1.1, 0.9]) == pytest.approx((1.0, 0.5, 2.0))
-    assert "median 1, range 0.5 to 2" in fig.data[0].name
-    banded = ratio_histogram({"seq": [1e-3, 0.5, 4.0]}, band=(None, 3.0))
-    (rect,) = [s for s in banded.layout.shapes if s.type == "rect"]
-    assert rect.x1 == pytest.approx(math.log10(3.0)) and rect.x0 == pytest.approx(banded.data[0].xbins.start)
-    assert "IS band [0, 3]" in banded.layout.annotations[0].text
-    with pytest.raises(ValueError, match="no positive, finite ratio"):
-        ratio_histogram({"bad": [0.0, float("nan")]})
-    scatter = logprob_scatter([-1.0, -2.0], [-1.0, -2.5])
-    assert "max |difference| 5.00e-01" in scatter.layout.title.text
-    with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
-        logprob_scatter([-1.0], [])
-    from cbkit.teach.figures_ratios import logprob_differences
-
-    # -10 against -10 + 3e-5: a y = x scatter draws one dot on the diagonal; the differences are the axis.
-    diffs = logprob_differences([-10.0, -2.0, -0.5], [-10.0 + 3e-5, -2.0, -0.5 - 1e-5])
-    assert list(diffs.data[0].y) == pytest.approx([-3e-5, 0.0, 1e-5], abs=1e-12)
-    assert list(diffs.layout.yaxis.range) == pytest.approx([-3.3e-5, 3.3e-5])
-    assert "max |difference| 3.0e-05, mean 1.3e-05" in diffs.layout.title.text
-    with pytest.raises(ValueError, match="one policy logprob per sampling logprob"):
-        logprob_differences([-1.0], [])
-
-
 def test_planned_points_feed_the_memory_figure(tiny):
     from cbkit.teach.crossover import planned_points
     from cbkit.viz.figures import memory_vs_n
@@ -417,37 +385,6 @@ def test_timeline_findings_without_the_engine_record_count_blocks_and_claim_no_w
     assert "needed 4 blocks in all" in shared
 
 
-def test_update_with_and_without_is_by_hand():
-    """Weights of 1 everywhere give the unweighted gradient itself (cosine 1, ratio 1); weights of 2 everywhere
-    double it (cosine 1, ratio 0.5); weights that zero one completion turn the gradient away from the unweighted
-    one (cosine below 1). The model's gradients are left cleared."""
-    import dataclasses
-
-    from tests.helpers import PROBLEMS, config, trainer
-
-    tr = trainer(config(use_transformers_continuous_batching=True))
-    rollout = tr.rollout([0, 1], 0).rollout
-    kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
-    ones = dataclasses.replace(kept, is_weights=torch.ones_like(kept.loss_mask, dtype=torch.float32))
-    g = is_update.update_with_and_without_is(tr, ones)
-    assert g["cosine"] == pytest.approx(1, abs=1e-9) and g["norm_ratio"] == pytest.approx(1, abs=1e-9)
-    twice = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=2 * ones.is_weights))
-    assert twice["cosine"] == pytest.approx(1, abs=1e-9) and twice["norm_ratio"] == pytest.approx(0.5, rel=1e-6)
-    one_out = ones.is_weights.clone()
-    one_out[0] = 0
-    away = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=one_out))
-    assert away["cosine"] < 1 - 1e-4
-    assert all(p.grad is None for p in tr.model.parameters())
-    # The noise baseline, cos(A, B) of the two halves' gradients, from another path: weights that keep only half A
-    # (or B) make the "with IS" gradient that half's, and |A + B|^2 = |A|^2 + |B|^2 + 2 A.B.
-    even = (torch.arange(len(one_out)) < len(one_out) // 2).float()[:, None]  # the first half of the rows
-    a = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=ones.is_weights * even))
-    b = is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=ones.is_weights * (1 - even)))
-    na, nb, nab = a["norm_with_is"], b["norm_with_is"], a["norm_without_is"]
-    assert g["cosine_halves"] == pytest.approx((nab**2 - na**2 - nb**2) / (2 * na * nb), abs=1e-6)
-    assert -1 < g["cosine_halves"] < 1 - 1e-4  # two samples' gradients are not one direction
-    with pytest.raises(ValueError, match="needs IS weights"):
-        is_update.update_with_and_without_is(tr, dataclasses.replace(ones, is_weights=None))
 
 
 def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny, monkeypatch):

@@ -252,10 +252,14 @@ GUARDS = {
         ("the IS correction changes the update", lambda v: v["weights_apart"] > 0, {"weights_apart": 0.0}),
         ("the runs with and without the correction roll out from different weights",
          lambda v: v["rollouts_differ_from_step"] > 0, {"rollouts_differ_from_step": 0}),
+        ("the runs with and without the correction earn different rewards at some step",
+         lambda v: v["rewards_differ_at"] > 0, {"rewards_differ_at": 0}),
         ("an async completion straddles an optimizer update", lambda v: v["straddling_frac"] > 0,
          {"straddling_frac": 0.0}),
         ("the drift metric catches stale prefix KV", lambda v: v["stale_kv_gap"] > 10 * max(v["fixed_kv_gap"], 1e-7),
          {"stale_kv_gap": 0.0}),
+        ("stale KV's logprobs are the old-prompt-pages mix's, to kernel noise (10x a correct engine's gap)",
+         lambda v: v["stale_mix_gap"] < 10 * max(v["fixed_kv_gap"], 1e-7), {"stale_mix_gap": 1e-2}),
     ],
 }
 
@@ -494,14 +498,48 @@ def test_every_question_edit_applies_says_what_the_question_says_and_compiles():
 
 
 def test_05_says_its_drift_sentences_when_a_gap_is_exactly_zero(capsys):
-    """05 divides by the staleness-0 noise and by a correct engine's gap; either can be exactly 0 (identical kernels),
-    and then the cell must still print its sentence, not raise ZeroDivisionError."""
+    """05 prints the staleness-0 noise and divides by a correct engine's gap; either can be exactly 0 (identical
+    kernels), and then the cells must still print their lines, not raise ZeroDivisionError."""
+    from types import SimpleNamespace
+
+    from cbkit.teach.phenomena import record_phenomena
+
     book = nbformat.read(REPO / "notebooks" / "05_off_policy.ipynb", as_version=4)
     drift = next(c.source for c in book.cells if c.cell_type == "code" and "gap = {k: step_mean" in c.source)
     stale = next(c.source for c in book.cells if c.cell_type == "code" and "stale_gap, fixed_gap" in c.source)
-    rows = {k: [{"offpolicy/logprob_mean_abs_diff": 0.1 * k, "offpolicy/kl": 0.0, "offpolicy/staleness_max": k}]
+    rows = {k: SimpleNamespace(rows=[{"offpolicy/logprob_mean_abs_diff": 0.1 * k, "offpolicy/kl": 0.0,
+                                      "offpolicy/ratio_std": 0.0, "offpolicy/staleness_max": k}])
             for k in (0, 1, 2, 4)}
-    exec(drift, {"by_k": rows})
-    exec(stale, {"gaps": {"stale KV": {"vs new": 1.3}, "fixed": {"vs new": 0.0}}})
+    exec(drift, {"runs": rows})
+    exec(stale, {"record_phenomena": record_phenomena, "gaps": {name: {"new": new, "old": 1.0, "old prompt pages": 0.0}
+                          for name, new in (("stale KV", 1.3), ("fixed", 0.0))}})
     out = capsys.readouterr().out
-    assert "the gap is exactly 0" in out and "exactly 0." in out
+    assert "k=0: 0.00e+00" in out and "(exactly 0)" in out
+
+
+def test_02s_update_is_linear_in_the_weights_and_blind_to_a_zero_advantage():
+    """02's `update(weight)` cell, run on the tiny model: GRPO's gradient at ratio 1 is sum_i A_i w_i grad log p_i,
+    so doubling every weight doubles it, a completion whose advantage is 0 changes nothing whatever its weight, and
+    zeroing the weight of one with a nonzero advantage turns it. The model's gradients are left cleared."""
+    import torch
+
+    from tests.helpers import PROBLEMS, config, trainer
+
+    book = nbformat.read(REPO / "notebooks" / "02_logprob_correctness.ipynb", as_version=4)
+    cell = next(c.source for c in book.cells if c.cell_type == "code" and "def update(weight)" in c.source)
+    tr = trainer(config(use_transformers_continuous_batching=True))
+    rollout = tr.rollout([0, 1], 0).rollout
+    kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
+    n = len(kept.loss_mask)
+    advantages = torch.arange(n, dtype=torch.float32) - n // 2  # A = 0 at n // 2
+    space = {"model": tr.model, "kept": kept, "config": tr.config, "torch": torch, "advantages": advantages}
+    exec(cell, space)
+    update, ones = space["update"], torch.ones(n)
+    g = update(ones)
+    assert g.norm() > 0 and torch.allclose(update(2 * ones), 2 * g, rtol=1e-5, atol=1e-9)
+    blind, turned = ones.clone(), ones.clone()
+    blind[n // 2], turned[0] = 5.0, 0.0
+    assert torch.allclose(update(blind), g, rtol=1e-5, atol=1e-9)
+    other = update(turned)
+    assert float(other @ g / (other.norm() * g.norm())) < 1 - 1e-4
+    assert all(p.grad is None for p in tr.model.parameters())

@@ -205,35 +205,6 @@ def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
     assert same_weights(w_mem, w_disk)
 
 
-def test_train_runs_reuses_a_run_it_already_made_and_starts_each_from_the_initial_weights():
-    """Notebook 05's runs: from weights kept on disk, each run starts at them; a variant with the fields of a run
-    already made (kept with its final weights) is that run, not a second one; a variant not yet run, or one whose
-    final weights the earlier run did not keep, trains."""
-    from cbkit.teach.offpolicy import lowercase_reward, train_runs
-    from cbkit.train.snapshots import WeightSnapshots
-
-    policy = load_policy("tiny", seed=0)
-    start = {n: t.clone() for n, t in policy.model.state_dict().items()}
-    initial = WeightSnapshots(1, "disk")
-    initial.append(0, policy.model)
-    base = config(data="synthetic", num_problems=8, reward_funcs=["lowercase"])
-    rewards = {"lowercase": lowercase_reward}
-    first = train_runs(policy, initial, base, {"k=0": {}, "k=1": {"rollout_staleness": 1}}, rewards,
-                       keep_final=["k=1"])
-    assert same_weights(policy.model.state_dict(), start)  # put back at the end
-    assert first["k=1"].config.rollout_staleness == 1 and first["k=1"].final and not first["k=0"].final
-    again = train_runs(policy, initial, base, {"with": {"rollout_staleness": 1, "max_steps": base.max_steps}, "k=0": {},
-                                               "without": {"rollout_staleness": 1,
-                                                           "importance_sampling_correction": False}},
-                       rewards, reuse=first)
-    assert again["with"] is first["k=1"]  # the same run: not trained twice
-    assert again["k=0"] is not first["k=0"] and again["k=0"].final  # kept no final weights, so it ran again
-    assert [r["reward/mean"] for r in again["k=0"].rows] == [r["reward/mean"] for r in first["k=0"].rows]
-    assert first["k=1"].final.where == "disk"  # kept where the initial weights are
-    assert not same_weights(again["without"].final.state_dict(policy.model),
-                            first["k=1"].final.state_dict(policy.model))  # the correction changed the update
-
-
 @pytest.mark.parametrize(("fields", "message"), [
     ({"rollout_snapshots": "memory"}, r"rollout_snapshots='memory' is not a place for weight snapshots; use one of "
                                       r"'device': a copy on the model's device.*; 'host': .*; 'disk': "),
@@ -256,29 +227,6 @@ def test_a_backend_passed_with_staleness_is_refused():
     model, tok = load_policy("tiny", seed=0)
     with pytest.raises(ValueError, match=r"pass no backend"):
         trainer(config(rollout_staleness=1), policy=(model, tok), backend=make_backend("generate", model))
-
-
-def test_rollout_sources_says_from_which_step_two_runs_sampled_from_different_weights():
-    from cbkit.rollout.base import Completion, Rollout
-    from cbkit.teach.offpolicy import Recorder, first_different_rollout, rollout_sources
-
-    def run(steps):
-        rec = Recorder()
-        for version, ids, logps in steps:
-            rec.rollouts.append(Rollout([Completion(0, (1, 2), ids, logps, "eos", policy_versions=(version,) * len(ids))],
-                                        1, "continuous", 0.0))
-        return rec
-
-    same = [(0, (5, 6), (-0.5, -1.0)), (0, (7,), (-0.25,))]
-    a = run(same + [(1, (5, 6), (-0.5, -1.0)), (2, (8, 9), (-0.5, -1.0))])
-    b = run(same + [(1, (5, 6), (-0.5, -1.0 + 2**-10)), (2, (8, 4), (-0.5, -1.0))])
-    text = rollout_sources({"with": a, "without": b})
-    assert "with 0, 0, 1, 2; the same in the other run." in text
-    assert "Steps 1-2: the same rollout" in text and "From step 3 on" in text  # the same tokens, not the same weights
-    assert "step 3 9.8e-04, step 4 0.0e+00 (other tokens)" in text and "differ at step(s) 4" in text
-    one_line = rollout_sources({"with": run(same), "without": run(same)})
-    assert "Every one of the 2 steps drew the same rollout" in one_line
-    assert first_different_rollout(a, b) == 3 and first_different_rollout(run(same), run(same)) is None
 
 
 @pytest.mark.parametrize("where", ["device", "host", "disk"])

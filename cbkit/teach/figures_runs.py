@@ -1,6 +1,5 @@
-"""Notebook 05's figures of training runs, drawn from what the loop logged: one metric of several runs side by
-side (corrected vs uncorrected), the off-policy metrics against staleness, and an async rollout's requests with
-each token coloured by the policy version that sampled it.
+"""Figures of training runs, drawn from what the loop logged: one metric of several runs side by side (the learning
+report's), and an async rollout's requests with each token coloured by the policy version that sampled it (05).
 """
 
 from __future__ import annotations
@@ -30,27 +29,6 @@ def runs_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str, *, ti
                         line=dict(color=(colors or {}).get(name, PALETTE[i % len(PALETTE)]),
                                   dash=(dashes or {}).get(name, "solid")))
     fig.update_layout(template=TEMPLATE, title=title or key, xaxis_title="step", yaxis_title=key, height=380)
-    return fig
-
-
-def drift_figure(by_staleness: Mapping[int, Sequence[Mapping[str, Any]]],
-                 keys: Sequence[str] = ("offpolicy/logprob_mean_abs_diff", "offpolicy/kl", "offpolicy/ratio_std"),
-                 ) -> go.Figure:
-    """Per staleness, each off-policy metric averaged over the run's steps after the lag has filled (a run with
-    staleness k samples from the initial weights for its first k steps, which are less stale than k)."""
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=list(keys))
-    ks = sorted(by_staleness)
-    for col, key in enumerate(keys, start=1):
-        ys = []
-        for k in ks:
-            rows = [r for r in by_staleness[k] if r.get("offpolicy/staleness_max", 0) >= k] or list(by_staleness[k])
-            ys.append(step_mean([r.get(key) for r in rows]))
-        fig.add_scatter(x=ks, y=ys, mode="lines+markers", row=1, col=col, showlegend=False,
-                        line=dict(color=PALETTE[col - 1]))
-        fig.update_xaxes(title_text="staleness (updates)", row=1, col=col, tickvals=ks)
-    fig.update_layout(template=TEMPLATE, title="How far the rollout is from the policy the loss uses", height=360)
     return fig
 
 

@@ -84,8 +84,9 @@ def _train_recording(trainer: Any) -> dict[str, Any]:
         # is native), which would call .float() on the engine's PagedAttentionCache; training keeps the wrapper.
         with plain_forward(trainer.model):
             completion_ids, logprobs = generate(*a, **k)
-        seen.update(completions=len(completion_ids), logprobs=logprobs,
-                    tokens=sum(len(c) for c in completion_ids))
+        seen["completions"] = seen.get("completions", 0) + len(completion_ids)  # over every call of the step
+        seen["tokens"] = seen.get("tokens", 0) + sum(len(c) for c in completion_ids)
+        seen["logprobs"] = logprobs
         return completion_ids, logprobs
 
     trainer._generate_single_turn = recording

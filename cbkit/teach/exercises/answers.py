@@ -61,6 +61,12 @@ ANSWERS: dict[str, list[str]] = {
         "fp16 keeps 10 mantissa bits against bf16's 7, so each value is rounded about 8x more finely and the rollout's "
         "logprobs sit closer to the fp32 policy's: compare the printed max and mean |diff| and the spread of the ratio "
         "histogram for the two runs. The price is range: fp16's 5-bit exponent can overflow where bf16's 8 bits do not.",
+        "With `clip_max=1` every completion the policy finds likelier than the sampler did gets weight 0, so the "
+        "printed masked count rises to those completions (for a bf16 rollout, some of them). A weight of 0 takes a "
+        "completion's term out of the update, so the IS update turns further from the unweighted one: compare the IS "
+        "cosine with the first run's. The shuffled weights are the same weights, zeros included, put on other "
+        "completions, so their cosines fall too: the comparison still asks whether the mismatch fell on the "
+        "completions that carry the update, now with weights of a wider spread.",
     ],
     "03_n_sweep": [
         "The printed length CV and decode padding share should stay where they were, since the replayed lengths scale "
@@ -104,13 +110,16 @@ ANSWERS: dict[str, list[str]] = {
     ],
     "05_off_policy": [
         "In a sequence mode a completion's ratio is the product of its token ratios, so its log is the sum of the "
-        "token log-ratios: it spreads with the completion's length. Compare `offpolicy/ratio_min` and "
-        "`offpolicy/ratio_max` (now per completion, far wider) and `is/clipped_frac` (now the share of completions "
-        "above `clip_max`, masked to weight 0) at staleness 4 with section 1's token-mode lines. One far-off token, "
-        "or a small drift repeated over many tokens, takes a whole completion out of the band.",
+        "token log-ratios: it spreads with the completion's length. Compare section 1's printed std of the IS ratios "
+        "(`offpolicy/ratio_std`, now per completion, far wider) and section 2's `clipped` column (`is/clipped_frac`, "
+        "now the share of completions above `clip_max`, masked to weight 0) at staleness 4 with the token-mode run. "
+        "One far-off token, or a small drift repeated over many tokens, takes a whole completion out of the band.",
         "At staleness 1 the rollout is one update old, so the drift (section 1's line for k=1 against k=4) is smaller, "
-        "the IS ratios sit nearer 1, and the correction reweighs less. Compare the printed distance between the two "
-        "runs' weights and the printed range of the IS ratios with the staleness-4 run.",
+        "the IS ratios sit nearer 1, and the correction reweighs each token less; but the rollouts come from weights "
+        "the two runs' updates made from step 3 on, not step 6, so the table has more steps whose tokens differ. "
+        "Compare the printed distance between the two runs' weights, the table's `clipped` column and the step from "
+        "which the rollouts differ with the staleness-4 run: the smaller reweighting and the longer feedback pull the "
+        "distance in opposite directions, and the run says which wins.",
         "With two optimizer updates per step, the rollout queued on version v is trained on at version v + 2: its "
         "tokens are two updates old, past `max_staleness=1`, so the default `stale_rollouts='regenerate'` samples it "
         "again on the current weights. `offpolicy/regenerated` reads 1 at those steps, and the step time includes a "
