@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from cbkit.cli import main
-from cbkit.measure.advise import recommend
-from cbkit.measure.planner import crossover_n, plan
+from cbkit.measure.planner import crossover_n, plan, recommend
 from cbkit.telemetry import kv_bytes_per_token
 
 GiB = 1024**3
@@ -232,12 +231,24 @@ def test_bad_inputs_say_what_to_change():
 # --- the CLI ------------------------------------------------------------------------------------------------
 
 
-def test_cli_advise_prints_plan_crossover_and_advice(capsys):
-    assert main(["advise", "--model", "tiny", "-N", "64", "--prompts", "2", "--prompt-len", "50",
-                 "--max-new-tokens", "100", "--mean-completion-len", "30", "--budget-gb", "1"]) == 0
-    out = capsys.readouterr().out
-    for word in ("generate():", "continuous:", "crossover:", "Advice: use continuous"):
-        assert word in out
+def test_cli_plan_prints_both_peaks_the_lower_one_and_the_crossover(capsys):
+    """`cbkit plan`'s page against the planner called directly: on each side of the crossover the lower peak flips."""
+    from cbkit.models.load import load_config
+
+    cfg = load_config("llama-1b-random")
+    sizes = dict(num_prompts=4, prompt_len=200, max_new_tokens=1024, dtype_bytes=2, budget_bytes=40 * GiB,
+                 device="cuda")
+    cross = crossover_n(cfg, **sizes)
+    assert cross is not None and cross > 1
+    for n in (cross - 1, cross):
+        assert main(["plan", "-N", str(n), "--model", "llama-1b-random", "--prompts", "4", "--prompt-len", "200",
+                     "--max-new-tokens", "1024", "--budget-gb", "40"]) == 0
+        out = capsys.readouterr().out
+        p = plan(cfg, num_generations=n, **sizes)
+        lower = "continuous" if p.continuous.peak_bytes < p.generate.peak_bytes else "generate"
+        assert lower == ("continuous" if n >= cross else "generate")
+        assert f"lower peak at N={n}: {lower}" in out and f"crossover N: {cross}\n" in out
+        assert "generate():" in out and "continuous:" in out
 
 
 @pytest.mark.parametrize(
@@ -251,16 +262,15 @@ def test_cli_advise_prints_plan_crossover_and_advice(capsys):
         (["-N", "8", "--device", "cuda"], "give --budget-gb"),
         (["-N", "8", "--dtype", "int3"], "--dtype"),
         (["-N", "8", "--max-new-tokens", "10", "--mean-completion-len", "20"], "mean_completion_len"),
-        (["-N", "8", "--gpus", "0"], "num_gpus"),
     ],
 )
-def test_cli_advise_bad_input(capsys, args, message):
-    assert main(["advise", "--model", "tiny", *args]) == 2
+def test_cli_plan_bad_input(capsys, args, message):
+    assert main(["plan", "--model", "tiny", *args]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_cli_advise_unknown_model(capsys):
-    assert main(["advise", "--model", "no-such-model", "-N", "8"]) == 2
+def test_cli_plan_unknown_model(capsys):
+    assert main(["plan", "--model", "no-such-model", "-N", "8"]) == 2
     assert "Accepted forms" in capsys.readouterr().err
 
 
@@ -290,7 +300,7 @@ def test_advice_without_a_sweep_names_its_source():
 
 
 def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
-    from cbkit.measure.advise import measured_from_sweep
+    from cbkit.measure.planner import measured_from_sweep
 
     path = _sweep_file(tmp_path, {8: 0.8, 16: 1.3, 64: 1.4})
     a = recommend(64, measured=measured_from_sweep(str(path), 64))
@@ -305,7 +315,7 @@ def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
 
 
 def test_measured_parity_lets_memory_decide(tmp_path):
-    from cbkit.measure.advise import measured_from_sweep
+    from cbkit.measure.planner import measured_from_sweep
 
     lighter = _sweep_file(tmp_path, {32: 1.02}, mems={32: 0.7})
     a = recommend(32, measured=measured_from_sweep(str(lighter), 32))
@@ -317,7 +327,7 @@ def test_measured_parity_lets_memory_decide(tmp_path):
 def test_bad_sweep_files(tmp_path):
     import json
 
-    from cbkit.measure.advise import measured_from_sweep
+    from cbkit.measure.planner import measured_from_sweep
 
     with pytest.raises(FileNotFoundError, match="cbkit sweep --out"):
         measured_from_sweep(str(tmp_path / "none.jsonl"), 8)
@@ -331,17 +341,6 @@ def test_bad_sweep_files(tmp_path):
          "peak_mem_bytes": 1}) + "\n")
     with pytest.raises(ValueError, match="no N at which both"):
         measured_from_sweep(str(only_gen), 8)
-
-
-def test_cli_advise_from_a_sweep(tmp_path, capsys):
-    path = _sweep_file(tmp_path, {8: 0.8, 64: 1.4})
-    assert main(["advise", "--model", "tiny", "-N", "64", "--from", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "Advice: use continuous" in out and "basis: measured" in out and "1.40x" in out
-    assert main(["advise", "--model", "tiny", "-N", "64"]) == 0
-    assert "basis: thresholds from TRL's reported A100 benchmark" in capsys.readouterr().out
-    assert main(["advise", "--model", "tiny", "-N", "8", "--from", str(tmp_path / "missing.jsonl")]) == 2
-    assert "--from: No results file at" in capsys.readouterr().err
 
 
 def test_the_step_peak_grows_with_the_chunk_not_with_n():

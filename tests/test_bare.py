@@ -50,20 +50,20 @@ from cbkit.cli import main
 out, optional = sys.argv[1], json.loads(sys.argv[2])
 codes = [main(["sweep", "--model", "llama-tiny-random", "--ns", "2", "--repeats", "1", "--max-new-tokens", "4",
                "--out", out]),
-         main(["advise", "-N", "64", "--model", "llama-1b-random", "--budget-gb", "70"]),
+         main(["plan", "-N", "64", "--model", "llama-1b-random", "--budget-gb", "70"]),
          main(["report", out])]
 print("RESULT", json.dumps({"codes": codes, "loaded": sorted(m for m in sys.modules if m.split(".")[0] in optional)}))
 """
 
 
 @needs_bare
-def test_sweep_advise_report_run_bare_and_import_nothing_optional(tmp_path):
+def test_sweep_plan_report_run_bare_and_import_nothing_optional(tmp_path):
     out = _run([BARE, "-c", PROBE, str(tmp_path / "s.jsonl"), json.dumps(OPTIONAL)])
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.split("RESULT ", 1)[1])
     assert result == {"codes": [0, 0, 0], "loaded": []}
     assert "No HTML report: it needs plotly (pip install plotly)" in out.stdout
-    # advise read llama-1b-random's config without building it: 16 layers x K,V x 8 heads x 64 dims x 2 bytes.
+    # plan read llama-1b-random's config without building it: 16 layers x K,V x 8 heads x 64 dims x 2 bytes.
     assert "KV cache: 32.00 KiB per token" in out.stdout
     assert (tmp_path / "s.csv").is_file() and not (tmp_path / "s.html").exists()
     # The CPU memory figure still exists without psutil (read from /proc/self/statm).

@@ -160,14 +160,14 @@ def test_a_bad_json_flag_is_named_in_one_line(capsys, command, value, says, no_m
     assert err.startswith(f"cbkit {command}: error: {flag} {says}") and len(err.strip().splitlines()) == 1
 
 
-def test_demo_and_advise_flags_are_their_dataclasses_with_the_old_spellings():
-    """`demo` and `advise` parse into `DemoConfig` / `AdviseConfig`; the spellings the README, the Makefile and
-    earlier releases use (-N, --prompts, --from, --cb-config, comma lists) still reach the right field, and a flag
-    the training run also has carries CBGRPOConfig's help, not a copy."""
+def test_demo_and_plan_flags_are_their_dataclasses_with_the_old_spellings():
+    """`demo` and `plan` parse into `DemoConfig` / `PlanConfig`; the spellings the README, the Makefile and
+    earlier releases use (-N, --prompts, --cb-config, comma lists) still reach the right field, and a flag the
+    training run also has carries CBGRPOConfig's help, not a copy."""
     import dataclasses
 
     from cbkit.cli.flags import given_fields
-    from cbkit.measure.advise import AdviseConfig
+    from cbkit.cli.plan import PlanConfig
     from cbkit.teach.demo import DemoConfig
     from cbkit.train.config import CBGRPOConfig
 
@@ -177,17 +177,16 @@ def test_demo_and_advise_flags_are_their_dataclasses_with_the_old_spellings():
     assert DemoConfig(**given_fields(args, DemoConfig)) == DemoConfig(
         model="tiny", num_prompts=3, num_generations=4, max_new_tokens=16, top_p=0.9, top_k=5,
         backends=["generate", "continuous"], cb_config={"num_blocks": 64}, seed=7, out="x.jsonl")
-    args = build_parser().parse_args(["advise", "-N", "64", "--prompts", "2", "--prompt-len", "50", "--from", "s.jsonl",
-                                      "--budget-gb", "1", "--multimodal", "--tensor-parallel", "--gpus", "2"])
-    a = AdviseConfig(**given_fields(args, AdviseConfig))
-    assert (a.num_generations, a.num_prompts, a.prompt_len, a.results_from, a.device, a.multimodal,
-            a.tensor_parallel, a.gpus, a.max_throughput) == (64, 2, 50, "s.jsonl", "cuda", True, True, 2, False)
+    args = build_parser().parse_args(["plan", "-N", "64", "--prompts", "2", "--prompt-len", "50", "--budget-gb", "1"])
+    a = PlanConfig(**given_fields(args, PlanConfig))
+    assert (a.num_generations, a.num_prompts, a.prompt_len, a.budget_gb, a.device) == (64, 2, 50, 1.0, "cuda")
     grpo_help = {f.name: f.metadata["help"] for f in dataclasses.fields(CBGRPOConfig)}
     demo_help = {f.name: f.metadata["help"] for f in dataclasses.fields(DemoConfig)}
+    plan_help = {f.name: f.metadata["help"] for f in dataclasses.fields(PlanConfig)}
     assert demo_help["temperature"] == grpo_help["temperature"]
-    assert demo_help["max_new_tokens"] == grpo_help["max_completion_length"]
+    assert demo_help["max_new_tokens"] == plan_help["max_new_tokens"] == grpo_help["max_completion_length"]
 
 
-def test_advise_without_n_is_a_usage_error(capsys):
-    assert main(["advise", "--model", "tiny"]) == 2
+def test_plan_without_n_is_a_usage_error(capsys):
+    assert main(["plan", "--model", "tiny"]) == 2
     assert "required: --num_generations/--num-generations/-N" in capsys.readouterr().err

@@ -161,7 +161,9 @@ def test_cbkit_tiers_plans_the_learning_recipe_with_its_evaluations(monkeypatch)
     no_eval = dataclasses.replace(spec, sizes={t: dataclasses.replace(s, eval_every=0) for t, s in spec.sizes.items()})
     monkeypatch.setitem(tiers.RECIPES, name, no_eval)
     without = tiers.plan_notebook(name, "t4")
-    assert with_eval.seconds > without.seconds and with_eval.budget_s == tiers.RECIPE_BUDGET_S
+    held_out = [s for s in with_eval.starts if "held-out" in s.what]
+    assert held_out and held_out[0].requests == spec.sizes["t4"].eval_prompts * spec.sizes["t4"].eval_n
+    assert not any("held-out" in s.what for s in without.starts)
     recipe = CBGRPOConfig.from_yaml(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "smollm2_arith.yaml")
     cpu = spec.sizes["cpu"]  # the CPU row is the recipe itself
     assert (cpu.prompts, cpu.n, cpu.max_new_tokens, cpu.steps, cpu.eval_every, cpu.eval_prompts, cpu.eval_n) == (

@@ -350,8 +350,8 @@ def test_sweep_findings_say_what_the_points_say():
 
 def test_one_about_equal_rule_for_sentences_crossover_and_advice():
     """A ratio inside the parity band is "about the same" in the sentences, never a crossover, and parity in the
-    advice: the three places read one rule (cbkit.measure.advise.versus_parity)."""
-    from cbkit.measure.advise import Measured, recommend, versus_parity
+    advice: the three places read one rule (cbkit.measure.planner.versus_parity)."""
+    from cbkit.measure.planner import Measured, recommend, versus_parity
 
     assert [versus_parity(r) for r in (0.94, 0.96, 1.0, 1.04, 1.06)] == [-1, 0, 0, 0, 1]
     points = [_pt("generate", 8, 10.0, 40), _pt("continuous", 8, 10.3, 40, speed_vs_generate=1.03, mem_vs_generate=0.97)]

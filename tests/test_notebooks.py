@@ -194,7 +194,7 @@ def test_executed_notebook_recorded_its_kernels_time_and_peak_rss(path):
 # behind, or 00's rewards all zero, fails here instead of leaving text that describes what the run no longer shows.
 # The thresholds are the guards' own, never the notebooks'.
 
-from cbkit.measure.advise import versus_parity  # noqa: E402
+from cbkit.measure.planner import versus_parity  # noqa: E402
 from cbkit.teach.phenomena import PHENOMENA_MIME  # noqa: E402
 
 # stem -> [(what the text says, check over the recorded values, what would hide it: an edit to the recorded

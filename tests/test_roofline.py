@@ -156,19 +156,3 @@ def test_the_estimate_table_gives_one_row_where_the_floor_hides_the_padding():
     note = table.splitlines()[-1]
     assert "on the NVIDIA A100-SXM4-40GB. There every decode step" in note and "NVIDIA T4" not in note
     assert "(the largest step here: 256 rows)" in note
-
-
-def test_a_rollout_from_fp32_weights_is_priced_at_the_fp32_peak():
-    """Issue 40, item 6: an A100 training notebook trains under bf16 autocast but rolls out from its fp32 weights,
-    where the engine runs no autocast and cbkit sets no TF32; the runtime plan prices those matmuls at the datasheet's
-    fp32 peak (19.5 TFLOP/s), not bf16's (312). With 2-byte weights the rollout's own dtype still decides."""
-    from cbkit.teach import tiers
-    from cbkit.teach.tiers.plan import rollout_seconds
-
-    config = tiers.plan_config(tiers.GPU_MODEL)
-    a100, pool = GPUS["a100-40"], {"num_blocks": 4000, "page_size": 32}
-    args = (config, 8, 8, 64, "continuous", "fixed", pool, a100)
-    fp32 = rollout_seconds(*args, "float32", 4)
-    assert rollout_seconds(*args, "bfloat16", 4) == fp32  # the training autocast's dtype does not price it
-    assert fp32 > rollout_seconds(*args, "bfloat16", 2)  # bf16 weights: bf16's peak and half the bytes
-    assert not torch.backends.cuda.matmul.allow_tf32  # PyTorch's default, which cbkit leaves: fp32, not TF32

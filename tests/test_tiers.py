@@ -26,10 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_cbkit_tiers_passes_for_every_notebook_and_gpu(capsys):
     assert main(["tiers"]) == 0
     out = capsys.readouterr().out
-    # Every notebook, then the learning recipe (planned the same way, marked as an estimate), on every GPU, then each
-    # sweep preset on its GPU.
+    # Every notebook, then the learning recipe (planned the same way), on every GPU, then each sweep preset on its GPU.
     assert out.count(" ok") == (len(tiers.NOTEBOOKS) + len(tiers.RECIPES)) * len(tiers.MACHINES) + len(PRESETS)
-    assert "18 of 18" in out and "an estimate, not a measurement" in out and "AN ESTIMATE" in out
+    assert "18 of 18" in out and " min " not in out  # memory and engine starts only: no runtime estimate
 
 
 # How each notebook asks for its pool (its own cells' call, with its sizes); 05 fixes none.
@@ -83,27 +82,18 @@ def test_the_engines_default_pool_hides_the_inversion(monkeypatch, capsys):
     assert "hides its phenomenon" in capsys.readouterr().out
 
 
-def test_too_large_a_step_does_not_fit_and_too_many_steps_overrun(monkeypatch, capsys):
+def test_too_large_a_step_does_not_fit(monkeypatch, capsys):
     _with_sizes(monkeypatch, "04_grpo_live", "t4", n=128)
     assert main(["tiers", "--notebooks", "04_grpo_live", "--gpus", "t4"]) == 1
     assert "does not fit" in capsys.readouterr().out
-    _with_sizes(monkeypatch, "04_grpo_live", "t4", steps=100)
-    assert main(["tiers", "--notebooks", "04_grpo_live", "--gpus", "t4"]) == 1
-    assert "over budget" in capsys.readouterr().out
 
 
-def test_05_is_planned_as_the_five_training_runs_it_makes(monkeypatch):
+def test_05_is_planned_as_the_five_training_runs_it_makes():
     # One run per staleness in STALENESS, the uncorrected run at the correction's staleness (the corrected one is
-    # the staleness run's, reused) and the async run: the notebook's own cells. Each run costs the same, so the
-    # plan's time above its fixed overhead is five times one run's.
+    # the staleness run's, reused) and the async run: the notebook's own cells.
     source = "".join(c.source for c in nbformat.read(REPO / "notebooks/05_off_policy.ipynb", as_version=4).cells)
     staleness = next(line for line in source.splitlines() if line.startswith("STALENESS = "))
     assert len(tiers.NOTEBOOKS["05_off_policy"].train_runs) == len(eval(staleness.split("=", 1)[1])) + 1 + 1
-    five = tiers.plan_notebook("05_off_policy", "t4").seconds - tiers.OVERHEAD_S
-    spec = tiers.NOTEBOOKS["05_off_policy"]
-    monkeypatch.setitem(tiers.NOTEBOOKS, "05_off_policy", dataclasses.replace(spec, train_runs=("continuous",)))
-    one = tiers.plan_notebook("05_off_policy", "t4").seconds - tiers.OVERHEAD_S
-    assert five == pytest.approx(5 * one)
 
 
 def test_unknown_names_are_refused_with_the_valid_ones(capsys):

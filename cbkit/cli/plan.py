@@ -1,37 +1,73 @@
-"""`cbkit advise` and `cbkit tiers`: the planner's answers, read from model configs, with no GPU and no model
+"""`cbkit plan` and `cbkit tiers`: the planner's answers, read from model configs, with no GPU and no model
 loaded."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from typing import Any
 
 from cbkit.cli.flags import dataclass_flags, given_fields
+from cbkit.measure.planner import DTYPE_BYTES
+from cbkit.models.load import DEFAULT_MODEL
+from cbkit.train.config import same_as
 
 
-def _advise(args: argparse.Namespace) -> int:
-    from cbkit.measure.advise import AdviseConfig, measured_from_sweep, recommend
+def _flag(text: str, default=None, *aliases: str):
+    return field(default=default, metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})})
+
+
+@dataclass
+class PlanConfig:
+    """What `cbkit plan` is asked: every field is a flag (`cbkit.cli.flags.dataclass_flags`). Only -N is required."""
+
+    num_generations: int = same_as("num_generations", aliases=("-N",))
+    model: str = _flag("the model whose config is planned (no weights loaded)", DEFAULT_MODEL)
+    num_prompts: int = _flag("prompts per rollout", 8, "--prompts")
+    prompt_len: int = _flag("longest prompt, tokens", 256)
+    max_new_tokens: int = same_as("max_completion_length", default=512)
+    mean_completion_len: float | None = _flag("mean completion length in tokens, if known")
+    budget_gb: float | None = _flag("GiB free after loading the weights (needed for cuda)")
+    device: str | None = _flag("cuda or cpu; cuda when --budget-gb is given, else cpu")
+    dtype: str | None = _flag(f"one of {', '.join(DTYPE_BYTES)} (default bf16 on cuda, fp32 on cpu)")
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"-N must be >= 1, got {self.num_generations}.")
+        if self.budget_gb is not None and not self.budget_gb > 0:
+            raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {self.budget_gb}.")
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}; got {self.dtype!r}.")
+        if self.device not in (None, "cuda", "cpu"):
+            raise ValueError(f"--device must be cuda or cpu; got {self.device!r}.")
+        self.device = self.device or ("cuda" if self.budget_gb is not None else "cpu")
+        if self.device == "cuda" and self.budget_gb is None:
+            raise ValueError("on cuda the CB engine sizes its pool as a share of free memory: give --budget-gb, the "
+                             "GiB free after loading the weights.")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The planner's one page: both backends' planned peaks at N, the lower one, and the crossover N."""
     from cbkit.measure.planner import crossover_n, plan
     from cbkit.models.load import load_config
 
-    a = AdviseConfig(**given_fields(args, AdviseConfig))
+    a = PlanConfig(**given_fields(args, PlanConfig))
+    dtype_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (2 if a.device == "cuda" else 4)
     sizes: dict[str, Any] = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
-                 mean_completion_len=a.mean_completion_len, dtype_bytes=a.dtype_bytes, budget_bytes=a.budget_bytes,
-                 device=a.device)
-    measured = measured_from_sweep(a.results_from, a.num_generations) if a.results_from else None
+                                 mean_completion_len=a.mean_completion_len, dtype_bytes=dtype_bytes, device=a.device,
+                                 budget_bytes=int(a.budget_gb * 1024**3) if a.budget_gb is not None else None)
     config = load_config(a.model)
     memory = plan(config, num_generations=a.num_generations, model_name=a.model, **sizes)
-    cross = crossover_n(config, max_n=max(1024, 4 * a.num_generations), **sizes)
-    advice = recommend(a.num_generations, completion_cv=a.completion_cv, mean_completion_len=a.mean_completion_len,
-                       max_new_tokens=a.max_new_tokens, multimodal=a.multimodal,
-                       need_max_throughput=a.max_throughput, num_gpus=a.gpus, tensor_parallel=a.tensor_parallel,
-                       memory=memory if a.budget_bytes is not None else None, measured=measured)
-    print("Predicted peak memory above the weights, one rollout:")
+    max_n = max(1024, 4 * a.num_generations)
+    # A pool sized to the workload grows with N as generate()'s cache does: no N from which CB stays lighter.
+    cross = crossover_n(config, max_n=max_n, **sizes) if memory.continuous.sized_by != "workload" else None
+    gen, cb = memory.generate.peak_bytes, memory.continuous.peak_bytes
+    print("Planned peak memory above the weights, one rollout:")
     print(memory.summary())
-    print(f"crossover: CB's predicted peak is below generate()'s from N={cross}" if cross is not None
-          else "crossover: CB's predicted peak stays above generate()'s for every N up to "
-               f"{max(1024, 4 * a.num_generations)}")
-    print(f"\nAdvice: {advice}")
+    print(f"lower peak at N={a.num_generations}: {'continuous' if cb < gen else 'generate'} "
+          f"(continuous/generate {cb / gen:.2f})")
+    print(f"crossover N: {cross}" if cross is not None else "crossover N: none, the pool is sized to the workload"
+          if memory.continuous.sized_by == "workload" else f"crossover N: none up to {max_n}")
     return 0
 
 
@@ -50,13 +86,12 @@ def _tiers(args: argparse.Namespace) -> int:
     plans = plan_all(names(args.notebooks, list(NOTEBOOKS), "notebook(s)"), names(args.gpus, list(MACHINES), "GPU(s)"))
     print(tiers_report(plans))
     failed: list[Any] = [p for p in plans if not p.ok]
-    print(f"\n{len(plans) - len(failed)} of {len(plans)} notebook x GPU plans fit, finish within budget and show "
+    print(f"\n{len(plans) - len(failed)} of {len(plans)} notebook x GPU plans fit, start their engines and show "
           "their phenomenon" + ("." if not failed else f"; {len(failed)} do not (above)."))
     if not args.notebooks:  # the learning recipe on the same GPUs: its CB and generate() runs with evaluations
         recipes = plan_recipes(names(args.gpus, list(MACHINES), "GPU(s)"))
         print("\nThe learning recipe (recipes/smollm2_arith.yaml) on the GPU tiers: one CB run with its held-out "
-              "evaluations. AN ESTIMATE: no GPU has run it; the GPU model needs its difficulty measured "
-              "first (docs/learning.md).\n" + "\n".join(p.line() for p in recipes))
+              "evaluations.\n" + "\n".join(p.line() for p in recipes))
         for p in recipes:
             for problem in p.problems():
                 print(f"  {p.notebook} on {p.machine}: {problem}")
@@ -68,30 +103,27 @@ def _tiers(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def add_advise(sub: argparse._SubParsersAction) -> None:
-    """`cbkit advise`, every `AdviseConfig` field a flag."""
-    from cbkit.measure.advise import AdviseConfig
-
-    advise = sub.add_parser(
-        "advise", parents=[dataclass_flags(AdviseConfig)],
-        help="predict both backends' peak memory and recommend generate, CB or vLLM",
-        description="Reads only the model's config. Prints the planner's prediction for generate() and the CB "
-                    "engine, the N from which CB uses less memory, and the decision guide applied (its "
-                    "thresholds from TRL's A100 benchmark), or with --from a sweep measured on this machine. Every "
-                    "AdviseConfig field is a flag.",
+def add_plan(sub: argparse._SubParsersAction) -> None:
+    """`cbkit plan`, every `PlanConfig` field a flag."""
+    command = sub.add_parser(
+        "plan", parents=[dataclass_flags(PlanConfig)],
+        help="plan both backends' peak memory at N and the crossover N; no GPU, no weights",
+        description="Reads only the model's config. Prints the planner's peak for generate() and the CB engine at "
+                    "N, which is lower, and the N from which CB's planned peak stays below generate()'s. Every "
+                    "PlanConfig field is a flag.",
     )
-    advise.set_defaults(func=_advise)
+    command.set_defaults(func=_plan)
 
 
 def add_tiers(sub: argparse._SubParsersAction) -> None:
     """`cbkit tiers`: every notebook planned on each GPU tier; exit 1 where one does not fit."""
     tiers = sub.add_parser(
-        "tiers", help="plan every notebook on a T4 and an A100 (40/80 GB): fit, runtime, crossover; no GPU needed",
+        "tiers", help="plan every notebook on a T4 and an A100 (40/80 GB): fit, engine start, crossover; no GPU needed",
         description="For every notebook and GPU tier (t4: 15 GiB fp16; a100: 40 and 80 GiB bf16): the planned peak "
-                    "against memory (the training step included where the notebook trains), the estimated runtime "
-                    "against the budget (~10 min on a T4, ~5 on an A100), and whether each memory sweep's "
-                    "crossover lies inside its swept N. Exits 1 where a configuration does not fit, overruns its "
-                    "budget or hides its phenomenon. Sizes: cbkit/teach/tiers/table.py.",
+                    "against memory (the training step included where the notebook trains) and the copies of the "
+                    "weights against host RAM, transformers' own verdict on each CB engine start, and whether each "
+                    "memory sweep's crossover lies inside its swept N. Exits 1 where a configuration does not fit, "
+                    "would not start its engine or hides its phenomenon. Sizes: cbkit/teach/tiers/table.py.",
     )
     tiers.add_argument("--notebooks", default=None, help="comma-separated notebook names (default: all)")
     tiers.add_argument("--gpus", default=None, help="comma-separated: t4, a100-40, a100-80 (default: all)")

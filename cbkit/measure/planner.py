@@ -27,7 +27,8 @@ from cbkit.rollout.admission import admission, blocks_needed, pool_blocks
 from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
 __all__ = ["DTYPE_BYTES", "TRAIN_STATE_BYTES_PER_PARAM", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n",
-           "plan", "pool_blocks", "step_peak_bytes", "training_bytes"]
+           "plan", "pool_blocks", "step_peak_bytes", "training_bytes", "versus_parity", "PARITY_MARGIN", "measured_from_sweep",
+           "recommend", "Advice", "Measured"]
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
@@ -305,3 +306,117 @@ def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: i
         backward = max(backward, grads + chunk + slack + resident)
     parts = {"rollout": rollout_peak_bytes + resident, "backward": backward, "optimizer_step": grads + moments}
     return {**parts, "peak": max(parts.values())}
+
+
+# --- the decision guide (TRL's benchmark's, or a sweep measured here) and cbkit's one "about equal" rule -------
+
+Backend = Literal["generate", "continuous", "vllm"]
+# TRL's benchmark (PR #5765, A100): parity at N=8, ~1.25x from N=32. Lengths count as variable from a CV of 0.2, or
+# where 20% of generate()'s decode slots go to rows already finished.
+CB_MIN_N, VARIABLE_CV, VARIABLE_WASTE = 32, 0.2, 0.2
+TRL_BENCHMARK_BASIS = "thresholds from TRL's reported A100 benchmark (PR #5765), not this machine; --from a sweep"
+# Ratios within 5% of 1.0 are parity: repeats of one point on a shared machine differ by a few percent.
+PARITY_MARGIN = 0.05
+
+
+def versus_parity(ratio: float, margin: float = PARITY_MARGIN) -> int:
+    """1 if ``ratio`` is above parity by more than ``margin``, -1 if below by more, 0 if about equal."""
+    if ratio != ratio:
+        raise ValueError("versus_parity: the ratio is NaN; a ratio needs two measured numbers.")
+    return 1 if ratio > 1 + margin else -1 if ratio < 1 - margin else 0
+
+
+@dataclass(frozen=True)
+class Advice:
+    backend: Backend
+    reasons: list[str]
+    basis: str | None = None  # where the thresholds behind the decision came from
+
+    def __str__(self) -> str:
+        return f"use {self.backend} ({'; '.join(self.reasons)})" + (f"\n  basis: {self.basis}" if self.basis else "")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A sweep results file's medians at the N closest to the one asked about (`measured_from_sweep`)."""
+
+    path: str
+    n: int
+    asked_n: int
+    workload: str | None
+    device: str | None
+    speed_vs_generate: float | None
+    mem_vs_generate: float | None
+    length_mean: float | None
+    length_cv: float | None
+    length_max: float | None
+    decode_padding_share: float | None
+
+    def describe(self) -> str:
+        where = f"N={self.n}" + (f" (nearest measured to N={self.asked_n})" if self.n != self.asked_n else "")
+        spread = (f"lengths mean {self.length_mean:.1f}, CV {self.length_cv:.2f}, static batch padding "
+                  f"{self.decode_padding_share:.0%}" if self.length_mean is not None else "no length statistics")
+        return f"{self.path}: {where}, {self.workload or 'natural'} workload on {self.device or 'unknown'}; {spread}"
+
+
+def measured_from_sweep(path: str, num_generations: int) -> Measured:
+    """Read a `cbkit sweep` results file and take its medians at N (or the nearest measured N, larger on a tie)."""
+    from cbkit.measure.results import aggregate, read_results
+
+    try:
+        results = read_results(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"--from: {e}") from None
+    by = {(q["backend"], q["N"]): q for q in aggregate(results.runs) if q["status"] == "ok"}
+    ns = sorted(n for (b, n) in by if b == "continuous" and ("generate", n) in by)
+    if not ns:
+        raise ValueError(f"--from: {path} has no N at which both generate and continuous finished.")
+    n = min(ns, key=lambda x: (abs(x - num_generations), -x))
+    cb, gen = by[("continuous", n)], by[("generate", n)]
+    fp = results.fingerprint
+    return Measured(str(results.path), n, num_generations, fp.get("lengths"), fp.get("device"),
+                    cb.get("speed_vs_generate"), cb.get("mem_vs_generate"), gen.get("length_mean"),
+                    gen.get("length_cv"), gen.get("length_max"), gen.get("decode_padding_share"))
+
+
+def recommend(num_generations: int, *, completion_cv: float | None = None, mean_completion_len: float | None = None,
+              max_new_tokens: int | None = None, multimodal: bool = False, need_max_throughput: bool = False,
+              num_gpus: int = 1, tensor_parallel: bool = False, memory: Plan | None = None,
+              measured: Measured | None = None) -> Advice:
+    """TRL's benchmark's guide, rule by rule: vLLM to split a model over GPUs or for maximum throughput; generate()
+    for multimodal prompts (the engine takes token ids); the only backend a plan with a budget says fits; a sweep of
+    this machine's speed ratio (at parity, the lighter backend); else CB from N >= 32 with variable lengths (unknown
+    counts as variable)."""
+    n = num_generations
+    for name, v in (("num_generations", n), ("num_gpus", num_gpus)):
+        if v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+    if tensor_parallel or need_max_throughput:
+        return Advice("vllm", ["tensor parallel" if tensor_parallel else "maximum throughput"])
+    gen_fits, cb_fits = (memory.generate.fits, memory.continuous.fits) if memory is not None else (None, None)
+    if multimodal:
+        return Advice("generate", ["multimodal: the CB engine takes token ids only"])
+    if gen_fits is False and memory is not None:
+        cb = bool(cb_fits) or memory.continuous.peak_bytes < memory.generate.peak_bytes
+        return Advice("continuous" if cb else "generate",
+                      ["memory: generate() does not fit" + ("" if cb_fits else ", nor CB; lower N")])
+    if measured is not None:
+        speed, mem = measured.speed_vs_generate, measured.mem_vs_generate
+        if speed is None:
+            raise ValueError(f"--from: {measured.path} has no speed ratio at N={measured.n}.")
+        said = f"CB measured {speed:.2f}x generate()'s tokens/s at N={measured.n}"
+        basis = f"measured: {measured.describe()}"
+        if versus_parity(speed):
+            return Advice("continuous" if versus_parity(speed) > 0 else "generate", [said], basis)
+        return Advice("continuous" if mem is not None and versus_parity(mem) < 0 else "generate",
+                      [f"{said}: parity, so memory decides"], basis)
+    if n < CB_MIN_N:
+        return Advice("generate", [f"N={n} < {CB_MIN_N}"], TRL_BENCHMARK_BASIS)
+    if completion_cv is not None:
+        variable, spread = completion_cv >= VARIABLE_CV, f"length CV {completion_cv:.2f}"
+    elif mean_completion_len is not None and max_new_tokens:
+        waste = 1 - mean_completion_len / max_new_tokens
+        variable, spread = waste >= VARIABLE_WASTE, f"~{waste:.0%} of generate()'s decode slots idle"
+    else:
+        variable, spread = True, "length spread assumed"
+    return Advice("continuous" if variable else "generate", [f"N={n} >= {CB_MIN_N}", spread], TRL_BENCHMARK_BASIS)

@@ -63,10 +63,10 @@ def padding_figure(rollout: Any) -> go.Figure:
 
 def workloads_figure(by_workload: Mapping[str, Sequence[Mapping[str, Any]]]) -> go.Figure:
     """Several workloads' sweeps in one figure (workload -> its points): CB's speed relative to generate() at
-    each N (top, the parity band of `cbkit.measure.advise.versus_parity` shaded) next to the static batch's
+    each N (top, the parity band of `cbkit.measure.planner.versus_parity` shaded) next to the static batch's
     padding share at the same N (bottom), so the one thing that differs between the workloads, the length
     spread, sits under the speed it buys."""
-    from cbkit.measure.advise import PARITY_MARGIN
+    from cbkit.measure.planner import PARITY_MARGIN
 
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.6, 0.4])
     ns: set[int] = set()

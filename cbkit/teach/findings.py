@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cbkit.measure.advise import PARITY_MARGIN, versus_parity
+from cbkit.measure.planner import PARITY_MARGIN, versus_parity
 from cbkit.rollout.engine import is_helper
 from cbkit.train.hooks import StepRecord
 
@@ -17,7 +17,7 @@ from cbkit.train.hooks import StepRecord
 
 
 def _more_less(ratio: float, more: str, less: str, same: str = "about the same") -> str:
-    """The word for a ratio to 1, by cbkit's one "about equal" rule (`cbkit.measure.advise.versus_parity`)."""
+    """The word for a ratio to 1, by cbkit's one "about equal" rule (`cbkit.measure.planner.versus_parity`)."""
     return {1: more, -1: less, 0: f"{same}: within {PARITY_MARGIN:.0%}"}[versus_parity(ratio)]
 
 

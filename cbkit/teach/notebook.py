@@ -274,8 +274,8 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
 
 
 def tier_plan_line(env: NotebookEnv) -> str:
-    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan_notebook`): its peak against memory and
-    its runtime, an estimate until measured. Raises, before any model time, where the plan does not fit."""
+    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan_notebook`): its peak against memory.
+    Raises, before any model time, where the plan does not fit."""
     from cbkit.teach.tiers import MACHINES
 
     machine = "t4" if env.tier == "t4" else ("a100-80" if (env.gpu_memory_bytes or 0) > 60 * GiB else "a100-40")
@@ -284,10 +284,8 @@ def tier_plan_line(env: NotebookEnv) -> str:
     if not (p.fits and p.admitted):
         raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
                           f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
-    where = "planned on a CPU: this dry run's sizes are smaller" if env.dry_run else "not yet measured"
-    return (f"plan for a {roofline_name(machine)}: peak {p.peak_bytes / GiB:.1f} of {p.memory_bytes / GiB:.0f} "
-            f"GiB, runtime ~{p.seconds / 60:.1f} min (an estimate from the planner and the roofline, {where}; "
-            f"`cbkit tiers` prints its assumptions)")
+    return (f"plan for a {roofline_name(machine)}: peak {p.peak_bytes / GiB:.1f} of {p.memory_bytes / GiB:.0f} GiB"
+            + (" (at the tier's sizes; this dry run's are smaller)" if env.dry_run else ""))
 
 
 def roofline_name(machine: str) -> str:

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cbkit.measure.advise import versus_parity
+from cbkit.measure.planner import versus_parity
 
 __all__ = ["VARIANTS", "WinSplit", "guide_check", "measure_why_cb", "noise_line", "split_lines", "split_win", "why_cb_conclusion",
            "why_cb_findings"]

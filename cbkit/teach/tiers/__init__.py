@@ -1,9 +1,9 @@
 """The notebooks on the GPUs their users have: every size of every notebook per tier in one table (`table`: a
 notebook's parameters cell reads its row, ``env.sizes``), and the plan that checks each one without a GPU (`plan`,
-`cbkit tiers`): does it fit, will the engine start, does it finish in time, does each memory sweep's crossover lie
-inside its swept N. On a GPU tier the notebooks fix the pool in bytes (``pool_share`` x what a training step leaves
-on the tier's smallest GPU), as TRL's pool is a share of what its trainer leaves: the engine's default, half the free
-memory, is a pool no notebook-sized ``generate()`` batch outgrows. docs/tiers.md has the table `cbkit tiers` prints.
+`cbkit tiers`): does it fit, will the engine start, does each memory sweep's crossover lie inside its swept N. On
+a GPU tier the notebooks fix the pool in bytes (``pool_share`` x what a training step leaves on the tier's smallest
+GPU), as TRL's pool is a share of what its trainer leaves: the engine's default, half the free memory, is a pool no
+notebook-sized ``generate()`` batch outgrows. docs/tiers.md has the table `cbkit tiers` prints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from cbkit.teach.tiers.plan import (
     PresetPlan,
     TierPlan,
     engine_admission,
-    estimated_train_step,
     parameter_count,
     plan_all,
     plan_config,
@@ -26,7 +25,6 @@ from cbkit.teach.tiers.plan import (
     tiers_report,
 )
 from cbkit.teach.tiers.table import (
-    BUDGET_S,
     CAPABILITY,
     CUDA_CONTEXT_BYTES,
     DRY_MODEL,
@@ -36,10 +34,8 @@ from cbkit.teach.tiers.table import (
     LOGITS_BUDGET_BYTES,
     MACHINES,
     NOTEBOOKS,
-    OVERHEAD_S,
     POOL_SHARE,
     PROMPT_LEN,
-    RECIPE_BUDGET_S,
     RECIPES,
     TIER_MEMORY,
     TIERS,
@@ -50,9 +46,9 @@ from cbkit.teach.tiers.table import (
     sizes_for,
 )
 
-__all__ = ["BUDGET_S", "CAPABILITY", "CUDA_CONTEXT_BYTES", "DRY_MODEL", "GPU_MODEL", "GPU_TIERS", "LESSON_PAGE_SIZE",
-           "LOGITS_BUDGET_BYTES", "MACHINES", "NOTEBOOKS", "OVERHEAD_S", "POOL_SHARE", "PRESET_MACHINES", "PROMPT_LEN",
-           "RECIPES", "RECIPE_BUDGET_S", "TIERS", "TIER_MEMORY", "EngineStart", "GiB", "NotebookSpec", "PresetPlan",
-           "Sizes", "TierPlan", "engine_admission", "estimated_train_step", "notebook_spec", "parameter_count",
+__all__ = ["CAPABILITY", "CUDA_CONTEXT_BYTES", "DRY_MODEL", "GPU_MODEL", "GPU_TIERS", "LESSON_PAGE_SIZE",
+           "LOGITS_BUDGET_BYTES", "MACHINES", "NOTEBOOKS", "POOL_SHARE", "PRESET_MACHINES", "PROMPT_LEN",
+           "RECIPES", "TIERS", "TIER_MEMORY", "EngineStart", "GiB", "NotebookSpec", "PresetPlan",
+           "Sizes", "TierPlan", "engine_admission", "notebook_spec", "parameter_count",
            "plan_all", "plan_config", "plan_notebook", "plan_presets", "plan_recipes", "pool_bytes", "pool_config",
            "sizes_for", "tiers_report"]

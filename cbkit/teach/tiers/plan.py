@@ -1,6 +1,6 @@
 """`cbkit tiers`: one notebook on one GPU (`plan_notebook`): its peak by part, every CB engine start it makes with
 transformers' own verdict on it (`EngineStart`), the copies of the weights it holds in host memory against a Colab
-runtime's RAM, its runtime by the roofline, and each memory sweep's crossover (`TierPlan`); every notebook, recipe and
+runtime's RAM, and each memory sweep's crossover (`TierPlan`); every notebook, recipe and
 sweep preset checked (`plan_all`, `plan_recipes`, `plan_presets`, `tiers_report`). The pool a notebook fixes
 (`pool_config`) is the one it runs and the one planned; the pool's size and what it keeps running come from the one
 pool model (`cbkit.rollout.admission`)."""
@@ -15,9 +15,8 @@ from typing import Any
 
 from cbkit.measure import roofline
 from cbkit.measure.planner import crossover_n, plan, training_bytes
-from cbkit.rollout.admission import Admission, admission, blocks_needed, pool_blocks, running
+from cbkit.rollout.admission import Admission, admission, blocks_needed, pool_blocks
 from cbkit.teach.tiers.table import (
-    BUDGET_S,
     CAPABILITY,
     COLAB_RAM_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -28,7 +27,6 @@ from cbkit.teach.tiers.table import (
     LOGITS_BUDGET_BYTES,
     MACHINES,
     NOTEBOOKS,
-    OVERHEAD_S,
     POOL_SHARE,
     PROMPT_LEN,
     RECIPES,
@@ -116,34 +114,6 @@ def pool_config(config: Any, sizes: Sizes, tier: str, *, dtype_bytes: int, rows:
     return {}
 
 
-def estimated_train_step(config: Any, rows: int, new_tokens: int, gpu: roofline.Machine, dtype: str) -> float:
-    """The old-logprob forward and the loss's forward and backward of one step, by the roofline."""
-    return roofline.estimated_train_seconds(config, rows=rows, tokens_per_row=PROMPT_LEN + new_tokens,
-                                            machine=gpu, dtype=dtype, forwards=2)
-
-
-def rollout_seconds(config, prompts, n, new, backend, lengths, pool, gpu, dtype, dtype_bytes) -> float:
-    """A rollout's seconds, priced in the dtype of the weights it samples from: fp32 weights at the fp32 peak (not
-    TF32's: cbkit leaves it off) whatever the training's autocast ``dtype``, as the engine runs no autocast."""
-    dtype = "float32" if dtype_bytes == 4 else dtype
-    running = _running(prompts * n, new, backend, lengths, pool["num_blocks"], pool["page_size"])
-    return roofline.estimated_rollout_seconds(config, prompt_lens=[PROMPT_LEN] * prompts, running=running,
-                                              context=PROMPT_LEN + new // 2, dtype_bytes=dtype_bytes, machine=gpu,
-                                              dtype=dtype)
-
-
-@functools.cache
-def _running(rows: int, new: int, backend: str, lengths: str, num_blocks: int, page: int) -> tuple[int, ...]:
-    """Sequences decoding at each step: a static batch's rows until each one's target; the pool what its blocks
-    cover, refilled as sequences end (`admission.running`)."""
-    from cbkit.measure.workload import parse_lengths
-
-    targets = parse_lengths(lengths).targets(rows, new, seed=0) or [new] * rows
-    if backend == "generate":
-        return tuple(sum(t >= step for t in targets) for step in range(1, max(targets) + 1))
-    return running(PROMPT_LEN, targets, page, max(num_blocks, -(-(PROMPT_LEN + new) // page)), new)
-
-
 # The part of a plan that is too large -> the sizes that shrink it.
 _LOWER = {"rollout": "N (n, sweep_ns), the prompts or the new tokens", "weights": "the model",
           "optimizer": "the model", "loss logits": "max_new_tokens (or the tier's logits budget)",
@@ -170,8 +140,6 @@ class TierPlan:
     dtype: str
     peak_bytes: int
     memory_bytes: int  # what tensors may use: CUDA's total less the context (`CUDA_CONTEXT_BYTES`)
-    seconds: float
-    budget_s: float
     crossovers: list[tuple[str, int | None, tuple[int, ...]]]  # (what, planned crossover N, swept N)
     parts: dict[str, int]  # the peak by part, bytes
     notes: list[str]
@@ -195,16 +163,12 @@ class TierPlan:
         return all(s.admission.fits for s in self.starts)
 
     @property
-    def in_budget(self) -> bool:
-        return self.seconds <= self.budget_s
-
-    @property
     def shows_phenomenon(self) -> bool:
         return all(x is not None and min(ns) < x <= max(ns) for _, x, ns in self.crossovers)
 
     @property
     def ok(self) -> bool:
-        return self.fits and self.admitted and self.in_budget and self.shows_phenomenon
+        return self.fits and self.admitted and self.shows_phenomenon
 
     def problems(self) -> list[str]:
         out = []
@@ -224,9 +188,6 @@ class TierPlan:
                 out.append(f"the CB engine would not start for {start.what}: {a.error} (it may take "
                            f"{fmt_bytes(a.available_bytes)} and needs {fmt_bytes(a.footprint_bytes)}); shrink the "
                            "pool (pool_share, N) or what is resident beside it (the weights' copies, the model)")
-        if not self.in_budget:
-            out.append(f"over budget: ~{self.seconds / 60:.1f} min > {self.budget_s / 60:.0f} min; lower N, the "
-                       "prompts, the steps or the new tokens")
         for what, x, ns in self.crossovers:
             if x is None or not min(ns) < x <= max(ns):
                 where = "beyond" if x is None or x > max(ns) else "below"
@@ -243,16 +204,15 @@ class TierPlan:
                   f"{fmt_bytes(tightest.admission.available_bytes)}" if tightest else "no engine")
         return (f"{self.notebook:24} {self.machine:8} {self.dtype:9} peak {fmt_bytes(self.peak_bytes):>10} of "
                 f"{fmt_bytes(self.memory_bytes):>9} | host {fmt_bytes(self.host_bytes)} of "
-                f"{fmt_bytes(self.host_memory_bytes)} | {engine} | ~{self.seconds / 60:4.1f} of "
-                f"{self.budget_s / 60:.0f} min | {cross} | {status}")
+                f"{fmt_bytes(self.host_memory_bytes)} | {engine} | {cross} | {status}")
 
 
 def plan_notebook(name: str, machine: str) -> TierPlan:
-    """The planned peak, engine starts, runtime and crossovers of one notebook on one GPU of ``MACHINES``."""
+    """The planned peak, engine starts and crossovers of one notebook on one GPU of ``MACHINES``."""
     if machine not in MACHINES:
         raise ValueError(f"unknown GPU {machine!r}; the GPUs checked are {', '.join(MACHINES)}.")
     tier, dtype = MACHINES[machine]
-    spec, gpu = notebook_spec(name), roofline.GPUS[machine]
+    spec = notebook_spec(name)
     s = spec.sizes[tier]
     config = plan_config(s.model)
     params = parameter_count(config)
@@ -283,16 +243,14 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     crossovers: list[tuple[str, int | None, tuple[int, ...]]] = []
     notes: list[str] = []
     starts: dict[tuple, tuple[str, int]] = {}  # (rows, new tokens, dtype bytes) -> (what, most resident bytes)
-    seconds: float = OVERHEAD_S
     rollout_peak = 0
 
-    def rollout(prompts: int, n: int, new: int, backend: str, lengths: str = "replay:gsm8k", *, resident: int = 0,
+    def rollout(prompts: int, n: int, new: int, backend: str, *, resident: int = 0,
                 what: str = "a rollout", dtype_bytes: int = weight_bytes) -> None:
         """One rollout of the notebook; a CB one is an engine start with `resident` bytes on the GPU beside it."""
-        nonlocal seconds, rollout_peak
+        nonlocal rollout_peak
         p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=new, **common)
         rollout_peak = max(rollout_peak, (p.generate if backend == "generate" else p.continuous).peak_bytes)
-        seconds += rollout_seconds(config, prompts, n, new, backend, lengths, pool, gpu, compute, weight_bytes)
         key = (prompts * n, new, dtype_bytes)
         if backend != "generate" and resident >= starts.get(key, ("", -1))[1]:
             starts[key] = (what, resident)
@@ -303,20 +261,17 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         ga = _micro_batches(rows, s.max_new_tokens, config, tier)
         train = training_bytes(params, micro_batch_rows=rows // ga, tokens_per_row=PROMPT_LEN + s.max_new_tokens,
                                completion_len=s.max_new_tokens, config=config, autocast=tier == "a100")
-        step_s = estimated_train_step(config, rows, s.max_new_tokens, gpu, compute)
         # From the second step on, the trainer's gradients and AdamW's moments stay on the GPU between updates.
         trainer = train["optimizer_state"] - 4 * params
         for backend in spec.train_runs:
             for step in range(1, s.steps + 1):
                 rollout(s.prompts, s.n, s.max_new_tokens, backend, resident=loaded + (trainer if step > 1 else 0),
                         what=f"step {step}'s rollout" + (" (the trainer's state resident)" if step > 1 else ""))
-                seconds += step_s
-            for _ in range(s.steps // s.eval_every + 1 if s.eval_every else 0):  # held-out, through the CB engine
+            if s.eval_every:  # the held-out evaluation, through the CB engine
                 rollout(s.eval_prompts, s.eval_n, s.max_new_tokens, "continuous", resident=loaded + trainer,
                         what="the held-out evaluation after training")
         if spec.trl_step:  # one TRL step: its rollout and update
             rollout(s.prompts, s.n, s.max_new_tokens, "continuous", resident=loaded, what="TRL's rollout")
-            seconds += step_s
         parts.update({"rollout": rollout_peak, "optimizer state (weights counted above)": trainer,
                       "loss logits": train["logits"], "activations": train["activations"]})
         notes.append(f"gradient_accumulation_steps={ga}: micro-batches of {rows // ga} completions")
@@ -326,9 +281,6 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         for what, dtype_bytes in (("the fp32 rollout", 4), ("the bf16 copy's rollout", 2), ("the top-p rollout", 4)):
             rollout(s.prompts, s.n, s.max_new_tokens, "continuous", resident=loaded + bf16_copy, what=what,
                     dtype_bytes=dtype_bytes)
-            seconds += 2 * roofline.estimated_train_seconds(config, rows=rows, tokens_per_row=PROMPT_LEN +
-                                                            s.max_new_tokens, machine=gpu, dtype="float32",
-                                                            forwards=1) / 3
         from cbkit.train.batch import logits_bytes
 
         parts.update({"bf16 copy of the policy": bf16_copy, "rollout pools (two engines)": 2 * rollout_peak,
@@ -339,12 +291,9 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
             rollout(s.prompts, s.n, s.max_new_tokens, "generate")
             rollout(s.prompts, s.n, s.max_new_tokens, "continuous", resident=loaded, what="section 2's rollout")
         sweep = dict(num_prompts=s.sweep_prompts, max_new_tokens=s.sweep_new_tokens, **common)
-        for workload in s.workloads if spec.kind == "sweep" else ("replay:gsm8k",):
-            for n in s.sweep_ns:
-                for _ in range(s.repeats):
-                    rollout(s.sweep_prompts, n, s.sweep_new_tokens, "generate", workload)
-                    rollout(s.sweep_prompts, n, s.sweep_new_tokens, "continuous", workload, resident=loaded,
-                            what=f"the sweep's N={n}")
+        for n in s.sweep_ns:
+            rollout(s.sweep_prompts, n, s.sweep_new_tokens, "generate")
+            rollout(s.sweep_prompts, n, s.sweep_new_tokens, "continuous", resident=loaded, what=f"the sweep's N={n}")
         crossovers.append(("the memory sweep", crossover_n(config, max_n=2 * max(s.sweep_ns), **sweep),
                            s.sweep_ns))
         parts["rollout"] = rollout_peak
@@ -355,9 +304,8 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                            engine_admission(config, pool, rows=rows, new=new, dtype_bytes=dtype_bytes, machine=machine,
                                             resident=resident))
                for (rows, new, dtype_bytes), (what, resident) in starts.items()]
-    budget_s = (spec.budget_s or BUDGET_S)[tier]
-    return TierPlan(name, tier, machine, compute, sum(parts.values()), memory, seconds,
-                    budget_s, crossovers, parts, notes, pool, checked, host_parts)
+    return TierPlan(name, tier, machine, compute, sum(parts.values()), memory, crossovers, parts, notes, pool, checked,
+                    host_parts)
 
 
 def engine_admission(config: Any, pool: dict[str, Any], *, rows: int, new: int, dtype_bytes: int, machine: str,
@@ -386,7 +334,7 @@ def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | N
 
 
 def plan_recipes(machines: Sequence[str] | None = None) -> list[TierPlan]:
-    """The learning recipes (``RECIPES``) on every GPU: an estimate until a GPU runs them."""
+    """The learning recipes (``RECIPES``) on every GPU."""
     return [plan_notebook(r, m) for r in RECIPES for m in (machines or list(MACHINES))]
 
 
@@ -456,9 +404,6 @@ def tiers_report(plans: Sequence[TierPlan]) -> str:
     lines = [p.line() for p in plans]
     for p in plans:
         lines += [f"  {p.notebook} on {p.machine}: {problem}" for problem in p.problems()]
-    lines += ["", f"Runtime: an estimate, not a measurement: each decode step at {roofline.DECODE_EFFICIENCY:.0%} "
-              f"of the lower roof (datasheet peaks), never under {roofline.LAUNCH_S_PER_LAYER * 1e3:.2f} ms a layer; "
-              f"training at {roofline.TRAIN_EFFICIENCY:.0%} of the matmul peak; plus {OVERHEAD_S} s of imports and "
-              f"loading. Memory: the planner's peak of every rollout, prompts of {PROMPT_LEN} tokens, plus the "
-              "weights and, where the notebook trains, the optimizer state, one micro-batch's logits and activations."]
+    lines += ["", f"Memory: the planner's peak of every rollout, prompts of {PROMPT_LEN} tokens, plus the weights and, "
+              "where the notebook trains, the optimizer state, one micro-batch's logits and activations."]
     return "\n".join(lines)

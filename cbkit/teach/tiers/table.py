@@ -26,8 +26,6 @@ CUDA_CONTEXT_BYTES = GiB // 2
 # KV pages of the notebooks' pools: a GSM8K chat prompt (~130 tokens) fills four, so a group's N completions share
 # its prompt's pages (prefix sharing); the engine's GPU default, 256 tokens, is never filled by one.
 LESSON_PAGE_SIZE = 32
-BUDGET_S = {"t4": 600, "a100": 300}
-OVERHEAD_S = 30  # imports, model build or load from the local cache, the engine's start; downloads excluded
 POOL_SHARE = 0.4  # TRL's example: max_memory_percent=0.4 with the trainer resident
 # A chat prompt's length: GSM8K test questions with cbkit's system prompt, in SmolLM2's tokens (131.6 on average).
 PROMPT_LEN = 132
@@ -83,7 +81,6 @@ class NotebookSpec:
     # whether a TRL step follows them (04 runs CB, then generate(), then one TRL step).
     train_runs: tuple[str, ...] = ("continuous",)
     trl_step: bool = False
-    budget_s: dict[str, float] | None = None  # per tier; None: BUDGET_S (a notebook's slot in a workshop)
     # Copies of the training weights the notebook keeps at its fullest point, beside the policy, where the tier keeps
     # them (`cbkit.train.snapshots.place_for_tier`; 04: the initial weights; 05: the initial weights, staleness 4's
     # k + 1 ring and a run's kept final weights), and whether one of its runs is async (the engine's own weight
@@ -154,12 +151,10 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
 
 
 # The learning recipe (recipes/smollm2_arith.yaml) on the GPU tiers, planned like a notebook that trains: one CB run
-# of `steps` steps with its held-out evaluations, in the 15 minutes the CPU recipe may take. A GPU trains the hub model, on which one-digit sums are too easy: its difficulty (data_options) is chosen
-# by the same base-model measurement as on the CPU (docs/learning.md). An estimate until a GPU runs it.
-RECIPE_BUDGET_S = 15 * 60
+# of `steps` steps with its held-out evaluations. A GPU trains the hub model, on which one-digit sums are too easy: its
+# difficulty (data_options) is chosen by the same base-model measurement as on the CPU (docs/learning.md).
 RECIPES: dict[str, NotebookSpec] = {spec.name: spec for spec in (
-    NotebookSpec("recipe smollm2_arith", "train", train_runs=("continuous",),
-                 budget_s={"t4": RECIPE_BUDGET_S, "a100": RECIPE_BUDGET_S}, sizes={
+    NotebookSpec("recipe smollm2_arith", "train", train_runs=("continuous",), sizes={
                      "cpu": Sizes(_SMOL, 2, 8, 32, steps=40, learning_rate=3e-5, eval_every=8, eval_prompts=64,
                                   eval_n=2),
                      "t4": Sizes(GPU_MODEL, 4, 8, 128, steps=40, learning_rate=1e-6, eval_every=8, eval_prompts=64,
