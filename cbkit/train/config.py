@@ -344,7 +344,7 @@ class CBGRPOConfig:
 
 
 def same_as(name: str, *, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
-    """A field of another command's config (`cbkit demo`, `cbkit advise`) that means what `CBGRPOConfig`'s `name`
+    """A field of another command's config (`cbkit demo`, `cbkit plan`) that means what `CBGRPOConfig`'s `name`
     means: its help text is that field's, so the flags of two commands cannot drift apart. ``aliases`` are more
     flag spellings (``-N``); ``kw`` the field's own default."""
     text = next(f.metadata["help"] for f in dataclasses.fields(CBGRPOConfig) if f.name == name)
