@@ -41,11 +41,11 @@ EDITS = {
              '"return_logprobs": False', raises=True),
     ],
     "01_kv_slot_recycling": [
-        Edit(1, 'cb_config={"page_size": PAGE_SIZE, "num_blocks": quarter_pool})',
-             'cb_config={"page_size": PAGE_SIZE, "num_blocks": quarter_pool, "allow_block_sharing": False})',
-             '"allow_block_sharing": False'),
-        Edit(3, "SWEEP_NEW_TOKENS = S.sweep_new_tokens", "SWEEP_NEW_TOKENS = 4 * S.sweep_new_tokens",
-             "`SWEEP_NEW_TOKENS`", until="crossover_n(model.config"),
+        Edit(1, 'cb_config={"page_size": PAGE_SIZE, "num_blocks": pool_blocks,',
+             'cb_config={"page_size": PAGE_SIZE, "num_blocks": pool_blocks, "allow_block_sharing": False,',
+             '"allow_block_sharing": False', until="print(f\"request-steps spent waiting"),
+        Edit(2, "POOL_ROWS = 0.25", "POOL_ROWS = 1.0", "`POOL_ROWS = 1.0`", until="saved = {"),
+        Edit(3, "TOKEN_BUDGET = 64", "TOKEN_BUDGET = 1024", "`TOKEN_BUDGET = 1024`", until="for s in trace.steps[:8]"),
     ],
     "02_logprob_correctness": [
         Edit(1, "TOP_P = 0.7", "TOP_P = 0.95", "`TOP_P = 0.95`", until="sequence_log_ratios(tp"),

@@ -1,22 +1,20 @@
-"""The findings notebook 01 prints about waiting, admission, hand-over and overlap, read from the engine's own record,
-on a recorded CB rollout of the tiny model (tests/data/engine_trace_tiny_waits.json; `python
-tests/test_engine_findings.py` records it again) where the naive readings are wrong: the engine's ``lifespan[0]``
-says every request started before the first one finished, and the first block hand-over in the record is from
-cbkit's helper prefill of a shared prompt, not from a completion. Each check compares against a clock the finding
-does not read: the engine's per-token timestamps."""
+"""What notebook 01 reads from the engine's own record, on a recorded CB rollout of the tiny model
+(tests/data/engine_trace_tiny_waits.json; `python tests/test_engine_findings.py` records it again) where the naive
+readings are wrong: the engine's ``lifespan[0]`` says every request started before the first one finished, and the
+first block hand-over in the record is from cbkit's helper prefill of a shared prompt, not from a completion. Each
+check compares against what the reading does not use: the engine's per-token timestamps, or the steps it took."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 from cbkit.rollout.engine import is_helper
 from cbkit.rollout.engine_trace import EngineTrace
-from cbkit.teach import findings
-from cbkit.teach.figures_engine import block_ids_figure, timeline_figure
+from cbkit.teach.exercises import solutions
+from cbkit.teach.exercises.checks import schedule_cases
 
 DATA = Path(__file__).parent / "data" / "engine_trace_tiny_waits.json"
 
@@ -39,26 +37,6 @@ def test_the_recording_is_one_where_lifespan_says_nobody_waited(recorded):
     assert all(r["start"] < end for r in timeline["requests"])
     assert any(r["token_times"][0] > end for r in timeline["requests"])
     assert any(is_helper(r.request_id) for s in trace.steps for r in s.requests)
-
-
-def test_admission_is_read_from_the_scheduler_not_from_lifespan(recorded):
-    trace, timeline = recorded
-    text = findings.timeline_findings(timeline, trace)
-    assert "none waited" not in text and "All 8" not in text
-    m = re.search(r"(\d+) of 8 completions were first scheduled only after another had finished \((\S+), at step",
-                  text)
-    assert m, text
-    # Every completion first scheduled after the first one finished got its first token after that one's end, by the
-    # engine's per-token clock; and as many got their first token that late.
-    lives = trace.lives()
-    first_done = min((life for life in lives.values() if not life.helper), key=lambda life: life.last_step)
-    assert first_done.request_id == m.group(2)
-    late = {life.request_id for life in lives.values() if not life.helper and life.first_step > first_done.last_step}
-    by_engine = {r["engine_id"]: r for r in timeline["requests"]}
-    end = by_engine[first_done.request_id]["end"]
-    assert len(late) == int(m.group(1)) > 0
-    assert all(by_engine[rid]["token_times"][0] > end for rid in late)
-    assert "2 cbkit helper requests" in text  # counted apart from the 8 completions
 
 
 def test_each_life_agrees_with_the_engines_token_clock(recorded):
@@ -86,46 +64,31 @@ def test_blocks_in_use_stay_within_the_pool_and_cover_every_scheduled_table(reco
     assert max(held) <= trace.pool_blocks
 
 
-def test_the_first_hand_over_named_is_from_a_finished_completion(recorded):
+def test_the_first_hand_over_is_from_a_helper_and_completions_hand_over_too(recorded):
     trace, timeline = recorded
     reuses = trace.reuses()
-    earliest = min(reuses, key=lambda r: (r.first_step, r.block))
-    assert is_helper(earliest.released_by)  # what the old finding named as the first recycling
-    text = findings.engine_trace_findings(trace)
-    helpers = sum(is_helper(r.released_by) for r in reuses)
-    assert f"{helpers} of them from cbkit's helper prefills" in text
-    m = re.search(r"The first from a completion: block (\d+), held by (\S+) until step (\d+), taken by (\S+) at step "
-                  r"(\d+)", text)
-    assert m, text
-    released_by = m.group(2)
-    assert not is_helper(released_by)
-    completion = {r["engine_id"]: r for r in timeline["requests"]}[released_by]  # a completion the rollout returned
-    taker = {r["engine_id"]: r for r in timeline["requests"]}.get(m.group(4))
-    # it was handed on after its holder's last token, by the engine's clock
-    assert taker is None or completion["token_times"][-1] < taker["token_times"][-1]
+    assert is_helper(min(reuses, key=lambda r: (r.first_step, r.block)).released_by)
+    ends = {r["engine_id"]: r["token_times"][-1] for r in timeline["requests"]}
+    takers = {r["engine_id"]: r["token_times"][0] for r in timeline["requests"]}
+    handed = [r for r in reuses if not is_helper(r.released_by)]
+    assert handed  # a finished completion's block went to another request, after its last token by the engine's clock
+    assert all(ends[r.released_by] < takers.get(r.taken_by, float("inf")) or r.taken_by not in takers
+               or ends[r.released_by] < ends[r.taken_by] for r in handed)
 
 
-def test_the_figures_label_helpers_and_start_bars_at_the_scheduled_step(recorded):
-    trace, timeline = recorded
-    fig = block_ids_figure(trace)
-    lines = [t for t in fig.data if t.mode == "lines"]
-    helpers = [t for t in lines if "cbkit helper" in t.name]
-    assert len(helpers) == 2 and len({t.line.color for t in helpers}) == 1
-    completions = [t for t in lines if t not in helpers]
-    assert len(completions) == 8 and len({t.line.color for t in completions}) == 8  # one colour each
-    assert helpers[0].line.color not in {t.line.color for t in completions}
-    assert all(t.showlegend is not False for t in lines)
-    tl = timeline_figure(timeline, trace=trace)
-    first = {}
-    for s in trace.steps:
-        for r in s.requests:
-            first.setdefault(r.request_id, s.t)
-    bars = [t for t in tl.data if t.type == "bar" and t.name.startswith("group")]
-    starts = {rid: b for t in bars for rid, b in zip(t.y, t.base, strict=True)}
-    for r in timeline["requests"]:
-        assert starts[r["id"]] == pytest.approx(first[r["engine_id"]] - timeline["t0"])
-    moved = [r for r in timeline["requests"] if first[r["engine_id"]] - r["start"] > 1e-4]
-    assert moved  # where lifespan[0] had them started before the scheduler gave them a token
+def test_the_engines_steps_are_the_fifo_rule_with_its_read_budget(recorded):
+    """Every recorded step is what 01's exercise answer (decode first, the token budget, the read budget of
+    page_size x num_blocks tokens paid in past_len) chooses from the candidates rebuilt from the record; and in some
+    step the reads exceed the blocks held: a shared prompt page is read once per request, so the read budget can bind
+    while blocks are free."""
+    trace, _ = recorded
+    steps = schedule_cases(trace, token_budget=8192, max_requests=10**6)
+    assert len(steps) == len(trace.steps)
+    for i, args, engine in steps:
+        assert solutions.schedule_step(*args) == engine, f"step {i}"
+    held = trace.blocks_in_use()
+    reads = [sum(r.past_len for r in s.requests) for s in trace.steps]
+    assert any(read > h * trace.page_size for read, h in zip(reads, held, strict=True))
 
 
 def _record(path: Path = DATA) -> None:

@@ -109,21 +109,3 @@ def test_reuses_by_hand_sharing_and_cached_prompt_pages_are_not_recycling():
     got = sorted((r.block, r.taken_by, r.first_step) for r in trace.reuses())
     assert got == [(8, "d", 3), (9, "c", 2)]
     assert {r.block: r.released_by for r in trace.reuses()}[9] == "a"
-
-
-def test_the_step_and_block_figures_draw_what_the_trace_holds():
-    from cbkit.teach.figures_engine import block_ids_figure, engine_step_figure
-
-    step = EngineStep(4, 0.0, (_req("a", [7, 8, 9]), _req("b", [7, 8, 5]),
-                               ScheduledRequest("c", 32, 2, 16, 16, (3, 4))))
-    fig = engine_step_figure(step, 16)
-    bars = [t for t in fig.data if t.type == "bar" and t.x[0] is not None]
-    assert [(t.text[0], t.x[0], t.base[0]) for t in bars] == [("a", 1, 0), ("b", 1, 1), ("c", 16, 2)]  # packed
-    (table,) = [t for t in fig.data if t.type == "heatmap"]
-    assert [list(row) for row in table.text] == [["7", "8", "9"], ["7", "8", "5"], ["3", "4", ""]]
-    assert [list(row) for row in table.z] == [[1, 1, 0], [1, 1, 0], [0, 0, None]]  # 7 and 8: read by a and b
-    assert "18 tokens from 3 requests (1 prefilling, 2 decoding)" in fig.layout.title.text
-    trace = EngineTrace(steps=[step, EngineStep(5, 0.1, (_req("d", [9], prompt=3),))], pool_blocks=10, page_size=16)
-    blocks = block_ids_figure(trace)
-    (marks,) = [t for t in blocks.data if t.mode == "markers"]
-    assert list(marks.y) == [9] and list(marks.x) == [5]

@@ -121,15 +121,27 @@ def _agg_unmasked(loss, mask, loss_type, max_len):
     return solutions.aggregate_loss(loss, torch.ones_like(mask), loss_type, max_len)
 
 
-def _blocks_unreserved(prompt_len, lengths, page_size, pool_blocks):
-    """Admits on the prompt's blocks alone, as if the pool could always grow: nothing waits."""
-    return solutions.blocks_in_use(prompt_len, lengths, page_size, 10**9)
+def _step_no_read_budget(candidates, token_budget, read_budget, max_requests):
+    """Forgets the engine's read budget: schedules whatever fits the tokens."""
+    return solutions.schedule_step(candidates, token_budget, 10**9, max_requests)
 
 
-def _blocks_released_early(prompt_len, lengths, page_size, pool_blocks):
-    """Lets finished sequences go before counting the step: the last token of each is never counted."""
-    held = solutions.blocks_in_use(prompt_len, lengths, page_size, pool_blocks)
-    return held[:-1] + [0]
+def _step_no_chunks(candidates, token_budget, read_budget, max_requests):
+    """Gives every request all it wants: no chunked prefill."""
+    return solutions.schedule_step(candidates, 10**9, read_budget, max_requests)
+
+
+def _step_stops_at_a_skip(candidates, token_budget, read_budget, max_requests):
+    """Ends the step at the first request the read budget cannot pay, where the engine goes on to the next."""
+    batch = []
+    for request_id, past_len, wants, fits in candidates:
+        if past_len > read_budget or not fits:
+            break
+        batch.append((request_id, min(wants, token_budget)))
+        token_budget, read_budget = token_budget - batch[-1][1], read_budget - past_len
+        if token_budget == 0 or read_budget <= 0 or len(batch) == max_requests:
+            break
+    return batch
 
 
 # exercise -> [(a plausible wrong answer, the case that must expose it)]
@@ -144,9 +156,10 @@ WRONG = {
         (lambda p, c: 1 - sum(c) / (len(c) * max(c)), "prompts of different lengths"),  # decode padding only
         (lambda p, c: 1 - (sum(p) + sum(c)) / sum(max(p) + n for n in c), "one row finished after one token"),
     ],
-    "blocks_in_use": [
-        (_blocks_unreserved, "room for one sequence at a time"),
-        (_blocks_released_early, "one sequence"),
+    "schedule_step": [  # steps of the check's fixed recorded rollout
+        (_step_no_read_budget, "engine step 7"),
+        (_step_no_chunks, "engine step 0"),
+        (_step_stops_at_a_skip, "engine step 31"),
     ],
     "token_is_weights": [
         (lambda o, s, m, c: torch.exp(o - s), "a clipped ratio"),  # forgot the clip

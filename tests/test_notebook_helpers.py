@@ -13,7 +13,7 @@ import torch
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
 from cbkit.teach import findings, fits, live, notebook, trl_step
-from cbkit.teach.recycling import completion_lengths, paged_pool, recycling_explorer, static_batch
+from cbkit.teach.recycling import paged_pool, static_batch
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
 
@@ -158,7 +158,7 @@ def test_paged_pool_with_room_for_all_frees_blocks_as_sequences_end():
 
 
 def test_a_small_pool_queues_sequences_and_never_overflows():
-    lengths = completion_lengths(32, 64, 0.9, seed=1)
+    lengths = [(7 * i) % 64 + 1 for i in range(32)]  # 1..64 tokens
     full = paged_pool(20, lengths, 8)
     small = paged_pool(20, lengths, 8, pool_blocks=4 * 11)  # four sequences at full length (84 tokens -> 11 blocks)
     assert max(small.running) == 4 and max(full.running) == 32
@@ -182,46 +182,13 @@ def test_admission_reserves_for_the_generation_limit_not_the_lengths_that_happen
         paged_pool(8, lengths, 8, pool_blocks=8, max_len=64)
 
 
-def test_equal_lengths_leave_nothing_to_recycle_and_spread_does():
-    same = completion_lengths(16, 64, 0.0)
-    assert same == [64] * 16
-    flat = paged_pool(32, same, 1).token_steps / static_batch(32, same).token_steps
-    spread = completion_lengths(16, 64, 1.0, seed=0)
-    varied = paged_pool(32, spread, 1).token_steps / static_batch(32, spread).token_steps
-    assert flat == pytest.approx(1.0)
-    assert varied < 0.8
-
-
-def test_spread_runs_from_the_fixed_workload_to_the_replayed_one():
-    replay = [10, 40, 100]  # already scaled to the limit of 100
-    fixed = completion_lengths(6, 100, 0.0, seed=3, replay=replay)
-    full = completion_lengths(6, 100, 1.0, seed=3, replay=replay)
-    half = completion_lengths(6, 100, 0.5, seed=3, replay=replay)
-    assert fixed == [100] * 6 and set(full) <= set(replay)
-    # Same seed, same draws: halfway between each replayed length and the limit (10 -> 55, 40 -> 70).
-    assert half == [round(100 - (100 - x) / 2) for x in full]
-
-
 @pytest.mark.parametrize(("call", "msg"), [
-    (lambda: completion_lengths(4, 10, 1.5), "spread is a fraction"),
-    (lambda: completion_lengths(4, 10, 0.5, replay=[3, 12]), "replay lengths must be 1..max_len=10"),
     (lambda: paged_pool(10, [5], 4, pool_blocks=2), "pool_blocks=2 cannot hold even one sequence"),
     (lambda: static_batch(10, []), "one positive completion length per sequence"),
 ])
 def test_recycling_model_refuses_bad_input(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
-
-
-def test_explorer_headless_returns_the_figure_and_interactive_returns_sliders():
-    fig = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=False)
-    assert isinstance(fig, go.Figure) and "paged pool, engine admission: peak" in fig.layout.title.text
-    # both admission rules drawn, the engine's named as such, the reservation's step count in the title too
-    names = {t.name for t in fig.data}
-    assert {"paged pool, engine admission: KV slots held", "paged pool, worst-case reservation: KV slots held"} <= names
-    assert "worst-case reservation:" in fig.layout.title.text
-    ui = recycling_explorer(prompt_len=50, max_len=64, page_size=16, n=8, interactive=True)
-    assert [c.description for c in ui.children[:3]] == ["N", "length spread", "pool / static"]
 
 
 # --- logprob pairs and their figures -------------------------------------------------------------------------
@@ -256,19 +223,6 @@ def test_without_logprobs_drops_them_and_says_why(tiny):
     dropped.validate()
 
 
-def test_planned_points_feed_the_memory_figure(tiny):
-    from cbkit.teach.crossover import planned_points
-    from cbkit.viz.figures import memory_vs_n
-
-    pts = planned_points(tiny.model.config, [4, 8], num_prompts=1, prompt_len=20, max_new_tokens=16, dtype_bytes=4,
-                         device="cpu", cb_config={"num_blocks": 40, "page_size": 8})
-    gen = [p for p in pts if p["backend"] == "generate"]
-    cb = [p for p in pts if p["backend"] == "continuous"]
-    assert gen[1]["kv_bytes"] == 2 * gen[0]["kv_bytes"]  # the static batch grows with N
-    assert cb[0]["kv_bytes"] == cb[1]["kv_bytes"]  # a fixed pool does not
-    fig = memory_vs_n(pts)
-    assert any("planner" in t.name for t in fig.data) and not any("measured" in t.name for t in fig.data)
-    assert math.isfinite(gen[0]["planned_peak_bytes"])
 
 
 @pytest.mark.parametrize(("profile", "device", "tier", "dry_run", "place"), [

@@ -96,10 +96,10 @@ def test_a_term_is_defined_where_a_learner_first_meets_it(term):
     assert re.search(DEFINED[term], src, re.I), f"{term!r} first appears in {stem} markdown cell {i}, undefined there"
 
 
-def test_paged_attention_and_chunked_prefill_are_named_where_01_shows_them():
-    (step,) = [src for src in _markdown("01_kv_slot_recycling") if src.startswith("## 2b.")]
-    assert "block table" in step and "**paged attention**" in step
-    assert "chunk of the prompt" in step and "**chunked prefill**" in step
+def test_paged_attention_and_chunked_prefill_are_defined_before_01_uses_them():
+    (terms,) = [src for src in _markdown("01_kv_slot_recycling") if src.startswith("## Terms")]
+    assert "**block table**" in terms and "**paged attention**" in terms
+    assert "chunk of the prompt" in terms and "**chunked prefill**" in terms
 
 
 def test_padding_share_always_says_which_share():

@@ -208,8 +208,8 @@ GUARDS = {
     "01_kv_slot_recycling": [
         ("the static batch pads (padding share clearly above zero)", lambda v: v["static_padding_share"] >= 0.05,
          {"static_padding_share": 0.0}),
-        ("the requests need more blocks than the pool holds", lambda v: v["blocks_needed"] > v["pool_blocks"],
-         {"blocks_needed": 20, "pool_blocks": 25}),
+        ("requests wait: the pool or the read budget runs out", lambda v: v["waits"] >= 1, {"waits": 0}),
+        ("a group's requests share their prompt's pages", lambda v: v["sharing_share"] > 0.02, {"sharing_share": 0.0}),
         ("the engine hands a released block to another request", lambda v: v["engine_block_reuses"] >= 1,
          {"engine_block_reuses": 0}),
     ],
@@ -415,9 +415,9 @@ def test_no_result_is_typed_before_the_run():
         assert not found, f"{stem}: typed claims {found}; print them from the run or ask the question"
 
 
-def test_01_gives_no_speed_verdict_from_its_cold_starved_call():
-    (cell,) = [s for s in _sources("01_kv_slot_recycling", "code") if "quarter_pool" in s and "generate(" in s]
-    assert "faster" not in cell and "slower" not in cell and "static.wall_s" not in cell
+def test_01_shows_no_speed_it_is_a_memory_lesson_on_a_patched_cpu_engine():
+    code = "\n".join(_sources("01_kv_slot_recycling", "code"))
+    assert "wall_s" not in code and "tokens_per_s" not in code and "faster" not in code
 
 
 def test_03_decision_guide_reads_the_measured_sweep_and_exercises_rest_on_true_premises():

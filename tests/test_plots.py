@@ -9,7 +9,7 @@ import types
 import plotly.graph_objects as go
 import pytest
 
-from cbkit.teach import figures_engine, figures_padding
+from cbkit.teach import figures_padding
 from cbkit.viz import display, palette
 from cbkit.viz import figures as plots
 from cbkit.viz.live import LiveChart
@@ -341,30 +341,6 @@ def test_report_is_self_contained_and_names_everything(tmp_path):
 
 
 # --- timeline and padding -----------------------------------------------------------------------------------
-
-
-def test_timeline_figure_from_a_hand_made_timeline():
-    t0 = 50.0
-    requests = [
-        dict(id=0, group=0, prompt_len=3, start=t0, end=t0 + 0.3, token_times=[t0 + 0.1, t0 + 0.2, t0 + 0.3]),
-        dict(id=1, group=0, prompt_len=3, start=t0, end=t0 + 0.1, token_times=[t0 + 0.1]),
-        dict(id=2, group=1, prompt_len=5, start=t0 + 0.1, end=t0 + 0.4, token_times=[t0 + 0.25, t0 + 0.4]),
-    ]
-    timeline = {"page_size": 4, "t0": t0, "requests": requests}
-    occ = {"t": [0.0, 0.1, 0.3, 0.4], "running": [2, 2, 1, 0], "blocks_in_use": [2, 3, 2, 0], "pool_blocks": 4}
-    fig = figures_engine.timeline_figure(timeline, occ)
-    bars = [t for t in fig.data if t.type == "bar"]
-    assert [b.name for b in bars] == ["group 0", "group 1", "admitted, waiting for its first token"]
-    assert list(bars[0].base) == [0.0, 0.0] and list(bars[0].x) == pytest.approx([0.3, 0.1])
-    # Request 2 was admitted at 0.1 s and got its first token at 0.25 s: 0.15 s hatched from 0.1 s.
-    assert list(bars[2].base) == pytest.approx([0.0, 0.0, 0.1]) and list(bars[2].x) == pytest.approx([0.1, 0.1, 0.15])
-    assert figures_engine.first_token_waits(timeline) == pytest.approx({0: 0.1, 1: 0.1, 2: 0.15})
-    ticks = _trace(fig, "a generated token")
-    assert len(ticks.x) == 6
-    assert list(_trace(fig, "KV blocks in use").y) == [2, 3, 2, 0]
-    assert list(_trace(fig, "pool: 4 blocks").y) == [4, 4]
-    assert fig.layout.xaxis3.title.text.startswith("seconds")
-    assert fig.layout.yaxis2.title.text == "running" and fig.layout.yaxis3.title.text == "KV blocks"
 
 
 def test_padding_figure_from_a_real_generate_rollout(tiny):

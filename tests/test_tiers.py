@@ -10,7 +10,6 @@ import types
 from pathlib import Path
 
 import nbformat
-import plotly.graph_objects as go
 import pytest
 import torch
 
@@ -18,7 +17,6 @@ from cbkit.cli import main
 from cbkit.measure import roofline
 from cbkit.measure.presets import PRESETS
 from cbkit.teach import fits, notebook, tiers, trl_step
-from cbkit.teach.crossover import crossover_vs_pool, crossover_vs_pool_figure
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,27 +123,6 @@ def test_the_pool_is_a_share_of_what_training_leaves():
     # The same pool on both A100s: sized for the tier's smallest GPU, so the crossover does not move with the card.
     assert tiers.plan_notebook("01_kv_slot_recycling", "a100-40").crossovers == \
         tiers.plan_notebook("01_kv_slot_recycling", "a100-80").crossovers
-
-
-def test_a_bigger_pool_moves_the_crossover_to_a_larger_n():
-    config = tiers.plan_config("llama-1b-random")
-    rows = crossover_vs_pool(config, [2 * 2**30, 4 * 2**30, 8 * 2**30], page_size=256, max_n=512, num_prompts=6,
-                             prompt_len=132, max_new_tokens=2048, dtype_bytes=2, device="cuda",
-                             budget_bytes=37 * 2**30)
-    ns = [r["crossover_n"] for r in rows]
-    assert None not in ns and ns == sorted(ns) and ns[0] < ns[-1]
-
-
-def test_the_crossover_figure_draws_each_pool_and_marks_one_beyond_the_range():
-    """01 displays what `crossover_vs_pool_figure` returns: a figure with one point per pool (a pool with no
-    crossover drawn at the top of the range and labelled), the swept N shaded, the notebook's pool marked."""
-    rows = [{"pool_bytes": 2 * 2**30, "crossover_n": 16}, {"pool_bytes": 4 * 2**30, "crossover_n": 64},
-            {"pool_bytes": 8 * 2**30, "crossover_n": None}]
-    fig = crossover_vs_pool_figure(rows, swept=[8, 32], chosen_bytes=4 * 2**30, max_n=512)
-    assert isinstance(fig, go.Figure) and len(fig.data) == 1
-    assert list(fig.data[0].x) == [2.0, 4.0, 8.0] and list(fig.data[0].y) == [16, 64, 512]
-    assert list(fig.data[0].text) == ["", "", "beyond N=512"]
-    assert [s.type for s in fig.layout.shapes] == ["rect", "line"] and fig.layout.shapes[1].x0 == 4.0
 
 
 def test_a_launch_bound_rollout_takes_its_floor_per_step():

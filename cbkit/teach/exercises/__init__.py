@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from cbkit.teach.exercises.checks import (
     check_aggregate_loss,
-    check_blocks_in_use,
     check_format_score,
     check_fresh_groups,
     check_group_advantages,
     check_padding_share,
+    check_schedule_step,
     check_sequence_mask_weights,
     check_static_kv_bytes,
     check_token_is_weights,
@@ -27,7 +27,7 @@ from cbkit.teach.exercises.grading import Result
 # the tests read this table; docs/workshop.md lists the same exercises with their times.
 EXERCISES: dict[str, list[tuple[str, Callable[..., Result]]]] = {
     "00_quickstart": [("format_score", check_format_score)],
-    "01_kv_slot_recycling": [("padding_share", check_padding_share), ("blocks_in_use", check_blocks_in_use)],
+    "01_kv_slot_recycling": [("padding_share", check_padding_share), ("schedule_step", check_schedule_step)],
     "02_logprob_correctness": [("token_is_weights", check_token_is_weights),
                                ("sequence_mask_weights", check_sequence_mask_weights)],
     "03_n_sweep": [("static_kv_bytes", check_static_kv_bytes)],
@@ -35,6 +35,6 @@ EXERCISES: dict[str, list[tuple[str, Callable[..., Result]]]] = {
     "05_off_policy": [("fresh_groups", check_fresh_groups)],
 }
 
-__all__ = ["EXERCISES", "Result", "check_aggregate_loss", "check_blocks_in_use", "check_format_score",
-           "check_fresh_groups", "check_group_advantages", "check_padding_share", "check_sequence_mask_weights",
+__all__ = ["EXERCISES", "Result", "check_aggregate_loss", "check_format_score", "check_fresh_groups",
+           "check_group_advantages", "check_padding_share", "check_schedule_step", "check_sequence_mask_weights",
            "check_static_kv_bytes", "check_token_is_weights"]

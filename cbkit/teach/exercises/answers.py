@@ -30,22 +30,20 @@ ANSWERS: dict[str, list[str]] = {
         "cbkit refuses rather than silently running without them, which is what released TRL's CB path does.",
     ],
     "01_kv_slot_recycling": [
-        "Without block sharing each of the N completions of a prompt holds its own copy of the prompt's pages and "
-        "prefills the prompt itself, so fewer requests fit in the quarter pool. Compare the lines printed above the "
-        "timeline (requests that took recycled blocks, the longest wait), the hatched starts of the bars, and the "
-        "wall time: the prompt is now prefilled N times instead of once. With `num_blocks` set to the whole workload "
-        "every request fits at once: no request waits for blocks and the block-id chart shows no hand-overs.",
-        "The static batch takes as many steps as its longest row. The paged pool matches it only if every sequence "
-        "that would otherwise end late starts early enough; a short sequence can start late, once an early finisher "
-        "hands back its blocks. With spread 0.9 many sequences are short and finish early, so a much smaller pool "
-        "keeps pace; with spread 0.2 nearly every sequence runs close to the limit and must start at once, so the "
-        "pool must hold almost all of them. The explorer reserves each newcomer's worst case, so both shares are "
-        "larger than the engine's optimistic admission would need.",
-        "`generate()`'s KV is rows x (longest prompt + max new tokens): 4x the tokens makes every row's KV about 4x "
-        "larger. Compare the printed line `planner: CB's peak drops below generate()'s from N = ...` before and after. "
-        "On a GPU tier the pool is a fixed share of memory, so `generate()` outgrows it at a smaller N and the "
-        "crossover moves down; on a CPU `POOL_SEQUENCES` fixes the pool in sequences at full length, so it grows 4x "
-        "too and the crossover moves much less.",
+        "Without block sharing every completion holds its own copy of its prompt's pages and prefills its whole "
+        "prompt itself, so each needs more blocks and more query tokens. Compare section 2's step count and the "
+        "first steps' `past+query` (the completions now start from past 0), section 3b's peak blocks and its waiting "
+        "count, which should shift towards the blocks. The toy still shares prompt pages, so its first difference "
+        "with the engine comes at the completions' first step: the rule that differs is the prefix hash.",
+        "With room for every row at full length the pool never runs short of blocks, so compare section 3b's waiting "
+        "count: what waiting is left comes from the read budget, which grows with the pool (page_size x num_blocks) "
+        "and so binds later too. In section 4 the engine's peak rises towards the useful tokens minus the prompt "
+        "sharing: with everyone running at once, recycling has little to save. The pool printed in section 4 is "
+        "the price: it grows with POOL_ROWS whether or not the run uses it.",
+        "A budget larger than a prompt lets the helper prefill each prompt in one step instead of in chunks of 64 "
+        "tokens, and lets several completions finish their prompts in the same step, so the first steps hold more "
+        "tokens and the run takes fewer steps. Compare the printed first steps (no `P` chunk cut at 64) and the "
+        "step counts of section 2. Memory does not move much: the budget limits tokens per step, not KV held.",
     ],
     "02_logprob_correctness": [
         "With top_p = 0.95 the nucleus drops at most 5% of the mass at each token, so each TRL-style token ratio "

@@ -2,7 +2,7 @@
 
 Every reference below is the code the kit itself runs and tests, called as it is, never the formula written out
 again: a format reward is `cbkit.tasks.rewards.format_reward`, a padding share `cbkit.telemetry.kv_accounting` (what
-01 prints under its padding grid), a paged pool `cbkit.teach.recycling.paged_pool`, IS weights and the loss
+01 prints under its padding grid), a scheduler step the engine's own recorded steps (what it really did), IS weights and the loss
 `cbkit.train.objective` (checked against TRL's own code by tests/test_objective.py), the static batch's KV the
 planner's `plan` (checked against measured runs), and the staleness filter `cbkit.train.offpolicy.fresh_groups`
 (what async GRPO drops). The first cases of each table are the edge cases, then cases drawn from the seed.
@@ -10,6 +10,7 @@ planner's `plan` (checked against measured runs), and the staleness filter `cbki
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -17,9 +18,9 @@ from typing import Any
 
 from cbkit.teach.exercises.grading import Case, Result, close, grade, new_seed
 
-__all__ = ["check_aggregate_loss", "check_blocks_in_use", "check_format_score", "check_fresh_groups",
-           "check_group_advantages", "check_padding_share", "check_sequence_mask_weights", "check_static_kv_bytes",
-           "check_token_is_weights"]
+__all__ = ["check_aggregate_loss", "check_format_score", "check_fresh_groups",
+           "check_group_advantages", "check_padding_share", "check_schedule_step", "check_sequence_mask_weights",
+           "check_static_kv_bytes", "check_token_is_weights", "schedule_cases"]
 
 
 def _exact(expected: Any, got: Any) -> str | None:
@@ -66,7 +67,7 @@ def check_format_score(fn: Callable[[str], float], seed: int | None = None, *, q
                  check="check_format_score", quiet=quiet)
 
 
-# --- 01: the static batch's padding, and a paged pool's blocks ------------------------------------------------
+# --- 01: the static batch's padding, and one step of the engine's scheduler ------------------------------------------------
 
 
 def _padding_reference(prompt_lens: list[int], completion_lens: list[int]) -> float:
@@ -111,45 +112,99 @@ def check_padding_share(fn: Callable[[list[int], list[int]], float], seed: int |
                  quiet=quiet)
 
 
-def _blocks_reference(prompt_len: int, lengths: list[int], page_size: int, pool_blocks: int) -> list[int]:
-    from cbkit.teach.recycling import paged_pool
+def schedule_cases(trace: Any, token_budget: int, max_requests: int) -> list[tuple[int, tuple, list]]:
+    """Per engine step of `trace` (a `cbkit.rollout.engine_trace.EngineTrace`): its index, the arguments of
+    `schedule_step` as the scheduler saw them before it, and what the engine scheduled [(request_id, query_len)].
 
-    held = paged_pool(prompt_len, lengths, page_size, pool_blocks=pool_blocks, admission="reserve").held_tokens
-    return [h // page_size for h in held]
+    The candidates are rebuilt from the record in `FIFOScheduler.schedule_batch`'s order: running requests that
+    decode, then those still prefilling (each in the order it was first scheduled), then waiting ones in arrival
+    order (cbkit's prefill helpers first; the completions arrive once every helper has finished). A waiting request
+    reads from where its prefix-cache match leaves it (its `past_len` at its first step). `fits` is the allocator's
+    answer, taken from the record: False for a request the engine left out although both budgets had room for it."""
+    read = trace.pool_blocks * trace.page_size
+    first: dict[str, tuple[int, int]] = {}
+    last: dict[str, int] = {}
+    prompt: dict[str, int] = {}
+    for s in trace.steps:
+        for r in s.requests:
+            first.setdefault(r.request_id, (s.index, r.past_len))
+            last[r.request_id] = s.index
+            prompt[r.request_id] = r.prompt_len
+
+    def arrival(rid: str) -> tuple[bool, int]:
+        return (not rid.startswith("cbkit-prefill-"), int(rid.replace("-", "_").rsplit("_", 1)[1]))
+
+    helpers_done = 1 + max((last[rid] for rid in last if not arrival(rid)[0]), default=-1)
+    reached: dict[str, int] = {}
+    out = []
+    for s in trace.steps:
+        alive = sorted((rid for rid in reached if last[rid] >= s.index), key=lambda rid: first[rid][0])
+        ordered = [(rid, reached[rid], 1) for rid in alive if reached[rid] >= prompt[rid]]
+        ordered += [(rid, reached[rid], prompt[rid] - reached[rid]) for rid in alive if reached[rid] < prompt[rid]]
+        ordered += [(rid, first[rid][1], prompt[rid] - first[rid][1]) for rid in sorted(first, key=arrival)
+                    if first[rid][0] >= s.index and (not arrival(rid)[0] or s.index >= helpers_done)]
+        got = {r.request_id: r.query_len for r in s.requests}
+        candidates, tokens, reads, n = [], token_budget, read, 0
+        for rid, past, wants in ordered:
+            open_ = tokens > 0 and reads > 0 and n < max_requests
+            candidates.append((rid, past, wants, rid in got or not (open_ and reads >= past)))
+            if rid in got and open_:
+                tokens, reads, n = tokens - got[rid], reads - past, n + 1
+        out.append((s.index, (candidates, token_budget, read, max_requests), [(r.request_id, r.query_len)
+                                                                              for r in s.requests]))
+        reached.update({r.request_id: r.past_len + r.query_len for r in s.requests})
+    return out
 
 
-def check_blocks_in_use(fn: Callable[[int, list[int], int, int], list[int]], seed: int | None = None, *,
-                        quiet: bool = False) -> Result:
-    """`fn(prompt_len, lengths, page_size, pool_blocks) -> blocks in use at every decode step`, against the paged
-    pool of `cbkit.teach.recycling` (the model behind 01's explorer)."""
+def _step_hint(args: tuple, engine: list) -> str:
+    candidates, token_budget, read_budget, _ = args
+    got = dict(engine)
+    if any(q < wants for rid, _, wants, _ in candidates for r, q in engine if r == rid):
+        return "the token budget ran out inside a prompt: that request gets a chunk of min(wants, budget left)."
+    if any(rid not in got and fits for rid, _, _, fits in candidates):
+        return ("a request that fits was left out: the read budget (the pool's tokens) pays each scheduled "
+                "request's past_len; skip one that would overdraw it and go on, stop once it is spent.")
+    if any(not fits for *_, fits in candidates):
+        return "a candidate that does not fit is skipped, and the ones after it are still considered."
+    return "decoding requests come first, one token each, in the candidates' order."
+
+
+@functools.cache
+def _record_small_rollout() -> tuple[Any, dict[str, Any]]:
+    """A small rollout of cbkit's tiny model through the real engine, recorded step by step, once per process: 2
+    prompts x 4, pages of 16 tokens, a pool for three requests without sharing, a token budget of 32 (prefills come
+    in chunks), fixed completion lengths (the same steps every time, so a wrong answer fails where it always does)."""
+    from cbkit.models.load import load_policy
+    from cbkit.rollout import SamplingParams, make_backend
+    from cbkit.rollout.engine_config import workload_blocks
+    from cbkit.rollout.engine_trace import record_engine_steps
+
+    tiny = load_policy("tiny", seed=0, device="cpu")
+    tok = tiny.tokenizer
+    prompts = [tok.encode("Tom has 3 apples and buys 4 more apples at the market. How many apples does he have?"),
+               tok.encode("A train leaves at noon and travels 60 miles per hour for three hours. How far is it?")]
+    sampling = SamplingParams(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=0)
+    backend = make_backend("continuous", tiny.model, cb_config={
+        "page_size": 16, "num_blocks": workload_blocks([prompts[0]] * 3, 40, 16), "max_batch_tokens": 32})
+    with record_engine_steps() as trace:
+        rollout = backend.generate(prompts, 4, sampling, target_lengths=[3 + (11 * i) % 37 for i in range(8)])
+    return trace, rollout.engine_config
+
+
+def check_schedule_step(fn: Callable[..., list[tuple[str, int]]], seed: int | None = None, *, quiet: bool = False,
+                        trace: Any = None, token_budget: int = 8192, max_requests: int = 1024) -> Result:
+    """`fn(candidates, token_budget, read_budget, max_requests) -> [(request_id, query_len)]`, graded step by step
+    against what transformers' engine scheduled in a small rollout it records now (or in `trace`, recorded with
+    that token budget and request cap)."""
     seed = new_seed() if seed is None else seed
-    rng = random.Random(seed)
-    page = rng.choice([4, 8, 16])
-    prompt = rng.randint(1, 3 * page)
-    lengths = [rng.randint(1, 3 * page) for _ in range(5)]
-    worst = -(-(prompt + max(lengths)) // page)
-    cases = [
-        Case("one sequence", (prompt, [lengths[0]], page, 4 * worst),
-             "a sequence holds ceil((prompt + generated) / page) blocks, one more each time it crosses a page."),
-        Case("a pool for everyone", (prompt, lengths, page, 5 * worst),
-             "with room for all, every sequence is admitted at step 1; a finished one hands its blocks back."),
-        Case("a prompt of whole pages", (2 * page, lengths, page, 5 * (2 + -(-max(lengths) // page))),
-             "a prompt that fills its pages exactly needs a new block for its very first generated token."),
-        Case("room for one sequence at a time", (prompt, lengths, page, worst),
-             "admission reserves the worst case, prompt + the longest completion, so the others wait in order."),
-        Case("pages of one token", (prompt, lengths[:3], 1, 2 * (prompt + max(lengths[:3]))),
-             "with page_size 1, blocks are tokens."),
-    ]
-    for i in range(5):
-        ls = [rng.randint(1, 40) for _ in range(rng.randint(2, 9))]
-        pg = rng.choice([2, 4, 16])
-        p = rng.randint(0, 30)
-        w = -(-(p + max(ls)) // pg)
-        cases.append(Case(f"drawn workload {i + 1}", (p, ls, pg, rng.randint(w, 4 * w)),
-                          "each step: admit first in, first out while the reservations fit, then every running "
-                          "sequence generates one token, count the blocks, and let the finished ones go."))
-    return grade("blocks_in_use", fn, cases, _blocks_reference, _exact, seed=seed, check="check_blocks_in_use",
-                 quiet=quiet)
+    if trace is None:
+        trace, config = _record_small_rollout()
+        token_budget, max_requests = config["max_batch_tokens"], config["max_requests_per_batch"]
+    steps = schedule_cases(trace, token_budget, max_requests)
+    cases = [Case(f"engine step {i}", args, _step_hint(args, engine)) for i, args, engine in steps]
+    expected = iter([engine for *_, engine in steps])
+    return grade("schedule_step", lambda *args: [tuple(x) for x in fn(*args)], cases, lambda *_: next(expected),
+                 _exact, seed=seed, check="check_schedule_step", quiet=quiet)
 
 
 # --- 02: importance-sampling weights ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ of the stub. They are *answers*, not the kit's references: each check grades the
 
 from __future__ import annotations
 
-__all__ = ["aggregate_loss", "blocks_in_use", "format_score", "fresh_groups", "group_advantages", "padding_share",
+__all__ = ["aggregate_loss", "format_score", "fresh_groups", "group_advantages", "padding_share", "schedule_step",
            "sequence_mask_weights", "static_kv_bytes", "token_is_weights"]
 
 
@@ -42,27 +42,29 @@ def padding_share(prompt_lens: list[int], completion_lens: list[int]) -> float:
     return 1 - (sum(prompt_lens) + sum(completion_lens)) / slots
 
 
-def blocks_in_use(prompt_len: int, lengths: list[int], page_size: int, pool_blocks: int) -> list[int]:
-    """KV blocks held at every decode step by a paged pool of `pool_blocks` blocks of `page_size` tokens.
+def schedule_step(candidates: list[tuple[str, int, int, bool]], token_budget: int, read_budget: int,
+                  max_requests: int) -> list[tuple[str, int]]:
+    """One step of transformers' FIFO scheduler: the requests it schedules, with their query tokens, in order.
 
-    Sequence i wants `lengths[i]` tokens after a prompt of `prompt_len`. Every step: (1) admit waiting sequences in
-    order while the blocks reserved for the running ones plus a newcomer's worst case, ceil((prompt_len +
-    max(lengths)) / page_size), fit in the pool; (2) every running sequence generates one token; (3) record the
-    blocks held, each running sequence holding ceil((prompt_len + generated) / page_size); (4) the sequences that
-    reached their length leave and their reservation returns to the pool. Stop when none waits or runs.
+    `candidates` are (request_id, past_len, wants, fits) in the engine's order: decoding requests first, then
+    prefilling ones, then waiting ones. `past_len` is the KV the request already has (what it will read), `wants`
+    the tokens it brings (1 when decoding, the rest of its prompt when prefilling), `fits` whether the cache can
+    give the blocks its tokens need. Walk the candidates in order: skip one whose `past_len` is more than the read
+    budget left, or that does not fit; otherwise schedule it with min(wants, token budget left) tokens, and take
+    those from the token budget and its `past_len` from the read budget. Stop after a scheduled request once the
+    token budget is 0, the read budget is <= 0, or `max_requests` are scheduled.
     """
-    worst = -(-(prompt_len + max(lengths)) // page_size)
-    waiting = list(range(len(lengths)))
-    running: dict[int, int] = {}  # sequence -> tokens generated
-    held: list[int] = []
-    while waiting or running:
-        while waiting and (len(running) + 1) * worst <= pool_blocks:
-            running[waiting.pop(0)] = 0
-        for seq in running:
-            running[seq] += 1
-        held.append(sum(-(-(prompt_len + g) // page_size) for g in running.values()))
-        running = {seq: g for seq, g in running.items() if g < lengths[seq]}
-    return held
+    batch = []
+    for request_id, past_len, wants, fits in candidates:
+        if past_len > read_budget or not fits:
+            continue
+        query = min(wants, token_budget)
+        batch.append((request_id, query))
+        token_budget -= query
+        read_budget -= past_len
+        if token_budget == 0 or read_budget <= 0 or len(batch) == max_requests:
+            break
+    return batch
 
 
 def token_is_weights(old, sampled, mask, clip_max: float):
