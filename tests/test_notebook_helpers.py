@@ -4,8 +4,6 @@ committed form."""
 
 from __future__ import annotations
 
-import math
-
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -13,7 +11,6 @@ import torch
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
 from cbkit.teach import findings, fits, live, notebook, trl_step
-from cbkit.teach.recycling import paged_pool, static_batch
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
 
@@ -137,58 +134,6 @@ def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
     again: list[dict] = []
     live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=again.append)
     assert len(again) == 4  # nothing measured again, every finished run drawn
-
-
-# --- the recycling model ------------------------------------------------------------------------------------
-
-
-def test_static_batch_holds_every_row_until_the_longest_ends():
-    occ = static_batch(10, [2, 5, 3])
-    assert occ.steps == 5
-    assert occ.held_tokens == tuple(3 * (10 + s) for s in range(1, 6))
-    assert occ.running == (3, 3, 2, 1, 1)
-
-
-def test_paged_pool_with_room_for_all_frees_blocks_as_sequences_end():
-    occ = paged_pool(10, [2, 5, 3], page_size=4)
-    # step s: each running sequence holds ceil((10 + s) / 4) blocks of 4; the 2-token one leaves after step 2.
-    assert occ.held_tokens == (36, 36, 32, 16, 16)
-    assert occ.running == (3, 3, 2, 1, 1)
-    assert occ.peak_tokens <= static_batch(10, [2, 5, 3]).peak_tokens
-
-
-def test_a_small_pool_queues_sequences_and_never_overflows():
-    lengths = [(7 * i) % 64 + 1 for i in range(32)]  # 1..64 tokens
-    full = paged_pool(20, lengths, 8)
-    small = paged_pool(20, lengths, 8, pool_blocks=4 * 11)  # four sequences at full length (84 tokens -> 11 blocks)
-    assert max(small.running) == 4 and max(full.running) == 32
-    assert small.peak_tokens <= 4 * 11 * 8 < full.peak_tokens
-    assert small.steps > full.steps == max(lengths)
-    # every sequence generates all its tokens: the token-steps of completions are conserved.
-    assert sum(small.running) == sum(full.running) == sum(lengths)
-
-
-def test_admission_reserves_for_the_generation_limit_not_the_lengths_that_happen():
-    """The scheduler cannot know a completion's length when it admits it: with a 24-token limit, 8-token
-    completions still reserve 24 tokens' blocks, so fewer run at once than their real lengths would allow."""
-    lengths = [8] * 8
-    known = paged_pool(8, lengths, 8, pool_blocks=8)  # reserve 8 + 8 tokens: 2 blocks each, 4 at once
-    limit = paged_pool(8, lengths, 8, pool_blocks=8, max_len=24)  # reserve 8 + 24 tokens: 4 blocks, 2 at once
-    assert (max(known.running), max(limit.running)) == (4, 2)
-    assert limit.steps == 2 * known.steps == 32  # four waves of 8 steps instead of two
-    with pytest.raises(ValueError, match="max_len=4 is below the longest completion"):
-        paged_pool(8, lengths, 8, max_len=4)
-    with pytest.raises(ValueError, match="cannot hold even one sequence"):
-        paged_pool(8, lengths, 8, pool_blocks=8, max_len=64)
-
-
-@pytest.mark.parametrize(("call", "msg"), [
-    (lambda: paged_pool(10, [5], 4, pool_blocks=2), "pool_blocks=2 cannot hold even one sequence"),
-    (lambda: static_batch(10, []), "one positive completion length per sequence"),
-])
-def test_recycling_model_refuses_bad_input(call, msg):
-    with pytest.raises(ValueError, match=msg):
-        call()
 
 
 # --- logprob pairs and their figures -------------------------------------------------------------------------

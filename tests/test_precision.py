@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from cbkit.models.load import load_policy, training_precision
-from cbkit.teach.step_views import weight_change
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
-from tests.helpers import PROBLEMS, config, letters_reward
+from tests.helpers import PROBLEMS, config, letters_reward, weight_change
 
 T4, A100, H100 = (7, 5), (8, 0), (9, 0)
 REFUSED_T4 = "set dtype: auto, fp32 on this GPU"

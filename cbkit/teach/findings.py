@@ -7,7 +7,6 @@ from typing import Any
 
 from cbkit.measure.planner import PARITY_MARGIN, versus_parity
 from cbkit.rollout.engine import is_helper
-from cbkit.train.hooks import StepRecord
 
 # The live helpers live in cbkit.viz.live; the notebooks import them from here.
 
