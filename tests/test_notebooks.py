@@ -230,8 +230,6 @@ GUARDS = {
          lambda v: 2 * v["cb_prefill_tokens"] < v["generate_prefill_tokens"], {"cb_prefill_tokens": 10**6}),
         ("the replayed workload pads a static batch", lambda v: v["replay_padding_share"] >= 0.05,
          {"replay_padding_share": 0.0}),
-        ("the pool makes completions wait: fewer run at once than the rollout holds",
-         lambda v: v["max_running"] < v["rollout_rows"], {"max_running": 10**6}),
         ("the engine hands a finished completion's block to another request", lambda v: v["engine_block_reuses"] >= 1,
          {"engine_block_reuses": 0}),
     ],
