@@ -64,7 +64,7 @@ EDITS = {
              'max_new_tokens=MAX_NEW_TOKENS, dtype=env.rollout_dtype, cb_config={**POOL, "max_batch_tokens": 512})',
              '`cb_config={**POOL, "max_batch_tokens": 512}`'),
         Edit(3, "WORKLOADS = S.workloads", 'WORKLOADS = [*S.workloads, "natural"]', '`"natural"`',
-             until="print(points_table(points))"),
+             until='cb.get("speed_vs_generate") is None'),
     ],
     "04_grpo_live": [
         Edit(1, "    transformers_continuous_batching_config=env.pool_config(policy.model),\n",

@@ -444,23 +444,6 @@ def test_memory_vs_n_log_axis_and_a_marked_crossover():
     assert plots.log_ticks(0.08, 730)[:3] == [0.05, 0.1, 0.2] and plots.log_ticks(0.08, 730)[-1] == 1000
 
 
-def test_workloads_figure_draws_both_workloads_with_their_padding():
-    from cbkit.teach.figures_padding import workloads_figure
-
-    def pts(speed, pad):
-        return [{"backend": "continuous", "N": n, "status": "ok", "speed_vs_generate": s} for n, s in speed.items()] + [
-            {"backend": "generate", "N": n, "status": "ok", "decode_padding_share": p} for n, p in pad.items()]
-
-    fig = workloads_figure({"fixed": pts({8: 0.8, 32: 1.5}, {8: 0.0, 32: 0.0}),
-                            "replay:gsm8k": pts({8: 0.9, 32: 1.9}, {8: 0.41, 32: 0.45})})
-    lines = {t.name: list(t.y) for t in fig.data if t.type == "scatter" and t.mode == "lines+markers"}
-    bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
-    assert lines == {"fixed": [0.8, 1.5], "replay:gsm8k": [0.9, 1.9]}
-    assert bars == {"fixed: padding share": [0.0, 0.0], "replay:gsm8k: padding share": [0.41, 0.45]}
-    band = [t for t in fig.data if t.name and t.name.startswith("about equal")]
-    assert band and sorted(set(band[0].y)) == [0.95, 1.05]
-
-
 def test_live_sweep_titles_its_chart_by_workload(monkeypatch):
     import cbkit.teach.live as live
 

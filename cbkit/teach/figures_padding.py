@@ -1,14 +1,10 @@
-"""What a static batch wastes, drawn: notebook 01's row-by-position map of a `generate()` rollout's padding, and
-notebook 03's CB speed next to the padding share of each workload.
-"""
+"""What a static batch wastes, drawn: notebook 01's row-by-position map of a `generate()` rollout's padding."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from cbkit.viz.palette import PALETTE, TEMPLATE
 
@@ -58,44 +54,4 @@ def padding_figure(rollout: Any) -> go.Figure:
         title=f"Static batch: {len(comps)} rows x {width + steps} positions, {share:.0%} of all KV slots are padding (left or after EOS)",
         template=TEMPLATE, height=max(380, 160 + 12 * len(comps)), margin={"t": 90},
     )
-    return fig
-
-
-def workloads_figure(by_workload: Mapping[str, Sequence[Mapping[str, Any]]]) -> go.Figure:
-    """Several workloads' sweeps in one figure (workload -> its points): CB's speed relative to generate() at
-    each N (top, the parity band of `cbkit.measure.planner.versus_parity` shaded) next to the static batch's
-    padding share at the same N (bottom), so the one thing that differs between the workloads, the length
-    spread, sits under the speed it buys."""
-    from cbkit.measure.planner import PARITY_MARGIN
-
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.6, 0.4])
-    ns: set[int] = set()
-    for i, (workload, points) in enumerate(by_workload.items()):
-        color = PALETTE[(i + 2) % len(PALETTE)]
-        cb = sorted((p for p in points if p.get("status", "ok") == "ok" and p["backend"] == "continuous"
-                     and p.get("speed_vs_generate") is not None), key=lambda p: p["N"])
-        gen = sorted((p for p in points if p.get("status", "ok") == "ok" and p["backend"] == "generate"
-                      and p.get("decode_padding_share") is not None), key=lambda p: p["N"])
-        ns |= {p["N"] for p in cb} | {p["N"] for p in gen}
-        fig.add_trace(go.Scatter(x=[p["N"] for p in cb], y=[p["speed_vs_generate"] for p in cb], name=workload,
-                                 mode="lines+markers", line={"color": color, "width": 2.5}, legendgroup=workload,
-                                 hovertemplate=f"{workload}, N=%{{x}}: CB at %{{y:.2f}}x generate()<extra></extra>"),
-                      row=1, col=1)
-        fig.add_trace(go.Bar(x=[p["N"] for p in gen], y=[p["decode_padding_share"] for p in gen],
-                             name=f"{workload}: padding share", marker={"color": color}, legendgroup=workload,
-                             showlegend=False, offsetgroup=workload,
-                             hovertemplate=f"{workload}, N=%{{x}}: %{{y:.0%}} of the static batch's decode slots "
-                                           "are padding<extra></extra>"), row=2, col=1)
-    if ns:
-        lo, hi = min(ns), max(ns)
-        fig.add_trace(go.Scatter(x=[lo, hi, hi, lo], y=[1 - PARITY_MARGIN] * 2 + [1 + PARITY_MARGIN] * 2,
-                                 fill="toself", mode="none", fillcolor="rgba(0,0,0,0.08)",
-                                 name=f"about equal (within {PARITY_MARGIN:.0%})", hoverinfo="skip"), row=1, col=1)
-    fig.update_xaxes(type="log", tickvals=sorted(ns), title_text="N (completions per prompt)", row=2, col=1)
-    fig.update_xaxes(type="log", tickvals=sorted(ns), row=1, col=1)
-    fig.update_yaxes(title_text="CB speed / generate()", row=1, col=1)
-    fig.update_yaxes(title_text="static batch padding", tickformat=".0%", rangemode="tozero", row=2, col=1)
-    fig.update_layout(title="CB against generate() for each workload, and the padding each workload gives a "
-                            "static batch", template=TEMPLATE, height=560, barmode="group",
-                      legend={"orientation": "h", "y": -0.15, "x": 0})
     return fig

@@ -67,19 +67,20 @@ ANSWERS: dict[str, list[str]] = {
         "completions that carry the update, now with weights of a wider spread.",
     ],
     "03_n_sweep": [
-        "The printed length CV and decode padding share should stay where they were, since the replayed lengths scale "
-        "with the limit. What grows is the context: each decode step reads the KV of longer sequences, and the "
-        "engine's fixed cost per step is spread over more work. Compare `speed x` at the largest N, and `roof` with its "
-        "binding limit, in the two tables; if the ratio moved with the padding unchanged, it moved for one of those "
-        "reasons.",
+        "The printed length CV and decode padding share stay where they were, since the replayed lengths scale with "
+        "the limit. The completions double against the same prompts, so (a) prompt sharing is a smaller part of the "
+        "win: the prefill tokens saved are the same, the decode around them doubles. (b) padding keeps its share of a "
+        "longer decode, so its seconds grow with it. Each full-length completion needs more blocks, so the same pool "
+        "holds fewer of them (the pool cell prints how many) and (c) recycling has more to do. Each decode step also "
+        "reads a longer context, which weighs on both backends; compare the rest and the ms per step with the first run.",
         "`max_batch_tokens` caps the tokens one engine forward takes: decode tokens plus a prefill chunk. A prompt that "
         "no longer fits is prefilled over more steps (chunked prefill), and once the running rows alone pass 512 not "
-        "all of them decode in every step. Compare CB's `mem x` (smaller activations and logits per forward) and "
-        "`speed x` (more, smaller forwards) with the first sweep's, N by N.",
+        "all of them decode in every step. Compare CB's measured peak (smaller activations and logits per forward) and "
+        "its speed multiple of generate() with the first sweep's, N by N.",
         "Under `natural` EOS decides the lengths. Compare the three workloads' printed length CV and decode padding "
         "share: a model that runs most completions to the limit (SmolLM2 here, as 01 showed) puts `natural` close to "
-        "`fixed`. Then check whether CB's speed ratio sits where the padding would put it; if it does not, the "
-        "padding is not the whole story of CB's speed on this machine.",
+        "`fixed`, but at the full limit rather than the replay's mean. Then check whether CB's speed multiple sits where "
+        "the padding would put it; the split in *Why CB wins* says how much of the win padding carried on the replay.",
     ],
     "04_grpo_live": [
         "No metric disappears: the loop still computes and logs the `is/*` ratios (they describe the rollout), but "

@@ -115,11 +115,15 @@ NOTEBOOKS: dict[str, NotebookSpec] = {spec.name: spec for spec in (
         "t4": Sizes(GPU_MODEL, 4, 8, 256),
         "a100": Sizes(GPU_MODEL, 8, 16, 256)}),
     NotebookSpec("03_n_sweep", "sweep", {
-        "ci": Sizes(_SMOL, 1, 8, 16, sweep_ns=(4, 16), workloads=("fixed", "replay:gsm8k")),
-        "cpu": Sizes(_SMOL, 1, 8, 96, sweep_ns=(8, 16, 32, 64), workloads=("fixed", "replay:gsm8k")),
-        "t4": Sizes(_SMOL, 8, 8, 1024, sweep_ns=(16, 56), sweep_prompts=8, sweep_new_tokens=1024,
+        # GRPO's shape at every tier: several prompts, completions longer than the ~110-token prompts (the replay's
+        # mean is 0.53 of its limit), a pool that holds half the largest rollout (CPU tiers), three N or more.
+        "ci": Sizes(_SMOL, 2, 8, 256, sweep_ns=(2, 4, 8), sweep_prompts=2, sweep_new_tokens=256, pool_sequences=8,
+                    workloads=("fixed", "replay:gsm8k")),
+        "cpu": Sizes(_SMOL, 4, 8, 256, sweep_ns=(4, 8, 16), sweep_prompts=4, sweep_new_tokens=256,
+                     pool_sequences=32, workloads=("fixed", "replay:gsm8k")),
+        "t4": Sizes(_SMOL, 8, 8, 1024, sweep_ns=(8, 16, 32), sweep_prompts=8, sweep_new_tokens=1024,
                     workloads=("fixed", "replay:gsm8k"), pool_share=POOL_SHARE),
-        "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(16, 64), sweep_prompts=6, sweep_new_tokens=2048,
+        "a100": Sizes(_1B, 6, 8, 2048, sweep_ns=(8, 16, 32), sweep_prompts=6, sweep_new_tokens=2048,
                       workloads=("replay:gsm8k",), pool_share=POOL_SHARE)}),
     NotebookSpec("04_grpo_live", "train", train_runs=("continuous", "generate"), trl_step=True, weight_copies=1,
                  sizes={
