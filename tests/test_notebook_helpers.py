@@ -10,7 +10,7 @@ import torch
 
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
-from cbkit.teach import findings, fits, live, notebook, trl_step
+from cbkit.teach import fits, live, notebook, trl_step
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
 
@@ -227,63 +227,15 @@ def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
 # --- sentences printed from a run -------------------------------------------------------------------------------
 
 
-def _pt(backend, n, tps, mem, **kw):
-    return {"backend": backend, "N": n, "status": "ok", "tokens_per_s": tps, "peak_mem_bytes": mem * 2**20, **kw}
 
 
-def test_sweep_findings_say_what_the_points_say():
-    points = [_pt("generate", 4, 10.0, 40), _pt("continuous", 4, 8.0, 100, speed_vs_generate=0.8, mem_vs_generate=2.5),
-              _pt("generate", 16, 20.0, 160), _pt("continuous", 16, 30.0, 120, speed_vs_generate=1.5,
-                                                   mem_vs_generate=0.75)]
-    text = findings.sweep_findings(points)
-    assert "N=4: CB ran at 0.80x generate()'s speed (slower) and used 2.50x its peak memory (more)." in text
-    assert "N=16: CB ran at 1.50x generate()'s speed (faster) and used 0.75x its peak memory (less)." in text
-    assert "generate()'s 40 -> 160 MiB (4.00x) and CB's 100 -> 120 MiB (1.20x)" in text
-    assert "CB used less peak memory than generate() from N=16 on." in text
-    assert findings.measured_crossover(points, "speed_vs_generate") == 16
-    # Ahead at N=4 but behind again at N=16: no crossover, since it does not stay on CB's side.
-    back = [{**p, "mem_vs_generate": 0.9 if p["N"] == 4 else 1.1} for p in points]
-    assert findings.measured_crossover(back) is None
-    assert "did not use less peak memory than generate() at the largest N measured (N=16)" in findings.sweep_findings(back)
-
-
-def test_one_about_equal_rule_for_sentences_crossover_and_advice():
-    """A ratio inside the parity band is "about the same" in the sentences, never a crossover, and parity in the
-    advice: the three places read one rule (cbkit.measure.planner.versus_parity)."""
+def test_one_about_equal_rule_for_the_plans_advice():
+    """A ratio inside the parity band is parity in the planner's recommendation (cbkit.measure.planner.versus_parity)."""
     from cbkit.measure.planner import Measured, recommend, versus_parity
 
     assert [versus_parity(r) for r in (0.94, 0.96, 1.0, 1.04, 1.06)] == [-1, 0, 0, 0, 1]
-    points = [_pt("generate", 8, 10.0, 40), _pt("continuous", 8, 10.3, 40, speed_vs_generate=1.03, mem_vs_generate=0.97)]
-    text = findings.sweep_findings(points)
-    assert "CB ran at 1.03x generate()'s speed (about the same: within 5%)" in text
-    assert "0.97x its peak memory (about the same: within 5%)" in text
-    assert findings.measured_crossover(points, "speed_vs_generate") is None
-    assert findings.measured_crossover(points) is None
-    assert "was not faster than generate() at the largest N measured" in text
     advice = recommend(8, measured=Measured("x", 8, 8, "fixed", "cpu", 1.03, 0.97, 16.0, 0.0, 16.0, 0.0))
     assert "parity" in str(advice)
-
-
-def test_timeline_findings_without_the_engine_record_count_blocks_and_claim_no_waits():
-    """Without a trace the findings say what the lengths alone show (blocks needed against the pool) and nothing
-    about who waited: the clocks' start is lifespan[0], which can be stamped before a request is scheduled
-    (tests/test_engine_findings.py has a recorded rollout where it is)."""
-    t0 = 100.0
-    requests = [dict(id=0, group=0, prompt_len=4, start=t0, end=t0 + 1.0, token_times=[t0 + 0.1, t0 + 1.0]),
-                dict(id=1, group=0, prompt_len=4, start=t0, end=t0 + 2.0, token_times=[t0 + 0.9, t0 + 2.0]),
-                dict(id=2, group=0, prompt_len=4, start=t0 + 1.0, end=t0 + 3.0, token_times=[t0 + 1.1, t0 + 3.0])]
-    occ = {"t": [0, 1, 3], "running": [2, 2, 0], "blocks_in_use": [2, 3, 0], "pool_blocks": 2}
-    text = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests}, occupancy=occ)
-    # Page 4, no sharing: prompt 4 + 2 tokens is 2 blocks each, 6 in all against a pool of 2.
-    assert "needed 6 blocks in all against the 2-block pool: at least 4 blocks were used by more than one" in text
-    assert "modelled from the request clocks, peaked at 3 of a 2-block pool" in text
-    assert "admitted" not in text and "waited" not in text.replace("Who waited", "")
-    # With prefix sharing the group's one complete prompt page is stored once: 1 + 3 x (2 - 1) = 4 blocks.
-    shared = findings.timeline_findings({"t0": t0, "page_size": 4, "requests": requests, "prefix_sharing": True},
-                                        occupancy=occ)
-    assert "needed 4 blocks in all" in shared
-
-
 
 
 def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny, monkeypatch):
