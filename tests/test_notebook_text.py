@@ -49,8 +49,7 @@ def test_the_length_check_counts_lines_of_the_source():
 # --- the runtime block, once ---------------------------------------------------------------------------------------
 
 # Sentences of the runtime block every notebook used to repeat: they belong to the guide alone.
-RUNTIME_BLOCK = ("an estimate from the planner and a roofline until a GPU run measures it",
-                 "planned within ~10 minutes on a T4 and ~5 on an A100")
+RUNTIME_BLOCK = ("have not been timed. On a GPU the setup cell of each notebook prints that notebook's memory plan",)
 GUIDE_ANCHOR = "docs/workshop.md#per-notebook-time-what-to-run-live-what-to-expect"
 
 
