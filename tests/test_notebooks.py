@@ -207,7 +207,7 @@ GUARDS = {
     "01_kv_slot_recycling": [
         ("the static batch pads (padding share clearly above zero)", lambda v: v["static_padding_share"] >= 0.05,
          {"static_padding_share": 0.0}),
-        ("requests wait: the pool or the read budget runs out", lambda v: v["waits"] >= 1, {"waits": 0}),
+        ("requests wait (the pool or the read budget runs out)", lambda v: v["waits"] >= 1, {"waits": 0}),
         ("a group's requests share their prompt's pages", lambda v: v["sharing_share"] > 0.02, {"sharing_share": 0.0}),
         ("the engine hands a released block to another request", lambda v: v["engine_block_reuses"] >= 1,
          {"engine_block_reuses": 0}),
