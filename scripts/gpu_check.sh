@@ -143,8 +143,8 @@ from cbkit.measure import roofline
 from cbkit.measure.presets import DRY_RUN, PRESETS
 from cbkit.measure.presets import TRAINER_STATE_COPIES
 from cbkit.rollout.admission import admission
-from cbkit.teach.tiers.checks import PROMPT_LEN, parameter_count, plan_config
-from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES
+from cbkit.teach.tiers.plan import parameter_count, plan_config
+from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES, PROMPT_LEN
 
 preset = {**PRESETS["trl-benchmark"], **(DRY_RUN if sys.argv[2] == "1" else {})}
 config = plan_config(preset["model"])

@@ -64,7 +64,7 @@ def test_sweep_plan_report_run_bare_and_import_nothing_optional(tmp_path):
     assert result == {"codes": [0, 0, 0], "loaded": []}
     assert "No HTML report: it needs plotly (pip install plotly)" in out.stdout
     # plan read llama-1b-random's config without building it: 16 layers x K,V x 8 heads x 64 dims x 2 bytes.
-    assert "KV cache: 32.00 KiB per token" in out.stdout
+    assert "KV 32.00 KiB a token" in out.stdout
     assert (tmp_path / "s.csv").is_file() and not (tmp_path / "s.html").exists()
     # The CPU memory figure still exists without psutil (read from /proc/self/statm).
     lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
