@@ -73,8 +73,7 @@ def check_format_score(fn: Callable[[str], float], seed: int | None = None, *, q
 def _padding_reference(prompt_lens: list[int], completion_lens: list[int]) -> float:
     from cbkit.telemetry import kv_accounting
 
-    # A rollout as `generate()` records it (cbkit/rollout/generate.py): its rows, the left-padded prompt length and
-    # the decode steps; kv_accounting is what notebook 01 prints under the padding grid.
+    # A rollout as `generate()` records it (cbkit/rollout/generate.py): rows, left-padded prompt length, decode steps.
     rollout = SimpleNamespace(
         backend="generate",
         completions=[SimpleNamespace(prompt_ids=[0] * p, completion_ids=[0] * c)
@@ -83,7 +82,7 @@ def _padding_reference(prompt_lens: list[int], completion_lens: list[int]) -> fl
                        "steps": max(completion_lens)})
     config = SimpleNamespace(num_attention_heads=1, num_key_value_heads=1, head_dim=1, num_hidden_layers=1)
     share = kv_accounting(rollout, config, 1)["kv_padding_share"]
-    assert share is not None  # a generate() rollout (its engine_config here) always has its padding counted
+    assert share is not None  # a generate() rollout always has its padding counted
     return share
 
 
@@ -121,10 +120,8 @@ def schedule_cases(trace: Any, token_budget: int, max_requests: int) -> list[tup
     order (cbkit's prefill helpers first; the completions arrive once every helper has finished). A waiting request
     reads from where its prefix-cache match leaves it (its `past_len` at its first step). `fits` is the allocator's
     answer, taken from the record: False for a request the engine left out although both budgets had room for it."""
-    read = trace.pool_blocks * trace.page_size
-    first: dict[str, tuple[int, int]] = {}
-    last: dict[str, int] = {}
-    prompt: dict[str, int] = {}
+    read = trace.pool_blocks * trace.page_size  # the engine's cache read budget: the pool's tokens
+    first, last, prompt = dict[str, tuple[int, int]](), dict[str, int](), dict[str, int]()  # first: (step, past_len)
     for s in trace.steps:
         for r in s.requests:
             first.setdefault(r.request_id, (s.index, r.past_len))
@@ -157,8 +154,7 @@ def schedule_cases(trace: Any, token_budget: int, max_requests: int) -> list[tup
 
 
 def _step_hint(args: tuple, engine: list) -> str:
-    candidates, token_budget, read_budget, _ = args
-    got = dict(engine)
+    candidates, got = args[0], dict(engine)
     if any(q < wants for rid, _, wants, _ in candidates for r, q in engine if r == rid):
         return "the token budget ran out inside a prompt: that request gets a chunk of min(wants, budget left)."
     if any(rid not in got and fits for rid, _, _, fits in candidates):
@@ -292,10 +288,9 @@ def check_sequence_mask_weights(fn: Callable[..., Any], seed: int | None = None,
 
 
 def _shape(**kw: Any) -> SimpleNamespace:
-    base = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 256,
-            "head_dim": None, "intermediate_size": 512, "vocab_size": 1000, "sliding_window": None,
-            "layer_types": None}
-    return SimpleNamespace(**{**base, **kw})
+    return SimpleNamespace(**{"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size":
+                              256, "head_dim": None, "intermediate_size": 512, "vocab_size": 1000,
+                              "sliding_window": None, "layer_types": None, **kw})
 
 
 def _kv_reference(config, rows: int, prompt_len: int, max_new_tokens: int, dtype_bytes: int) -> int:
