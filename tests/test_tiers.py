@@ -260,17 +260,9 @@ def test_the_step_timers_kept_copy_is_a_file_and_04_plans_no_async_snapshot(tiny
 
 
 def test_the_pool_model_worked_by_hand():
-    """`cbkit.rollout.admission`'s block count and recycling, on numbers worked by hand: a 10-token prompt in 4-token
+    """`cbkit.rollout.admission`'s block count, on numbers worked by hand: a 10-token prompt in 4-token
     pages has 2 complete pages a group of 3 shares; each sequence at 7 tokens past it holds ceil(17/4) = 5 pages."""
-    import pytest
-
-    from cbkit.rollout.admission import blocks_needed, running
+    from cbkit.rollout.admission import blocks_needed
 
     assert blocks_needed(10, 7, 4, n=3) == 2 + 3 * (5 - 2) == 11
     assert blocks_needed(10, 7, 4, n=3, share_prompt=False) == 15 and blocks_needed(10, 7, 4) == 5
-    # 4-token prompts, up to 3 new tokens: 2 blocks a sequence's worst case, so a 4-block pool runs two at once and
-    # a finished one's blocks go to the next waiting: targets 3, 1, 2, 1 run 2, 2, 2, then 1 sequences a step.
-    assert running(4, [3, 1, 2, 1], 4, 4, 3) == (2, 2, 2, 1)
-    assert running(4, [3, 1, 2, 1], 4, 100, 3) == (4, 2, 1)  # room for all: no one waits
-    with pytest.raises(ValueError, match="cannot hold one sequence"):
-        running(4, [3], 4, 1, 3)

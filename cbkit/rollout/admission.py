@@ -1,7 +1,7 @@
 """The paged KV pool, modelled once: how large the engine makes it (`admission`: transformers' own sizing and memory
-check, run on any machine), how many of its blocks a group of completions needs (`blocks_needed`: the prompt's
-complete pages shared), and how many sequences it keeps decoding as finished ones hand their blocks back (`running`:
-recycling). The planner, the admission check before a CB rollout and `cbkit tiers` all call this module.
+check, run on any machine) and how many of its blocks a group of completions needs (`blocks_needed`: the prompt's
+complete pages shared). Recycling itself is shown, not modelled: notebook 01 steps a scheduler beside the engine's
+record. The planner, the admission check before a CB rollout and `cbkit tiers` all call this module.
 
 The engine's internals it runs (its config resolution, its cache and memory handler) are reached through
 `cbkit.rollout.upstream.engine_footprint`.
@@ -79,20 +79,3 @@ def blocks_needed(prompt_len: int, tokens: int, page: int, *, n: int = 1, share_
     sequence its own pages after them."""
     shared = prompt_len // page if share_prompt and n > 1 else 0
     return shared + n * (-(-(prompt_len + tokens) // page) - shared)
-
-
-def running(prompt_len: int, targets: Sequence[int], page: int, pool: int, max_len: int) -> tuple[int, ...]:
-    """Sequences decoding at each step of a rollout in a pool of `pool` blocks, with recycling: a sequence is admitted
-    while the pool covers every running one's worst case (prompt + `max_len`, its own pages), decodes one token a
-    step, and hands its blocks back at its `targets` length, where the next waiting sequence takes them."""
-    worst = blocks_needed(prompt_len, max_len, page, share_prompt=False)
-    if pool < worst:
-        raise ValueError(f"a pool of {pool} blocks cannot hold one sequence at full length ({worst} blocks).")
-    waiting, steps = list(targets)[::-1], []
-    left: list[int] = []  # tokens each running sequence still has to decode
-    while waiting or left:
-        while waiting and (len(left) + 1) * worst <= pool:
-            left.append(waiting.pop())
-        steps.append(len(left))
-        left = [t - 1 for t in left if t > 1]
-    return tuple(steps)
