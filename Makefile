@@ -92,6 +92,7 @@ test: lint browser
 test-more: $(STAMP) browser
 	$(MAKE) test-bare
 	$(MAKE) test-newest
+	$(MAKE) test-oldest
 	$(MAKE) test-skipped
 	$(MAKE) book
 	$(MAKE) test-tiers
@@ -129,7 +130,8 @@ gpu-wheels:
 # The bottom of the transformers range, read from pyproject.toml (5.24: the oldest the engine tests pass on), installed
 # --no-deps into $(OLDEST), which shadows .venv's copy on PYTHONPATH: `make setup` takes the newest release the range
 # allows. Then the tests of version-dependent code: the engine (its contract and the rollouts), the TRL bridge, the
-# precision rule and accelerate's wrapper, the notebooks' TRL step. Not part of `make test`.
+# precision rule and accelerate's wrapper, the notebooks' TRL step. Part of `make test-more`: where `make setup`
+# resolves the newest release (the registry has kernels), nothing else runs the floor.
 OLDEST ?= .venv-oldest
 FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml).0
 OLDEST_PACKAGES ?= transformers==$(FLOOR)
@@ -141,14 +143,16 @@ test-oldest: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps --target $(OLDEST) $(OLDEST_PACKAGES)
 	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -c \
 		"import transformers as t; assert t.__version__ == '$(FLOOR)', f'{t.__file__} is {t.__version__}'"
-	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -m pytest -p no:cacheprovider -q $(OLDEST_TESTS)
+	PYTHONPATH=$(CURDIR):$(abspath $(OLDEST)) $(BIN)/python -m pytest -p no:cacheprovider -q -n $(TEST_JOBS) \
+		$(OLDEST_TESTS)
 
 # The top of the transformers range: the newest release the registry has inside pyproject.toml's range (what a fresh
 # install or Colab resolves), installed --no-deps into $(NEWEST)/transformers, which shadows .venv's copy; the
 # version is checked against `pip index versions`. Without `kernels` (an offline machine, a mirror without it:
 # transformers 5.25 requires it) OLDEST_TESTS, the README's example (a CB rollout and a GRPO step on SmolLM2) and
 # the load path's kernels choice run; then, with the newest `kernels` the registry has importable (in
-# $(NEWEST)/kernels), the README's example, 04's TRL step and the kernels choice again. Part of `make test-more`.
+# $(NEWEST)/kernels), the README's example, 04's TRL step and the kernels choice again; where .venv already is that
+# set-up, only the version check. Part of `make test-more`.
 NEWEST ?= .venv-newest
 RANGE := $(shell sed -n 's/.*"\(transformers>=[^"]*\)".*/\1/p' pyproject.toml)
 KERNELS_TESTS ?= tests/test_readme.py::test_the_readme_example_runs \
@@ -165,14 +169,19 @@ test-newest: $(STAMP)
 		allowed = SpecifierSet('$(RANGE)'.removeprefix('transformers')); \
 		top = max(v for v in map(Version, open('$(NEWEST)/index').read().split(', ')) if v in allowed); \
 		assert Version(t.__version__) == top, f'{t.__file__} is {t.__version__}, the newest in $(RANGE) is {top}'"
-	# Without kernels where .venv lacks it (transformers 5.24 does not require it); transformers 5.25 requires kernels,
-	# so where the registry has it a fresh install holds it, and this run is a second one with it.
-	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers $(BIN)/python -c "import importlib.util as u; \
-		print('kernels in .venv:', 'yes (the next run has it too)' if u.find_spec('kernels') else 'no')"
+	# Where .venv itself holds that release and kernels (a fresh `make setup` where the registry has kernels>=0.19.1:
+	# transformers 5.25 requires it), `make test` has already run every test on exactly this set-up: say so, run none
+	# twice. Otherwise the version-dependent tests without kernels, then the kernels tests with it.
+	if $(BIN)/python -c "import importlib.util as u, transformers as t; \
+		v = open('$(NEWEST)/transformers/transformers/__init__.py').read().split('__version__ = \"')[1].split('\"')[0]; \
+		same = t.__version__ == v and u.find_spec('kernels') is not None; \
+		print(f'.venv holds transformers {t.__version__}, the newest in range is {v}; kernels in .venv:', \
+		u.find_spec('kernels') is not None, '-> make test ran this set-up' if same else ''); \
+		raise SystemExit(0 if same else 1)"; then :; else \
 	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers $(BIN)/python -m pytest -p no:cacheprovider -q -n $(TEST_JOBS) \
-		$(sort $(NEWEST_TESTS))
+		$(sort $(NEWEST_TESTS)) && \
 	PYTHONPATH=$(CURDIR):$(abspath $(NEWEST))/transformers:$(abspath $(NEWEST))/kernels $(BIN)/python -m pytest \
-		-p no:cacheprovider -q $(KERNELS_TESTS)
+		-p no:cacheprovider -q $(KERNELS_TESTS); fi
 
 # Every notebook, run top to bottom at CI sizes (CBKIT_PROFILE=ci: offline model and data, small N) by nbmake,
 # $(NOTEBOOK_JOBS) at a time, on copies that keep their outputs; the committed notebooks stay stripped. Each cell must
