@@ -20,7 +20,7 @@ from cbkit.rollout.engine_config import engine_attention, make_cb_config
 from cbkit.rollout.upstream import workload_hints
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.teach.tiers import table
-from cbkit.teach.tiers.plan import parameter_count, plan_all, plan_config, plan_notebook, pool_config
+from cbkit.teach.tiers.plan import parameter_count, plan_config, plan_notebook, pool_config
 
 GiB = 2**30
 T4, A100, H100 = (7, 5), (8, 0), (9, 0)
@@ -228,7 +228,7 @@ def _smollm2_t4_pool(percent: float | None) -> dict:
 def _t4_start(pool: dict):
     s = table.sizes_for("03_n_sweep", "t4")
     return admission(plan_config(s.model), pool, dtype=torch.float16,
-                     rows=[range(table.PROMPT_LEN)] * s.sweep_prompts * max(s.sweep_ns), max_new_tokens=s.sweep_new_tokens,
+                     rows=[range(table.PROMPT_LEN)] * s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens,
                      total_bytes=roofline_memory("t4"), used_bytes=GiB, capability=T4)
 
 
@@ -303,12 +303,12 @@ def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys)
     assert main(["tiers", "--notebooks", "03_n_sweep", "--gpus", "t4"]) == 1
     out = capsys.readouterr().out
     largest = max(table.sizes_for("03_n_sweep", "t4").sweep_ns)
-    assert f"03_n_sweep on t4: the CB engine would not start for the sweep's N={largest}" in out
+    assert f"03_n_sweep on t4: the CB engine would not start for the rollout at N={largest}" in out
     assert "Memory footprint" in out
 
 
 def test_every_engine_start_of_every_notebook_is_admitted():
-    plans = plan_all()
+    plans = [plan_notebook(n, m) for n in table.NOTEBOOKS for m in table.MACHINES]
     assert all(p.starts for p in plans)
     refused = [(p.notebook, p.machine, s.what) for p in plans for s in p.starts if not s.admission.fits]
     assert not refused
@@ -327,19 +327,19 @@ def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
 
     params = parameter_count(plan_config(table.GPU_MODEL))
     on_disk = plan_notebook("05_off_policy", "t4")
-    assert on_disk.fits and not any(k.startswith("copies") for k in on_disk.parts)
+    assert on_disk.ok and not any(k.startswith("copies") for k in on_disk.parts)
     assert on_disk.host_bytes == 3 * 4 * params  # only section 2's three state dicts on the CPU
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "host")
     on_host = plan_notebook("05_off_policy", "t4")
     assert on_host.peak_bytes == on_disk.peak_bytes and on_host.host_bytes == (7 + 3) * 4 * params
-    assert on_host.host_bytes > 12.7e9 and not on_host.fits  # Colab's advertised 12.7 GB of RAM
+    assert on_host.host_bytes > 12.7e9 and not on_host.ok  # Colab's advertised 12.7 GB of RAM
     assert "does not fit in host RAM" in on_host.problems()[0]
     assert main(["tiers", "--notebooks", "05_off_policy", "--gpus", "t4"]) == 1
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "device")  # the same copies on a T4's GPU: they do not fit
     on_gpu = plan_notebook("05_off_policy", "t4")
     copies = next(v for k, v in on_gpu.parts.items() if k.startswith("copies"))
     assert copies == 7 * 4 * params
-    assert not on_gpu.fits and "does not fit:" in on_gpu.problems()[0]
+    assert not on_gpu.ok and "does not fit:" in on_gpu.problems()[0]
 
 
 def test_a_planned_copy_is_what_a_snapshot_keeps_of_the_tier_model():
@@ -361,7 +361,7 @@ def test_a_planned_copy_is_what_a_snapshot_keeps_of_the_tier_model():
 def test_the_t4_is_planned_at_what_cuda_reports_with_slack_in_every_notebook():
     """A Colab T4 reports ~14.74 GiB (issue 40), not the datasheet's 15: every T4 plan is made against that less the
     CUDA context, and each notebook leaves at least 1.5 GiB of it free."""
-    plans = plan_all(machines=["t4"])
+    plans = [plan_notebook(n, "t4") for n in table.NOTEBOOKS]
     assert all(p.memory_bytes == int(14.74 * GiB) - table.CUDA_CONTEXT_BYTES for p in plans)
     assert min(p.memory_bytes - p.peak_bytes for p in plans) >= 1.5 * GiB
 

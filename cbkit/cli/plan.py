@@ -1,5 +1,4 @@
-"""`cbkit plan` and `cbkit tiers`: the planner's answers, read from model configs, with no GPU and no model
-loaded."""
+"""`cbkit plan` and `cbkit tiers`: the planner's answers, read from model configs, with no GPU and no weights."""
 
 from __future__ import annotations
 
@@ -74,36 +73,26 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from cbkit.teach.tiers.plan import plan_all
+    from cbkit.teach.tiers.plan import plan_notebook
 
-    plans = plan_all(args.notebooks, args.gpus)
+    plans = [plan_notebook(n, m) for n in args.notebooks or NOTEBOOKS for m in args.gpus or MACHINES]
     print(f"{'notebook':23} {'GPU':8} {'peak of memory':>24} {'host RAM':>10} {'engine start of free':>24}  verdict")
     print("\n".join(p.line() for p in plans))
     print("\n".join(f"  {p.notebook} on {p.machine}: {problem}" for p in plans for problem in p.problems()))
-    failed = sum(not p.ok for p in plans)
+    failed = sum(bool(p.problems()) for p in plans)
     print(f"{len(plans) - failed} of {len(plans)} notebook x GPU plans fit and start their CB engines.")
     return 1 if failed else 0
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
-    """`cbkit plan`, every `PlanConfig` field a flag."""
-    command = sub.add_parser(
-        "plan", parents=[dataclass_flags(PlanConfig)],
-        help="plan both backends' peak memory at N and the crossover N; no GPU, no weights",
-        description="Reads only the model's config. Prints the planner's peak for generate() and the CB engine at "
-                    "N, which is lower, and the N from which CB's planned peak stays below generate()'s.",
-    )
+    command = sub.add_parser("plan", parents=[dataclass_flags(PlanConfig)],
+                             help="plan both backends' peak memory at N and the crossover N from the model's config")
     command.set_defaults(func=_plan)
 
 
 def add_tiers(sub: argparse._SubParsersAction) -> None:
-    """`cbkit tiers`: every notebook planned on each GPU tier; exit 1 where one does not fit or start."""
-    tiers = sub.add_parser(
-        "tiers", help="plan every notebook on a T4 and an A100 (40/80 GB): memory fit and engine start; no GPU",
-        description="For every notebook and GPU: the planned peak against memory, the weight copies against a Colab "
-                    "runtime's RAM, transformers' own verdict on each CB engine start; exit 1 where one fails. Sizes: "
-                    "cbkit/teach/tiers/table.py.",
-    )
-    tiers.add_argument("--notebooks", nargs="+", choices=list(NOTEBOOKS), help="(default: all)")
-    tiers.add_argument("--gpus", nargs="+", choices=list(MACHINES), help="(default: all)")
+    tiers = sub.add_parser("tiers", help="plan every notebook (cbkit/teach/tiers/table.py) on a T4 and an A100 (40/80 "
+                           "GB): memory fit and CB engine start, no GPU; exit 1 where one fails")
+    tiers.add_argument("--notebooks", nargs="+", choices=list(NOTEBOOKS), metavar="NAME", help=", ".join(NOTEBOOKS))
+    tiers.add_argument("--gpus", nargs="+", choices=list(MACHINES), metavar="GPU", help=", ".join(MACHINES))
     tiers.set_defaults(func=_tiers)

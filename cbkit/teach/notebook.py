@@ -280,7 +280,7 @@ def tier_plan_line(env: NotebookEnv) -> str:
     machine = "t4" if env.tier == "t4" else ("a100-80" if (env.gpu_memory_bytes or 0) > 60 * GiB else "a100-40")
     assert MACHINES[machine][0] == env.tier
     p = plan_notebook(env.notebook or "", machine)
-    if not (p.fits and p.admitted):
+    if not p.ok:
         raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
                           f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
     return (f"plan for a {roofline_name(machine)}: peak {p.peak_bytes / GiB:.1f} of {p.memory_bytes / GiB:.0f} GiB"

@@ -1,10 +1,8 @@
-"""`cbkit tiers` without a GPU: does each notebook fit each GPU (the planner's peak; its weight copies in a Colab
-runtime's RAM), and does each CB engine start it makes pass transformers' own admission check (`rollout.admission`,
-the one pool model) with what it holds beside it? The pool planned is the one the notebook allocates (`pool_config`)."""
+"""`cbkit tiers` without a GPU: does each notebook fit each GPU (the planner's peak; weight copies in a Colab runtime's
+RAM), and does each CB engine start pass transformers' own check (`rollout.admission`) with what is held beside it?"""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +24,6 @@ _GPU_CONFIG: dict[str, Any] = dict(num_hidden_layers=24, hidden_size=896, interm
                                    tie_word_embeddings=True)
 
 
-@functools.cache
 def plan_config(model: str) -> Any:
     """The config a plan reads, without weights: a real transformers config, which the admission check builds on."""
     if model == table.GPU_MODEL:
@@ -97,16 +94,8 @@ class TierPlan:
     host_bytes: int = 0  # weight copies in host memory, against `COLAB_RAM_BYTES`
 
     @property
-    def fits(self) -> bool:
-        return self.peak_bytes <= self.memory_bytes and self.host_bytes <= table.COLAB_RAM_BYTES
-
-    @property
-    def admitted(self) -> bool:
-        return all(s.admission.fits for s in self.starts)
-
-    @property
     def ok(self) -> bool:
-        return self.fits and self.admitted
+        return not self.problems()
 
     def problems(self) -> list[str]:
         out = []
@@ -179,13 +168,10 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                 resident=loaded + 2 * params)
         parts.update({"the bf16 copy and its rollout": 2 * params + max(peaks), "teacher-forced logits":
                       3 * logits_bytes(min(16, s.prompts * s.n), s.max_new_tokens, config.vocab_size) // 4})
-    elif spec.kind == "sweep":
-        for n in s.sweep_ns:
-            rollout(s.sweep_prompts, n, s.sweep_new_tokens, "generate")
-            rollout(s.sweep_prompts, n, s.sweep_new_tokens, what=f"the sweep's N={n}")
-    else:  # 01: one rollout through each backend; its own pool is smaller than the whole rollout planned here
-        rollout(s.prompts, s.n, s.max_new_tokens, "generate")
-        rollout(s.prompts, s.n, s.max_new_tokens)
+    else:  # 03 sweeps N through both backends; 01 rolls out once through each, from a pool smaller than planned here
+        for n in s.sweep_ns or (s.n,):
+            rollout(s.prompts, n, s.max_new_tokens, "generate")
+            rollout(s.prompts, n, s.max_new_tokens, what=f"the rollout at N={n}")
     parts["the rollout"] = max(peaks)
     dtype = torch.float32 if weight_bytes == 4 else torch.float16 if machine == "t4" else torch.bfloat16
     checked = [EngineStart(what, rows, new, weight_bytes, resident, admission(
@@ -193,7 +179,3 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         total_bytes=table.DEVICE_BYTES[machine], used_bytes=table.CUDA_CONTEXT_BYTES + resident,
         capability=table.CAPABILITY[machine])) for what, rows, new, resident in starts]
     return TierPlan(name, tier, machine, sum(parts.values()), memory, parts, pool, checked, host)
-
-
-def plan_all(notebooks: Sequence[str] | None = None, machines: Sequence[str] | None = None) -> list[TierPlan]:
-    return [plan_notebook(n, m) for n in notebooks or table.NOTEBOOKS for m in machines or table.MACHINES]
