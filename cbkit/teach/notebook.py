@@ -164,7 +164,7 @@ class NotebookEnv:
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None, *,
                     requests: int | None = None, **pool: Any) -> dict[str, Any]:
-        """The CB engine settings that fix this notebook's pool at this tier (`cbkit.teach.tiers.pool_config`): on
+        """The CB engine settings that fix this notebook's pool at this tier (`cbkit.teach.tiers.plan.pool_config`): on
         a GPU tier a pool fixed in bytes, whatever this GPU's free memory. ``rows`` (or a count of ``requests``)
         are the rollout's prompts; ``pool`` overrides the sizes' ``pool_share`` or ``pool_sequences`` (the
         parameters cell's knobs)."""
@@ -273,7 +273,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
 
 
 def tier_plan_line(env: NotebookEnv) -> str:
-    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan_notebook`): its peak against memory.
+    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan.plan_notebook`): its peak against memory.
     Raises, before any model time, where the plan does not fit."""
     from cbkit.teach.tiers.table import MACHINES
 
@@ -282,7 +282,7 @@ def tier_plan_line(env: NotebookEnv) -> str:
     p = plan_notebook(env.notebook or "", machine)
     if not p.ok:
         raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
-                          f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
+                          f". The sizes are in cbkit.teach.tiers.table.NOTEBOOKS[{env.notebook!r}].")
     return (f"plan for a {roofline_name(machine)}: peak {p.peak_bytes / GiB:.1f} of {p.memory_bytes / GiB:.0f} GiB"
             + (" (at the tier's sizes; this dry run's are smaller)" if env.dry_run else ""))
 
