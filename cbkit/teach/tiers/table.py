@@ -51,7 +51,8 @@ class Sizes:
         ns = tuple(sorted({min(n, 2 * (i + 1)) for i, n in enumerate(self.sweep_ns)}))
         return dataclasses.replace(self, model=DRY_MODEL, prompts=min(self.prompts, 2), n=min(self.n, 4),
                                    max_new_tokens=min(self.max_new_tokens, 12), steps=self.dry_steps, sweep_ns=ns,
-                                   repeats=1, eval_every=min(self.eval_every, self.dry_steps), eval_prompts=min(self.eval_prompts, 4))
+                                   repeats=1, eval_every=min(self.eval_every, self.dry_steps),
+                                   eval_prompts=min(self.eval_prompts, 4))
 
 
 @dataclass(frozen=True)
