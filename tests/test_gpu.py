@@ -140,7 +140,7 @@ def test_each_tiers_pool_starts_where_the_admission_check_says(name, machine):
     """The notebook's fullest engine start on `machine` (`cbkit tiers`' plan), on this GPU with a ballast tensor
     leaving free what that GPU would have free there: the real engine starts exactly where cbkit's admission check
     (transformers' code on the meta device) said it would, and builds the pool it predicted. Then the same with
-    cbkit's old gate (max_memory_percent 0.5 on a fixed pool), which the check refuses for 01 and 03 on a T4."""
+    cbkit's old gate (max_memory_percent 0.5 on a fixed pool), which the check refuses for 03 on a T4."""
     from transformers import AutoModelForCausalLM
 
     from cbkit.rollout.admission import admission
