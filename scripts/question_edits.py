@@ -58,8 +58,7 @@ EDITS = {
              "`clip_max=1.0`", until="shuffled vs none"),
     ],
     "03_n_sweep": [
-        Edit(1, "MAX_NEW_TOKENS = S.sweep_new_tokens or S.max_new_tokens",
-             "MAX_NEW_TOKENS = 2 * (S.sweep_new_tokens or S.max_new_tokens)", "`MAX_NEW_TOKENS`"),
+        Edit(1, "MAX_NEW_TOKENS = S.max_new_tokens", "MAX_NEW_TOKENS = 2 * S.max_new_tokens", "`MAX_NEW_TOKENS`"),
         Edit(2, "max_new_tokens=MAX_NEW_TOKENS, dtype=env.rollout_dtype, cb_config=POOL)",
              'max_new_tokens=MAX_NEW_TOKENS, dtype=env.rollout_dtype, cb_config={**POOL, "max_batch_tokens": 512})',
              '`cb_config={**POOL, "max_batch_tokens": 512}`'),

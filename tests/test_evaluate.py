@@ -150,25 +150,20 @@ def test_the_trl_bridge_evaluates_every_eval_steps_updates_and_at_the_start():
     assert trl_grpo_config(config(eval_steps=0), output_dir="unused").eval_strategy == "no"
 
 
-def test_cbkit_tiers_plans_the_learning_recipe_with_its_evaluations(monkeypatch):
+def test_cbkit_tiers_plans_04s_held_out_evaluation(monkeypatch):
     import dataclasses
 
-    from cbkit.teach import tiers
+    from cbkit.teach.tiers.plan import plan_notebook
+    from cbkit.teach.tiers.table import NOTEBOOKS
 
-    name = next(iter(tiers.RECIPES))
-    spec = tiers.RECIPES[name]
-    with_eval = tiers.plan_notebook(name, "t4")
+    spec = NOTEBOOKS["04_grpo_live"]
+    with_eval = plan_notebook(spec.name, "t4")
     no_eval = dataclasses.replace(spec, sizes={t: dataclasses.replace(s, eval_every=0) for t, s in spec.sizes.items()})
-    monkeypatch.setitem(tiers.RECIPES, name, no_eval)
-    without = tiers.plan_notebook(name, "t4")
+    monkeypatch.setitem(NOTEBOOKS, spec.name, no_eval)
+    without = plan_notebook(spec.name, "t4")
     held_out = [s for s in with_eval.starts if "held-out" in s.what]
     assert held_out and held_out[0].requests == spec.sizes["t4"].eval_prompts * spec.sizes["t4"].eval_n
     assert not any("held-out" in s.what for s in without.starts)
-    recipe = CBGRPOConfig.from_yaml(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "smollm2_arith.yaml")
-    cpu = spec.sizes["cpu"]  # the CPU row is the recipe itself
-    assert (cpu.prompts, cpu.n, cpu.max_new_tokens, cpu.steps, cpu.eval_every, cpu.eval_prompts, cpu.eval_n) == (
-        recipe.prompts_per_step, recipe.num_generations, recipe.max_completion_length, recipe.max_steps,
-        recipe.eval_steps, recipe.eval_num_problems, recipe.eval_num_generations)
 
 
 def test_the_live_chart_draws_the_step_0_evaluation_but_does_not_count_it_as_a_step():

@@ -140,20 +140,21 @@ def test_each_tiers_pool_starts_where_the_admission_check_says(name, machine):
     """The notebook's fullest engine start on `machine` (`cbkit tiers`' plan), on this GPU with a ballast tensor
     leaving free what that GPU would have free there: the real engine starts exactly where cbkit's admission check
     (transformers' code on the meta device) said it would, and builds the pool it predicted. Then the same with
-    cbkit's old gate (max_memory_percent 0.5 on a fixed pool), which the check refuses for 01 and 03 on a T4."""
+    cbkit's old gate (max_memory_percent 0.5 on a fixed pool), which the check refuses for 03 on a T4."""
     from transformers import AutoModelForCausalLM
 
     from cbkit.rollout.admission import admission
     from cbkit.rollout.engine_config import flash_versions
-    from cbkit.teach import tiers
+    from cbkit.teach.tiers import table
+    from cbkit.teach.tiers.plan import plan_config, plan_notebook
 
-    plan = tiers.plan_notebook(name, machine)
+    plan = plan_notebook(name, machine)
     start = min(plan.starts, key=lambda s: s.admission.available_bytes - s.admission.footprint_bytes)
     dtype = {4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[start.dtype_bytes]
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(tiers.plan_config(tiers.sizes_for(name, plan.tier).model),
+        model = AutoModelForCausalLM.from_config(plan_config(table.sizes_for(name, plan.tier).model),
                                                  dtype=dtype).eval()
-    rows, new, what = [[1] * tiers.PROMPT_LEN] * start.requests, start.new_tokens, start.what
+    rows, new, what = [[1] * table.PROMPT_LEN] * start.requests, start.new_tokens, start.what
     tier_free = start.admission.available_bytes / 0.9  # what that GPU leaves free there (the check takes 0.9 of it)
     for pool in (plan.pool, {**plan.pool, "max_memory_percent": 0.5}):
         torch.cuda.empty_cache()

@@ -19,7 +19,8 @@ from cbkit.rollout.engine import Engine
 from cbkit.rollout.engine_config import engine_attention, make_cb_config
 from cbkit.rollout.upstream import workload_hints
 from cbkit.rollout.varlen_attention import NAME as VARLEN
-from cbkit.teach import tiers
+from cbkit.teach.tiers import table
+from cbkit.teach.tiers.plan import parameter_count, plan_config, plan_notebook, pool_config
 
 GiB = 2**30
 T4, A100, H100 = (7, 5), (8, 0), (9, 0)
@@ -218,16 +219,16 @@ def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
 
 
 def _smollm2_t4_pool(percent: float | None) -> dict:
-    """01's pool on a T4 (`tiers.pool_config`), with `max_memory_percent` as given (None: what cbkit sets)."""
-    config = tiers.plan_config("smollm2-offline")
-    pool = tiers.pool_config(config, tiers.sizes_for("01_kv_slot_recycling", "t4"), "t4", dtype_bytes=2)
+    """03's pool on a T4 (`pool_config`), with `max_memory_percent` as given (None: what cbkit sets)."""
+    config = plan_config("smollm2-offline")
+    pool = pool_config(config, table.sizes_for("03_n_sweep", "t4"), "t4", dtype_bytes=2)
     return {**pool, **({"max_memory_percent": percent} if percent is not None else {})}
 
 
 def _t4_start(pool: dict):
-    s = tiers.sizes_for("01_kv_slot_recycling", "t4")
-    return admission(tiers.plan_config(s.model), pool, dtype=torch.float16,
-                     rows=[range(tiers.PROMPT_LEN)] * s.sweep_prompts * max(s.sweep_ns), max_new_tokens=s.sweep_new_tokens,
+    s = table.sizes_for("03_n_sweep", "t4")
+    return admission(plan_config(s.model), pool, dtype=torch.float16,
+                     rows=[range(table.PROMPT_LEN)] * s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens,
                      total_bytes=roofline_memory("t4"), used_bytes=GiB, capability=T4)
 
 
@@ -242,10 +243,10 @@ def _engines_own_attention():
     return mock.patch("cbkit.rollout.admission.varlen_unsupported_reason", lambda config: "a sliding window")
 
 
-def test_01s_t4_pool_is_refused_at_cbkits_old_share_and_admitted_now():
+def test_03s_t4_pool_is_refused_at_cbkits_old_share_and_admitted_now():
     # Issue 34, item 1: with num_blocks fixed, transformers still checks the pool, its buffers and SDPA's attention
-    # mask against max_memory_percent x free memory. At 0.5 (cbkit's default share) a T4 refused 01's pool under
-    # the engine's SDPA.
+    # mask against max_memory_percent x free memory. At 0.5 (cbkit's default share) a T4 refused the memory sweep's
+    # pool (then 01's, now 03's: 01 no longer sweeps) under the engine's SDPA.
     with _engines_own_attention():
         refused = _t4_start(_smollm2_t4_pool(0.5))
         admitted = _t4_start(_smollm2_t4_pool(None))
@@ -295,26 +296,25 @@ def test_the_admission_check_is_the_engines_own_at_the_boundary(tiny):
 
 
 def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys):
-    # cbkit's old rules (the sizing share gating a fixed pool, the engine's SDPA on a T4) back in: 01 and 03 on a T4
-    # refused, by the engine.
+    # cbkit's old rules (the sizing share gating a fixed pool, the engine's SDPA on a T4) back in: the memory sweep's
+    # largest point on a T4 refused, by the engine.
     monkeypatch.setattr(engine_config, "FIXED_POOL_MEMORY_PERCENT", 0.5)
     monkeypatch.setattr("cbkit.rollout.admission.varlen_unsupported_reason", lambda config: "a sliding window")
-    assert main(["tiers", "--notebooks", "01_kv_slot_recycling,03_n_sweep", "--gpus", "t4"]) == 1
+    assert main(["tiers", "--notebooks", "03_n_sweep", "--gpus", "t4"]) == 1
     out = capsys.readouterr().out
-    for name in ("01_kv_slot_recycling", "03_n_sweep"):
-        largest = max(tiers.sizes_for(name, "t4").sweep_ns)
-        assert f"{name} on t4: the CB engine would not start for the sweep's N={largest}" in out
+    largest = max(table.sizes_for("03_n_sweep", "t4").sweep_ns)
+    assert f"03_n_sweep on t4: the CB engine would not start for the rollout at N={largest}" in out
     assert "Memory footprint" in out
 
 
-def test_every_engine_start_of_every_notebook_and_recipe_is_admitted():
-    plans = tiers.plan_all() + tiers.plan_recipes()
+def test_every_engine_start_of_every_notebook_is_admitted():
+    plans = [plan_notebook(n, m) for n in table.NOTEBOOKS for m in table.MACHINES]
     assert all(p.starts for p in plans)
     refused = [(p.notebook, p.machine, s.what) for p in plans for s in p.starts if not s.admission.fits]
     assert not refused
-    # One start per distinct request shape, at its fullest point: 04's rollouts with the trainer's state resident.
-    p = tiers.plan_notebook("04_grpo_live", "t4")
-    params = tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
+    # 04's step rollouts at their fullest point: with the trainer's state resident.
+    p = plan_notebook("04_grpo_live", "t4")
+    params = parameter_count(plan_config(table.GPU_MODEL))
     rollout = next(s for s in p.starts if "trainer's state resident" in s.what)
     # fp32 weights, gradients and AdamW's two moments (04 runs no async engine, so no snapshot beside them)
     assert rollout.resident_bytes == 16 * params
@@ -325,21 +325,21 @@ def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
     (the old place) they are over the runtime's RAM and `cbkit tiers` says so; on the GPU over its memory."""
     from cbkit.train import snapshots
 
-    params = tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
-    on_disk = tiers.plan_notebook("05_off_policy", "t4")
-    assert on_disk.fits and not any(k.startswith("copies") for k in on_disk.parts)
+    params = parameter_count(plan_config(table.GPU_MODEL))
+    on_disk = plan_notebook("05_off_policy", "t4")
+    assert on_disk.ok and not any(k.startswith("copies") for k in on_disk.parts)
     assert on_disk.host_bytes == 3 * 4 * params  # only section 2's three state dicts on the CPU
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "host")
-    on_host = tiers.plan_notebook("05_off_policy", "t4")
+    on_host = plan_notebook("05_off_policy", "t4")
     assert on_host.peak_bytes == on_disk.peak_bytes and on_host.host_bytes == (7 + 3) * 4 * params
-    assert on_host.host_bytes > 12.7e9 and not on_host.fits  # Colab's advertised 12.7 GB of RAM
+    assert on_host.host_bytes > 12.7e9 and not on_host.ok  # Colab's advertised 12.7 GB of RAM
     assert "does not fit in host RAM" in on_host.problems()[0]
     assert main(["tiers", "--notebooks", "05_off_policy", "--gpus", "t4"]) == 1
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "device")  # the same copies on a T4's GPU: they do not fit
-    on_gpu = tiers.plan_notebook("05_off_policy", "t4")
+    on_gpu = plan_notebook("05_off_policy", "t4")
     copies = next(v for k, v in on_gpu.parts.items() if k.startswith("copies"))
     assert copies == 7 * 4 * params
-    assert not on_gpu.fits and "does not fit:" in on_gpu.problems()[0]
+    assert not on_gpu.ok and "does not fit:" in on_gpu.problems()[0]
 
 
 def test_a_planned_copy_is_what_a_snapshot_keeps_of_the_tier_model():
@@ -348,35 +348,22 @@ def test_a_planned_copy_is_what_a_snapshot_keeps_of_the_tier_model():
     (no weights): its distinct parameters, within the norms and biases `parameter_count` leaves out."""
     import transformers
 
-    config = tiers.plan_config(tiers.GPU_MODEL)
+    config = plan_config(table.GPU_MODEL)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     built = sum(p.numel() for p in model.parameters())  # a tied parameter once
-    assert 0.99 * built < tiers.parameter_count(config) <= built
+    assert 0.99 * built < parameter_count(config) <= built
     assert sum(t.numel() for t in state.values()) > 1.2 * built  # what a copy of every name would have kept
 
 
 def test_the_t4_is_planned_at_what_cuda_reports_with_slack_in_every_notebook():
     """A Colab T4 reports ~14.74 GiB (issue 40), not the datasheet's 15: every T4 plan is made against that less the
     CUDA context, and each notebook leaves at least 1.5 GiB of it free."""
-    plans = tiers.plan_all(machines=["t4"])
-    assert all(p.memory_bytes == int(14.74 * GiB) - tiers.CUDA_CONTEXT_BYTES for p in plans)
+    plans = [plan_notebook(n, "t4") for n in table.NOTEBOOKS]
+    assert all(p.memory_bytes == int(14.74 * GiB) - table.CUDA_CONTEXT_BYTES for p in plans)
     assert min(p.memory_bytes - p.peak_bytes for p in plans) >= 1.5 * GiB
-
-
-def test_the_trl_benchmark_preset_holds_a_trainers_state():
-    from cbkit.measure.presets import PRESETS
-
-    assert PRESETS["trl-benchmark"]["trainer_state"]
-    by_name = {p.preset: p for p in tiers.plan_presets()}
-    assert all(p.ok for p in by_name.values())
-    # TRL's setting: half of what the trainer leaves. Without the trainer the same share is of far more memory.
-    with mock.patch.dict(PRESETS, {"trl-benchmark": {**PRESETS["trl-benchmark"], "trainer_state": False}}):
-        alone = {p.preset: p for p in tiers.plan_presets()}["trl-benchmark"]
-    # Half (the engine's share) of 6 bytes a parameter of Llama-3.2-1B's 1.24B: ~3.5 GiB less for the pool.
-    assert by_name["trl-benchmark"].admission.available_bytes < alone.admission.available_bytes - 3 * GiB
 
 
 def test_the_held_trainer_state_is_what_adamw_keeps_after_trls_bf16_cast():
@@ -395,21 +382,10 @@ def test_the_held_trainer_state_is_what_adamw_keeps_after_trls_bf16_cast():
     assert trainer_state_bytes(model) == held == 6 * params
 
 
-def test_a_preset_whose_generate_peak_does_not_fit_fails(monkeypatch):
-    """The preset check plans both backends: at N=128 the trl-benchmark preset's engine still starts (its pool is a
-    share of what is free), but generate()'s static batch of 512 rows x 2180 tokens outgrows an A100-40."""
-    from cbkit.measure.presets import PRESETS
-
-    monkeypatch.setitem(PRESETS, "trl-benchmark", {**PRESETS["trl-benchmark"], "ns": (8, 32, 128)})
-    big = {p.preset: p for p in tiers.plan_presets()}["trl-benchmark"]
-    assert big.admission.fits and big.generate_bytes > big.free_bytes and not big.ok
-    assert "FAIL" in big.line()
-
-
 @pytest.mark.parametrize(("model", "dtype", "pool"), [
     ("smollm2-offline", torch.float16, {"page_size": 32, "num_blocks": 2000}),
     ("smollm2-offline", torch.float16, {}),
-    (tiers.GPU_MODEL, torch.float32, {"page_size": 32, "num_blocks": 900}),
+    (table.GPU_MODEL, torch.float32, {"page_size": 32, "num_blocks": 900}),
     ("llama-1b-random", torch.bfloat16, {"max_memory_percent": 0.4}),
 ])
 @pytest.mark.parametrize("flash", [(), (2,)])
@@ -418,7 +394,7 @@ def test_the_planners_engine_budget_is_the_engines_own(model, dtype, pool, flash
     # attention it names: for the same pool, memory and attention it reserves what the engine check says.
     from cbkit.measure.planner import plan
 
-    config = tiers.plan_config(model)
+    config = plan_config(model)
     free = 20 * GiB
     verdict = admission(config, pool, dtype=dtype, rows=[range(132)] * 64, max_new_tokens=512, total_bytes=free + GiB,
                         used_bytes=GiB, capability=A100, flash=flash)

@@ -1,5 +1,5 @@
 """The notebooks' GPU tiers, checked without a GPU: `cbkit tiers` passes on the committed sizes and fails where a
-size would not fit, overrun or hide its phenomenon; 04's TRL step, built from the notebook's own cells at every
+size would not fit; 04's TRL step, built from the notebook's own cells at every
 tier, generates prompts x N completions in micro-batches inside the logits budget; setup's bad inputs; the
 precision rule. (Colab's restart check: tests/test_colab.py.)"""
 
@@ -15,8 +15,9 @@ import torch
 
 from cbkit.cli import main
 from cbkit.measure import roofline
-from cbkit.measure.presets import PRESETS
-from cbkit.teach import fits, notebook, tiers, trl_step
+from cbkit.teach import fits, notebook, trl_step
+from cbkit.teach.tiers import table
+from cbkit.teach.tiers.plan import parameter_count, plan_config, plan_notebook, pool_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,60 +25,39 @@ REPO = Path(__file__).resolve().parents[1]
 def test_cbkit_tiers_passes_for_every_notebook_and_gpu(capsys):
     assert main(["tiers"]) == 0
     out = capsys.readouterr().out
-    # Every notebook, then the learning recipe (planned the same way), on every GPU, then each sweep preset on its GPU.
-    assert out.count(" ok") == (len(tiers.NOTEBOOKS) + len(tiers.RECIPES)) * len(tiers.MACHINES) + len(PRESETS)
-    assert "18 of 18" in out and " min " not in out  # memory and engine starts only: no runtime estimate
+    assert out.count(" ok\n") == len(table.NOTEBOOKS) * len(table.MACHINES) == 18 and "18 of 18" in out
 
 
-# How each notebook asks for its pool (its own cells' call, with its sizes); 05 fixes none.
+# How each notebook asks for its pool (its own cells' call, with its sizes); 01 sizes its own, 05 fixes none.
 _POOL_CALLS = {
     "00_quickstart": lambda env, s, model: env.pool_config(model),
     "04_grpo_live": lambda env, s, model: env.pool_config(model),
     # 02 passes its real prompts: lengths the plan cannot know, so they must not change the pool.
     "02_logprob_correctness": lambda env, s, model: env.pool_config(
         model, [[1] * (40 + 97 * i % 300) for i in range(s.prompts * s.n)], s.max_new_tokens),
-    "01_kv_slot_recycling": lambda env, s, model: env.pool_config(
-        model, [[1] * 150] * s.sweep_prompts * max(s.sweep_ns), s.sweep_new_tokens, pool_share=s.pool_share,
-        pool_sequences=s.pool_sequences),
     "03_n_sweep": lambda env, s, model: env.pool_config(
         model, requests=s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens, pool_share=s.pool_share),
 }
 
 
-@pytest.mark.parametrize("machine", list(tiers.MACHINES))
+@pytest.mark.parametrize("machine", list(table.MACHINES))
 @pytest.mark.parametrize("name", list(_POOL_CALLS))
 def test_the_tier_check_plans_the_pool_the_notebook_allocates(name, machine):
-    tier, rollout_dtype = tiers.MACHINES[machine]
-    s = tiers.sizes_for(name, tier)
-    spec = tiers.NOTEBOOKS[name]
+    tier, rollout_dtype = table.MACHINES[machine]
+    s = table.sizes_for(name, tier)
+    spec = table.NOTEBOOKS[name]
     env = dataclasses.replace(_gpu_env(tier), notebook=name, sizes=s, trains=spec.trains)
     # The weights the notebook rolls out from: fp32 where it trains or scores logprobs, else the tier's dtype.
     dtype = torch.float32 if spec.trains or spec.kind == "logprobs" else getattr(torch, rollout_dtype)
-    model = types.SimpleNamespace(config=tiers.plan_config(s.model), parameters=lambda: iter([torch.zeros(1, dtype=dtype)]))
+    model = types.SimpleNamespace(config=plan_config(s.model), parameters=lambda: iter([torch.zeros(1, dtype=dtype)]))
     allocated = _POOL_CALLS[name](env, s, model)
-    assert allocated and tiers.plan_notebook(name, machine).pool == allocated
-
-
-@pytest.mark.parametrize("machine", list(tiers.MACHINES))
-def test_every_memory_sweep_crosses_inside_its_swept_n(machine):
-    for name in ("01_kv_slot_recycling", "03_n_sweep"):
-        p = tiers.plan_notebook(name, machine)
-        (what, x, ns), = p.crossovers
-        assert x is not None and min(ns) < x <= max(ns), (name, machine, x, ns)
+    assert allocated and plan_notebook(name, machine).pool == allocated
 
 
 def _with_sizes(monkeypatch, name: str, tier: str, **changes):
-    spec = tiers.NOTEBOOKS[name]
+    spec = table.NOTEBOOKS[name]
     sizes = {**spec.sizes, tier: dataclasses.replace(spec.sizes[tier], **changes)}
-    monkeypatch.setitem(tiers.NOTEBOOKS, name, dataclasses.replace(spec, sizes=sizes))
-
-
-def test_the_engines_default_pool_hides_the_inversion(monkeypatch, capsys):
-    # A pool of 95% of what training leaves free: the crossover moves beyond the swept N, as the issue found for
-    # the engine's default pool. The command must say so and exit non-zero.
-    _with_sizes(monkeypatch, "01_kv_slot_recycling", "a100", pool_share=0.95)
-    assert main(["tiers", "--notebooks", "01_kv_slot_recycling", "--gpus", "a100-40"]) == 1
-    assert "hides its phenomenon" in capsys.readouterr().out
+    monkeypatch.setitem(table.NOTEBOOKS, name, dataclasses.replace(spec, sizes=sizes))
 
 
 def test_too_large_a_step_does_not_fit(monkeypatch, capsys):
@@ -91,16 +71,17 @@ def test_05_is_planned_as_the_five_training_runs_it_makes():
     # the staleness run's, reused) and the async run: the notebook's own cells.
     source = "".join(c.source for c in nbformat.read(REPO / "notebooks/05_off_policy.ipynb", as_version=4).cells)
     staleness = next(line for line in source.splitlines() if line.startswith("STALENESS = "))
-    assert len(tiers.NOTEBOOKS["05_off_policy"].train_runs) == len(eval(staleness.split("=", 1)[1])) + 1 + 1
+    assert len(table.NOTEBOOKS["05_off_policy"].train_runs) == len(eval(staleness.split("=", 1)[1])) + 1 + 1
 
 
 def test_unknown_names_are_refused_with_the_valid_ones(capsys):
     assert main(["tiers", "--gpus", "v100"]) == 2
-    assert "t4, a100-40, a100-80" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="ci, cpu, t4, a100"):
-        tiers.sizes_for("00_quickstart", "h100")
+    err = capsys.readouterr().err
+    assert all(gpu in err for gpu in ("v100", "t4", "a100-40", "a100-80"))
+    assert main(["tiers", "--notebooks", "05_nope"]) == 2
+    assert "03_n_sweep" in capsys.readouterr().err
     with pytest.raises(ValueError, match="00_quickstart"):
-        tiers.sizes_for("05_nope", "t4")
+        table.sizes_for("05_nope", "t4")
 
 
 def test_parameter_count_matches_the_built_model():
@@ -108,25 +89,24 @@ def test_parameter_count_matches_the_built_model():
     # (1,235,814,400 for the real checkpoint); the plan leaves out only the norms.
     from transformers import AutoModelForCausalLM
 
-    config = tiers.plan_config("llama-1b-random")
+    config = plan_config("llama-1b-random")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     built = sum(p.numel() for p in model.parameters())
     assert built == 1_235_814_400
-    assert abs(tiers.parameter_count(config) - built) / built < 1e-4
+    assert abs(parameter_count(config) - built) / built < 1e-4
 
 
 def test_the_pool_is_a_share_of_what_training_leaves():
-    config = tiers.plan_config("llama-1b-random")
+    config = plan_config("llama-1b-random")
     # By hand: 0.4 x (40 GiB - 16 bytes x 1,235,746,816 parameters) = 0.4 x (42,949,672,960 - 19,771,949,056)
-    assert tiers.pool_bytes(config, "a100", 0.4) == int(0.4 * (42_949_672_960 - 19_771_949_056))
-    # The same pool on both A100s: sized for the tier's smallest GPU, so the crossover does not move with the card.
-    assert tiers.plan_notebook("01_kv_slot_recycling", "a100-40").crossovers == \
-        tiers.plan_notebook("01_kv_slot_recycling", "a100-80").crossovers
+    assert pool_bytes(config, "a100", 0.4) == int(0.4 * (42_949_672_960 - 19_771_949_056))
+    # The same pool on both A100s: sized for the tier's smallest GPU, so the sweep does not change with the card.
+    assert plan_notebook("03_n_sweep", "a100-40").pool == plan_notebook("03_n_sweep", "a100-80").pool
 
 
 def test_a_launch_bound_rollout_takes_its_floor_per_step():
-    config = tiers.plan_config("llama-tiny-random")  # tiny: every step far under the 2-layer floor
+    config = plan_config("llama-tiny-random")  # tiny: every step far under the 2-layer floor
     s = roofline.estimated_rollout_seconds(config, prompt_lens=[4], running=[3, 3, 1], context=6, dtype_bytes=2,
                                            machine=roofline.GPUS["a100-40"], dtype="bfloat16")
     floor = 2 * 41.12 / 2048 / 16
@@ -139,18 +119,18 @@ def test_a_launch_bound_rollout_takes_its_floor_per_step():
 def _gpu_env(tier: str) -> notebook.NotebookEnv:
     return notebook.NotebookEnv(
         profile="full", device="cpu", gpu_name=None, compute_capability=None, colab=False,
-        rollout_dtype="bfloat16" if tier == "a100" else "float16", train_dtype="float32", model=tiers.GPU_MODEL,
+        rollout_dtype="bfloat16" if tier == "a100" else "float16", train_dtype="float32", model=table.GPU_MODEL,
         data="gsm8k:train", tier=tier, autocast_dtype="bfloat16" if tier == "a100" else None,
-        notebook="04_grpo_live", sizes=tiers.sizes_for("04_grpo_live", tier), trains=True)
+        notebook="04_grpo_live", sizes=table.sizes_for("04_grpo_live", tier), trains=True)
 
 
-@pytest.mark.parametrize("tier", tiers.GPU_TIERS)
+@pytest.mark.parametrize("tier", table.GPU_TIERS)
 def test_the_trl_step_04_builds_generates_prompts_times_n(tier, monkeypatch, tmp_path):
     from cbkit.trl.config import trl_grpo_config
 
     env = _gpu_env(tier)
     model = torch.nn.Linear(1, 1)
-    model.config = tiers.plan_config(env.sizes.model)
+    model.config = plan_config(env.sizes.model)
     monkeypatch.setattr("cbkit.models.load.load_policy", lambda *a, **k: types.SimpleNamespace(model=model))
     cells = nbformat.read(REPO / "notebooks" / "04_grpo_live.ipynb", as_version=4).cells
     params = next(i for i, c in enumerate(cells) if c.source.startswith("## Parameters")) + 1
@@ -183,14 +163,14 @@ def test_a_gpu_tier_without_a_gpu_says_how_to_get_one(monkeypatch):
         notebook.setup("00_quickstart", profile="full", verbose=False)
 
 
-@pytest.mark.parametrize("tier", tiers.GPU_TIERS)
+@pytest.mark.parametrize("tier", table.GPU_TIERS)
 def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys):
     monkeypatch.setenv("CBKIT_TIER", tier)
-    env = notebook.setup("01_kv_slot_recycling", profile="ci")
-    assert env.dry_run and env.tier == tier and env.sizes == tiers.sizes_for("01_kv_slot_recycling", tier).dry()
+    env = notebook.setup("03_n_sweep", profile="ci")
+    assert env.dry_run and env.tier == tier and env.sizes == table.sizes_for("03_n_sweep", tier).dry()
     assert env.rollout_dtype == ("bfloat16" if tier == "a100" else "float16")
     assert env.pick(ci=1, cpu=2, t4=3, a100=4) == (3 if tier == "t4" else 4)
-    pool = env.pool_config(types.SimpleNamespace(config=tiers.plan_config(env.sizes.model),
+    pool = env.pool_config(types.SimpleNamespace(config=plan_config(env.sizes.model),
                                                  parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])),
                            [[1] * 10] * 8, 8)
     from cbkit.rollout.engine_config import workload_blocks
@@ -253,8 +233,8 @@ def test_the_step_timers_kept_copy_is_a_file_and_04_plans_no_async_snapshot(tiny
         assert kept.where == "disk" and isinstance(kept._ring[0][1], Path)
     finally:
         kept.close()
-    plan = tiers.plan_notebook("04_grpo_live", "t4")
-    params = tiers.parameter_count(tiers.plan_config(tiers.GPU_MODEL))
+    plan = plan_notebook("04_grpo_live", "t4")
+    params = parameter_count(plan_config(table.GPU_MODEL))
     assert "the async engine's weight snapshot" not in plan.parts and params > 0
     assert not any(k.startswith("copies") for k in plan.parts) and plan.host_bytes == 0 and plan.ok
 

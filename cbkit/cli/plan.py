@@ -1,5 +1,4 @@
-"""`cbkit plan` and `cbkit tiers`: the planner's answers, read from model configs, with no GPU and no model
-loaded."""
+"""`cbkit plan` and `cbkit tiers`: the planner's answers, read from model configs, with no GPU and no weights."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Any
 from cbkit.cli.flags import dataclass_flags, given_fields
 from cbkit.measure.planner import DTYPE_BYTES
 from cbkit.models.load import DEFAULT_MODEL
+from cbkit.teach.tiers.table import MACHINES, NOTEBOOKS
 from cbkit.train.config import same_as
 
 
@@ -59,72 +59,40 @@ def _plan(args: argparse.Namespace) -> int:
     config = load_config(a.model)
     memory = plan(config, num_generations=a.num_generations, model_name=a.model, **sizes)
     max_n = max(1024, 4 * a.num_generations)
-    # A pool sized to the workload grows with N as generate()'s cache does: no N from which CB stays lighter.
-    cross = crossover_n(config, max_n=max_n, **sizes) if memory.continuous.sized_by != "workload" else None
     gen, cb = memory.generate.peak_bytes, memory.continuous.peak_bytes
     print("Planned peak memory above the weights, one rollout:")
     print(memory.summary())
     print(f"lower peak at N={a.num_generations}: {'continuous' if cb < gen else 'generate'} "
           f"(continuous/generate {cb / gen:.2f})")
-    print(f"crossover N: {cross}" if cross is not None else "crossover N: none, the pool is sized to the workload"
-          if memory.continuous.sized_by == "workload" else f"crossover N: none up to {max_n}")
+    if memory.continuous.sized_by == "workload":  # CB's pool grows with N as generate()'s cache does
+        print("crossover N: none, the pool is sized to the workload")
+    else:
+        cross = crossover_n(config, max_n=max_n, **sizes)
+        print(f"crossover N: {cross}" if cross is not None else f"crossover N: none up to {max_n}")
     return 0
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from cbkit.teach.tiers import MACHINES, NOTEBOOKS, plan_all, plan_presets, plan_recipes, tiers_report
+    from cbkit.teach.tiers.plan import plan_notebook
 
-    def names(value: str | None, valid, what: str) -> list[str] | None:
-        if not value:
-            return None
-        chosen = [v.strip() for v in value.split(",") if v.strip()]
-        unknown = [v for v in chosen if v not in valid]
-        if unknown:
-            raise ValueError(f"unknown {what} {unknown}; choose from {', '.join(valid)}.")
-        return chosen
-
-    plans = plan_all(names(args.notebooks, list(NOTEBOOKS), "notebook(s)"), names(args.gpus, list(MACHINES), "GPU(s)"))
-    print(tiers_report(plans))
-    failed: list[Any] = [p for p in plans if not p.ok]
-    print(f"\n{len(plans) - len(failed)} of {len(plans)} notebook x GPU plans fit, start their engines and show "
-          "their phenomenon" + ("." if not failed else f"; {len(failed)} do not (above)."))
-    if not args.notebooks:  # the learning recipe on the same GPUs: its CB and generate() runs with evaluations
-        recipes = plan_recipes(names(args.gpus, list(MACHINES), "GPU(s)"))
-        print("\nThe learning recipe (recipes/smollm2_arith.yaml) on the GPU tiers: one CB run with its held-out "
-              "evaluations.\n" + "\n".join(p.line() for p in recipes))
-        for p in recipes:
-            for problem in p.problems():
-                print(f"  {p.notebook} on {p.machine}: {problem}")
-        failed += [p for p in recipes if not (p.fits and p.admitted)]
-        presets = plan_presets()
-        print("\nThe sweep's GPU presets (cbkit sweep --preset), the largest point on the smallest GPU each is for, "
-              "with transformers' own admission check:\n" + "\n".join(p.line() for p in presets))
-        failed += [p for p in presets if not p.ok]
+    plans = [plan_notebook(n, m) for n in args.notebooks or NOTEBOOKS for m in args.gpus or MACHINES]
+    print(f"{'notebook':23} {'GPU':8} {'peak of memory':>24} {'host RAM':>10} {'engine start of free':>24}  verdict")
+    print("\n".join(p.line() for p in plans))
+    print("\n".join(f"  {p.notebook} on {p.machine}: {problem}" for p in plans for problem in p.problems()))
+    failed = sum(bool(p.problems()) for p in plans)
+    print(f"{len(plans) - failed} of {len(plans)} notebook x GPU plans fit and start their CB engines.")
     return 1 if failed else 0
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
-    """`cbkit plan`, every `PlanConfig` field a flag."""
-    command = sub.add_parser(
-        "plan", parents=[dataclass_flags(PlanConfig)],
-        help="plan both backends' peak memory at N and the crossover N; no GPU, no weights",
-        description="Reads only the model's config. Prints the planner's peak for generate() and the CB engine at "
-                    "N, which is lower, and the N from which CB's planned peak stays below generate()'s. Every "
-                    "PlanConfig field is a flag.",
-    )
+    command = sub.add_parser("plan", parents=[dataclass_flags(PlanConfig)],
+                             help="plan both backends' peak memory at N and the crossover N from the model's config")
     command.set_defaults(func=_plan)
 
 
 def add_tiers(sub: argparse._SubParsersAction) -> None:
-    """`cbkit tiers`: every notebook planned on each GPU tier; exit 1 where one does not fit."""
-    tiers = sub.add_parser(
-        "tiers", help="plan every notebook on a T4 and an A100 (40/80 GB): fit, engine start, crossover; no GPU needed",
-        description="For every notebook and GPU tier (t4: 15 GiB fp16; a100: 40 and 80 GiB bf16): the planned peak "
-                    "against memory (the training step included where the notebook trains) and the copies of the "
-                    "weights against host RAM, transformers' own verdict on each CB engine start, and whether each "
-                    "memory sweep's crossover lies inside its swept N. Exits 1 where a configuration does not fit, "
-                    "would not start its engine or hides its phenomenon. Sizes: cbkit/teach/tiers/table.py.",
-    )
-    tiers.add_argument("--notebooks", default=None, help="comma-separated notebook names (default: all)")
-    tiers.add_argument("--gpus", default=None, help="comma-separated: t4, a100-40, a100-80 (default: all)")
+    tiers = sub.add_parser("tiers", help="plan every notebook (cbkit/teach/tiers/table.py) on a T4 and an A100 (40/80 "
+                           "GB): memory fit and CB engine start, no GPU; exit 1 where one fails")
+    tiers.add_argument("--notebooks", nargs="+", choices=list(NOTEBOOKS), metavar="NAME", help=", ".join(NOTEBOOKS))
+    tiers.add_argument("--gpus", nargs="+", choices=list(MACHINES), metavar="GPU", help=", ".join(MACHINES))
     tiers.set_defaults(func=_tiers)

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from cbkit.teach.tiers import GPU_MODEL, GPU_TIERS, LOGITS_BUDGET_BYTES, Sizes, plan_notebook, sizes_for
+from cbkit.teach.tiers.plan import plan_notebook, pool_config
+from cbkit.teach.tiers.table import GPU_MODEL, GPU_TIERS, LOGITS_BUDGET_BYTES, PROMPT_LEN, Sizes, sizes_for
 from cbkit.viz.display import embed_plotlyjs, text_progress_bars
 
 PROFILE_ENV = "CBKIT_PROFILE"
@@ -163,12 +164,10 @@ class NotebookEnv:
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None, *,
                     requests: int | None = None, **pool: Any) -> dict[str, Any]:
-        """The CB engine settings that fix this notebook's pool at this tier (`cbkit.teach.tiers.pool_config`): on
+        """The CB engine settings that fix this notebook's pool at this tier (`cbkit.teach.tiers.plan.pool_config`): on
         a GPU tier a pool fixed in bytes, whatever this GPU's free memory. ``rows`` (or a count of ``requests``)
         are the rollout's prompts; ``pool`` overrides the sizes' ``pool_share`` or ``pool_sequences`` (the
         parameters cell's knobs)."""
-        from cbkit.teach.tiers import PROMPT_LEN, pool_config
-
         if self.sizes is None:
             return {}
         if requests and not rows:
@@ -245,7 +244,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
         if profile != "ci":
             raise RuntimeError(f"{TIER_ENV}={forced} asks for a GPU tier, but torch sees no CUDA device here. "
                                f"{NO_GPU_HELP} Or add {PROFILE_ENV}=ci for a dry run of the tier's code on this CPU.")
-        from cbkit.teach.tiers import TIER_MEMORY
+        from cbkit.teach.tiers.table import TIER_MEMORY
 
         bf16 = forced == "a100"
         env = NotebookEnv(profile=profile, device="cpu", gpu_name=None, compute_capability=None, colab=colab,
@@ -274,16 +273,16 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
 
 
 def tier_plan_line(env: NotebookEnv) -> str:
-    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan_notebook`): its peak against memory.
+    """This notebook's plan on this tier's GPU (`cbkit.teach.tiers.plan.plan_notebook`): its peak against memory.
     Raises, before any model time, where the plan does not fit."""
-    from cbkit.teach.tiers import MACHINES
+    from cbkit.teach.tiers.table import MACHINES
 
     machine = "t4" if env.tier == "t4" else ("a100-80" if (env.gpu_memory_bytes or 0) > 60 * GiB else "a100-40")
     assert MACHINES[machine][0] == env.tier
     p = plan_notebook(env.notebook or "", machine)
-    if not (p.fits and p.admitted):
+    if not p.ok:
         raise MemoryError(f"{env.notebook} at tier {env.tier!r}: " + "; ".join(p.problems()) +
-                          f". The sizes are in cbkit.teach.tiers.NOTEBOOKS[{env.notebook!r}].")
+                          f". The sizes are in cbkit.teach.tiers.table.NOTEBOOKS[{env.notebook!r}].")
     return (f"plan for a {roofline_name(machine)}: peak {p.peak_bytes / GiB:.1f} of {p.memory_bytes / GiB:.0f} GiB"
             + (" (at the tier's sizes; this dry run's are smaller)" if env.dry_run else ""))
 
@@ -304,13 +303,13 @@ def resolve_tier(tier: str | None = None) -> str | None:
 
 
 def _trains(notebook: str) -> bool:
-    from cbkit.teach.tiers import notebook_spec
+    from cbkit.teach.tiers.table import notebook_spec
 
     return notebook_spec(notebook).trains
 
 
 def _kind(notebook: str) -> str:
-    from cbkit.teach.tiers import notebook_spec
+    from cbkit.teach.tiers.table import notebook_spec
 
     return notebook_spec(notebook).kind
 
