@@ -224,8 +224,8 @@ test-questions: $(STAMP)
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
 		$(QUESTIONS)
 
-# The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (fit, runtime
-# estimate, crossover inside the sweep; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
+# The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (memory fit and CB
+# engine starts; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
 # the a100 code paths on this CPU: CBKIT_TIER under CBKIT_PROFILE=ci is a dry run (the tier's presets, branches,
 # pools and TRL config at CI sizes, on a 2-layer random model), two notebooks at a time. Part of `make test-more`.
 TIERS_EXECUTED ?= runs/notebooks-tiers
