@@ -1,6 +1,5 @@
-"""The JSONL files cbkit appends to (the sweep's results, the loop's metrics), one line per run or step: a crash
-leaves at most a torn *last* line, dropped with a warning (with ``repair``, cut from the file); any other unreadable
-line means the file was edited or mixed up, and is an error naming it.
+"""The JSONL files cbkit appends to (the sweep's results, the loop's metrics): a crash leaves at most a torn *last*
+line, dropped with a warning (with ``repair``, cut from the file); any other unreadable line is an error naming it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A training run's figure from its `metrics.jsonl`: the reward and held-out accuracy per step (`cbkit plot`)."""
+"""A training run's figure from its `metrics.jsonl` (`cbkit plot`): the reward and held-out accuracy per step."""
 
 from __future__ import annotations
 
@@ -11,26 +11,20 @@ import plotly.graph_objects as go
 from cbkit.jsonl import read_jsonl
 from cbkit.viz.palette import PALETTE, TEMPLATE
 
-REWARD_KEYS = ("reward/mean", "reward/format", "reward/correctness")
-# Held-out metrics (`cbkit.train.evaluate`): drawn on the steps that evaluated, as measured (no trailing mean: each
-# point already averages eval_num_problems x eval_num_generations completions).
-EVAL_KEYS = ("eval/accuracy",)
-
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of a `metrics.jsonl` (`cbkit.jsonl.read_jsonl`: a torn last line dropped); an empty file is refused."""
+    """The rows of a `metrics.jsonl`, a torn last line dropped; an empty file is refused."""
     rows = read_jsonl(path, what="step")
     if not rows:
         raise ValueError(f"{path} holds no metrics rows; is it a cbkit metrics.jsonl (cbkit train --output-dir)?")
     return rows
 
 
-def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = REWARD_KEYS + EVAL_KEYS, *,
-                 window: int = 3, title: str = "Reward per step") -> go.Figure:
-    """Each reward metric per step (dots) and its trailing mean over `window` steps (line): a step's reward is the
-    mean of one rollout's completions, so the dots are noisy and the line shows the trend. Held-out metrics
-    (`eval/*`) are drawn where they were measured, step 0 included: train reward can rise by gaming the reward,
-    held-out accuracy only by solving problems the run never saw."""
+def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, window: int = 3,
+                 title: str = "Reward per step") -> go.Figure:
+    """Each metric per step (dots: one rollout's mean, noisy) and its trailing mean over ``window`` steps (line).
+    Held-out metrics (``eval/*``) are drawn as measured, step 0 included: no trailing mean, each point already
+    averages many completions the run never trained on."""
     fig = go.Figure()
     for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
         color = PALETTE[i % len(PALETTE)]
@@ -52,5 +46,6 @@ def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = REWARD
 
 
 def step_mean(values: Sequence[Any]) -> float | None:
+    """The mean of the numbers among ``values`` (None where there are none)."""
     xs = [float(v) for v in values if isinstance(v, int | float)]
     return sum(xs) / len(xs) if xs else None
