@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,38 +24,34 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; the kit supports 3.10
 
 
-def rss_reader() -> Callable[[], int]:
-    """A function returning this process's resident bytes: psutil where installed, else Linux's /proc/self/statm."""
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        proc = psutil.Process()
-        return lambda: proc.memory_info().rss
-    statm = Path("/proc/self/statm")
-    if not statm.is_file():
-        raise ModuleNotFoundError("Measuring CPU memory needs psutil on this operating system: pip install psutil")
-    page = os.sysconf("SC_PAGE_SIZE")
-    return lambda: int(statm.read_text().split()[1]) * page
+def _status_bytes(field: str) -> int:
+    """A field of Linux's /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak since the last reset),
+    0 where there is none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def resident_bytes() -> int:
-    """This process's resident memory now, in bytes."""
-    return rss_reader()()
+    """This process's resident memory now, in bytes: Linux's VmRSS, else psutil's count."""
+    if rss := _status_bytes("VmRSS"):
+        return rss
+    try:
+        import psutil
+    except ImportError:
+        raise ModuleNotFoundError("Measuring CPU memory needs psutil on this operating system: pip install psutil") \
+            from None
+    return psutil.Process().memory_info().rss
 
 
 def release_memory(model: torch.nn.Module | None = None) -> None:
-    """Drop ``model``'s gradients, collect what has no reference left and hand the freed heap back to the OS, so
-    resident memory falls to what is still held (a notebook, between runs)."""
+    """Drop ``model``'s gradients, collect what has no reference left and hand glibc's freed heap back to the OS, so
+    resident memory falls to what is still held (between runs, and before every measurement)."""
     if model is not None:
         model.zero_grad(set_to_none=True)
     gc.collect()
-    _trim_heap()
-
-
-def _trim_heap() -> None:
-    """Hand glibc's freed heap back, so every measurement's RSS rises from the same floor."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS figures are only looser
             ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -65,29 +60,9 @@ def _trim_heap() -> None:
 _peak_before_resets = 0  # the VmHWM that PeakMemory's resets of the kernel's one counter discarded
 
 
-def _high_water_mark() -> int:
-    """Peak RSS in bytes since the last reset (Linux's VmHWM), 0 where unknown."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_high_water_mark() -> bool:
-    """Reset VmHWM to the current RSS; False where that is not possible (not Linux)."""
-    global _peak_before_resets
-    _peak_before_resets = max(_peak_before_resets, _high_water_mark())
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return _high_water_mark() > 0
-
-
 def process_peak_rss() -> int:
     """This process's peak RSS in bytes since it started, across PeakMemory's resets (Linux; 0 elsewhere)."""
-    return max(_peak_before_resets, _high_water_mark())
+    return max(_peak_before_resets, _status_bytes("VmHWM"))
 
 
 class PeakMemory:
@@ -108,10 +83,13 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
             return self
-        _trim_heap()
-        self._rss = rss_reader()
-        self._baseline = self._peak = self._rss()
-        self._hwm = _reset_high_water_mark()
+        global _peak_before_resets
+        release_memory()
+        self._baseline = self._peak = resident_bytes()
+        _peak_before_resets = process_peak_rss()
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := the current RSS
+            self._hwm = True
         if not self._hwm:
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
@@ -119,7 +97,7 @@ class PeakMemory:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.005):
-            self._peak = max(self._peak, self._rss())
+            self._peak = max(self._peak, resident_bytes())
 
     def synchronize(self) -> None:
         """Wait for queued device work, so clocks read after this include it."""
@@ -134,7 +112,7 @@ class PeakMemory:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        self.peak_bytes = max(self._peak, self._rss(), _high_water_mark() if self._hwm else 0) - self._baseline
+        self.peak_bytes = max(self._peak, resident_bytes(), _status_bytes("VmHWM") if self._hwm else 0) - self._baseline
 
 
 def cuda_peaks(device: torch.device | str) -> dict[str, int]:

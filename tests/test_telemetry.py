@@ -90,14 +90,13 @@ def test_process_peak_rss_survives_the_probes_reset_of_the_high_water_mark():
     counter no longer holds that peak, the process's peak since it started still does."""
     import torch
 
-    from cbkit.telemetry import PeakMemory, _high_water_mark, process_peak_rss, rss_reader
+    from cbkit.telemetry import PeakMemory, _status_bytes, process_peak_rss, resident_bytes
 
-    rss = rss_reader()
     buf = torch.ones(128 * 2**20, dtype=torch.uint8)  # touched, so resident; large, so freed straight to the OS
-    high = rss()
+    high = resident_bytes()
     del buf
     with PeakMemory("cpu"):
         pass
-    assert _high_water_mark() < high - 64 * 2**20, "the reset should have dropped VmHWM below the buffer's peak"
+    assert _status_bytes("VmHWM") < high - 64 * 2**20, "the reset should have dropped VmHWM below the buffer's peak"
     # VmHWM trails the RSS counters by the kernel's per-thread batching (a few hundred KiB here)
     assert process_peak_rss() >= high - 16 * 2**20

@@ -1,6 +1,6 @@
-"""Where a notebook's figures draw: plotly.js embedded once per notebook and figures as ``text/html`` that draws with
-that copy (what nbconvert, GitHub and nbviewer read; no CDN), and progress bars that survive an executed notebook.
-Colab is the exception: each output there is its own iframe, so a figure brings its own plotly.js.
+"""Where a notebook's figures draw: plotly.js embedded once, figures as ``text/html`` that draws with that copy
+(what nbconvert, GitHub and nbviewer read; no CDN), and progress bars that survive an executed notebook. On
+Colab each output is its own iframe, so there a figure brings its own plotly.js.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ _PLOTLYJS_IN_PAGE = False  # set by embed_plotlyjs: from then on a figure's HTML
 
 
 class EmbeddedHTMLRenderer(MimetypeRenderer):
-    """``text/html`` that draws with the notebook's one plotly.js (plotly's ``notebook`` renderer adds a CDN script)."""
+    """``text/html`` drawn with the page's plotly.js (plotly's ``notebook`` renderer adds a CDN script)."""
 
     def to_mimebundle(self, fig_dict: Any) -> dict[str, str]:
         return {"text/html": figure_html(fig_dict)}
 
 
 def embed_plotlyjs() -> bool:
-    """Put plotly.js into the notebook once (an output of the calling cell) and make every figure output carry
-    plotly's JSON and ``text/html`` that uses it; False where it did nothing (no kernel, Colab, done already)."""
+    """Put plotly.js into the notebook once and make every figure output plotly's JSON and ``text/html`` that
+    uses it; False where it did nothing (no kernel, Colab, done already)."""
     global _PLOTLYJS_IN_PAGE
     if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
         return False
@@ -44,7 +44,7 @@ def embed_plotlyjs() -> bool:
 
 
 def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
-    """A figure as an HTML fragment, drawn with the notebook's plotly.js when embedded, else the CDN's (Colab)."""
+    """A figure as an HTML fragment, drawn with the page's plotly.js when embedded, else the CDN's (Colab)."""
     import plotly.io as pio
 
     return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
@@ -52,8 +52,8 @@ def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
 
 
 def text_progress_bars() -> bool:
-    """Under CI or nbmake, make ``tqdm.auto`` draw text bars that write their last frame once, instead of widgets a
-    saved notebook keeps as "0%"; returns whether it did. Runs in ``setup()``, before anything imports tqdm.auto."""
+    """Under CI or nbmake, make ``tqdm.auto`` text bars that write only their last frame, not widgets a saved
+    notebook keeps as "0%"; returns whether it did. Runs in ``setup()``, before anything imports tqdm.auto."""
     ci = os.environ.get("CBKIT_PROFILE") == "ci" or os.environ.get("CI") or "PYTEST_CURRENT_TEST" in os.environ
     if not (ci and in_kernel()):
         return False
@@ -65,8 +65,7 @@ def text_progress_bars() -> bool:
         delay: float  # tqdm's own attribute (its `delay=` argument)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("delay", math.inf)  # nothing is drawn while it runs
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, **{"delay": math.inf, **kwargs})  # nothing is drawn while it runs
 
         def close(self) -> None:
             if self.delay == math.inf:
@@ -80,5 +79,4 @@ def text_progress_bars() -> bool:
 def in_kernel() -> bool:
     """True inside a Jupyter kernel (looks only at an IPython already imported)."""
     get = getattr(sys.modules.get("IPython"), "get_ipython", None)
-    shell = get() if get is not None else None
-    return getattr(shell, "kernel", None) is not None
+    return getattr(get() if get is not None else None, "kernel", None) is not None

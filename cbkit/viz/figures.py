@@ -1,6 +1,6 @@
 """The sweep's figures and its HTML report (`cbkit sweep`, `cbkit report`): throughput, memory and a full step's
-phases against N, one line per backend, from the sweep's points (one dict per backend x N). A run that ran out of
-memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
+phases against N, one line per backend, from the sweep's points (one dict per backend x N). A run that ran out
+of memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
 """
 
 from __future__ import annotations
@@ -18,54 +18,77 @@ from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
 
 __all__ = ["memory_vs_n", "step_split_figure", "throughput_vs_n", "write_report"]
 
+Points = Sequence[Mapping[str, Any]]
 
-def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """Completion tokens/s vs N, one line per backend, the speed ratio to generate() under each N."""
-    fig = go.Figure()
-    for backend in _backends(points):
-        pts = _by_backend(points, backend)
-        fig.add_trace(go.Scatter(
-            x=[p["N"] for p in pts], y=[p["tokens_per_s"] if _ok(p) else None for p in pts], name=backend,
-            mode="lines+markers", line={"color": backend_color(backend), "width": 2.5}, marker={"size": 9},
-            connectgaps=False, hovertemplate=f"{backend}<br>N=%{{x}}<br>%{{y:.1f}} tokens/s<extra></extra>"))
-    _n_axis(fig, points, "speed_vs_generate")
-    _annotate_failures(fig, points)
-    fig.update_yaxes(title_text="completion tokens / s", rangemode="tozero")
-    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", template=TEMPLATE,
-                      height=460, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
+
+def throughput_vs_n(points: Points) -> go.Figure:
+    """Completion tokens/s vs N, one line per backend; under each N, the speed ratio to generate()."""
+    fig = _vs_n(points, [("tokens_per_s", "", _measured)], 1, "tokens/s", "speed_vs_generate")
+    fig.update_yaxes(title_text="completion tokens / s")
+    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", height=460)
     return fig
 
 
-def memory_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+def memory_vs_n(points: Points) -> go.Figure:
     """Peak memory vs N per backend: measured (solid), analytic KV (dashed), the planner's prediction (open
-    diamonds, when the points carry one); the memory ratio to generate() under each N."""
+    diamonds, when the points carry one); under each N, the memory ratio to generate()."""
     biggest = max((p.get(k) or 0 for p in points for k in ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")),
                   default=0)
     unit, scale = ("GiB", 1024**3) if biggest >= 2 * 1024**3 else ("MiB", 1024**2)
-    fig = go.Figure()
-    for backend in _backends(points):
-        pts = _by_backend(points, backend)
-        color = backend_color(backend)
-        for key, what, style in (
-                ("peak_mem_bytes", "measured peak", {"mode": "lines+markers", "marker": {"size": 9},
-                                                     "line": {"color": color, "width": 2.5}}),
-                ("kv_bytes", "KV (analytic)", {"mode": "lines", "line": {"color": color, "dash": "dash", "width": 1.5}}),
-                ("planned_peak_bytes", "planner", {"mode": "markers", "marker": {
-                    "color": color, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}})):
-            # what a configuration needs (KV, planned) is drawn for a point that ran out of memory too
-            ys = [p[key] / scale if p.get(key) is not None and (_ok(p) or key != "peak_mem_bytes") else None
-                  for p in pts]
-            if any(v is not None for v in ys):
-                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=f"{backend}: {what}", legendgroup=backend,
-                                         connectgaps=False, **style,
-                                         hovertemplate=f"{backend} {what}<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>"))
+    fig = _vs_n(points, [
+        ("peak_mem_bytes", ": measured peak", _measured),
+        ("kv_bytes", ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash", "width": 1.5}}),
+        ("planned_peak_bytes", ": planner", lambda c: {"mode": "markers", "marker": {
+            "color": c, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}}),
+    ], scale, unit, "mem_vs_generate")
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
     measured_as = " / ".join({"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}.get(k, k) for k in kinds)
-    _n_axis(fig, points, "mem_vs_generate")
-    _annotate_failures(fig, points)
-    fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
-    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as or 'not measured'}; under each N: memory vs generate())",
-                      template=TEMPLATE, height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
+    fig.update_yaxes(title_text=f"peak memory above weights ({unit})")
+    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as or 'not measured'}; under each N: "
+                            "memory vs generate())", height=500)
+    return fig
+
+
+def _measured(color: str) -> dict[str, Any]:
+    return {"mode": "lines+markers", "marker": {"size": 9}, "line": {"color": color, "width": 2.5}}
+
+
+def _vs_n(points: Points, traces: Sequence[tuple[str, str, Any]], scale: float, unit: str,
+          ratio_key: str) -> go.Figure:
+    """Per backend, a trace for each (key, name suffix, style of a colour) against N (a log axis: N grows
+    geometrically), each backend's ratio to generate() under its N, in its colour (a label beside a marker ends
+    up on another marker), and every failed point marked above the plot."""
+    fig = go.Figure()
+    for backend in _backends(points):
+        pts = sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
+        for i, (key, suffix, style) in enumerate(traces):
+            # a failed point measured nothing (a gap); what its configuration needs (KV, planned) is still drawn
+            ys = [p[key] / scale if p.get(key) is not None and (i > 0 or _ok(p)) else None for p in pts]
+            if any(v is not None for v in ys):
+                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=backend + suffix, legendgroup=backend,
+                                         connectgaps=False, **style(backend_color(backend)),
+                                         hovertemplate=f"{backend}{suffix}<br>N=%{{x}}<br>%{{y:.1f}} {unit}"
+                                                       "<extra></extra>"))
+    ns = sorted({p["N"] for p in points})
+    by = {(p["backend"], p["N"]): p for p in points}
+    ticks = []
+    for n in ns:
+        ratios = [f"<span style='color:{backend_color(b)}'>{by[b, n][ratio_key]:.2f}x</span>" for b in _backends(points)
+                  if b != "generate" and (b, n) in by and _ok(by[b, n]) and by[b, n].get(ratio_key) is not None]
+        ticks.append("<br>".join([str(n), *ratios]))
+    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=ticks,
+                     range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
+    failed: dict[int, list[str]] = {}
+    for p in points:
+        if not _ok(p):
+            failed.setdefault(p["N"], []).append(f"{p['backend']}: {str(p.get('status', 'error')).upper()}")
+    for n, labels in failed.items():  # above the plot area, never over a line; a log axis takes log10(x)
+        fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
+                           text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
+                           bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
+        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(template=TEMPLATE, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
     return fig
 
 
@@ -73,7 +96,7 @@ STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"
                ("other_s", "other"))
 
 
-def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
+def step_split_figure(points: Points) -> go.Figure:
     """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's speed-up
     over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still waited for."""
     pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)),
@@ -108,7 +131,7 @@ def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
     return fig
 
 
-def write_report(points: Sequence[Mapping[str, Any]], path: str | os.PathLike,
+def write_report(points: Points, path: str | os.PathLike,
                  meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
     """Write one self-contained HTML page to ``path`` and return it: the run's settings, the charts (plotly's JS
     inline, so it opens offline) and the tables `cbkit report` prints."""
@@ -150,39 +173,5 @@ def _order(p: Mapping[str, Any]) -> tuple[int, bool, str]:
     return p["N"], p["backend"] != "generate", p["backend"]  # by N, generate() first: the reference
 
 
-def _backends(points: Sequence[Mapping[str, Any]]) -> list[str]:
+def _backends(points: Points) -> list[str]:
     return sorted({p["backend"] for p in points}, key=lambda b: (b != "generate", b))  # generate() first
-
-
-def _by_backend(points: Sequence[Mapping[str, Any]], backend: str) -> list[Mapping[str, Any]]:
-    return sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
-
-
-def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]], ratio_key: str) -> None:
-    ns = sorted({p["N"] for p in points})
-    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly. Ratios to generate()
-    # go under each N's tick, in the backend's colour: a label beside a marker ends up on another marker.
-    by = {(p["backend"], p["N"]): p for p in points}
-    others = [b for b in _backends(points) if b != "generate"]
-
-    def tick(n: int) -> str:
-        labels = [f"<span style='color:{backend_color(b)}'>{by[(b, n)][ratio_key]:.2f}x</span>"
-                  for b in others if (b, n) in by and _ok(by[(b, n)]) and by[(b, n)].get(ratio_key) is not None]
-        return "<br>".join([str(n), *labels])
-
-    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[tick(n) for n in ns],
-                     range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
-
-
-def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> None:
-    failed: dict[int, list[str]] = {}
-    for p in points:
-        if not _ok(p):
-            failed.setdefault(p["N"], []).append(f"{p['backend']}: {str(p.get('status', 'error')).upper()}")
-    for n, labels in failed.items():
-        # Above the plot area, so it never hides a line; annotations on a log axis take log10(x).
-        fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
-                           text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
-                           bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
-        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units, log axis too
-

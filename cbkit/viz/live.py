@@ -1,7 +1,7 @@
-"""Charts that update while work runs. In a Jupyter kernel (JupyterLab, VS Code, Colab, nbmake alike) a chart is an
-IPython display handle whose HTML is replaced at most once per ``min_interval_s`` (sending a figure is expensive,
-adding a point is not), and at the end by the final figure, which an executed notebook keeps. Outside a kernel the
-points wait for ``close()``, which returns the figure. One mechanism for every front end: no widget to install.
+"""Charts that update while work runs. In a Jupyter kernel (JupyterLab, VS Code, Colab, nbmake alike) a chart is
+an IPython display handle whose HTML is replaced at most once per ``min_interval_s`` (sending a figure is
+expensive, adding a point is not), at the end by the final figure, which an executed notebook keeps. Outside a
+kernel the points wait for ``close()``, which returns the figure. One mechanism everywhere: no widget to install.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal
 
 import plotly.graph_objects as go
@@ -21,53 +22,51 @@ from cbkit.viz.palette import PALETTE, TEMPLATE
 __all__ = ["LiveChart"]
 
 
-class LiveChart:
-    """A throttled chart of ``panels`` sharing the x axis, in one column or a grid of ``columns``.
+def _ipython_display(bundle: dict[str, Any]) -> Any:
+    from IPython.display import display
 
-    A series keeps its colour in every panel, or takes the style ``style(series)`` returns: its line, its marker
-    ``symbol``, its legend ``group`` (one legend entry a group) and a ``label`` written beside its last point. A panel
-    in ``y_min_span`` spans at least that much, so noise around a flat value is not stretched over the panel.
+    return display(bundle, raw=True, display_id=True)
+
+
+@dataclass(eq=False)
+class LiveChart:
+    """A chart of ``panels`` sharing the x axis, in one column or a grid of ``columns``, redrawn as points arrive.
+
+    A series keeps its colour in every panel, or takes ``style(series)``: its line, its marker ``symbol``, its
+    legend ``group`` (one entry a group) and a ``label`` beside its last point. A panel in ``y_min_span`` spans at
+    least that much, so noise around a flat value is not stretched over the panel.
     """
 
-    def __init__(
-        self,
-        title: str,
-        panels: Sequence[str] = ("",),
-        *,
-        x_title: str = "step",
-        mode: Literal["auto", "html", "static"] = "auto",
-        min_interval_s: float = 1.0,
-        x_log: bool = False,
-        style: Callable[[str], Mapping[str, Any]] | None = None,
-        y_min_span: Mapping[str, float] | None = None,
-        columns: int = 1,
-        panel_height: int = 260,
-        clock: Callable[[], float] = time.monotonic,
-        display: Callable[[Any], Any] | None = None,
-    ) -> None:
-        if mode not in ("auto", "html", "static"):
-            raise ValueError(f"mode must be auto, html or static; got {mode!r}.")
-        if not panels:
+    title: str
+    panels: Sequence[str] = ("",)
+    _: KW_ONLY
+    x_title: str = "step"
+    mode: Literal["auto", "html", "static"] = "auto"
+    min_interval_s: float = 1.0
+    x_log: bool = False
+    style: Callable[[str], Mapping[str, Any]] | None = None
+    y_min_span: Mapping[str, float] = field(default_factory=dict)
+    columns: int = 1
+    panel_height: int = 260
+    clock: Callable[[], float] = time.monotonic
+    display: Callable[[dict[str, Any]], Any] = _ipython_display
+    updates: int = field(default=0, init=False)  # redraws sent to the display: what the throttle limits
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "html", "static"):
+            raise ValueError(f"mode must be auto, html or static; got {self.mode!r}.")
+        if not self.panels:
             raise ValueError("panels must name at least one panel.")
-        if columns < 1:
-            raise ValueError(f"columns must be >= 1, got {columns}.")
-        if min_interval_s < 0:
-            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}.")
-        self.title = title
-        self.panels = tuple(panels)
-        self.x_title = x_title
-        self.mode = ("html" if viz_display.in_kernel() else "static") if mode == "auto" else mode
-        self.min_interval_s = min_interval_s
-        self.x_log = x_log
-        self._style = style
-        self.y_min_span = dict(y_min_span or {})
-        self.columns = min(columns, len(self.panels))
-        self.panel_height = panel_height
-        self._clock = clock
-        self._display = display or _ipython_display
-        self.updates = 0  # redraws sent to the display: what the throttle limits
+        if self.columns < 1:
+            raise ValueError(f"columns must be >= 1, got {self.columns}.")
+        if self.min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {self.min_interval_s}.")
+        self.panels = tuple(self.panels)
+        self.columns = min(self.columns, len(self.panels))
+        if self.mode == "auto":
+            self.mode = "html" if viz_display.in_kernel() else "static"
         self._series: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}  # (panel, series) -> (xs, ys)
-        self._names: list[str] = []  # series names in order of appearance, for stable colours
+        self._names: list[str] = []  # series in order of appearance, for stable colours
         self._dirty = False
         self._last = -math.inf
         self._handle: Any = None
@@ -86,14 +85,14 @@ class LiveChart:
         xs.append(x)
         ys.append(y)
         self._dirty = True
-        now = self._clock()
+        now = self.clock()
         if now - self._last >= self.min_interval_s:
             self._redraw(now)
 
     def flush(self) -> None:
         """Redraw now if anything arrived since the last redraw."""
         if self._dirty and self._final is None:
-            self._redraw(self._clock())
+            self._redraw(self.clock())
 
     def close(self) -> go.Figure:
         """Return the final figure; in a kernel it replaces the live chart's last snapshot."""
@@ -102,7 +101,8 @@ class LiveChart:
             self._dirty = False
             if self.mode == "html":  # as plotly's JSON and HTML: an executed notebook keeps the figure
                 self._show({"application/vnd.plotly.v1+json": {**json.loads(self._final.to_json()), "config": {}},
-                            "text/html": viz_display.figure_html(self._final), "text/plain": f"<plotly figure: {self.title}>"})
+                            "text/html": viz_display.figure_html(self._final),
+                            "text/plain": f"<plotly figure: {self.title}>"})
         return self._final
 
     def figure(self) -> go.Figure:
@@ -148,8 +148,8 @@ class LiveChart:
 
     def _trace(self, series: str, xs: Sequence[Any], ys: Sequence[Any], shown: set[str]) -> go.Scatter:
         """One series' trace, in the legend only the first time its group is drawn."""
-        if self._style is not None:
-            line = dict(self._style(series))
+        if self.style is not None:
+            line = dict(self.style(series))
         else:
             line = {"color": PALETTE[self._names.index(series) % len(PALETTE)]}
         group, label, symbol = line.pop("group", series), line.pop("label", None), line.pop("symbol", None)
@@ -172,12 +172,7 @@ class LiveChart:
     def _show(self, bundle: dict[str, Any]) -> None:
         """Show a mime bundle in place of the last one (a plotly figure would ignore the display id)."""
         if self._handle is None:
-            self._handle = self._display(bundle)
+            self._handle = self.display(bundle)
         else:
             self._handle.update(bundle, raw=True)
 
-
-def _ipython_display(bundle: dict[str, Any]) -> Any:
-    from IPython.display import display
-
-    return display(bundle, raw=True, display_id=True)

@@ -1,21 +1,17 @@
-"""Figures as PNG images, the fallback wherever JavaScript does not run (github.com's notebook viewer, a PDF):
-kaleido draws them offline with the installed Chromium (on PATH or ``$BROWSER_PATH``), a notebook's all in one browser.
+"""Figures as PNG images, for wherever JavaScript does not run (github.com's notebook viewer, a README, a slide):
+kaleido draws them offline with the installed Chromium (on PATH or ``$BROWSER_PATH``), all in one browser.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import shutil
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-__all__ = ["PNG", "PLOTLY_JSON", "add_png_fallbacks", "figure_pngs"]
+__all__ = ["figure_pngs"]
 
-PLOTLY_JSON = "application/vnd.plotly.v1+json"
-PNG = "image/png"
 DEFAULT_WIDTH = 1000  # pixels
 DEFAULT_HEIGHT = 500
 
@@ -43,23 +39,4 @@ def figure_pngs(figures: Sequence[Any], *, width: int = DEFAULT_WIDTH) -> list[b
             return [await k.calc_fig(fig, opts=opts(fig)) for fig in figures]
 
     return asyncio.run(draw())
-
-
-def add_png_fallbacks(path: str | os.PathLike) -> int:
-    """Add an ``image/png`` to every plotly figure output of an executed notebook that has none, in place; returns
-    how many it drew."""
-    import nbformat
-
-    path = Path(path)
-    book = nbformat.read(path, as_version=4)
-    outputs = [out for cell in book.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
-               if out.get("output_type") in ("display_data", "execute_result")
-               and PLOTLY_JSON in out.get("data", {}) and PNG not in out["data"]]
-    figures = [{"data": list(fig.get("data", [])), "layout": dict(fig.get("layout", {}))}
-               for fig in (out["data"][PLOTLY_JSON] for out in outputs)]
-    for out, png in zip(outputs, figure_pngs(figures), strict=True):
-        out["data"][PNG] = base64.b64encode(png).decode("ascii")
-    if outputs:
-        nbformat.write(book, path)
-    return len(outputs)
 
