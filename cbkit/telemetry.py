@@ -1,8 +1,8 @@
 """Measuring a rollout: peak memory above a baseline, analytic KV bytes, byte formatting.
 
-On CUDA the peak is the allocator's `max_memory_allocated` after a reset. On CPU it is the rise of resident memory:
-on Linux the kernel's own high-water mark (VmHWM), reset at the start, so no thread of ours runs beside the code
-measured; elsewhere a thread sampling RSS. RSS counts allocator slack: compare backends in one process only.
+On CUDA the peak is the allocator's `max_memory_allocated` after a reset. On CPU it is the rise of resident
+memory: on Linux the kernel's own high-water mark (VmHWM), reset at the start, so no thread of ours runs
+beside the code measured; elsewhere a thread sampling RSS. RSS counts allocator slack: compare in one process.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import os
 import sys
 import threading
 import time
@@ -25,8 +24,8 @@ if TYPE_CHECKING:
 
 
 def _status_bytes(field: str) -> int:
-    """A field of Linux's /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak since the last reset),
-    0 where there is none."""
+    """A field of Linux's /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak since the last
+    reset), 0 where there is none."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -41,14 +40,13 @@ def resident_bytes() -> int:
     try:
         import psutil
     except ImportError:
-        raise ModuleNotFoundError("Measuring CPU memory needs psutil on this operating system: pip install psutil") \
-            from None
+        raise ModuleNotFoundError("Measuring memory here needs psutil: pip install psutil") from None
     return psutil.Process().memory_info().rss
 
 
 def release_memory(model: torch.nn.Module | None = None) -> None:
-    """Drop ``model``'s gradients, collect what has no reference left and hand glibc's freed heap back to the OS, so
-    resident memory falls to what is still held (between runs, and before every measurement)."""
+    """Drop ``model``'s gradients, collect garbage and hand glibc's freed heap back to the OS, so resident
+    memory falls to what is still held (between runs, and before every measurement)."""
     if model is not None:
         model.zero_grad(set_to_none=True)
     gc.collect()
@@ -66,33 +64,31 @@ def process_peak_rss() -> int:
 
 
 class PeakMemory:
-    """Context manager: ``peak_bytes``, the peak memory used by the code inside it above what was in use when it
-    started; ``kind`` says what was measured (``cuda_allocated`` or ``cpu_rss``)."""
+    """Context manager: ``peak_bytes``, the peak memory the code inside it used above what was in use when it
+    started; ``kind``, what was measured (``cuda_allocated`` or ``cpu_rss``)."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device or "cpu")
         self.kind = "cuda_allocated" if self.device.type == "cuda" else "cpu_rss"
         self.peak_bytes: int | None = None
+        self._poller: threading.Thread | None = None  # where the kernel keeps no resettable high-water mark
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._hwm = False  # whether the kernel's high-water mark is read instead of polling
 
     def __enter__(self) -> PeakMemory:
+        global _peak_before_resets
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
             return self
-        global _peak_before_resets
         release_memory()
         self._baseline = self._peak = resident_bytes()
         _peak_before_resets = process_peak_rss()
-        with contextlib.suppress(OSError):
+        try:
             Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := the current RSS
-            self._hwm = True
-        if not self._hwm:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
+        except OSError:
+            self._poller = threading.Thread(target=self._poll, daemon=True)
+            self._poller.start()
         return self
 
     def _poll(self) -> None:
@@ -109,36 +105,24 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._baseline
             return
-        if self._thread is not None:
+        if self._poller is not None:
             self._stop.set()
-            self._thread.join()
-        self.peak_bytes = max(self._peak, resident_bytes(), _status_bytes("VmHWM") if self._hwm else 0) - self._baseline
+            self._poller.join()
+        else:
+            self._peak = max(self._peak, _status_bytes("VmHWM"))
+        self.peak_bytes = max(self._peak, resident_bytes()) - self._baseline
 
 
 def cuda_peaks(device: torch.device | str) -> dict[str, int]:
-    """After a measured call: the allocator's peak reserved bytes and the device's used bytes now (what nvidia-smi
-    shows). Empty on CPU."""
+    """After a measured call: the allocator's peak reserved bytes and the device's used bytes now (what
+    nvidia-smi shows). Empty on CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return {}
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)), "device_used_bytes": int(total - free)}
-
-
-def nvml_process_bytes(device_index: int = 0) -> int | None:
-    """GPU memory the driver says this process holds (CUDA context included); None without `nvidia-ml-py` or a GPU."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
-        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
-    except Exception:  # NVML errors mean "not available here", never a failed measurement
-        return None
-    return int(used[0]) if used and used[0] is not None else None
+    return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "device_used_bytes": int(total - free)}
 
 
 def fmt_bytes(n: int | float | None) -> str:
@@ -153,8 +137,8 @@ def fmt_bytes(n: int | float | None) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A model's shape, read from its transformers config in this one place: a multimodal config's text model, GQA's
-    KV heads, ``head_dim``, the MLP's width."""
+    """A model's shape, read from its transformers config in this one place: a multimodal config's text
+    model, GQA's KV heads, ``head_dim``, the MLP's width."""
 
     layers: int
     heads: int
@@ -181,21 +165,18 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     return s.layers * 2 * s.kv_heads * s.head_dim * dtype_bytes
 
 
-def kv_accounting(rollout: Any, config: Any, dtype_bytes: int) -> dict[str, float | int | None]:
-    """A rollout's analytic KV bytes. generate() holds every row at the padded length until the last row finishes
-    (``kv_padding_share``: the share of those slots that were padding); CB holds the pool it allocated."""
+def kv_accounting(rollout: Any, config: Any, dtype_bytes: int) -> dict[str, float | None]:
+    """A rollout's analytic KV bytes: generate() holds every row at the padded length until the last row
+    finishes (``kv_padding_share``: the share of those slots that held padding); CB, the pool it allocated."""
     per_token = kv_bytes_per_token(config, dtype_bytes)
     cfg = rollout.engine_config
     if rollout.backend == "generate":
         slots = cfg["batch_rows"] * (cfg["padded_prompt_len"] + cfg["steps"])
         useful = sum(len(c.prompt_ids) + len(c.completion_ids) for c in rollout.completions)
-        return {"kv_bytes": slots * per_token, "kv_bytes_per_token": per_token, "token_slots": slots,
-                "kv_padding_share": 1 - useful / slots}
+        return {"kv_bytes": slots * per_token, "kv_padding_share": 1 - useful / slots}
     if "num_blocks" in cfg and "page_size" in cfg:
-        slots = cfg["num_blocks"] * cfg["page_size"]
-        return {"kv_bytes": slots * per_token, "kv_bytes_per_token": per_token, "token_slots": slots,
-                "kv_padding_share": 0.0}
-    return {"kv_bytes": None, "kv_bytes_per_token": per_token, "token_slots": None, "kv_padding_share": None}
+        return {"kv_bytes": cfg["num_blocks"] * cfg["page_size"] * per_token, "kv_padding_share": 0.0}
+    return {"kv_bytes": None, "kv_padding_share": None}
 
 
 def seconds_since(start: float, device: torch.device) -> float:

@@ -48,13 +48,13 @@ FRONT_END_ONLY = ("application/vnd.plotly.v1+json", "application/vnd.cbkit.pheno
 
 
 def add_png_fallbacks(path: Path) -> int:
-    """Add an ``image/png`` (`cbkit.viz.static.figure_pngs`) to every plotly figure output of an executed notebook
+    """Add an ``image/png`` (`cbkit.viz.figures.figure_pngs`) to every plotly figure output of an executed notebook
     that has none, in place; returns how many it drew."""
     import base64
 
     import nbformat
 
-    from cbkit.viz.static import figure_pngs
+    from cbkit.viz.figures import figure_pngs
 
     book = nbformat.read(path, as_version=4)
     plotly_json = FRONT_END_ONLY[0]

@@ -115,7 +115,7 @@ def test_figure_pngs_draws_offline_at_the_figure_size(tmp_path):
 
     import plotly.graph_objects as go
 
-    from cbkit.viz.static import figure_pngs
+    from cbkit.viz.figures import figure_pngs
     from scripts.build_book import add_png_fallbacks
 
     if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):

@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 import pytest
 
 from cbkit.teach import figures_padding
-from cbkit.viz import display, palette
 from cbkit.viz import figures as plots
+from cbkit.viz import live as display
 from cbkit.viz.live import LiveChart
 
 GiB = 1024**3
@@ -194,7 +194,7 @@ def test_throughput_vs_n_marks_oom_without_plotting_zero():
     assert "generate: OOM" in texts and not any("x" in t for t in texts if "OOM" not in t)  # no label on a marker
     # The ratio sits under its N, in CB's colour; N=64 has no ratio (generate() ran out of memory).
     ticks = list(fig.layout.xaxis.ticktext)
-    assert ticks[1] == f"32<br><span style='color:{palette.BACKEND_COLORS['continuous']}'>1.25x</span>"
+    assert ticks[1] == f"32<br><span style='color:{plots.BACKEND_COLORS['continuous']}'>1.25x</span>"
     assert ticks[2] == "64"
     assert fig.layout.xaxis.title.text.startswith("N") and "tokens" in fig.layout.yaxis.title.text
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from cbkit.teach.tiers import GPU_MODEL, GPU_TIERS, LOGITS_BUDGET_BYTES, Sizes, plan_notebook, sizes_for
-from cbkit.viz.display import embed_plotlyjs, text_progress_bars
+from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")

@@ -1,29 +1,48 @@
-"""The sweep's figures and its HTML report (`cbkit sweep`, `cbkit report`): throughput, memory and a full step's
-phases against N, one line per backend, from the sweep's points (one dict per backend x N). A run that ran out
-of memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
+"""cbkit's figures: one palette (a backend keeps its colour in every chart), the sweep's figures and HTML
+report (`cbkit sweep`, `cbkit report`), a training run's reward curve (`cbkit plot`), figures as PNG images. A
+run that ran out of memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not
+a small one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
 import math
 import os
-from collections.abc import Mapping, Sequence
+import shutil
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 
-from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
+from cbkit.jsonl import read_jsonl
 
-__all__ = ["memory_vs_n", "step_split_figure", "throughput_vs_n", "write_report"]
+__all__ = ["PALETTE", "TEMPLATE", "backend_color", "figure_pngs", "memory_vs_n", "read_metrics",
+           "reward_curve", "step_mean", "step_split_figure", "throughput_vs_n", "write_report"]
 
+PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
+           "#CCB974", "#64B5CD")
+BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
+TEMPLATE = "plotly_white"
 Points = Sequence[Mapping[str, Any]]
+Style = Callable[[str], dict[str, Any]]  # a trace's style in a backend's colour
+
+
+def backend_color(backend: str) -> str:
+    """A backend's colour: fixed for the three cbkit knows, else a stable pick (crc32, unlike hash())."""
+    return BACKEND_COLORS.get(backend, PALETTE[zlib.crc32(backend.encode()) % len(PALETTE)])
+
+
+def _solid(color: str) -> dict[str, Any]:
+    return {"mode": "lines+markers", "marker": {"size": 9}, "line": {"color": color, "width": 2.5}}
 
 
 def throughput_vs_n(points: Points) -> go.Figure:
     """Completion tokens/s vs N, one line per backend; under each N, the speed ratio to generate()."""
-    fig = _vs_n(points, [("tokens_per_s", "", _measured)], 1, "tokens/s", "speed_vs_generate")
+    fig = _vs_n(points, [("tokens_per_s", "", _solid)], 1, "tokens/s", "speed_vs_generate")
     fig.update_yaxes(title_text="completion tokens / s")
     fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", height=460)
     return fig
@@ -32,49 +51,46 @@ def throughput_vs_n(points: Points) -> go.Figure:
 def memory_vs_n(points: Points) -> go.Figure:
     """Peak memory vs N per backend: measured (solid), analytic KV (dashed), the planner's prediction (open
     diamonds, when the points carry one); under each N, the memory ratio to generate()."""
-    biggest = max((p.get(k) or 0 for p in points for k in ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")),
-                  default=0)
+    keys = ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")
+    biggest = max((p.get(k) or 0 for p in points for k in keys), default=0)
     unit, scale = ("GiB", 1024**3) if biggest >= 2 * 1024**3 else ("MiB", 1024**2)
-    fig = _vs_n(points, [
-        ("peak_mem_bytes", ": measured peak", _measured),
-        ("kv_bytes", ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash", "width": 1.5}}),
-        ("planned_peak_bytes", ": planner", lambda c: {"mode": "markers", "marker": {
-            "color": c, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}}),
-    ], scale, unit, "mem_vs_generate")
+    traces: list[tuple[str, str, Style]] = [
+        (keys[0], ": measured peak", _solid),
+        (keys[1], ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash", "width": 1.5}}),
+        (keys[2], ": planner", lambda c: {"mode": "markers", "marker": {"color": c, "symbol": "diamond-open",
+                                                                         "size": 12, "line": {"width": 2}}})]
+    fig = _vs_n(points, traces, scale, unit, "mem_vs_generate")
+    names = {"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
-    measured_as = " / ".join({"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}.get(k, k) for k in kinds)
+    measured_as = " / ".join(names.get(k, k) for k in kinds) or "not measured"
     fig.update_yaxes(title_text=f"peak memory above weights ({unit})")
-    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as or 'not measured'}; under each N: "
-                            "memory vs generate())", height=500)
+    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs "
+                            "generate())", height=500)
     return fig
 
 
-def _measured(color: str) -> dict[str, Any]:
-    return {"mode": "lines+markers", "marker": {"size": 9}, "line": {"color": color, "width": 2.5}}
-
-
-def _vs_n(points: Points, traces: Sequence[tuple[str, str, Any]], scale: float, unit: str,
+def _vs_n(points: Points, traces: Sequence[tuple[str, str, Style]], scale: float, unit: str,
           ratio_key: str) -> go.Figure:
-    """Per backend, a trace for each (key, name suffix, style of a colour) against N (a log axis: N grows
-    geometrically), each backend's ratio to generate() under its N, in its colour (a label beside a marker ends
-    up on another marker), and every failed point marked above the plot."""
+    """Per backend, a trace for each (key, name suffix, style) against N on a log axis (N grows
+    geometrically), each backend's ratio to generate() under its N (a label beside a marker ends up on
+    another marker), and every failed point marked above the plot."""
     fig = go.Figure()
     for backend in _backends(points):
         pts = sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
         for i, (key, suffix, style) in enumerate(traces):
-            # a failed point measured nothing (a gap); what its configuration needs (KV, planned) is still drawn
+            # a failed point measured nothing (a gap); what its configuration needs (KV, planned) is drawn
             ys = [p[key] / scale if p.get(key) is not None and (i > 0 or _ok(p)) else None for p in pts]
             if any(v is not None for v in ys):
-                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=backend + suffix, legendgroup=backend,
-                                         connectgaps=False, **style(backend_color(backend)),
-                                         hovertemplate=f"{backend}{suffix}<br>N=%{{x}}<br>%{{y:.1f}} {unit}"
-                                                       "<extra></extra>"))
+                hover = f"{backend}{suffix}<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>"
+                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=backend + suffix, connectgaps=False,
+                                         legendgroup=backend, hovertemplate=hover, **style(backend_color(backend))))
     ns = sorted({p["N"] for p in points})
     by = {(p["backend"], p["N"]): p for p in points}
     ticks = []
     for n in ns:
-        ratios = [f"<span style='color:{backend_color(b)}'>{by[b, n][ratio_key]:.2f}x</span>" for b in _backends(points)
-                  if b != "generate" and (b, n) in by and _ok(by[b, n]) and by[b, n].get(ratio_key) is not None]
+        ratios = [f"<span style='color:{backend_color(b)}'>{by[b, n][ratio_key]:.2f}x</span>"
+                  for b in _backends(points) if b != "generate" and (b, n) in by and _ok(by[b, n])
+                  and by[b, n].get(ratio_key) is not None]
         ticks.append("<br>".join([str(n), *ratios]))
     fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=ticks,
                      range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
@@ -92,18 +108,16 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Any]], scale: float, 
     return fig
 
 
-STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
-               ("other_s", "other"))
-
-
 def step_split_figure(points: Points) -> go.Figure:
-    """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's speed-up
-    over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still waited for."""
-    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)),
-                 key=_order)
+    """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's
+    speed-up over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still
+    waited for."""
+    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)), key=_order)
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
     fig = go.Figure()
-    for i, (key, name) in enumerate(STEP_PHASES):
+    phases = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
+              ("other_s", "other"))
+    for i, (key, name) in enumerate(phases):
         xs = [p.get(key) if _ok(p) else None for p in pts]
         shares = [p.get(key.replace("_s", "_roof_share")) if _ok(p) else None for p in pts]
         text = [f"{x:.1f} s" + (f" ({r:.0%} of roof)" if r is not None else "") if x is not None else ""
@@ -133,8 +147,8 @@ def step_split_figure(points: Points) -> go.Figure:
 
 def write_report(points: Points, path: str | os.PathLike,
                  meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
-    """Write one self-contained HTML page to ``path`` and return it: the run's settings, the charts (plotly's JS
-    inline, so it opens offline) and the tables `cbkit report` prints."""
+    """Write one self-contained HTML page to ``path`` and return it: the run's settings, the charts (plotly's
+    JS inline, so it opens offline) and the tables `cbkit report` prints."""
     from cbkit.measure.tables import points_table, step_split_table
 
     figures = [throughput_vs_n(points), memory_vs_n(points)]
@@ -144,7 +158,8 @@ def write_report(points: Points, path: str | os.PathLike,
         tables.append(step_split_table([dict(p) for p in points]))
     esc = html.escape
     charts = "\n".join(f.to_html(full_html=False, include_plotlyjs=i == 0) for i, f in enumerate(figures))
-    meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in (meta or {}).items())
+    meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
+                        for k, v in (meta or {}).items())
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
@@ -175,3 +190,70 @@ def _order(p: Mapping[str, Any]) -> tuple[int, bool, str]:
 
 def _backends(points: Points) -> list[str]:
     return sorted({p["backend"] for p in points}, key=lambda b: (b != "generate", b))  # generate() first
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a `metrics.jsonl`, a torn last line dropped; an empty file is refused."""
+    rows = read_jsonl(path, what="step")
+    if not rows:
+        raise ValueError(f"{path} holds no metrics rows; is it a cbkit metrics.jsonl "
+                         "(cbkit train --output-dir)?")
+    return rows
+
+
+def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, window: int = 3,
+                 title: str = "Reward per step") -> go.Figure:
+    """Each metric per step (dots: one rollout's mean, noisy) and its trailing mean over ``window`` steps
+    (line). Held-out metrics (``eval/*``) are drawn as measured, step 0 included: each point already averages
+    many completions the run never trained on."""
+    fig = go.Figure()
+    for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
+        color = PALETTE[i % len(PALETTE)]
+        if key.startswith("eval/"):
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            fig.add_scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers",
+                            name=f"{key} (held-out)", line=dict(color=color, width=3), marker=dict(size=9))
+            continue
+        trained = [r for r in rows if r["step"] > 0]  # step 0 holds the evaluation before training alone
+        steps, values = [r["step"] for r in trained], [r.get(key) for r in trained]
+        fig.add_scatter(x=steps, y=values, mode="markers", name=key, marker=dict(color=color, size=7),
+                        legendgroup=key)
+        smooth = [step_mean(values[max(0, j - window + 1): j + 1]) for j in range(len(values))]
+        fig.add_scatter(x=steps, y=smooth, mode="lines", name=f"{key} ({window}-step mean)",
+                        line=dict(color=color, width=2), legendgroup=key)
+    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="step", yaxis_title="reward", height=420,
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def step_mean(values: Sequence[Any]) -> float | None:
+    """The mean of the numbers among ``values`` (None where there are none)."""
+    xs = [float(v) for v in values if isinstance(v, int | float)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def figure_pngs(figures: Sequence[Any], *, width: int = 1000) -> list[bytes]:
+    """Each figure (a ``go.Figure`` or its dict) as PNG bytes at its own ``layout.height``, ``width`` pixels
+    wide (an HTML figure's width follows its page; an image needs one), drawn offline by kaleido with the
+    installed Chromium (on PATH or ``$BROWSER_PATH``)."""
+    if not figures:
+        return []
+    if not os.environ.get("BROWSER_PATH"):
+        found = [p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))]
+        if not found:
+            raise RuntimeError("drawing a figure as PNG needs Chromium (kaleido drives it): install it (apt-get "
+                               "install -y chromium) or set BROWSER_PATH to a Chrome or Chromium binary.")
+        os.environ["BROWSER_PATH"] = found[0]
+    import kaleido
+
+    def opts(fig: Any) -> dict[str, Any]:
+        layout = (fig.to_dict() if hasattr(fig, "to_dict") else fig).get("layout", {})
+        return {"format": "png", "width": int(layout.get("width") or width),
+                "height": int(layout.get("height") or 500)}
+
+    async def draw() -> list[bytes]:
+        async with kaleido.Kaleido(n=1, timeout=120, mathjax=False) as k:
+            return [await k.calc_fig(fig, opts=opts(fig)) for fig in figures]
+
+    return asyncio.run(draw())
+

@@ -1,25 +1,97 @@
-"""Charts that update while work runs. In a Jupyter kernel (JupyterLab, VS Code, Colab, nbmake alike) a chart is
-an IPython display handle whose HTML is replaced at most once per ``min_interval_s`` (sending a figure is
-expensive, adding a point is not), at the end by the final figure, which an executed notebook keeps. Outside a
-kernel the points wait for ``close()``, which returns the figure. One mechanism everywhere: no widget to install.
+"""Where a notebook's figures draw, and charts that update while work runs.
+
+plotly.js is embedded once per notebook and figures are ``text/html`` that draws with that copy (what
+nbconvert, GitHub and nbviewer read; no CDN); on Colab each output is its own iframe and brings its own. A
+live chart in a kernel (JupyterLab, VS Code, Colab, nbmake alike) is an IPython display handle whose HTML is
+replaced at most once per ``min_interval_s`` (sending a figure is expensive, adding a point is not), at the
+end by the final figure, which an executed notebook keeps; outside a kernel the points wait for ``close()``,
+which returns the figure. One mechanism everywhere: no widget to install.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal
 
 import plotly.graph_objects as go
+from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
-from cbkit.viz import display as viz_display
-from cbkit.viz.palette import PALETTE, TEMPLATE
+from cbkit.viz.figures import PALETTE, TEMPLATE
 
-__all__ = ["LiveChart"]
+__all__ = ["LiveChart", "embed_plotlyjs", "figure_html", "in_kernel", "text_progress_bars"]
+
+_PLOTLYJS_IN_PAGE = False  # set by embed_plotlyjs: from then on a figure's HTML needs no copy of its own
+
+
+class EmbeddedHTMLRenderer(MimetypeRenderer):
+    """``text/html`` drawn with the page's plotly.js (plotly's ``notebook`` renderer adds a CDN script)."""
+
+    def to_mimebundle(self, fig_dict: Any) -> dict[str, str]:
+        return {"text/html": figure_html(fig_dict)}
+
+
+def embed_plotlyjs() -> bool:
+    """Put plotly.js into the notebook once and make every figure output plotly's JSON and ``text/html`` that
+    uses it; False where it did nothing (no kernel, Colab, done already)."""
+    global _PLOTLYJS_IN_PAGE
+    if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
+        return False
+    import plotly.io as pio
+    from IPython.display import display_html
+    from plotly.offline import get_plotlyjs
+
+    display_html(f"<script type=\"text/javascript\">{get_plotlyjs()}</script>", raw=True)
+    pio.renderers["cbkit_notebook"] = EmbeddedHTMLRenderer()
+    pio.renderers.default = "plotly_mimetype+cbkit_notebook"
+    _PLOTLYJS_IN_PAGE = True
+    return True
+
+
+def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
+    """A figure as an HTML fragment, drawn with the page's plotly.js when embedded, else the CDN's (Colab)."""
+    import plotly.io as pio
+
+    return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
+                       include_mathjax=False, default_width="100%", validate=False)
+
+
+def text_progress_bars() -> bool:
+    """Under CI or nbmake, make ``tqdm.auto`` text bars that write only their last frame, not widgets a saved
+    notebook keeps as "0%"; returns whether it did. Runs in ``setup()``, before anything imports tqdm.auto."""
+    env = os.environ
+    ci = env.get("CBKIT_PROFILE") == "ci" or env.get("CI") or "PYTEST_CURRENT_TEST" in env
+    if not (ci and in_kernel()):
+        return False
+    import tqdm.asyncio
+    import tqdm.auto
+    import tqdm.autonotebook
+
+    class LastFrameBar(tqdm.asyncio.tqdm):
+        delay: float  # tqdm's own attribute (its `delay=` argument)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{"delay": math.inf, **kwargs})  # nothing is drawn while it runs
+
+        def close(self) -> None:
+            if self.delay == math.inf:
+                self.delay = 0  # close() draws the final frame once the delay has passed
+            super().close()
+
+    tqdm.auto.tqdm = tqdm.autonotebook.tqdm = LastFrameBar
+    return True
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (looks only at an IPython already imported)."""
+    get = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return getattr(get() if get is not None else None, "kernel", None) is not None
 
 
 def _ipython_display(bundle: dict[str, Any]) -> Any:
@@ -30,12 +102,9 @@ def _ipython_display(bundle: dict[str, Any]) -> Any:
 
 @dataclass(eq=False)
 class LiveChart:
-    """A chart of ``panels`` sharing the x axis, in one column or a grid of ``columns``, redrawn as points arrive.
-
-    A series keeps its colour in every panel, or takes ``style(series)``: its line, its marker ``symbol``, its
-    legend ``group`` (one entry a group) and a ``label`` beside its last point. A panel in ``y_min_span`` spans at
-    least that much, so noise around a flat value is not stretched over the panel.
-    """
+    """A chart of ``panels`` sharing the x axis, in one column or a grid of ``columns``, redrawn as points
+    arrive. A series takes ``style(series)``: its line, its marker ``symbol``, its legend ``group`` (one entry
+    a group) and a ``label`` beside its last point. A panel in ``y_min_span`` spans at least that much."""
 
     title: str
     panels: Sequence[str] = ("",)
@@ -64,23 +133,20 @@ class LiveChart:
         self.panels = tuple(self.panels)
         self.columns = min(self.columns, len(self.panels))
         if self.mode == "auto":
-            self.mode = "html" if viz_display.in_kernel() else "static"
+            self.mode = "html" if in_kernel() else "static"
         self._series: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}  # (panel, series) -> (xs, ys)
-        self._names: list[str] = []  # series in order of appearance, for stable colours
         self._dirty = False
         self._last = -math.inf
         self._handle: Any = None
         self._final: go.Figure | None = None
 
     def add(self, series: str, x: Any, y: Any, panel: str | None = None) -> None:
-        """Store one point of ``series`` in ``panel`` (default: the first); redraw if the interval has passed."""
+        """Store a point of ``series`` in ``panel`` (default: the first); redraw if the interval passed."""
         if self._final is not None:
             raise RuntimeError(f"LiveChart {self.title!r} is closed; create a new one to plot more.")
         panel = self.panels[0] if panel is None else panel
         if panel not in self.panels:
             raise ValueError(f"Unknown panel {panel!r}; this chart has {list(self.panels)}.")
-        if series not in self._names:
-            self._names.append(series)
         xs, ys = self._series.setdefault((panel, series), ([], []))
         xs.append(x)
         ys.append(y)
@@ -97,12 +163,11 @@ class LiveChart:
     def close(self) -> go.Figure:
         """Return the final figure; in a kernel it replaces the live chart's last snapshot."""
         if self._final is None:
-            self._final = self.figure()
+            self._final = fig = self.figure()
             self._dirty = False
             if self.mode == "html":  # as plotly's JSON and HTML: an executed notebook keeps the figure
-                self._show({"application/vnd.plotly.v1+json": {**json.loads(self._final.to_json()), "config": {}},
-                            "text/html": viz_display.figure_html(self._final),
-                            "text/plain": f"<plotly figure: {self.title}>"})
+                self._show({"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
+                            "text/html": figure_html(fig), "text/plain": f"<plotly figure: {self.title}>"})
         return self._final
 
     def figure(self) -> go.Figure:
@@ -127,7 +192,7 @@ class LiveChart:
         elif xs and all(float(x).is_integer() for x in xs):
             fig.update_xaxes(dtick=max(1, math.ceil((xs[-1] - xs[0]) / 10)))  # steps are whole numbers
         fig.update_layout(title=self.title, template=TEMPLATE, height=160 + self.panel_height * rows,
-                          legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0},
+                          legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left"},
                           margin={"t": 100, "r": 60})
         return fig
 
@@ -150,15 +215,18 @@ class LiveChart:
         """One series' trace, in the legend only the first time its group is drawn."""
         if self.style is not None:
             line = dict(self.style(series))
-        else:
-            line = {"color": PALETTE[self._names.index(series) % len(PALETTE)]}
+        else:  # a series keeps one colour in every panel, by the order the series first appeared
+            order = list(dict.fromkeys(s for _, s in self._series))
+            line = {"color": PALETTE[order.index(series) % len(PALETTE)]}
         group, label, symbol = line.pop("group", series), line.pop("label", None), line.pop("symbol", None)
         text = [""] * (len(xs) - 1) + [label] if label and xs else None
-        trace = go.Scatter(x=list(xs), y=list(ys), name=group, mode="lines+markers" + ("+text" if text else ""),
-                           line=line, marker={"color": line.get("color"), "symbol": symbol}, text=text,
-                           textposition="middle right", cliponaxis=False,
-                           textfont={"color": line.get("color"), "size": 11}, legendgroup=group,
-                           showlegend=group not in shown, hovertemplate=f"{series}: %{{y:.4~g}}<extra></extra>")
+        color = line.get("color")
+        mode = "lines+markers+text" if text else "lines+markers"
+        trace = go.Scatter(x=list(xs), y=list(ys), name=group, mode=mode, line=line,
+                           marker={"color": color, "symbol": symbol}, legendgroup=group,
+                           showlegend=group not in shown, text=text, textposition="middle right",
+                           cliponaxis=False, textfont={"color": color, "size": 11},
+                           hovertemplate=f"{series}: %{{y:.4~g}}<extra></extra>")
         shown.add(group)
         return trace
 
@@ -167,7 +235,7 @@ class LiveChart:
         self._dirty = False
         if self.mode == "html":  # static: nothing live, the points wait for close()
             self.updates += 1
-            self._show({"text/html": viz_display.figure_html(self.figure())})
+            self._show({"text/html": figure_html(self.figure())})
 
     def _show(self, bundle: dict[str, Any]) -> None:
         """Show a mime bundle in place of the last one (a plotly figure would ignore the display id)."""
@@ -175,4 +243,3 @@ class LiveChart:
             self._handle = self.display(bundle)
         else:
             self._handle.update(bundle, raw=True)
-
