@@ -1,8 +1,6 @@
-"""Measuring a rollout: peak memory above a baseline, analytic KV bytes, byte formatting.
-
-On CUDA the peak is the allocator's `max_memory_allocated` after a reset. On CPU it is the rise of resident
-memory: on Linux the kernel's own high-water mark (VmHWM), reset at the start, so no thread of ours runs
-beside the code measured; elsewhere a thread sampling RSS. RSS counts allocator slack: compare in one process.
+"""Measuring a rollout: peak memory above a baseline (CUDA: the allocator's peak after a reset; CPU: resident
+memory, on Linux the kernel's high-water mark VmHWM reset at the start, so no thread of ours runs beside the
+code measured, elsewhere a thread sampling it), analytic KV bytes, byte formatting.
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,9 +47,8 @@ def release_memory(model: torch.nn.Module | None = None) -> None:
     if model is not None:
         model.zero_grad(set_to_none=True)
     gc.collect()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS figures are only looser
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError, AttributeError):  # no glibc: RSS figures are only looser
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 _peak_before_resets = 0  # the VmHWM that PeakMemory's resets of the kernel's one counter discarded

@@ -1,7 +1,6 @@
 """cbkit's figures: one palette (a backend keeps its colour in every chart), the sweep's figures and HTML
-report (`cbkit sweep`, `cbkit report`), a training run's reward curve (`cbkit plot`), figures as PNG images. A
-run that ran out of memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not
-a small one.
+report (`cbkit sweep`, `cbkit report`), a training run's reward curve (`cbkit plot`), figures as PNG images.
+A failed run is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ import asyncio
 import html
 import math
 import os
-import shutil
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -20,15 +18,11 @@ import plotly.graph_objects as go
 
 from cbkit.jsonl import read_jsonl
 
-__all__ = ["PALETTE", "TEMPLATE", "backend_color", "figure_pngs", "memory_vs_n", "read_metrics",
-           "reward_curve", "step_mean", "step_split_figure", "throughput_vs_n", "write_report"]
-
 PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
            "#CCB974", "#64B5CD")
 BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
 TEMPLATE = "plotly_white"
 Points = Sequence[Mapping[str, Any]]
-Style = Callable[[str], dict[str, Any]]  # a trace's style in a backend's colour
 
 
 def backend_color(backend: str) -> str:
@@ -54,11 +48,10 @@ def memory_vs_n(points: Points) -> go.Figure:
     keys = ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")
     biggest = max((p.get(k) or 0 for p in points for k in keys), default=0)
     unit, scale = ("GiB", 1024**3) if biggest >= 2 * 1024**3 else ("MiB", 1024**2)
-    traces: list[tuple[str, str, Style]] = [
-        (keys[0], ": measured peak", _solid),
-        (keys[1], ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash", "width": 1.5}}),
-        (keys[2], ": planner", lambda c: {"mode": "markers", "marker": {"color": c, "symbol": "diamond-open",
-                                                                         "size": 12, "line": {"width": 2}}})]
+    traces = [(keys[0], ": measured peak", _solid),
+              (keys[1], ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash"}}),
+              (keys[2], ": planner", lambda c: {"mode": "markers", "marker": {
+                  "color": c, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}})]
     fig = _vs_n(points, traces, scale, unit, "mem_vs_generate")
     names = {"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
@@ -69,7 +62,7 @@ def memory_vs_n(points: Points) -> go.Figure:
     return fig
 
 
-def _vs_n(points: Points, traces: Sequence[tuple[str, str, Style]], scale: float, unit: str,
+def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]]], scale: float, unit: str,
           ratio_key: str) -> go.Figure:
     """Per backend, a trace for each (key, name suffix, style) against N on a log axis (N grows
     geometrically), each backend's ratio to generate() under its N (a label beside a marker ends up on
@@ -82,8 +75,8 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Style]], scale: float
             ys = [p[key] / scale if p.get(key) is not None and (i > 0 or _ok(p)) else None for p in pts]
             if any(v is not None for v in ys):
                 hover = f"{backend}{suffix}<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>"
-                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=backend + suffix, connectgaps=False,
-                                         legendgroup=backend, hovertemplate=hover, **style(backend_color(backend))))
+                fig.add_scatter(x=[p["N"] for p in pts], y=ys, name=backend + suffix, legendgroup=backend,
+                                connectgaps=False, hovertemplate=hover, **style(backend_color(backend)))
     ns = sorted({p["N"] for p in points})
     by = {(p["backend"], p["N"]): p for p in points}
     ticks = []
@@ -94,11 +87,9 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Style]], scale: float
         ticks.append("<br>".join([str(n), *ratios]))
     fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=ticks,
                      range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
-    failed: dict[int, list[str]] = {}
-    for p in points:
-        if not _ok(p):
-            failed.setdefault(p["N"], []).append(f"{p['backend']}: {str(p.get('status', 'error')).upper()}")
-    for n, labels in failed.items():  # above the plot area, never over a line; a log axis takes log10(x)
+    for n in sorted({p["N"] for p in points if not _ok(p)}):  # above the plot, never over a line
+        labels = [f"{p['backend']}: {str(p.get('status', 'error')).upper()}" for p in points
+                  if p["N"] == n and not _ok(p)]
         fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
                            text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
                            bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
@@ -131,8 +122,8 @@ def step_split_figure(points: Points) -> go.Figure:
         elif p["backend"] == "generate" or p.get("step_speedup") is None:
             note = f"step {p['step_s']:.3g} s, rollout {p.get('rollout_share') or 0:.0%} of it"
         else:
-            ceiling = p.get("amdahl_ceiling")
-            note = f"step {p['step_speedup']:.2f}x" + (f" vs Amdahl ceiling {ceiling:.2f}x" if ceiling else "")
+            ceiling = f" vs Amdahl ceiling {p['amdahl_ceiling']:.2f}x" if p.get("amdahl_ceiling") else ""
+            note = f"step {p['step_speedup']:.2f}x{ceiling}"
             if p.get("overlap_s") is not None:  # async CB: its rollout bar is the wait; what the overlap hid
                 note += f"<br>overlap bought {p['overlap_s']:.1f} s of CB's rollout"
         fig.add_annotation(y=label, x=1.0, xref="paper", xanchor="left", text=note, showarrow=False,
@@ -166,8 +157,7 @@ def write_report(points: Points, path: str | os.PathLike,
 th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
 <h1>{esc(title)}</h1>
 <p>Ratios compare each backend with <code>generate()</code> at the same N, measured side by side in one
-process (medians of repeats). Absolute times mean something only on a GPU; on a CPU, memory is RSS and
-indicative. Points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
+process; points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
 <table>{meta_rows}</table>
 {charts}
 <h2>Points</h2>
@@ -196,8 +186,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The rows of a `metrics.jsonl`, a torn last line dropped; an empty file is refused."""
     rows = read_jsonl(path, what="step")
     if not rows:
-        raise ValueError(f"{path} holds no metrics rows; is it a cbkit metrics.jsonl "
-                         "(cbkit train --output-dir)?")
+        raise ValueError(f"{path} holds no metrics rows: is it the metrics.jsonl `cbkit train` writes?")
     return rows
 
 
@@ -235,15 +224,9 @@ def step_mean(values: Sequence[Any]) -> float | None:
 def figure_pngs(figures: Sequence[Any], *, width: int = 1000) -> list[bytes]:
     """Each figure (a ``go.Figure`` or its dict) as PNG bytes at its own ``layout.height``, ``width`` pixels
     wide (an HTML figure's width follows its page; an image needs one), drawn offline by kaleido with the
-    installed Chromium (on PATH or ``$BROWSER_PATH``)."""
+    installed Chrome or Chromium (kaleido's error says how to get one)."""
     if not figures:
         return []
-    if not os.environ.get("BROWSER_PATH"):
-        found = [p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))]
-        if not found:
-            raise RuntimeError("drawing a figure as PNG needs Chromium (kaleido drives it): install it (apt-get "
-                               "install -y chromium) or set BROWSER_PATH to a Chrome or Chromium binary.")
-        os.environ["BROWSER_PATH"] = found[0]
     import kaleido
 
     def opts(fig: Any) -> dict[str, Any]:

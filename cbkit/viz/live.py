@@ -1,11 +1,7 @@
-"""Where a notebook's figures draw, and charts that update while work runs.
-
-plotly.js is embedded once per notebook and figures are ``text/html`` that draws with that copy (what
-nbconvert, GitHub and nbviewer read; no CDN); on Colab each output is its own iframe and brings its own. A
-live chart in a kernel (JupyterLab, VS Code, Colab, nbmake alike) is an IPython display handle whose HTML is
-replaced at most once per ``min_interval_s`` (sending a figure is expensive, adding a point is not), at the
-end by the final figure, which an executed notebook keeps; outside a kernel the points wait for ``close()``,
-which returns the figure. One mechanism everywhere: no widget to install.
+"""Where a notebook's figures draw: plotly.js embedded once, figures as ``text/html`` that draws with it (what
+nbconvert, GitHub and nbviewer read; no CDN). A live chart in any kernel is one IPython display handle whose
+HTML is replaced at most once per ``min_interval_s``, at the end by the final figure, which an executed
+notebook keeps; outside a kernel ``close()`` returns the figure. One mechanism everywhere: no widget.
 """
 
 from __future__ import annotations
@@ -24,8 +20,6 @@ from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
 from cbkit.viz.figures import PALETTE, TEMPLATE
-
-__all__ = ["LiveChart", "embed_plotlyjs", "figure_html", "in_kernel", "text_progress_bars"]
 
 _PLOTLYJS_IN_PAGE = False  # set by embed_plotlyjs: from then on a figure's HTML needs no copy of its own
 
@@ -65,8 +59,7 @@ def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
 def text_progress_bars() -> bool:
     """Under CI or nbmake, make ``tqdm.auto`` text bars that write only their last frame, not widgets a saved
     notebook keeps as "0%"; returns whether it did. Runs in ``setup()``, before anything imports tqdm.auto."""
-    env = os.environ
-    ci = env.get("CBKIT_PROFILE") == "ci" or env.get("CI") or "PYTEST_CURRENT_TEST" in env
+    ci = os.environ.get("CBKIT_PROFILE") == "ci" or any(map(os.environ.get, ("CI", "PYTEST_CURRENT_TEST")))
     if not (ci and in_kernel()):
         return False
     import tqdm.asyncio
@@ -74,14 +67,11 @@ def text_progress_bars() -> bool:
     import tqdm.autonotebook
 
     class LastFrameBar(tqdm.asyncio.tqdm):
-        delay: float  # tqdm's own attribute (its `delay=` argument)
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **{"delay": math.inf, **kwargs})  # nothing is drawn while it runs
 
         def close(self) -> None:
-            if self.delay == math.inf:
-                self.delay = 0  # close() draws the final frame once the delay has passed
+            self.delay = 0  # tqdm's own attribute: close() draws the final frame once the delay has passed
             super().close()
 
     tqdm.auto.tqdm = tqdm.autonotebook.tqdm = LastFrameBar
@@ -119,7 +109,6 @@ class LiveChart:
     panel_height: int = 260
     clock: Callable[[], float] = time.monotonic
     display: Callable[[dict[str, Any]], Any] = _ipython_display
-    updates: int = field(default=0, init=False)  # redraws sent to the display: what the throttle limits
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "html", "static"):
@@ -128,8 +117,6 @@ class LiveChart:
             raise ValueError("panels must name at least one panel.")
         if self.columns < 1:
             raise ValueError(f"columns must be >= 1, got {self.columns}.")
-        if self.min_interval_s < 0:
-            raise ValueError(f"min_interval_s must be >= 0, got {self.min_interval_s}.")
         self.panels = tuple(self.panels)
         self.columns = min(self.columns, len(self.panels))
         if self.mode == "auto":
@@ -234,7 +221,6 @@ class LiveChart:
         self._last = now
         self._dirty = False
         if self.mode == "html":  # static: nothing live, the points wait for close()
-            self.updates += 1
             self._show({"text/html": figure_html(self.figure())})
 
     def _show(self, bundle: dict[str, Any]) -> None:
