@@ -1,7 +1,7 @@
 """`make book`: the executed notebooks and the facilitator's guide as a static site, built offline.
 
 Reads the notebooks `make test-notebooks` executed (runs/notebooks), adds a PNG of every figure to them
-(`cbkit.viz.static`: what github.com's viewer shows, where plotly.js does not run), stages them with
+(`add_png_fallbacks`: what github.com's viewer shows, where plotly.js does not run), stages them with
 docs/workshop.md, docs/objective.md and docs/book/ into one source folder laid out as the repository is (so the guide's links to
 ../notebooks/ work on GitHub and in the book alike), and runs Sphinx with myst-nb on it, without executing
 anything again. The site's front page is <out>/index.html.
@@ -47,6 +47,29 @@ def executed_notebooks(folder: Path) -> list[Path]:
 FRONT_END_ONLY = ("application/vnd.plotly.v1+json", "application/vnd.cbkit.phenomena+json")
 
 
+def add_png_fallbacks(path: Path) -> int:
+    """Add an ``image/png`` (`cbkit.viz.figures.figure_pngs`) to every plotly figure output of an executed notebook
+    that has none, in place; returns how many it drew."""
+    import base64
+
+    import nbformat
+
+    from cbkit.viz.figures import figure_pngs
+
+    book = nbformat.read(path, as_version=4)
+    plotly_json = FRONT_END_ONLY[0]
+    outputs = [out for cell in book.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+               if out.get("output_type") in ("display_data", "execute_result")
+               and plotly_json in out.get("data", {}) and "image/png" not in out["data"]]
+    figures = [{"data": list(fig.get("data", [])), "layout": dict(fig.get("layout", {}))}
+               for fig in (out["data"][plotly_json] for out in outputs)]
+    for out, png in zip(outputs, figure_pngs(figures), strict=True):
+        out["data"]["image/png"] = base64.b64encode(png).decode("ascii")
+    if outputs:
+        nbformat.write(book, path)
+    return len(outputs)
+
+
 def stage_notebook(path: Path, dest: Path, solutions: bool = False) -> None:
     import nbformat
 
@@ -67,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebooks", type=Path, default=REPO / "runs" / "notebooks")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "book")
     args = parser.parse_args(argv)
-    from cbkit.viz.static import add_png_fallbacks
-
     start = time.perf_counter()
     paths = executed_notebooks(args.notebooks)
     drawn = sum(add_png_fallbacks(p) for p in paths)

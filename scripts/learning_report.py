@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 from cbkit.teach.figures_runs import runs_curves
-from cbkit.viz.palette import backend_color
-from cbkit.viz.static import figure_pngs
-from cbkit.viz.training import read_metrics
+from cbkit.viz.figures import backend_color, figure_pngs, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

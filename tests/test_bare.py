@@ -175,7 +175,7 @@ def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
 
 
 def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
-    """The bare machine has no psutil: PeakMemory then reads /proc/self/statm. Both must see the same RSS
+    """The bare machine has no psutil: PeakMemory then reads /proc/self/status. Both must see the same RSS
     (to a few MiB: the process keeps running between the two reads)."""
     psutil = pytest.importorskip("psutil")
     import builtins
@@ -190,9 +190,9 @@ def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_psutil)
-    statm = telemetry.rss_reader()
+    status = telemetry.resident_bytes()
     monkeypatch.setattr(builtins, "__import__", real_import)
-    assert abs(statm() - psutil.Process().memory_info().rss) < 8 * 2**20
+    assert abs(status - psutil.Process().memory_info().rss) < 8 * 2**20
     # And it measures: 200 MiB touched inside the window shows up as ~200 MiB of peak above the baseline.
     monkeypatch.setattr(builtins, "__import__", no_psutil)
     with telemetry.PeakMemory("cpu") as mem:

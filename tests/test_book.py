@@ -3,7 +3,7 @@
 `make book` builds the site from the executed notebooks and then runs this file with CBKIT_BOOK=runs/book.
 Every notebook page must draw every figure its notebook has (plotly, from the one copy of plotly.js in the
 page, no CDN), the front page must link the guide and every notebook, no page may load a script or a
-style sheet from the network, and every figure must carry a PNG fallback (cbkit.viz.static) for viewers that
+style sheet from the network, and every figure must carry a PNG fallback (scripts/build_book.py) for viewers that
 run no JavaScript. Without the variable (plain `pytest`) there is no book to look at and the tests skip."""
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def test_figure_pngs_draws_offline_at_the_figure_size(tmp_path):
 
     import plotly.graph_objects as go
 
-    from cbkit.viz.static import add_png_fallbacks, figure_pngs
+    from cbkit.viz.figures import figure_pngs
+    from scripts.build_book import add_png_fallbacks
 
     if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
         pytest.skip("no Chromium installed")

@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 import pytest
 
 from cbkit.teach import figures_padding
-from cbkit.viz import display, palette
 from cbkit.viz import figures as plots
+from cbkit.viz import live as display
 from cbkit.viz.live import LiveChart
 
 GiB = 1024**3
@@ -29,7 +29,7 @@ class FakeHandle:
     def __init__(self, shown: list) -> None:
         self.shown = shown
 
-    def update(self, obj) -> None:
+    def update(self, obj, raw=False) -> None:
         self.shown.append(obj)
 
 
@@ -42,21 +42,6 @@ class FakeDisplay:
     def __call__(self, obj):
         self.shown.append(obj)
         return FakeHandle(self.shown)
-
-
-class FakeWidget(go.Figure):
-    """A FigureWidget stand-in: a real figure with the widget's batch_update context manager."""
-
-    instances: list[FakeWidget] = []
-
-    def __init__(self, fig) -> None:
-        super().__init__(fig)
-        self._batches = 0  # plotly figures refuse unknown public attributes
-        FakeWidget.instances.append(self)
-
-    def batch_update(self):
-        self._batches += 1
-        return super().batch_update()
 
 
 @pytest.fixture
@@ -77,33 +62,7 @@ def _kernel(monkeypatch, *, colab: bool = False, ci: bool = False) -> None:
         monkeypatch.setenv("CI", "true")
 
 
-# --- mode detection -----------------------------------------------------------------------------------------
-
-
-def test_auto_mode_colab_is_html(monkeypatch):
-    _kernel(monkeypatch, colab=True)
-    monkeypatch.setattr(display, "widget_available", lambda: True)
-    assert display.detect_mode() == "html"
-
-
-def test_auto_mode_kernel_with_widgets_is_widget(monkeypatch):
-    _kernel(monkeypatch)
-    monkeypatch.setattr(display, "widget_available", lambda: True)
-    assert display.detect_mode() == "widget"
-
-
-def test_auto_mode_kernel_without_anywidget_is_html(monkeypatch):
-    _kernel(monkeypatch)
-    monkeypatch.setattr(display, "widget_available", lambda: False)
-    assert display.detect_mode() == "html"
-
-
-@pytest.mark.parametrize("env", [("CI", "1"), ("CBKIT_PROFILE", "ci"), ("PYTEST_CURRENT_TEST", "nb.ipynb::cell")])
-def test_auto_mode_kernel_under_ci_or_nbmake_is_html(monkeypatch, env):
-    _kernel(monkeypatch)
-    monkeypatch.setattr(display, "widget_available", lambda: True)
-    monkeypatch.setenv(*env)
-    assert display.detect_mode() == "html"
+# --- where the chart draws ------------------------------------------------------------------------------------
 
 
 def test_in_kernel_needs_an_ipython_shell_with_a_kernel(monkeypatch):
@@ -119,111 +78,39 @@ def test_in_kernel_needs_an_ipython_shell_with_a_kernel(monkeypatch):
     assert not display.in_kernel()
 
 
-def test_auto_mode_without_kernel_is_static(monkeypatch):
-    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    monkeypatch.setattr(display, "in_kernel", lambda: False)
-    monkeypatch.setattr(display, "widget_available", lambda: True)
-    assert display.detect_mode() == "static"
-    assert LiveChart("t").mode == "static"
-
-
-def test_widget_available_follows_anywidget(monkeypatch):
-    import importlib.util
-
-    import plotly
-
-    real = importlib.util.find_spec
-    needed = "anywidget" if int(plotly.__version__.split(".")[0]) >= 6 else "ipywidgets"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == needed else real(name, *a))
-    assert display.widget_available() is False
-
-
-# --- the three display modes --------------------------------------------------------------------------------
-
-
-def test_widget_mode_updates_one_widget_in_place(monkeypatch):
-    _kernel(monkeypatch)
-    FakeWidget.instances.clear()
+@pytest.mark.parametrize("colab", [False, True])
+def test_a_kernel_updates_a_display_handle_and_leaves_a_figure(monkeypatch, colab):
+    _kernel(monkeypatch, colab=colab)
     display, clock = FakeDisplay(), FakeClock()
-    chart = LiveChart("w", panels=("tokens/s", "memory"), mode="widget", clock=clock, display=display,
-                      figure_widget=FakeWidget)
-    assert chart.mode == "widget"
-    chart.add("generate", 1, 10.0, panel="tokens/s")
-    clock.t = 2
-    chart.add("generate", 2, 12.0, panel="tokens/s")
-    chart.add("continuous", 2, 5.0, panel="memory")
-    chart.flush()
-    (widget,) = FakeWidget.instances
-    assert display.shown == [widget]  # displayed once, then updated in place
-    assert widget._batches == 2
-    assert [list(t.y) for t in widget.data] == [[10.0, 12.0], [5.0]]
-    fig = chart.close()
-    assert isinstance(fig, go.Figure) and len(fig.data) == 2
-
-
-def test_widget_mode_without_anywidget_falls_back(monkeypatch):
-    _kernel(monkeypatch)
-    monkeypatch.setattr(display, "widget_available", lambda: False)
-    with pytest.warns(UserWarning, match="anywidget"):
-        chart = LiveChart("w", mode="widget", display=FakeDisplay())
-    assert chart.mode == "html"
-    monkeypatch.setattr(display, "in_kernel", lambda: False)
-    with pytest.warns(UserWarning, match="anywidget"):
-        assert LiveChart("w", mode="widget").mode == "static"
-
-
-def test_real_figure_widget_if_installed(monkeypatch):
-    if not display.widget_available():
-        pytest.skip("plotly's FigureWidget needs anywidget here; the fallback is tested above")
-    _kernel(monkeypatch)
-    chart = LiveChart("w", mode="widget", display=FakeDisplay(), clock=FakeClock())
-    chart.add("a", 1, 2)
-    assert isinstance(chart._widget, go.FigureWidget)
-
-
-def test_html_mode_updates_a_display_handle_and_leaves_a_figure(monkeypatch):
-    _kernel(monkeypatch, colab=True)
-    display, clock = FakeDisplay(), FakeClock()
-    chart = LiveChart("h", x_title="N", mode="auto", clock=clock, display=display)
+    chart = LiveChart("h", x_title="N", clock=clock, display=display)
     assert chart.mode == "html"
     for i in range(5):
         clock.t = 2.0 * i
         chart.add("generate", i, float(i))
     assert len(display.shown) == 5  # one display, then four handle updates
-    html = display.shown[-1].data
-    assert "plotly" in html and "generate" in html
+    html = display.shown[-1]["text/html"]
+    assert "Plotly.newPlot" in html and "generate" in html
     fig = chart.close()
     # The executed notebook keeps the final figure itself, in place of the last HTML snapshot: a bundle the
     # handle can update (a plotly figure would display itself beside it and leave the snapshot).
-    final = display.shown[-1]
-    assert final.figure is fig
-    bundle = final._repr_mimebundle_()
+    bundle = display.shown[-1]
     assert bundle["application/vnd.plotly.v1+json"]["data"][0]["y"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert "Plotly.newPlot" in bundle["text/html"] and "text/plain" in bundle
     assert list(fig.data[0].y) == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
-def test_static_mode_shows_nothing_until_close(no_kernel, tmp_path):
+def test_without_a_kernel_nothing_is_shown_until_close(no_kernel):
     display = FakeDisplay()
-    chart = LiveChart("s", mode="static", display=display, clock=FakeClock(), save_html=tmp_path / "live.html")
+    chart = LiveChart("s", display=display, clock=FakeClock())
+    assert chart.mode == "static"
     for i in range(20):
         chart.add("a", i, i * i)
-    assert display.shown == [] and chart.updates == 0
+    assert display.shown == []
     fig = chart.close()
-    assert display.shown == []  # no kernel: close only returns (and saves)
+    assert display.shown == []  # no kernel: close only returns the figure
     assert list(fig.data[0].x) == list(range(20))
-    assert (tmp_path / "live.html").stat().st_size > 1000
     with pytest.raises(RuntimeError, match="closed"):
         chart.add("a", 21, 0)
-
-
-def test_static_mode_in_a_kernel_displays_the_final_figure(monkeypatch):
-    _kernel(monkeypatch)
-    display = FakeDisplay()
-    chart = LiveChart("s", mode="static", display=display)
-    chart.add("a", 1, 1)
-    fig = chart.close()
-    assert display.shown == [fig]
 
 
 # --- throttle and batching ----------------------------------------------------------------------------------
@@ -236,12 +123,12 @@ def test_throttle_at_most_one_update_per_interval(monkeypatch):
     for i in range(100):  # 100 points within one second
         clock.t = i * 0.0099
         chart.add("a", i, i)
-    assert chart.updates <= 2
-    before = chart.updates
+    assert len(display.shown) <= 2
+    before = len(display.shown)
     chart.flush()
-    assert chart.updates == before + 1  # flush forces one
+    assert len(display.shown) == before + 1  # flush forces one
     chart.flush()
-    assert chart.updates == before + 1  # nothing new: nothing sent
+    assert len(display.shown) == before + 1  # nothing new: nothing sent
 
 
 def test_batched_points_all_arrive(monkeypatch):
@@ -252,7 +139,7 @@ def test_batched_points_all_arrive(monkeypatch):
     for i in range(1, 50):
         chart.add("a", i, i, panel="x")
         chart.add("b", i, -i, panel="y")
-    assert chart.updates == 1
+    assert len(display.shown) == 1
     fig = chart.close()
     assert [len(t.x) for t in fig.data] == [50, 49]
     assert fig.layout.yaxis.title.text == "x" and fig.layout.yaxis2.title.text == "y"
@@ -307,7 +194,7 @@ def test_throughput_vs_n_marks_oom_without_plotting_zero():
     assert "generate: OOM" in texts and not any("x" in t for t in texts if "OOM" not in t)  # no label on a marker
     # The ratio sits under its N, in CB's colour; N=64 has no ratio (generate() ran out of memory).
     ticks = list(fig.layout.xaxis.ticktext)
-    assert ticks[1] == f"32<br><span style='color:{palette.BACKEND_COLORS['continuous']}'>1.25x</span>"
+    assert ticks[1] == f"32<br><span style='color:{plots.BACKEND_COLORS['continuous']}'>1.25x</span>"
     assert ticks[2] == "64"
     assert fig.layout.xaxis.title.text.startswith("N") and "tokens" in fig.layout.yaxis.title.text
 
@@ -336,8 +223,8 @@ def test_report_is_self_contained_and_names_everything(tmp_path):
     assert "Plotly.newPlot" in html and len(html) > 1_000_000
     for word in ("generate", "continuous", "OOM", "1.25x", "tiny"):
         assert word in html
-    for n in (8, 32, 64):
-        assert f"<td>{n}</td>" in html
+    for n in (8, 32, 64):  # every point in the table `cbkit report` prints
+        assert f"\n{n:>4} generate " in html and f"\n{n:>4} continuous " in html
 
 
 # --- timeline and padding -----------------------------------------------------------------------------------
@@ -417,14 +304,14 @@ def test_progress_bars_are_text_under_ci_and_widgets_in_front_of_a_person(monkey
     assert out.getvalue().count("runs:") == 1 and " 100%|" in out.getvalue()  # one line: the last frame
 
 
-def test_one_legend_per_panel_and_a_minimum_span_for_flat_panels(no_kernel):
-    chart = LiveChart("t", ["reward", "IS ratio"], mode="static", y_min_span={"IS ratio": 0.1})
+def test_one_legend_entry_a_group_and_a_minimum_span_for_flat_panels(no_kernel):
+    chart = LiveChart("t", ["reward", "IS ratio"], y_min_span={"IS ratio": 0.1},
+                      style=lambda s: {"color": "#000000", "group": s.split(": ")[0]})
     for step, (reward, ratio) in enumerate([(0.1, 1.00001), (0.4, 0.99998), (0.3, 1.00002)], start=1):
         chart.add("cb: mean", step, reward, panel="reward")
         chart.add("cb: ratio mean", step, ratio, panel="IS ratio")
     fig = chart.figure()
-    assert [t.legend for t in fig.data] == ["legend", "legend2"]
-    assert fig.layout.legend2.y == pytest.approx(fig.layout.yaxis2.domain[1])  # beside its own panel
+    assert [(t.name, t.showlegend) for t in fig.data] == [("cb", True), ("cb", False)]
     # 1e-5 noise around 1 is drawn inside 1 +- 0.05, not stretched over the panel; reward keeps autorange.
     assert list(fig.layout.yaxis2.range) == pytest.approx([0.99998 + 0.00002 - 0.05, 1.00002 - 0.00002 + 0.05])
     assert fig.layout.yaxis.range is None
@@ -432,16 +319,14 @@ def test_one_legend_per_panel_and_a_minimum_span_for_flat_panels(no_kernel):
     assert chart.figure().layout.yaxis2.range is None
 
 
-def test_memory_vs_n_log_axis_and_a_marked_crossover():
-    fig = plots.memory_vs_n(POINTS, log_y=True, marks={"planner: N=19": 19, "measured: none": None})
-    assert fig.layout.yaxis.type == "log"
-    (line,) = [s for s in fig.layout.shapes if s.x0 == 19]  # plotly.js draws shapes in data units on a log axis
-    assert "planner: N=19" in [a.text for a in fig.layout.annotations]
-    assert "measured: none" not in [a.text for a in fig.layout.annotations]
-    # Every tick named in full with its unit, at 1-2-5 steps that bracket the data (2 .. 24 GiB here).
-    assert list(fig.layout.yaxis.tickvals) == [2, 5, 10, 20, 50]
-    assert list(fig.layout.yaxis.ticktext) == ["2 GiB", "5 GiB", "10 GiB", "20 GiB", "50 GiB"]
-    assert plots.log_ticks(0.08, 730)[:3] == [0.05, 0.1, 0.2] and plots.log_ticks(0.08, 730)[-1] == 1000
+def test_ticks_are_plain_numbers_not_si_prefixes(no_kernel):
+    """A drift of 2e-6 nats: plotly's default tick labels would read "2µ" (an SI prefix), the chart's read 0.000002."""
+    chart = LiveChart("t", ["logprob drift (nats)", "tokens/s"])
+    for step, (drift, speed) in enumerate([(2e-6, 12000.0), (3e-6, 15000.0)], start=1):
+        chart.add("max |diff|", step, drift, panel="logprob drift (nats)")
+        chart.add("tokens/s", step, speed, panel="tokens/s")
+    fig = chart.figure()
+    assert fig.layout.yaxis.exponentformat == fig.layout.yaxis2.exponentformat == "none"
 
 
 def test_live_sweep_titles_its_chart_by_workload(monkeypatch):
@@ -490,4 +375,5 @@ def test_step_split_stacks_the_phases_and_names_the_ceiling(tmp_path):
     assert fig.layout.barmode == "stack"
     html = plots.write_report(STEP_POINTS, tmp_path / "r.html").read_text()
     assert "One GRPO step, split by phase" in html
-    assert "split by phase" not in plots.sweep_report(POINTS)  # a rollout-only sweep has no step to split
+    html = plots.write_report(POINTS, tmp_path / "p.html").read_text()
+    assert "split by phase" not in html  # a rollout-only sweep has no step to split

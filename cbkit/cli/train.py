@@ -53,7 +53,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     if not has_plotly():
         raise ModuleNotFoundError("cbkit plot draws with plotly: pip install plotly.")
-    from cbkit.viz.training import read_metrics, reward_curve
+    from cbkit.viz.figures import read_metrics, reward_curve
 
     path = Path(args.metrics)
     if not path.is_file():
@@ -74,7 +74,7 @@ def _plot(args: argparse.Namespace) -> int:
     trained = sum(r["step"] > 0 for r in rows)
     print(f"{trained} steps: {', '.join(said)}; figure: {out}")
     if args.png:
-        from cbkit.viz.static import figure_pngs
+        from cbkit.viz.figures import figure_pngs
 
         Path(args.png).write_bytes(figure_pngs([fig])[0])
         print(f"image: {args.png}")

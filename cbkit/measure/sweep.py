@@ -103,7 +103,7 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
                 target_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """One timed rollout and what it cost; an OOM becomes a record, not a crash. ``target_lengths`` (one per
     completion row) replays a length workload; None lets EOS decide."""
-    from cbkit.telemetry import kv_accounting, nvml_process_bytes
+    from cbkit.telemetry import kv_accounting
 
     try:
         kw = {} if target_lengths is None else {"target_lengths": target_lengths}
@@ -116,10 +116,10 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
         if cuda:
             torch.cuda.empty_cache()
         return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": peak,
-                "peak_mem_kind": "cuda_allocated" if cuda else None, "nvml_bytes": nvml_process_bytes()}
+                "peak_mem_kind": "cuda_allocated" if cuda else None}
     return {"status": "ok", "rollout_s": rollout.wall_s, "completion_tokens": rollout.completion_tokens,
             "tokens_per_s": rollout.tokens_per_s, "peak_mem_bytes": rollout.peak_mem_bytes,
-            "peak_mem_kind": rollout.peak_mem_kind, "nvml_bytes": nvml_process_bytes(),
+            "peak_mem_kind": rollout.peak_mem_kind,
             **lengths_record(rollout.completions), "engine_config": rollout.engine_config,
             **kv_accounting(rollout, config, dtype_bytes)}
 

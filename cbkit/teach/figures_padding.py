@@ -6,7 +6,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from cbkit.viz.palette import PALETTE, TEMPLATE
+from cbkit.viz.figures import PALETTE, TEMPLATE
 
 _CELL_KINDS = ("left padding", "prompt", "completion", "after EOS (wasted)")
 

@@ -9,8 +9,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from cbkit.viz.palette import PALETTE, TEMPLATE
-from cbkit.viz.training import step_mean
+from cbkit.viz.figures import PALETTE, TEMPLATE, step_mean
 
 
 def runs_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str, *, title: str | None = None,
@@ -19,7 +18,7 @@ def runs_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str, *, ti
     """One metric of several runs against step, one colour per run (trailing mean over `window` steps). Rows
     without the metric are left out, so a held-out metric (`eval/*`, on the evaluated steps only) draws as a line
     through its evaluations. `dashes` and `colors` give a run a line dash (e.g. "dot" for a second seed) and colour
-(e.g. its backend's, `cbkit.viz.palette.backend_color`)."""
+(e.g. its backend's, `cbkit.viz.figures.backend_color`)."""
     fig = go.Figure()
     for i, (name, rows) in enumerate(runs.items()):
         have = [r for r in rows if isinstance(r.get(key), int | float)]

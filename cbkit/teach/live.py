@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from cbkit.train.hooks import StepHooks, StepRecord, TrainState
+from cbkit.viz.figures import backend_color
 from cbkit.viz.live import LiveChart
-from cbkit.viz.palette import backend_color
 
 __all__ = ["LiveMetricsHook", "TRAINING_PANELS", "live_sweep", "run_style", "tint"]
 

@@ -44,7 +44,7 @@ import torch
 
 from cbkit.teach.tiers.plan import plan_notebook, pool_config
 from cbkit.teach.tiers.table import GPU_MODEL, GPU_TIERS, LOGITS_BUDGET_BYTES, PROMPT_LEN, Sizes, sizes_for
-from cbkit.viz.display import embed_plotlyjs, text_progress_bars
+from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
 PROFILE_ENV = "CBKIT_PROFILE"
 PROFILES = ("ci", "full")

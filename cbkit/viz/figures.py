@@ -1,116 +1,114 @@
-"""The sweep's figures and its HTML report (`cbkit sweep`, `cbkit report`): throughput, memory and a full step's
-phases against N, one line per backend, from the sweep's points (one dict per backend x N). A run that ran out of
-memory or failed is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
+"""cbkit's figures: one palette (a backend keeps its colour in every chart), the sweep's figures and HTML
+report (`cbkit sweep`, `cbkit report`), a training run's reward curve (`cbkit plot`), figures as PNG images.
+A failed run is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
 import math
 import os
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 
-from cbkit.telemetry import fmt_bytes
-from cbkit.viz.palette import PALETTE, TEMPLATE, backend_color
+from cbkit.jsonl import read_jsonl
 
-__all__ = ["memory_vs_n", "step_split_figure", "sweep_report", "throughput_vs_n", "write_report"]
+PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
+           "#CCB974", "#64B5CD")
+BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
+TEMPLATE = "plotly_white"
+Points = Sequence[Mapping[str, Any]]
 
 
-def throughput_vs_n(points: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """Completion tokens/s vs N, one line per backend, the speed ratio to generate() under each N."""
-    fig = go.Figure()
-    for backend in _backends(points):
-        pts = _by_backend(points, backend)
-        ns = [p["N"] for p in pts]
-        ys = [p["tokens_per_s"] if _ok(p) else None for p in pts]
-        fig.add_trace(go.Scatter(
-            x=ns, y=ys, name=backend, mode="lines+markers", line={"color": backend_color(backend), "width": 2.5},
-            marker={"size": 9}, connectgaps=False,
-            hovertemplate=f"{backend}<br>N=%{{x}}<br>%{{y:.1f}} tokens/s<extra></extra>",
-        ))
-    _n_axis(fig, points, "speed_vs_generate")
-    _annotate_failures(fig, points)
-    fig.update_yaxes(title_text="completion tokens / s", rangemode="tozero")
-    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", template=TEMPLATE,
-                      height=460, legend={"orientation": "h", "y": -0.2, "x": 0},
-                      margin={"t": 90})
+def backend_color(backend: str) -> str:
+    """A backend's colour: fixed for the three cbkit knows, else a stable pick (crc32, unlike hash())."""
+    return BACKEND_COLORS.get(backend, PALETTE[zlib.crc32(backend.encode()) % len(PALETTE)])
+
+
+def _solid(color: str) -> dict[str, Any]:
+    return {"mode": "lines+markers", "marker": {"size": 9}, "line": {"color": color, "width": 2.5}}
+
+
+def throughput_vs_n(points: Points) -> go.Figure:
+    """Completion tokens/s vs N, one line per backend; under each N, the speed ratio to generate()."""
+    fig = _vs_n(points, [("tokens_per_s", "", _solid)], 1, "tokens/s", "speed_vs_generate")
+    fig.update_yaxes(title_text="completion tokens / s")
+    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", height=460)
     return fig
 
 
-def memory_vs_n(points: Sequence[Mapping[str, Any]], *, log_y: bool = False,
-                marks: Mapping[str, int | None] | None = None) -> go.Figure:
-    """Peak memory vs N per backend: measured (solid), analytic KV (dashed), planner prediction (open
-    diamonds, when the points carry one). The memory ratio to generate() is printed under each N.
-
-    ``log_y`` for ranges that span orders of magnitude (a planner run to N=512); ``marks`` (label -> N) draws a
-    labelled vertical line at each N that is not None, e.g. where the planner puts the crossover."""
-    unit, scale = _unit(max((v for p in points for v in (p.get("peak_mem_bytes"), p.get("kv_bytes"),
-                                                            p.get("planned_peak_bytes")) if v), default=0))
-    fig = go.Figure()
-    for backend in _backends(points):
-        pts = _by_backend(points, backend)
-        color = backend_color(backend)
-        # Analytic KV is what the configuration needs, so it is drawn for OOM points too.
-        for key, what, style in (
-                ("peak_mem_bytes", "measured peak", {"mode": "lines+markers", "marker": {"size": 9},
-                                                     "line": {"color": color, "width": 2.5}}),
-                ("kv_bytes", "KV (analytic)", {"mode": "lines", "line": {"color": color, "dash": "dash", "width": 1.5}}),
-                ("planned_peak_bytes", "planner", {"mode": "markers", "marker": {
-                    "color": color, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}})):
-            ys = [_scaled(p.get(key), scale) if _ok(p) or key != "peak_mem_bytes" else None for p in pts]
-            if any(v is not None for v in ys):
-                fig.add_trace(go.Scatter(x=[p["N"] for p in pts], y=ys, name=f"{backend}: {what}", legendgroup=backend,
-                                         connectgaps=False, **style,
-                                         hovertemplate=f"{backend} {what}<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>"))
+def memory_vs_n(points: Points) -> go.Figure:
+    """Peak memory vs N per backend: measured (solid), analytic KV (dashed), the planner's prediction (open
+    diamonds, when the points carry one); under each N, the memory ratio to generate()."""
+    keys = ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")
+    biggest = max((p.get(k) or 0 for p in points for k in keys), default=0)
+    unit, scale = ("GiB", 1024**3) if biggest >= 2 * 1024**3 else ("MiB", 1024**2)
+    traces = [(keys[0], ": measured peak", _solid),
+              (keys[1], ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash"}}),
+              (keys[2], ": planner", lambda c: {"mode": "markers", "marker": {
+                  "color": c, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}})]
+    fig = _vs_n(points, traces, scale, unit, "mem_vs_generate")
+    names = {"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
-    measured_as = " / ".join(_kind(k) for k in kinds) or "not measured"
-    _n_axis(fig, points, "mem_vs_generate")
-    _annotate_failures(fig, points)
-    fig.update_yaxes(title_text=f"peak memory above weights ({unit})", rangemode="tozero")
-    if log_y:  # plotly labels minor log ticks by their first digit only: name each 1-2-5 tick in full
-        shown = [v for t in fig.data for v in (t.y or ()) if isinstance(v, int | float) and v > 0]
-        vals = log_ticks(min(shown, default=1.0), max(shown, default=1.0))
-        fig.update_yaxes(type="log", rangemode="normal", title_text=f"peak memory above weights ({unit}, log scale)",
-                         tickvals=vals, ticktext=[f"{v:g} {unit}" for v in vals])
-    for i, (label, n) in enumerate((marks or {}).items()):
-        if n is not None:
-            fig.add_vline(x=n, line={"color": "#333", "width": 1.5, "dash": "dot"})  # shapes: data units, log axis too
-            fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4 + 18 * i,
-                               text=label, showarrow=False, font={"size": 12}, bgcolor="rgba(255,255,255,0.9)")
-    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs generate())",
-                      template=TEMPLATE,
-                      height=500, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
+    measured_as = " / ".join(names.get(k, k) for k in kinds) or "not measured"
+    fig.update_yaxes(title_text=f"peak memory above weights ({unit})")
+    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs "
+                            "generate())", height=500)
     return fig
 
 
-def log_ticks(lo: float, hi: float) -> list[float]:
-    """Tick values at 1, 2 and 5 times each power of ten from just below ``lo`` to just above ``hi`` (both > 0):
-    what a reader expects on a log axis, each one labelled in full."""
-    if not 0 < lo <= hi:
-        raise ValueError(f"log ticks need 0 < lo <= hi, got lo={lo}, hi={hi}.")
-    vals = [m * 10.0**d for d in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
-            for m in (1, 2, 5)]
-    below = max((v for v in vals if v <= lo), default=vals[0])
-    above = min((v for v in vals if v >= hi), default=vals[-1])
-    return [float(f"{v:.6g}") for v in vals if below <= v <= above]
+def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]]], scale: float, unit: str,
+          ratio_key: str) -> go.Figure:
+    """Per backend, a trace for each (key, name suffix, style) against N on a log axis (N grows
+    geometrically), each backend's ratio to generate() under its N (a label beside a marker ends up on
+    another marker), and every failed point marked above the plot."""
+    fig = go.Figure()
+    for backend in _backends(points):
+        pts = sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
+        for i, (key, suffix, style) in enumerate(traces):
+            # a failed point measured nothing (a gap); what its configuration needs (KV, planned) is drawn
+            ys = [p[key] / scale if p.get(key) is not None and (i > 0 or _ok(p)) else None for p in pts]
+            if any(v is not None for v in ys):
+                hover = f"{backend}{suffix}<br>N=%{{x}}<br>%{{y:.1f}} {unit}<extra></extra>"
+                fig.add_scatter(x=[p["N"] for p in pts], y=ys, name=backend + suffix, legendgroup=backend,
+                                connectgaps=False, hovertemplate=hover, **style(backend_color(backend)))
+    ns = sorted({p["N"] for p in points})
+    by = {(p["backend"], p["N"]): p for p in points}
+    ticks = []
+    for n in ns:
+        ratios = [f"<span style='color:{backend_color(b)}'>{by[b, n][ratio_key]:.2f}x</span>"
+                  for b in _backends(points) if b != "generate" and (b, n) in by and _ok(by[b, n])
+                  and by[b, n].get(ratio_key) is not None]
+        ticks.append("<br>".join([str(n), *ratios]))
+    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=ticks,
+                     range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
+    for n in sorted({p["N"] for p in points if not _ok(p)}):  # above the plot, never over a line
+        labels = [f"{p['backend']}: {str(p.get('status', 'error')).upper()}" for p in points
+                  if p["N"] == n and not _ok(p)]
+        fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
+                           text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
+                           bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
+        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(template=TEMPLATE, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
+    return fig
 
 
-STEP_PHASES = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
-               ("other_s", "other"))
-
-
-def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's speed-up
-    over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still waited for."""
-    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)),
-                 key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))
+def step_split_figure(points: Points) -> go.Figure:
+    """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's
+    speed-up over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still
+    waited for."""
+    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)), key=_order)
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
     fig = go.Figure()
-    for i, (key, name) in enumerate(STEP_PHASES):
+    phases = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
+              ("other_s", "other"))
+    for i, (key, name) in enumerate(phases):
         xs = [p.get(key) if _ok(p) else None for p in pts]
         shares = [p.get(key.replace("_s", "_roof_share")) if _ok(p) else None for p in pts]
         text = [f"{x:.1f} s" + (f" ({r:.0%} of roof)" if r is not None else "") if x is not None else ""
@@ -124,8 +122,8 @@ def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
         elif p["backend"] == "generate" or p.get("step_speedup") is None:
             note = f"step {p['step_s']:.3g} s, rollout {p.get('rollout_share') or 0:.0%} of it"
         else:
-            ceiling = p.get("amdahl_ceiling")
-            note = f"step {p['step_speedup']:.2f}x" + (f" vs Amdahl ceiling {ceiling:.2f}x" if ceiling else "")
+            ceiling = f" vs Amdahl ceiling {p['amdahl_ceiling']:.2f}x" if p.get("amdahl_ceiling") else ""
+            note = f"step {p['step_speedup']:.2f}x{ceiling}"
             if p.get("overlap_s") is not None:  # async CB: its rollout bar is the wait; what the overlap hid
                 note += f"<br>overlap bought {p['overlap_s']:.1f} s of CB's rollout"
         fig.add_annotation(y=label, x=1.0, xref="paper", xanchor="left", text=note, showarrow=False,
@@ -138,60 +136,37 @@ def step_split_figure(points: Sequence[Mapping[str, Any]]) -> go.Figure:
     return fig
 
 
-def sweep_report(points: Sequence[Mapping[str, Any]], title: str = "cbkit N-sweep",
-                 meta: Mapping[str, Any] | None = None) -> str:
-    """One self-contained HTML page: the run's settings, the charts (plotly's JS inline, so it opens offline) and
-    every point as a table with its ratios to generate()."""
-    charts = [
-        throughput_vs_n(points).to_html(full_html=False, include_plotlyjs=True),
-        memory_vs_n(points).to_html(full_html=False, include_plotlyjs=False),
-    ]
+def write_report(points: Points, path: str | os.PathLike,
+                 meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
+    """Write one self-contained HTML page to ``path`` and return it: the run's settings, the charts (plotly's
+    JS inline, so it opens offline) and the tables `cbkit report` prints."""
+    from cbkit.measure.tables import points_table, step_split_table
+
+    figures = [throughput_vs_n(points), memory_vs_n(points)]
+    tables = [points_table([dict(p) for p in sorted(points, key=_order)])]
     if any(p.get("step_s") is not None for p in points):  # a full-step sweep: where the step's time went
-        charts.append(step_split_figure(points).to_html(full_html=False, include_plotlyjs=False))
-    charts_html = "\n".join(charts)
+        figures.append(step_split_figure(points))
+        tables.append(step_split_table([dict(p) for p in points]))
     esc = html.escape
-    meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in (meta or {}).items())
-    cols: list[tuple[str, str, Callable[[Any], str]]] = [
-            ("backend", "backend", str), ("N", "N", str), ("status", "status", str),
-            ("tokens_per_s", "tokens/s", lambda v: f"{v:.1f}"), ("rollout_s", "rollout s", lambda v: f"{v:.2f}"),
-            ("peak_mem_bytes", "peak memory", fmt_bytes), ("peak_mem_kind", "measured as", _kind),
-            ("kv_bytes", "KV (analytic)", fmt_bytes), ("planned_peak_bytes", "planner", fmt_bytes),
-            ("kv_padding_share", "KV slots padding", lambda v: f"{v:.0%}"),
-            ("speed_vs_generate", "speed vs generate", _ratio), ("mem_vs_generate", "memory vs generate", _ratio)]
-    head = "".join(f"<th>{esc(label)}</th>" for _, label, _ in cols)
-    body = "".join(
-        "<tr class='{}'>{}</tr>".format(
-            "" if _ok(p) else "failed",
-            "".join(f"<td>{esc(fmt(p[k])) if p.get(k) is not None else '&ndash;'}</td>" for k, _, fmt in cols),
-        )
-        for p in sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))
-    )
-    return f"""<!DOCTYPE html>
+    charts = "\n".join(f.to_html(full_html=False, include_plotlyjs=i == 0) for i, f in enumerate(figures))
+    meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
+                        for k, v in (meta or {}).items())
+    page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{esc(title)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
-table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
-th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-space: nowrap; }}
-th {{ background: #f3f3f3; }} tr.failed td {{ color: #b00; }}
-</style></head><body>
+<style>body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
 <h1>{esc(title)}</h1>
 <p>Ratios compare each backend with <code>generate()</code> at the same N, measured side by side in one
-process (medians of repeats). Absolute times mean something only on a GPU; on a CPU, memory is RSS and
-indicative. Points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
+process; points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
 <table>{meta_rows}</table>
-{charts_html}
+{charts}
 <h2>Points</h2>
-<table><tr>{head}</tr>{body}</table>
+{"".join(f"<pre>{esc(t)}</pre>" for t in tables)}
 </body></html>
 """
-
-
-def write_report(points: Sequence[Mapping[str, Any]], path: str | os.PathLike,
-                 meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
-    """Write ``sweep_report`` to ``path`` and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(sweep_report(points, title, meta), encoding="utf-8")
+    path.write_text(page, encoding="utf-8")
     return path
 
 
@@ -199,57 +174,69 @@ def _ok(p: Mapping[str, Any]) -> bool:
     return p.get("status", "ok") == "ok"
 
 
-def _backends(points: Sequence[Mapping[str, Any]]) -> list[str]:
-    seen = list(dict.fromkeys(p["backend"] for p in points))
-    return sorted(seen, key=lambda b: (b != "generate", b))  # generate first: the reference
+def _order(p: Mapping[str, Any]) -> tuple[int, bool, str]:
+    return p["N"], p["backend"] != "generate", p["backend"]  # by N, generate() first: the reference
 
 
-def _by_backend(points: Sequence[Mapping[str, Any]], backend: str) -> list[Mapping[str, Any]]:
-    return sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
+def _backends(points: Points) -> list[str]:
+    return sorted({p["backend"] for p in points}, key=lambda b: (b != "generate", b))  # generate() first
 
 
-def _n_axis(fig: go.Figure, points: Sequence[Mapping[str, Any]], ratio_key: str | None = None) -> None:
-    ns = sorted({p["N"] for p in points})
-    # N grows geometrically in a sweep (8, 16, 32, 64): a log axis spaces the points evenly. Ratios to generate()
-    # go under each N's tick, in the backend's colour: a label beside a marker ends up on another marker.
-    by = {(p["backend"], p["N"]): p for p in points}
-    others = [b for b in _backends(points) if b != "generate"]
-
-    def tick(n: int) -> str:
-        if ratio_key is None:
-            return str(n)
-        labels = [f"<span style='color:{backend_color(b)}'>{_ratio(by[(b, n)].get(ratio_key))}</span>"
-                  for b in others if (b, n) in by and _ok(by[(b, n)]) and by[(b, n)].get(ratio_key) is not None]
-        return "<br>".join([str(n), *labels])
-
-    fig.update_xaxes(title_text="N (completions per prompt)", type="log", tickvals=ns, ticktext=[tick(n) for n in ns],
-                     range=[math.log10(min(ns)) - 0.12, math.log10(max(ns)) + 0.12] if ns else None)
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a `metrics.jsonl`, a torn last line dropped; an empty file is refused."""
+    rows = read_jsonl(path, what="step")
+    if not rows:
+        raise ValueError(f"{path} holds no metrics rows: is it the metrics.jsonl `cbkit train` writes?")
+    return rows
 
 
-def _annotate_failures(fig: go.Figure, points: Sequence[Mapping[str, Any]]) -> None:
-    failed: dict[int, list[str]] = {}
-    for p in points:
-        if not _ok(p):
-            failed.setdefault(p["N"], []).append(f"{p['backend']}: {str(p.get('status', 'error')).upper()}")
-    for n, labels in failed.items():
-        # Above the plot area, so it never hides a line; annotations on a log axis take log10(x).
-        fig.add_annotation(x=math.log10(n), y=1.0, yref="paper", yanchor="bottom", yshift=4,
-                           text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
-                           bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
-        fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units, log axis too
+def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, window: int = 3,
+                 title: str = "Reward per step") -> go.Figure:
+    """Each metric per step (dots: one rollout's mean, noisy) and its trailing mean over ``window`` steps
+    (line). Held-out metrics (``eval/*``) are drawn as measured, step 0 included: each point already averages
+    many completions the run never trained on."""
+    fig = go.Figure()
+    for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
+        color = PALETTE[i % len(PALETTE)]
+        if key.startswith("eval/"):
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            fig.add_scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers",
+                            name=f"{key} (held-out)", line=dict(color=color, width=3), marker=dict(size=9))
+            continue
+        trained = [r for r in rows if r["step"] > 0]  # step 0 holds the evaluation before training alone
+        steps, values = [r["step"] for r in trained], [r.get(key) for r in trained]
+        fig.add_scatter(x=steps, y=values, mode="markers", name=key, marker=dict(color=color, size=7),
+                        legendgroup=key)
+        smooth = [step_mean(values[max(0, j - window + 1): j + 1]) for j in range(len(values))]
+        fig.add_scatter(x=steps, y=smooth, mode="lines", name=f"{key} ({window}-step mean)",
+                        line=dict(color=color, width=2), legendgroup=key)
+    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="step", yaxis_title="reward", height=420,
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
 
 
-def _unit(max_bytes: float) -> tuple[str, float]:
-    return ("GiB", 1024**3) if max_bytes >= 2 * 1024**3 else ("MiB", 1024**2)
+def step_mean(values: Sequence[Any]) -> float | None:
+    """The mean of the numbers among ``values`` (None where there are none)."""
+    xs = [float(v) for v in values if isinstance(v, int | float)]
+    return sum(xs) / len(xs) if xs else None
 
 
-def _scaled(v: float | None, scale: float) -> float | None:
-    return None if v is None else v / scale
+def figure_pngs(figures: Sequence[Any], *, width: int = 1000) -> list[bytes]:
+    """Each figure (a ``go.Figure`` or its dict) as PNG bytes at its own ``layout.height``, ``width`` pixels
+    wide (an HTML figure's width follows its page; an image needs one), drawn offline by kaleido with the
+    installed Chrome or Chromium (kaleido's error says how to get one)."""
+    if not figures:
+        return []
+    import kaleido
 
+    def opts(fig: Any) -> dict[str, Any]:
+        layout = (fig.to_dict() if hasattr(fig, "to_dict") else fig).get("layout", {})
+        return {"format": "png", "width": int(layout.get("width") or width),
+                "height": int(layout.get("height") or 500)}
 
-def _kind(kind: str) -> str:
-    return {"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}.get(kind, kind)
+    async def draw() -> list[bytes]:
+        async with kaleido.Kaleido(n=1, timeout=120, mathjax=False) as k:
+            return [await k.calc_fig(fig, opts=opts(fig)) for fig in figures]
 
+    return asyncio.run(draw())
 
-def _ratio(v: float | None) -> str:
-    return "" if v is None else f"{v:.2f}x"

@@ -12,7 +12,7 @@ myst_enable_extensions = ["dollarmath"]
 html_math_renderer = "mathml"
 # The notebooks were executed by `make test-notebooks` (nbmake, CI sizes): render what they printed and drew.
 nb_execution_mode = "off"
-# text/html (interactive plotly) outranks the image/png that cbkit.viz.static adds for viewers without JavaScript.
+# text/html (interactive plotly) outranks the PNG scripts/build_book.py adds for viewers without JavaScript.
 myst_heading_anchors = 3
 # Furo ships its fonts and scripts in its wheel: nothing is fetched when the site is built or read.
 html_theme = "furo"
