@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cbkit.cli import main
-from cbkit.measure import roofline
 from cbkit.measure.presets import PRESETS
 from cbkit.teach import fits, notebook, tiers, trl_step
 
@@ -123,14 +122,6 @@ def test_the_pool_is_a_share_of_what_training_leaves():
     # The same pool on both A100s: sized for the tier's smallest GPU, so the crossover does not move with the card.
     assert tiers.plan_notebook("01_kv_slot_recycling", "a100-40").crossovers == \
         tiers.plan_notebook("01_kv_slot_recycling", "a100-80").crossovers
-
-
-def test_a_launch_bound_rollout_takes_its_floor_per_step():
-    config = tiers.plan_config("llama-tiny-random")  # tiny: every step far under the 2-layer floor
-    s = roofline.estimated_rollout_seconds(config, prompt_lens=[4], running=[3, 3, 1], context=6, dtype_bytes=2,
-                                           machine=roofline.GPUS["a100-40"], dtype="bfloat16")
-    floor = 2 * 41.12 / 2048 / 16
-    assert 3 * floor < s < 3 * floor + 1e-4  # plus a prefill of microseconds
 
 
 # --- 04's TRL step, from the notebook's own cells -------------------------------------------------------------

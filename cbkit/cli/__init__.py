@@ -12,14 +12,14 @@ import sys
 
 from cbkit.cli.demo import add_demo
 from cbkit.cli.plan import add_plan, add_tiers
-from cbkit.cli.sweep import add_report, add_sweep
+from cbkit.cli.sweep import add_sweep
 from cbkit.cli.train import add_plot, add_train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_demo, add_sweep, add_report, add_plot, add_train, add_plan, add_tiers):  # the help's order
+    for add in (add_demo, add_sweep, add_plot, add_train, add_plan, add_tiers):  # the help's order
         add(sub)
     for command in (parser, *sub.choices.values()):  # a bad flag value: one line, as every other bad input
         command.exit_on_error = False

@@ -1,18 +1,11 @@
 """Will it fit? One rollout's peak memory above the weights through each backend, from the model's config alone.
 
-* ``generate()`` keeps every row of the static batch until the *last* row finishes: its KV grows with N, held to the
-  longest prompt + ``max_new_tokens`` (an upper bound: one row of many usually runs to the limit), plus the last
-  step's transients that scale with rows x vocabulary.
-* The CB engine allocates one pool up front and keeps it, whatever the batch needs. Its size is the engine's own
-  (`cbkit.rollout.admission`: transformers' sizing run on the meta device), so the block count is exact; the plan adds
-  the activations of the largest batch it runs (with prefix sharing, each repeated prompt is prefilled once).
-* The training step beside the rollout: `training_bytes`, `step_peak_bytes`.
-
-``crossover_n`` is the smallest N at which CB's planned peak is below ``generate()``'s. Peak *bytes* are an estimate,
-and on a CPU a lower bound: RSS counts what the plan does not model. glibc keeps the blocks ``torch.cat`` frees
-resident (generate()'s growing cache, a chunked backward's activations), so on a CPU the plan adds that heap slack,
-fitted on one machine (2 cores, torch 2.13, SmolLM2-135M; `lab/refit_cpu_heap.py` refits it, lab/cpu_heap.md has
-the runs); never on a GPU. Every sweep run records its ``plan_error``. Full and sliding-window attention only.
+``generate()`` keeps every row of the static batch, its KV grown to the longest prompt + ``max_new_tokens``, until the
+last row finishes; the CB engine allocates one pool up front, sized by `cbkit.rollout.admission` (transformers' own
+sizing on the meta device), plus the activations of its largest batch. ``crossover_n`` is the smallest N at which
+CB's peak is the lower; `training_bytes` and `step_peak_bytes` plan the training step beside the rollout. On a CPU the
+plan adds the heap glibc keeps resident after ``torch.cat`` frees (fitted by `lab/refit_cpu_heap.py`); every sweep run
+records its ``plan_error``. Full and sliding-window attention only.
 """
 
 from __future__ import annotations
@@ -26,9 +19,8 @@ from cbkit.models.load import DTYPES
 from cbkit.rollout.admission import admission, blocks_needed, pool_blocks
 from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
-__all__ = ["DTYPE_BYTES", "TRAIN_STATE_BYTES_PER_PARAM", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n",
-           "plan", "pool_blocks", "step_peak_bytes", "training_bytes", "versus_parity", "PARITY_MARGIN", "measured_from_sweep",
-           "recommend", "Advice", "Measured"]
+__all__ = ["DTYPE_BYTES", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n", "plan", "pool_blocks",
+           "step_peak_bytes", "training_bytes"]
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
@@ -280,143 +272,19 @@ def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool)
 
 def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
                     tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
-                    optimizer_state_resident: bool = False, device: str = "cuda",
-                    later_tokens_per_row: int | None = None, later_completion_len: int | None = None) -> dict[str, int]:
+                    device: str = "cuda") -> dict[str, int]:
     """The peak one GRPO step holds above its weights: the largest of its phases, which follow each other. The
     rollout; the backward of one chunk (gradients, which live from the first backward to the update, plus the
     chunk's logits and activations; from the second chunk on also the LM head's whole fp32 weight gradient, and on a
-    CPU the heap earlier chunks leave); the optimizer step (gradients and AdamW's moments, held through the whole
-    step with `optimizer_state_resident`). The trainer forwards rows longest first: ``later_*`` give the widest row
-    after the first chunk where lengths are known (None: every chunk as wide as the first)."""
-    def chunk_bytes(tokens: int, completion: int) -> int:
-        t = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens,
-                           completion_len=completion, config=config, autocast=autocast, chunk_rows=chunk_rows)
-        return t["logits"] + t["activations"]
-
-    grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
-    resident = moments if optimizer_state_resident else 0
-    s = Shape.of(config)
-    first = chunk_bytes(tokens_per_row, completion_len)
-    backward = grads + first + resident
+    CPU the heap earlier chunks leave); the optimizer step (gradients and AdamW's moments)."""
+    t = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens_per_row,
+                       completion_len=completion_len, config=config, autocast=autocast, chunk_rows=chunk_rows)
+    grads, chunk = GRAD_BYTES_PER_PARAM * params, t["logits"] + t["activations"]
+    backward = grads + chunk
     if chunk_rows is not None and micro_batch_rows > chunk_rows:
-        later = first if later_tokens_per_row is None else chunk_bytes(
-            min(later_tokens_per_row, tokens_per_row), min(later_completion_len or completion_len, completion_len))
-        chunk = later + GRAD_BYTES_PER_PARAM * s.vocab * s.hidden
-        slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" else 0
-        backward = max(backward, grads + chunk + slack + resident)
-    parts = {"rollout": rollout_peak_bytes + resident, "backward": backward, "optimizer_step": grads + moments}
+        s = Shape.of(config)
+        later = chunk + GRAD_BYTES_PER_PARAM * s.vocab * s.hidden
+        backward = grads + later + (int(CPU_CHUNK_HEAP_SLACK * later) if device == "cpu" else 0)
+    parts = {"rollout": rollout_peak_bytes, "backward": backward,
+             "optimizer_step": grads + ADAM_BYTES_PER_PARAM * params}
     return {**parts, "peak": max(parts.values())}
-
-
-# --- the decision guide (TRL's benchmark's, or a sweep measured here) and cbkit's one "about equal" rule -------
-
-Backend = Literal["generate", "continuous", "vllm"]
-# TRL's benchmark (PR #5765, A100): parity at N=8, ~1.25x from N=32. Lengths count as variable from a CV of 0.2, or
-# where 20% of generate()'s decode slots go to rows already finished.
-CB_MIN_N, VARIABLE_CV, VARIABLE_WASTE = 32, 0.2, 0.2
-TRL_BENCHMARK_BASIS = "thresholds from TRL's reported A100 benchmark (PR #5765), not this machine; --from a sweep"
-# Ratios within 5% of 1.0 are parity: repeats of one point on a shared machine differ by a few percent.
-PARITY_MARGIN = 0.05
-
-
-def versus_parity(ratio: float, margin: float = PARITY_MARGIN) -> int:
-    """1 if ``ratio`` is above parity by more than ``margin``, -1 if below by more, 0 if about equal."""
-    if ratio != ratio:
-        raise ValueError("versus_parity: the ratio is NaN; a ratio needs two measured numbers.")
-    return 1 if ratio > 1 + margin else -1 if ratio < 1 - margin else 0
-
-
-@dataclass(frozen=True)
-class Advice:
-    backend: Backend
-    reasons: list[str]
-    basis: str | None = None  # where the thresholds behind the decision came from
-
-    def __str__(self) -> str:
-        return f"use {self.backend} ({'; '.join(self.reasons)})" + (f"\n  basis: {self.basis}" if self.basis else "")
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A sweep results file's medians at the N closest to the one asked about (`measured_from_sweep`)."""
-
-    path: str
-    n: int
-    asked_n: int
-    workload: str | None
-    device: str | None
-    speed_vs_generate: float | None
-    mem_vs_generate: float | None
-    length_mean: float | None
-    length_cv: float | None
-    length_max: float | None
-    decode_padding_share: float | None
-
-    def describe(self) -> str:
-        where = f"N={self.n}" + (f" (nearest measured to N={self.asked_n})" if self.n != self.asked_n else "")
-        spread = (f"lengths mean {self.length_mean:.1f}, CV {self.length_cv:.2f}, static batch padding "
-                  f"{self.decode_padding_share:.0%}" if self.length_mean is not None else "no length statistics")
-        return f"{self.path}: {where}, {self.workload or 'natural'} workload on {self.device or 'unknown'}; {spread}"
-
-
-def measured_from_sweep(path: str, num_generations: int) -> Measured:
-    """Read a `cbkit sweep` results file and take its medians at N (or the nearest measured N, larger on a tie)."""
-    from cbkit.measure.results import aggregate, read_results
-
-    try:
-        results = read_results(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise type(e)(f"--from: {e}") from None
-    by = {(q["backend"], q["N"]): q for q in aggregate(results.runs) if q["status"] == "ok"}
-    ns = sorted(n for (b, n) in by if b == "continuous" and ("generate", n) in by)
-    if not ns:
-        raise ValueError(f"--from: {path} has no N at which both generate and continuous finished.")
-    n = min(ns, key=lambda x: (abs(x - num_generations), -x))
-    cb, gen = by[("continuous", n)], by[("generate", n)]
-    fp = results.fingerprint
-    return Measured(str(results.path), n, num_generations, fp.get("lengths"), fp.get("device"),
-                    cb.get("speed_vs_generate"), cb.get("mem_vs_generate"), gen.get("length_mean"),
-                    gen.get("length_cv"), gen.get("length_max"), gen.get("decode_padding_share"))
-
-
-def recommend(num_generations: int, *, completion_cv: float | None = None, mean_completion_len: float | None = None,
-              max_new_tokens: int | None = None, multimodal: bool = False, need_max_throughput: bool = False,
-              num_gpus: int = 1, tensor_parallel: bool = False, memory: Plan | None = None,
-              measured: Measured | None = None) -> Advice:
-    """TRL's benchmark's guide, rule by rule: vLLM to split a model over GPUs or for maximum throughput; generate()
-    for multimodal prompts (the engine takes token ids); the only backend a plan with a budget says fits; a sweep of
-    this machine's speed ratio (at parity, the lighter backend); else CB from N >= 32 with variable lengths (unknown
-    counts as variable)."""
-    n = num_generations
-    for name, v in (("num_generations", n), ("num_gpus", num_gpus)):
-        if v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
-    if tensor_parallel or need_max_throughput:
-        return Advice("vllm", ["tensor parallel" if tensor_parallel else "maximum throughput"])
-    gen_fits, cb_fits = (memory.generate.fits, memory.continuous.fits) if memory is not None else (None, None)
-    if multimodal:
-        return Advice("generate", ["multimodal: the CB engine takes token ids only"])
-    if gen_fits is False and memory is not None:
-        cb = bool(cb_fits) or memory.continuous.peak_bytes < memory.generate.peak_bytes
-        return Advice("continuous" if cb else "generate",
-                      ["memory: generate() does not fit" + ("" if cb_fits else ", nor CB; lower N")])
-    if measured is not None:
-        speed, mem = measured.speed_vs_generate, measured.mem_vs_generate
-        if speed is None:
-            raise ValueError(f"--from: {measured.path} has no speed ratio at N={measured.n}.")
-        said = f"CB measured {speed:.2f}x generate()'s tokens/s at N={measured.n}"
-        basis = f"measured: {measured.describe()}"
-        if versus_parity(speed):
-            return Advice("continuous" if versus_parity(speed) > 0 else "generate", [said], basis)
-        return Advice("continuous" if mem is not None and versus_parity(mem) < 0 else "generate",
-                      [f"{said}: parity, so memory decides"], basis)
-    if n < CB_MIN_N:
-        return Advice("generate", [f"N={n} < {CB_MIN_N}"], TRL_BENCHMARK_BASIS)
-    if completion_cv is not None:
-        variable, spread = completion_cv >= VARIABLE_CV, f"length CV {completion_cv:.2f}"
-    elif mean_completion_len is not None and max_new_tokens:
-        waste = 1 - mean_completion_len / max_new_tokens
-        variable, spread = waste >= VARIABLE_WASTE, f"~{waste:.0%} of generate()'s decode slots idle"
-    else:
-        variable, spread = True, "length spread assumed"
-    return Advice("continuous" if variable else "generate", [f"N={n} >= {CB_MIN_N}", spread], TRL_BENCHMARK_BASIS)
