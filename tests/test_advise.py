@@ -234,58 +234,21 @@ def test_cli_plan_unknown_model(capsys):
 # --- the training step beside the rollout ------------------------------------------------------------------
 
 
-def test_the_step_peak_grows_with_the_chunk_not_with_n():
-    """`planner.step_peak_bytes` on SmolLM2-135M's shape (fp32, 96-token completions, 100-token prompts): the
-    forward's logits and activations are one chunk's, so past the chunk the step's peak moves with N only through
-    the rollout's own peak; without chunks it moves with every row. Each part checked against its pieces."""
+def test_the_training_parts_grow_with_the_chunk_not_with_the_micro_batch():
+    """`planner.training_bytes` on SmolLM2-135M's shape: a forward's logits and activations are one chunk's, so a
+    chunk of 4 rows is a micro-batch of 4 rows, to the byte; unchunked, they grow with every row."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import step_peak_bytes, training_bytes
+    from cbkit.measure.planner import training_bytes
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
     params, kw = 134_515_008, dict(tokens_per_row=196, completion_len=96, config=config, autocast=False)
-
-    def peak(rows, chunk):
-        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=chunk, **kw)
-
-    # a chunk of 4 rows is a micro-batch of 4 rows, to the byte
     chunk4 = training_bytes(params, micro_batch_rows=32, chunk_rows=4, **kw)
     assert chunk4 == training_bytes(params, micro_batch_rows=4, **kw)
-    # from the second chunk on, every gradient exists and the LM head's (vocabulary x hidden) is computed beside them
-    head_grad = 4 * 49152 * 576
-    assert peak(32, 4)["backward"] == 4 * params + chunk4["logits"] + chunk4["activations"] + head_grad
-    assert peak(4, 4)["backward"] == 4 * params + chunk4["logits"] + chunk4["activations"]  # one forward: no copy
-    assert peak(32, 4)["optimizer_step"] == 12 * params  # gradients beside AdamW's two moments
-    assert peak(32, 4) == peak(64, 4) and peak(8, 4) == peak(64, 4)  # past one chunk N moves only the rollout
-    assert peak(32, None)["backward"] > 3 * peak(32, 4)["backward"]  # unchunked: every row's activations
-    assert peak(32, 4)["peak"] < 4 * 2**30 < peak(32, None)["peak"]
-    # the rollout's own peak is one of the phases: a large KV sets the step's peak
-    big = step_peak_bytes(params, rollout_peak_bytes=10 * 2**30, micro_batch_rows=32, chunk_rows=4, **kw)
-    assert big["peak"] == big["rollout"] == 10 * 2**30
-
-
-def test_a_cpu_backward_after_the_first_chunk_carries_the_heap_the_chunks_leave():
-    """On a CPU, from the second forward of an update on, the backward's plan adds `CPU_CHUNK_HEAP_SLACK` x one
-    chunk's logits, activations and LM-head gradient (glibc keeps the freed chunks resident, measured in
-    docs/measuring.md); with one forward, or on a GPU, nothing is added."""
-    from transformers import LlamaConfig
-
-    from cbkit.measure.planner import CPU_CHUNK_HEAP_SLACK, step_peak_bytes, training_bytes
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    params, kw = 134_515_008, dict(tokens_per_row=233, completion_len=96, config=config, autocast=False)
-
-    def backward(rows, device):
-        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=4, device=device,
-                               **kw)["backward"]
-
-    chunk = training_bytes(params, micro_batch_rows=4, **kw)
-    one_chunk = chunk["logits"] + chunk["activations"] + 4 * 49152 * 576
-    assert backward(32, "cpu") - backward(32, "cuda") == int(CPU_CHUNK_HEAP_SLACK * one_chunk) > 0
-    assert backward(4, "cpu") == backward(4, "cuda")  # one forward: no earlier chunk left anything
-    assert backward(8, "cpu") == backward(64, "cpu")  # the level, whatever the number of chunks
+    assert chunk4["optimizer_state"] == 16 * params
+    whole = training_bytes(params, micro_batch_rows=32, **kw)
+    assert whole["activations"] == 8 * chunk4["activations"] and whole["logits"] == 8 * chunk4["logits"]
 
 
 def test_the_planned_activations_are_what_autograd_saves(tiny):

@@ -209,7 +209,6 @@ def test_full_step_replays_the_workload_and_splits_the_step(tiny, tmp_path):
         assert r["completion_tokens"] == sum(want)
         assert 0 < r["roof_share"] < 1  # the rollout does not beat its roof
         assert r["rollout_share"] == pytest.approx(r["rollout_s"] / r["step_s"])
-        assert r["planned_peak_bytes"] > 0 and r["planned_phase"] in ("rollout", "backward", "optimizer_step")
     assert runs[0]["completion_lengths"] == runs[1]["completion_lengths"]
     by = {p["backend"]: p for p in points}
     g, c = by["generate"], by["continuous"]
@@ -406,7 +405,7 @@ def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp
     assert all(p["roof_share"] is None and "no bandwidth here" in p["roof_missing"] for p in points)
     assert "no bytes_per_s (bandwidth probe failed" in capsys.readouterr().out
     summary = tables.results_summary(out)
-    assert "read bandwidth (sum over a 256 MiB tensor): missing in 1 probe(s)" in summary
+    assert "read bandwidth: missing (bandwidth probe failed: RuntimeError: no bandwidth here)" in summary
     row = next(line for line in tables.points_table(points).splitlines() if " generate " in line)
     assert row.split()[-3:-1] == ["-", "-"]  # roof and share of it: empty, not zero
 

@@ -1,9 +1,5 @@
-"""`cbkit <command>`: the kit's entry points.
-
-`train`, `sweep`, `demo` and `plan` take one flag per field of their config dataclass, made by transformers'
-`HfArgumentParser` (the parser TRL's scripts use; `cbkit.cli.flags`): a field added is a flag. `cbkit train --config
-recipe.yaml` reads a YAML file of `CBGRPOConfig` fields, as TRL's `--config` does; flags given next to it win.
-"""
+"""`cbkit <command>`: the kit's entry points. `train`, `sweep`, `demo` and `plan` take one flag per field of their
+config dataclass (`cbkit.cli.flags`): a field added is a flag."""
 
 from __future__ import annotations
 

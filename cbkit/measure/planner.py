@@ -3,7 +3,7 @@
 ``generate()`` keeps every row of the static batch, its KV grown to the longest prompt + ``max_new_tokens``, until the
 last row finishes; the CB engine allocates one pool up front, sized by `cbkit.rollout.admission` (transformers' own
 sizing on the meta device), plus the activations of its largest batch. ``crossover_n`` is the smallest N at which
-CB's peak is the lower; `training_bytes` and `step_peak_bytes` plan the training step beside the rollout. On a CPU the
+CB's peak is the lower; `training_bytes` plans the training step beside the rollout. On a CPU the
 plan adds the heap glibc keeps resident after ``torch.cat`` frees (fitted by `lab/refit_cpu_heap.py`); every sweep run
 records its ``plan_error``. Full and sliding-window attention only.
 """
@@ -20,15 +20,13 @@ from cbkit.rollout.admission import admission, blocks_needed, pool_blocks
 from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
 __all__ = ["DTYPE_BYTES", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n", "plan", "pool_blocks",
-           "step_peak_bytes", "training_bytes"]
+           "training_bytes"]
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
-CPU_CHUNK_HEAP_SLACK = 0.25  # a chunked backward: share of one chunk's part its earlier chunks leave (fitted)
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
-GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 _ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
 
 
@@ -95,18 +93,16 @@ class Plan:
 
 def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int | Sequence[int],
          max_new_tokens: int, dtype_bytes: int, mean_completion_len: float | None = None,
-         budget_bytes: int | None = None, max_memory_percent: float | None = None, page_size: int | None = None,
-         max_batch_tokens: int | None = None, num_blocks: int | None = None,
-         cb_config: Mapping[str, Any] | None = None, device: Literal["cuda", "cpu"] = "cuda",
+         budget_bytes: int | None = None, cb_config: Mapping[str, Any] | None = None,
+         device: Literal["cuda", "cpu"] = "cuda",
          attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None,
          model_name: str = "model") -> Plan:
     """Predict the peak memory above the weights of one rollout through each backend.
 
     ``prompt_len`` is one length for every prompt or one per prompt. ``budget_bytes`` is the memory free after the
-    weights are loaded; CB needs it unless the pool is fixed (``num_blocks``, or a CPU, where cbkit sizes the pool to
-    the workload). ``max_memory_percent``, ``page_size``, ``max_batch_tokens``, ``num_blocks`` and ``cb_config`` are
-    the continuous backend's overrides. ``attn_implementation`` is what the engine runs: "flash", "varlen" (cbkit's:
-    no mask), "sdpa" or "eager" (the engine's dense mask); None is cbkit's own choice without flash-attn."""
+    weights are loaded; CB needs it unless ``cb_config`` (the engine's overrides) fixes ``num_blocks`` or on a CPU,
+    where cbkit sizes the pool to the workload. ``attn_implementation`` is what the engine runs: "flash", "varlen"
+    (cbkit's: no mask), "sdpa" or "eager" (the engine's dense mask); None is cbkit's own choice without flash-attn."""
     import torch
 
     from cbkit.rollout.varlen_attention import NAME as VARLEN
@@ -132,9 +128,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
     if mean_completion_len is not None and not 1 <= mean_completion_len <= max_new_tokens:
         raise ValueError(f"mean_completion_len must be between 1 and max_new_tokens={max_new_tokens}, "
                          f"got {mean_completion_len}.")
-    overrides = {**(cb_config or {}), **{k: v for k, v in dict(
-        max_memory_percent=max_memory_percent, page_size=page_size, max_batch_tokens=max_batch_tokens,
-        num_blocks=num_blocks).items() if v is not None}}
+    overrides = dict(cb_config or {})
     s = Shape.of(text)
     layer_token = 2 * s.kv_heads * s.head_dim * dtype_bytes  # K and V of one token in one layer
     sliding, window = _sliding(text)
@@ -268,23 +262,3 @@ def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool)
     s = Shape.of(config)
     per_layer = 6 * s.hidden + 4 * s.heads * s.head_dim + s.heads + tokens_per_row + 4 * s.intermediate
     return (2 if autocast else 4) * (s.layers * per_layer + 3 * s.hidden)
-
-
-def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
-                    tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
-                    device: str = "cuda") -> dict[str, int]:
-    """The peak one GRPO step holds above its weights: the largest of its phases, which follow each other. The
-    rollout; the backward of one chunk (gradients, which live from the first backward to the update, plus the
-    chunk's logits and activations; from the second chunk on also the LM head's whole fp32 weight gradient, and on a
-    CPU the heap earlier chunks leave); the optimizer step (gradients and AdamW's moments)."""
-    t = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens_per_row,
-                       completion_len=completion_len, config=config, autocast=autocast, chunk_rows=chunk_rows)
-    grads, chunk = GRAD_BYTES_PER_PARAM * params, t["logits"] + t["activations"]
-    backward = grads + chunk
-    if chunk_rows is not None and micro_batch_rows > chunk_rows:
-        s = Shape.of(config)
-        later = chunk + GRAD_BYTES_PER_PARAM * s.vocab * s.hidden
-        backward = grads + later + (int(CPU_CHUNK_HEAP_SLACK * later) if device == "cpu" else 0)
-    parts = {"rollout": rollout_peak_bytes, "backward": backward,
-             "optimizer_step": grads + ADAM_BYTES_PER_PARAM * params}
-    return {**parts, "peak": max(parts.values())}

@@ -80,8 +80,7 @@ class ResultsFile:
 _MEDIANS = ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "kv_padding_share",
             "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean", "length_cv", "length_max",
             "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes", "nvml_bytes",
-            "bytes_per_s", "roof_tokens_per_s", "roof_share", "old_logprob_s", "update_s", "other_s", "rollout_share",
-            "planned_rollout_peak_bytes")
+            "bytes_per_s", "roof_tokens_per_s", "roof_share", "old_logprob_s", "update_s", "other_s", "rollout_share")
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -104,7 +103,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             point["peak_mem_bytes"] = max((r["peak_mem_bytes"] or 0 for r in rs), default=None)
         for key in ("peak_mem_kind", "lengths"):
             point[key] = next((r.get(key) for r in rs if r.get(key)), None)
-        for key in ("roof_bound", "roof_missing", "planned_phase"):  # the same every repeat
+        for key in ("roof_bound", "roof_missing"):  # the same every repeat
             point[key] = next((r.get(key) for r in ok if r.get(key)), None)
         points.append(point)
     by_key = {(p["backend"], p["N"]): p for p in points}

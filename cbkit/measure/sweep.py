@@ -111,14 +111,15 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
 
 
 def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
-    """The planner's peak for this point and its error against the measured peak: the rollout's (`planner.plan`, with
-    the attention the engine ran) or, for a full step, the step's (`planner.step_peak_bytes`: the sweep's trainer is
-    fresh, so AdamW's moments appear at the update) and the phase that sets it. With replayed targets the static
-    batch runs to the longest one; the CB pool is sized from the generation limit, as the engine cannot know them."""
-    from cbkit.measure.planner import plan, step_peak_bytes
+    """The planner's rollout peak for this point (`planner.plan`, with the attention the engine ran) and its error
+    against the measured peak. With replayed targets the static batch runs to the longest one; the CB pool is sized
+    from the generation limit, as the engine cannot know them. A full step's peak is not planned."""
+    from cbkit.measure.planner import plan
     from cbkit.rollout.engine_config import make_cb_config
     from cbkit.rollout.varlen_attention import NAME as VARLEN
 
+    if cfg.full_step:
+        return {}
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
     device = "cuda" if model.device.type == "cuda" else "cpu"
     cb_config = dict(cfg.cb_config)
@@ -126,20 +127,10 @@ def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targe
         rows = [x for x in prompts for _ in range(n)]
         cb_config["num_blocks"] = make_cb_config(cb_config, device=model.device, rows=rows,
                                                  max_new_tokens=cfg.max_new_tokens, warn=False).num_blocks
-    longest = max(targets) if targets else cfg.max_new_tokens
     p = plan(model.config, num_prompts=len(prompts), num_generations=n, prompt_len=[len(x) for x in prompts],
-             max_new_tokens=longest, dtype_bytes=dtype_bytes, budget_bytes=budget, cb_config=cb_config,
-             device=device,  # type: ignore[arg-type]
+             max_new_tokens=max(targets) if targets else cfg.max_new_tokens, dtype_bytes=dtype_bytes,
+             budget_bytes=budget, cb_config=cb_config, device=device,  # type: ignore[arg-type]
              attn_implementation="varlen" if impl == VARLEN else "flash" if "flash" in impl else "sdpa")
     planned = p.generate.peak_bytes if backend == "generate" else p.continuous.peak_bytes
-    record: dict[str, Any] = {"planned_peak_bytes": planned}
-    if cfg.full_step:
-        step = step_peak_bytes(sum(x.numel() for x in model.parameters()), rollout_peak_bytes=planned,
-                               micro_batch_rows=len(prompts) * n, chunk_rows=cfg.forward_chunk_rows,
-                               tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
-                               config=model.config, autocast=False, device=device)
-        record = {"planned_peak_bytes": step["peak"], "planned_rollout_peak_bytes": planned,
-                  "planned_phase": max(("rollout", "backward", "optimizer_step"), key=step.__getitem__)}
     measured = run.get("peak_mem_bytes")
-    peak = record["planned_peak_bytes"]
-    return {**record, "plan_error": measured / peak - 1 if measured and peak else None}
+    return {"planned_peak_bytes": planned, "plan_error": measured / planned - 1 if measured and planned else None}

@@ -1,5 +1,4 @@
-"""A sweep's points as text tables and CSV, for the terminal and the README. An empty cell is a number not measured
-(a roof that could not be probed, a column an older file lacks), never a zero."""
+"""A sweep's points as text tables and CSV. An empty cell is a number not measured, never a zero."""
 
 from __future__ import annotations
 
@@ -58,29 +57,20 @@ def step_split_table(points: list[dict[str, Any]]) -> str:
 
 
 def results_summary(results: Results | str | Path) -> str:
-    """What a results file ran: its length workload and the roofs its probes read (the range they moved in, the
-    spread of a probe's rounds, any probe that could not run and why)."""
+    """What a results file ran: its length workload, and the range each roof's probes read (or why one is missing)."""
     results = results if isinstance(results, Results) else read_results(results)
     fp = results.fingerprint
     try:
         out = [parse_lengths(fp.get("lengths") or "natural").describe(fp.get("max_new_tokens", 0))]
     except ValueError:  # a replayed file that has moved since: the spec is still what ran
         out = [f"lengths: {fp['lengths']}"]
-    probes = results.probes
-    for key, unit, what in (("peak_flops", "GFLOP/s", "matmul probe"),
-                            ("bytes_per_s", "GB/s", "read bandwidth (sum over a 256 MiB tensor)")):
-        vals = [p[key] / 1e9 for p in probes if p.get(key)]
-        spreads = [p[f"{key}_spread"] for p in probes if p.get(f"{key}_spread") is not None]
-        failed = [p["probe_missing"][key] for p in probes if key in (p.get("probe_missing") or {})]
+    for key, unit, what in (("peak_flops", "GFLOP/s", "matmul probe"), ("bytes_per_s", "GB/s", "read bandwidth")):
+        vals = [p[key] / 1e9 for p in results.probes if p.get(key)]
+        failed = sorted({p["probe_missing"][key] for p in results.probes if key in (p.get("probe_missing") or {})})
         if vals:
-            out.append(f"{what}: {len(vals)} probe(s), {min(vals):.2f}-{max(vals):.2f} {unit}"
-                       + (f", spread within a probe up to {max(spreads):.0%}" if spreads else ""))
+            out.append(f"{what}: {len(vals)} probe(s), {min(vals):.2f}-{max(vals):.2f} {unit}")
         if failed:
-            out.append(f"{what}: missing in {len(failed)} probe(s): {'; '.join(sorted(set(failed)))} -- its "
-                       "columns stay empty")
-    if probes:
-        out.append("MFU = 2 x matmul params x completion tokens / rollout seconds / the matmul peak; roof = attainable "
-                   "tokens/s of each run's shape on the probe next to it (cbkit/measure/roofline.py)")
+            out.append(f"{what}: missing ({'; '.join(failed)}); its columns stay empty")
     return "\n".join(out)
 
 
