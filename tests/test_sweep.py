@@ -347,16 +347,6 @@ def test_matmul_probe_is_positive_and_takes_the_best(tiny):
     assert measured["peak_flops"] == max(measured["probe_flops_by_rows"].values())
 
 
-def test_replaying_an_earlier_natural_sweep(tiny, tmp_path):
-    natural = tmp_path / "natural.jsonl"
-    run_sweep(_cfg(ns=(2,), repeats=1, lengths="natural"), natural, policy=tiny)
-    recorded = [x for r in _runs(natural) for x in r["completion_lengths"]]
-    out = tmp_path / "replay.jsonl"
-    run_sweep(_cfg(ns=(4,), repeats=1, lengths=f"replay:{natural}"), out, policy=tiny)
-    for r in _runs(out):
-        assert len(r["completion_lengths"]) == 4 and set(r["completion_lengths"]) <= set(recorded)
-
-
 def test_resuming_with_another_workload_is_refused(tiny, tmp_path):
     out = tmp_path / "s.jsonl"
     run_sweep(_cfg(ns=(1,), repeats=1), out, policy=tiny)
@@ -364,15 +354,11 @@ def test_resuming_with_another_workload_is_refused(tiny, tmp_path):
         run_sweep(_cfg(ns=(1,), repeats=1, lengths="fixed"), out, policy=tiny)
 
 
-def test_bad_workloads_fail_before_model_time(tmp_path):
-    with pytest.raises(ValueError, match="no such file"):
-        _cfg(lengths="replay:missing.jsonl")
+def test_bad_workloads_fail_before_model_time():
     with pytest.raises(ValueError, match="Unknown length workload"):
         _cfg(lengths="uniform:3")
-    long = tmp_path / "long.txt"
-    long.write_text("3\n40\n")
-    with pytest.raises(ValueError, match=r"exceed max_new_tokens=6 \(longest 40\)"):
-        _cfg(lengths=f"replay:{long}")
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        _cfg(max_new_tokens=0)
     with pytest.raises(ValueError, match="forward_chunk_rows"):
         _cfg(full_step=True, forward_chunk_rows=0)
 

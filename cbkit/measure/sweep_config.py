@@ -4,8 +4,6 @@ makes two sweeps' runs comparable (its fingerprint, the results file's first lin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +44,7 @@ class SweepConfig:
                                 "measuring, so a CB pool sized as a share of free memory is one of what a trainer "
                                 "leaves, as in TRL", default=False)
     lengths: str = _help("how long each completion runs: replay:gsm8k (GSM8K solution lengths, p95 scaled to "
-                         "--max-new-tokens), fixed (all to the limit), natural (EOS decides), or replay:FILE (a "
-                         "natural sweep's JSONL or a list of lengths)", default="replay:gsm8k")
+                         "--max-new-tokens), fixed (all to the limit) or natural (EOS decides)", default="replay:gsm8k")
 
     def __post_init__(self) -> None:
         self.ns = tuple(self.ns)
@@ -61,21 +58,16 @@ class SweepConfig:
             raise ValueError("The sweep reports ratios to generate(): keep 'generate' in the backends.")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}.")
-        if self.num_prompts < 1:
-            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}.")
-        # read and checked before any model time: a missing file or a too-long length fails now
-        self._workload = parse_lengths(self.lengths)
-        self._workload.check(self.max_new_tokens)
+        for name in ("num_prompts", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        self.workload: LengthWorkload = parse_lengths(self.lengths)  # checked before any model time
         if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
             raise ValueError(f"forward_chunk_rows must be >= 1 or None, got {self.forward_chunk_rows}.")
         if self.full_step:  # a whole step trains fp32 weights; dtype is its autocast, refused here as the loop would
             from cbkit.models.load import training_precision
 
             training_precision(self.dtype or "auto", "cuda" if torch.cuda.is_available() else "cpu")
-
-    @property
-    def workload(self) -> LengthWorkload:
-        return self._workload
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs comparable. ns, backends and repeats may grow between reruns; nothing else."""
@@ -87,9 +79,5 @@ class SweepConfig:
         if not self.full_step:  # a rollout-only sweep runs no training forward
             keep.pop("forward_chunk_rows")
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        # A replayed file may change under the same name: its contents are part of what makes runs comparable.
-        w = self._workload
-        digest = (hashlib.sha256(json.dumps(w.source_lengths).encode()).hexdigest()[:16]
-                  if w.kind == "replay" else None)
-        return {**keep, "lengths_digest": digest, "device": device, "torch": torch.__version__,
-                "transformers": transformers.__version__, "cbkit": cbkit.__version__}
+        return {**keep, "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+                "cbkit": cbkit.__version__}
