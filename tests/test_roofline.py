@@ -2,8 +2,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cbkit.measure.probe import matmul_params
-from cbkit.measure.roofline import Shape, decode_step, rollout_roofline
+from cbkit.measure.roofline import Shape, decode_step, matmul_params, rollout_roofline
 
 
 def _config(**kw):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cbkit.measure import probe, tables
+from cbkit.measure import roofline, tables
 from cbkit.measure.results import ResultsFile, aggregate
 from cbkit.measure.sweep import run_sweep
 from cbkit.measure.sweep_config import SweepConfig
@@ -341,7 +341,7 @@ def test_mfu_is_computed_from_the_recorded_numbers(tiny, tmp_path):
 
 
 def test_matmul_probe_is_positive_and_takes_the_best(tiny):
-    measured = probe.matmul_probe(tiny.model, rows=(8, 64), min_seconds=0.01)
+    measured = roofline.matmul_probe(tiny.model, rows=(8, 64), min_seconds=0.01)
     assert measured["probe_shape"] == [64, 128] and measured["probe_dtype"] == "float32"
     assert 0 < measured["peak_flops"] < float("inf")
     assert measured["peak_flops"] == max(measured["probe_flops_by_rows"].values())
@@ -379,7 +379,7 @@ def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp
     def no_bandwidth(*a, **k):
         raise RuntimeError("no bandwidth here")
 
-    monkeypatch.setattr(probe, "bandwidth_probe", no_bandwidth)
+    monkeypatch.setattr(roofline, "bandwidth_probe", no_bandwidth)
     out = tmp_path / "s.jsonl"
     points = run_sweep(_cfg(ns=(2,), repeats=1, lengths="fixed"), out, policy=tiny)
     runs = _runs(out)
@@ -400,7 +400,7 @@ def test_without_a_matmul_probe_there_is_no_mfu_and_no_roof(tiny, tmp_path, monk
     def no_matmul(*a, **k):
         raise torch.OutOfMemoryError("probe did not fit")
 
-    monkeypatch.setattr(probe, "matmul_probe", no_matmul)
+    monkeypatch.setattr(roofline, "matmul_probe", no_matmul)
     out = tmp_path / "s.jsonl"
     run_sweep(_cfg(ns=(1,), repeats=1, lengths="fixed"), out, policy=tiny)
     for r in _runs(out):
@@ -443,7 +443,7 @@ def _prompt_ids(tiny):
 
 
 def test_bandwidth_probe_keeps_every_round_and_the_spread_is_worked_by_hand():
-    measured = probe.bandwidth_probe("cpu", nbytes=8 * 2**20, min_seconds=0.01, rounds=3)
+    measured = roofline.bandwidth_probe("cpu", nbytes=8 * 2**20, min_seconds=0.01, rounds=3)
     assert len(measured["bandwidth_rounds"]) == 3 and measured["bytes_per_s"] == max(measured["bandwidth_rounds"])
     assert 1e7 < measured["bytes_per_s"] < 1e13  # 10 MB/s .. 10 TB/s: a CPU reads somewhere in between
-    assert probe.spread([4.0, 3.0, 2.0]) == 0.5 and probe.spread([2.0, 2.0]) == 0.0 and probe.spread([]) is None
+    assert roofline.spread([4.0, 3.0, 2.0]) == 0.5 and roofline.spread([2.0, 2.0]) == 0.0 and roofline.spread([]) is None

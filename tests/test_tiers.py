@@ -235,7 +235,7 @@ def test_the_step_timers_kept_copy_is_a_file_and_04_plans_no_async_snapshot(tiny
     no copy on the GPU (its one copy is a file there)."""
     from unittest import mock
 
-    from cbkit.measure.step_timing import _keep_weights
+    from cbkit.measure.sweep import _keep_weights
 
     with mock.patch.object(type(tiny.model), "device", new_callable=mock.PropertyMock,
                            return_value=torch.device("cuda")):

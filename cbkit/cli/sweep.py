@@ -52,7 +52,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _print_results(points, out: Path, fingerprint: dict, *, gpu_tables: bool = False) -> None:
     """What a sweep prints at its end and `cbkit report` prints again from its file: what ran, the points, a full
-    step's split by phase; on a GPU run the memory counters and TRL's table; then the CSV and the HTML report."""
+    step's split by phase, on a GPU run every memory counter; then the CSV and the HTML report."""
     from cbkit.measure import tables
 
     print(tables.results_summary(out))
@@ -64,8 +64,6 @@ def _print_results(points, out: Path, fingerprint: dict, *, gpu_tables: bool = F
     if gpu_tables or any(p.get("peak_reserved_bytes") is not None for p in points):
         print("\nMemory (GiB): the planner's prediction beside the measured peaks")
         print(tables.memory_table(points))
-        print("\nThis run beside TRL PR #5765 (A100-80GB, Llama-3.2-1B-Instruct, GSM8K, up to 2048 new tokens)")
-        print(tables.trl_comparison_table(points))
     csv = out.with_suffix(".csv")
     tables.write_csv(points, csv)
     if not has_plotly():  # a bare GPU box still gets the JSONL, the CSV and the tables

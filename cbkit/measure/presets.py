@@ -1,5 +1,4 @@
-"""`cbkit sweep --preset trl-benchmark`: TRL's benchmark setting on one GPU, its CPU-sized dry run, and TRL's
-reported numbers it is printed beside."""
+"""`cbkit sweep --preset trl-benchmark`: TRL's benchmark setting (PR #5765) on one GPU, and its CPU-sized dry run."""
 
 from __future__ import annotations
 
@@ -16,9 +15,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 # `--dry-run`: the same preset at test size on a CPU (same model family, workload kind and code path).
 DRY_RUN: dict[str, Any] = dict(model="llama-tiny-random", num_prompts=2, ns=(2, 4), max_new_tokens=8, repeats=1,
                                dtype="float32")
-# TRL PR #5765 (A100-80GB): seconds per generation with generate() and with CB, and CB's VRAM minus generate()'s, GB.
-TRL_PR_5765: dict[int, tuple[float, float, float]] = {8: (18.24, 18.16, 17.86), 32: (37.06, 29.91, 7.39),
-                                                      64: (41.12, 32.84, -16.66)}
 # TRL casts the policy to bf16 under CB, so a gradient and AdamW's two moments are 3 copies in the weights' dtype.
 TRAINER_STATE_COPIES = 3
 

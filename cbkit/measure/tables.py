@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cbkit.measure.presets import TRL_PR_5765
 from cbkit.measure.results import Results, read_results
 from cbkit.measure.workload import parse_lengths
 
@@ -83,30 +82,6 @@ def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(points)
-
-
-def trl_comparison_table(points: list[dict[str, Any]]) -> str:
-    """This run's seconds and memory next to TRL PR #5765's, per N. Memory deltas are CB minus generate() in GB (1e9
-    bytes, as the PR's table) for three counters: the allocator's peak allocated above the weights, its peak reserved
-    and the device's used memory after the call (what nvidia-smi shows). The PR does not say which its VRAM column
-    is; reserved is the closest."""
-    by = {(p["backend"], p["N"]): p for p in points}
-    rows = ["| N | TRL generate s | TRL CB s | TRL CB speed-up | TRL CB VRAM delta GB | generate s | CB s | "
-            "CB speed-up | CB delta allocated / reserved / device GB |", "|" + " --- |" * 9]
-    for n in sorted({p["N"] for p in points} | set(TRL_PR_5765)):
-        trl = TRL_PR_5765.get(n)
-        trl_cells = f"{trl[0]:.2f} | {trl[1]:.2f} | {trl[0] / trl[1]:.2f}x | {trl[2]:+.2f}" if trl else "— | — | — | —"
-        g, c = by.get(("generate", n)), by.get(("continuous", n))
-        if g is None or c is None:
-            rows.append(f"| {n} | {trl_cells} | not run | not run | — | — |")
-            continue
-        secs = [q["status"].upper() if q["status"] != "ok" else _f(q.get("rollout_s"), ".2f") for q in (g, c)]
-        ok = g["status"] == c["status"] == "ok" and g["rollout_s"] and c["rollout_s"]
-        deltas = " / ".join("—" if g.get(k) is None or c.get(k) is None else f"{(c[k] - g[k]) / 1e9:+.2f}"
-                            for k in ("peak_mem_bytes", "peak_reserved_bytes", "device_used_bytes"))
-        speed = f"{g['rollout_s'] / c['rollout_s']:.2f}x" if ok else "—"
-        rows.append(f"| {n} | {trl_cells} | {secs[0]} | {secs[1]} | {speed} | {deltas} |")
-    return "\n".join(rows)
 
 
 def memory_table(points: list[dict[str, Any]]) -> str:
