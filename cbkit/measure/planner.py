@@ -10,6 +10,7 @@ records its ``plan_error``. Full and sliding-window attention only.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -179,7 +180,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
 def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
     """The smallest N at which CB's planned peak is below generate()'s, or None up to ``max_n``. Takes ``plan``'s
     keywords except ``num_generations``. generate()'s KV grows with N and CB's pool does not, so once CB is the
-    lighter it stays so: the N is found by doubling, then bisecting."""
+    lighter it stays so: the N is found by bisection."""
     if "num_generations" in plan_kwargs:
         raise TypeError("crossover_n scans N itself; do not pass num_generations.")
     if max_n < 1:
@@ -189,15 +190,8 @@ def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | 
         p = plan(config, num_generations=n, **plan_kwargs)
         return p.continuous.peak_bytes < p.generate.peak_bytes
 
-    lo, hi = 0, 1  # lighter(lo) is False, or lo = 0
-    while not lighter(hi):
-        if hi >= max_n:
-            return None
-        lo, hi = hi, min(2 * hi, max_n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if lighter(mid) else (mid, hi)
-    return hi
+    n = bisect.bisect_left(range(1, max_n + 1), True, key=lighter) + 1
+    return n if n <= max_n else None
 
 
 def _sliding(cfg: Any) -> tuple[int, int | None]:
