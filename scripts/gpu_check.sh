@@ -235,7 +235,7 @@ for nb in 01_kv_slot_recycling 03_n_sweep; do
    step "nb-${nb%%_*}" "$nb_min" "plotly IPython" -- -c "$NOTEBOOK" "notebooks/$nb.ipynb")
 done
 
-# The last table the sweep printed (every N in the results file so far) beside TRL PR #5765's.
-cat "$STATE"/sweep-64.log "$STATE"/sweep-8-32.log 2>/dev/null | grep -A7 "beside TRL PR #5765" | tail -8
+# The last memory table the sweep printed (every N in the results file so far): the planner beside the measured peaks.
+cat "$STATE"/sweep-64.log "$STATE"/sweep-8-32.log 2>/dev/null | grep -A8 "^Memory (GiB)" | tail -9
 log "call done in $(( $(date +%s) - start ))s; $(ls "$STATE"/*.done 2>/dev/null | wc -l) of 6 steps done"
 pack

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cbkit.cli import main
-from cbkit.measure.planner import crossover_n, plan, recommend
+from cbkit.measure.planner import crossover_n, plan
 from cbkit.telemetry import kv_bytes_per_token
 
 GiB = 1024**3
@@ -174,47 +174,6 @@ def test_crossover_is_where_cb_becomes_lighter_and_stays_so():
     assert crossover_n(cfg, max_n=c - 1, **sizes) is None
 
 
-# --- the decision guide -------------------------------------------------------------------------------------
-
-
-def test_small_n_is_generate():
-    a = recommend(8)
-    assert a.backend == "generate"
-
-
-def test_large_n_with_variable_lengths_is_continuous():
-    a = recommend(64, mean_completion_len=150, max_new_tokens=512)
-    assert a.backend == "continuous"
-    assert recommend(64, completion_cv=0.6).backend == "continuous"
-    assert recommend(64).backend == "continuous"  # no length statistics: variable, as GRPO's usually are
-
-
-def test_large_n_with_uniform_lengths_is_generate():
-    assert recommend(64, completion_cv=0.05).backend == "generate"
-    assert recommend(64, mean_completion_len=500, max_new_tokens=512).backend == "generate"
-
-
-def test_multimodal_is_never_continuous():
-    a = recommend(64, mean_completion_len=100, max_new_tokens=512, multimodal=True)
-    assert a.backend != "continuous"
-
-
-def test_tensor_parallel_and_max_throughput_are_vllm():
-    assert recommend(64, tensor_parallel=True).backend == "vllm"
-    assert recommend(8, need_max_throughput=True).backend == "vllm"
-    a = recommend(64, num_gpus=4, completion_cv=0.5)
-    assert a.backend == "continuous"
-
-
-def test_memory_rule_overrides_small_n():
-    cfg = llama_1b_config()
-    p = plan(cfg, num_prompts=64, num_generations=16, prompt_len=200, max_new_tokens=1024, dtype_bytes=2,
-             budget_bytes=40 * GiB)
-    assert p.generate.fits is False and p.continuous.fits
-    a = recommend(16, memory=p)
-    assert a.backend == "continuous"
-
-
 def test_bad_inputs_say_what_to_change():
     cfg = llama_1b_config()
     ok = dict(num_prompts=1, num_generations=8, prompt_len=10, max_new_tokens=10, dtype_bytes=2, budget_bytes=GiB)
@@ -224,8 +183,6 @@ def test_bad_inputs_say_what_to_change():
                        ({"prompt_len": [10, 10]}, "2 lengths")]:
         with pytest.raises(ValueError, match=match):
             plan(cfg, **{**ok, **bad})
-    with pytest.raises(ValueError, match="num_generations"):
-        recommend(0)
 
 
 # --- the CLI ------------------------------------------------------------------------------------------------
@@ -274,156 +231,24 @@ def test_cli_plan_unknown_model(capsys):
     assert "Accepted forms" in capsys.readouterr().err
 
 
-# --- advice from a sweep measured on this machine (--from) -------------------------------------------------
+# --- the training step beside the rollout ------------------------------------------------------------------
 
 
-def _sweep_file(tmp_path, speeds, mems=None, lengths=(10, 30, 50, 30)):
-    """A results file with hand-set numbers: generate() at 100 tok/s, CB at 100 x speed, per N."""
-    import json
-
-    mems = mems or {}
-    lines = [{"kind": "header", "fingerprint": {"lengths": "replay:gsm8k", "device": "cpu", "max_new_tokens": 50}}]
-    for n, speed in speeds.items():
-        for backend, tps, mem in (("generate", 100.0, 1000), ("continuous", 100.0 * speed, 1000 * mems.get(n, 1.0))):
-            lines.append({"kind": "run", "backend": backend, "N": n, "repeat": 0, "status": "ok",
-                          "tokens_per_s": tps, "peak_mem_bytes": mem, "length_mean": 30.0,
-                          "length_cv": 0.42, "length_max": 50, "decode_padding_share": 0.4,
-                          "completion_lengths": list(lengths)})
-    path = tmp_path / "sweep.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    return path
-
-
-def test_advice_without_a_sweep_names_its_source():
-    for a in (recommend(8), recommend(64, completion_cv=0.5), recommend(64, completion_cv=0.05)):
-        assert "TRL's reported A100 benchmark" in a.basis
-
-
-def test_measured_ratios_decide_instead_of_the_seed(tmp_path):
-    from cbkit.measure.planner import measured_from_sweep
-
-    path = _sweep_file(tmp_path, {8: 0.8, 16: 1.3, 64: 1.4})
-    a = recommend(64, measured=measured_from_sweep(str(path), 64))
-    assert a.backend == "continuous" and "1.40x" in a.reasons[0] and a.basis.startswith("measured")
-    assert "CV 0.42" in a.basis and "replay:gsm8k" in a.basis
-    assert recommend(8, measured=measured_from_sweep(str(path), 8)).backend == "generate"
-    # below TRL's benchmark's N=32 threshold, but measured faster here: the measurement wins
-    assert recommend(16, measured=measured_from_sweep(str(path), 16)).backend == "continuous"
-    # N=40 was not measured: the nearest N (64, 24 away; 16 is 24 away too, the larger wins the tie)
-    m = measured_from_sweep(str(path), 40)
-    assert m.n == 64 and "nearest measured to N=40" in m.describe()
-
-
-def test_measured_parity_lets_memory_decide(tmp_path):
-    from cbkit.measure.planner import measured_from_sweep
-
-    lighter = _sweep_file(tmp_path, {32: 1.02}, mems={32: 0.7})
-    a = recommend(32, measured=measured_from_sweep(str(lighter), 32))
-    assert a.backend == "continuous"
-    heavier = _sweep_file(tmp_path, {32: 0.97}, mems={32: 1.3})
-    assert recommend(32, measured=measured_from_sweep(str(heavier), 32)).backend == "generate"
-
-
-def test_bad_sweep_files(tmp_path):
-    import json
-
-    from cbkit.measure.planner import measured_from_sweep
-
-    with pytest.raises(FileNotFoundError, match="cbkit sweep --out"):
-        measured_from_sweep(str(tmp_path / "none.jsonl"), 8)
-    other = tmp_path / "other.jsonl"
-    other.write_text('{"a": 1}\n')
-    with pytest.raises(ValueError, match="not a cbkit sweep results file"):
-        measured_from_sweep(str(other), 8)
-    only_gen = tmp_path / "gen.jsonl"
-    only_gen.write_text(json.dumps({"kind": "header", "fingerprint": {}}) + "\n" + json.dumps(
-        {"kind": "run", "backend": "generate", "N": 8, "repeat": 0, "status": "ok", "tokens_per_s": 1.0,
-         "peak_mem_bytes": 1}) + "\n")
-    with pytest.raises(ValueError, match="no N at which both"):
-        measured_from_sweep(str(only_gen), 8)
-
-
-def test_the_step_peak_grows_with_the_chunk_not_with_n():
-    """`planner.step_peak_bytes` on SmolLM2-135M's shape (fp32, 96-token completions, 100-token prompts): the
-    forward's logits and activations are one chunk's, so past the chunk the step's peak moves with N only through
-    the rollout's own peak; without chunks it moves with every row. Each part checked against its pieces."""
+def test_the_training_parts_grow_with_the_chunk_not_with_the_micro_batch():
+    """`planner.training_bytes` on SmolLM2-135M's shape: a forward's logits and activations are one chunk's, so a
+    chunk of 4 rows is a micro-batch of 4 rows, to the byte; unchunked, they grow with every row."""
     from transformers import LlamaConfig
 
-    from cbkit.measure.planner import step_peak_bytes, training_bytes
+    from cbkit.measure.planner import training_bytes
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
     params, kw = 134_515_008, dict(tokens_per_row=196, completion_len=96, config=config, autocast=False)
-
-    def peak(rows, chunk):
-        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=chunk, **kw)
-
-    # a chunk of 4 rows is a micro-batch of 4 rows, to the byte
     chunk4 = training_bytes(params, micro_batch_rows=32, chunk_rows=4, **kw)
     assert chunk4 == training_bytes(params, micro_batch_rows=4, **kw)
-    # from the second chunk on, every gradient exists and the LM head's (vocabulary x hidden) is computed beside them
-    head_grad = 4 * 49152 * 576
-    assert peak(32, 4)["backward"] == 4 * params + chunk4["logits"] + chunk4["activations"] + head_grad
-    assert peak(4, 4)["backward"] == 4 * params + chunk4["logits"] + chunk4["activations"]  # one forward: no copy
-    assert peak(32, 4)["optimizer_step"] == 12 * params  # gradients beside AdamW's two moments
-    assert peak(32, 4) == peak(64, 4) and peak(8, 4) == peak(64, 4)  # past one chunk N moves only the rollout
-    assert peak(32, None)["backward"] > 3 * peak(32, 4)["backward"]  # unchunked: every row's activations
-    assert peak(32, 4)["peak"] < 4 * 2**30 < peak(32, None)["peak"]
-    # the rollout's own peak is one of the phases: a large KV sets the step's peak
-    big = step_peak_bytes(params, rollout_peak_bytes=10 * 2**30, micro_batch_rows=32, chunk_rows=4, **kw)
-    assert big["peak"] == big["rollout"] == 10 * 2**30
-    resident = step_peak_bytes(params, rollout_peak_bytes=2**30, micro_batch_rows=32, chunk_rows=4,
-                               optimizer_state_resident=True, **kw)
-    assert resident["rollout"] == 2**30 + 8 * params  # a later step holds the moments through the rollout too
-
-
-def test_a_cpu_backward_after_the_first_chunk_carries_the_heap_the_chunks_leave():
-    """On a CPU, from the second forward of an update on, the backward's plan adds `CPU_CHUNK_HEAP_SLACK` x one
-    chunk's logits, activations and LM-head gradient (glibc keeps the freed chunks resident, measured in
-    docs/measuring.md); with one forward, or on a GPU, nothing is added."""
-    from transformers import LlamaConfig
-
-    from cbkit.measure.planner import CPU_CHUNK_HEAP_SLACK, step_peak_bytes, training_bytes
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    params, kw = 134_515_008, dict(tokens_per_row=233, completion_len=96, config=config, autocast=False)
-
-    def backward(rows, device):
-        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=4, device=device,
-                               **kw)["backward"]
-
-    chunk = training_bytes(params, micro_batch_rows=4, **kw)
-    one_chunk = chunk["logits"] + chunk["activations"] + 4 * 49152 * 576
-    assert backward(32, "cpu") - backward(32, "cuda") == int(CPU_CHUNK_HEAP_SLACK * one_chunk) > 0
-    assert backward(4, "cpu") == backward(4, "cuda")  # one forward: no earlier chunk left anything
-    assert backward(8, "cpu") == backward(64, "cpu")  # the level, whatever the number of chunks
-
-
-def test_with_known_lengths_the_backwards_after_the_first_chunk_are_planned_at_their_own_width():
-    """The trainer forwards the rows longest first, so with the lengths known (a replayed workload) the backwards
-    that hold every gradient are planned at the widest row after the first chunk (`later_tokens_per_row`), the first
-    backward at the widest; the plan is never above the one without lengths, and never below the first backward."""
-    from transformers import LlamaConfig
-
-    from cbkit.measure.planner import step_peak_bytes, training_bytes
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    params, kw = 134_515_008, dict(tokens_per_row=196, completion_len=96, config=config, autocast=False)
-
-    def backward(rows=8, **later):
-        return step_peak_bytes(params, rollout_peak_bytes=0, micro_batch_rows=rows, chunk_rows=4, device="cpu",
-                               **kw, **later)["backward"]
-
-    first = training_bytes(params, micro_batch_rows=4, **kw)
-    first = 4 * params + first["logits"] + first["activations"]
-    short = backward(later_tokens_per_row=185, later_completion_len=85)
-    assert first < short < backward()  # a narrower second chunk, but it carries the head's gradient and the heap
-    assert backward(later_tokens_per_row=110, later_completion_len=10) == first  # the first backward sets it
-    assert backward(later_tokens_per_row=196, later_completion_len=96) == backward()  # all as wide: as before
-    assert backward(later_tokens_per_row=400, later_completion_len=300) == backward()  # never wider than the widest
-    assert backward(rows=4, later_tokens_per_row=185, later_completion_len=85) == first  # one chunk: no later ones
+    assert chunk4["optimizer_state"] == 16 * params
+    whole = training_bytes(params, micro_batch_rows=32, **kw)
+    assert whole["activations"] == 8 * chunk4["activations"] and whole["logits"] == 8 * chunk4["logits"]
 
 
 def test_the_planned_activations_are_what_autograd_saves(tiny):

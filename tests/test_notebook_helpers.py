@@ -227,17 +227,6 @@ def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
 # --- sentences printed from a run -------------------------------------------------------------------------------
 
 
-
-
-def test_one_about_equal_rule_for_the_plans_advice():
-    """A ratio inside the parity band is parity in the planner's recommendation (cbkit.measure.planner.versus_parity)."""
-    from cbkit.measure.planner import Measured, recommend, versus_parity
-
-    assert [versus_parity(r) for r in (0.94, 0.96, 1.0, 1.04, 1.06)] == [-1, 0, 0, 0, 1]
-    advice = recommend(8, measured=Measured("x", 8, 8, "fixed", "cpu", 1.03, 0.97, 16.0, 0.0, 16.0, 0.0))
-    assert "parity" in str(advice)
-
-
 def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny, monkeypatch):
     """02's stock TRL step: TRL hands the engine max_memory_percent, which a CPU reads as a share of host RAM (02 at
     CPU size peaked at 16.1 GiB for it). On a CPU the helper gives the engine the pool cbkit's own CPU engine gets:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cbkit.cli import main
-from cbkit.measure import roofline
 from cbkit.teach import fits, notebook, trl_step
 from cbkit.teach.tiers import table
 from cbkit.teach.tiers.plan import parameter_count, plan_config, plan_notebook, pool_bytes
@@ -103,14 +102,6 @@ def test_the_pool_is_a_share_of_what_training_leaves():
     assert pool_bytes(config, "a100", 0.4) == int(0.4 * (42_949_672_960 - 19_771_949_056))
     # The same pool on both A100s: sized for the tier's smallest GPU, so the sweep does not change with the card.
     assert plan_notebook("03_n_sweep", "a100-40").pool == plan_notebook("03_n_sweep", "a100-80").pool
-
-
-def test_a_launch_bound_rollout_takes_its_floor_per_step():
-    config = plan_config("llama-tiny-random")  # tiny: every step far under the 2-layer floor
-    s = roofline.estimated_rollout_seconds(config, prompt_lens=[4], running=[3, 3, 1], context=6, dtype_bytes=2,
-                                           machine=roofline.GPUS["a100-40"], dtype="bfloat16")
-    floor = 2 * 41.12 / 2048 / 16
-    assert 3 * floor < s < 3 * floor + 1e-4  # plus a prefill of microseconds
 
 
 # --- 04's TRL step, from the notebook's own cells -------------------------------------------------------------
@@ -224,7 +215,7 @@ def test_the_step_timers_kept_copy_is_a_file_and_04_plans_no_async_snapshot(tiny
     no copy on the GPU (its one copy is a file there)."""
     from unittest import mock
 
-    from cbkit.measure.step_timing import _keep_weights
+    from cbkit.measure.sweep import _keep_weights
 
     with mock.patch.object(type(tiny.model), "device", new_callable=mock.PropertyMock,
                            return_value=torch.device("cuda")):

@@ -1,9 +1,5 @@
-"""`cbkit <command>`: the kit's entry points.
-
-`train`, `sweep`, `demo` and `plan` take one flag per field of their config dataclass, made by transformers'
-`HfArgumentParser` (the parser TRL's scripts use; `cbkit.cli.flags`): a field added is a flag. `cbkit train --config
-recipe.yaml` reads a YAML file of `CBGRPOConfig` fields, as TRL's `--config` does; flags given next to it win.
-"""
+"""`cbkit <command>`: the kit's entry points. `train`, `sweep`, `demo` and `plan` take one flag per field of their
+config dataclass (`cbkit.cli.flags`): a field added is a flag."""
 
 from __future__ import annotations
 
@@ -12,14 +8,14 @@ import sys
 
 from cbkit.cli.demo import add_demo
 from cbkit.cli.plan import add_plan, add_tiers
-from cbkit.cli.sweep import add_report, add_sweep
+from cbkit.cli.sweep import add_sweep
 from cbkit.cli.train import add_plot, add_train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_demo, add_sweep, add_report, add_plot, add_train, add_plan, add_tiers):  # the help's order
+    for add in (add_demo, add_sweep, add_plot, add_train, add_plan, add_tiers):  # the help's order
         add(sub)
     for command in (parser, *sub.choices.values()):  # a bad flag value: one line, as every other bad input
         command.exit_on_error = False

@@ -1,5 +1,5 @@
-"""A dataclass as flags: one per field, made by transformers' `HfArgumentParser` and adapted where it cannot
-express what cbkit needs (`_given_flags_only`, each reason beside it)."""
+"""A dataclass as flags: one per field, made by transformers' `HfArgumentParser` and adapted where it cannot express
+what cbkit needs (each reason beside it)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,12 @@ def given_fields(args: argparse.Namespace, dtype: type) -> dict[str, Any]:
 
 
 def dataclass_flags(dtype: type) -> argparse.ArgumentParser:
-    """One flag per field of `dtype`, made by `HfArgumentParser` and adapted by `_given_flags_only`: a parent
-    parser for `add_parser(..., parents=[...])`, argparse's own way of sharing arguments."""
+    """One flag per field of `dtype`: a parent parser for `add_parser(..., parents=[...])`. Defaults become
+    `SUPPRESS` (a resumed checkpoint's config and a recipe lie under the flags, so only flags given may override
+    them); `none` sets an Optional field to None; dict fields take JSON; list fields take comma-separated values."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(typing.cast(Any, dtype), add_help=False)  # its DataClassType is a NewType of Any
-    _given_flags_only(parser, dtype)
-    return parser
-
-
-def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
-    """What `HfArgumentParser` cannot express, fixed on the flags it made: defaults become `SUPPRESS` (a resumed
-    checkpoint's config and a recipe lie under the flags, so only flags given may override them); `none` sets an
-    Optional field to None; dict fields take JSON; list and tuple fields take comma-separated values too."""
     hints = typing.get_type_hints(dtype)
     fields = {f.name: f for f in dataclasses.fields(dtype)}
     for action in parser._actions:
@@ -36,26 +29,25 @@ def _given_flags_only(parser: argparse.ArgumentParser, dtype: type) -> None:
         if f is None:
             continue
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default: Any = None
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        action.default, action.required = argparse.SUPPRESS, required and not isinstance(action,
-                                                                                         argparse._StoreFalseAction)
-        if isinstance(action, argparse._StoreFalseAction):  # the --no-<flag> twin of a boolean
+        store_false = isinstance(action, argparse._StoreFalseAction)  # the --no-<flag> twin of a boolean
+        action.default, action.required = argparse.SUPPRESS, required and not store_false
+        if store_false:
             continue
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         text = f.metadata.get("help") or f"{dtype.__name__}.{f.name}"
         action.help = (text if required else f"{text} (default: {default!r})").replace("%", "%%")
-        base, optional = _strip_optional(hints[f.name])
+        base, optional = hints[f.name], type(None) in typing.get_args(hints[f.name])
+        if optional:
+            base = next(a for a in typing.get_args(base) if a is not type(None))
         flag = action.option_strings[-1]
         if typing.get_origin(base) is dict:
             action.type = _json_value(flag)
-        elif _collection(base):
+        elif typing.get_origin(base) in (list, tuple):
             action.type, action.nargs = _comma_list(typing.get_args(base)[0], flag), "+"
             action.__class__ = _ListFlag  # was a plain store action: store the words' lists as one list
         if optional:
             action.type = _or_none(action.type)
+    return parser
 
 
 class _ListFlag(argparse._StoreAction):
@@ -63,18 +55,6 @@ class _ListFlag(argparse._StoreAction):
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, None if None in values else [x for part in values for x in part])
-
-
-def _strip_optional(hint: Any) -> tuple[Any, bool]:
-    args = typing.get_args(hint)
-    if type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else hint), True
-    return hint, False
-
-
-def _collection(hint: Any) -> bool:
-    return typing.get_origin(hint) in (list, tuple)
 
 
 def _named(fn, name: str):

@@ -82,20 +82,16 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def add_plot(sub: argparse._SubParsersAction) -> None:
-    """`cbkit plot`: a run's metrics.jsonl drawn as plotly HTML (and a PNG on request)."""
     plot = sub.add_parser("plot", help="the reward curve of a training run, as plotly HTML, from its metrics.jsonl")
     plot.add_argument("metrics", help="a run's metrics.jsonl (cbkit train --output-dir DIR writes DIR/metrics.jsonl)")
     plot.add_argument("--out", default=None, help="HTML file to write (default: reward.html beside the metrics)")
-    plot.add_argument("--keys", default=",".join(("reward/mean", "reward/format", "reward/correctness",
-                                                  "eval/accuracy")),
-                      help="comma-separated metrics to draw (default: the reward, its two built-in parts and held-out accuracy)")
-    plot.add_argument("--png", default=None, metavar="FILE.png",
-                      help="also write the figure as a PNG (kaleido on the installed Chromium; for a README or a slide)")
+    plot.add_argument("--keys", default="reward/mean,reward/format,reward/correctness,eval/accuracy",
+                      help="comma-separated metrics to draw")
+    plot.add_argument("--png", default=None, metavar="FILE.png", help="also write the figure as a PNG (kaleido)")
     plot.set_defaults(func=_plot)
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
-    """`cbkit train`, every `CBGRPOConfig` field a flag, plus `--config` and `--resume`."""
     from cbkit.train.config import CBGRPOConfig
 
     train = sub.add_parser(
@@ -107,7 +103,6 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--config", default=None, metavar="RECIPE.yaml",
                        help="a YAML file of CBGRPOConfig fields (the format of TRL's --config); flags override it")
     train.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
-                       help="continue from the newest checkpoint in --output-dir, or from CHECKPOINT; the "
-                            "checkpoint's config is used, the recipe and flags given override it where a resume "
-                            "allows")
+                       help="continue from the newest checkpoint in --output-dir, or from CHECKPOINT, under its "
+                            "config (the recipe and flags given override it where a resume allows)")
     train.set_defaults(func=_train)

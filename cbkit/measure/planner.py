@@ -1,22 +1,16 @@
 """Will it fit? One rollout's peak memory above the weights through each backend, from the model's config alone.
 
-* ``generate()`` keeps every row of the static batch until the *last* row finishes: its KV grows with N, held to the
-  longest prompt + ``max_new_tokens`` (an upper bound: one row of many usually runs to the limit), plus the last
-  step's transients that scale with rows x vocabulary.
-* The CB engine allocates one pool up front and keeps it, whatever the batch needs. Its size is the engine's own
-  (`cbkit.rollout.admission`: transformers' sizing run on the meta device), so the block count is exact; the plan adds
-  the activations of the largest batch it runs (with prefix sharing, each repeated prompt is prefilled once).
-* The training step beside the rollout: `training_bytes`, `step_peak_bytes`.
-
-``crossover_n`` is the smallest N at which CB's planned peak is below ``generate()``'s. Peak *bytes* are an estimate,
-and on a CPU a lower bound: RSS counts what the plan does not model. glibc keeps the blocks ``torch.cat`` frees
-resident (generate()'s growing cache, a chunked backward's activations), so on a CPU the plan adds that heap slack,
-fitted on one machine (2 cores, torch 2.13, SmolLM2-135M; `lab/refit_cpu_heap.py` refits it, lab/cpu_heap.md has
-the runs); never on a GPU. Every sweep run records its ``plan_error``. Full and sliding-window attention only.
+``generate()`` keeps every row of the static batch, its KV grown to the longest prompt + ``max_new_tokens``, until the
+last row finishes; the CB engine allocates one pool up front, sized by `cbkit.rollout.admission` (transformers' own
+sizing on the meta device), plus the activations of its largest batch. ``crossover_n`` is the smallest N at which
+CB's peak is the lower; `training_bytes` plans the training step beside the rollout. On a CPU the
+plan adds the heap glibc keeps resident after ``torch.cat`` frees (fitted by `lab/refit_cpu_heap.py`); every sweep run
+records its ``plan_error``. Full and sliding-window attention only.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,17 +20,14 @@ from cbkit.models.load import DTYPES
 from cbkit.rollout.admission import admission, blocks_needed, pool_blocks
 from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
-__all__ = ["DTYPE_BYTES", "TRAIN_STATE_BYTES_PER_PARAM", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n",
-           "plan", "pool_blocks", "step_peak_bytes", "training_bytes", "versus_parity", "PARITY_MARGIN", "measured_from_sweep",
-           "recommend", "Advice", "Measured"]
+__all__ = ["DTYPE_BYTES", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n", "plan", "pool_blocks",
+           "training_bytes"]
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
-CPU_CHUNK_HEAP_SLACK = 0.25  # a chunked backward: share of one chunk's part its earlier chunks leave (fitted)
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
-GRAD_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM = 4, 8
 _ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
 
 
@@ -103,18 +94,16 @@ class Plan:
 
 def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int | Sequence[int],
          max_new_tokens: int, dtype_bytes: int, mean_completion_len: float | None = None,
-         budget_bytes: int | None = None, max_memory_percent: float | None = None, page_size: int | None = None,
-         max_batch_tokens: int | None = None, num_blocks: int | None = None,
-         cb_config: Mapping[str, Any] | None = None, device: Literal["cuda", "cpu"] = "cuda",
+         budget_bytes: int | None = None, cb_config: Mapping[str, Any] | None = None,
+         device: Literal["cuda", "cpu"] = "cuda",
          attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None,
          model_name: str = "model") -> Plan:
     """Predict the peak memory above the weights of one rollout through each backend.
 
     ``prompt_len`` is one length for every prompt or one per prompt. ``budget_bytes`` is the memory free after the
-    weights are loaded; CB needs it unless the pool is fixed (``num_blocks``, or a CPU, where cbkit sizes the pool to
-    the workload). ``max_memory_percent``, ``page_size``, ``max_batch_tokens``, ``num_blocks`` and ``cb_config`` are
-    the continuous backend's overrides. ``attn_implementation`` is what the engine runs: "flash", "varlen" (cbkit's:
-    no mask), "sdpa" or "eager" (the engine's dense mask); None is cbkit's own choice without flash-attn."""
+    weights are loaded; CB needs it unless ``cb_config`` (the engine's overrides) fixes ``num_blocks`` or on a CPU,
+    where cbkit sizes the pool to the workload. ``attn_implementation`` is what the engine runs: "flash", "varlen"
+    (cbkit's: no mask), "sdpa" or "eager" (the engine's dense mask); None is cbkit's own choice without flash-attn."""
     import torch
 
     from cbkit.rollout.varlen_attention import NAME as VARLEN
@@ -140,9 +129,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
     if mean_completion_len is not None and not 1 <= mean_completion_len <= max_new_tokens:
         raise ValueError(f"mean_completion_len must be between 1 and max_new_tokens={max_new_tokens}, "
                          f"got {mean_completion_len}.")
-    overrides = {**(cb_config or {}), **{k: v for k, v in dict(
-        max_memory_percent=max_memory_percent, page_size=page_size, max_batch_tokens=max_batch_tokens,
-        num_blocks=num_blocks).items() if v is not None}}
+    overrides = dict(cb_config or {})
     s = Shape.of(text)
     layer_token = 2 * s.kv_heads * s.head_dim * dtype_bytes  # K and V of one token in one layer
     sliding, window = _sliding(text)
@@ -193,7 +180,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
 def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
     """The smallest N at which CB's planned peak is below generate()'s, or None up to ``max_n``. Takes ``plan``'s
     keywords except ``num_generations``. generate()'s KV grows with N and CB's pool does not, so once CB is the
-    lighter it stays so: the N is found by doubling, then bisecting."""
+    lighter it stays so: the N is found by bisection."""
     if "num_generations" in plan_kwargs:
         raise TypeError("crossover_n scans N itself; do not pass num_generations.")
     if max_n < 1:
@@ -203,15 +190,8 @@ def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | 
         p = plan(config, num_generations=n, **plan_kwargs)
         return p.continuous.peak_bytes < p.generate.peak_bytes
 
-    lo, hi = 0, 1  # lighter(lo) is False, or lo = 0
-    while not lighter(hi):
-        if hi >= max_n:
-            return None
-        lo, hi = hi, min(2 * hi, max_n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if lighter(mid) else (mid, hi)
-    return hi
+    n = bisect.bisect_left(range(1, max_n + 1), True, key=lighter) + 1
+    return n if n <= max_n else None
 
 
 def _sliding(cfg: Any) -> tuple[int, int | None]:
@@ -276,147 +256,3 @@ def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool)
     s = Shape.of(config)
     per_layer = 6 * s.hidden + 4 * s.heads * s.head_dim + s.heads + tokens_per_row + 4 * s.intermediate
     return (2 if autocast else 4) * (s.layers * per_layer + 3 * s.hidden)
-
-
-def step_peak_bytes(params: int, *, rollout_peak_bytes: int, micro_batch_rows: int, chunk_rows: int | None,
-                    tokens_per_row: int, completion_len: int, config: Any, autocast: bool,
-                    optimizer_state_resident: bool = False, device: str = "cuda",
-                    later_tokens_per_row: int | None = None, later_completion_len: int | None = None) -> dict[str, int]:
-    """The peak one GRPO step holds above its weights: the largest of its phases, which follow each other. The
-    rollout; the backward of one chunk (gradients, which live from the first backward to the update, plus the
-    chunk's logits and activations; from the second chunk on also the LM head's whole fp32 weight gradient, and on a
-    CPU the heap earlier chunks leave); the optimizer step (gradients and AdamW's moments, held through the whole
-    step with `optimizer_state_resident`). The trainer forwards rows longest first: ``later_*`` give the widest row
-    after the first chunk where lengths are known (None: every chunk as wide as the first)."""
-    def chunk_bytes(tokens: int, completion: int) -> int:
-        t = training_bytes(params, micro_batch_rows=micro_batch_rows, tokens_per_row=tokens,
-                           completion_len=completion, config=config, autocast=autocast, chunk_rows=chunk_rows)
-        return t["logits"] + t["activations"]
-
-    grads, moments = GRAD_BYTES_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params
-    resident = moments if optimizer_state_resident else 0
-    s = Shape.of(config)
-    first = chunk_bytes(tokens_per_row, completion_len)
-    backward = grads + first + resident
-    if chunk_rows is not None and micro_batch_rows > chunk_rows:
-        later = first if later_tokens_per_row is None else chunk_bytes(
-            min(later_tokens_per_row, tokens_per_row), min(later_completion_len or completion_len, completion_len))
-        chunk = later + GRAD_BYTES_PER_PARAM * s.vocab * s.hidden
-        slack = int(CPU_CHUNK_HEAP_SLACK * chunk) if device == "cpu" else 0
-        backward = max(backward, grads + chunk + slack + resident)
-    parts = {"rollout": rollout_peak_bytes + resident, "backward": backward, "optimizer_step": grads + moments}
-    return {**parts, "peak": max(parts.values())}
-
-
-# --- the decision guide (TRL's benchmark's, or a sweep measured here) and cbkit's one "about equal" rule -------
-
-Backend = Literal["generate", "continuous", "vllm"]
-# TRL's benchmark (PR #5765, A100): parity at N=8, ~1.25x from N=32. Lengths count as variable from a CV of 0.2, or
-# where 20% of generate()'s decode slots go to rows already finished.
-CB_MIN_N, VARIABLE_CV, VARIABLE_WASTE = 32, 0.2, 0.2
-TRL_BENCHMARK_BASIS = "thresholds from TRL's reported A100 benchmark (PR #5765), not this machine; --from a sweep"
-# Ratios within 5% of 1.0 are parity: repeats of one point on a shared machine differ by a few percent.
-PARITY_MARGIN = 0.05
-
-
-def versus_parity(ratio: float, margin: float = PARITY_MARGIN) -> int:
-    """1 if ``ratio`` is above parity by more than ``margin``, -1 if below by more, 0 if about equal."""
-    if ratio != ratio:
-        raise ValueError("versus_parity: the ratio is NaN; a ratio needs two measured numbers.")
-    return 1 if ratio > 1 + margin else -1 if ratio < 1 - margin else 0
-
-
-@dataclass(frozen=True)
-class Advice:
-    backend: Backend
-    reasons: list[str]
-    basis: str | None = None  # where the thresholds behind the decision came from
-
-    def __str__(self) -> str:
-        return f"use {self.backend} ({'; '.join(self.reasons)})" + (f"\n  basis: {self.basis}" if self.basis else "")
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A sweep results file's medians at the N closest to the one asked about (`measured_from_sweep`)."""
-
-    path: str
-    n: int
-    asked_n: int
-    workload: str | None
-    device: str | None
-    speed_vs_generate: float | None
-    mem_vs_generate: float | None
-    length_mean: float | None
-    length_cv: float | None
-    length_max: float | None
-    decode_padding_share: float | None
-
-    def describe(self) -> str:
-        where = f"N={self.n}" + (f" (nearest measured to N={self.asked_n})" if self.n != self.asked_n else "")
-        spread = (f"lengths mean {self.length_mean:.1f}, CV {self.length_cv:.2f}, static batch padding "
-                  f"{self.decode_padding_share:.0%}" if self.length_mean is not None else "no length statistics")
-        return f"{self.path}: {where}, {self.workload or 'natural'} workload on {self.device or 'unknown'}; {spread}"
-
-
-def measured_from_sweep(path: str, num_generations: int) -> Measured:
-    """Read a `cbkit sweep` results file and take its medians at N (or the nearest measured N, larger on a tie)."""
-    from cbkit.measure.results import aggregate, read_results
-
-    try:
-        results = read_results(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise type(e)(f"--from: {e}") from None
-    by = {(q["backend"], q["N"]): q for q in aggregate(results.runs) if q["status"] == "ok"}
-    ns = sorted(n for (b, n) in by if b == "continuous" and ("generate", n) in by)
-    if not ns:
-        raise ValueError(f"--from: {path} has no N at which both generate and continuous finished.")
-    n = min(ns, key=lambda x: (abs(x - num_generations), -x))
-    cb, gen = by[("continuous", n)], by[("generate", n)]
-    fp = results.fingerprint
-    return Measured(str(results.path), n, num_generations, fp.get("lengths"), fp.get("device"),
-                    cb.get("speed_vs_generate"), cb.get("mem_vs_generate"), gen.get("length_mean"),
-                    gen.get("length_cv"), gen.get("length_max"), gen.get("decode_padding_share"))
-
-
-def recommend(num_generations: int, *, completion_cv: float | None = None, mean_completion_len: float | None = None,
-              max_new_tokens: int | None = None, multimodal: bool = False, need_max_throughput: bool = False,
-              num_gpus: int = 1, tensor_parallel: bool = False, memory: Plan | None = None,
-              measured: Measured | None = None) -> Advice:
-    """TRL's benchmark's guide, rule by rule: vLLM to split a model over GPUs or for maximum throughput; generate()
-    for multimodal prompts (the engine takes token ids); the only backend a plan with a budget says fits; a sweep of
-    this machine's speed ratio (at parity, the lighter backend); else CB from N >= 32 with variable lengths (unknown
-    counts as variable)."""
-    n = num_generations
-    for name, v in (("num_generations", n), ("num_gpus", num_gpus)):
-        if v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
-    if tensor_parallel or need_max_throughput:
-        return Advice("vllm", ["tensor parallel" if tensor_parallel else "maximum throughput"])
-    gen_fits, cb_fits = (memory.generate.fits, memory.continuous.fits) if memory is not None else (None, None)
-    if multimodal:
-        return Advice("generate", ["multimodal: the CB engine takes token ids only"])
-    if gen_fits is False and memory is not None:
-        cb = bool(cb_fits) or memory.continuous.peak_bytes < memory.generate.peak_bytes
-        return Advice("continuous" if cb else "generate",
-                      ["memory: generate() does not fit" + ("" if cb_fits else ", nor CB; lower N")])
-    if measured is not None:
-        speed, mem = measured.speed_vs_generate, measured.mem_vs_generate
-        if speed is None:
-            raise ValueError(f"--from: {measured.path} has no speed ratio at N={measured.n}.")
-        said = f"CB measured {speed:.2f}x generate()'s tokens/s at N={measured.n}"
-        basis = f"measured: {measured.describe()}"
-        if versus_parity(speed):
-            return Advice("continuous" if versus_parity(speed) > 0 else "generate", [said], basis)
-        return Advice("continuous" if mem is not None and versus_parity(mem) < 0 else "generate",
-                      [f"{said}: parity, so memory decides"], basis)
-    if n < CB_MIN_N:
-        return Advice("generate", [f"N={n} < {CB_MIN_N}"], TRL_BENCHMARK_BASIS)
-    if completion_cv is not None:
-        variable, spread = completion_cv >= VARIABLE_CV, f"length CV {completion_cv:.2f}"
-    elif mean_completion_len is not None and max_new_tokens:
-        waste = 1 - mean_completion_len / max_new_tokens
-        variable, spread = waste >= VARIABLE_WASTE, f"~{waste:.0%} of generate()'s decode slots idle"
-    else:
-        variable, spread = True, "length spread assumed"
-    return Advice("continuous" if variable else "generate", [f"N={n} >= {CB_MIN_N}", spread], TRL_BENCHMARK_BASIS)

@@ -1,21 +1,22 @@
-"""The roofline of a rollout: how fast its shape could go on a machine, by FLOPs and by bytes.
+"""The roofline of a rollout: the least time its work can take on this machine, by FLOPs and by bytes.
 
-A decode step over R rows multiplies every matmul weight by R hidden states (2 x matmul params x R FLOPs, plus the
-attention products that grow with context, charged per sequence over its own keys, as the varlen or flash attention
-cbkit runs computes them) and reads every weight once and each row's KV. Whichever takes longer on a machine, compute
-at its peak FLOP/s or bytes at its bandwidth, binds. Summed over a rollout's decode steps (rows drop out as their
-completions end) plus the prompts' prefill, that is the least time the work can take: the attainable tokens/s each
-backend's speed is a share of. The roof is of the *work*, not of a backend: one that pads or recomputes pays for it
-in its share. Peaks come from a probe of this machine (`measure/probe.py`) or, for a GPU not at hand, its datasheet
-(`GPUS`). `estimated_*` turn a roof into an estimate of wall time for `cbkit tiers` and the GPU step table.
+Both roofs are probed, never guessed: a matmul at the model's dtype and width, and a read-bandwidth pass. A decode
+step over R rows multiplies every matmul weight by R hidden states (plus the attention products, charged per sequence
+over its own keys) and reads every weight once and each row's KV; whichever takes longer at the probed peaks binds.
+Summed over the decode steps (rows drop out as their completions end) plus the prefill, that is the attainable
+tokens/s each backend's speed is a share of: a roof of the work, not of a backend. MFU is measured against the
+matmul roof.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from cbkit.telemetry import ModelShape
 
@@ -24,36 +25,20 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class Machine:
-    """Peaks of one machine: FLOP/s by dtype name, memory bandwidth in bytes/s, device memory in bytes."""
+    """A GPU not at hand, for `cbkit tiers`: its name and the device memory its driver reports."""
 
     name: str
-    peak_flops: dict[str, float]
-    bytes_per_s: float
-    memory_bytes: int | None = None
-    source: str = "probed"  # or "datasheet"
+    memory_bytes: int
 
     def total_memory(self) -> int:
-        """Device memory in bytes; a probed machine has none recorded."""
-        if self.memory_bytes is None:
-            raise ValueError(f"{self.name} has no device memory recorded; plans need a GPU from roofline.GPUS.")
         return self.memory_bytes
 
-    def flops(self, dtype: str) -> float:
-        if dtype not in self.peak_flops:
-            raise ValueError(f"{self.name} has no peak for {dtype!r}; known: {sorted(self.peak_flops)}.")
-        return self.peak_flops[dtype]
 
-
-# Dense tensor-core peaks and memory bandwidth from NVIDIA's datasheets (no sparsity). Colab's A100 is the 40 GB
-# SXM part. Memory is what the driver reports as total, rounded down.
 GPUS: dict[str, Machine] = {
-    "t4": Machine("NVIDIA T4", {"float16": 65e12, "float32": 8.1e12}, 320e9, 15 * GiB, "datasheet"),
-    "a100-40": Machine("NVIDIA A100-SXM4-40GB", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                       1555e9, 40 * GiB, "datasheet"),
-    "a100-80": Machine("NVIDIA A100-SXM4-80GB", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                       2039e9, 80 * GiB, "datasheet"),
-    "h200": Machine("NVIDIA H200", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 141 * GiB,
-                    "datasheet"),
+    "t4": Machine("NVIDIA T4", 15 * GiB),
+    "a100-40": Machine("NVIDIA A100-SXM4-40GB", 40 * GiB),
+    "a100-80": Machine("NVIDIA A100-SXM4-80GB", 80 * GiB),
+    "h200": Machine("NVIDIA H200", 141 * GiB),
 }
 
 
@@ -105,18 +90,16 @@ def prefill(shape: Shape, prompt_lens: Sequence[int], dtype_bytes: int) -> StepC
 
 
 def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_lengths: Sequence[int],
-                     prompt_of: Sequence[int] | None = None, dtype_bytes: int, peak_flops: float,
-                     bytes_per_s: float) -> dict[str, Any]:
-    """The least time a rollout's work takes on a machine, and the tokens/s that makes: `prompt_lens` the distinct
-    prompts (each prefilled once), `completion_lengths` each completion's tokens, `prompt_of[i]` completion i's prompt
-    (default: split evenly, in order); decode step t runs every completion still going, at context prompt + t."""
+                     dtype_bytes: int, peak_flops: float, bytes_per_s: float) -> dict[str, Any]:
+    """The least time a rollout's work takes, and the tokens/s that makes: `prompt_lens` the distinct prompts (each
+    prefilled once), `completion_lengths` each completion's tokens in group order; decode step t runs every
+    completion still going, at context prompt + t."""
     if peak_flops <= 0 or bytes_per_s <= 0:
         raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
     shape = Shape.of(config)
     lengths = list(completion_lengths)
-    if prompt_of is None:
-        per = max(1, len(lengths) // max(1, len(prompt_lens)))
-        prompt_of = [min(i // per, len(prompt_lens) - 1) for i in range(len(lengths))]
+    per = max(1, len(lengths) // max(1, len(prompt_lens)))
+    prompt_of = [min(i // per, len(prompt_lens) - 1) for i in range(len(lengths))]
     seconds = prefill(shape, prompt_lens, dtype_bytes).seconds(peak_flops, bytes_per_s)
     compute_steps = steps = 0
     for t in range(max(lengths, default=0)):
@@ -127,119 +110,84 @@ def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_leng
         steps += 1
     tokens = sum(lengths)
     return {"attainable_tokens_per_s": tokens / seconds if seconds else None, "roof_seconds": seconds,
-            "decode_steps": steps, "compute_bound_steps": compute_steps, "completion_tokens": tokens}
+            "decode_steps": steps, "compute_bound_steps": compute_steps}
 
 
-# --- the training step's roofs: the old-logprob forward and the update ------------------------------------------
-
-# AdamW on fp32 weights reads the weight, its gradient and both moments and writes the weight and both moments.
-ADAMW_BYTES_PER_PARAM = 7 * 4
-
-
-def teacher_forced_forward(shape: Shape, rows: Sequence[tuple[int, int]], dtype_bytes: int, forwards: int) -> StepCost:
-    """One teacher-forced forward over ``rows`` of (prompt, completion) tokens: every matmul weight over every real
-    token (the LM head over the completion's positions, as ``logits_to_keep`` does), the causal attention products,
-    the weights read once per forward call (``forwards``). Padding is not work."""
-    head = shape.vocab * shape.hidden
-    body = shape.matmul_params - head
-    flops = sum(2 * body * (p + c) + 2 * head * (c + 1) + shape.attention_flops((p + c) * (p + c + 1) // 2)
-                for p, c in rows)
-    return StepCost(flops, shape.matmul_params * dtype_bytes * forwards)
+# Rows of the probe's [rows x hidden] @ [hidden x intermediate]: a decode step's MLP matmul at a few batch sizes.
+PROBE_ROWS = (64, 512, 4096)
+# Bytes a bandwidth pass reads: far more than any last-level cache, so it times DRAM or HBM, as a decode step does.
+BANDWIDTH_BYTES = 256 * 2**20
 
 
-def training_roofline(config: Any, *, rows: Sequence[tuple[int, int]], forwards: int, params: int, dtype_bytes: int,
-                      peak_flops: float, bytes_per_s: float, num_iterations: int = 1) -> dict[str, float]:
-    """The least seconds of a GRPO step's training phases: the old-logprob forward, and the update (``num_iterations``
-    x a forward and its backward, three forwards' FLOPs and weight reads, then AdamW's bandwidth-bound pass)."""
-    if peak_flops <= 0 or bytes_per_s <= 0:
-        raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
-    fwd = teacher_forced_forward(Shape.of(config), rows, dtype_bytes, forwards)
-    fwd_bwd = StepCost(3 * fwd.flops, 3 * fwd.bytes)
-    adamw = params * ADAMW_BYTES_PER_PARAM / bytes_per_s
-    return {"old_logprob_roof_s": fwd.seconds(peak_flops, bytes_per_s),
-            "update_roof_s": num_iterations * (fwd_bwd.seconds(peak_flops, bytes_per_s) + adamw),
-            "update_compute_roof_s": num_iterations * 3 * fwd.flops / peak_flops}
+def _per_second(work: Callable[[], Any], device: torch.device, min_seconds: float) -> float:
+    """Calls of ``work`` a second, repeated for at least ``min_seconds`` after a warm-up call (CUDA synchronised)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        work()
+        sync()
+        calls, start = 0, time.perf_counter()
+        while True:
+            work()
+            calls += 1
+            if device.type != "cuda" or calls % 4 == 0:  # on CUDA, not a sync per small kernel
+                sync()
+                elapsed = time.perf_counter() - start
+                if elapsed >= min_seconds:
+                    return calls / elapsed
 
 
-# --- an estimate of wall time, from the roof --------------------------------------------------------------------
-# Two assumptions, named as such wherever printed: the share of the lower roof a step reaches, and a floor under
-# every step, because HF's eager forward launches its kernels one by one from Python (calibrated on TRL PR #5765's
-# generate() of Llama-3.2-1B on an A100: 41.12 s for 2048 decode steps, 1.25 ms a layer).
-LAUNCH_S_PER_LAYER = 41.12 / 2048 / 16
-DECODE_EFFICIENCY = 0.5  # HF eager decode at large batch: bandwidth-bound, kernels far from peak bandwidth
-TRAIN_EFFICIENCY = 0.3  # MFU of an HF eager forward + backward of a sub-1B model (no fused kernels, no compile)
+def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0.25, rounds: int = 3) -> dict[str, Any]:
+    """The best FLOP/s of a [rows x hidden] @ [hidden x intermediate] ``torch.mm`` at the model's dtype, the shapes
+    timed in turn for ``rounds`` rounds (one short pass per shape reads low and unevenly on a CPU)."""
+    shape = ModelShape.of(model.config)
+    by_rows: dict[str, list[float]] = {}
+    for r in [r for _ in range(rounds) for r in rows]:
+        a = torch.randn(r, shape.hidden, device=model.device, dtype=model.dtype)
+        b = torch.randn(shape.hidden, shape.intermediate, device=model.device, dtype=model.dtype)
+        calls = _per_second(functools.partial(torch.mm, a, b), model.device, min_seconds)
+        by_rows.setdefault(str(r), []).append(2 * r * shape.hidden * shape.intermediate * calls)
+    best = max(by_rows, key=lambda k: max(by_rows[k]))
+    return {"peak_flops": max(by_rows[best]), "probe_flops_by_rows": {k: max(v) for k, v in by_rows.items()},
+            "probe_shape": [shape.hidden, shape.intermediate], "peak_flops_spread": spread(by_rows[best]),
+            "probe_dtype": str(model.dtype).removeprefix("torch."), "probe_device": model.device.type}
 
 
-def estimated_rollout_seconds(config: Any, *, prompt_lens: Sequence[int], running: Sequence[int], context: int,
-                              dtype_bytes: int, machine: Machine, dtype: str,
-                              efficiency: float = DECODE_EFFICIENCY, step_floor_s: float | None = None) -> float:
-    """Wall seconds of a rollout by the roof, slowed to ``efficiency``, never under the per-step floor: ``running[t]``
-    sequences decode at step t, each at ``context`` tokens of KV (a mean), after the prompts' prefill."""
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency is a share of the roof in (0, 1], got {efficiency}.")
-    shape = Shape.of(config)
-    floor = LAUNCH_S_PER_LAYER * shape.layers if step_floor_s is None else step_floor_s
-    peak, bw = machine.flops(dtype), machine.bytes_per_s
-    seconds = prefill(shape, prompt_lens, dtype_bytes).seconds(peak, bw) / efficiency
-    by_rows: dict[int, int] = {}
-    for rows in running:
-        by_rows[rows] = by_rows.get(rows, 0) + 1
-    for rows, steps in by_rows.items():
-        step = decode_step(shape, [context] * rows, dtype_bytes).seconds(peak, bw) / efficiency
-        seconds += steps * max(step, floor)
-    return seconds
+def bandwidth_probe(device: torch.device | str = "cpu", nbytes: int = BANDWIDTH_BYTES, min_seconds: float = 0.1,
+                    rounds: int = 3) -> dict[str, Any]:
+    """Read bandwidth: a sum over an ``nbytes`` float32 tensor (every byte read once); the best round is the roof."""
+    device = torch.device(device)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    per_round = [x.numel() * 4 * _per_second(x.sum, device, min_seconds) for _ in range(rounds)]
+    return {"bytes_per_s": max(per_round), "bandwidth_rounds": per_round, "bytes_per_s_spread": spread(per_round)}
 
 
-def step_floor_seconds(config: Any) -> float:
-    """The launch floor of one eager decode step of this model: ``LAUNCH_S_PER_LAYER`` for each layer."""
-    return LAUNCH_S_PER_LAYER * Shape.of(config).layers
+def spread(values: Sequence[float]) -> float | None:
+    """(best - worst) / best over a probe's rounds: 0 on a quiet machine, growing with the noise."""
+    values = [v for v in values if v]
+    return (max(values) - min(values)) / max(values) if values else None
 
 
-def rows_off_the_floor(config: Any, *, context: int, dtype_bytes: int, machine: Machine, dtype: str,
-                       efficiency: float = DECODE_EFFICIENCY, limit: int = 1 << 20) -> int | None:
-    """The fewest rows at which one decode step at ``context`` tokens of KV each takes longer by the roof than the
-    launch floor (below it padded rows cost nothing in the estimate); None if even ``limit`` rows stay under it."""
-    shape, floor = Shape.of(config), step_floor_seconds(config)
-    peak, bw = machine.flops(dtype), machine.bytes_per_s
+def machine_probe(model) -> dict[str, Any]:
+    """Both roofs of this machine, probed now. A probe that cannot run leaves its field None and says why under
+    ``probe_missing``: a roof is never made up."""
+    out: dict[str, Any] = {"peak_flops": None, "bytes_per_s": None, "probe_missing": {}}
+    probes = (("peak_flops", "matmul", lambda: matmul_probe(model)),
+              ("bytes_per_s", "bandwidth", lambda: bandwidth_probe(model.device)))
+    for key, name, probe in probes:
+        try:
+            out.update(probe())
+        except Exception as e:  # a probe is a measurement like any other: its failure is recorded, not fatal
+            out["probe_missing"][key] = f"{name} probe failed: {type(e).__name__}: {str(e)[:200]}"
+    return out
 
-    def over(rows: int) -> bool:
-        return decode_step(shape, [context] * rows, dtype_bytes).seconds(peak, bw) / efficiency > floor
 
-    if not over(limit):
+def matmul_params(model) -> int:
+    """Every ``nn.Linear`` weight, the LM head included (tied or not): the 2 x parameters a token of MFU."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def mfu(params: int, completion_tokens: float, seconds: float | None, peak_flops: float) -> float | None:
+    """Model FLOP utilisation: 2 x matmul params x completion tokens (never padding) / seconds / probed peak."""
+    if not seconds or seconds <= 0 or not peak_flops:
         return None
-    lo, hi = 0, 1  # over(lo) is False (no rows, no work beyond the weights), over(hi) True once doubled enough
-    while not over(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # a step's time grows with its rows: bisect
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if over(mid) else (mid, hi)
-    return hi
-
-
-def estimated_train_seconds(config: Any, *, rows: int, tokens_per_row: int, machine: Machine, dtype: str,
-                            forwards: int = 1, efficiency: float = TRAIN_EFFICIENCY) -> float:
-    """Wall seconds of ``forwards`` teacher-forced forwards (2 FLOPs a matmul weight a token) and one backward
-    (4 more) over ``rows`` x ``tokens_per_row`` tokens, at ``efficiency`` of the dtype's matmul peak."""
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency is a share of the peak in (0, 1], got {efficiency}.")
-    flops = (2 * forwards + 4) * Shape.of(config).matmul_params * rows * tokens_per_row
-    return flops / (machine.flops(dtype) * efficiency)
-
-
-def estimated_step_split(config: Any, *, prompt_lens: Sequence[int], targets: Sequence[int], machine: Machine,
-                         rollout_dtype: str, train_dtype: str, dtype_bytes: int) -> dict[str, dict[str, float]]:
-    """An estimate (not a measurement) of one GRPO step's phases on ``machine``, per backend: the rollout (a static
-    batch runs every row until the longest target ends, a pool large enough for every row each row until its own),
-    the old-logprob forward and the update at ``TRAIN_EFFICIENCY``. ``targets``: one completion length per row."""
-    rows, longest = len(targets), max(targets)
-    context = round(statistics.mean(prompt_lens)) + longest // 2
-    tokens_per_row = round(statistics.mean(prompt_lens)) + round(statistics.mean(targets))
-    update = estimated_train_seconds(config, rows=rows, tokens_per_row=tokens_per_row, machine=machine,
-                                     dtype=train_dtype, forwards=1)
-    running = {"generate": [rows] * longest, "continuous": [sum(t > i for t in targets) for i in range(longest)]}
-    return {backend: {"rollout_s": estimated_rollout_seconds(config, prompt_lens=prompt_lens, running=steps,
-                                                             context=context, dtype_bytes=dtype_bytes,
-                                                             machine=machine, dtype=rollout_dtype),
-                      "old_logprob_s": update / 3,  # 2 of the update's 6 FLOPs a weight a token
-                      "update_s": update}
-            for backend, steps in running.items()}
+    return 2 * params * completion_tokens / seconds / peak_flops

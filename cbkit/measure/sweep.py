@@ -1,23 +1,18 @@
 """The N-sweep: both backends side by side at growing N, resumable, honest about what it measured.
 
-The claim under test (TRL PR #5765, A100-80GB, Llama-3.2-1B-Instruct, GSM8K): CB is at parity with `generate()` at
-N=8, ~1.25x faster at N=32 and N=64, and at N=64 uses *less* memory, because `generate()` holds KV for every row at
-the padded length while CB fills a fixed pool and recycles blocks as sequences finish. How a sweep runs, and why:
-
-* one process, one model load, one warm-up call per backend; for every N, `repeats` runs of every backend, the order
-  alternating between repeats and Ns so neither always runs on a warmer machine; a point is the median of its runs;
-* each run is appended to the results JSONL at once; a rerun skips what is there (a crash loses the run in flight),
-  and a rerun with a different configuration is refused; an OOM is recorded as such and the sweep goes on;
-* speed and memory are ratios to `generate()` at the same N, in the same process; both backends get the same length
-  targets at a point (`cbkit.measure.workload`), and each run records its lengths' spread beside the speed it won;
-* the limit beside the number: both roofs of this machine (matmul FLOP/s, read bandwidth) are probed at the start and
-  before every N; each run records its MFU, its share of the attainable tokens/s of its shape (`roofline`) and the
-  planner's peak for it with its error. A probe that cannot run leaves those columns empty and says why.
+One process, one model load, one warm-up per backend; for every N, `repeats` runs of each backend in an order that
+alternates between repeats and Ns, so neither always runs on a warmer machine. Each run is appended to the results
+JSONL at once (a rerun resumes, a different configuration is refused, an OOM is a record). Both backends get the same
+length targets at a point (`workload`). Beside each number, its limit: both roofs of the machine are probed before
+every N, and each run records its MFU, its share of its shape's roof and the planner's peak with its error. With
+`full_step` a point is one GRPO step through cbkit's loop, split into the phases the loop times itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,10 +22,10 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.measure.presets import trainer_state_bytes
-from cbkit.measure.probe import machine_probe, matmul_params, mfu
 from cbkit.measure.results import ResultsFile, aggregate
-from cbkit.measure.step_timing import is_oom, lengths_record, measure_steps, roof_record
-from cbkit.measure.sweep_config import ASYNC_BACKEND, SweepConfig
+from cbkit.measure.roofline import machine_probe, matmul_params, mfu
+from cbkit.measure.sweep_config import SweepConfig
+from cbkit.measure.workload import decode_padding_share, length_stats
 
 
 def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str, Any]], None] | None = None,
@@ -51,37 +46,34 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
     sampling = setup.sampling(cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               seed=cfg.seed)
     dtype_bytes, params = model.dtype.itemsize, matmul_params(model)
-    described = cfg.workload.describe(cfg.max_new_tokens)
-    probe = _probe_line(results, model, described, point=None)
-    backends = {b: setup.backend(b, cb_config=cfg.cb_config) for b in cfg.backends if b != ASYNC_BACKEND}
-    # A trainer's state, held where asked (`trainer_state`), allocated before the free memory is read, so the
-    # engine's share and the planner's budget are of what it leaves (on a CPU torch.empty commits no pages).
+    backends = {b: setup.backend(b, cb_config=cfg.cb_config) for b in cfg.backends}
+    # A trainer's state, allocated before the free memory is read: the engine's share and the planner's budget are
+    # of what it leaves (on a CPU torch.empty commits no pages).
     held = (torch.empty(trainer_state_bytes(model), dtype=torch.uint8, device=model.device)
             if cfg.trainer_state else None)
     budget = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else None  # free after the weights
+    probe: dict[str, Any] = {}
     probed_at = None
     for n, rep, b in tqdm(todo, desc="sweep runs"):
-        if probed_at is not None and probed_at != n:
-            probe = _probe_line(results, model, described, point=n)
-        probed_at = n
+        if probed_at != n:  # at the start, then before every N
+            probe = _probe_line(results, model, cfg.workload.describe(cfg.max_new_tokens), n if probed_at else None)
+            probed_at = n
         run_sampling = dataclasses.replace(sampling, seed=cfg.seed + rep)
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
         targets = cfg.workload.targets(len(prompts) * n, cfg.max_new_tokens, seed=run_sampling.seed)
         if cfg.full_step:
-            measured = measure_steps(cfg, setup, n, rep, targets, probe, backend=backends.get(b))
+            measured = measure_step(cfg, setup, n, rep, backends[b], targets)
         else:
             measured = measure_run(backends[b], prompts, n, run_sampling, model.config, dtype_bytes, targets)
         run = {"backend": b, "N": n, "repeat": rep, "num_prompts": len(prompts), "time": time.time(),
                "lengths": cfg.lengths, **measured, **cuda_peaks(model.device)}
         if measured["status"] == "ok":
+            rate = measured["rollout_tokens_per_s"] if cfg.full_step else measured["tokens_per_s"]
             run.update(matmul_params=params, peak_flops=probe["peak_flops"],
-                       mfu=mfu(params, measured["completion_tokens"], measured.get("rollout_s"), probe["peak_flops"])
-                       if not cfg.full_step and probe["peak_flops"] else None)
-            if not cfg.full_step:
-                run.update(roof_record(model.config, prompts, measured, probe, dtype_bytes))
-        planned = plan_record(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets)
-        run.update(step_plan_record(cfg, model, prompts, n, run, planned, targets, overlapped=b == ASYNC_BACKEND)
-                   if cfg.full_step else planned)
+                       mfu=None if cfg.full_step else mfu(params, measured["completion_tokens"], measured["rollout_s"],
+                                                          probe["peak_flops"]),
+                       **roof_record(model.config, prompts, measured["completion_lengths"], rate, probe, dtype_bytes))
+        run.update(plan_record(cfg, model, prompts, n, b, dtype_bytes, budget, run, targets))
         if held is not None:
             run["trainer_state_bytes"] = held.numel()
         results.add(run)
@@ -109,14 +101,11 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
         kw = {} if target_lengths is None else {"target_lengths": target_lengths}
         rollout = backend.generate(prompts, n, sampling, **kw)
     except Exception as e:
-        if not is_oom(e):
-            raise
         cuda = torch.cuda.is_available()
-        peak = torch.cuda.max_memory_allocated() if cuda else None
+        record = oom_record(e, torch.cuda.max_memory_allocated() if cuda else None, "cuda_allocated" if cuda else None)
         if cuda:
             torch.cuda.empty_cache()
-        return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": peak,
-                "peak_mem_kind": "cuda_allocated" if cuda else None}
+        return record
     return {"status": "ok", "rollout_s": rollout.wall_s, "completion_tokens": rollout.completion_tokens,
             "tokens_per_s": rollout.tokens_per_s, "peak_mem_bytes": rollout.peak_mem_bytes,
             "peak_mem_kind": rollout.peak_mem_kind,
@@ -125,13 +114,15 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
 
 
 def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
-    """The planner's peak for this point (`planner.plan`, with the attention the engine ran) and its error against the
-    measured peak. With replayed targets the static batch runs to the longest one; the CB pool is sized from the
-    generation limit, as the engine cannot know the lengths in advance."""
+    """The planner's rollout peak for this point (`planner.plan`, with the attention the engine ran) and its error
+    against the measured peak. With replayed targets the static batch runs to the longest one; the CB pool is sized
+    from the generation limit, as the engine cannot know them. A full step's peak is not planned."""
     from cbkit.measure.planner import plan
     from cbkit.rollout.engine_config import make_cb_config
     from cbkit.rollout.varlen_attention import NAME as VARLEN
 
+    if cfg.full_step:
+        return {}
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
     device = "cuda" if model.device.type == "cuda" else "cpu"
     cb_config = dict(cfg.cb_config)
@@ -148,30 +139,111 @@ def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targe
     return {"planned_peak_bytes": planned, "plan_error": measured / planned - 1 if measured and planned else None}
 
 
-def step_plan_record(cfg, model, prompts, n, run, planned, targets=None, *, overlapped: bool = False) -> dict[str, Any]:
-    """The planner's peak for a whole GRPO step (`planner.step_peak_bytes`; the sweep's trainer is fresh, so AdamW's
-    moments appear at the update), the phase that sets it, and its error. The async row's phases overlap: its later
-    steps hold AdamW's moments and the next rollout's KV beside the training's own peak, so the peak is their sum."""
-    from cbkit.measure.planner import step_peak_bytes
+def oom_record(e: BaseException, peak_bytes: int | None, kind: str | None) -> dict[str, Any]:
+    """A run that ran out of memory as a record (its first error line, the peak seen before); anything else raises."""
+    if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
+        raise e
+    return {"status": "oom", "error": str(e).splitlines()[0][:300], "peak_mem_bytes": peak_bytes,
+            "peak_mem_kind": kind}
 
-    rows = len(prompts) * n
-    replayed = bool(targets) and cfg.workload.kind != "natural"
-    longest = max(targets) if replayed else cfg.max_new_tokens
-    later = {}
-    if replayed and cfg.forward_chunk_rows and rows > cfg.forward_chunk_rows:
-        # the trainer's chunks take the rows longest first: past the first chunk, none is wider than these
-        rest = sorted(((len(prompts[i // n]) + t, t) for i, t in enumerate(targets)), reverse=True)
-        rest = rest[cfg.forward_chunk_rows:]
-        later = {"later_tokens_per_row": rest[0][0], "later_completion_len": max(t for _, t in rest)}
-    step = step_peak_bytes(sum(p.numel() for p in model.parameters()), rollout_peak_bytes=planned["planned_peak_bytes"],
-                           micro_batch_rows=rows, chunk_rows=cfg.forward_chunk_rows,
-                           tokens_per_row=max(map(len, prompts)) + longest, completion_len=longest,
-                           config=model.config, autocast=False, optimizer_state_resident=overlapped,
-                           device="cuda" if model.device.type == "cuda" else "cpu", **later)
-    phase = max(("rollout", "backward", "optimizer_step"), key=step.__getitem__)
-    peak = step["peak"]
-    if overlapped:
-        peak, phase = planned["planned_peak_bytes"] + max(step["backward"], step["optimizer_step"]), "overlapped"
-    measured = run.get("peak_mem_bytes")
-    return {"planned_peak_bytes": peak, "planned_rollout_peak_bytes": planned["planned_peak_bytes"],
-            "planned_phase": phase, "plan_error": measured / peak - 1 if measured and peak else None}
+
+def lengths_record(completions) -> dict[str, Any]:
+    """A run's completion lengths (each, so a later sweep can replay them), their mean / CV / max, the share of a
+    static batch's decode slots they leave as padding, and the share cut at the limit."""
+    lengths = [len(c.completion_ids) for c in completions]
+    stats = length_stats(lengths)
+    return {"completion_lengths": lengths, "length_mean": stats["mean"], "length_cv": stats["cv"],
+            "length_max": stats["max"], "decode_padding_share": decode_padding_share(lengths),
+            "truncated_share": statistics.mean(c.finish_reason == "length" for c in completions)}
+
+
+def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | None, probe: dict[str, Any],
+                dtype_bytes: int) -> dict[str, Any]:
+    """The attainable tokens/s of a rollout's shape on the probed machine, the share of it ``tokens_per_s`` reached,
+    and which roof bound most decode steps. Without both peaks they are None and ``roof_missing`` says why."""
+    from cbkit.measure.roofline import rollout_roofline
+
+    empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
+    missing = dict(probe.get("probe_missing") or {})
+    missing.update({k: "not probed" for k in ("peak_flops", "bytes_per_s") if not probe.get(k) and k not in missing})
+    if missing:
+        return {**empty, "roof_missing": "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))}
+    roof = rollout_roofline(config, prompt_lens=[len(p) for p in prompts], completion_lengths=lengths,
+                            dtype_bytes=dtype_bytes, peak_flops=probe["peak_flops"], bytes_per_s=probe["bytes_per_s"])
+    attainable = roof["attainable_tokens_per_s"]
+    return {**empty, "roof_tokens_per_s": attainable,
+            "roof_share": tokens_per_s / attainable if attainable and tokens_per_s else None,
+            "roof_bound": "compute" if roof["compute_bound_steps"] * 2 > roof["decode_steps"] else "bandwidth",
+            "roof_seconds": roof["roof_seconds"], "peak_flops_spread": probe.get("peak_flops_spread"),
+            "bytes_per_s_spread": probe.get("bytes_per_s_spread")}
+
+
+class _Replayed:
+    """A backend whose every rollout stops each completion at its drawn target: the length workload replayed inside
+    the GRPO loop, which asks for rollouts without targets."""
+
+    def __init__(self, backend, targets: Sequence[int]) -> None:
+        self.backend, self.targets, self.name = backend, list(targets), backend.name
+
+    def generate(self, prompts, num_generations, sampling, *, prompt_names=None, target_lengths=None):
+        return self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
+                                     target_lengths=self.targets if target_lengths is None else target_lengths)
+
+
+def _keep_weights(model):
+    """The weights a measured step puts back, kept in a file: a copy in memory would sit beside the step's peak."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    kept = WeightSnapshots(1, "disk")
+    kept.append(0, model)
+    return kept
+
+
+def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] | None = None) -> dict[str, Any]:
+    """One GRPO step of ``backend`` through cbkit's loop, split by the phases the loop times: the rollout, the
+    old-logprob forward, the update, and the rest (rewards, batching, bookkeeping). ``targets`` replays a length
+    workload. The weights are put back afterwards."""
+    from cbkit.telemetry import PeakMemory, release_memory
+    from cbkit.train.config import CBGRPOConfig
+    from cbkit.train.grpo import GRPOTrainer
+    from cbkit.train.hooks import StepHooks
+
+    class Seen(StepHooks):
+        rollout: Any = None
+
+        def on_rollout_end(self, rollout) -> None:
+            self.rollout = rollout
+
+    model, seen = setup.model, Seen()
+    saved = _keep_weights(model)
+    config = CBGRPOConfig(model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(setup.problems),
+                          max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                          top_k=cfg.top_k, seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, max_steps=1,
+                          forward_chunk_rows=cfg.forward_chunk_rows, dtype=cfg.dtype or "auto",
+                          use_transformers_continuous_batching=backend.name == "continuous")
+    trainer = GRPOTrainer(config, setup, backend=backend if targets is None else _Replayed(backend, targets),
+                          hooks=[seen])
+    # A trainer is a reference cycle holding its AdamW moments: collected now, not inside the next point's step.
+    gc.collect()
+    mem = PeakMemory(model.device)
+    try:
+        with mem:
+            metrics = trainer.step().metrics
+            mem.synchronize()
+    except Exception as e:
+        return oom_record(e, mem.peak_bytes, mem.kind)
+    finally:
+        del trainer
+        saved.load_into(model)
+        saved.close()
+        release_memory(model)
+    step_s, rollout_s, old_s, update_s, train_s = (float(metrics[k]) for k in (
+        "step/seconds", "rollout/seconds", "train/prepare_seconds", "train/update_seconds", "train/seconds"))
+    rollout = seen.rollout
+    tokens = sum(len(c.completion_ids) for c in rollout.completions)
+    return {"status": "ok", "step_s": step_s, "rollout_s": rollout_s, "train_s": train_s,
+            "old_logprob_s": old_s, "update_s": update_s, "other_s": step_s - rollout_s - old_s - update_s,
+            "rollout_share": rollout_s / step_s, "completion_tokens": tokens, "tokens_per_s": tokens / step_s,
+            "rollout_tokens_per_s": tokens / rollout_s if rollout_s else None, "peak_mem_bytes": mem.peak_bytes,
+            "peak_mem_kind": mem.kind, **lengths_record(rollout.completions), "reward_mean": metrics.get("reward/mean"),
+            "forward_chunk_rows": cfg.forward_chunk_rows, "engine_config": rollout.engine_config}
