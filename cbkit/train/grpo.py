@@ -1,27 +1,12 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 
-Read `GRPOTrainer.step` first: it is the whole algorithm, one stage a line, each stage a method the tests call on
-its own. The maths is `cbkit.train.objective` (checked against TRL 1.16's code); this file moves data between the
-stages and makes them observable (`cbkit.train.hooks`). What varies between runs is an object built once, not a
-branch here: where a rollout comes from (`cbkit.train.rollouts.RolloutSource`: on-policy, or lagged or async in
-`cbkit.train.offpolicy`, which also own their drift metrics), when the held-out set is scored
-(`cbkit.train.evaluate.HeldOut`), and how a run starts or resumes (`cbkit.train.checkpoint`).
-
-The rollout keeps the engine's *sampling logprobs* (`cbkit.rollout`); the old-logprob forward before any update
-gives `logprob/*` (engine vs trainer on the same weights) and the importance-sampling (IS) weights exp(old -
-sampling), which correct for the engine not being the training forward. Released TRL drops those logprobs on its
-CB path and skips the correction; cbkit keeps them.
-
-What this loop simplifies, relative to TRL's GRPOTrainer, and why
------------------------------------------------------------------
-* One process, one device; scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`).
-* One rollout per step, `num_iterations` updates on it; old logprobs always recomputed (the IS weights need them).
-* Constant learning rate, AdamW (`optim`), no scheduler. Dropout off (eval mode), as TRL's `disable_dropout`.
-  The reference model (beta > 0) is a frozen copy of the policy as loaded.
-* Text only, single turn; a reward that raises or is not finite stops the run with its name.
-* fp32 logits a chunk of `forward_chunk_rows` completions at a time, each chunk back-propagated on its own.
-* The weights that train are fp32; `dtype` is an autocast over them (`cbkit.models.load.training_precision`).
-  Policy logprobs divide the logits by the temperature, as TRL's; top-p/top-k: see `cbkit.train.objective`.
+Read `GRPOTrainer.step` first: the whole algorithm, one stage a line, each stage a method. The maths is
+`cbkit.train.objective`; this file moves data between the stages and makes them observable (`cbkit.train.hooks`).
+What varies between runs is an object built once, not a branch here: the rollout source (`cbkit.train.rollouts`,
+`cbkit.train.offpolicy`), the held-out set (`cbkit.train.evaluate`), a fresh or resumed start (`checkpoint`).
+The rollout keeps the engine's sampling logprobs, so the old-logprob forward gives `logprob/*` and the IS weights
+exp(old - sampling); released TRL drops them on its CB path. Simplified against TRL's GRPOTrainer: one process and
+device, a constant learning rate (AdamW, no scheduler), dropout off, text only, fp32 weights under an autocast.
 """
 
 from __future__ import annotations
@@ -84,8 +69,8 @@ class GRPOTrainer:
                  rollouts: RolloutSource | None = None,
                  reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
                  hooks: Sequence[StepHooks] = (), policy: Any = None, problems: Sequence[Problem] | None = None) -> None:
-        """`run`: what `set_up_run` returned (else it is called once, on `policy`/`problems` when given). `backend`
-        samples the on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
+        """`run`: `set_up_run`'s set-up (else made once, on `policy`/`problems` when given). `backend` samples the
+        on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
         self.run_setup = run = set_up_for_config(config, run, policy=policy, problems=problems)
         self.model, self.tokenizer, self.pad_token_id = run.model, run.tokenizer, run.pad_token_id
         self.model.eval()  # dropout off for the whole run
@@ -174,7 +159,7 @@ class GRPOTrainer:
         return emit(self.hooks, self.state, StepRecord(step, metrics))
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
+        """Held-out accuracy of the current weights (`cbkit.train.evaluate`)."""
         return self.held_out.evaluate()
 
     # --- the stages -----------------------------------------------------------------------------------------
@@ -186,8 +171,8 @@ class GRPOTrainer:
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
     def rollout(self, indices: Sequence[int], step: int) -> SourcedRollout:
-        """N completions for each prompt, from the run's rollout source; checked once, here, where they enter. The
-        request names the next step's prompts too (none after the last step): a source may decode them ahead."""
+        """N completions for each prompt from the run's rollout source, checked where they enter; the request names
+        the next step's prompts too (a source may decode them ahead)."""
         ahead = self.order.indices(self.state.data_position + len(indices), self.config.prompts_per_step)
         request = self._request(indices, step, self._request(ahead, step + 1) if step < self.config.max_steps else None)
         return check_entry(self.rollouts.rollout(request), request)
@@ -226,15 +211,13 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        # The config's str fields are held to the objective's Literal values by CBGRPOConfig._check.
         advantages = group_advantages(rewards, c.num_generations, cast(Any, c.scale_rewards),
                                       cast(Any, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
-        # The whole completion mask, truncated completions included: their weights never reach the loss when
-        # they are masked, and `logprob/*` should describe every token the engine sampled.
+        # The whole completion mask: `logprob/*` describes every token the engine sampled.
         weights: Tensor | None
         weights, metrics = importance_weights(
             old_processed, batch.sampling_logps, batch.completion_mask, cast(Any, c.importance_sampling_mode),
@@ -281,8 +264,7 @@ class GRPOTrainer:
         loss_sum, sums = 0.0, dict[str, float]()
         for k in range(ga):
             micro_mask = p.loss_mask[k * size : (k + 1) * size]
-            # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
-            # and back-propagated at once: only one chunk's activations and logits are alive (objective.chunk_share).
+            # A chunk of rows at a time, each chunk's loss scaled to its share and back-propagated at once.
             for rows, mb, logits in chunked_logits(self.model, p.batch, c.forward_chunk_rows, start=k * size,
                                                    stop=(k + 1) * size, autocast_dtype=self.autocast_dtype):
                 t = mb.completion_width
@@ -319,8 +301,8 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk, and True where a
-        sampled token lay outside the trainer's replayed nucleus (kept in it: `objective.replayed_logprobs`)."""
+        """Temperature-only and sampler-processed logprobs [B, T], and where a sampled token lay outside the
+        trainer's nucleus (`objective.replayed_logprobs`)."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps
