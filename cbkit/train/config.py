@@ -43,14 +43,12 @@ class CBGRPOConfig:
     """Everything one cbkit GRPO run needs; each field's help text is in its metadata (`cbkit train --help`)."""
 
     # --- model and prompts (cbkit's own) ---
-    model: str = _help("Policy: 'smollm2-offline', 'tiny' (tests), a hub id or a local directory.",
-                       default="smollm2-offline")
+    model: str = _help("Policy: 'smollm2-offline', 'tiny', a hub id or a local directory.", default="smollm2-offline")
     dtype: str = _help("Autocast over the fp32 weights: 'auto' (bf16 where the GPU has it), 'float32' or "
                        "'bfloat16'.", default="auto")
     data: str = _help("Prompts: 'synthetic', 'gsm8k-local[:split]', 'gsm8k[:split]', 'reasoning-gym:<name>' or "
                       "a .jsonl path.", default="synthetic")
-    data_options: dict[str, Any] = _help("A reasoning-gym source's config, e.g. {min_digits: 1}.",
-                                         default_factory=dict)
+    data_options: dict[str, Any] = _help("A reasoning-gym source's config, e.g. {min_digits: 1}.", default_factory=dict)
     num_problems: int | None = _help("Cap on the problems loaded (None: all).", default=None)
     system_prompt: str | None = _help("System prompt of every chat prompt (None: the user turn alone).",
                                       default=SYSTEM_PROMPT)
@@ -64,8 +62,7 @@ class CBGRPOConfig:
     # --- rewards ---
     reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards): 'correctness', 'format', "
                                     "'verified'.", default_factory=lambda: ["correctness", "format"])
-    reward_weights: list[float] | None = _help("One weight per reward function (None: the built-ins' defaults).",
-                                               default=None)
+    reward_weights: list[float] | None = _help("One weight per reward function (None: defaults).", default=None)
     # --- the objective (TRL names and meanings) ---
     loss_type: str = _help(f"Loss aggregation, one of {LOSS_TYPES}.", default="dapo")
     scale_rewards: str = _help(f"Advantage scaling by the std of the {SCALE_REWARDS}.", default="group")
@@ -73,31 +70,25 @@ class CBGRPOConfig:
     beta: float = _help("KL coefficient to the initial policy; 0.0 loads no reference model.", default=0.0)
     epsilon: float = _help("Lower clip of the policy ratio: 1 - epsilon.", default=0.2)
     epsilon_high: float | None = _help("Upper clip: 1 + epsilon_high (None: epsilon).", default=None)
-    kl_bias_correction: bool = _help("Multiply the KL term by the policy ratio (TRL's use_bias_correction_kl).",
-                                     default=True)
+    kl_bias_correction: bool = _help("Multiply the KL term by the policy ratio (TRL's).", default=True)
     num_iterations: int = _help("Optimizer updates per rollout (TRL's mu).", default=1)
     gradient_accumulation_steps: int = _help("Micro-batches per update; must divide prompts_per_step x "
                                              "num_generations.", default=1)
     forward_chunk_rows: int | None = _help("Completions per teacher-forced forward, each back-propagated at once "
                                            "(None: a whole micro-batch).", default=4)
-    mask_truncated_completions: bool = _help("Leave completions that hit max_completion_length out of the loss.",
-                                             default=False)
+    mask_truncated_completions: bool = _help("Leave truncated completions out of the loss.", default=False)
     # --- importance-sampling correction (TRL: vllm_importance_sampling_*) ---
     importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs.", default=True)
     importance_sampling_mode: str = _help(f"One of {IS_MODES}.", default="sequence_mask")
     clip_max: float = _help("Upper bound of the IS ratio (not the policy ratio's epsilon).", default=3.0)
     clip_min: float | None = _help("Lower bound of the IS ratio (None: none).", default=None)
     # --- off-policy rollouts (cbkit.train.offpolicy) ---
-    rollout_staleness: int = _help("Sample from the weights of this many updates earlier (0: on-policy).",
-                                   default=0)
+    rollout_staleness: int = _help("Sample from the weights of this many updates earlier (0: on-policy).", default=0)
     rollout_snapshots: str = _help(f"Where rollout_staleness keeps older weights, one of {SNAPSHOT_PLACES}.",
                                    default="host")
-    async_rollouts: bool = _help("Decode the next step's rollout in the CB engine while this step trains.",
-                                 default=False)
-    async_update_at: int = _help("Async: the engine forward of the next rollout at which new weights land.",
-                                 default=8)
-    max_staleness: int = _help("Async: most updates a rollout's oldest token may lag the loss's policy.",
-                               default=4)
+    async_rollouts: bool = _help("Decode the next step's rollout in the CB engine during this step.", default=False)
+    async_update_at: int = _help("Async: the engine forward of a rollout at which new weights land.", default=8)
+    max_staleness: int = _help("Async: most updates a token may lag the loss's policy.", default=4)
     stale_rollouts: str = _help(f"A too-old rollout is, one of {STALE_ROLLOUTS}: sampled again, or its groups "
                                 "dropped.", default="regenerate")
     # --- rollout engine (TRL names) ---

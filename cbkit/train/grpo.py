@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -83,16 +84,15 @@ class GRPOTrainer:
         self.config = c = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
         self.truncates = warn_if_truncated(c.top_p, c.top_k)
 
-        given = backend is not None
-        if backend is None:
-            backend = make_backend(c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id)
-        self.backend = check_backend(backend)
+        self.backend = check_backend(backend if backend is not None else make_backend(
+            c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id))
         # The held-out set is drawn first; its questions leave the training problems (cbkit.train.evaluate).
         self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
         self.problems = without_held_out(run.problems, self.held_out.problems)
         self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]
         self.order = PromptOrder(len(self.problems), c.seed)
-        self.rollouts = make_rollout_source(c, self.model, self.backend, given=rollouts, backend_given=given,
+        self.rollouts = make_rollout_source(c, self.model, self.backend, given=rollouts,
+                                            backend_given=backend is not None,
                                             max_prompt_len=max(map(len, self.prompt_ids)))
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if c.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
@@ -102,9 +102,7 @@ class GRPOTrainer:
         self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
         self.state = TrainState(step=0, max_steps=c.max_steps, config=c,
                                 output_dir=Path(c.output_dir) if c.output_dir else None)
-        self.hooks = default_hooks(c, self.state.output_dir, self.save_checkpoint) + list(hooks)
-
-    # --- the run --------------------------------------------------------------------------------------------
+        self.hooks = default_hooks(c, self.state.output_dir, functools.partial(checkpoint.save, self)) + list(hooks)
 
     def train(self, resume_from: str | Path | bool | None = None) -> TrainState:
         """Run until `max_steps`. `resume_from=True` resumes from the newest checkpoint in `output_dir`."""
@@ -117,11 +115,8 @@ class GRPOTrainer:
             while self.state.step < self.config.max_steps:
                 self.step()
             self.state.status = "finished"
-        except KeyboardInterrupt:
-            self.state.status = "interrupted"
-            raise
-        except BaseException:
-            self.state.status = "failed"
+        except BaseException as error:
+            self.state.status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
             raise
         finally:
             for h in self.hooks:
@@ -161,8 +156,6 @@ class GRPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy of the current weights (`cbkit.train.evaluate`)."""
         return self.held_out.evaluate()
-
-    # --- the stages -----------------------------------------------------------------------------------------
 
     def sampling_params(self, step: int) -> SamplingParams:
         c = self.config
@@ -295,9 +288,6 @@ class GRPOTrainer:
         self.policy_version += 1
         self.rollouts.after_update(self.policy_version)
         return norm
-
-    def save_checkpoint(self, step: int) -> Path:
-        return checkpoint.save(self, step)
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:

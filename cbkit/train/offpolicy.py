@@ -136,7 +136,8 @@ class LaggedRollouts(RolloutSource):
         self.history.append(version, self.policy)
 
     def save(self, directory: Path) -> None:
-        torch.save({"history": list(self.history.items(self.policy))}, directory / STATE_FILE)
+        history = [(v, self.history.state_dict(self.policy, i)) for i, v in enumerate(self.history.versions)]
+        torch.save({"history": history}, directory / STATE_FILE)
 
     def load(self, directory: Path, version: int) -> None:
         state = torch.load(directory / STATE_FILE, weights_only=True)

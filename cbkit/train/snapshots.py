@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -38,9 +38,6 @@ class WeightSnapshots:
         # (version, the distinct tensors or their file, {a tied name: the name its storage is kept under})
         self._ring: collections.deque[tuple[int, dict[str, Tensor] | Path, dict[str, str]]] = collections.deque()
         self._dir: Path | None = Path(tempfile.mkdtemp(prefix="cbkit-snapshots-")) if where == "disk" else None
-
-    def __len__(self) -> int:
-        return len(self._ring)
 
     @property
     def versions(self) -> list[int]:
@@ -80,11 +77,6 @@ class WeightSnapshots:
             # Queued on this thread's stream; the CB engine's forwards run on another: in place before returning.
             torch.cuda.current_stream(device).synchronize()
         return version
-
-    def items(self, template: torch.nn.Module) -> Iterator[tuple[int, dict[str, Tensor]]]:
-        """Every version as (version, state dict on the CPU), oldest first: what a checkpoint saves."""
-        for i, (version, _, _) in enumerate(self._ring):
-            yield version, self.state_dict(template, i)
 
     def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
         """The version at `index` as a new state dict on the CPU, shaped like `template`'s."""
