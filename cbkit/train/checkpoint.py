@@ -27,9 +27,8 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 def checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
     """Finished checkpoints in `output_dir`, oldest first."""
     root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+             if p.is_dir() and (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
@@ -56,14 +55,12 @@ def save_checkpoint(output_dir: str | os.PathLike[str], step: int, *, model: tor
         (tmp / "trainer_state.json").write_text(
             json.dumps({"step": step, "cbkit_version": __version__, **trainer_state}, indent=2))
         (tmp / "config.json").write_text(config.to_json())
-        if target.exists():  # the same step saved again (e.g. a resumed run): swap, never delete first
-            old = root / f".{target.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
+        old = root / f".{target.name}.old"  # the same step saved again (a resumed run): swap, never delete first
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
             target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -29,9 +29,12 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # TRL's names (TrainingArgume
 # Fields a resumed run may change: how long and where it goes, or how (not what) it computes.
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "save_steps", "save_total_limit", "disable_tqdm",
                      "forward_chunk_rows", "eval_steps", "rollout_snapshots", "optim")
-AT_LEAST_1 = ("prompts_per_step", "max_completion_length", "num_iterations", "gradient_accumulation_steps",
-              "max_steps", "save_total_limit", "eval_num_problems", "eval_num_generations")
-AT_LEAST_0 = ("top_k", "beta", "max_grad_norm", "save_steps", "eval_steps", "rollout_staleness", "max_staleness")
+# Range checks by table, {lowest value: fields}; None passes where a field allows it.
+BOUNDS = {1: ("prompts_per_step", "max_completion_length", "num_iterations", "gradient_accumulation_steps",
+              "max_steps", "save_total_limit", "eval_num_problems", "eval_num_generations", "forward_chunk_rows",
+              "num_problems", "async_update_at"),
+          0: ("top_k", "beta", "max_grad_norm", "save_steps", "eval_steps", "rollout_staleness", "max_staleness")}
+POSITIVE = ("temperature", "epsilon", "epsilon_high", "learning_rate", "clip_max")
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -140,33 +143,27 @@ class CBGRPOConfig:
             if getattr(self, name) not in valid:
                 bad(f"{name}={getattr(self, name)!r} is not supported; use one of {', '.join(map(repr, valid))}.")
         training_precision(self.dtype, "cpu")  # an unknown name, float16; bf16 on a GPU without it: the trainer
-        for names, least in ((AT_LEAST_1, 1), (AT_LEAST_0, 0)):
+        for least, names in BOUNDS.items():
             for name in names:
-                if getattr(self, name) < least:
+                if getattr(self, name) is not None and getattr(self, name) < least:
                     bad(f"{name}={getattr(self, name)} must be >= {least}.")
+        for name in POSITIVE:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                bad(f"{name}={getattr(self, name)} must be > 0.")
         if self.num_generations < 2:
             bad(f"num_generations={self.num_generations}: group-relative advantages need at least 2 completions "
                 "per prompt (with 1 every advantage is 0); set num_generations >= 2.")
         if self.advantage_estimator == "rloo" and self.scale_rewards == "group":
             bad("advantage_estimator='rloo' has no per-group scaling (as TRL's RLOO); set scale_rewards='none' "
                 "(RLOO's default) or 'batch'.")
-        if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
-            bad(f"forward_chunk_rows={self.forward_chunk_rows} must be >= 1, or None for the whole micro-batch.")
         batch = self.prompts_per_step * self.num_generations
         if batch % self.gradient_accumulation_steps:
             divisors = [d for d in range(1, batch + 1) if batch % d == 0]
             bad(f"prompts_per_step x num_generations = {batch} completions do not split into "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} equal micro-batches; use one of "
                 f"{divisors}, or change prompts_per_step.")
-        for name in ("temperature", "epsilon", "learning_rate", "clip_max"):
-            if not getattr(self, name) > 0:
-                bad(f"{name}={getattr(self, name)} must be > 0.")
         if not 0 < self.top_p <= 1:
             bad(f"top_p={self.top_p} must be in (0, 1]; 1.0 disables nucleus sampling.")
-        if self.epsilon_high is not None and not self.epsilon_high > 0:
-            bad(f"epsilon_high={self.epsilon_high} must be > 0, or None to use epsilon.")
-        if self.num_problems is not None and self.num_problems < 1:
-            bad(f"num_problems={self.num_problems}: load at least 1 problem, or None for all.")
         if self.clip_min is not None and not 0 <= self.clip_min <= self.clip_max:
             bad(f"clip_min={self.clip_min} must be in [0, clip_max={self.clip_max}]; lower it, raise clip_max, or "
                 "set it to None.")
@@ -177,8 +174,6 @@ class CBGRPOConfig:
             if self.rollout_staleness:
                 bad(f"async_rollouts=True with rollout_staleness={self.rollout_staleness}: choose one (set "
                     "rollout_staleness=0 or async_rollouts=False).")
-            if self.async_update_at < 1:
-                bad(f"async_update_at={self.async_update_at} must be >= 1.")
             if self.eval_steps:
                 bad("eval_steps with async_rollouts=True: the evaluation would sample while the async engine "
                     "decodes. Set eval_steps=0 and evaluate the run's checkpoints, or use the synchronous loop.")

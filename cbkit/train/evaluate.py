@@ -84,7 +84,7 @@ class HeldOut:
 
     def evaluate(self) -> dict[str, float]:
         """`eval/accuracy` (math-verify), `eval/<reward>` per training reward, lengths and time."""
-        if self.backend is None or self.sampling is None or self.decode is None:
+        if self.backend is None or self.sampling is None or self.decode is None or self.rewards is None:
             raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # the training stream of random numbers is left as it was
@@ -93,18 +93,12 @@ class HeldOut:
         texts = [self.decode(c.completion_ids) for c in rollout.completions]
         answers = [self.problems[c.group].answer for c in rollout.completions]
         metrics: dict[str, float] = {"eval/accuracy": _mean(verified_reward(texts, answers))}
-        if self.rewards:
-            _, per_reward = compute_rewards(texts, answers, dict(self.rewards), [1.0] * len(self.rewards),
-                                            num_generations=self.num_generations)
-            metrics.update({f"eval/{k.removeprefix('reward/')}": _mean(v) for k, v in per_reward.items()})
-        lengths = [len(c.completion_ids) for c in rollout.completions]
-        metrics.update({
-            "eval/mean_length": sum(lengths) / len(lengths),
-            "eval/truncated_frac": _mean([c.finish_reason == "length" for c in rollout.completions]),
-            "eval/completions": float(len(texts)),
-            "eval/seconds": time.perf_counter() - start,
-        })
-        return metrics
+        _, per_reward = compute_rewards(texts, answers, dict(self.rewards), [1.0] * len(self.rewards),
+                                        num_generations=self.num_generations)
+        metrics.update({f"eval/{k.removeprefix('reward/')}": _mean(v) for k, v in per_reward.items()})
+        return {**metrics, "eval/mean_length": _mean([len(c.completion_ids) for c in rollout.completions]),
+                "eval/truncated_frac": _mean([c.finish_reason == "length" for c in rollout.completions]),
+                "eval/completions": float(len(texts)), "eval/seconds": time.perf_counter() - start}
 
 
 def build_held_out(config: Any, tokenizer: Any) -> HeldOut:

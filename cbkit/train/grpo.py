@@ -186,19 +186,14 @@ class GRPOTrainer:
         groups = total.view(-1, rollout.num_generations)
         lengths = torch.tensor([len(c.completion_ids) for c in rollout.completions], dtype=torch.float64)
         metrics.update({
-            "reward/mean": total.mean().item(),
-            "reward/std": total.std().item(),
+            "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             # Groups whose N rewards are all equal have advantage 0 everywhere: they teach nothing this step.
             "reward/zero_std_frac": (groups.std(dim=1) == 0).double().mean().item(),
-            "completion/mean_length": lengths.mean().item(),
-            "completion/max_length": int(lengths.max()),
+            "completion/mean_length": lengths.mean().item(), "completion/max_length": int(lengths.max()),
             "completion/truncated_frac": sum(c.finish_reason == "length" for c in rollout.completions) / len(texts),
-            "rollout/seconds": rollout.wall_s,
-            "rollout/tokens_per_s": rollout.tokens_per_s,
-            "rollout/completion_tokens": rollout.completion_tokens,
-            "rollout/peak_mem_bytes": rollout.peak_mem_bytes,
-            "rollout/backend": rollout.backend,
-        })
+            "rollout/seconds": rollout.wall_s, "rollout/tokens_per_s": rollout.tokens_per_s,
+            "rollout/completion_tokens": rollout.completion_tokens, "rollout/peak_mem_bytes": rollout.peak_mem_bytes,
+            "rollout/backend": rollout.backend})
         return total, metrics
 
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
@@ -212,10 +207,8 @@ class GRPOTrainer:
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         # The whole completion mask: `logprob/*` describes every token the engine sampled.
         weights: Tensor | None
-        weights, metrics = importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, cast(Any, c.importance_sampling_mode),
-            c.clip_max, c.clip_min,
-        )
+        weights, metrics = importance_weights(old_processed, batch.sampling_logps, batch.completion_mask,
+                                              cast(Any, c.importance_sampling_mode), c.clip_max, c.clip_min)
         if self.truncates and batch.sampling_logps is not None:
             gap = (batch.sampling_logps - old).abs()[batch.completion_mask]
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
@@ -233,16 +226,13 @@ class GRPOTrainer:
 
     def optimize(self, prepared: Prepared) -> dict[str, float]:
         """`num_iterations` optimizer updates on one prepared rollout; metrics averaged over them."""
-        losses, norms, others = [], [], []
+        updates = []
         for _ in range(self.config.num_iterations):
             metrics = self.accumulate_gradients(prepared)
-            losses.append(metrics.pop("train/loss"))
-            others.append(metrics)
-            norms.append(self.optimizer_step())
-        out = {k: sum(m[k] for m in others) / len(others) for k in others[0]}
-        out.update({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(norms) / len(norms),
-                    "train/learning_rate": self.optimizer.param_groups[0]["lr"]})
-        return out
+            metrics["train/grad_norm"] = self.optimizer_step()
+            updates.append(metrics)
+        out = {k: sum(m[k] for m in updates) / len(updates) for k in updates[0]}
+        return {**out, "train/learning_rate": self.optimizer.param_groups[0]["lr"]}
 
     def accumulate_gradients(self, prepared: Prepared) -> dict[str, float]:
         """Fresh gradients of one optimizer update, summed over `gradient_accumulation_steps` micro-batches."""
@@ -269,8 +259,7 @@ class GRPOTrainer:
                     ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
                     is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
                     max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
-                    gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
-                )
+                    gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction)
                 loss_share, token_share = chunk_share(loss_type, p.loss_mask[rows], micro_mask)
                 (loss * loss_share).backward()
                 loss_sum += loss.item() * loss_share

@@ -26,30 +26,19 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-# --- advantages ---------------------------------------------------------------------------------------------
-
-
-def group_advantages(
-    rewards: Tensor,
-    num_generations: int,
-    scale_rewards: ScaleRewards = "group",
-    estimator: Estimator = "grpo",
-) -> Tensor:
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
+                     estimator: Estimator = "grpo") -> Tensor:
     """Advantages for rewards laid out group after group (prompt 0's N completions first). Shape [B]."""
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor, one per completion; got shape {tuple(rewards.shape)}")
     if rewards.numel() % num_generations:
-        raise ValueError(
-            f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; pass "
-            f"N completions for every prompt (a batch of {num_generations} x number of prompts)"
-        )
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; "
+                         f"pass N completions for every prompt (a batch of {num_generations} x number of prompts)")
     bad = (~torch.isfinite(rewards)).nonzero()
     if bad.numel():
         i = int(bad[0])
-        raise ValueError(
-            f"rewards[{i}] is {rewards[i].item()} (prompt {i // num_generations}, completion "
-            f"{i % num_generations}); reward functions must return a finite number for every completion"
-        )
+        raise ValueError(f"rewards[{i}] is {rewards[i].item()} (prompt {i // num_generations}, completion "
+                         f"{i % num_generations}); reward functions must return a finite number for every completion")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     groups = r.view(-1, num_generations)
     if estimator == "grpo":
@@ -67,23 +56,16 @@ def group_advantages(
     return adv
 
 
-# --- logprobs -----------------------------------------------------------------------------------------------
-
-
-def processed_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> Tensor:
-    """log p(token) under the distribution a sampler draws from: transformers' temperature -> top-k -> top-p.
-
-    `logits` is [..., V], `tokens` is [...]. Filtered-out tokens get -inf. Computed in fp32, like `generate`.
-    """
+def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> Tensor:
+    """log p(token) [...] under the distribution a sampler draws from (transformers' temperature -> top-k -> top-p),
+    in fp32; filtered-out tokens get -inf."""
     scores = _sampler_scores(logits, temperature, top_k, top_p)
     return scores.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def replayed_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> tuple[Tensor, Tensor]:
+def replayed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0,
+                      top_p: float = 1.0) -> tuple[Tensor, Tensor]:
     """`processed_logprobs` of tokens the sampler *did* draw, each kept inside its own support: a token at the edge
     of the nucleus (a bf16 rounding is enough) would otherwise get -inf, an IS ratio of 0 and, per sequence, zero its
     completion's loss. Returns (logprobs, outside: where the trainer's nucleus had left the token out)."""
@@ -118,17 +100,8 @@ def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) ->
     return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
-# --- importance-sampling correction -------------------------------------------------------------------------
-
-
-def importance_weights(
-    policy_logps_old: Tensor,
-    sampling_logps: Tensor | None,
-    mask: Tensor,
-    mode: ISMode,
-    clip_max: float | None = 3.0,
-    clip_min: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def importance_weights(policy_logps_old: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: ISMode,
+                       clip_max: float | None = 3.0, clip_min: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Per-token IS weights [B, T] for the engine's `sampling_logps` (NaN: no correction for that token, as TRL)
     against the trainer's `policy_logps_old`, and TRL's `sampling/*` metrics as `is/*` and `logprob/*`: ratios
     over tokens or sequences (by mode) after the clip, `is/clipped_frac` the share clipped or masked."""
@@ -164,9 +137,6 @@ def importance_weights(
     return weights.expand_as(old).contiguous(), metrics
 
 
-# --- the loss -----------------------------------------------------------------------------------------------
-
-
 def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tensor) -> tuple[float, float]:
     """The factors that make a chunk's `grpo_loss` (and its token-share metrics) its part of the micro-batch's, so
     the chunks' losses and gradients add up: grpo/dr_grpo its rows' share, bnpo its tokens' share, dapo 1."""
@@ -181,23 +151,11 @@ def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tenso
     return loss_share, tokens / all_tokens
 
 
-def grpo_loss(
-    policy_logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    loss_type: LossType,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    ref_logps: Tensor | None = None,
-    is_weights: Tensor | None = None,
-    max_completion_length: int | None = None,
-    num_items_in_batch: int | Tensor | None = None,
-    gradient_accumulation_steps: int = 1,
-    kl_bias_correction: bool = True,
-) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(policy_logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, loss_type: LossType,
+              epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+              ref_logps: Tensor | None = None, is_weights: Tensor | None = None,
+              max_completion_length: int | None = None, num_items_in_batch: int | Tensor | None = None,
+              gradient_accumulation_steps: int = 1, kl_bias_correction: bool = True) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss of one micro-batch, as TRL 1.16's `GRPOTrainer._compute_loss` returns it, and metrics.
 
     Per token: -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A), rho = exp(policy - old), times the IS weight, plus

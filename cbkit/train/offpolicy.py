@@ -179,9 +179,8 @@ class AsyncRollouts(RolloutSource):
         metrics["offpolicy/rollout_wait_s"] = time.perf_counter() - start
         now = request.policy_version
         oldest = min(v for comp in rollout.completions for v in _token_versions(comp))
-        metrics.update(staleness_metrics(rollout, now))
-        metrics["offpolicy/regenerated"] = 0.0
-        metrics["offpolicy/dropped_groups"] = 0.0
+        metrics.update({**staleness_metrics(rollout, now), "offpolicy/regenerated": 0.0,
+                        "offpolicy/dropped_groups": 0.0})
         if now - oldest > c.max_staleness:
             rollout, scored, regenerated = self._too_old(rollout, request)
             metrics["offpolicy/dropped_groups"] = float(len(request.indices) - len(scored) if not regenerated else 0)
@@ -205,14 +204,11 @@ class AsyncRollouts(RolloutSource):
         """Drop the groups holding a too-old token, or (also when none would be left) sample the step again on the
         current weights. Returns the rollout, its problems, and whether it was resampled."""
         c, now = self.config, request.policy_version
-        if c.stale_rollouts == "drop":
-            fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in rollout.groups()], now,
-                                 c.max_staleness)
-            if fresh:
-                groups = rollout.groups()
-                kept = [dataclasses.replace(comp, group=j) for j, i in enumerate(fresh) for comp in groups[i]]
-                return (dataclasses.replace(rollout, completions=kept), [request.indices[i] for i in fresh],
-                        False)
+        groups = rollout.groups()
+        fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in groups], now, c.max_staleness)
+        if c.stale_rollouts == "drop" and fresh:
+            kept = [dataclasses.replace(comp, group=j) for j, i in enumerate(fresh) for comp in groups[i]]
+            return dataclasses.replace(rollout, completions=kept), [request.indices[i] for i in fresh], False
         return sample(self.engine, request), list(request.indices), True
 
     def save(self, directory: Path) -> None:
@@ -222,9 +218,8 @@ class AsyncRollouts(RolloutSource):
     def load(self, directory: Path, version: int) -> None:
         state = torch.load(directory / STATE_FILE, weights_only=True)
         self.engine.load_snapshot(state["snapshot"], max(0, version - self.config.num_iterations))
-        self.pending = None
         # The uninterrupted run's next rollout started on those weights and met this update mid-way.
-        self.resume_update = version if version > 0 else None
+        self.pending, self.resume_update = None, version if version > 0 else None
 
     def close(self) -> None:
         self.engine.close()
