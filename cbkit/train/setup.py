@@ -23,22 +23,19 @@ class RunSetup:
     pad_token_id: int
 
     def sampling(self, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 do_sample: bool = True, seed: int | None = None):
+                 seed: int | None = None):
         from cbkit.rollout import SamplingParams
 
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              do_sample=do_sample, eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
-                              seed=seed)
+                              eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id, seed=seed)
 
     def backend(self, name: str, *, warm_up: bool = True, **kwargs):
         """A rollout backend on this run's model; `warm_up` makes one short call first (one-off costs not measured)."""
-        import dataclasses
-
         from cbkit.rollout import make_backend
 
         backend = make_backend(name, self.model, pad_token_id=self.pad_token_id, **kwargs)
         if warm_up:
-            backend.generate(self.prompts[:1], 1, dataclasses.replace(self.sampling(4), seed=0))
+            backend.generate(self.prompts[:1], 1, self.sampling(4, seed=0))
         return backend
 
 
