@@ -113,7 +113,7 @@ class LaggedRollouts(RolloutSource):
 
     def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
-        self.k, self.policy, self.backend = staleness, policy, backend
+        self.policy, self.backend = policy, backend
         self.history = WeightSnapshots(staleness + 1, snapshots)
         self.history.append(0, policy)
 
