@@ -53,8 +53,9 @@ class WeightSnapshots:
         kept: dict[str, Tensor] | Path
         if self.where == "device":
             kept = {n: t.detach().to(device or t.device, copy=True) for n, t in state.items()}
-        elif self.where == "host":
-            kept = {n: _host_copy(t) for n, t in state.items()}
+        elif self.where == "host":  # page-locked where CUDA is: copies to and from the GPU at full speed
+            pin = torch.cuda.is_available()
+            kept = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach()) for n, t in state.items()}
         else:
             assert self._dir is not None
             kept = self._dir / f"v{version}.bin"
@@ -110,7 +111,7 @@ class WeightSnapshots:
 
 
 def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
-    """{name: the first name} for every entry of `state` that views the same memory as an earlier one (a tied weight)."""
+    """{name: the first name} for every entry of `state` viewing the same memory as an earlier one (tied weights)."""
     first: dict[tuple, str] = {}
     out = {}
     for name, t in state.items():
@@ -141,12 +142,6 @@ def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, alias
     for name, source in aliases.items():
         if target[name].data_ptr() != target[source].data_ptr():
             target[name].copy_(target[source])
-
-
-def _host_copy(t: Tensor) -> Tensor:
-    """`t` copied into CPU memory: page-locked where CUDA is, so the copies to and from the GPU run at full speed."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-    return out.copy_(t.detach())
 
 
 def _bytes(t: Tensor) -> Tensor:
