@@ -273,18 +273,10 @@ def test_rloo_baseline_excludes_self():
 def test_advantage_errors_say_what_to_change():
     with pytest.raises(ValueError, match=r"10 rewards .* num_generations=4"):
         group_advantages(torch.zeros(10), 4)
-    with pytest.raises(ValueError, match=r"num_generations=1.*set num_generations >= 2"):
-        group_advantages(torch.zeros(4), 1)
-    with pytest.raises(ValueError, match=r"num_generations=1"):
-        group_advantages(torch.zeros(4), 1, "none", "rloo")
     with pytest.raises(ValueError, match=r"rewards\[5\] is nan \(prompt 1, completion 1\)"):
         group_advantages(torch.tensor([0.0, 1, 2, 3, 4, float("nan"), 6, 7]), 4)
     with pytest.raises(ValueError, match=r"rewards\[0\] is inf"):
         group_advantages(torch.tensor([float("inf"), 1.0]), 2)
-    with pytest.raises(ValueError, match="normalize_advantages"):
-        group_advantages(torch.zeros(4), 2, "group", "rloo")
-    with pytest.raises(ValueError, match="scale_rewards"):
-        group_advantages(torch.zeros(4), 2, "std")
 
 
 # --- logprobs -----------------------------------------------------------------------------------------------
@@ -425,13 +417,6 @@ def test_sequence_modes_use_one_weight_per_sequence():
     assert torch.equal(w, w[:, :1].expand_as(w))
 
 
-def test_importance_weights_errors():
-    with pytest.raises(ValueError, match="mode="):
-        importance_weights(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), "token")
-    with pytest.raises(ValueError, match="shapes differ"):
-        importance_weights(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), "token_mask")
-
-
 # --- the loss -----------------------------------------------------------------------------------------------
 
 
@@ -513,14 +498,8 @@ def test_loss_by_hand_and_errors():
     assert dr.item() == pytest.approx(-(3 - 2) / (2 * 4))
     dapo, _ = grpo_loss(pol, pol, adv, mask, loss_type="dapo")  # one process, no accumulation: this batch's tokens
     assert dapo.item() == pytest.approx(bnpo.item())
-    with pytest.raises(ValueError, match="max_completion_length"):
-        grpo_loss(pol, pol, adv, mask, loss_type="dr_grpo")
-    with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(pol, pol, adv, mask, loss_type="dapo", beta=0.1)
     with pytest.raises(ValueError, match="num_items_in_batch"):
         grpo_loss(pol, pol, adv, mask, loss_type="dapo", gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(pol, pol, adv, mask, loss_type="ppo")
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
@@ -573,5 +552,3 @@ def test_chunk_share_by_hand():
     assert chunk_share("bnpo", micro[:2], micro) == (0.25, 0.25)
     assert chunk_share("dapo", micro[:2], micro) == (1.0, 0.25)
     assert chunk_share("bnpo", micro[1:2], micro) == (1 / 8, 0.0)  # no tokens: grpo_loss of the chunk is 0 anyway
-    with pytest.raises(ValueError, match="loss_type"):
-        chunk_share("ppo", micro, micro)

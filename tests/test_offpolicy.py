@@ -150,8 +150,6 @@ def test_snapshots_are_bitwise_the_weights_wherever_they_are_kept(where):
                                                                          strict=True))  # copies, not views
         assert ring.load_into(other) == 1
         assert same_weights(other.state_dict(), states[1])
-        assert [v for v, _ in ring.items(other)] == [1, 2]
-        assert same_weights(dict(ring.items(other))[2], states[2])
         assert ring.load_into(other, -1) == 2 and same_weights(other.state_dict(), states[2])
         assert same_weights(ring.state_dict(other), states[1]) and same_weights(ring.state_dict(other, -1), states[2])
         ring.close()
@@ -183,7 +181,7 @@ def test_a_snapshot_place_that_is_not_one_says_which_are():
     from cbkit.train.snapshots import WeightSnapshots
 
     for where in ("memory", "ssd"):  # "memory" was the name of both "device" and "host"
-        with pytest.raises(ValueError, match=rf"where='{where}' is not a place .* 'device': .* 'host': .* 'disk': "):
+        with pytest.raises(ValueError, match=rf"where='{where}' is not a place .* \('device', 'host', 'disk'\)"):
             WeightSnapshots(2, where)
 
 
@@ -206,14 +204,14 @@ def test_a_run_with_its_snapshots_on_disk_is_the_run_with_them_in_memory():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"rollout_snapshots": "memory"}, r"rollout_snapshots='memory' is not a place for weight snapshots; use one of "
-                                      r"'device': a copy on the model's device.*; 'host': .*; 'disk': "),
+    ({"rollout_snapshots": "memory"}, r"rollout_snapshots='memory' is not supported; use one of 'device', 'host', "
+                                      r"'disk'"),
     ({"rollout_staleness": -1}, r"rollout_staleness=-1 must be >= 0"),
     ({"max_staleness": -2}, r"max_staleness=-2 must be >= 0"),
     ({"async_rollouts": True, "use_transformers_continuous_batching": False},
-     r"async_rollouts=True .* 'generate' backend has no queue\. Set use_transformers_continuous_batching=True"),
+     r"async_rollouts=True .*; set use_transformers_continuous_batching=True"),
     ({"async_rollouts": True, "use_transformers_continuous_batching": True, "rollout_staleness": 1},
-     r"choose one\. .*Set rollout_staleness=0 or async_rollouts=False"),
+     r"choose one \(set rollout_staleness=0 or async_rollouts=False"),
     ({"stale_rollouts": "skip"}, r"stale_rollouts='skip' is not supported; use one of 'regenerate', 'drop'"),
     ({"async_rollouts": True, "use_transformers_continuous_batching": True, "async_update_at": 0},
      r"async_update_at=0 must be >= 1"),

@@ -301,9 +301,9 @@ def test_bf16_mixed_precision_stock_breaks_bridge_runs(tmp_path, dataset):
 def test_bf16_bridge_step_leaves_the_callers_policy_fp32_for_cbkits_loop(tmp_path, dataset):
     """TRL's CB branch casts the policy it is given to bf16 in place (`unwrapped_model.to(torch.bfloat16)`, never cast
     back): notebook 04 hands its policy to the bridge, and its own cells re-run afterwards refused it
-    (`check_fp32_weights`). The bridge samples from bf16 copies of the weights instead: after a bf16 TRL step the
+    (`check_policy`). The bridge samples from bf16 copies of the weights instead: after a bf16 TRL step the
     policy is fp32, it moved (TRL trained it), and cbkit's loop trains it on with CB rollouts."""
-    from cbkit.train.setup import check_fp32_weights
+    from cbkit.train.setup import check_policy
     from tests.helpers import config, trainer
 
     model, tok = _policy()
@@ -328,7 +328,7 @@ def test_bf16_bridge_step_leaves_the_callers_policy_fp32_for_cbkits_loop(tmp_pat
     assert moved  # TRL's update landed on the caller's fp32 weights, not on a copy
     # AdamW's moments are fp32 too: TRL trained fp32 master weights under autocast.
     assert {s["exp_avg"].dtype for s in tr.optimizer.state.values()} == {torch.float32}
-    check_fp32_weights(model)
+    check_policy(tok, model)
     step = trainer(config(max_steps=1, use_transformers_continuous_batching=True), policy=(model, tok))
     # ... with its own forward: accelerate's autocast wrapper, left on by TRL's train, made cbkit's CB rollout write
     # bf16 keys into its fp32 KV cache (a RuntimeError in the engine).

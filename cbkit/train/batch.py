@@ -1,11 +1,8 @@
 """A rollout as training tensors, and the teacher-forced forward that scores its completions.
 
-Prompts left-padded to a width P, completions right-padded to T: every completion starts at column P, and one
-`logits_to_keep=T+1` forward gives exactly the logits that predict completion tokens; `position_ids` count real
-tokens, as the engine did. A chunk of rows (`Batch.take`) is re-trimmed to its own widths. The loss holds about
-``LOGIT_COPIES`` fp32 copies of [rows, T, V] (Qwen2.5's 151,936-token vocabulary: 20 GB a copy at 128 x 256), so
-``micro_batches_for`` picks the micro-batches that fit a budget. ``autocast_dtype`` runs the forward in bf16 over
-fp32 weights: bf16 *weights* would round away AdamW's small updates.
+Prompts left-padded to a width P, completions right-padded to T: every completion starts at column P, so one
+`logits_to_keep=T+1` forward gives exactly the logits that predict completion tokens. The forward runs under
+`autocast_dtype` over fp32 weights: bf16 *weights* would round away AdamW's small updates.
 """
 
 from __future__ import annotations
@@ -66,12 +63,8 @@ class Batch:
     def completion_width(self) -> int:
         return self.completion_ids.size(1)
 
-    def rows(self, start: int, stop: int) -> Batch:
-        return self.take(slice(start, stop))
-
     def take(self, rows: slice | Tensor) -> Batch:
-        """The rows ``rows`` selects (a slice, or a tensor of row indices, in its order), trimmed to the widest
-        prompt and completion among them."""
+        """The rows `rows` selects (a slice or a tensor of indices), trimmed to their widest prompt and completion."""
         attn = self.attention_mask[rows]
         p_real = int(attn[:, : self.prompt_width].sum(-1).max())
         t_real = max(1, int(self.completion_mask[rows].sum(-1).max()))
@@ -88,35 +81,24 @@ class Batch:
 
 
 def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = None) -> Tensor:
-    """[B, T, V] fp32 logits at the positions that predict each completion token (teacher forcing), the forward
-    under ``torch.autocast(autocast_dtype)`` where given (the weights stay fp32)."""
+    """[B, T, V] fp32 logits at the positions that predict each completion token (teacher forcing)."""
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     t = batch.completion_width
     device_type = batch.input_ids.device.type
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=t + 1,
-            use_cache=False,
-        )
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+                    logits_to_keep=t + 1, use_cache=False)
     return out.logits[:, :-1].float()
 
 
-# fp32 [rows, T, V] tensors alive at once in the loss of one forward: logits, log-softmax, and their gradients
-# (an upper bound: `objective.policy_logprobs` is a selective log-softmax).
-LOGIT_COPIES = 4
-
-
 def logits_bytes(rows: int, completion_len: int, vocab_size: int) -> int:
-    """Peak bytes of one micro-batch's logits in the loss: ``LOGIT_COPIES`` fp32 copies of [rows, T, V]."""
-    return LOGIT_COPIES * 4 * rows * completion_len * vocab_size
+    """Peak bytes of one micro-batch's logits in the loss: at most 4 fp32 copies of [rows, T, V] (logits,
+    log-softmax and their gradients)."""
+    return 4 * 4 * rows * completion_len * vocab_size
 
 
 def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_bytes: int) -> int:
-    """The fewest micro-batches (a divisor of ``rows``) whose logits stay within ``budget_bytes``; an error when
-    one completion alone does not fit."""
+    """The fewest micro-batches (a divisor of `rows`) whose logits fit `budget_bytes`; an error when one does not."""
     for name, value in (("rows", rows), ("completion_len", completion_len), ("vocab_size", vocab_size),
                         ("budget_bytes", budget_bytes)):
         if value < 1:
@@ -131,25 +113,13 @@ def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_by
                                                                                     vocab_size) <= budget_bytes)
 
 
-def longest_first_chunks(start: int, stop: int, rows: int | None, attention_mask: Tensor) -> list[Tensor]:
-    """Rows [start, stop) longest first (prompt + completion tokens), cut into chunks of at most `rows` (None: one):
-    a chunk trimmed to its longest row pads little, and each later chunk fits in the memory the widest one freed.
-    The sort is stable: a rerun forms the same chunks."""
-    order = start + torch.argsort(attention_mask[start:stop].sum(-1), descending=True, stable=True)
-    step = stop - start if rows is None else rows
-    return [order[i : i + step] for i in range(0, stop - start, step)]
-
-
 def check_causal_forward(model: PreTrainedModel, attn_implementation: str) -> None:
-    """Refuse a training forward while the model's attention is not the one training began with, or while a CB
-    engine runs on it: a plain forward in that state can run without a causal mask (transformers issue #48296)."""
+    """Refuse a training forward while the attention is not the one training began with or a CB engine runs on the
+    model: such a forward can run without a causal mask (transformers issue #48296)."""
     from cbkit.rollout.engine import engine_is_idle
 
     impl = model.config._attn_implementation
     if impl != attn_implementation or not engine_is_idle(model):
-        raise RuntimeError(
-            f"The model's attention is {impl!r} (it was {attn_implementation!r} when training began) or a "
-            "continuous batching engine is still running on it. A plain forward in that state can run without "
-            "a causal mask (transformers issue #48296), so the loss would be silently wrong. Stop the CB "
-            "manager (which restores the attention implementation) before a training forward."
-        )
+        raise RuntimeError(f"The model's attention is {impl!r} (it was {attn_implementation!r} when training began) "
+                           "or a continuous batching engine is still running on it, so a forward could run without a "
+                           "causal mask (transformers #48296). Stop the CB manager before a training forward.")

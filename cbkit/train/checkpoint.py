@@ -1,9 +1,8 @@
 """Checkpoints a killed run continues from, written atomically and read back exactly, and the run's start or resume.
 
-`checkpoint-<step>/` holds `model.safetensors` (a tied tensor once), `optimizer.pt`, `rng.pt` (torch, CUDA, python,
-numpy at the step's end), `trainer_state.json` (step, data position, cbkit's version) and `config.json` (compared
-field by field on resume), plus what the rollout source saves. Written into a temporary sibling and renamed, so a
-crash leaves the old checkpoint or the new one. The reference model (beta > 0) is the policy as loaded: not saved.
+`checkpoint-<step>/` holds `model.safetensors`, `optimizer.pt`, `rng.pt`, `trainer_state.json` and `config.json`
+(compared field by field on resume), plus what the rollout source saves; written into a temporary sibling and
+renamed, so a crash leaves the old checkpoint or the new one. The reference model (beta > 0) is not saved.
 """
 
 from __future__ import annotations
@@ -28,15 +27,13 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 def checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
     """Finished checkpoints in `output_dir`, oldest first."""
     root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+             if p.is_dir() and (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    found = checkpoints(output_dir)
-    return found[-1] if found else None
+    return next(reversed(checkpoints(output_dir)), None)
 
 
 def save_checkpoint(output_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module,
@@ -58,14 +55,12 @@ def save_checkpoint(output_dir: str | os.PathLike[str], step: int, *, model: tor
         (tmp / "trainer_state.json").write_text(
             json.dumps({"step": step, "cbkit_version": __version__, **trainer_state}, indent=2))
         (tmp / "config.json").write_text(config.to_json())
-        if target.exists():  # the same step saved again (e.g. a resumed run): swap, never delete first
-            old = root / f".{target.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
+        old = root / f".{target.name}.old"  # the same step saved again (a resumed run): swap, never delete first
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
             target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -83,10 +78,8 @@ def check_same_config(saved: CBGRPOConfig, now: CBGRPOConfig, path: str | os.Pat
     differ = saved.diff(now)
     if differ:
         lines = "\n".join(f"  {k}: checkpoint has {a!r}, this run has {b!r}" for k, (a, b) in sorted(differ.items()))
-        raise ValueError(
-            f"Cannot resume from {path}: the config differs in {len(differ)} field(s):\n{lines}\n"
-            "Resume with the checkpoint's values, or start a new run in another output_dir."
-        )
+        raise ValueError(f"Cannot resume from {path}: the config differs in {len(differ)} field(s):\n{lines}\n"
+                         "Resume with the checkpoint's values, or start a new run in another output_dir.")
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, model: torch.nn.Module,
@@ -100,23 +93,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, model: torch.nn.Module,
     if missing:
         raise FileNotFoundError(f"{path} is not a complete cbkit checkpoint: missing {missing}.")
     load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
-    # On the CPU: load_state_dict moves each moment to its parameter's device.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    # RNG states hold python tuples and numpy arrays, which weights_only refuses; the file is our own.
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    rng = torch.load(path / "rng.pt", weights_only=False)  # python tuples and numpy arrays; the file is our own
     return json.loads((path / "trainer_state.json").read_text()), rng
-
-
-def refuse_to_overwrite(output_dir: Path | None, metrics_file: str) -> None:
-    """Refuse to start a fresh run in a folder that already holds one (its checkpoints or a non-empty metrics file)."""
-    if output_dir is None:
-        return
-    metrics = output_dir / metrics_file
-    if checkpoints(output_dir) or (metrics.exists() and metrics.stat().st_size > 0):
-        raise FileExistsError(
-            f"{output_dir} already holds a run (checkpoints or {metrics_file}). Resume it with resume_from=True "
-            "(cbkit train --resume), or choose an empty output_dir."
-        )
 
 
 def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | bool) -> Path:
@@ -134,16 +113,16 @@ def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | b
     return path
 
 
-# --- a trainer's run: started fresh or resumed, saved ---------------------------------------------------------
-
-
 def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> None:
-    """Start `trainer`'s run: fresh (refusing a folder that holds a run; the RNGs seeded from the config), or with
-    `resume_from` (True: the newest checkpoint in output_dir) exactly where that checkpoint left it."""
+    """Start `trainer`'s run fresh (the RNGs seeded from the config; never over a folder holding a run), or exactly
+    where the checkpoint `resume_from` (True: the newest in output_dir) left it."""
     if resume_from:
         resume(trainer, resume_from)
         return
-    refuse_to_overwrite(trainer.state.output_dir, METRICS_FILE)
+    out = trainer.state.output_dir
+    if out is not None and (checkpoints(out) or (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size):
+        raise FileExistsError(f"{out} already holds a run (checkpoints or {METRICS_FILE}). Resume it with "
+                              "resume_from=True (cbkit train --resume), or choose an empty output_dir.")
     seed_everything(trainer.config.seed)
     trainer.state.rng = capture_rng()
 

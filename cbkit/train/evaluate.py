@@ -1,11 +1,8 @@
 """Held-out evaluation: accuracy on problems the run never trains on, at step 0 and every `eval_steps` steps.
 
-Train reward is no evidence that a recipe learns (it rises as well when the policy games the reward;
-docs/learning.md), so the loop samples a fixed set of problems it never trains on and scores them with
-`verified_reward` (math-verify): the same problems, prompts and seed (`EVAL_SEED`) in every evaluation and every run
-of a recipe; drawn first, their questions removed from the training problems (`without_held_out`); through the CB
-engine at the training temperature, timed on its own (`eval/seconds`), with the RNG state restored around it, so a
-run with evaluation trains exactly as the same run without it.
+Train reward is no evidence that a recipe learns (a policy that games the reward raises it too), so the loop scores a
+fixed set (the same seed, `EVAL_SEED`, in every run), drawn first and removed from the training problems, with
+`verified_reward` (math-verify), through the CB engine, the RNG state restored around it: evaluation changes no draw.
 """
 
 from __future__ import annotations
@@ -22,12 +19,11 @@ from cbkit.rollout import RolloutBackend, SamplingParams
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import compute_rewards, verified_reward
 
-# The evaluation set's seed and its sampler's: one constant, so every run of every recipe meets the same problems.
-EVAL_SEED = 20_240_601
+EVAL_SEED = 20_240_601  # the evaluation set's seed and its sampler's
 
 
 def question_key(problem: Problem) -> str:
-    """What makes two problems the same for the leak check: the question, whitespace-normalised."""
+    """The question, whitespace-normalised: what makes two problems the same for the leak check."""
     return " ".join(problem.question.split())
 
 
@@ -46,8 +42,8 @@ def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> l
 
 @dataclass
 class HeldOut:
-    """A run's fixed evaluation set, and when and how it is scored: before training and every `every` steps (and
-    after the last), through `backend`. Empty (`every=0`, no problems) for a run without evaluation."""
+    """A run's fixed evaluation set, scored before training and every `every` steps (and after the last) through
+    `backend`; empty (`every=0`) for a run without evaluation."""
 
     problems: list[Problem]
     prompts: list[list[int]]
@@ -62,8 +58,7 @@ class HeldOut:
     @classmethod
     def for_run(cls, config: Any, run: Any, backend: RolloutBackend, sampling: SamplingParams,
                 rewards: Mapping[str, Callable[..., list[float]]]) -> HeldOut:
-        """The set `config` asks for, scored through the CB engine whatever the training rollouts use (a CB training
-        backend is reused), so runs with `generate()` and with CB are scored by one sampler."""
+        """The set `config` asks for, scored through the CB engine whatever the training rollouts use."""
         if not config.eval_steps:
             return cls([], [], 0)
         if backend.name != "continuous":
@@ -77,20 +72,19 @@ class HeldOut:
             decode=lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True))
 
     def before_training(self, step: int) -> list[Any]:
-        """The step-0 record of the held-out curve, when a run starts from step 0 with evaluation on."""
+        """The step-0 record of the held-out curve, for a run that starts at step 0."""
         from cbkit.train.hooks import StepRecord
 
         return [StepRecord(0, dict(self.evaluate()))] if self.every and step == 0 else []
 
     def after_step(self, step: int) -> dict[str, float]:
-        """`eval/*` on the steps that evaluate (every `every`, and the last), nothing on the others."""
+        """`eval/*` on the steps that evaluate, nothing on the others."""
         due = self.every and (step % self.every == 0 or step == self.last_step)
         return self.evaluate() if due else {}
 
     def evaluate(self) -> dict[str, float]:
-        """Sample `num_generations` completions per held-out problem and score them: `eval/accuracy` (math-verify),
-        `eval/<reward>` for each training reward, `eval/mean_length`, `eval/truncated_frac`, `eval/seconds`."""
-        if self.backend is None or self.sampling is None or self.decode is None:
+        """`eval/accuracy` (math-verify), `eval/<reward>` per training reward, lengths and time."""
+        if self.backend is None or self.sampling is None or self.decode is None or self.rewards is None:
             raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # the training stream of random numbers is left as it was
@@ -99,18 +93,12 @@ class HeldOut:
         texts = [self.decode(c.completion_ids) for c in rollout.completions]
         answers = [self.problems[c.group].answer for c in rollout.completions]
         metrics: dict[str, float] = {"eval/accuracy": _mean(verified_reward(texts, answers))}
-        if self.rewards:
-            _, per_reward = compute_rewards(texts, answers, dict(self.rewards), [1.0] * len(self.rewards),
-                                            num_generations=self.num_generations)
-            metrics.update({f"eval/{k.removeprefix('reward/')}": _mean(v) for k, v in per_reward.items()})
-        lengths = [len(c.completion_ids) for c in rollout.completions]
-        metrics.update({
-            "eval/mean_length": sum(lengths) / len(lengths),
-            "eval/truncated_frac": _mean([c.finish_reason == "length" for c in rollout.completions]),
-            "eval/completions": float(len(texts)),
-            "eval/seconds": time.perf_counter() - start,
-        })
-        return metrics
+        _, per_reward = compute_rewards(texts, answers, dict(self.rewards), [1.0] * len(self.rewards),
+                                        num_generations=self.num_generations)
+        metrics.update({f"eval/{k.removeprefix('reward/')}": _mean(v) for k, v in per_reward.items()})
+        return {**metrics, "eval/mean_length": _mean([len(c.completion_ids) for c in rollout.completions]),
+                "eval/truncated_frac": _mean([c.finish_reason == "length" for c in rollout.completions]),
+                "eval/completions": float(len(texts)), "eval/seconds": time.perf_counter() - start}
 
 
 def build_held_out(config: Any, tokenizer: Any) -> HeldOut:
@@ -119,8 +107,7 @@ def build_held_out(config: Any, tokenizer: Any) -> HeldOut:
 
     source = config.eval_data or config.data
     options = config.data_options if source == config.data else None
-    # A generated task can draw the same question twice: keep each once, so every problem weighs the same, and draw
-    # more than needed so that the set still has eval_num_problems of them where the task has that many.
+    # A generated task can draw a question twice: each kept once, from more draws than needed.
     drawn = load_problems(source, n=4 * config.eval_num_problems, seed=EVAL_SEED, options=options)
     unique = list({question_key(p): p for p in drawn}.values())[: config.eval_num_problems]
     prompts = [chat_prompt_ids(tokenizer, p, system_prompt=config.system_prompt) for p in unique]

@@ -1,33 +1,19 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 
-Read `GRPOTrainer.step` first: it is the whole algorithm, one stage a line, each stage a method the tests call on
-its own. The maths is `cbkit.train.objective` (checked against TRL 1.16's code); this file moves data between the
-stages and makes them observable (`cbkit.train.hooks`). What varies between runs is an object built once, not a
-branch here: where a rollout comes from (`cbkit.train.rollouts.RolloutSource`: on-policy, or lagged or async in
-`cbkit.train.offpolicy`, which also own their drift metrics), when the held-out set is scored
-(`cbkit.train.evaluate.HeldOut`), and how a run starts or resumes (`cbkit.train.checkpoint`).
-
-The rollout keeps the engine's *sampling logprobs* (`cbkit.rollout`); the old-logprob forward before any update
-gives `logprob/*` (engine vs trainer on the same weights) and the importance-sampling (IS) weights exp(old -
-sampling), which correct for the engine not being the training forward. Released TRL drops those logprobs on its
-CB path and skips the correction; cbkit keeps them.
-
-What this loop simplifies, relative to TRL's GRPOTrainer, and why
------------------------------------------------------------------
-* One process, one device; scale-out is TRL's job (`cbkit.trl.config`, `accelerate launch`).
-* One rollout per step, `num_iterations` updates on it; old logprobs always recomputed (the IS weights need them).
-* Constant learning rate, AdamW (`optim`), no scheduler. Dropout off (eval mode), as TRL's `disable_dropout`.
-  The reference model (beta > 0) is a frozen copy of the policy as loaded.
-* Text only, single turn; a reward that raises or is not finite stops the run with its name.
-* fp32 logits a chunk of `forward_chunk_rows` completions at a time, each chunk back-propagated on its own.
-* The weights that train are fp32; `dtype` is an autocast over them (`cbkit.models.load.training_precision`).
-  Policy logprobs divide the logits by the temperature, as TRL's; top-p/top-k: see `cbkit.train.objective`.
+Read `GRPOTrainer.step` first: the whole algorithm, one stage a line, each stage a method. The maths is
+`cbkit.train.objective`; this file moves data between the stages and makes them observable (`cbkit.train.hooks`).
+What varies between runs is an object built once, not a branch here: the rollout source (`cbkit.train.rollouts`,
+`cbkit.train.offpolicy`), the held-out set (`cbkit.train.evaluate`), a fresh or resumed start (`checkpoint`).
+The rollout keeps the engine's sampling logprobs, so the old-logprob forward gives `logprob/*` and the IS weights
+exp(old - sampling); released TRL drops them on its CB path. Simplified against TRL's GRPOTrainer: one process and
+device, a constant learning rate (AdamW, no scheduler), dropout off, text only, fp32 weights under an autocast.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -84,8 +70,8 @@ class GRPOTrainer:
                  rollouts: RolloutSource | None = None,
                  reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
                  hooks: Sequence[StepHooks] = (), policy: Any = None, problems: Sequence[Problem] | None = None) -> None:
-        """`run`: what `set_up_run` returned (else it is called once, on `policy`/`problems` when given). `backend`
-        samples the on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
+        """`run`: `set_up_run`'s set-up (else made once, on `policy`/`problems` when given). `backend` samples the
+        on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
         self.run_setup = run = set_up_for_config(config, run, policy=policy, problems=problems)
         self.model, self.tokenizer, self.pad_token_id = run.model, run.tokenizer, run.pad_token_id
         self.model.eval()  # dropout off for the whole run
@@ -98,16 +84,15 @@ class GRPOTrainer:
         self.config = c = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
         self.truncates = warn_if_truncated(c.top_p, c.top_k)
 
-        given = backend is not None
-        if backend is None:
-            backend = make_backend(c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id)
-        self.backend = check_backend(backend)
+        self.backend = check_backend(backend if backend is not None else make_backend(
+            c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id))
         # The held-out set is drawn first; its questions leave the training problems (cbkit.train.evaluate).
         self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
         self.problems = without_held_out(run.problems, self.held_out.problems)
         self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]
         self.order = PromptOrder(len(self.problems), c.seed)
-        self.rollouts = make_rollout_source(c, self.model, self.backend, given=rollouts, backend_given=given,
+        self.rollouts = make_rollout_source(c, self.model, self.backend, given=rollouts,
+                                            backend_given=backend is not None,
                                             max_prompt_len=max(map(len, self.prompt_ids)))
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if c.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
@@ -117,9 +102,7 @@ class GRPOTrainer:
         self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
         self.state = TrainState(step=0, max_steps=c.max_steps, config=c,
                                 output_dir=Path(c.output_dir) if c.output_dir else None)
-        self.hooks = default_hooks(c, self.state.output_dir, self.save_checkpoint) + list(hooks)
-
-    # --- the run --------------------------------------------------------------------------------------------
+        self.hooks = default_hooks(c, self.state.output_dir, functools.partial(checkpoint.save, self)) + list(hooks)
 
     def train(self, resume_from: str | Path | bool | None = None) -> TrainState:
         """Run until `max_steps`. `resume_from=True` resumes from the newest checkpoint in `output_dir`."""
@@ -132,11 +115,8 @@ class GRPOTrainer:
             while self.state.step < self.config.max_steps:
                 self.step()
             self.state.status = "finished"
-        except KeyboardInterrupt:
-            self.state.status = "interrupted"
-            raise
-        except BaseException:
-            self.state.status = "failed"
+        except BaseException as error:
+            self.state.status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
             raise
         finally:
             for h in self.hooks:
@@ -174,10 +154,8 @@ class GRPOTrainer:
         return emit(self.hooks, self.state, StepRecord(step, metrics))
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy of the current weights (`cbkit.train.evaluate`): the run's evidence that it learns."""
+        """Held-out accuracy of the current weights (`cbkit.train.evaluate`)."""
         return self.held_out.evaluate()
-
-    # --- the stages -----------------------------------------------------------------------------------------
 
     def sampling_params(self, step: int) -> SamplingParams:
         c = self.config
@@ -186,8 +164,8 @@ class GRPOTrainer:
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
     def rollout(self, indices: Sequence[int], step: int) -> SourcedRollout:
-        """N completions for each prompt, from the run's rollout source; checked once, here, where they enter. The
-        request names the next step's prompts too (none after the last step): a source may decode them ahead."""
+        """N completions for each prompt from the run's rollout source, checked where they enter; the request names
+        the next step's prompts too (a source may decode them ahead)."""
         ahead = self.order.indices(self.state.data_position + len(indices), self.config.prompts_per_step)
         request = self._request(indices, step, self._request(ahead, step + 1) if step < self.config.max_steps else None)
         return check_entry(self.rollouts.rollout(request), request)
@@ -208,38 +186,29 @@ class GRPOTrainer:
         groups = total.view(-1, rollout.num_generations)
         lengths = torch.tensor([len(c.completion_ids) for c in rollout.completions], dtype=torch.float64)
         metrics.update({
-            "reward/mean": total.mean().item(),
-            "reward/std": total.std().item(),
+            "reward/mean": total.mean().item(), "reward/std": total.std().item(),
             # Groups whose N rewards are all equal have advantage 0 everywhere: they teach nothing this step.
             "reward/zero_std_frac": (groups.std(dim=1) == 0).double().mean().item(),
-            "completion/mean_length": lengths.mean().item(),
-            "completion/max_length": int(lengths.max()),
+            "completion/mean_length": lengths.mean().item(), "completion/max_length": int(lengths.max()),
             "completion/truncated_frac": sum(c.finish_reason == "length" for c in rollout.completions) / len(texts),
-            "rollout/seconds": rollout.wall_s,
-            "rollout/tokens_per_s": rollout.tokens_per_s,
-            "rollout/completion_tokens": rollout.completion_tokens,
-            "rollout/peak_mem_bytes": rollout.peak_mem_bytes,
-            "rollout/backend": rollout.backend,
-        })
+            "rollout/seconds": rollout.wall_s, "rollout/tokens_per_s": rollout.tokens_per_s,
+            "rollout/completion_tokens": rollout.completion_tokens, "rollout/peak_mem_bytes": rollout.peak_mem_bytes,
+            "rollout/backend": rollout.backend})
         return total, metrics
 
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        # The config's str fields are held to the objective's Literal values by CBGRPOConfig._check.
         advantages = group_advantages(rewards, c.num_generations, cast(Any, c.scale_rewards),
                                       cast(Any, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
-        # The whole completion mask, truncated completions included: their weights never reach the loss when
-        # they are masked, and `logprob/*` should describe every token the engine sampled.
+        # The whole completion mask: `logprob/*` describes every token the engine sampled.
         weights: Tensor | None
-        weights, metrics = importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, cast(Any, c.importance_sampling_mode),
-            c.clip_max, c.clip_min,
-        )
+        weights, metrics = importance_weights(old_processed, batch.sampling_logps, batch.completion_mask,
+                                              cast(Any, c.importance_sampling_mode), c.clip_max, c.clip_min)
         if self.truncates and batch.sampling_logps is not None:
             gap = (batch.sampling_logps - old).abs()[batch.completion_mask]
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
@@ -257,16 +226,13 @@ class GRPOTrainer:
 
     def optimize(self, prepared: Prepared) -> dict[str, float]:
         """`num_iterations` optimizer updates on one prepared rollout; metrics averaged over them."""
-        losses, norms, others = [], [], []
+        updates = []
         for _ in range(self.config.num_iterations):
             metrics = self.accumulate_gradients(prepared)
-            losses.append(metrics.pop("train/loss"))
-            others.append(metrics)
-            norms.append(self.optimizer_step())
-        out = {k: sum(m[k] for m in others) / len(others) for k in others[0]}
-        out.update({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(norms) / len(norms),
-                    "train/learning_rate": self.optimizer.param_groups[0]["lr"]})
-        return out
+            metrics["train/grad_norm"] = self.optimizer_step()
+            updates.append(metrics)
+        out = {k: sum(m[k] for m in updates) / len(updates) for k in updates[0]}
+        return {**out, "train/learning_rate": self.optimizer.param_groups[0]["lr"]}
 
     def accumulate_gradients(self, prepared: Prepared) -> dict[str, float]:
         """Fresh gradients of one optimizer update, summed over `gradient_accumulation_steps` micro-batches."""
@@ -281,8 +247,7 @@ class GRPOTrainer:
         loss_sum, sums = 0.0, dict[str, float]()
         for k in range(ga):
             micro_mask = p.loss_mask[k * size : (k + 1) * size]
-            # A micro-batch a chunk of rows at a time, each chunk's loss scaled to its share of the micro-batch's
-            # and back-propagated at once: only one chunk's activations and logits are alive (objective.chunk_share).
+            # A chunk of rows at a time, each chunk's loss scaled to its share and back-propagated at once.
             for rows, mb, logits in chunked_logits(self.model, p.batch, c.forward_chunk_rows, start=k * size,
                                                    stop=(k + 1) * size, autocast_dtype=self.autocast_dtype):
                 t = mb.completion_width
@@ -294,8 +259,7 @@ class GRPOTrainer:
                     ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
                     is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
                     max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
-                    gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction,
-                )
+                    gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction)
                 loss_share, token_share = chunk_share(loss_type, p.loss_mask[rows], micro_mask)
                 (loss * loss_share).backward()
                 loss_sum += loss.item() * loss_share
@@ -314,13 +278,10 @@ class GRPOTrainer:
         self.rollouts.after_update(self.policy_version)
         return norm
 
-    def save_checkpoint(self, step: int) -> Path:
-        return checkpoint.save(self, step)
-
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], one no-grad forward per chunk, and True where a
-        sampled token lay outside the trainer's replayed nucleus (kept in it: `objective.replayed_logprobs`)."""
+        """Temperature-only and sampler-processed logprobs [B, T], and where a sampled token lay outside the
+        trainer's nucleus (`objective.replayed_logprobs`)."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps

@@ -1,11 +1,9 @@
 """Step hooks: every stage of a step made observable without the loop knowing who watches.
 
-A hook subclasses `StepHooks` and overrides what it needs. The loop calls `on_train_begin(state)` (after a resume
-is applied), per step `on_step_begin(step)`, `on_rollout_end(rollout)` and `on_step_end(record)` (with held-out
-evaluation on, also once before the first step: step 0, the `eval/*` metrics alone), and `on_train_end(state)`
-(also after an error or an interrupt: `state.status`). The built-ins run the NaN guard before the JSONL writer and
-the checkpoints, so a diverged step is neither logged nor saved. Metrics are namespaced: `reward/*`,
-`completion/*`, `rollout/*`, `train/*`, `logprob/*`, `is/*`, `offpolicy/*`, `eval/*`.
+A hook subclasses `StepHooks` and overrides what it needs: `on_train_begin(state)` (after a resume is applied), per
+step `on_step_begin`, `on_rollout_end` and `on_step_end(record)` (with evaluation on, also a step-0 record of
+`eval/*` alone), and `on_train_end(state)` (also after an error: `state.status`). The NaN guard runs before the
+JSONL writer and the checkpoints, so a diverged step is neither logged nor saved.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ class StepRecord:
     metrics: dict[str, Metric] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        # NaN (e.g. logprob/* when a backend gives no logprobs) is written as JSON null, not as invalid JSON.
+        # NaN (logprob/* of a backend without logprobs) as JSON null, not invalid JSON.
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
         return json.dumps({"step": self.step, **clean})
 
@@ -53,14 +51,13 @@ class TrainState:
     output_dir: Path | None = None
     resumed_from: Path | None = None
     status: RunStatus = "running"
-    # True while the model and optimizer are exactly as they were at the end of `step`; False from a step's
-    # first optimizer update until that step ends. A checkpoint of `step` can only be written when True.
-    resumable: bool = True
+    resumable: bool = True  # the weights are exactly `step`'s end (False mid-update): only then may it be saved
     data_position: int = 0  # prompts taken so far (`cbkit.train.order.PromptOrder`)
     rng: dict[str, Any] | None = None  # the RNG states at the end of `step`: what a checkpoint of it restores
 
     def finish_step(self, step: int, prompts: int) -> None:
-        self.step, self.data_position, self.rng, self.resumable = step, self.data_position + prompts, capture_rng(), True
+        self.step, self.data_position, self.rng = step, self.data_position + prompts, capture_rng()
+        self.resumable = True
 
 
 def emit(hooks: list[StepHooks], state: TrainState, record: StepRecord) -> StepRecord:
@@ -92,8 +89,7 @@ class ProgressBarHook(StepHooks):
     """A tqdm bar (widget in notebooks, text elsewhere) with the step's reward and rollout speed."""
 
     def __init__(self, **tqdm_kwargs: Any) -> None:
-        self.tqdm_kwargs = tqdm_kwargs
-        self.bar = None
+        self.tqdm_kwargs, self.bar = tqdm_kwargs, None
 
     def on_train_begin(self, state: TrainState) -> None:
         from tqdm.auto import tqdm
@@ -116,8 +112,8 @@ class ProgressBarHook(StepHooks):
 
 
 class JSONLHook(StepHooks):
-    """One JSON line per finished step, on disk before the next starts; on train begin the lines of steps after the
-    one it starts from are dropped (a resumed run writes them again)."""
+    """One JSON line per finished step, on disk before the next starts; a resumed run drops the lines after its
+    start and writes them again."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -139,12 +135,10 @@ class JSONLHook(StepHooks):
 
 
 class CheckpointHook(StepHooks):
-    """Saves every `save_steps` steps and when training ends, then only if `state.resumable` (the weights are a
-    finished step's: an interrupt mid-update leaves the previous checkpoint the resume point)."""
+    """Saves every `save_steps` steps and when training ends, then only if `state.resumable`."""
 
     def __init__(self, save: Callable[[int], Path], save_steps: int) -> None:
-        self.save = save
-        self.save_steps = save_steps
+        self.save, self.save_steps = save, save_steps
         self.last_saved: int | None = None
 
     def on_train_begin(self, state: TrainState) -> None:
@@ -164,8 +158,6 @@ class CheckpointHook(StepHooks):
 class NaNGuardHook(StepHooks):
     """Stops training when the loss or the gradient norm is NaN or infinite, saying where and what to try."""
 
-    watched = ("train/loss", "train/grad_norm")
-
     def __init__(self) -> None:
         self.learning_rate: float | None = None
 
@@ -173,14 +165,13 @@ class NaNGuardHook(StepHooks):
         self.learning_rate = state.config.learning_rate
 
     def on_step_end(self, record: StepRecord) -> None:
-        for key in self.watched:
+        for key in ("train/loss", "train/grad_norm"):
             value = record.metrics.get(key)
             if isinstance(value, int | float) and not math.isfinite(value):
                 raise FloatingPointError(
-                    f"{key} is {value} at step {record.step}: training diverged. This step is not logged or "
-                    f"saved; resume from the last checkpoint with a lower learning_rate (now {self.learning_rate}) "
-                    "or a max_grad_norm > 0, and check the rewards and advantages of the steps before it."
-                )
+                    f"{key} is {value} at step {record.step}: training diverged. This step is not logged or saved; "
+                    f"resume from the last checkpoint with a lower learning_rate (now {self.learning_rate}) or a "
+                    "max_grad_norm > 0.")
 
 
 def default_hooks(config: Any, output_dir: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:

@@ -1,9 +1,6 @@
-"""The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it.
-
-`chunked_logits` is the forward every teacher-forced logprob comes from: the loop's old logprobs and chunked
-backward, `teacher_forced_logprobs` (the checks, `cbkit demo`, notebook 02) and the tests' reference. On unchanged
-weights the logprob a backend reports for a sampled token must equal the training forward's under the same
-processed distribution; otherwise the IS correction would "correct" a bug.
+"""The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it: on unchanged
+weights a sampled token's logprob must equal the training forward's under the same distribution, or the IS
+correction would "correct" a bug.
 """
 
 from __future__ import annotations
@@ -15,21 +12,20 @@ import torch
 from torch import Tensor
 
 from cbkit.rollout.base import Completion, Rollout, SamplingParams
-from cbkit.train.batch import Batch, completion_logits, longest_first_chunks
+from cbkit.train.batch import Batch, completion_logits
 from cbkit.train.objective import policy_logprobs, processed_logprobs
 
 
 def chunked_logits(model, batch: Batch, chunk_rows: int | None, *, start: int = 0, stop: int | None = None,
                    autocast_dtype: torch.dtype | None = None) -> Iterator[tuple[Tensor, Batch, Tensor]]:
-    """The teacher-forced forward of rows [start, stop), ``chunk_rows`` at a time, longest first: per chunk its row
-    indices, the chunk (`Batch.take`) and its completion logits. Gradients follow the caller (no_grad for old
-    logprobs; a chunked backward back-propagates each chunk before asking for the next)."""
+    """The teacher-forced forward of rows [start, stop), `chunk_rows` at a time (None: all), longest first (a chunk
+    pads little; a stable sort: a rerun forms the same chunks): per chunk its row indices, rows and logits."""
     stop = len(batch) if stop is None else stop
-    if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}.")
-    for rows in longest_first_chunks(start, stop, chunk_rows, batch.attention_mask):
-        mb = batch.take(rows)
-        yield rows, mb, completion_logits(model, mb, autocast_dtype)
+    order = start + torch.argsort(batch.attention_mask[start:stop].sum(-1), descending=True, stable=True)
+    size = stop - start if chunk_rows is None else chunk_rows
+    for i in range(0, stop - start, size):
+        mb = batch.take(order[i : i + size])
+        yield order[i : i + size], mb, completion_logits(model, mb, autocast_dtype)
 
 
 @torch.no_grad()
@@ -39,12 +35,10 @@ def teacher_forced_logprobs(
     sampling: SamplingParams | None = None,
     batch_size: int | None = 16,
 ) -> list[Tensor]:
-    """Per completion, the logprob of each of its tokens from the forward training runs (`chunked_logits`,
-    ``batch_size`` rows a forward), so every check built on it checks that forward. `sampling=None` (or greedy): the
-    raw distribution; otherwise the one the sampler used."""
+    """Per completion, each token's logprob from the forward training runs (`chunked_logits`); `sampling=None` (or
+    greedy): the raw distribution, otherwise the sampler's."""
     device = next(model.parameters()).device
-    # The pad id only fills masked positions, which no real position attends to: any id gives the same
-    # logprobs. 0 exists in every vocabulary.
+    # The pad id only fills masked positions: any id (0 is in every vocabulary) gives the same logprobs.
     batch = Batch.from_completions(completions, pad_token_id=0, device=device, with_logprobs=False)
     out: list[Tensor | None] = [None] * len(completions)
     for rows, mb, logits in chunked_logits(model, batch, batch_size):
@@ -73,9 +67,8 @@ def logprob_check(model, rollout: Rollout, sampling: SamplingParams) -> dict[str
 
 @torch.no_grad()
 def logprob_pairs(model, rollout: Rollout, sampling: SamplingParams, batch_size: int = 16) -> dict[str, torch.Tensor]:
-    """Every completion token's sampling logprob beside two teacher-forced references, flattened: ``processed``
-    (the sampler's distribution: cbkit's IS reference), ``temperature_only`` (TRL's), and ``sequence`` (each token's
-    completion index)."""
+    """Every completion token's sampling logprob beside the teacher-forced `processed` (cbkit's IS reference) and
+    `temperature_only` (TRL's), flattened, with `sequence` (each token's completion index)."""
     if not rollout.has_logprobs:
         raise ValueError(f"This {rollout.backend!r} rollout carries no sampling logprobs "
                          f"({rollout.logprobs_missing_reason}); there is nothing to compare.")

@@ -1,30 +1,11 @@
 """The objective: advantages, the clipped policy loss, KL and the importance-sampling (IS) correction.
 
-Pure functions on tensors. TRL 1.16 is the definition followed, and `tests/test_objective.py` runs TRL's own code
-as the oracle, so "as TRL" below is a tested claim.
-
-* **Advantage** (`group_advantages`): r_i minus its group's mean, divided by the group's std (`"group"`, TRL's
-  default), the batch's (`"batch"`) or nothing (`"none"`, Dr. GRPO); TRL's Bessel-corrected std plus 1e-4. RLOO:
-  the baseline is the mean of the *other* N-1 rewards (TRL's RLOO has no per-group scaling: refused).
-* **Sampling vs policy logprobs**: the engine samples from logits/temperature, then top-k, then top-p, and
-  reports log p under *that* distribution (`processed_logprobs`); the training forward uses temperature only
-  (`policy_logprobs`), as TRL's.
-* **IS weights** (`importance_weights`): rho = exp(old - sampling) per token (`token_*`) or per sequence
-  (`sequence_*`, the sum of the log-ratios), clamped to [clip_min, clip_max] (`*_truncate`) or zeroed outside
-  (`*_mask`). TRL computes it only with vLLM; on its CB path it has no sampling logprobs (our `is/skipped`).
-* **Loss** (`grpo_loss`): -min(rho_t A, clip(rho_t, 1-eps, 1+eps_high) A), rho_t = exp(policy - old), times the
-  IS weight, plus beta times the k3 KL exp(ref - pol) - (ref - pol) - 1 (times rho_t: `kl_bias_correction`).
-
-Top-p / top-k, a decision: compared with temperature-only logprobs (as TRL does) every IS ratio shrinks by the mass
-the truncation removed, and per sequence the product falls toward 0 on a correct engine. cbkit computes the IS
-reference and `logprob/*` under the sampler's own processed distribution (`replayed_logprobs`), a sampled token
-the trainer's nucleus leaves out kept inside its support (`logprob/outside_support_tokens` counts them). The
-loss's ratio stays temperature-only; the truncation itself is not corrected
-(`logprob/temperature_only_max_abs_diff` shows its size).
-
-Left out against TRL 1.16: GSPO's sequence-level ratio, two-sided `delta`, cispo/sapo, entropy masks; a
-non-finite reward is an error (TRL gives it advantage 0). `dapo` divides by `num_items_in_batch`: the tokens of
-all micro-batches of one optimizer step.
+Pure functions on tensors, following TRL 1.16 (`tests/test_objective.py` runs TRL's code as the oracle); the values
+they take are checked once, by `CBGRPOConfig`. The engine samples from logits / temperature, then top-k, then top-p
+(`processed_logprobs`); the training forward uses temperature only (`policy_logprobs`), as TRL's. With top-p/top-k,
+cbkit takes the IS reference under the sampler's own distribution (`replayed_logprobs`), so a ratio measures the
+engine-vs-trainer mismatch, not the truncated mass; the loss's ratio stays temperature-only. Left out against TRL:
+GSPO, two-sided `delta`, cispo/sapo, entropy masks; a non-finite reward is an error (TRL gives it advantage 0).
 """
 
 from __future__ import annotations
@@ -45,38 +26,19 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-# --- advantages ---------------------------------------------------------------------------------------------
-
-
-def group_advantages(
-    rewards: Tensor,
-    num_generations: int,
-    scale_rewards: ScaleRewards = "group",
-    estimator: Estimator = "grpo",
-) -> Tensor:
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
+                     estimator: Estimator = "grpo") -> Tensor:
     """Advantages for rewards laid out group after group (prompt 0's N completions first). Shape [B]."""
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor, one per completion; got shape {tuple(rewards.shape)}")
-    if num_generations < 2:
-        raise ValueError(
-            f"num_generations={num_generations}: a group needs at least 2 completions to have a baseline "
-            "(with 1, every advantage is 0); set num_generations >= 2"
-        )
     if rewards.numel() % num_generations:
-        raise ValueError(
-            f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; pass "
-            f"N completions for every prompt (a batch of {num_generations} x number of prompts)"
-        )
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; "
+                         f"pass N completions for every prompt (a batch of {num_generations} x number of prompts)")
     bad = (~torch.isfinite(rewards)).nonzero()
     if bad.numel():
         i = int(bad[0])
-        raise ValueError(
-            f"rewards[{i}] is {rewards[i].item()} (prompt {i // num_generations}, completion "
-            f"{i % num_generations}); reward functions must return a finite number for every completion"
-        )
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'")
-
+        raise ValueError(f"rewards[{i}] is {rewards[i].item()} (prompt {i // num_generations}, completion "
+                         f"{i % num_generations}); reward functions must return a finite number for every completion")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     groups = r.view(-1, num_generations)
     if estimator == "grpo":
@@ -86,37 +48,24 @@ def group_advantages(
         elif scale_rewards == "batch":  # centred per group, scaled by the batch (PPO-Lite)
             adv = adv / (r.std() + STD_EPS)
         return adv.flatten()
-    if estimator == "rloo":
-        if scale_rewards == "group":
-            raise ValueError(
-                "TRL's RLOO has no per-group scaling; use scale_rewards='none' (RLOOConfig's default) or "
-                "'batch' (RLOOConfig.normalize_advantages=True)"
-            )
-        others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (num_generations - 1)
-        adv = (groups - others_mean).flatten()
-        if scale_rewards == "batch":
-            adv = (adv - adv.mean()) / (adv.std() + STD_EPS)
-        return adv
-    raise ValueError(f"estimator={estimator!r}; use 'grpo' or 'rloo'")
+    # rloo: the baseline is the mean of the other N - 1 (no per-group scaling: CBGRPOConfig refuses it)
+    others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (num_generations - 1)
+    adv = (groups - others_mean).flatten()
+    if scale_rewards == "batch":
+        adv = (adv - adv.mean()) / (adv.std() + STD_EPS)
+    return adv
 
 
-# --- logprobs -----------------------------------------------------------------------------------------------
-
-
-def processed_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> Tensor:
-    """log p(token) under the distribution a sampler draws from: transformers' temperature -> top-k -> top-p.
-
-    `logits` is [..., V], `tokens` is [...]. Filtered-out tokens get -inf. Computed in fp32, like `generate`.
-    """
+def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> Tensor:
+    """log p(token) [...] under the distribution a sampler draws from (transformers' temperature -> top-k -> top-p),
+    in fp32; filtered-out tokens get -inf."""
     scores = _sampler_scores(logits, temperature, top_k, top_p)
     return scores.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def replayed_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> tuple[Tensor, Tensor]:
+def replayed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0,
+                      top_p: float = 1.0) -> tuple[Tensor, Tensor]:
     """`processed_logprobs` of tokens the sampler *did* draw, each kept inside its own support: a token at the edge
     of the nucleus (a bf16 rounding is enough) would otherwise get -inf, an IS ratio of 0 and, per sequence, zero its
     completion's loss. Returns (logprobs, outside: where the trainer's nucleus had left the token out)."""
@@ -129,10 +78,6 @@ def replayed_logprobs(
 
 def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """logits / temperature with what top-k, then top-p, filter out set to -inf: the sampler's scores, [..., V]."""
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
-    if top_k < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_k={top_k}, top_p={top_p}: need top_k >= 0 (0 = off) and 0 < top_p <= 1")
     scores = logits.float() / temperature
     if top_k > 0:
         kth = scores.topk(min(top_k, scores.size(-1)), dim=-1).values[..., -1:]
@@ -151,38 +96,20 @@ def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float
 def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """What TRL's training forward computes: log_softmax(logits / temperature) at the token, in fp32, selectively
     (the score minus the logsumexp: no [..., V] log-softmax beside the logits, as TRL's `selective_log_softmax`)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no sampling logprobs)")
     scores = logits.float() if temperature == 1 else logits.float() / temperature
     return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
-# --- importance-sampling correction -------------------------------------------------------------------------
-
-
-def importance_weights(
-    policy_logps_old: Tensor,
-    sampling_logps: Tensor | None,
-    mask: Tensor,
-    mode: ISMode,
-    clip_max: float | None = 3.0,
-    clip_min: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def importance_weights(policy_logps_old: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: ISMode,
+                       clip_max: float | None = 3.0, clip_min: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Per-token IS weights [B, T] for the engine's `sampling_logps` (NaN: no correction for that token, as TRL)
     against the trainer's `policy_logps_old`, and TRL's `sampling/*` metrics as `is/*` and `logprob/*`: ratios
     over tokens or sequences (by mode) after the clip, `is/clipped_frac` the share clipped or masked."""
-    if mode not in IS_MODES:
-        raise ValueError(f"mode={mode!r}; use one of {IS_MODES}")
     if sampling_logps is None:  # e.g. TRL's transformers-CB path: no sampling logprobs, no correction
         nan = float("nan")  # nothing to compare
         metrics = {"is/skipped": 1.0, "is/ratio_mean": 1.0, "is/ratio_min": 1.0, "is/ratio_max": 1.0,
                    "is/clipped_frac": 0.0, "logprob/mean_abs_diff": nan, "logprob/max_abs_diff": nan}
         return torch.ones_like(policy_logps_old, dtype=torch.float32), metrics
-    if not policy_logps_old.shape == sampling_logps.shape == mask.shape:
-        raise ValueError(
-            f"shapes differ: policy_logps_old {tuple(policy_logps_old.shape)}, sampling_logps "
-            f"{tuple(sampling_logps.shape)}, mask {tuple(mask.shape)}; all must be [B, T] over completion tokens"
-        )
     old, sampled, m = policy_logps_old.detach().float(), sampling_logps.detach().float(), mask.bool()
 
     log_ratio = torch.nan_to_num((old - sampled) * m, nan=0.0)  # padding and unscored tokens: ratio 1
@@ -210,14 +137,9 @@ def importance_weights(
     return weights.expand_as(old).contiguous(), metrics
 
 
-# --- the loss -----------------------------------------------------------------------------------------------
-
-
 def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tensor) -> tuple[float, float]:
     """The factors that make a chunk's `grpo_loss` (and its token-share metrics) its part of the micro-batch's, so
     the chunks' losses and gradients add up: grpo/dr_grpo its rows' share, bnpo its tokens' share, dapo 1."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")
     tokens = float(chunk_mask.sum())
     all_tokens = max(float(micro_batch_mask.sum()), 1.0)
     if loss_type in ("grpo", "dr_grpo"):
@@ -229,76 +151,35 @@ def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tenso
     return loss_share, tokens / all_tokens
 
 
-def per_token_loss(
-    policy_logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    *,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    ref_logps: Tensor | None = None,
-    is_weights: Tensor | None = None,
-    kl_bias_correction: bool = True,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The [B, T] loss before aggregation, the policy ratio exp(policy - old), and the per-token KL (or None)."""
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # one advantage for every token
-    ratio = torch.exp(policy_logps - old_logps.detach())
-    clipped = ratio.clamp(1 - epsilon, 1 + eps_high)
-    loss = -torch.min(ratio * adv, clipped * adv)  # pessimistic: the clip only ever removes incentive
-    if is_weights is not None:
-        loss = loss * is_weights.detach()  # TRL weighs the policy term only, not the KL added below
-    kl = None
-    if beta != 0.0:
-        if ref_logps is None:
-            raise ValueError(f"beta={beta} needs ref_logps (the reference model's logprobs); or set beta=0")
-        ref_minus_pol = ref_logps.detach() - policy_logps
-        kl = torch.exp(ref_minus_pol) - ref_minus_pol - 1  # k3: unbiased, always >= 0
-        if kl_bias_correction:  # makes its gradient the unbiased reverse-KL gradient off-policy
-            kl = kl * ratio
-        loss = loss + beta * kl
-    return loss, ratio, kl
-
-
-def grpo_loss(
-    policy_logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    loss_type: LossType,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    ref_logps: Tensor | None = None,
-    is_weights: Tensor | None = None,
-    max_completion_length: int | None = None,
-    num_items_in_batch: int | Tensor | None = None,
-    gradient_accumulation_steps: int = 1,
-    kl_bias_correction: bool = True,
-) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(policy_logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, loss_type: LossType,
+              epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+              ref_logps: Tensor | None = None, is_weights: Tensor | None = None,
+              max_completion_length: int | None = None, num_items_in_batch: int | Tensor | None = None,
+              gradient_accumulation_steps: int = 1, kl_bias_correction: bool = True) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss of one micro-batch, as TRL 1.16's `GRPOTrainer._compute_loss` returns it, and metrics.
 
-    Aggregation of the masked [B, T] per-token loss L:
+    Per token: -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A), rho = exp(policy - old), times the IS weight, plus
+    beta times the k3 KL exp(ref - pol) - (ref - pol) - 1 (times rho: `kl_bias_correction`). Aggregated:
       grpo:    mean over sequences of (sum_t L / tokens in the sequence)    (length bias: favours short wins)
       bnpo:    sum L / tokens in this micro-batch
       dr_grpo: sum L / (B * max_completion_length)                          (a constant: no length bias)
       dapo:    sum L / num_items_in_batch, the tokens of the whole optimizer step (TRL's default type)
-    grpo, bnpo and dr_grpo are divided by `gradient_accumulation_steps` so the micro-batch losses add up;
-    dapo already is, through its global token count.
+    grpo, bnpo and dr_grpo are divided by `gradient_accumulation_steps` so the micro-batch losses add up.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")
-    if not policy_logps.shape == old_logps.shape == mask.shape:
-        raise ValueError(
-            f"shapes differ: policy_logps {tuple(policy_logps.shape)}, old_logps {tuple(old_logps.shape)}, "
-            f"mask {tuple(mask.shape)}; all must be [B, T]"
-        )
-    loss_tok, ratio, kl = per_token_loss(
-        policy_logps, old_logps, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
-        ref_logps=ref_logps, is_weights=is_weights, kl_bias_correction=kl_bias_correction,
-    )
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # one advantage for every token
+    ratio = torch.exp(policy_logps - old_logps.detach())
+    loss_tok = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + eps_high) * adv)  # the clip only removes
+    if is_weights is not None:
+        loss_tok = loss_tok * is_weights.detach()  # TRL weighs the policy term only, not the KL added below
+    kl = None
+    if beta != 0.0:
+        assert ref_logps is not None, "beta > 0 needs the reference model's logprobs"
+        ref_minus_pol = ref_logps.detach() - policy_logps
+        kl = torch.exp(ref_minus_pol) - ref_minus_pol - 1  # k3: unbiased, always >= 0
+        if kl_bias_correction:  # makes its gradient the unbiased reverse-KL gradient off-policy
+            kl = kl * ratio
+        loss_tok = loss_tok + beta * kl
     m = mask.to(loss_tok.dtype)
     total = (loss_tok * m).sum()
     if loss_type == "grpo":
@@ -306,22 +187,17 @@ def grpo_loss(
     elif loss_type == "bnpo":
         loss = total / m.sum().clamp(min=1.0) / gradient_accumulation_steps
     elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' divides by B * max_completion_length; pass max_completion_length")
+        assert max_completion_length is not None, "dr_grpo divides by B * max_completion_length"
         loss = total / (loss_tok.size(0) * max_completion_length) / gradient_accumulation_steps
     else:  # dapo
         if num_items_in_batch is None:
             if gradient_accumulation_steps != 1:
-                raise ValueError(
-                    "loss_type='dapo' with gradient accumulation divides by the token count of all micro-batches "
-                    "of the step; pass num_items_in_batch"
-                )
+                raise ValueError("loss_type='dapo' with gradient accumulation divides by the token count of all "
+                                 "micro-batches of the step; pass num_items_in_batch")
             num_items_in_batch = m.sum()
         loss = total / torch.as_tensor(num_items_in_batch, dtype=total.dtype).clamp(min=1.0)
 
     # TRL's clip_ratio/*: tokens where the clip bit, i.e. the gradient is cut, as a share of completion tokens
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     low = (ratio < 1 - epsilon) & (adv < 0)
     high = (ratio > 1 + eps_high) & (adv > 0)
     n_tokens = m.sum().clamp(min=1.0)
@@ -329,11 +205,8 @@ def grpo_loss(
     def share(x: Tensor) -> float:
         return ((x.float() * m).sum() / n_tokens).item()
 
-    metrics = {
-        "train/clip_ratio/low_mean": share(low),
-        "train/clip_ratio/high_mean": share(high),
-        "train/clip_ratio/region_mean": share(low | high),
-    }
+    metrics = {"train/clip_ratio/low_mean": share(low), "train/clip_ratio/high_mean": share(high),
+               "train/clip_ratio/region_mean": share(low | high)}
     if kl is not None:
         metrics["train/kl"] = ((kl.detach() * m).sum() / n_tokens).item()
     return loss, metrics
@@ -345,14 +218,7 @@ def warn_if_truncated(top_p: float, top_k: int) -> bool:
         return False
     import warnings
 
-    warnings.warn(
-        f"top_p={top_p}, top_k={top_k}: the rollout samples from a truncated distribution. "
-        "cbkit computes the importance-sampling reference under that same truncated distribution, so the "
-        "IS ratio measures engine-vs-trainer mismatch only (TRL compares with temperature-only logprobs, "
-        "which shrinks every ratio by the truncated mass). The loss's policy ratio stays temperature-only "
-        "and the truncation itself is not corrected; logprob/temperature_only_max_abs_diff shows its size. "
-        "See cbkit.train.objective's docstring.",
-        UserWarning,
-        stacklevel=3,
-    )
+    warnings.warn(f"top_p={top_p}, top_k={top_k}: the rollout samples from a truncated distribution; the IS "
+                  "reference is taken under it, the loss's ratio is temperature-only and the truncation is not "
+                  "corrected (logprob/temperature_only_max_abs_diff shows its size).", UserWarning, stacklevel=3)
     return True

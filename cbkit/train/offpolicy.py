@@ -1,20 +1,14 @@
-"""Off-policy rollouts: sampling from an older policy on purpose, measuring how far off it is, and async GRPO.
+"""Off-policy rollouts: two `RolloutSource`s that sample older weights on purpose, and how far off they are.
 
-Two `cbkit.train.rollouts.RolloutSource`s, chosen once by `make_rollout_source`; the loop calls them as it calls the
-on-policy one:
+* a fixed lag (`rollout_staleness = k`, `LaggedRollouts`): step t samples an exact copy of the weights of k updates
+  earlier (a ring of snapshots) while the loss uses the current ones;
+* async rollouts (`async_rollouts`, `AsyncRollouts` over `cbkit.rollout.async_cb.AsyncEngine`): step t+1's requests
+  decode while step t trains, so a completion's tokens come from two versions; a token more than `max_staleness`
+  updates old is regenerated or its group dropped (`stale_rollouts`).
 
-* **a fixed lag** (`rollout_staleness = k`, `LaggedRollouts`): step t's rollout samples an exact copy of the
-  weights of k updates earlier (a ring of snapshots); the loss uses the current weights;
-* **async rollouts** (`async_rollouts`, `AsyncRollouts` over `cbkit.rollout.async_cb.AsyncEngine`): step t+1's
-  requests decode while step t trains and the update lands mid-rollout, so a completion's tokens come from two
-  versions; a token more than `max_staleness` updates old is regenerated or its group dropped (`stale_rollouts`).
-
-Both report `offpolicy/*` (`drift_metrics`: staleness, |sampling - current| logprob, a KL estimate, the raw IS
-ratios before any clip). IS on the engine's own logprobs stays exact when the weights change mid-sequence: the
-engine reports the distribution it drew from, prefix KV of whichever version wrote it included, while an after-the-
-fact forward under one set of weights (TRL PR #5781) divides by a distribution nothing was sampled from.
-`versioned_logprobs` replays the engine's computation version by version; `tests/test_async_rollouts.py` checks it
-reproduces the engine's logprobs and that neither single-version forward does (`docs/off_policy.md`).
+Both report `offpolicy/*`. IS on the engine's own logprobs stays exact when the weights change mid-sequence, where
+a forward under one set of weights divides by a distribution nothing was sampled from: `versioned_logprobs`
+replays the engine's computation version by version (`tests/test_async_rollouts.py`, `docs/off_policy.md`).
 """
 
 from __future__ import annotations
@@ -40,13 +34,9 @@ if TYPE_CHECKING:
 STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next rollout must start from
 
 
-# --- what the metrics say -------------------------------------------------------------------------------------
-
-
 def drift_metrics(current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
-    """How far the sampler (`sampling_logps`) is from the policy the loss uses (`current_logps`, before this step's
-    update), over completion tokens. With r = exp(current - sampling): `kl` is the k3 estimate E[r - 1 - log r] of
-    KL(sampling || current); `ratio_*` the raw IS ratios (per sequence for `sequence_*` modes) before any clip."""
+    """How far the sampler is from the policy the loss uses, over completion tokens. With r = exp(current -
+    sampling): `kl` is the k3 estimate E[r - 1 - log r]; `ratio_*` the raw IS ratios (per sequence for `sequence_*`)."""
     if sampling_logps is None:
         return {}
     m = mask.bool() & ~sampling_logps.isnan()
@@ -80,7 +70,7 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
     """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
-    updates older than `now`. One too-old token drops its whole group: a group missing a member has another baseline."""
+    updates older than `now`: one too-old token drops its group (a group missing a member has another baseline)."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
@@ -92,20 +82,16 @@ def _stamped(rollout: Rollout, version: int) -> Rollout:
     return dataclasses.replace(rollout, completions=done)
 
 
-# --- the sources -------------------------------------------------------------------------------------------------
-
-
 def _token_versions(completion: Completion) -> tuple[int, ...]:
-    """The policy version of each token of an async rollout's completion (`AsyncEngine.collect` stamps them all)."""
-    assert completion.policy_versions is not None, "an async rollout's completion carries its tokens' versions"
+    assert completion.policy_versions is not None, "`AsyncEngine.collect` stamps every token's version"
     return completion.policy_versions
 
 
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
-    """`given` (it wins), or the source the config asks for: on-policy (the default), a fixed lag, or async
-    rollouts (`max_prompt_len` sizes its KV pool; with `output_dir` it keeps what a checkpoint needs)."""
+    """`given` (it wins), or the source the config asks for: on-policy, a fixed lag, or async rollouts
+    (`max_prompt_len` sizes its KV pool)."""
     if given is not None:
         if not isinstance(given, RolloutSource):
             raise TypeError(f"rollouts must be a cbkit.train.rollouts.RolloutSource (subclass it and override "
@@ -122,12 +108,12 @@ def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: 
 
 
 class LaggedRollouts(RolloutSource):
-    """`rollout_staleness = k`: the last k + 1 versions wait in a ring (`rollout_snapshots`); for a rollout the oldest
-    is loaded into the policy itself, `backend` samples, and the newest is loaded back, bitwise (no sampling copy)."""
+    """The last k + 1 versions wait in a ring; for a rollout the oldest is loaded into the policy, `backend` samples,
+    and the newest is loaded back, bitwise."""
 
     def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
-        self.k, self.policy, self.backend = staleness, policy, backend
+        self.policy, self.backend = policy, backend
         self.history = WeightSnapshots(staleness + 1, snapshots)
         self.history.append(0, policy)
 
@@ -150,7 +136,8 @@ class LaggedRollouts(RolloutSource):
         self.history.append(version, self.policy)
 
     def save(self, directory: Path) -> None:
-        torch.save({"history": list(self.history.items(self.policy))}, directory / STATE_FILE)
+        history = [(v, self.history.state_dict(self.policy, i)) for i, v in enumerate(self.history.versions)]
+        torch.save({"history": history}, directory / STATE_FILE)
 
     def load(self, directory: Path, version: int) -> None:
         state = torch.load(directory / STATE_FILE, weights_only=True)
@@ -163,9 +150,8 @@ class LaggedRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """`async_rollouts=True`: step t+1's requests decode on the engine's snapshot of the policy (refreshed at each
-    step's end) while step t trains. `target_lengths`, one per completion row, replays a length workload, EOS
-    ignored (`cbkit sweep --full-step`'s async row); None: EOS decides."""
+    """Step t+1's requests decode on the engine's copy of the policy (refreshed at each step's end) while step t
+    trains. `target_lengths` (one per row, EOS ignored) replays a length workload (`cbkit sweep --full-step`)."""
 
     def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
                  checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
@@ -193,9 +179,8 @@ class AsyncRollouts(RolloutSource):
         metrics["offpolicy/rollout_wait_s"] = time.perf_counter() - start
         now = request.policy_version
         oldest = min(v for comp in rollout.completions for v in _token_versions(comp))
-        metrics.update(staleness_metrics(rollout, now))
-        metrics["offpolicy/regenerated"] = 0.0
-        metrics["offpolicy/dropped_groups"] = 0.0
+        metrics.update({**staleness_metrics(rollout, now), "offpolicy/regenerated": 0.0,
+                        "offpolicy/dropped_groups": 0.0})
         if now - oldest > c.max_staleness:
             rollout, scored, regenerated = self._too_old(rollout, request)
             metrics["offpolicy/dropped_groups"] = float(len(request.indices) - len(scored) if not regenerated else 0)
@@ -216,17 +201,14 @@ class AsyncRollouts(RolloutSource):
                                   prompt_names=request.prompt_names, target_lengths=self.target_lengths)
 
     def _too_old(self, rollout: Rollout, request: RolloutRequest) -> tuple[Rollout, list[int], bool]:
-        """Drop the groups holding a too-old token, or sample the step again on the current weights (also when
-        dropping would leave no group: a step needs one). Returns the rollout, its problems, and if it was resampled."""
+        """Drop the groups holding a too-old token, or (also when none would be left) sample the step again on the
+        current weights. Returns the rollout, its problems, and whether it was resampled."""
         c, now = self.config, request.policy_version
-        if c.stale_rollouts == "drop":
-            fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in rollout.groups()], now,
-                                 c.max_staleness)
-            if fresh:
-                groups = rollout.groups()
-                kept = [dataclasses.replace(comp, group=j) for j, i in enumerate(fresh) for comp in groups[i]]
-                return (dataclasses.replace(rollout, completions=kept), [request.indices[i] for i in fresh],
-                        False)
+        groups = rollout.groups()
+        fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in groups], now, c.max_staleness)
+        if c.stale_rollouts == "drop" and fresh:
+            kept = [dataclasses.replace(comp, group=j) for j, i in enumerate(fresh) for comp in groups[i]]
+            return dataclasses.replace(rollout, completions=kept), [request.indices[i] for i in fresh], False
         return sample(self.engine, request), list(request.indices), True
 
     def save(self, directory: Path) -> None:
@@ -236,27 +218,20 @@ class AsyncRollouts(RolloutSource):
     def load(self, directory: Path, version: int) -> None:
         state = torch.load(directory / STATE_FILE, weights_only=True)
         self.engine.load_snapshot(state["snapshot"], max(0, version - self.config.num_iterations))
-        self.pending = None
         # The uninterrupted run's next rollout started on those weights and met this update mid-way.
-        self.resume_update = version if version > 0 else None
+        self.pending, self.resume_update = None, version if version > 0 else None
 
     def close(self) -> None:
         self.engine.close()
-
-
-# --- the check: the engine's computation, replayed version by version -----------------------------------------
 
 
 @torch.no_grad()
 def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str, Tensor]], prompt_ids: Sequence[int],
                        completion_ids: Sequence[int], position_versions: Sequence[int],
                        temperature: float = 1.0) -> Tensor:
-    """Logprobs of `completion_ids` as an engine computed them when its weights changed mid-sequence.
-
-    `position_versions[i]` is the version whose forward processed input position i (prompt, then completion tokens
-    but the last). Each run of one version goes through `model` loaded with its weights, on top of the KV cache the
-    earlier runs left, as the engine's cache held it. `model`'s weights are overwritten.
-    """
+    """Logprobs of `completion_ids` as an engine computed them when its weights changed mid-sequence: each run of
+    input positions of one version (`position_versions`, from `input_versions`) goes through `model` loaded with
+    its weights, on the KV cache the earlier runs left. `model`'s weights are overwritten."""
     from transformers import DynamicCache
 
     ids = list(prompt_ids) + list(completion_ids)

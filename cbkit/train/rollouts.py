@@ -1,9 +1,8 @@
 """Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)`.
 
-On-policy (`OnPolicyRollouts`, the default) the backend samples the weights as they are; `cbkit.train.offpolicy`
-has a fixed lag and async rollouts. A source is given what it needs when built and never calls back into the
-trainer; it hears of each update and step end, reports its own drift metrics, saves what a checkpoint needs, and
-closes. What comes back is checked once, where it enters the trainer (`check_entry`).
+On-policy (`OnPolicyRollouts`, the default) the backend samples the weights as they are; `cbkit.train.offpolicy` has
+a fixed lag and async rollouts. A source never calls back into the trainer: it hears of each update and step end,
+reports its drift metrics, saves what a checkpoint needs, and closes. What it returns is checked where it enters.
 """
 
 from __future__ import annotations
@@ -27,14 +26,12 @@ class RolloutRequest:
     sampling: SamplingParams
     step: int
     policy_version: int  # optimizer updates so far: the version the loss will be computed with
-    # The next step's request (None at the last step): a source that decodes ahead (async) queues it now.
-    following: RolloutRequest | None = None
+    following: RolloutRequest | None = None  # the next step's request (None at the last): async queues it now
 
 
 @dataclass
 class SourcedRollout:
-    """A source's answer: the rollout, the problems it is scored against (a source may drop whole groups), and
-    the source's own metrics (`offpolicy/*`: staleness, waits)."""
+    """The rollout, the problems it is scored against (a source may drop groups), the source's `offpolicy/*`."""
 
     rollout: Rollout
     indices: list[int]
@@ -43,7 +40,7 @@ class SourcedRollout:
 
 class RolloutSource:
     """Where a run's rollouts come from. Override `rollout`; the other calls are no-ops unless a source keeps
-    something across steps (`cbkit.train.hooks.StepHooks` works the same way)."""
+    something across steps."""
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         raise NotImplementedError(f"{type(self).__name__} must override rollout(request) -> SourcedRollout.")
@@ -52,15 +49,15 @@ class RolloutSource:
         """An optimizer update has just made the policy's weights `version`."""
 
     def after_step(self, version: int) -> dict[str, float]:
-        """The step's last update is done (its weights are `version`); returns metrics for the step."""
+        """The step's last update is done; returns metrics for the step."""
         return {}
 
     def drift(self, current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
-        """How far the sampler was from the policy the loss uses (`offpolicy/*`); nothing for an on-policy source."""
+        """How far the sampler was from the policy the loss uses (`offpolicy/*`); nothing on-policy."""
         return {}
 
     def save(self, directory: Path) -> None:
-        """Write into a checkpoint directory what the next rollouts need beyond the policy's weights."""
+        """Write into a checkpoint what the next rollouts need beyond the policy's weights."""
 
     def load(self, directory: Path, version: int) -> None:
         """Read back what `save` wrote; the policy already holds the checkpoint's weights, `version`."""
@@ -70,7 +67,7 @@ class RolloutSource:
 
 
 class OnPolicyRollouts(RolloutSource):
-    """The default: the backend samples from the policy's current weights; nothing kept, nothing to save."""
+    """The default: the backend samples from the policy's current weights."""
 
     def __init__(self, backend: RolloutBackend) -> None:
         self.backend = backend
@@ -80,7 +77,6 @@ class OnPolicyRollouts(RolloutSource):
 
 
 def sample(backend: RolloutBackend, request: RolloutRequest) -> Rollout:
-    """The request through a backend's `generate` (unchecked: the trainer checks what enters it)."""
     return backend.generate(request.prompts, request.num_generations, request.sampling,
                             prompt_names=request.prompt_names)
 
@@ -89,20 +85,14 @@ def check_entry(got: SourcedRollout, request: RolloutRequest) -> SourcedRollout:
     """The one check of a rollout, where it enters the trainer: the contract, then what was asked."""
     rollout, n = got.rollout.validate(), request.num_generations
     if rollout.num_generations != n or len(rollout.completions) != n * len(got.indices):
-        raise ValueError(
-            f"Backend {rollout.backend!r} returned {len(rollout.completions)} completions in groups of "
-            f"{rollout.num_generations} for {len(got.indices)} prompts x num_generations={n}; expected "
-            f"{n * len(got.indices)} in groups of {n}."
-        )
+        raise ValueError(f"Backend {rollout.backend!r} returned {len(rollout.completions)} completions in groups of "
+                         f"{rollout.num_generations} for {len(got.indices)} prompts x num_generations={n}; expected "
+                         f"{n * len(got.indices)} in groups of {n}.")
     return got
 
 
 def check_backend(backend: object) -> RolloutBackend:
-    """Refuse, where it enters the trainer, a backend that does not implement the protocol."""
     if not isinstance(backend, RolloutBackend):
-        raise TypeError(
-            f"backend must implement cbkit.rollout.RolloutBackend (a `name` and "
-            f"`generate(prompts, num_generations, sampling, *, prompt_names=None) -> Rollout`); got "
-            f"{type(backend).__name__}."
-        )
+        raise TypeError(f"backend must implement cbkit.rollout.RolloutBackend (a `name` and `generate(prompts, "
+                        f"num_generations, sampling, *, prompt_names=None) -> Rollout`); got {type(backend).__name__}.")
     return backend

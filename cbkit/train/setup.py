@@ -12,8 +12,8 @@ from cbkit.tasks.data import SYSTEM_PROMPT
 
 @dataclass
 class RunSetup:
-    """What every rollout of a run needs: the stop ids (the tokenizer's EOS with the model's generation-config ids:
-    Llama-3 and Qwen2.5 list several), the pad id (the tokenizer's, else its EOS) and the chat prompt ids."""
+    """What every rollout of a run needs: the problems' chat prompt ids, the stop ids (the tokenizer's EOS with the
+    generation config's), the pad id."""
 
     model: Any
     tokenizer: Any
@@ -23,23 +23,19 @@ class RunSetup:
     pad_token_id: int
 
     def sampling(self, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 do_sample: bool = True, seed: int | None = None):
+                 seed: int | None = None):
         from cbkit.rollout import SamplingParams
 
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              do_sample=do_sample, eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
-                              seed=seed)
+                              eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id, seed=seed)
 
     def backend(self, name: str, *, warm_up: bool = True, **kwargs):
-        """A rollout backend on this run's model; `warm_up` makes one short call first, so one-off costs
-        (allocator, kernels, the engine's first build) are not in what is measured next."""
-        import dataclasses
-
+        """A rollout backend on this run's model; `warm_up` makes one short call first (one-off costs not measured)."""
         from cbkit.rollout import make_backend
 
         backend = make_backend(name, self.model, pad_token_id=self.pad_token_id, **kwargs)
         if warm_up:
-            backend.generate(self.prompts[:1], 1, dataclasses.replace(self.sampling(4), seed=0))
+            backend.generate(self.prompts[:1], 1, self.sampling(4, seed=0))
         return backend
 
 
@@ -54,8 +50,7 @@ def pad_token_id(tokenizer: Any) -> int:
 def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype: str | None = None,
                policy: Any = None, problems: Sequence[Any] | None = None,
                system_prompt: str | None = SYSTEM_PROMPT, options: dict | None = None) -> RunSetup:
-    """Load (or take: a LoadedPolicy or a (model, tokenizer) pair) the policy and the problems, and build
-    everything a rollout of the run needs."""
+    """Load (or take: a (model, tokenizer) pair) the policy and the problems, and build what a rollout needs."""
     from cbkit.rollout.base import stop_token_ids
     from cbkit.tasks.data import chat_prompt_ids, load_problems
 
@@ -82,36 +77,23 @@ def set_up_for_config(config: Any, run: RunSetup | None = None, *, policy: Any =
 
         policy = load_policy(config.model, dtype="float32", seed=config.seed)  # the config's `dtype` is an autocast
     model, tokenizer = (run.model, run.tokenizer) if run is not None else policy
-    check_fp32_weights(model)
-    check_text_only(tokenizer, model, config.use_transformers_continuous_batching)  # before any prompt is built
+    check_policy(tokenizer, model)  # before any prompt is built
     return run if run is not None else set_up_run(
         config.model, config.data, config.num_problems, seed=config.seed, policy=policy, problems=problems,
         system_prompt=config.system_prompt, options=config.data_options)
 
 
-# --- what the loop refuses to train ------------------------------------------------------------------------
-
-
-def check_text_only(processing_class: Any, model: Any, continuous_batching: bool) -> None:
-    """Refuse multimodal processors and models: rollouts here are token ids in, token ids out."""
-    parts = [a for a in ("image_processor", "video_processor", "feature_extractor", "audio_processor")
-             if getattr(processing_class, a, None) is not None]
-    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
-    if parts or vision:
-        what = f"{type(processing_class).__name__} (has {', '.join(parts)})" if parts else "a vision-language model"
-        engine = ("transformers' continuous batching engine takes token ids only, no pixel values"
-                  if continuous_batching else "cbkit's rollouts carry token ids only")
-        raise ValueError(
-            f"Got {what}: cbkit trains text-only policies; {engine}. Use a text-only model and its tokenizer, "
-            "or TRL's GRPOTrainer (cbkit.trl.config) for multimodal GRPO."
-        )
-
-
-def check_fp32_weights(model: Any) -> None:
-    """Refuse a policy whose floating-point weights are not all fp32: AdamW on bf16 weights rounds away the small
-    updates GRPO makes, fp16 moments underflow. Lower precision belongs in the config's `dtype`, as an autocast."""
+def check_policy(processing_class: Any, model: Any) -> None:
+    """Refuse what the loop cannot train: a multimodal policy (rollouts are token ids in and out), and weights
+    that are not all fp32 (AdamW on bf16 weights rounds away GRPO's small updates: precision is `dtype`'s autocast)."""
     import torch
 
+    parts = [a for a in ("image_processor", "video_processor", "feature_extractor", "audio_processor")
+             if getattr(processing_class, a, None) is not None]
+    if parts or getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        what = f"{type(processing_class).__name__} (has {', '.join(parts)})" if parts else "a vision-language model"
+        raise ValueError(f"Got {what}: cbkit trains text-only policies; transformers' continuous batching engine "
+                         "takes token ids only. Use a text-only model, or TRL's GRPOTrainer for multimodal GRPO.")
     half = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
     if half:
         raise ValueError(

@@ -1,12 +1,8 @@
-"""A ring of the policy's recent weights, for rollouts from an older policy (`rollout_staleness`), and the copies of
-the weights a notebook comes back to.
+"""A ring of the policy's recent weights (`rollout_staleness`), and the copies of the weights a notebook comes back to.
 
-A lag of k updates needs the last k + 1 versions at hand; where they wait decides which memory pays: ``"device"``
-(a clone on the model's device: fastest, and GPU memory), ``"host"`` (CPU memory, pinned where CUDA is: two
-transfers over the bus a step, no GPU memory) or ``"disk"`` (a file per version, read straight into the model when
-due: one write and two reads a step, no memory). A snapshot is bitwise the weights it was taken from, and keeps
-each distinct storage once: a tied embedding (SmolLM2, Qwen2.5) is one matrix under two names (`_aliases`).
-`place_for_tier` is where the notebooks' tiers keep theirs.
+Where they wait decides which memory pays: "device" (a clone where the model is), "host" (CPU memory, pinned where
+CUDA is) or "disk" (a file per version, read straight into the model). A snapshot is bitwise the weights and keeps
+each distinct storage once: a tied embedding is one matrix under two names (`_aliases`).
 """
 
 from __future__ import annotations
@@ -14,45 +10,34 @@ from __future__ import annotations
 import collections
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from cbkit.train.config import SNAPSHOT_PLACES as WHERE
+from cbkit.train.config import SNAPSHOT_PLACES
 
-KEPT_WHERE = {"device": "in the model's device memory", "host": "in host memory", "disk": "in a file"}
-
-# A T4's ~14.7 GiB (and a Colab runtime's 12.7 GB of RAM) hold no ring of copies besides the run: files. An A100 does.
+# A T4 (and a Colab runtime's RAM) holds no copies besides the run: files. An A100 does.
 TIER_PLACES = {"t4": "disk", "a100": "device"}
 
 
 def place_for_tier(tier: str, device: str = "cuda") -> str:
-    """Where a notebook on `tier` keeps a copy of the weights (`WeightSnapshots`' ``where``): a GPU tier's choice
-    (`TIER_PLACES`, in its CPU dry run too); otherwise a file on a CPU, host memory on a GPU."""
-    if tier in TIER_PLACES:
-        return TIER_PLACES[tier]
-    return "disk" if device == "cpu" else "host"
+    """Where a notebook on `tier` keeps a copy of the weights: a GPU tier's choice (in its CPU dry run too), else a
+    file on a CPU and host memory on a GPU."""
+    return TIER_PLACES.get(tier, "disk" if device == "cpu" else "host")
 
 
 class WeightSnapshots:
-    """The last `maxlen` versions of a model's weights, oldest first; each on the model's device, in host memory or in
-    a file (`where`, the module docstring says what each costs)."""
+    """The last `maxlen` versions of a model's weights, oldest first, kept `where` (the module docstring)."""
 
     def __init__(self, maxlen: int, where: str = "host") -> None:
-        if where not in WHERE:
-            raise ValueError(f"where={where!r} is not a place for weight snapshots; use one of "
-                             + "; ".join(f"{k!r}: {v}" for k, v in WHERE.items()) + ".")
-        if maxlen < 1:
-            raise ValueError(f"maxlen={maxlen} must be >= 1.")
+        if where not in SNAPSHOT_PLACES:
+            raise ValueError(f"where={where!r} is not a place for weight snapshots; use one of {SNAPSHOT_PLACES}.")
         self.where, self.maxlen = where, maxlen
         # (version, the distinct tensors or their file, {a tied name: the name its storage is kept under})
         self._ring: collections.deque[tuple[int, dict[str, Tensor] | Path, dict[str, str]]] = collections.deque()
         self._dir: Path | None = Path(tempfile.mkdtemp(prefix="cbkit-snapshots-")) if where == "disk" else None
-
-    def __len__(self) -> int:
-        return len(self._ring)
 
     @property
     def versions(self) -> list[int]:
@@ -68,8 +53,9 @@ class WeightSnapshots:
         kept: dict[str, Tensor] | Path
         if self.where == "device":
             kept = {n: t.detach().to(device or t.device, copy=True) for n, t in state.items()}
-        elif self.where == "host":
-            kept = {n: _host_copy(t) for n, t in state.items()}
+        elif self.where == "host":  # page-locked where CUDA is: copies to and from the GPU at full speed
+            pin = torch.cuda.is_available()
+            kept = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach()) for n, t in state.items()}
         else:
             assert self._dir is not None
             kept = self._dir / f"v{version}.bin"
@@ -79,27 +65,19 @@ class WeightSnapshots:
                     f.write(_bytes(t.detach().cpu()).numpy())  # type: ignore[arg-type]
         self._ring.append((version, kept, aliases))
         while len(self._ring) > self.maxlen:
-            _, old, _ = self._ring.popleft()
-            if isinstance(old, Path):
-                old.unlink(missing_ok=True)
+            self._drop()
 
     def load_into(self, model: torch.nn.Module, index: int = 0) -> int:
-        """Overwrite `model`'s weights, in place, with the version at `index` (0: the oldest kept, -1: the newest);
-        returns that version."""
+        """Overwrite `model`'s weights in place with the version at `index` (0: the oldest, -1: the newest); returns
+        that version."""
         version, kept, aliases = self._ring[index]
         with torch.no_grad():
             _fill(model.state_dict(), kept, aliases, non_blocking=True)  # from pinned host memory: queued
         device = next(model.parameters()).device
         if device.type == "cuda":
-            # The copies are queued on this thread's stream; whoever reads the weights next may run on another (the CB
-            # engine's forwards run on a stream of their own): they are in place before this returns.
+            # Queued on this thread's stream; the CB engine's forwards run on another: in place before returning.
             torch.cuda.current_stream(device).synchronize()
         return version
-
-    def items(self, template: torch.nn.Module) -> Iterator[tuple[int, dict[str, Tensor]]]:
-        """Every version as (version, state dict on the CPU), oldest first: what a checkpoint saves."""
-        for i, (version, _, _) in enumerate(self._ring):
-            yield version, self.state_dict(template, i)
 
     def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
         """The version at `index` as a new state dict on the CPU, shaped like `template`'s."""
@@ -110,11 +88,14 @@ class WeightSnapshots:
         _fill(distinct, kept, {})
         return {n: distinct[aliases.get(n, n)] for n in template.state_dict()}
 
+    def _drop(self) -> None:
+        _, old, _ = self._ring.popleft()
+        if isinstance(old, Path):
+            old.unlink(missing_ok=True)
+
     def clear(self) -> None:
         while self._ring:
-            _, old, _ = self._ring.popleft()
-            if isinstance(old, Path):
-                old.unlink(missing_ok=True)
+            self._drop()
 
     def close(self) -> None:
         """Drop every snapshot and, on disk, the folder."""
@@ -130,7 +111,7 @@ class WeightSnapshots:
 
 
 def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
-    """{name: the first name} for every entry of `state` that views the same memory as an earlier one (a tied weight)."""
+    """{name: the first name} for every entry of `state` viewing the same memory as an earlier one (tied weights)."""
     first: dict[tuple, str] = {}
     out = {}
     for name, t in state.items():
@@ -161,12 +142,6 @@ def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, alias
     for name, source in aliases.items():
         if target[name].data_ptr() != target[source].data_ptr():
             target[name].copy_(target[source])
-
-
-def _host_copy(t: Tensor) -> Tensor:
-    """`t` copied into CPU memory: page-locked where CUDA is, so the copies to and from the GPU run at full speed."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-    return out.copy_(t.detach())
 
 
 def _bytes(t: Tensor) -> Tensor:
