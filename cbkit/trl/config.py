@@ -14,7 +14,7 @@ from trl import GRPOConfig, RLOOConfig
 
 from cbkit.models.load import native_bf16
 from cbkit.rollout.engine_config import cb_config_values
-from cbkit.train.config import continuous_batching_flag
+from cbkit.train.config import CBGRPOConfig, continuous_batching_flag
 
 _RENAMED: dict[str, str] = {
     "importance_sampling_correction": "vllm_importance_sampling_correction",
@@ -23,37 +23,16 @@ _RENAMED: dict[str, str] = {
     "clip_min": "vllm_importance_sampling_clip_min",
     "kl_bias_correction": "use_bias_correction_kl",
 }
-_SAME_NAME: tuple[str, ...] = (
-    "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
-    "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
-    "gradient_accumulation_steps", "mask_truncated_completions", "per_device_train_batch_size", "seed",
-    "reward_weights", "save_total_limit", "disable_tqdm",
-    "use_transformers_continuous_batching", "transformers_continuous_batching_config",
-)
 # Read by the bridge itself rather than copied: TRL counts them in other units.
 _SPECIAL: tuple[str, ...] = ("advantage_estimator", "use_transformers_paged", "prompts_per_step", "max_steps",
                              "save_steps", "reward_funcs", "eval_steps", "eval_num_generations")
-CBKIT_FIELDS: tuple[str, ...] = _SAME_NAME + tuple(_RENAMED) + _SPECIAL
-# cbkit config fields with no TRL config field, and why (a test checks that every field is mapped or here).
-LOOP_ONLY: dict[str, str] = {
-    "model": "build_trainer's first argument (TRL loads an id itself)",
-    "dtype": "cbkit's compute precision; the bridge sets TRL's bf16 mixed precision where bf16 is native",
-    "data": "build_trainer's train_dataset: trl_dataset(load_problems(...))",
-    "num_problems": "build_trainer's train_dataset: cut it before",
-    "system_prompt": "trl_dataset(problems, system_prompt=...) puts it in the prompts",
-    "output_dir": "trl_grpo_config's output_dir argument (TRL writes its own checkpoints)",
-    "rollout_staleness": "TRL's GRPOTrainer always rolls out from the current weights",
-    "rollout_snapshots": "where rollout_staleness keeps older weights; TRL has no stale-snapshot rollouts",
-    "async_rollouts": "TRL's async GRPO needs a vLLM server; its CB path is synchronous",
-    "async_update_at": "where cbkit's async update lands; TRL has no async CB path",
-    "max_staleness": "TRL's max_staleness belongs to AsyncGRPOConfig (vLLM)",
-    "stale_rollouts": "what cbkit's loop does with a too-old rollout; no GRPOConfig field",
-    "data_options": "build_trainer's train_dataset: trl_dataset(load_problems(..., options=...))",
-    "eval_data": "build_trainer's eval_dataset (TRL scores it with the training rewards)",
-    "eval_num_problems": "build_trainer's eval_dataset: cut it before",
-    "forward_chunk_rows": "TRL's chunk is its micro-batch (per_device_train_batch_size, mapped)",
-}
+_GRPO_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
+# The config fields the bridge maps: TRL's own names (but output_dir, trl_grpo_config's argument), renamed, special.
+CBKIT_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(CBGRPOConfig)
+    if (f.name in _GRPO_FIELDS and f.name != "output_dir") or f.name in _RENAMED or f.name in _SPECIAL)
+# The rest: build_trainer's or trl_dataset's arguments, or cbkit's loop only (docs/trl_bridge.md says where each goes).
+LOOP_ONLY: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CBGRPOConfig) if f.name not in CBKIT_FIELDS)
 
 
 def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **overrides: Any):
