@@ -148,13 +148,9 @@ WeightsArg = Mapping[str, float] | Sequence[float] | None
 def resolve_rewards(
     reward_funcs: RewardsArg = None, reward_weights: WeightsArg = None, *, names_are_builtin: bool = True
 ) -> tuple[dict[str, Any], list[float]]:
-    """The reward functions by name and one weight each: the one place cbkit decides both.
-
-    `reward_funcs`: a dict name -> fn, functions (named after `__name__`: `correctness_reward` -> `correctness`) or
-    built-in names; None: `DEFAULT_REWARDS`. With `names_are_builtin=False` a string stays itself (TRL reads it as
-    a reward model's id). `reward_weights`: a list, a dict by name (1.0 for a name left out) or None: 1.0 each
-    (TRL's default), except `DEFAULT_REWARD_WEIGHTS` for a built-in named by its string.
-    """
+    """The reward functions by name (`correctness_reward` -> `correctness`; None: `DEFAULT_REWARDS`; a string is a
+    built-in, or with `names_are_builtin=False` a TRL reward model's id) and one weight each (a list, a dict by name,
+    or None: 1.0 each as in TRL, `DEFAULT_REWARD_WEIGHTS` for a built-in named by its string)."""
     if reward_funcs is None:
         reward_funcs = list(DEFAULT_REWARDS)
     if callable(reward_funcs) or isinstance(reward_funcs, str):

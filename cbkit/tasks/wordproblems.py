@@ -39,12 +39,6 @@ class _Solution(list[str]):
         return value
 
 
-def _join(parts: list[str]) -> str:
-    if len(parts) <= 2:
-        return " and ".join(parts)
-    return ", ".join(parts[:-1]) + ", and " + parts[-1]
-
-
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
@@ -60,7 +54,8 @@ def _shopping(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     total = costs[0]
     if len(costs) > 1:
         total = sol.step(" + ".join(map(str, costs)), sum(costs), "Altogether that is {} dollars.")
-    text = f"{name} goes to the store and buys {_join(bought)}."
+    listed = " and ".join(bought) if len(bought) <= 2 else ", ".join(bought[:-1]) + ", and " + bought[-1]
+    text = f"{name} goes to the store and buys {listed}."
     if rng.random() < 0.5:
         bill = next(b for b in (10, 20, 50, 100, 200, 500) if b >= total)
         change = sol.step(f"{bill} - {total}", bill - total, "The change is {} dollars.")

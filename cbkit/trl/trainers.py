@@ -54,17 +54,11 @@ class _CBRollouts(_TrainerHost):
         from trl.models import unwrap_model_for_generation
 
         rows = [list(p) for p in prompt_ids]
-        with (
-            profiling_context(self, "transformers.generate_batch"),
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
+        unwrap = unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                             gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+        with (profiling_context(self, "transformers.generate_batch"), unwrap as unwrapped, torch.no_grad(),
+              self._dist.summon_full_params(self.model_wrapped, recurse=False)):
             # TRL casts the model itself to bf16 for good; the bridge samples from half copies instead.
             half = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
             keep = unwrapped.lm_head if getattr(self.args, "cast_lm_head_to_fp32", False) else None
@@ -76,13 +70,8 @@ class _CBRollouts(_TrainerHost):
                     rows, self.generation_config, max_new_tokens=max_new_tokens, seed=seed)
             unwrapped.train(was_training)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tuple(self.eos_token_ids))
-        ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        for c in to_completions(rows, outputs, 1, sampling):
-            assert c.sampling_logprobs is not None  # to_completions raises where there are none
-            ids.append(list(c.completion_ids))
-            logprobs.append(list(c.sampling_logprobs))
-        return ids, logprobs
+        completions = to_completions(rows, outputs, 1, sampling)  # raises where the engine returned no logprobs
+        return [list(c.completion_ids) for c in completions], [list(c.sampling_logprobs or ()) for c in completions]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's `train`, after which the caller's model has its own `forward` again (accelerate's mixed-precision
@@ -115,13 +104,6 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
         if args is None or not getattr(args, "use_transformers_continuous_batching", False):
             raise ValueError("CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
                              "use_transformers_continuous_batching=True (trl_grpo_config sets it).")
-        if getattr(args, "use_vllm", False):
-            raise ValueError("use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS "
-                             "correction; use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False.")
-        cb = dict(args.transformers_continuous_batching_config or {})
-        if cb.get("return_logprobs") is False:
-            raise ValueError("transformers_continuous_batching_config has return_logprobs=False; remove it (this "
-                             "trainer exists to keep them).")
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         # TRL checks this in __init__ only when use_vllm is True (grpo_trainer.py, `loss_type == "vespo"`).
         if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
@@ -143,8 +125,9 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
     @use_vllm.setter
     def use_vllm(self, value: bool) -> None:
-        if value:  # TRL's __init__ assigns args.use_vllm; __init__ above refused True already
-            raise ValueError("CBLogprobGRPOTrainer never runs vLLM; use trl.GRPOTrainer for use_vllm=True.")
+        if value:  # TRL's __init__ assigns args.use_vllm
+            raise ValueError("use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS "
+                             "correction; use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False.")
 
     @contextmanager
     def _gate(self, is_open: bool):
