@@ -86,7 +86,7 @@ def _cbkit_values(cfg: Any) -> dict[str, Any]:
         values = dict(cfg)
     else:
         values = {k: getattr(cfg, k) for k in CBKIT_FIELDS if hasattr(cfg, k)}
-    if values.get("reward_weights", 0) is None and hasattr(cfg, "resolved_reward_weights"):
+    if "reward_weights" in values and values["reward_weights"] is None and hasattr(cfg, "resolved_reward_weights"):
         values["reward_weights"] = cfg.resolved_reward_weights()  # cbkit's per-reward defaults (format 0.5)
     paged = values.pop("use_transformers_paged", None)
     if paged is not None:
