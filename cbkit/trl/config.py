@@ -28,9 +28,9 @@ _SPECIAL: tuple[str, ...] = ("advantage_estimator", "use_transformers_paged", "p
                              "save_steps", "reward_funcs", "eval_steps", "eval_num_generations")
 _GRPO_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
 # The config fields the bridge maps: TRL's own names (but output_dir, trl_grpo_config's argument), renamed, special.
-CBKIT_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(CBGRPOConfig)
-    if (f.name in _GRPO_FIELDS and f.name != "output_dir") or f.name in _RENAMED or f.name in _SPECIAL)
+CBKIT_FIELDS: tuple[str, ...] = tuple(dict.fromkeys([
+    *(f.name for f in dataclasses.fields(CBGRPOConfig) if f.name in _GRPO_FIELDS and f.name != "output_dir"),
+    *_RENAMED, *_SPECIAL]))
 # The rest: build_trainer's or trl_dataset's arguments, or cbkit's loop only (docs/trl_bridge.md says where each goes).
 LOOP_ONLY: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CBGRPOConfig) if f.name not in CBKIT_FIELDS)
 
