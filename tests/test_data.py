@@ -15,7 +15,6 @@ from cbkit.tasks.data import (
     Problem,
     chat_prompt_ids,
     gsm8k_local_candidates,
-    load_gsm8k_hub,
     load_gsm8k_jsonl,
     load_problems,
     synthetic_gsm,
@@ -165,7 +164,7 @@ def test_gsm8k_hub_path_converts_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         ("gsm8k-train-1", "1000"),
         ("gsm8k-train-2", "2000"),
     ]
-    assert load_gsm8k_hub()[0].id == "gsm8k-test-0"
+    assert load_problems("gsm8k")[0].id == "gsm8k-test-0"
 
     def offline(*args: object, **kwargs: object) -> None:
         raise ConnectionError("no network")

@@ -14,10 +14,9 @@ from cbkit.tasks.rewards import (
     correctness_reward,
     extract_answer,
     format_reward,
-    has_answer_format,
     normalize_number,
     numbers_equal,
-    reward_metric_name,
+    resolve_rewards,
 )
 
 GSM8K_TEST_ROWS = 1319
@@ -111,8 +110,8 @@ def test_extract_answer(text: str, expected: str | None) -> None:
     ("text", "expected"),
     [("#### 5", True), ("x\n####-2", True), ("#### $1,000", True), ("#### five", False), ("5", False)],
 )
-def test_has_answer_format(text: str, expected: bool) -> None:
-    assert has_answer_format(text) is expected
+def test_format_reward_pays_only_a_hash_line_with_a_number(text: str, expected: bool) -> None:
+    assert (format_reward([text], ["5"])[0] > 0) is expected
 
 
 def test_numbers_equal_uses_absolute_tolerance() -> None:
@@ -159,11 +158,9 @@ def test_empty_lists() -> None:
 
 
 def test_metric_names() -> None:
-    assert reward_metric_name(correctness_reward) == "reward/correctness"
-    assert reward_metric_name(format_reward) == "reward/format"
-    assert {reward_metric_name(fn) for fn in DEFAULT_REWARDS.values()} == {
-        f"reward/{name}" for name in DEFAULT_REWARDS
-    }
+    assert list(resolve_rewards([correctness_reward, format_reward])[0]) == ["correctness", "format"]
+    assert list(resolve_rewards(list(DEFAULT_REWARDS.values()))[0]) == list(DEFAULT_REWARDS)
+    assert list(compute_rewards(["#### 1"], ["1"])[1]) == ["reward/correctness", "reward/format"]
 
 
 def test_compute_rewards_weights_and_breakdown() -> None:
@@ -192,8 +189,6 @@ def test_format_reward_does_not_pay_for_a_stack_of_answer_lines():
 
 
 def test_resolve_rewards_names_and_weights() -> None:
-    from cbkit.tasks.rewards import resolve_rewards
-
     def length_reward(completions, answers):
         return [float(len(c)) for c in completions]
 

@@ -30,7 +30,7 @@ from cbkit.tasks.rewards import correctness_reward, format_reward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.objective import processed_logprobs
 from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config, trl_rloo_config
-from cbkit.trl.rewards import TRLReward, _trl_rewards, trl_dataset, trl_reward
+from cbkit.trl.rewards import TRLReward, trl_dataset, trl_rewards
 from cbkit.trl.trainers import (
     CBLogprobGRPOTrainer,
     CBRLOOTrainer,
@@ -60,8 +60,8 @@ IS_METRICS = {
 }
 QUESTIONS = ["What is 2 + 3?", "Tom has 4 apples and eats one. How many are left?"]
 ANSWERS = ["5", "3"]
-# cbkit-named fields of a small run; `per_device_train_batch_size` = one generation batch of 2 prompts x N.
-RUN = dict(num_generations=N, max_completion_length=MAX_LEN, per_device_train_batch_size=2 * N, max_steps=1, seed=0)
+# cbkit-named fields of a small run: one generation batch of 2 prompts x N.
+RUN = dict(num_generations=N, max_completion_length=MAX_LEN, prompts_per_step=2, max_steps=1, seed=0)
 TRL_ONLY = dict(logging_steps=1, save_strategy="no", report_to="none")
 
 
@@ -116,7 +116,7 @@ def _stock(tmp_path, dataset, callbacks=None, trl_overrides=None, **run):
     # Stock TRL sizes the KV pool as a share of host RAM on CPU; give it a small pool explicitly.
     args = trl_grpo_config({**RUN, **run, "transformers_continuous_batching_config": {"num_blocks": 64}},
                            str(tmp_path / "stock"), **TRL_ONLY, **(trl_overrides or {}))
-    return GRPOTrainer(model=model, reward_funcs=[trl_reward(format_reward)], args=args, train_dataset=dataset,
+    return GRPOTrainer(model=model, reward_funcs=[TRLReward(format_reward)], args=args, train_dataset=dataset,
                        processing_class=tok, callbacks=callbacks)
 
 
@@ -341,13 +341,13 @@ def test_bridge_refuses_what_it_does_not_handle(tmp_path, dataset):
     model, tok = _policy()
     no_cb = trl_grpo_config(dict(RUN, use_transformers_continuous_batching=False), str(tmp_path), **TRL_ONLY)
     with pytest.raises(ValueError, match="use_transformers_continuous_batching=True"):
-        CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], no_cb, train_dataset=dataset, processing_class=tok)
+        CBLogprobGRPOTrainer(model, [TRLReward(format_reward)], no_cb, train_dataset=dataset, processing_class=tok)
     with pytest.raises(ValueError, match="use_transformers_continuous_batching=True"):
-        CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], train_dataset=dataset, processing_class=tok)
+        CBLogprobGRPOTrainer(model, [TRLReward(format_reward)], train_dataset=dataset, processing_class=tok)
     vllm = trl_grpo_config(RUN, str(tmp_path), **TRL_ONLY)
     vllm.use_vllm = True  # set after validation: GRPOConfig would otherwise want a vLLM install
     with pytest.raises(ValueError, match="use_vllm=True"):
-        CBLogprobGRPOTrainer(model, [trl_reward(format_reward)], vllm, train_dataset=dataset, processing_class=tok)
+        CBLogprobGRPOTrainer(model, [TRLReward(format_reward)], vllm, train_dataset=dataset, processing_class=tok)
     # Without CB, build_trainer falls back to the stock trainer.
     no_cb_run = dict(RUN, use_transformers_continuous_batching=False)
     tr = build_trainer(model, tok, [format_reward], dataset, no_cb_run,
@@ -448,14 +448,13 @@ def test_config_mapping_from_kwargs_and_from_a_config_object(tmp_path):
     _check_mapped(trl_grpo_config(CBGRPOConfig(**CBKIT_RUN), str(tmp_path)), tmp_path)
 
 
-def test_every_cbkit_config_field_is_mapped_or_listed_as_loop_only():
-    from cbkit.train.config import CBGRPOConfig
+def test_every_loop_only_config_field_says_where_it_goes_in_the_docs():
+    """The bridge maps every field TRL names (tests above); the rest need a line in docs/trl_bridge.md."""
+    from pathlib import Path
 
-    fields = {f.name for f in dataclasses.fields(CBGRPOConfig)}
-    assert not set(LOOP_ONLY) & set(CBKIT_FIELDS)
-    assert set(LOOP_ONLY) <= fields, "LOOP_ONLY names a field CBGRPOConfig no longer has"
-    assert fields - set(CBKIT_FIELDS) - set(LOOP_ONLY) == set(), "a new config field needs a TRL mapping or a reason"
-    assert all(len(reason) > 20 for reason in LOOP_ONLY.values())
+    doc = (Path(__file__).resolve().parents[1] / "docs/trl_bridge.md").read_text()
+    assert "model" in LOOP_ONLY and "temperature" in CBKIT_FIELDS and "clip_max" in CBKIT_FIELDS
+    assert [name for name in LOOP_ONLY if f"`{name}`" not in doc] == [], "a new config field needs a line in the doc"
 
 
 def test_a_real_config_maps_onto_trl_as_the_same_experiment(tmp_path):
@@ -485,15 +484,12 @@ def test_a_real_config_maps_onto_trl_as_the_same_experiment(tmp_path):
 
 def test_the_configs_reward_weights_follow_the_functions_by_name():
     from cbkit.train.config import CBGRPOConfig
-    from cbkit.trl.rewards import _weights_for
-
     cfg = CBGRPOConfig(reward_funcs=["correctness", "format"])
     funcs = {"format": format_reward, "correctness": correctness_reward}  # another order than the config's
-    _, weights = _trl_rewards(funcs, _weights_for(funcs, None, cfg), "answer")
-    assert weights == [0.5, 1.0]
-    assert _weights_for(funcs, {"format": 2.0}, cfg) == {"format": 2.0}  # explicit weights win
+    assert trl_rewards(funcs, cfg=cfg)[1] == [0.5, 1.0]
+    assert trl_rewards(funcs, {"format": 2.0}, cfg)[1] == [2.0, 1.0]  # explicit weights win
     with pytest.raises(ValueError, match="for 2 reward functions, got 1"):
-        _weights_for([format_reward], None, cfg)
+        trl_rewards([format_reward], cfg=cfg)
 
 
 def test_config_defaults_and_overrides(tmp_path):
@@ -561,19 +557,19 @@ def test_rloo_config_mapping(tmp_path):
 
 
 def test_reward_adapter():
-    r = trl_reward(format_reward)
-    assert r.__name__ == "format_reward" and isinstance(r, TRLReward)
+    r = TRLReward(format_reward)
+    assert r.__name__ == "format_reward"
     plain = r(prompts=["p", "p"], completions=["x\n#### 5", "no"], completion_ids=[[1], [2]], answer=["5", "5"],
               trainer_state=None, log_extra=None, log_metric=None)
     assert plain == [1.0, 0.0]
-    chat = trl_reward(correctness_reward)(
+    chat = TRLReward(correctness_reward)(
         prompts=[[{"role": "user", "content": "q"}]] * 2,
         completions=[[{"role": "assistant", "content": "so #### 12"}], [{"role": "assistant", "content": "11"}]],
         answer=[12, 12])  # numbers in the column are compared as text, like cbkit's rewards expect
     assert chat == [1.0, 0.0]
     with pytest.raises(ValueError, match=r"column 'answer'.*\['question'\]"):
         r(prompts=["p"], completions=["x"], question=["q"], trainer_state=None)
-    assert trl_reward(format_reward, answer_column="gold")(completions=["#### 1"], gold=["1"]) == [1.0]
+    assert TRLReward(format_reward, answer_column="gold")(completions=["#### 1"], gold=["1"]) == [1.0]
 
     def broken_reward(completions, answers):
         raise KeyError("boom")
@@ -581,13 +577,13 @@ def test_reward_adapter():
     # The loop's checks (cbkit.tasks.rewards.reward_scores): the failing function and completion are named, and a
     # non-finite score is an error rather than TRL's silent advantage 0.
     with pytest.raises(RuntimeError, match=r"Reward function 'broken_reward' raised KeyError(.|\n)*'no'"):
-        trl_reward(broken_reward)(completions=["no"], answer=["1"])
+        TRLReward(broken_reward)(completions=["no"], answer=["1"])
 
     def nan_reward(completions, answers):
         return [1.0, math.nan]
 
     with pytest.raises(ValueError, match=r"'nan_reward' returned nan for completion 1 \(answer '2'\)"):
-        trl_reward(nan_reward)(completions=["a", "b"], answer=["1", "2"])
+        TRLReward(nan_reward)(completions=["a", "b"], answer=["1", "2"])
     assert pickle.loads(pickle.dumps(r))(completions=["#### 5"], answer=["5"]) == [1.0]
 
 
@@ -595,14 +591,14 @@ def test_reward_list_and_weights():
     def trl_native(completions, **kwargs):
         return [0.0] * len(completions)
 
-    funcs, weights = _trl_rewards({"correctness": correctness_reward, "native": trl_native}, {"native": 0.5}, "answer")
+    funcs, weights = trl_rewards({"correctness": correctness_reward, "native": trl_native}, {"native": 0.5})
     assert isinstance(funcs[0], TRLReward) and funcs[1] is trl_native and weights == [1.0, 0.5]
-    funcs, weights = _trl_rewards(format_reward, None, "answer")
+    funcs, weights = trl_rewards(format_reward)
     assert [f.__name__ for f in funcs] == ["format_reward"] and weights is None
     with pytest.raises(ValueError, match="unknown rewards"):
-        _trl_rewards({"format": format_reward}, {"fromat": 1.0}, "answer")
+        trl_rewards({"format": format_reward}, {"fromat": 1.0})
     with pytest.raises(ValueError, match="by name"):
-        _trl_rewards([format_reward], {"format": 1.0}, "answer")
+        trl_rewards([format_reward], {"format": 1.0})
 
 
 def test_trl_dataset_from_cbkit_problems():

@@ -1,8 +1,8 @@
-"""Prompts for GRPO rollouts: GSM8K (hub or local JSONL), reasoning-gym tasks and a seeded synthetic generator.
+"""Prompts for GRPO rollouts: a seeded synthetic generator (the offline default), GSM8K (hub or local JSONL) and
+reasoning-gym's procedural tasks, all as `Problem`s.
 
-The synthetic default needs no network, is reproducible from a seed, and varies completion lengths the way word
-problems do, which is what rollout experiments need; use real GSM8K when the reward curve is the point. Answers end
-in GSM8K's own `#### <number>`, so one extractor (`rewards.extract_answer`) reads gold answers and completions.
+Answers end in GSM8K's own `#### <number>`, so one extractor (`rewards.extract_answer`) reads gold answers and
+completions alike.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cbkit.tasks.procedural import is_procedural, procedural_problems
 from cbkit.tasks.rewards import normalize_number
 from cbkit.tasks.wordproblems import word_problem
 
@@ -25,17 +24,15 @@ SYSTEM_PROMPT = (
     "and write nothing after that line."
 )
 
-GSM8K_HUB_ID = "openai/gsm8k"
-GSM8K_SPLITS = ("test", "train")
 GSM8K_DIR_ENV = "CBKIT_GSM8K_DIR"
-DEFAULT_SYNTHETIC_N = 256  # generated sources need a size for n=None
-
+GENERATED_N = 256  # generated sources need a size for n=None
+PROCEDURAL = "reasoning-gym:"
 ACCEPTED_SOURCES = (
     "'synthetic' (seeded generator, offline)",
     "'gsm8k', 'gsm8k:test' or 'gsm8k:train' (Hugging Face hub, needs network)",
     f"'gsm8k-local' or 'gsm8k-local:train' (a local copy found via ${GSM8K_DIR_ENV} or ../shared/data/gsm8k)",
     "a path to a GSM8K-format .jsonl file",
-    "'reasoning-gym:<dataset>' (a procedural task, e.g. reasoning-gym:chain_sum; its knobs in data_options)",
+    f"'{PROCEDURAL}<dataset>' (a procedural task, e.g. {PROCEDURAL}chain_sum; its knobs in data_options)",
 )
 
 
@@ -49,12 +46,6 @@ class Problem:
     solution: str | None = None
 
 
-def _gold_from_solution(solution: str) -> str | None:
-    if "####" not in solution:
-        return None
-    return normalize_number(solution.rsplit("####", 1)[1])
-
-
 def _problems_from_rows(rows: Iterable[tuple[str, Mapping[str, Any]]], id_prefix: str) -> list[Problem]:
     """`rows` yields (where, row): `where` names the row in error messages ("test.jsonl line 7")."""
     problems = []
@@ -65,7 +56,7 @@ def _problems_from_rows(rows: Iterable[tuple[str, Mapping[str, Any]]], id_prefix
                              'each row must look like {"question": "...", "answer": "... #### 72"}')
         if "####" not in solution:
             raise ValueError(f"{where}: the 'answer' field has no '####'; GSM8K answers end with '#### <gold number>'")
-        gold = _gold_from_solution(solution)
+        gold = normalize_number(solution.rsplit("####", 1)[1])
         if gold is None:
             raise ValueError(f"{where}: the text after the last '####' is {solution.rsplit('####', 1)[1].strip()!r}, "
                              "not a number; write the gold answer as '#### 72'")
@@ -73,36 +64,34 @@ def _problems_from_rows(rows: Iterable[tuple[str, Mapping[str, Any]]], id_prefix
     return problems
 
 
-def _check_limit(limit: int | None, name: str = "limit") -> None:
-    if limit is not None and limit < 1:
-        raise ValueError(f"{name}={limit}: ask for at least 1 problem, or None for all of them")
+def _check_count(n: int | None, name: str) -> None:
+    if n is not None and n < 1:
+        raise ValueError(f"{name}={n}: ask for at least 1 problem, or None for all of them")
 
 
 def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> list[Problem]:
     """Problems from a GSM8K-format JSONL file; ids are `gsm8k-<file stem>-<row>`."""
-    _check_limit(limit)
+    _check_count(limit, "limit")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K file not found: {path}. Pass a GSM8K-format .jsonl (one "
-                                '{"question": ..., "answer": "... #### 72"} object per line), or use source="synthetic".')
+                                '{"question": ..., "answer": "... #### 72"} object per line), or use '
+                                'source="synthetic".')
 
     def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
-        taken = 0
         with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+            lines = ((n, line) for n, line in enumerate(f, start=1) if line.strip())
+            for taken, (lineno, line) in enumerate(lines):
                 if limit is not None and taken >= limit:
                     return
-                if not line.strip():
-                    continue
-                where = f"{path} line {lineno}"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+                    raise ValueError(f"{path} line {lineno}: not valid JSON ({e.msg}); each line must be one JSON "
+                                     "object") from e
                 if not isinstance(row, dict):
-                    raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-                taken += 1
-                yield where, row
+                    raise ValueError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+                yield f"{path} line {lineno}", row
 
     problems = _problems_from_rows(rows(), f"gsm8k-{path.stem}")
     if not problems:
@@ -110,51 +99,43 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
     return problems
 
 
-def load_gsm8k_hub(split: str = "test", limit: int | None = None) -> list[Problem]:
-    """Problems from `openai/gsm8k` on the Hugging Face hub (needs network; the path Colab uses)."""
-    _check_limit(limit)
-    if split not in GSM8K_SPLITS:
-        raise ValueError(f"split={split!r}: GSM8K has splits {GSM8K_SPLITS}")
+def _gsm8k_hub(split: str, limit: int | None) -> list[Problem]:
+    """`openai/gsm8k` from the Hugging Face hub (needs network; the path Colab uses)."""
     try:
         from datasets import load_dataset
 
-        ds = load_dataset(GSM8K_HUB_ID, "main", split=split)
+        ds = load_dataset("openai/gsm8k", "main", split=split)
     except Exception as e:
-        raise RuntimeError(f"could not load {GSM8K_HUB_ID} from the hub ({type(e).__name__}: {e}). Offline? Use "
+        raise RuntimeError(f"could not load openai/gsm8k from the hub ({type(e).__name__}: {e}). Offline? Use "
                            f"source='synthetic', 'gsm8k-local' (with ${GSM8K_DIR_ENV}), or a path to a .jsonl file."
                            ) from e
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    problems = _problems_from_rows(((f"{GSM8K_HUB_ID} {split} row {i}", row) for i, row in enumerate(ds)),
-                                   f"gsm8k-{split}")
-    if not problems:
-        raise ValueError(f"empty dataset: {GSM8K_HUB_ID} split {split!r} has no rows")
-    return problems
+    return _problems_from_rows(((f"openai/gsm8k {split} row {i}", row) for i, row in enumerate(ds)),
+                               f"gsm8k-{split}")
 
 
 def gsm8k_local_candidates(split: str = "test") -> list[Path]:
     """Where `gsm8k-local` looks, in order: $CBKIT_GSM8K_DIR, ../shared/data/gsm8k, <repo>/../shared."""
-    dirs = []
-    if os.environ.get(GSM8K_DIR_ENV):
-        dirs.append(Path(os.environ[GSM8K_DIR_ENV]))
-    dirs.append(Path.cwd().parent / "shared" / "data" / "gsm8k")
-    dirs.append(Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+    dirs = [Path(os.environ[GSM8K_DIR_ENV])] if os.environ.get(GSM8K_DIR_ENV) else []
+    dirs += [Path.cwd().parent / "shared/data/gsm8k", Path(__file__).resolve().parents[2] / "shared/data/gsm8k"]
     return [d / f"{split}.jsonl" for d in dirs]
 
 
-def _load_gsm8k_local(split: str, limit: int | None) -> list[Problem]:
+def _gsm8k_local(split: str, limit: int | None) -> list[Problem]:
     candidates = gsm8k_local_candidates(split)
-    for candidate in candidates:
-        if candidate.is_file():
-            return load_gsm8k_jsonl(candidate, limit=limit)
-    looked = "\n  ".join(str(c) for c in candidates)
-    raise FileNotFoundError(f"gsm8k-local: no {split}.jsonl found; looked in\n  {looked}\nSet ${GSM8K_DIR_ENV} to "
-                            f"the folder holding {split}.jsonl, pass the .jsonl path itself, or use source='synthetic'.")
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        looked = "\n  ".join(str(c) for c in candidates)
+        raise FileNotFoundError(f"gsm8k-local: no {split}.jsonl found; looked in\n  {looked}\nSet ${GSM8K_DIR_ENV} to "
+                                f"the folder holding {split}.jsonl, pass the .jsonl path itself, or use "
+                                "source='synthetic'.")
+    return load_gsm8k_jsonl(found, limit=limit)
 
 
 def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
     """`n` GSM-style word problems (`cbkit.tasks.wordproblems`); problem i depends only on (seed, i)."""
-    _check_limit(n, "n")
+    _check_count(n, "n")
     problems = []
     for i in range(n):
         question, solution, answer = word_problem(seed, i)
@@ -162,30 +143,54 @@ def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
     return problems
 
 
+def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, Any] | None = None) -> list[Problem]:
+    """`n` problems of the reasoning-gym dataset named in `source` (e.g. `reasoning-gym:chain_sum`), drawn with
+    `seed` at the difficulty `options` sets: arithmetic whose difficulty is a knob, so a run can sit where a small
+    model is sometimes right (docs/learning.md). Score them with `verified_reward`."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ModuleNotFoundError(f"{source!r} needs the reasoning-gym package: pip install reasoning-gym "
+                                  "(cbkit's default install has it).") from e
+    name, options = source.removeprefix(PROCEDURAL), dict(options or {})
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **options)
+    except Exception as e:  # unknown name or option: reasoning-gym raises KeyError/TypeError/ValueError/AssertionError
+        raise ValueError(f"reasoning-gym could not build {name!r} with options {options}: {type(e).__name__}: {e}. "
+                         "Check the dataset name and its config fields (reasoning_gym.factory lists the datasets)."
+                         ) from e
+    problems = []
+    for i, row in enumerate(dataset):
+        gold = normalize_number(str(row["answer"]))
+        if gold is None:
+            raise ValueError(f"{source} problem {i} has answer {row['answer']!r}, not a number: cbkit's rewards "
+                             "score numeric answers; choose an arithmetic dataset (chain_sum, basic_arithmetic, "
+                             "products).")
+        problems.append(Problem(f"rg-{name}-{seed}-{i}", row["question"], gold))
+    return problems
+
+
 def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0,
                   options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """The one entry point. `n` caps the count (GSM8K's first rows, in file order); `seed` is for generated
-    sources, `options` for reasoning-gym's difficulty knobs (`cbkit.tasks.procedural`)."""
-    _check_limit(n, "n")
-    if options and not is_procedural(source):
+    """The one entry point (the forms in `ACCEPTED_SOURCES`). `n` caps the count (GSM8K's first rows, in file
+    order); `seed` is for generated sources, `options` for reasoning-gym's difficulty knobs."""
+    _check_count(n, "n")
+    procedural = source.startswith(PROCEDURAL)
+    if options and not procedural:
         raise ValueError(f"data_options {dict(options)} are knobs of a reasoning-gym source; {source!r} takes none. "
-                         "Remove data_options, or use data='reasoning-gym:<dataset>'.")
+                         f"Remove data_options, or use data='{PROCEDURAL}<dataset>'.")
     kind, _, split = source.partition(":")
-    if is_procedural(source):
-        drawn = procedural_problems(source, DEFAULT_SYNTHETIC_N if n is None else n, seed, options)
-        problems = [Problem(*row) for row in drawn]
+    if procedural:
+        problems = procedural_problems(source, GENERATED_N if n is None else n, seed, options)
     elif source == "synthetic":
-        problems = synthetic_gsm(DEFAULT_SYNTHETIC_N if n is None else n, seed=seed)
-    elif kind in ("gsm8k", "gsm8k-local") and split in ("", *GSM8K_SPLITS):
-        split = split or "test"
-        problems = load_gsm8k_hub(split, limit=n) if kind == "gsm8k" else _load_gsm8k_local(split, n)
+        problems = synthetic_gsm(GENERATED_N if n is None else n, seed=seed)
+    elif kind in ("gsm8k", "gsm8k-local") and split in ("", "test", "train"):
+        problems = (_gsm8k_hub if kind == "gsm8k" else _gsm8k_local)(split or "test", n)
     elif source.endswith(".jsonl"):
         problems = load_gsm8k_jsonl(source, limit=n)
     else:
         accepted = "\n  ".join(ACCEPTED_SOURCES)
         raise ValueError(f"unknown problem source {source!r}; accepted forms:\n  {accepted}")
-    if not problems:
-        raise ValueError(f"empty dataset: source {source!r} gave no problems")
     return problems
 
 
@@ -198,16 +203,7 @@ def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,
                          "Load an instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) or set "
                          "tokenizer.chat_template.")
     question = problem_or_question.question if isinstance(problem_or_question, Problem) else problem_or_question
-    messages = [{"role": "user", "content": question}]
-    if system_prompt is not None:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list):
-        if len(out) != 1:
-            raise ValueError(f"apply_chat_template returned {len(out)} sequences for one conversation")
-        out = out[0]
-    return [int(t) for t in out]
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    out = tokenizer.apply_chat_template([*system, {"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)
+    return [int(t) for t in out["input_ids"]]

@@ -1,9 +1,6 @@
-"""The seeded word-problem generator behind `load_problems("synthetic")`: six GSM-style templates.
-
-Each template draws its numbers from a `random.Random` and builds a GSM8K-style worked solution whose `<<a*b=c>>`
-annotations are the computation itself, so a test can re-evaluate every step. Number-free scene-setting sentences
-are mixed in, as GSM8K's questions carry them: their length is what moves prompt lengths.
-"""
+"""The seeded word-problem generator behind `load_problems("synthetic")`: six GSM-style templates whose worked
+solutions' `<<a*b=c>>` annotations are the computation itself, and GSM8K's number-free scene-setting sentences,
+whose length moves prompt lengths: varied lengths offline, reproducible from a seed."""
 
 from __future__ import annotations
 
@@ -33,35 +30,22 @@ _SCENES = (
 )
 
 
-class _Solution:
-    """Builds a GSM8K-style worked solution, one `<<expr=value>>` line per arithmetic step."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+class _Solution(list[str]):
+    """A GSM8K-style worked solution, one `<<expr=value>>` line per arithmetic step."""
 
     def step(self, expr: str, value: int, template: str) -> int:
         """`template` holds one `{}` where the annotated computation goes."""
-        self.lines.append(template.format(f"{expr} = <<{expr.replace(' ', '')}={value}>>{value}"))
+        self.append(template.format(f"{expr} = <<{expr.replace(' ', '')}={value}>>{value}"))
         return value
-
-    def finish(self, answer: int) -> str:
-        return "\n".join([*self.lines, f"#### {answer}"])
-
-
-def _join(parts: list[str]) -> str:
-    if len(parts) <= 2:
-        return " and ".join(parts)
-    return ", ".join(parts[:-1]) + ", and " + parts[-1]
 
 
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def _shopping(rng: random.Random) -> tuple[str, str, int]:
+def _shopping(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     name, subj, _ = rng.choice(_PEOPLE)
     items = rng.sample(_SHOP_ITEMS, rng.randint(1, 4))
-    sol = _Solution()
     bought, costs = [], []
     for plural, lo, hi in items:
         qty, price = rng.randint(2, 9), rng.randint(lo, hi)
@@ -70,20 +54,19 @@ def _shopping(rng: random.Random) -> tuple[str, str, int]:
     total = costs[0]
     if len(costs) > 1:
         total = sol.step(" + ".join(map(str, costs)), sum(costs), "Altogether that is {} dollars.")
-    text = f"{name} goes to the store and buys {_join(bought)}."
+    listed = " and ".join(bought) if len(bought) <= 2 else ", ".join(bought[:-1]) + ", and " + bought[-1]
+    text = f"{name} goes to the store and buys {listed}."
     if rng.random() < 0.5:
         bill = next(b for b in (10, 20, 50, 100, 200, 500) if b >= total)
         change = sol.step(f"{bill} - {total}", bill - total, "The change is {} dollars.")
-        return (f"{text} {subj.capitalize()} pays with a ${bill} bill. How much change does {subj} get back?",
-                sol.finish(change), change)
-    return f"{text} How much money does {subj} spend in total?", sol.finish(total), total
+        return f"{text} {subj.capitalize()} pays with a ${bill} bill. How much change does {subj} get back?", change
+    return f"{text} How much money does {subj} spend in total?", total
 
 
-def _sharing(rng: random.Random) -> tuple[str, str, int]:
+def _sharing(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     name, subj, poss = rng.choice(_PEOPLE)
     things = rng.choice(_SHARE_THINGS)
     friends, each = rng.randint(2, 6), rng.randint(2, 12)
-    sol = _Solution()
     shared = friends * each
     style = rng.randint(0, 2)
     if style == 0:
@@ -105,12 +88,11 @@ def _sharing(rng: random.Random) -> tuple[str, str, int]:
         )
         sol.step(f"{have} - {keep}", shared, "That leaves {} to share.")
     each = sol.step(f"{shared} / {friends}", each, "Each friend gets {}.")
-    return f"{text} How many {things} does each friend get?", sol.finish(each), each
+    return f"{text} How many {things} does each friend get?", each
 
 
-def _rates(rng: random.Random) -> tuple[str, str, int]:
+def _rates(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     machine, verb, things = rng.choice(_MACHINES)
-    sol = _Solution()
     per_minute = rng.random() < 0.3
     rate = rng.randint(2, 6) if per_minute else rng.randint(5, 40)
     hours = rng.randint(2, 8)
@@ -122,7 +104,7 @@ def _rates(rng: random.Random) -> tuple[str, str, int]:
     days = rng.randint(2, 7) if rng.random() < 0.7 else 1
     if days == 1:
         total = sol.step(f"{rate} * {hours}", rate * hours, f"It makes {{}} {things}.")
-        return f"{text} How many {things} does it make in {hours} hours?", sol.finish(total), total
+        return f"{text} How many {things} does it make in {hours} hours?", total
     text += f" It runs for {hours} hours every day."
     good = ""
     daily = sol.step(f"{rate} * {hours}", rate * hours, f"Each day it makes {{}} {things}.")
@@ -135,14 +117,13 @@ def _rates(rng: random.Random) -> tuple[str, str, int]:
     if rng.random() < 0.4:
         price = rng.randint(1, 5)
         money = sol.step(f"{total} * {price}", total * price, "They are sold for {} dollars.")
-        return (f"{text} Every {good}one is sold for ${price}. How many dollars does the owner earn in {days} days?",
-                sol.finish(money), money)
-    return f"{text} How many {good}{things} does it make in {days} days?", sol.finish(total), total
+        return (f"{text} Every {good}one is sold for ${price}. How many dollars does the owner earn in {days} "
+                "days?", money)
+    return f"{text} How many {good}{things} does it make in {days} days?", total
 
 
-def _ages(rng: random.Random) -> tuple[str, str, int]:
+def _ages(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     people = [p[0] for p in rng.sample(_PEOPLE, 4)]
-    sol = _Solution()
     first = rng.randint(3, 15)
     ages = [first]
     text = [f"{people[0]} is {first} years old."]
@@ -165,25 +146,23 @@ def _ages(rng: random.Random) -> tuple[str, str, int]:
     last = people[len(ages) - 1]
     ask = rng.randint(0, 2)
     if ask == 0:
-        return " ".join(text) + f" How old is {last}?", sol.finish(ages[-1]), ages[-1]
+        return " ".join(text) + f" How old is {last}?", ages[-1]
     if ask == 1:
         later = rng.randint(2, 10)
         age = sol.step(f"{ages[-1]} + {later}", ages[-1] + later, f"In {later} years {last} will be {{}}.")
-        return " ".join(text) + f" How old will {last} be in {later} years?", sol.finish(age), age
+        return " ".join(text) + f" How old will {last} be in {later} years?", age
     total = sol.step(" + ".join(map(str, ages)), sum(ages), "Together they are {} years old.")
     ask_sum = (f"What is the sum of all {('three', 'four')[len(ages) - 3]} ages?" if len(ages) > 2
                else f"What is the sum of {people[0]}'s and {people[1]}'s ages?")
-    return f"{' '.join(text)} {ask_sum}", sol.finish(total), total
+    return f"{' '.join(text)} {ask_sum}", total
 
 
-def _savings(rng: random.Random) -> tuple[str, str, int]:
+def _savings(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     name, subj, poss = rng.choice(_PEOPLE)
-    sol = _Solution()
     weekly, weeks = rng.randint(3, 25), rng.randint(2, 12)
     saved = sol.step(f"{weekly} * {weeks}", weekly * weeks, f"{name} saves {{}} dollars.")
     if rng.random() < 0.25:
-        return (f"{name} saves ${weekly} every week. How much money does {subj} save in {weeks} weeks?",
-                sol.finish(saved), saved)
+        return f"{name} saves ${weekly} every week. How much money does {subj} save in {weeks} weeks?", saved
     start = rng.randint(5, 60)
     text = f"{name} has ${start} in {poss} piggy bank."
     text += f" {subj.capitalize()} saves ${weekly} every week for {weeks} weeks."
@@ -200,17 +179,16 @@ def _savings(rng: random.Random) -> tuple[str, str, int]:
     if rng.random() < 0.4 and money % 2 == 0:
         text += f" Finally, {subj} gives half of {poss} money to {poss} brother."
         money = sol.step(f"{money} / 2", money // 2, "Half leaves {} dollars.")
-    return f"{text} How much money does {name} have now?", sol.finish(money), money
+    return f"{text} How much money does {name} have now?", money
 
 
-def _travel(rng: random.Random) -> tuple[str, str, int]:
+def _travel(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     name, subj, _ = rng.choice(_PEOPLE)
-    sol = _Solution()
     v1, h1 = rng.randint(20, 70), rng.randint(1, 4)
     d1 = sol.step(f"{v1} * {h1}", v1 * h1, "The first part is {} miles.")
     text = f"{name} drives at {v1} miles per hour for {_plural(h1, 'hour')}"
     if rng.random() < 0.4:
-        return f"{text}. How many miles does {subj} drive?", sol.finish(d1), d1
+        return f"{text}. How many miles does {subj} drive?", d1
     v2, h2 = rng.randint(20, 70), rng.randint(1, 4)
     d2 = sol.step(f"{v2} * {h2}", v2 * h2, "The second part is {} miles.")
     text += f", stops for lunch, and then drives at {v2} miles per hour for {_plural(h2, 'more hour')}."
@@ -218,23 +196,21 @@ def _travel(rng: random.Random) -> tuple[str, str, int]:
     if rng.random() < 0.5:
         trip = total + rng.randint(5, 120)
         left = sol.step(f"{trip} - {total}", trip - total, "{} miles are left.")
-        return (f"{text} The whole trip is {trip} miles long. How many miles does {subj} still have to drive?",
-                sol.finish(left), left)
-    return f"{text} How many miles does {subj} drive in total?", sol.finish(total), total
+        return f"{text} The whole trip is {trip} miles long. How many miles does {subj} still have to drive?", left
+    return f"{text} How many miles does {subj} drive in total?", total
 
 
-_TEMPLATES: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (
+_TEMPLATES: tuple[Callable[[random.Random, _Solution], tuple[str, int]], ...] = (
     _shopping, _sharing, _rates, _ages, _savings, _travel)
 
 
 def word_problem(seed: int, i: int) -> tuple[str, str, int]:
-    """Problem `i` of the stream `seed`: (question, worked solution ending in `#### <answer>`, answer).
-
-    It depends only on (seed, i), so a longer stream extends a shorter one without changing its start.
-    """
+    """Problem `i` of the stream `seed`: (question, worked solution ending in `#### <answer>`, answer). It depends
+    only on (seed, i), so a longer stream extends a shorter one without changing its start."""
     rng = random.Random(f"cbkit-synthetic/{seed}/{i}")
-    question, solution, answer = rng.choice(_TEMPLATES)(rng)
+    sol = _Solution()
+    question, answer = rng.choice(_TEMPLATES)(rng, sol)
     if answer < 0:  # a template bug, not a user error: fail where it happens
         raise AssertionError(f"synthetic problem {i} (seed {seed}) has negative answer {answer}")
     scenes = rng.sample(_SCENES, rng.choice((0, 0, 1, 2)))
-    return " ".join([*scenes, question]), solution, answer
+    return " ".join([*scenes, question]), "\n".join([*sol, f"#### {answer}"]), answer

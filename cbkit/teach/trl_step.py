@@ -38,9 +38,9 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     from trl import GRPOTrainer as StockGRPOTrainer
 
     from cbkit.trl.config import trl_grpo_config
-    from cbkit.trl.rewards import _trl_rewards, _weights_for
+    from cbkit.trl.rewards import trl_rewards
 
-    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, None, cfg), "answer")
+    funcs, weights = trl_rewards(reward_funcs, cfg=cfg)
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
     cb = args.transformers_continuous_batching_config
     if model.device.type == "cpu" and cb is not None:

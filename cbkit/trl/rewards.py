@@ -33,43 +33,17 @@ class TRLReward:
         self.fn = fn
         self.answer_column = answer_column
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, prompts=None, completions=None, **kwargs) -> list[float]:
         if self.answer_column not in kwargs:
-            columns = sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)
+            # TRL passes these besides prompts, completions and the dataset's columns.
+            extra = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
             raise ValueError(f"reward {self.__name__!r} needs the gold answers in a dataset column "
-                             f"{self.answer_column!r}; the columns TRL passed are {columns}. Add the column or pass "
-                             "answer_column= to trl_reward.")
-        texts = [_completion_text(c) for c in completions]
-        answers = [str(a) for a in kwargs[self.answer_column]]
-        return reward_scores(self.__name__, self.fn, texts, answers)
-
-    def __repr__(self) -> str:
-        return f"TRLReward({self.__name__}, answer_column={self.answer_column!r})"
-
-
-# What TRL passes to reward functions besides prompts, completions and the dataset columns.
-_TRL_EXTRA_KWARGS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
-
-
-def trl_reward(fn: Callable[[list[str], list[str]], list[float]], answer_column: str = "answer") -> TRLReward:
-    """Wrap a cbkit reward for TRL (see `TRLReward`)."""
-    return TRLReward(fn, answer_column)
-
-
-def _completion_text(completion) -> str:
-    """A plain completion is its text; a chat completion (list of messages) is its assistant text."""
-    if isinstance(completion, str):
-        return completion
-    parts = []
-    for message in completion:
-        content = message.get("content") if isinstance(message, Mapping) else message
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):  # typed content blocks
-            parts.extend(b.get("text", "") for b in content if isinstance(b, Mapping))
-    return "".join(parts)
+                             f"{self.answer_column!r}; the columns TRL passed are "
+                             f"{sorted(k for k in kwargs if k not in extra)}. Add the column or pass answer_column=.")
+        # A chat completion (a list of messages) is its assistant text.
+        texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions or []]
+        return reward_scores(self.__name__, self.fn, texts, [str(a) for a in kwargs[self.answer_column]])
 
 
 def _is_trl_native(fn) -> bool:
@@ -83,32 +57,25 @@ def _is_trl_native(fn) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _weights_for(reward_funcs, reward_weights, cfg: Any):
-    """The weights to hand TRL: `reward_weights` when given, else the config's, matched to the functions by name
-    (so a TRL run weighs the rewards as cbkit's loop does from the same config)."""
-    if reward_weights is not None or cfg is None:
-        return reward_weights
-    if isinstance(cfg, Mapping):
-        names, weights = cfg.get("reward_funcs"), cfg.get("reward_weights")
-    else:
-        names = getattr(cfg, "reward_funcs", None)
-        resolve = getattr(cfg, "resolved_reward_weights", None)
-        weights = resolve() if callable(resolve) else getattr(cfg, "reward_weights", None)
-    if weights is None:
-        return None
-    if names is not None and isinstance(reward_funcs, Mapping):
-        return {n: float(w) for n, w in zip(names, weights, strict=True) if n in reward_funcs}
-    count = 1 if callable(reward_funcs) or isinstance(reward_funcs, str) else len(reward_funcs)
-    if count != len(weights):
-        raise ValueError(f"The config's reward_weights {list(weights)} are for {len(weights)} reward functions, got "
-                         f"{count}. Pass reward_funcs as a name -> fn dict with the config's names, or "
-                         "reward_weights= explicitly.")
-    return list(weights)
-
-
-def _trl_rewards(reward_funcs, reward_weights, answer_column: str):
-    """cbkit rewards as TRL's list and weights as its list, by the loop's rules (`resolve_rewards`), except that a
-    string stays a reward model's id and no weights stays None (TRL's default, 1.0 each)."""
+def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_column: str = "answer"):
+    """TRL's reward list and weights by the loop's rules (`resolve_rewards`): cbkit rewards wrapped in `TRLReward`,
+    TRL-native ones and reward-model ids as they are. Without `reward_weights` the config's, matched to the
+    functions by name, so a TRL run weighs the rewards as cbkit's loop does; neither: None (TRL's 1.0 each)."""
+    if reward_weights is None and cfg is not None:
+        if isinstance(cfg, Mapping):
+            names, reward_weights = cfg.get("reward_funcs"), cfg.get("reward_weights")
+        else:
+            resolve = getattr(cfg, "resolved_reward_weights", None)
+            names = getattr(cfg, "reward_funcs", None)
+            reward_weights = resolve() if callable(resolve) else getattr(cfg, "reward_weights", None)
+        if reward_weights is not None and names is not None and isinstance(reward_funcs, Mapping):
+            reward_weights = {n: float(w) for n, w in zip(names, reward_weights, strict=True) if n in reward_funcs}
+        elif reward_weights is not None:
+            count = 1 if callable(reward_funcs) or isinstance(reward_funcs, str) else len(reward_funcs)
+            if count != len(reward_weights):
+                raise ValueError(f"The config's reward_weights {list(reward_weights)} are for {len(reward_weights)} "
+                                 f"reward functions, got {count}. Pass reward_funcs as a name -> fn dict with the "
+                                 "config's names, or reward_weights= explicitly.")
     funcs, weights = resolve_rewards(reward_funcs, reward_weights, names_are_builtin=False)
-    adapted = [f if _is_trl_native(f) else trl_reward(f, answer_column) for f in funcs.values()]
+    adapted = [f if _is_trl_native(f) else TRLReward(f, answer_column) for f in funcs.values()]
     return adapted, None if reward_weights is None else weights

@@ -2,8 +2,7 @@
 
 Released TRL asks the CB engine for no logprobs and gates its importance-sampling correction on vLLM, so with CB
 the correction never runs. `CBLogprobGRPOTrainer` makes the smallest change that lets it run; `CBRLOOTrainer` takes
-the same CB call (RLOO has no correction to feed). docs/trl_bridge.md lists the TRL lines this depends on and why
-each difference from TRL's own CB branch exists; tests/test_trl_bridge.py pins those lines.
+the same CB call. docs/trl_bridge.md lists the TRL lines this depends on (pinned by tests/test_trl_bridge.py).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from cbkit.rollout.base import SamplingParams
 from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.order import mix_seed
 from cbkit.trl.config import trl_grpo_config, trl_rloo_config
-from cbkit.trl.rewards import _trl_rewards, _weights_for
+from cbkit.trl.rewards import trl_rewards
 
 if TYPE_CHECKING:  # the type checker reads the mixin as the Trainer it ends up in; at run time a plain mixin
     from transformers import Trainer as _TrainerHost
@@ -32,8 +31,7 @@ else:
 
 class _CBRollouts(_TrainerHost):
     """TRL's CB branch as both bridge trainers run it, through cbkit's engine: cut at the stop ids, logprobs kept,
-    failures raised, the KV pool sized to the workload on CPU and a seed per call. Mixed into a TRL trainer, which
-    sets the attributes below."""
+    failures raised, a seed per call. Mixed into a TRL trainer, which sets the attributes below."""
 
     args: Any
     _dist: Any
@@ -44,8 +42,10 @@ class _CBRollouts(_TrainerHost):
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
     _cb_engine: Engine | None = None
 
-    def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
+    def _cb_generate(self, prompt_ids, images=None) -> tuple[list[list[int]], list[list[float]]]:
         """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`."""
+        if images is not None and any(images):
+            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
         max_new_tokens = self.max_completion_length
         if max_new_tokens is None:
             raise ValueError("max_completion_length=None: CB rollouts through cbkit's engine need a cap on the "
@@ -54,37 +54,28 @@ class _CBRollouts(_TrainerHost):
         from trl.models import unwrap_model_for_generation
 
         rows = [list(p) for p in prompt_ids]
-        with (
-            profiling_context(self, "transformers.generate_batch"),
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
+        unwrap = unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                             gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+        with (profiling_context(self, "transformers.generate_batch"), unwrap as unwrapped, torch.no_grad(),
+              self._dist.summon_full_params(self.model_wrapped, recurse=False)):
             # TRL casts the model itself to bf16 for good; the bridge samples from half copies instead.
             half = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
             keep = unwrapped.lm_head if getattr(self.args, "cast_lm_head_to_fp32", False) else None
             was_training = unwrapped.training
+            seed = mix_seed(int(self.args.seed), self.accelerator.process_index, self._cb_calls)
+            self._cb_calls += 1
             with half_weights_for_rollout(unwrapped, half, keep=keep), plain_forward(unwrapped):
                 outputs, _ = self._engine_for(unwrapped).run(
-                    rows, self.generation_config, max_new_tokens=max_new_tokens, seed=self._cb_seed())
+                    rows, self.generation_config, max_new_tokens=max_new_tokens, seed=seed)
             unwrapped.train(was_training)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tuple(self.eos_token_ids))
-        ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        for c in to_completions(rows, outputs, 1, sampling):
-            assert c.sampling_logprobs is not None  # to_completions raises where there are none
-            ids.append(list(c.completion_ids))
-            logprobs.append(list(c.sampling_logprobs))
-        return ids, logprobs
+        completions = to_completions(rows, outputs, 1, sampling)  # raises where the engine returned no logprobs
+        return [list(c.completion_ids) for c in completions], [list(c.sampling_logprobs or ()) for c in completions]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's `train`, after which the caller's model has its own `forward` again: accelerate's mixed-precision
-        wrapper left on it would run cbkit's later CB rollouts under autocast against an fp32 KV cache."""
+        """TRL's `train`, after which the caller's model has its own `forward` again (accelerate's mixed-precision
+        wrapper left on it would break cbkit's later CB rollouts)."""
         found = {k: self.model.__dict__.get(k) for k in ("forward", "_original_forward")}
         try:
             return super().train(*args, **kwargs)
@@ -96,15 +87,10 @@ class _CBRollouts(_TrainerHost):
                     self.model.__dict__[k] = v
 
     def _engine_for(self, model) -> Engine:
-        """One engine per trainer, on the model TRL generates with (its CPU pool warning once per trainer)."""
+        """One engine per trainer, on the model TRL generates with."""
         if self._cb_engine is None or self._cb_engine.model is not model:
             self._cb_engine = Engine(model, self.args.transformers_continuous_batching_config)
         return self._cb_engine
-
-    def _cb_seed(self) -> int:
-        seed = mix_seed(int(self.args.seed), self.accelerator.process_index, self._cb_calls)
-        self._cb_calls += 1
-        return seed
 
 
 class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
@@ -118,30 +104,18 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
         if args is None or not getattr(args, "use_transformers_continuous_batching", False):
             raise ValueError("CBLogprobGRPOTrainer is for the continuous batching path: pass args with "
                              "use_transformers_continuous_batching=True (trl_grpo_config sets it).")
-        if getattr(args, "use_vllm", False):
-            raise ValueError("use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS "
-                             "correction; use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False.")
-        cb = dict(args.transformers_continuous_batching_config or {})
-        if cb.get("return_logprobs") is False:
-            raise ValueError("transformers_continuous_batching_config has return_logprobs=False; remove it (this "
-                             "trainer exists to keep them).")
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         # TRL checks this in __init__ only when use_vllm is True (grpo_trainer.py, `loss_type == "vespo"`).
         if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
                 and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
             raise ValueError(f"loss_type='vespo' needs importance_sampling_mode 'token_truncate' or 'token_mask', "
                              f"got {self.vllm_importance_sampling_mode!r}.")
-        if self.vllm_importance_sampling_correction and (
-            (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
-        ):
-            warnings.warn(
-                f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the engine's "
-                "sampling logprobs are under the truncated distribution, TRL's old logprobs under temperature "
-                "only, so the IS ratio is biased below 1 even on identical weights (TRL's vLLM path has the same "
-                "bias). Use top_p=1.0, top_k=0 for an unbiased correction, or read the sampling/* metrics with "
-                "that in mind.",
-                stacklevel=2,
-            )
+        truncated = (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
+        if self.vllm_importance_sampling_correction and truncated:
+            warnings.warn(f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the "
+                          "engine's sampling logprobs are under the truncated distribution, TRL's old logprobs under "
+                          "temperature only, so the IS ratio is biased below 1 even on identical weights (as on "
+                          "TRL's vLLM path). Use top_p=1.0, top_k=0 for an unbiased correction.", stacklevel=2)
 
     # -- the gate: `use_vllm` reads True only where TRL computes and applies the IS ratio --
 
@@ -151,8 +125,9 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
     @use_vllm.setter
     def use_vllm(self, value: bool) -> None:
-        if value:  # TRL's __init__ assigns args.use_vllm; __init__ above refused True already
-            raise ValueError("CBLogprobGRPOTrainer never runs vLLM; use trl.GRPOTrainer for use_vllm=True.")
+        if value:  # TRL's __init__ assigns args.use_vllm
+            raise ValueError("use_vllm=True: TRL's vLLM path already returns sampling logprobs and runs the IS "
+                             "correction; use trl.GRPOTrainer (build_trainer picks it), or set use_vllm=False.")
 
     @contextmanager
     def _gate(self, is_open: bool):
@@ -187,21 +162,15 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
-        if images is not None and any(images):
-            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
-        return self._cb_generate(prompt_ids)
+        return self._cb_generate(prompt_ids, images)
 
 
 @contextmanager
 def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, *,
                              keep: torch.nn.Module | None = None) -> Iterator[None]:
     """Inside the block ``model``'s floating-point weights and buffers are ``dtype`` copies (``keep``'s stay: TRL's
-    ``cast_lm_head_to_fp32``); after it, the very tensors it had before, bit for bit. ``None``: no cast.
-
-    TRL's in-place ``model.to(dtype)`` for the rollout, without its lasting effect: only each ``Parameter``'s
-    ``.data`` is swapped, so training goes on from the fp32 weights. Casting back instead would round away every
-    update under half of bf16's spacing, and a deep copy would hold a second fp32 model.
-    """
+    ``cast_lm_head_to_fp32``); after it, the very tensors it had before, so training goes on from the fp32 weights
+    (TRL's in-place ``model.to(dtype)`` would round away every update under half of bf16's spacing)."""
     if dtype is None:
         yield
         return
@@ -220,13 +189,8 @@ def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, 
 
 @contextmanager
 def plain_forward(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model``'s own ``forward`` inside the block, not the one accelerate installs under mixed precision.
-
-    Under bf16/fp16 ``Accelerator.prepare_model`` replaces the instance's ``forward`` by autocast +
-    ``convert_outputs_to_fp32``, which calls ``.float()`` on the CB engine's ``PagedAttentionCache``: the engine's
-    loop dies and TRL fails with an IndexError. The rollout loses nothing (its weights are in the half dtype
-    already); the wrapper is back for training when the block ends.
-    """
+    """Run ``model``'s own ``forward`` inside the block: accelerate's mixed-precision one calls ``.float()`` on the
+    CB engine's ``PagedAttentionCache`` and kills its loop. The rollout's weights are in the half dtype already."""
     wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     if wrapped is None:
         yield
@@ -245,38 +209,18 @@ class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
         if not self.use_transformers_continuous_batching or self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
-        if images is not None and any(images):
-            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
-        return self._cb_generate(prompt_ids)[0]
+        return self._cb_generate(prompt_ids, images)[0]
 
 
-def build_trainer(
-    model,
-    tokenizer,
-    reward_funcs,
-    train_dataset,
-    cfg: Any = None,
-    *,
-    output_dir: str | None = None,
-    reward_weights: Mapping[str, float] | Sequence[float] | None = None,
-    answer_column: str = "answer",
-    eval_dataset=None,
-    callbacks=None,
-    **overrides: Any,
-):
+def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None, *, output_dir: str | None = None,
+                  reward_weights: Mapping[str, float] | Sequence[float] | None = None, answer_column: str = "answer",
+                  eval_dataset=None, callbacks=None, **overrides: Any):
     """TRL's trainer for a cbkit run: the config's `advantage_estimator` picks GRPO (default) or RLOO; on the CB
-    path the bridge's subclass, otherwise the stock trainer.
-
-    `reward_funcs`: cbkit rewards (`fn(completions, answers)`, adapted with `trl_reward`), TRL-native ones
-    (taking `**kwargs`, passed as they are), or cbkit's name -> fn dict (then `reward_weights` may be by name).
-    `overrides`: `GRPOConfig` / `RLOOConfig` arguments under TRL's names.
-    """
-    estimator = (cfg.get("advantage_estimator") if isinstance(cfg, Mapping)
-                 else getattr(cfg, "advantage_estimator", None)) or "grpo"
-    if estimator not in ("grpo", "rloo"):
-        raise ValueError(f"advantage_estimator={estimator!r}: TRL has trainers for 'grpo' and 'rloo'.")
-    rloo = estimator == "rloo"
-    funcs, weights = _trl_rewards(reward_funcs, _weights_for(reward_funcs, reward_weights, cfg), answer_column)
+    path the bridge's subclass, otherwise the stock trainer. `reward_funcs` as `trl_rewards` takes them;
+    `overrides`: `GRPOConfig` / `RLOOConfig` arguments under TRL's names."""
+    rloo = (cfg.get("advantage_estimator") if isinstance(cfg, Mapping)
+            else getattr(cfg, "advantage_estimator", None)) == "rloo"  # any other but grpo: trl_grpo_config refuses
+    funcs, weights = trl_rewards(reward_funcs, reward_weights, cfg, answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
     if eval_dataset is None:  # the config's eval_steps needs a held-out set TRL can read: none given, none evaluated
