@@ -237,7 +237,7 @@ test-tiers: $(STAMP)
 			--overwrite -n 2 --durations=0 $(TIERS_EXECUTED)/$$tier || exit 1; \
 	done
 # The workshop book: the notebooks executed by test-notebooks, with a PNG of every figure added for
-# viewers without JavaScript (cbkit.viz.static: kaleido on the installed Chromium), and docs/workshop.md,
+# viewers without JavaScript (cbkit.viz.figures: kaleido on the installed Chromium), and docs/workshop.md,
 # rendered by Sphinx + myst-nb (furo theme, nothing downloaded) into $(BOOK)/index.html, then opened offline in
 # headless Chromium, which must draw every figure. Reads $(EXECUTED), which `make test` leaves (made here if missing).
 # Part of `make test-more`.
