@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cbkit.rollout.engine import is_helper
 from cbkit.rollout.engine_trace import EngineTrace
 from cbkit.teach.exercises import solutions
 from cbkit.teach.exercises.checks import schedule_cases
@@ -36,7 +35,7 @@ def test_the_recording_is_one_where_lifespan_says_nobody_waited(recorded):
     end = _first_end(timeline)
     assert all(r["start"] < end for r in timeline["requests"])
     assert any(r["token_times"][0] > end for r in timeline["requests"])
-    assert any(is_helper(r.request_id) for s in trace.steps for r in s.requests)
+    assert any(r.helper for s in trace.steps for r in s.requests)
 
 
 def test_each_life_agrees_with_the_engines_token_clock(recorded):
@@ -67,10 +66,11 @@ def test_blocks_in_use_stay_within_the_pool_and_cover_every_scheduled_table(reco
 def test_the_first_hand_over_is_from_a_helper_and_completions_hand_over_too(recorded):
     trace, timeline = recorded
     reuses = trace.reuses()
-    assert is_helper(min(reuses, key=lambda r: (r.first_step, r.block)).released_by)
+    lives = trace.lives()
+    assert lives[min(reuses, key=lambda r: (r.first_step, r.block)).released_by].helper
     ends = {r["engine_id"]: r["token_times"][-1] for r in timeline["requests"]}
     takers = {r["engine_id"]: r["token_times"][0] for r in timeline["requests"]}
-    handed = [r for r in reuses if not is_helper(r.released_by)]
+    handed = [r for r in reuses if not lives[r.released_by].helper]
     assert handed  # a finished completion's block went to another request, after its last token by the engine's clock
     assert all(ends[r.released_by] < takers.get(r.taken_by, float("inf")) or r.taken_by not in takers
                or ends[r.released_by] < ends[r.taken_by] for r in handed)

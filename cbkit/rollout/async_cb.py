@@ -74,7 +74,7 @@ class AsyncEngine:
         self._pairs = [(self.snapshot.get_parameter(n), p) for n, p in model.named_parameters()]
         # transformers' thread runs the loop: the trainer trains while it decodes. Bad keys fail now.
         self.engine = Engine(self.snapshot, {**dict(cb_config or {}), "allow_block_sharing": False},
-                             engine_loop="thread", record_timestamps=record_timestamps)
+                             record_timestamps=record_timestamps)
         self.version = 0
         self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
         self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)

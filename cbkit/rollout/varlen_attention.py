@@ -15,7 +15,6 @@ the plain loop it is tested against; docs/cpu_results.md what each costs on a CP
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -179,16 +178,3 @@ def register() -> str:
     # Looked up at call time through the module, so a test (or a lab A/B) can swap the function in.
     AttentionInterface.register(NAME, lambda *a, **k: varlen_attention(*a, **k))
     return NAME
-
-
-@contextlib.contextmanager
-def varlen_attention_for_engine(model):
-    """Run the CB engine with cbkit's varlen attention; the model's own implementation is restored after."""
-    original = model.config._attn_implementation
-    # Set on the config directly: `set_attn_implementation` would take the "flash" in the name as a request
-    # to import a flash-attn kernel. The attention layers look the function up by this name at every call.
-    model.config._attn_implementation = register()
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = original
