@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cbkit.rollout.engine_trace import EngineTrace
+from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest
 from cbkit.teach.exercises import solutions
 from cbkit.teach.exercises.checks import schedule_cases
 
@@ -21,7 +21,11 @@ DATA = Path(__file__).parent / "data" / "engine_trace_tiny_waits.json"
 @pytest.fixture(scope="module")
 def recorded():
     data = json.loads(DATA.read_text())
-    return EngineTrace.from_dict(data["trace"]), data["timeline"]
+    trace = data["trace"]  # steps of [request_id, prompt_len, prompt_hash, past_len, query_len, blocks]
+    steps = [EngineStep(s["index"], s["t"], tuple(ScheduledRequest(rid, n, h, past, q, tuple(blocks))
+                                                  for rid, n, h, past, q, blocks in s["requests"]))
+             for s in trace["steps"]]
+    return EngineTrace(steps, trace["pool_blocks"], trace["page_size"]), data["timeline"]
 
 
 def _first_end(timeline):
@@ -109,7 +113,12 @@ def _record(path: Path = DATA) -> None:
                                 record_timestamps=True)
     with record_engine_steps() as trace:
         rollout = backend.generate(prompts, 4, sp, target_lengths=[4 + (7 * i) % 20 for i in range(len(rows))])
-    path.write_text(json.dumps({"trace": trace.to_dict(), "timeline": rollout.timeline}))
+    steps = [{"index": s.index, "t": s.t, "requests": [[r.request_id, r.prompt_len, r.prompt_hash, r.past_len,
+                                                        r.query_len, list(r.blocks)] for r in s.requests]}
+             for s in trace.steps]
+    data = {"trace": {"pool_blocks": trace.pool_blocks, "page_size": trace.page_size, "steps": steps},
+            "timeline": rollout.timeline}
+    path.write_text(json.dumps(data))
 
 
 if __name__ == "__main__":

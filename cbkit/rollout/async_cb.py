@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
 from cbkit.rollout.engine import Engine, timeline, to_completions
 from cbkit.telemetry import PeakMemory
@@ -82,7 +83,7 @@ class AsyncEngine:
             self._parked.set()
             self._go.wait()  # publish() copies the new weights now, then opens the gate
         self._lock.acquire()
-        for r in self.engine.scheduled():  # the positions this forward computes: the token it samples, the KV
+        for r in upstream.scheduled(upstream.processor_of(self.engine.manager), blocks=False):  # the positions this forward computes: the token it samples, the KV
             seen = self._positions.setdefault(r.request_id, {})
             for pos in range(r.past_len, r.past_len + r.query_len):
                 seen[pos] = self.version
@@ -100,7 +101,7 @@ class AsyncEngine:
         pending = self._pending
         if pending is not None and pending.update_at is not None:
             while not self._parked.is_set() and not pending.done:
-                self.engine.take(pending.results, 0.01, len(pending.ids))
+                self.engine.running().take(pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
         with self._writing_weights():
             for dst, src in self._pairs:
@@ -122,12 +123,12 @@ class AsyncEngine:
         targets = [int(t) for t in target_lengths] if target_lengths is not None else None
         rows = [list(p) for p in prompts for _ in range(num_generations)]
         self._start(sampling, rows)
-        with self.engine.paused():  # all requests queued while the loop is parked: one drain, a seeded order
+        with self.engine.running().paused():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
             self._go.clear()
             self._parked.clear()
             self._update_at = update_at
-            ids = self.engine.queue(rows, sampling.max_new_tokens, sampling.seed, targets=targets)
+            ids = self.engine.submit(self.engine.running(), rows, sampling.max_new_tokens, sampling.seed, targets)
         self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
                                 time.perf_counter(), update_at, targets)
         return self._pending
@@ -135,7 +136,7 @@ class AsyncEngine:
     def collect(self, pending: Pending) -> Rollout:
         with PeakMemory(self.snapshot.device) as mem:
             while not pending.done:
-                self.engine.take(pending.results, 1.0, len(pending.ids))
+                self.engine.running().take(pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
         rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
@@ -144,7 +145,7 @@ class AsyncEngine:
             to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
             strict=True)]
         self._pending = None
-        resolved = self.engine.resolved()
+        resolved = upstream.resolved_config(self.engine.manager)
         swaps = [s for s in self.swaps if s[0] >= pending.submitted_at]
         return Rollout(completions, pending.num_generations, self.name, wall, mem.peak_bytes, mem.kind,
                        engine_config=resolved, timeline=timeline(outputs, completions, pending.submitted_at, resolved,
@@ -200,7 +201,7 @@ class AsyncEngine:
         enqueueing; on a GPU two stream waits order the kernels: the copies after what the engine enqueued, the
         engine's next forward after the copies (before it has a stream, the host waits)."""
         with self._lock, torch.no_grad():
-            engine = self.engine.stream()
+            engine = upstream.forward_stream(self.engine.manager)
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None
             if engine is not None and copier is not None:  # both, or neither
                 copier.wait_stream(engine)

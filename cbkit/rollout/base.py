@@ -164,10 +164,8 @@ class Rollout:
         if not self.completions:
             raise ValueError(f"Rollout from {self.backend!r} has no completions.")
         if len(self.completions) % self.num_generations:
-            raise ValueError(
-                f"Rollout from {self.backend!r}: {len(self.completions)} completions do not split into groups of "
-                f"num_generations={self.num_generations}."
-            )
+            raise ValueError(f"Rollout from {self.backend!r}: {len(self.completions)} completions do not split into "
+                             f"groups of num_generations={self.num_generations}.")
         for i, c in enumerate(self.completions):
             where = f"Rollout from {self.backend!r}, completion {i}"
             if c.group != i // self.num_generations:
@@ -176,17 +174,12 @@ class Rollout:
                 raise ValueError(f"{where}: prompt_ids is empty.")
             if c.finish_reason not in ("eos", "length"):
                 raise ValueError(f"{where}: finish_reason must be 'eos' or 'length', got {c.finish_reason!r}.")
-            if c.sampling_logprobs is None:
-                if self.logprobs_missing_reason is None:
-                    raise ValueError(f"{where}: sampling_logprobs is missing and logprobs_missing_reason is not set.")
-            elif len(c.sampling_logprobs) != len(c.completion_ids):
-                raise ValueError(
-                    f"{where}: sampling_logprobs has {len(c.sampling_logprobs)} entries for "
-                    f"{len(c.completion_ids)} completion tokens."
-                )
-            if c.policy_versions is not None and len(c.policy_versions) != len(c.completion_ids):
-                raise ValueError(f"{where}: policy_versions has {len(c.policy_versions)} entries for "
-                                 f"{len(c.completion_ids)} completion tokens.")
+            if c.sampling_logprobs is None and self.logprobs_missing_reason is None:
+                raise ValueError(f"{where}: sampling_logprobs is missing and logprobs_missing_reason is not set.")
+            for name in ("sampling_logprobs", "policy_versions"):  # one entry per completion token
+                if (per_token := getattr(c, name)) is not None and len(per_token) != len(c.completion_ids):
+                    raise ValueError(f"{where}: {name} has {len(per_token)} entries for {len(c.completion_ids)} "
+                                     "completion tokens.")
         return self
 
 

@@ -14,12 +14,10 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
 from cbkit.rollout.engine_config import ENGINE_OWN, engine_attention, make_cb_config, page_size
-from cbkit.rollout.upstream import HELPER_PREFIX, CallerLoop, ScheduledRequest
+from cbkit.rollout.upstream import HELPER_PREFIX, CallerLoop
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.rollout.varlen_attention import register, varlen_unsupported_reason
 
@@ -207,29 +205,11 @@ class Engine:
         self._stack = stack
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
-    def _running(self) -> ThreadLoop:
+    def running(self) -> ThreadLoop:
+        """The loop `start` keeps running: `submit` to it, `take` from it, hold its `paused()` while queueing."""
         if self._loop is None:
             raise RuntimeError("No engine manager is running: call start() first (close() stops it).")
         return self._loop
-
-    def paused(self) -> contextlib.AbstractContextManager:
-        return self._running().paused()
-
-    def queue(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
-              targets: Sequence[int] | None = None) -> list[str]:
-        return self.submit(self._running(), rows, max_new_tokens, seed, targets=targets)
-
-    def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
-        self._running().take(results, timeout, expected)
-
-    def scheduled(self) -> list[ScheduledRequest]:
-        return upstream.scheduled(upstream.processor_of(self.manager), blocks=False)
-
-    def stream(self) -> torch.cuda.Stream | None:
-        return upstream.forward_stream(self.manager)
-
-    def resolved(self) -> dict[str, Any]:
-        return upstream.resolved_config(self.manager)
 
 
 # --- outputs -> cbkit records ---------------------------------------------------------------------------------

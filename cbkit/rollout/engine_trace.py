@@ -11,7 +11,6 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from cbkit.rollout.upstream import ScheduledRequest, watch_batches
 
@@ -88,20 +87,6 @@ class EngineTrace:
                 for k in range(i, end):
                     held_at[k] |= set(r.blocks)
         return [len(held_at[step.index]) for step in self.steps]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The trace as JSON-ready data (`from_dict` reads it back)."""
-        return {"pool_blocks": self.pool_blocks, "page_size": self.page_size,
-                "steps": [{"index": s.index, "t": s.t, "requests": [
-                    [r.request_id, r.prompt_len, r.prompt_hash, r.past_len, r.query_len, list(r.blocks)]
-                    for r in s.requests]} for s in self.steps]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineTrace:
-        steps = [EngineStep(s["index"], s["t"], tuple(ScheduledRequest(rid, n, h, past, q, tuple(blocks))
-                                                      for rid, n, h, past, q, blocks in s["requests"]))
-                 for s in data["steps"]]
-        return cls(steps=steps, pool_blocks=data.get("pool_blocks"), page_size=data.get("page_size"))
 
     def restarts(self) -> dict[str, int]:
         """request -> KV tokens it computed again after the engine offloaded it; requests never restarted absent."""
