@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from cbkit.models.load import load_policy
-from cbkit.rollout import SamplingParams
+from cbkit.rollout import SamplingParams, upstream
 from cbkit.rollout.async_cb import AsyncEngine
 from cbkit.train.objective import policy_logprobs
 from cbkit.train.offpolicy import input_versions, versioned_logprobs
@@ -364,7 +364,7 @@ def test_on_a_gpu_every_forward_reads_one_published_version_whole():
     starts: list[tuple[torch.Tensor, int, bool]] = []
     ends: list[torch.Tensor] = []
     engine.snapshot.register_forward_pre_hook(lambda m, a: starts.append(
-        (device_print(mine), engine.version, torch.cuda.current_stream() == engine.engine.stream())))
+        (device_print(mine), engine.version, torch.cuda.current_stream() == upstream.forward_stream(engine.engine.manager))))
     engine.snapshot.register_forward_hook(lambda m, a, o: ends.append(device_print(mine)), prepend=True)  # in the lock
     prints = {0: device_print(params)}
     try:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cbkit.rollout.engine import is_helper
-from cbkit.rollout.engine_trace import EngineTrace
+from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest
 from cbkit.teach.exercises import solutions
 from cbkit.teach.exercises.checks import schedule_cases
 
@@ -22,7 +21,11 @@ DATA = Path(__file__).parent / "data" / "engine_trace_tiny_waits.json"
 @pytest.fixture(scope="module")
 def recorded():
     data = json.loads(DATA.read_text())
-    return EngineTrace.from_dict(data["trace"]), data["timeline"]
+    trace = data["trace"]  # steps of [request_id, prompt_len, prompt_hash, past_len, query_len, blocks]
+    steps = [EngineStep(s["index"], s["t"], tuple(ScheduledRequest(rid, n, h, past, q, tuple(blocks))
+                                                  for rid, n, h, past, q, blocks in s["requests"]))
+             for s in trace["steps"]]
+    return EngineTrace(steps, trace["pool_blocks"], trace["page_size"]), data["timeline"]
 
 
 def _first_end(timeline):
@@ -36,7 +39,7 @@ def test_the_recording_is_one_where_lifespan_says_nobody_waited(recorded):
     end = _first_end(timeline)
     assert all(r["start"] < end for r in timeline["requests"])
     assert any(r["token_times"][0] > end for r in timeline["requests"])
-    assert any(is_helper(r.request_id) for s in trace.steps for r in s.requests)
+    assert any(r.helper for s in trace.steps for r in s.requests)
 
 
 def test_each_life_agrees_with_the_engines_token_clock(recorded):
@@ -67,10 +70,11 @@ def test_blocks_in_use_stay_within_the_pool_and_cover_every_scheduled_table(reco
 def test_the_first_hand_over_is_from_a_helper_and_completions_hand_over_too(recorded):
     trace, timeline = recorded
     reuses = trace.reuses()
-    assert is_helper(min(reuses, key=lambda r: (r.first_step, r.block)).released_by)
+    lives = trace.lives()
+    assert lives[min(reuses, key=lambda r: (r.first_step, r.block)).released_by].helper
     ends = {r["engine_id"]: r["token_times"][-1] for r in timeline["requests"]}
     takers = {r["engine_id"]: r["token_times"][0] for r in timeline["requests"]}
-    handed = [r for r in reuses if not is_helper(r.released_by)]
+    handed = [r for r in reuses if not lives[r.released_by].helper]
     assert handed  # a finished completion's block went to another request, after its last token by the engine's clock
     assert all(ends[r.released_by] < takers.get(r.taken_by, float("inf")) or r.taken_by not in takers
                or ends[r.released_by] < ends[r.taken_by] for r in handed)
@@ -109,7 +113,12 @@ def _record(path: Path = DATA) -> None:
                                 record_timestamps=True)
     with record_engine_steps() as trace:
         rollout = backend.generate(prompts, 4, sp, target_lengths=[4 + (7 * i) % 20 for i in range(len(rows))])
-    path.write_text(json.dumps({"trace": trace.to_dict(), "timeline": rollout.timeline}))
+    steps = [{"index": s.index, "t": s.t, "requests": [[r.request_id, r.prompt_len, r.prompt_hash, r.past_len,
+                                                        r.query_len, list(r.blocks)] for r in s.requests]}
+             for s in trace.steps]
+    data = {"trace": {"pool_blocks": trace.pool_blocks, "page_size": trace.page_size, "steps": steps},
+            "timeline": rollout.timeline}
+    path.write_text(json.dumps(data))
 
 
 if __name__ == "__main__":

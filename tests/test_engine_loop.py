@@ -7,18 +7,15 @@ must draw the same tokens with the same logprobs, with and without prefix sharin
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cbkit.rollout import BACKENDS, ContinuousBackend, SamplingParams, make_backend
-from cbkit.rollout.engine import Engine, engine_is_idle
-from cbkit.rollout.engine_config import resolve_engine_loop
+from cbkit.rollout.engine import engine_is_idle
 
 
 def _on_loop(loop, model, cb_config=None, persistent=False):
-    """The CB backend with its engine's loop in `loop` ("caller" or "thread"): the engine is the one place that
-    chooses (the async engine asks for the thread; "auto" picks per device), so the test swaps the engine in."""
+    """The CB backend with its engine's loop in `loop` ("caller", the CPU's default, or "thread")."""
     backend = ContinuousBackend(model, cb_config, persistent=persistent)
-    backend.engine = Engine(model, cb_config, persistent=persistent, engine_loop=loop)
+    backend.engine.thread_loop = loop == "thread"
     return backend
 
 
@@ -96,24 +93,9 @@ def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, m
     _same(_rollout(backend, tok), _rollout(_threaded(model), tok))
 
 
-def test_which_loop_runs_where():
-    # The caller's loop by default on CPU, where it was measured faster (lab/small_n.md); the thread elsewhere.
-    assert resolve_engine_loop("auto", torch.device("cpu")) == "caller"
-    assert resolve_engine_loop("auto", torch.device("cuda")) == "thread"
-    assert resolve_engine_loop("caller", torch.device("cpu")) == "caller"
-    assert resolve_engine_loop("auto", torch.device("cpu"), {"use_async_batching": True}) == "thread"
-    assert resolve_engine_loop("thread", torch.device("cpu")) == "thread"
-    with pytest.raises(ValueError, match="cannot run async batching"):
-        resolve_engine_loop("caller", torch.device("cpu"), {"use_async_batching": True})
-    with pytest.raises(ValueError, match="engine_loop must be one of auto, caller, thread"):
-        resolve_engine_loop("inline", torch.device("cpu"))
-
-
 def test_the_loop_is_the_engines_choice_not_a_backend_or_an_option(tiny):
     assert sorted(BACKENDS) == ["continuous", "generate"]
     backend = make_backend("continuous", tiny.model)
-    assert backend.name == "continuous" and backend.engine.engine_loop == "auto"
+    assert backend.name == "continuous" and not backend.engine.thread_loop
     with pytest.raises(TypeError, match="engine_loop"):
         ContinuousBackend(tiny.model, engine_loop="thread")
-    with pytest.raises(ValueError, match="engine_loop must be one of"):
-        Engine(tiny.model, engine_loop="background")

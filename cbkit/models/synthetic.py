@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-# Llama-3's pre-tokenizer pattern: its 128k vocabulary holds nearly every common piece as one token, so one id per
-# piece gives prompts about a real BPE's length (lab/cpu_results.md compares the counts).
+# Llama-3's pre-tokenizer pattern: one id per piece gives prompts about a real BPE's length.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -45,40 +44,24 @@ def tiny_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>"],
-        padding_side="left",
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  pad_token="<pad>", additional_special_tokens=["<|im_start|>"], padding_side="left")
     tok.chat_template = CHATML_TEMPLATE
     return tok
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: int = 1024):
     """A 2-layer random Llama over the tiny tokenizer, its init scale large so that greedy parity between backends
-    tests the engines, not how they break near-ties in a flat distribution."""
+    does not hinge on near-ties."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     vocab_size = 256 + len(TINY_SPECIALS)
     eos_id = 256 + TINY_SPECIALS.index("<|im_end|>")
     pad_id = 256 + TINY_SPECIALS.index("<pad>")
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context_len,
-        initializer_range=0.2,
-        bos_token_id=256,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context_len,
+                         initializer_range=0.2, bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id,
+                         tie_word_embeddings=False)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -118,8 +101,7 @@ def random_config(name: str, tokenizer=None):
 
 def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-    """A Llama with Llama-3.2-1B's shape (or the test size) and seeded random weights, built on ``device`` in
-    ``dtype`` (never as a 5 GB fp32 copy on the host first)."""
+    """A Llama of Llama-3.2-1B's shape (or the test size), seeded random weights, built on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = random_config(name, tokenizer)
@@ -138,9 +120,8 @@ PIECE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<unk>
 
 
 def piece_tokenizer():
-    """One id per Llama-3 pre-token, over a vocabulary built in code: the ChatML specials, printable ASCII, 0-999
-    and every piece of the system prompt and of 2000 synthetic problems; any other piece is ``<unk>``, which keeps a
-    prompt's length (and different prompts' ids, for prefix sharing) right."""
+    """One id per Llama-3 pre-token over a vocabulary built in code (ASCII, 0-999, the pieces of the system prompt
+    and of 2000 synthetic problems); any other piece is ``<unk>``, which keeps a prompt's length right."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,10 +1,6 @@
 """The paged KV pool, modelled once: how large the engine makes it (`admission`: transformers' own sizing and memory
-check, run on any machine) and how many of its blocks a group of completions needs (`blocks_needed`: the prompt's
-complete pages shared). Recycling itself is shown, not modelled: notebook 01 steps a scheduler beside the engine's
-record. The planner, the admission check before a CB rollout and `cbkit tiers` all call this module.
-
-The engine's internals it runs (its config resolution, its cache and memory handler) are reached through
-`cbkit.rollout.upstream.engine_footprint`.
+check, run on any machine) and how many blocks a group of completions needs (`blocks_needed`). The planner, the
+check before a CB rollout and `cbkit tiers` call it; recycling is shown, not modelled (notebook 01).
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from cbkit.rollout.varlen_attention import varlen_unsupported_reason
 
 @dataclass(frozen=True)
 class Admission:
-    """transformers' own verdict on starting a CB engine, and the pool it would build: its memory handler's footprint
-    check, run on a device's memory as the engine would read it there."""
+    """transformers' own verdict on starting a CB engine, and the pool it would build."""
 
     fits: bool
     footprint_bytes: int  # what the engine reserves: the pool, its per-token buffers, the attention mask, ...
@@ -45,25 +40,19 @@ class Admission:
 def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype, rows: Sequence[Sequence[int]],
               max_new_tokens: int, total_bytes: int, used_bytes: int = 0, capability: tuple[int, int] = (8, 0),
               flash: Sequence[int] = (), device: str = "cuda", attention: str | None = None) -> Admission:
-    """Would a CB engine start on a `device` of `total_bytes` with `used_bytes` already taken (weights, a trainer's
-    state, other copies), for a model of `config` in `dtype` and this call's pool (`overrides`, `rows`,
-    `max_new_tokens`, resolved as `Engine.run` resolves them), and what pool would it build? Answered by
-    transformers' own code, on any machine: the engine's config resolution, then its `PagedAttentionCache` built on
-    the meta device (no memory touched) with the engine's memory reading (`get_device_and_memory_breakdown`)
-    returning this device's numbers. The attention is `engine_attention`'s choice for that device (`capability`,
-    importable flash-attn `flash`), as `Engine` applies it, unless `attention` names one: the engine reserves a dense
-    attention mask only where the model needs its own attention."""
+    """Would a CB engine start on a `device` of `total_bytes` with `used_bytes` taken, for a model of `config` in
+    `dtype` and this call's pool (resolved as `Engine.run` does), and what pool would it build? The attention is
+    `engine_attention`'s choice for that device unless `attention` names one."""
     attention = attention or engine_attention(device, dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
     cb = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new_tokens, warn=False)
     f = engine_footprint(config, cb, attention=attention, dtype=dtype, hints=workload_hints(rows, max_new_tokens),
                          total_bytes=total_bytes, used_bytes=used_bytes, device=device)
-    return Admission(f.error is None, f.footprint, f.available, f.num_blocks, f.max_batch_tokens, attention, f.error,
-                     page_size(cb), f.cache_bytes, f.mask_bytes)
+    return Admission(f["error"] is None, f["footprint"], f["available"], f["num_blocks"], f["max_batch_tokens"],
+                     attention, f["error"], page_size(cb), f["cache_bytes"], f["mask"])
 
 
 def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: int) -> int:
-    """The engine's ``num_blocks`` for a pool of ``pool_bytes`` of KV: a pool fixed in bytes, whatever the device's
-    free memory (the engine's own sizing takes a share of whatever is free)."""
+    """The engine's ``num_blocks`` for a pool fixed at ``pool_bytes`` of KV, whatever the device's free memory."""
     from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
     per_block = kv_bytes_per_token(config, dtype_bytes) * page_size
@@ -74,8 +63,7 @@ def pool_blocks(config: Any, pool_bytes: int, *, page_size: int, dtype_bytes: in
 
 
 def blocks_needed(prompt_len: int, tokens: int, page: int, *, n: int = 1, share_prompt: bool = True) -> int:
-    """Blocks a group of `n` sequences of one prompt holds once each has `tokens` tokens past the prompt: with the
-    engine's prefix sharing (``allow_block_sharing``, full attention only) the prompt's complete pages once, each
-    sequence its own pages after them."""
+    """Blocks a group of `n` sequences of one prompt holds at `tokens` past the prompt: with prefix sharing the
+    prompt's complete pages once, each sequence its own pages after them."""
     shared = prompt_len // page if share_prompt and n > 1 else 0
     return shared + n * (-(-(prompt_len + tokens) // page) - shared)

@@ -1,22 +1,11 @@
 """Async rollouts on transformers' CB engine, in one process: the next rollout decodes while this step trains.
 
-`continuous.py` starts the engine for a rollout and stops it after; here it keeps running on transformers' thread.
-The loop submits step t+1's requests, trains step t while the engine decodes them, and publishes the updated weights
-between two engine forwards, so a completion can straddle an update; every token records the *policy version* (the
-count of optimizer updates) of the weights whose forward sampled it.
-
-The engine decodes on `snapshot`, an in-process copy of the weights (no gradients, no optimizer state), refreshed by a
-device-to-device `copy_` after each update, not on the training weights, though the manager's `pause()` is made for
-updating a model in place: the attention implementation is a field of the model's config, switched for the engine
-until it stops, so a training forward meanwhile would run the paged attention without a causal mask (transformers
-#48296); and `optimizer.step()` writes the parameters while the engine's thread reads them.
-
-No forward sees a half-applied update: a forward pre-hook on the snapshot takes a lock its post-hook releases, and
-`publish` copies under the same lock; on a GPU it also orders the two CUDA streams both ways (`_writing_weights`).
-The pre-hook writes down the positions each forward computes for each request and the version it computes them with.
-The update lands at a pinned forward (`update_at`), not whenever training ends, so a run is reproducible and
-resumable (`state_dict` keeps the weights a pending rollout started on). Prefix sharing is off: a request admitted
-after an update would read prompt KV computed before it.
+The engine keeps running on its thread over `snapshot`, a copy of the weights without gradients, not the training
+weights: the engine switches the model's attention until it stops (a training forward meanwhile would lose its causal
+mask, transformers #48296) and `optimizer.step()` would write weights the engine's thread reads. `publish` copies the
+new weights in between two forwards, under the lock the forward hooks hold (and, on a GPU, ordered against the
+engine's stream), at a pinned forward (`update_at`) so a run is reproducible and resumable; every token records the
+policy version that sampled it. Prefix sharing is off: a request admitted after an update would read older KV.
 """
 
 from __future__ import annotations
@@ -32,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
 from cbkit.rollout.engine import Engine, timeline, to_completions
 from cbkit.telemetry import PeakMemory
@@ -50,7 +40,7 @@ class Pending:
     ids: list[str]
     submitted_at: float
     update_at: int | None
-    targets: list[int] | None = None  # a replayed length per row (EOS ignored), or None: EOS and the limit decide
+    targets: list[int] | None = None  # a replayed length per row (EOS ignored)
     results: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,9 +62,8 @@ class AsyncEngine:
         self.policy = model
         self.snapshot = copy.deepcopy(model).eval().requires_grad_(False)
         self._pairs = [(self.snapshot.get_parameter(n), p) for n, p in model.named_parameters()]
-        # transformers' thread runs the loop: the trainer trains while it decodes. Bad keys fail now.
         self.engine = Engine(self.snapshot, {**dict(cb_config or {}), "allow_block_sharing": False},
-                             engine_loop="thread", record_timestamps=record_timestamps)
+                             record_timestamps=record_timestamps)
         self.version = 0
         self.max_prompt_len = 0  # the longest prompt the run will send (the trainer sets it): sizes the KV pool
         self.swaps: list[tuple[float, int]] = []  # (perf_counter, version now in the snapshot)
@@ -94,7 +83,7 @@ class AsyncEngine:
             self._parked.set()
             self._go.wait()  # publish() copies the new weights now, then opens the gate
         self._lock.acquire()
-        for r in self.engine.scheduled():  # the positions this forward computes: the token it samples, the KV
+        for r in upstream.scheduled(upstream.processor_of(self.engine.manager), blocks=False):  # the positions this forward computes: the token it samples, the KV
             seen = self._positions.setdefault(r.request_id, {})
             for pos in range(r.past_len, r.past_len + r.query_len):
                 seen[pos] = self.version
@@ -106,15 +95,13 @@ class AsyncEngine:
     # --- the trainer's side ---------------------------------------------------------------------------------
 
     def publish(self, version: int) -> float:
-        """Copy the policy's weights into the snapshot between two engine forwards; returns seconds waited.
-
-        With a rollout queued with `update_at`, waits until the engine has run that many forwards of it (or the
-        rollout finished first), so the update lands at the same token in every run."""
+        """Copy the policy's weights into the snapshot between two engine forwards; returns seconds waited (with
+        `update_at`, until the engine has run that many forwards or the rollout finished)."""
         start = time.perf_counter()
         pending = self._pending
         if pending is not None and pending.update_at is not None:
             while not self._parked.is_set() and not pending.done:
-                self.engine.take(pending.results, 0.01, len(pending.ids))
+                self.engine.running().take(pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
         with self._writing_weights():
             for dst, src in self._pairs:
@@ -129,30 +116,27 @@ class AsyncEngine:
     def submit(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                update_at: int | None = None, prompt_names: Sequence[str] | None = None,
                target_lengths: Sequence[int] | None = None) -> Pending:
-        """Queue P prompts x N completions; the engine starts on them at once. Only one rollout at a time.
-        ``target_lengths`` (one per completion row, in group order) replays a length workload, as
-        `RolloutBackend.generate` does: EOS is ignored and completion i stops at exactly its target."""
+        """Queue P prompts x N completions (``target_lengths`` as `RolloutBackend.generate`); one rollout at a time."""
         if self._pending is not None and not self._pending.done:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
         check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
         targets = [int(t) for t in target_lengths] if target_lengths is not None else None
         rows = [list(p) for p in prompts for _ in range(num_generations)]
         self._start(sampling, rows)
-        with self.engine.paused():  # all requests queued while the loop is parked: one drain, a seeded order
+        with self.engine.running().paused():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
             self._go.clear()
             self._parked.clear()
             self._update_at = update_at
-            ids = self.engine.queue(rows, sampling.max_new_tokens, sampling.seed, targets=targets)
+            ids = self.engine.submit(self.engine.running(), rows, sampling.max_new_tokens, sampling.seed, targets)
         self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
                                 time.perf_counter(), update_at, targets)
         return self._pending
 
     def collect(self, pending: Pending) -> Rollout:
-        """Wait for every completion of `pending`; each carries the policy versions of its tokens."""
         with PeakMemory(self.snapshot.device) as mem:
             while not pending.done:
-                self.engine.take(pending.results, 1.0, len(pending.ids))
+                self.engine.running().take(pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
         rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
@@ -161,18 +145,15 @@ class AsyncEngine:
             to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
             strict=True)]
         self._pending = None
-        resolved = self.engine.resolved()
-        return Rollout(
-            completions=completions, num_generations=pending.num_generations, backend=self.name, wall_s=wall,
-            peak_mem_bytes=mem.peak_bytes, peak_mem_kind=mem.kind, engine_config=resolved,
-            timeline=timeline(outputs, completions, pending.submitted_at, resolved,
-                              swaps=[s for s in self.swaps if s[0] >= pending.submitted_at])
-            if self.engine.record_timestamps else None,
-        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
+        resolved = upstream.resolved_config(self.engine.manager)
+        swaps = [s for s in self.swaps if s[0] >= pending.submitted_at]
+        return Rollout(completions, pending.num_generations, self.name, wall, mem.peak_bytes, mem.kind,
+                       engine_config=resolved, timeline=timeline(outputs, completions, pending.submitted_at, resolved,
+                                                                 swaps=swaps) if self.engine.record_timestamps else None,
+                       )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
-        """The synchronous call of the `RolloutBackend` protocol: submit, then collect, on the current snapshot."""
         return self.collect(self.submit(prompts, num_generations, sampling, prompt_names=prompt_names,
                                         target_lengths=target_lengths))
 
@@ -184,11 +165,8 @@ class AsyncEngine:
 
     _pending: Pending | None = None
 
-    # --- helpers --------------------------------------------------------------------------------------------
-
     def _versioned(self, c: Completion, rid: str) -> Completion:
-        """`c` with the policy version of every token: the one whose forward sampled it, and for each prompt token
-        the one its KV was computed with."""
+        """`c` with each token's policy version: the one that sampled it, or computed its KV (prompt tokens)."""
         seen, n = self._positions.get(rid, {}), len(c.prompt_ids)
         missing = [p for p in range(n + len(c.completion_ids) - 1) if p not in seen]  # the last token is not fed
         if missing:
@@ -198,22 +176,18 @@ class AsyncEngine:
                                    prompt_versions=tuple(seen[p] for p in range(n)))
 
     def _start(self, sampling: SamplingParams, rows: list[list[int]]) -> None:
-        """A running engine for these sampling settings (a new one if they changed), started on the snapshot."""
         gen_config = sampling.generation_config()
         longest = max(self.max_prompt_len, *map(len, rows))
         key = (repr(gen_config.to_dict()), len(rows), longest)
         if self.engine.manager is not None and key == self._key:
             return
         self.close()
-        # The pool: every row at the longest prompt it may get, run to the limit (`make_cb_config` on CPU), so one
-        # engine serves the whole run instead of being rebuilt whenever a longer prompt comes.
+        # A pool for every row at the longest prompt the run may send: one engine for the whole run.
         self.engine.start(gen_config, [[0] * longest] * len(rows), sampling.max_new_tokens, sampling.seed)
         self._key = key
 
-    # --- resume ---------------------------------------------------------------------------------------------
-
     def snapshot_state(self) -> dict[str, torch.Tensor]:
-        """The weights the engine samples with now, on CPU: what a checkpoint keeps to resume a pending rollout."""
+        """The weights the engine samples with now, on CPU: a checkpoint keeps them to resume a pending rollout."""
         return {n: t.detach().to("cpu", copy=True) for n, t in self.snapshot.state_dict().items()}
 
     def load_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -223,15 +197,11 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def _writing_weights(self) -> Iterator[None]:
-        """Write the snapshot's weights inside this block, between two engine forwards, on the device too.
-
-        The lock keeps every forward's *enqueueing* whole; on a GPU the kernels run later, the engine's on its own
-        stream and these copies on this thread's, and nothing orders two streams. Two one-way waits do, on the device:
-        this stream first waits for what the engine has enqueued (no copy overwrites weights a forward still reads),
-        and after the last copy the engine's stream waits for this one (the next forward reads the new weights whole).
-        Before the engine has built its stream, a GPU copy is waited for on the host."""
+        """Write the snapshot's weights inside this block, between two engine forwards. The lock orders only the
+        enqueueing; on a GPU two stream waits order the kernels: the copies after what the engine enqueued, the
+        engine's next forward after the copies (before it has a stream, the host waits)."""
         with self._lock, torch.no_grad():
-            engine = self.engine.stream()
+            engine = upstream.forward_stream(self.engine.manager)
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None
             if engine is not None and copier is not None:  # both, or neither
                 copier.wait_stream(engine)

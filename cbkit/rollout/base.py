@@ -1,13 +1,8 @@
 """The contract between rollout backends and everything downstream of them.
 
-A backend turns P prompts into a `Rollout`: N completions per prompt (a *group*), each with the tokens it
-generated, why it stopped, and the *sampling logprobs* -- the log-probability of each token under the
-distribution it was actually drawn from (after temperature / top-k / top-p). The GRPO loop needs those
-logprobs for its importance-sampling correction; released TRL drops them on the CB path, which is why this
-record makes their absence explicit (`logprobs_missing_reason`) instead of silently passing `None` around.
-
-Completions are stored in group order: prompt 0's N completions first, then prompt 1's, and so on, whatever
-order the engine finished them in. Everything that consumes a rollout may rely on that.
+A backend turns P prompts into a `Rollout`: N completions per prompt (a *group*), in group order whatever order the
+engine finished them in, each with its tokens, why it stopped and its *sampling logprobs*: the log-probability of
+each token under the distribution it was drawn from, which the loop's importance-sampling correction needs.
 """
 
 from __future__ import annotations
@@ -26,12 +21,7 @@ FinishReason = Literal["eos", "length"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to sample, passed explicitly to every backend.
-
-    Both backends build their processed distribution from exactly these fields. Passing them explicitly is
-    the point: TRL issue #5783 (fixed in TRL 1.16) showed the CB path going near-greedy when the config was not
-    passed through and the engine fell back to the model's defaults.
-    """
+    """What to sample, passed explicitly to every backend (TRL #5783: without it the CB path went near-greedy)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -63,31 +53,22 @@ class SamplingParams:
         return frozenset(self.eos_token_id)
 
     def generation_config(self):
-        """The transformers `GenerationConfig` both backends hand to the model: one source of truth. It is complete:
-        nothing in the model's own `generation_config` changes what is sampled (`rollout_generation_config`)."""
+        """The `GenerationConfig` both backends hand to the model, complete (`rollout_generation_config`)."""
         from transformers import GenerationConfig
 
         eos = self.eos_token_id if isinstance(self.eos_token_id, int | None) else list(self.eos_token_id)
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=self.max_new_tokens,
-            do_sample=self.do_sample,
-            eos_token_id=eos,
-            pad_token_id=self.pad_token_id if self.pad_token_id is not None else _first(eos),
-        )
-        if self.do_sample:
-            # Every knob is passed, neutral ones included: `generate` fills a missing top_k with its global
-            # default of 50, which would silently truncate the distribution the logprobs describe.
+        first_eos = eos[0] if isinstance(eos, list) and eos else (None if isinstance(eos, list) else eos)
+        kwargs: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample, eos_token_id=eos,
+                                      pad_token_id=self.pad_token_id if self.pad_token_id is not None else first_eos)
+        if self.do_sample:  # neutral knobs too: `generate` fills a missing top_k with 50
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         return GenerationConfig(**kwargs)
 
 
-# What a rollout takes from the model's own `generation_config`: token ids and cache / compile settings, none of which
-# changes the distribution a token is drawn from. The rest there (repetition_penalty, min_p, bad_words_ids, ...: every
-# field `_get_logits_processor` turns into a processor) is the checkpoint's advice for chat, which `generate()` would
-# fill into every field the rollout leaves unset (Qwen2.5-Instruct ships repetition_penalty=1.05): off-policy by a knob
-# nobody set. The CB engine reads only the config it is given.
+# What a rollout keeps of the model's own `generation_config`: ids and cache settings. The rest (repetition_penalty,
+# min_p, ...) is the checkpoint's chat advice, which `generate()` would apply unasked: off-policy by a knob nobody set.
 GENERATION_CONFIG_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache",
                           "cache_implementation", "cache_config", "compile_config", "disable_compile")
 _WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were named (once each)
@@ -95,8 +76,8 @@ _WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were
 
 @contextlib.contextmanager
 def rollout_generation_config(model: Any):
-    """For the length of a rollout, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`: sampling comes
-    from the rollout's `SamplingParams` alone. What is dropped is named once per model in a warning."""
+    """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; what is dropped is named
+    once per model in a warning."""
     from transformers import GenerationConfig
 
     original = getattr(model, "generation_config", None)
@@ -104,8 +85,7 @@ def rollout_generation_config(model: Any):
         yield
         return
     default = GenerationConfig()
-    # What is named: fields that would change the distribution or the search; what to return (`output_*`,
-    # `return_*`) is dropped too but changes no token, and naming it would warn on every ordinary checkpoint.
+    # Named: what would change a token; `output_*` / `return_*` are dropped unnamed (every checkpoint sets some).
     dropped = {k: v for k, v in original.to_diff_dict().items()
                if k not in GENERATION_CONFIG_KEPT and not k.startswith(("_", "output_", "return_"))
                and k != "transformers_version" and getattr(default, k, None) != v}
@@ -123,12 +103,6 @@ def rollout_generation_config(model: Any):
         model.generation_config = original
 
 
-def _first(eos: int | list[int] | None) -> int | None:
-    if isinstance(eos, list):
-        return eos[0] if eos else None
-    return eos
-
-
 @dataclass(frozen=True)
 class Completion:
     """One sampled continuation of one prompt."""
@@ -138,9 +112,7 @@ class Completion:
     completion_ids: tuple[int, ...]  # generated tokens up to and including EOS, never padding
     sampling_logprobs: tuple[float, ...] | None  # same length as completion_ids, or None (see Rollout)
     finish_reason: FinishReason
-    # Async rollouts (cbkit.rollout.async_cb): per completion token, the policy version (optimizer updates so far)
-    # of the weights whose forward sampled it; per prompt token, the version its KV was computed with. None for
-    # backends whose weights cannot change during a call.
+    # Async rollouts: per token, the policy version (optimizer updates so far) that sampled it, or computed its KV.
     policy_versions: tuple[int, ...] | None = None
     prompt_versions: tuple[int, ...] | None = None
 
@@ -156,10 +128,8 @@ class Rollout:
     peak_mem_bytes: int | None = None
     peak_mem_kind: str | None = None  # which probe measured peak_mem_bytes (e.g. "cuda_allocated", "cpu_rss")
     engine_config: dict[str, Any] = field(default_factory=dict)
-    # Why sampling_logprobs is None on every completion; None when they are present.
-    logprobs_missing_reason: str | None = None
-    # Per-request start/end and token timestamps from the CB engine, when asked for (see telemetry.occupancy).
-    timeline: dict[str, Any] | None = None
+    logprobs_missing_reason: str | None = None  # why every sampling_logprobs is None; None when present
+    timeline: dict[str, Any] | None = None  # the CB engine's clocks per request, when asked for
 
     @property
     def num_prompts(self) -> int:
@@ -179,8 +149,7 @@ class Rollout:
         return self.logprobs_missing_reason is None
 
     def without_logprobs(self, reason: str) -> Rollout:
-        """The same rollout with its sampling logprobs dropped, as released TRL's CB path does
-        (`logprobs = None`): what the loop does without them can be seen side by side."""
+        """The same rollout without sampling logprobs, as released TRL's CB path has it."""
         dropped = [dataclasses.replace(c, sampling_logprobs=None) for c in self.completions]
         return dataclasses.replace(self, completions=dropped, logprobs_missing_reason=reason)
 
@@ -195,10 +164,8 @@ class Rollout:
         if not self.completions:
             raise ValueError(f"Rollout from {self.backend!r} has no completions.")
         if len(self.completions) % self.num_generations:
-            raise ValueError(
-                f"Rollout from {self.backend!r}: {len(self.completions)} completions do not split into groups of "
-                f"num_generations={self.num_generations}."
-            )
+            raise ValueError(f"Rollout from {self.backend!r}: {len(self.completions)} completions do not split into "
+                             f"groups of num_generations={self.num_generations}.")
         for i, c in enumerate(self.completions):
             where = f"Rollout from {self.backend!r}, completion {i}"
             if c.group != i // self.num_generations:
@@ -207,17 +174,12 @@ class Rollout:
                 raise ValueError(f"{where}: prompt_ids is empty.")
             if c.finish_reason not in ("eos", "length"):
                 raise ValueError(f"{where}: finish_reason must be 'eos' or 'length', got {c.finish_reason!r}.")
-            if c.sampling_logprobs is None:
-                if self.logprobs_missing_reason is None:
-                    raise ValueError(f"{where}: sampling_logprobs is missing and logprobs_missing_reason is not set.")
-            elif len(c.sampling_logprobs) != len(c.completion_ids):
-                raise ValueError(
-                    f"{where}: sampling_logprobs has {len(c.sampling_logprobs)} entries for "
-                    f"{len(c.completion_ids)} completion tokens."
-                )
-            if c.policy_versions is not None and len(c.policy_versions) != len(c.completion_ids):
-                raise ValueError(f"{where}: policy_versions has {len(c.policy_versions)} entries for "
-                                 f"{len(c.completion_ids)} completion tokens.")
+            if c.sampling_logprobs is None and self.logprobs_missing_reason is None:
+                raise ValueError(f"{where}: sampling_logprobs is missing and logprobs_missing_reason is not set.")
+            for name in ("sampling_logprobs", "policy_versions"):  # one entry per completion token
+                if (per_token := getattr(c, name)) is not None and len(per_token) != len(c.completion_ids):
+                    raise ValueError(f"{where}: {name} has {len(per_token)} entries for {len(c.completion_ids)} "
+                                     "completion tokens.")
         return self
 
 
@@ -227,33 +189,15 @@ class RolloutBackend(Protocol):
 
     name: str
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        num_generations: int,
-        sampling: SamplingParams,
-        *,
-        prompt_names: Sequence[str] | None = None,
-        target_lengths: Sequence[int] | None = None,
-    ) -> Rollout:
-        """N completions per prompt, in group order.
-
-        ``target_lengths`` (one per completion row, in group order) replays a length workload: EOS is
-        ignored and completion i has exactly ``target_lengths[i]`` tokens (finish_reason "length"), with
-        sampling logprobs for every token. Serving benchmarks replay a dataset's output lengths this way
-        (vLLM's throughput benchmark with ``ignore_eos``), so both backends do exactly the same useful work.
-        """
+    def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
+                 prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
+        """N completions per prompt, in group order. ``target_lengths`` (one per row) replays a length workload:
+        EOS is ignored and completion i has exactly ``target_lengths[i]`` tokens, as vLLM's ``ignore_eos``."""
         ...
 
 
-def check_request(
-    prompts: Sequence[Sequence[int]],
-    num_generations: int,
-    sampling: SamplingParams,
-    model: Any,
-    prompt_names: Sequence[str] | None = None,
-    target_lengths: Sequence[int] | None = None,
-) -> None:
+def check_request(prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, model: Any,
+                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> None:
     """Refuse a request no backend can serve on `model`, before any compute is spent on it."""
     context_len = getattr(model.config, "max_position_embeddings", None)
     if num_generations < 1:
@@ -270,14 +214,9 @@ def check_request(
                 f"{len(p) + sampling.max_new_tokens} positions, more than the model's context of {context_len}. "
                 "Shorten the prompt or lower max_new_tokens."
             )
-    if target_lengths is not None:
-        check_target_lengths(target_lengths, len(prompts) * num_generations, sampling.max_new_tokens)
-
-
-def check_target_lengths(target_lengths: Sequence[int], rows: int, max_new_tokens: int) -> None:
-    """One whole number per completion row, each in 1..max_new_tokens (check_request has fitted every prompt +
-    max_new_tokens into the model's context)."""
-    targets = list(target_lengths)
+    if target_lengths is None:
+        return
+    targets, rows, max_new_tokens = list(target_lengths), len(prompts) * num_generations, sampling.max_new_tokens
     if len(targets) != rows:
         raise ValueError(f"target_lengths has {len(targets)} entries for {rows} completion rows (prompts x N): give one "
                          "target per completion, in group order (prompt 0's N targets first).")
@@ -288,8 +227,8 @@ def check_target_lengths(target_lengths: Sequence[int], rows: int, max_new_token
 
 
 def cut_completion(tokens: Sequence[int], sampling: SamplingParams, target: int | None) -> tuple[int, FinishReason]:
-    """Length to keep (EOS included) and why generation stopped: at EOS or the limit, or, with a target, at exactly the
-    target (EOS ignored). An engine that stopped short of all of them broke the contract: say so, do not guess."""
+    """Length to keep (EOS included) and why generation stopped: EOS, the limit, or exactly the target; an engine that
+    stopped short of all of them broke the contract."""
     if target is not None:
         if len(tokens) < target:
             raise RuntimeError(f"Generation stopped after {len(tokens)} tokens, short of its target of {target}.")
@@ -304,13 +243,8 @@ def cut_completion(tokens: Sequence[int], sampling: SamplingParams, target: int 
 
 
 def stop_token_ids(tokenizer: Any, model: Any = None) -> int | tuple[int, ...] | None:
-    """Every id a completion stops at: the tokenizer's EOS and the model's `generation_config.eos_token_id`.
-
-    Chat models often end a turn on a token that is not the tokenizer's EOS (Llama-3's `<|eot_id|>`, Qwen2.5's
-    `<|im_end|>` beside `<|endoftext|>`); their generation config lists them all. Stopping at the tokenizer's
-    alone runs past the end of the turn and counts the completion as truncated. TRL 1.16 stops at the same union
-    (`GRPOTrainer.__init__`, `eos_token_ids`), tokenizer first. One id comes back as an int.
-    """
+    """Every id a completion stops at: the tokenizer's EOS, then the model's `generation_config.eos_token_id` (chat
+    models end a turn on e.g. `<|eot_id|>`), as TRL's `eos_token_ids`. One id comes back as an int."""
     ids: list[int] = []
     config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for i in [getattr(tokenizer, "eos_token_id", None),

@@ -1,15 +1,9 @@
-"""The engine: one class owns transformers' continuous batching manager, and drives it through the public API.
+"""The engine: one class owns transformers' continuous batching manager and drives it through the public API.
 
-Every CB caller goes through `Engine`: `ContinuousBackend` (a manager per rollout, or one kept between rollouts),
-`AsyncEngine` (one kept running on a weight snapshot) and the TRL bridge. It owns the config (`make_cb_config`), the
-attention (`engine_attention`'s choice), the manager's life (built per call, or kept: attached to the model only for
-its own calls, its KV emptied and its sampler reseeded before each) and who runs its loop: transformers' thread
-(`ThreadLoop`) or the caller's (`upstream.CallerLoop`, faster on a CPU). What the public API cannot do is in
-`cbkit.rollout.upstream`, the one module that reaches transformers' private names.
-
-Why not `generate_batch`, the public one-shot call: it logs a failed request and returns fewer results (cbkit raises),
-queues requests into a running loop without `pause()` (a seeded run's draws would depend on thread timing), and has
-no per-request length (a replayed workload) nor a first prefill of each shared prompt.
+`ContinuousBackend`, `AsyncEngine` and the TRL bridge all go through `Engine`: its config (`make_cb_config`), its
+attention (`engine_attention`), the manager's life (per call, or kept) and who runs its loop (transformers' thread,
+or `upstream.CallerLoop` on a CPU). Not `generate_batch`: it returns fewer results when a request fails, queues into a
+running loop without `pause()` (seeded draws would depend on thread timing) and has no per-request length.
 """
 
 from __future__ import annotations
@@ -20,29 +14,12 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
-from cbkit.rollout.engine_config import (
-    ENGINE_OWN,
-    engine_attention,
-    make_cb_config,
-    page_size,
-    resolve_engine_loop,
-)
-from cbkit.rollout.upstream import CallerLoop, Scheduled, forget_cached_kv, resolved_config, workload_hints
+from cbkit.rollout.engine_config import ENGINE_OWN, engine_attention, make_cb_config, page_size
+from cbkit.rollout.upstream import HELPER_PREFIX, CallerLoop
 from cbkit.rollout.varlen_attention import NAME as VARLEN
-from cbkit.rollout.varlen_attention import varlen_attention_for_engine, varlen_unsupported_reason
-
-# cbkit's own requests that are not completions: the prefill of each shared prompt `Engine.run` submits first (two
-# thrown-away tokens). Their ids start with this, so a trace or a figure can tell them from the completions.
-HELPER_PREFIX = "cbkit-prefill-"
-
-
-def is_helper(request_id: str) -> bool:
-    """True for a request cbkit submitted for its own purposes (a shared prompt's prefill), not a completion."""
-    return str(request_id).startswith(HELPER_PREFIX)
+from cbkit.rollout.varlen_attention import register, varlen_unsupported_reason
 
 
 class ThreadLoop:
@@ -61,8 +38,7 @@ class ThreadLoop:
         return self._context.__exit__(*exc)
 
     def paused(self) -> contextlib.AbstractContextManager:
-        """Park the running loop while requests are queued, so it takes them in one drain: how they are grouped into
-        batches, and so the order random numbers are drawn in, does not depend on thread timing."""
+        """Park the loop while requests are queued: one drain, so the order of draws does not depend on timing."""
         return self.manager.pause()
 
     def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
@@ -73,7 +49,6 @@ class ThreadLoop:
             raise RuntimeError(f"The CB engine stopped after {len(results)} of {expected} requests; see the log above.")
 
     def collect(self, ids: list[str]) -> dict[str, Any]:
-        """Wait for every request in `ids` to finish; raise on a failed one or a stopped engine."""
         results: dict[str, Any] = {}
         while len(results) < len(ids):
             self.take(results, 1.0, len(ids))
@@ -81,17 +56,16 @@ class ThreadLoop:
 
 
 class Engine:
-    """One CB manager on one model: configured, attached, driven and read here (see the module docstring).
+    """One CB manager on one model. `run` is one rollout, start to finish; `start` / `queue` / `take` / `close` keep
+    the manager running on transformers' thread between calls (the async engine)."""
 
-    `run` is one rollout's worth of requests, start to finish; `start` / `queue` / `take` / `close` keep the manager
-    running on transformers' thread between calls (the async engine)."""
+    thread_loop = False  # True: transformers' thread runs `run`'s loop on a CPU too (the parity tests' reference)
 
     def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, persistent: bool = False,
-                 engine_loop: str = "auto", record_timestamps: bool = False) -> None:
-        resolve_engine_loop(engine_loop, torch.device("cpu"), cb_config)  # checked now, resolved per call
+                 record_timestamps: bool = False) -> None:
         self.model, self.overrides = model, dict(cb_config or {})
         make_cb_config(self.overrides)  # fail at construction, not at the first rollout
-        self.persistent, self.engine_loop, self.record_timestamps = persistent, engine_loop, record_timestamps
+        self.persistent, self.record_timestamps = persistent, record_timestamps
         self._kept: Any = None  # this engine's kept manager, attached to the model only during its calls (`_own`)
         self._key: tuple | None = None  # the sampling settings and config the kept manager was built with
         self._loop: ThreadLoop | None = None  # the manager kept running by `start`
@@ -103,22 +77,21 @@ class Engine:
         return self._loop.manager if self._loop is not None else self._kept
 
     def config(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None):
-        """This call's `ContinuousBatchingConfig`: the CPU pool sized to `rows` at `max_new_tokens`."""
         cb = make_cb_config(self.overrides, seed=seed, device=self.model.device, rows=rows,
                             max_new_tokens=max_new_tokens, warn=not self._warned_pool)
         self._warned_pool = True
         return cb
 
     def _attention(self, cb_config) -> contextlib.AbstractContextManager:
-        """The attention of the engine's run, `engine_attention`'s choice, the model's own restored after: flash-attn
-        where it can run; else cbkit's varlen attention, whose cost grows with the batch where the engine's dense
-        block-diagonal mask grows with its square (varlen_attention.py); else the engine's own where a model needs
-        it."""
-        _refuse_softcap_on_cpu(self.model)
+        """`engine_attention`'s choice for this run, the model's own attention restored after."""
+        cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
+        if cap is not None and self.model.device.type == "cpu":  # neither CPU attention of the engine applies it
+            raise ValueError(f"This model uses attention logit soft-capping (attn_logit_softcapping={cap}), which "
+                             "transformers' continuous batching engine does not apply on CPU, so rollouts would not "
+                             "come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention.")
         unsupported = varlen_unsupported_reason(self.model)
         choice = engine_attention(self.model.device, self.model.dtype,
-                                  flash=None if upstream.supports_flash(self.model) else (),
-                                  needs_own=unsupported)
+                                  flash=None if upstream.supports_flash(self.model) else (), needs_own=unsupported)
         if choice == VARLEN:
             graphs = cb_config.use_cuda_graph
             if self.model.device.type == "cuda" and (any(graphs) if isinstance(graphs, tuple | list) else graphs):
@@ -128,8 +101,7 @@ class Engine:
                                  "a GPU with flash-attn installed.")
             if "max_blocks_per_request" not in self.overrides:
                 cb_config.max_blocks_per_request = 0  # the block-table fast path calls a real flash-attn kernel
-            return varlen_attention_for_engine(self.model)
-        if unsupported and choice == ENGINE_OWN and not self._warned_varlen:
+        elif unsupported and not self._warned_varlen:
             warnings.warn(f"cbkit's varlen attention has no {unsupported}: the CB engine runs with its own attention "
                           "instead (a dense mask that grows with the square of the batch; same results).",
                           UserWarning, stacklevel=4)
@@ -142,10 +114,8 @@ class Engine:
 
     def run(self, rows: list[list[int]], gen_config, *, max_new_tokens: int, seed: int | None = None,
             targets: list[int] | None = None) -> tuple[list[Any], dict[str, Any]]:
-        """Submit every row, collect every result; the outputs in row order and the config that ran.
-
-        With ``targets`` each request gets its own max_new_tokens and EOS id -1, which the engine's RequestState
-        drops (negative ids never match), so a request finishes exactly at its target and frees its blocks then."""
+        """Submit every row, collect every result: the outputs in row order and the config that ran. With ``targets``
+        each request stops at exactly its own length (EOS id -1 never matches) and frees its blocks then."""
         cb_config = self.config(rows, max_new_tokens, seed)
         if self.persistent:  # a kept manager keeps its sampling settings and seed: rebuild it when they change
             key = (repr(gen_config.to_dict()), repr(sorted(self.overrides.items())))
@@ -154,17 +124,15 @@ class Engine:
             self._key = key
         attention = self._attention(cb_config)
         if self._kept is not None:
-            forget_cached_kv(self._kept)
-        loop = resolve_engine_loop(self.engine_loop, self.model.device, self.overrides)
-        driver = (CallerLoop if loop == "caller" else ThreadLoop)(
+            upstream.forget_cached_kv(self._kept)
+        caller = self.model.device.type == "cpu" and not (cb_config.use_async_batching or self.thread_loop)
+        driver = (CallerLoop if caller else ThreadLoop)(
             self.model, self.persistent, generation_config=gen_config, continuous_batching_config=cb_config,
-            workload_hints=workload_hints(rows, max(targets) if targets else max_new_tokens))
+            workload_hints=upstream.workload_hints(rows, max(targets) if targets else max_new_tokens))
         with attention, self._own(), driver:
             if upstream.prefix_sharing(driver.manager):
-                # The engine shares a prompt's complete KV pages between requests, but only pages a finished forward
-                # has written: N copies of a prompt admitted in one step all compute it. So each repeated prompt is
-                # prefilled first, alone (two tokens, thrown away: the engine registers the pages of a request
-                # still running after the forward, `mark_complete_blocks`), and its N completions find its pages.
+                # The engine shares only pages a finished forward wrote: N copies of a prompt admitted together would
+                # all compute it. So each repeated prompt is prefilled first, alone (two tokens, thrown away).
                 with driver.paused():
                     upstream.reseed(driver.manager, seed)
                     prefill = [driver.manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}",
@@ -175,7 +143,7 @@ class Engine:
             with driver.paused():  # all queued while the loop is parked: one drain, so a seeded order of draws
                 ids = self.submit(driver, rows, max_new_tokens, seed, targets=targets)
             results = driver.collect(ids)
-            resolved = resolved_config(driver.manager)
+            resolved = upstream.resolved_config(driver.manager)
         return [results[i] for i in ids], resolved
 
     def submit(self, driver, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
@@ -200,11 +168,8 @@ class Engine:
 
     @contextlib.contextmanager
     def _own(self) -> Iterator[None]:
-        """Attach exactly this engine's kept manager (or none) to the model for one call, then restore what was there.
-
-        `init_continuous_batching` returns whatever manager is cached on the model, whoever built it: without this, a
-        call that keeps nothing would run on another engine's kept manager (its config, its cache) and destroy it.
-        On exit, even a failed one, the manager the call left attached is the one to keep, when persistent."""
+        """Attach exactly this engine's kept manager (or none) for one call, then restore what was there:
+        `init_continuous_batching` hands out whatever manager is cached on the model, whoever built it."""
         previous, mine = upstream.attached(self.model), self._kept
         upstream.attach(self.model, mine)
         try:
@@ -212,11 +177,10 @@ class Engine:
         finally:
             kept = upstream.attached(self.model)
             self._kept = kept if self.persistent else None
-            # Our own kept manager stays attached (engine_is_idle and close() look there); someone else's comes back.
             upstream.attach(self.model, kept if previous is None or previous is mine else previous)
 
     def close(self) -> None:
-        """Stop a running manager and free this engine's kept one (KV pool, buffers); another engine's is left."""
+        """Stop a running manager and free this engine's kept one; another engine's is left."""
         if self._stack is not None:
             self._stack.close()
         self._stack = self._loop = None
@@ -230,44 +194,22 @@ class Engine:
     # --- kept running on transformers' thread (the async engine) ----------------------------------------------
 
     def start(self, gen_config, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> None:
-        """Build a manager whose pool fits `rows` at `max_new_tokens`, and start its thread; it runs until `close`."""
+        """Start a manager whose pool fits `rows` at `max_new_tokens` on its thread; it runs until `close`."""
         self.close()
         cb_config = self.config(rows, max_new_tokens, seed)
         stack = contextlib.ExitStack()
         stack.enter_context(self._attention(cb_config))
         self._loop = stack.enter_context(ThreadLoop(
             self.model, False, warmup=False, generation_config=gen_config, continuous_batching_config=cb_config,
-            workload_hints=workload_hints(rows, max_new_tokens)))
+            workload_hints=upstream.workload_hints(rows, max_new_tokens)))
         self._stack = stack
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
-    def _running(self) -> ThreadLoop:
+    def running(self) -> ThreadLoop:
+        """The loop `start` keeps running: `submit` to it, `take` from it, hold its `paused()` while queueing."""
         if self._loop is None:
             raise RuntimeError("No engine manager is running: call start() first (close() stops it).")
         return self._loop
-
-    def paused(self) -> contextlib.AbstractContextManager:
-        return self._running().paused()
-
-    def queue(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
-              targets: Sequence[int] | None = None) -> list[str]:
-        """`submit` to the running manager (hold `paused()` around it for a seeded order of draws)."""
-        return self.submit(self._running(), rows, max_new_tokens, seed, targets=targets)
-
-    def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
-        """Wait up to `timeout` s for one result of the running manager; a finished one goes into `results`."""
-        self._running().take(results, timeout, expected)
-
-    def scheduled(self) -> list[Scheduled]:
-        """The requests of the batch the running manager is about to run (`upstream.scheduled`)."""
-        return upstream.scheduled(upstream.processor_of(self.manager), blocks=False)
-
-    def stream(self) -> torch.cuda.Stream | None:
-        """The CUDA stream the running manager's forwards run on (`upstream.forward_stream`), or None."""
-        return upstream.forward_stream(self.manager)
-
-    def resolved(self) -> dict[str, Any]:
-        return resolved_config(self.manager)
 
 
 # --- outputs -> cbkit records ---------------------------------------------------------------------------------
@@ -293,13 +235,12 @@ def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_ge
 
 def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: float, resolved: Mapping[str, Any],
              swaps: Sequence[tuple[float, int]] | None = None) -> dict[str, Any]:
-    """Engine clocks per request, in the shape `cbkit.telemetry.occupancy` and the timeline plots read; with the
-    policy version of every token and when each update landed, where the completions carry versions."""
+    """Engine clocks per request, as `cbkit.telemetry.occupancy` and the timeline plots read them; with each token's
+    policy version and when each update landed, where the completions carry versions."""
     requests = []
     for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
         start, end = out.lifespan
-        # "start" is the engine's lifespan[0]: when the request left PENDING, which a prefix-cache match does even in
-        # a step that then fails to schedule it; who was scheduled when is in the engine trace, under "engine_id".
+        # "start" is when the request left PENDING (a prefix-cache match does that before it is scheduled).
         request = {"id": i, "engine_id": str(out.request_id), "group": c.group, "prompt_len": len(c.prompt_ids),
                    "start": start, "end": end,
                    "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
@@ -314,8 +255,7 @@ def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: floa
 
 
 def engine_is_idle(model) -> bool:
-    """True when no CB engine is running on the model and its attention is its own again, so a plain forward is an
-    ordinary causal forward. A kept manager that is stopped counts as idle: stopping restores the attention."""
+    """True when no CB engine runs on the model and its attention is its own again (a stopped kept one is idle)."""
     manager = upstream.attached(model)
     running = manager is not None and manager.is_running()
     return not running and not str(model.config._attn_implementation).startswith("paged")
@@ -323,29 +263,21 @@ def engine_is_idle(model) -> bool:
 
 @contextlib.contextmanager
 def attention_for_engine(model, implementation: str) -> Iterator[None]:
-    """Run the engine with `implementation` ("sdpa" or "flash_attention_N", `engine_attention`'s choice), the model's
-    own attention restored after; `make_cb_config` sets `auto_switch_to_flash=False`, so the engine keeps it."""
+    """Run the engine with `implementation`, the model's own restored after (`make_cb_config` turns the engine's
+    own switch to flash off). cbkit's varlen attention is set on the config: `set_attn_implementation` would take
+    the "flash" in its name as a request for a flash-attn kernel."""
     original = model.config._attn_implementation
-    if implementation != original:
+    if implementation == VARLEN:
+        model.config._attn_implementation = register()
+    elif implementation != original:
         model.set_attn_implementation(implementation)
     try:
         yield
     finally:
-        if model.config._attn_implementation != original:
+        if implementation == VARLEN:
+            model.config._attn_implementation = original
+        elif model.config._attn_implementation != original:
             model.set_attn_implementation(original)
-
-
-def _refuse_softcap_on_cpu(model) -> None:
-    """Gemma-2-style attention soft-capping has no CPU path in the engine (its `paged|eager` applies sinks, not
-    `softcap`; cbkit's varlen attention has neither): say so before sampling from another model than the one trained.
-    Flash attention on a GPU applies it."""
-    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-    if cap is not None and model.device.type == "cpu":
-        raise ValueError(
-            f"This model uses attention logit soft-capping (attn_logit_softcapping={cap}), which transformers' "
-            "continuous batching engine does not apply on CPU (its paged eager attention skips it), so rollouts "
-            "would not come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention."
-        )
 
 
 def _shared_prompts(rows: list[list[int]], page: int) -> list[tuple[int, ...]]:

@@ -1,13 +1,8 @@
-"""The static batch: every completion of every prompt goes through one `model.generate` call.
+"""The static batch: every completion of every prompt in one `model.generate` call; read it beside `continuous.py`.
 
-Read this file next to `continuous.py`; they do the same job. Here all P*N sequences are left-padded to the longest
-prompt and decoded in lock-step until the *last* one finishes: a row that hit EOS early keeps its slot (and its KV
-cache, allocated for the full length up front). That padding is the waste continuous batching removes.
-
-Sampling logprobs are the log_softmax of the *processed* logits at the drawn token. `output_scores=True` would keep
-every step's [rows, vocab] scores alive to the end (more than the KV cache itself), so a small logits processor at
-the end of the warper chain keeps one step of log-probs and gathers the previous step's token on the next call.
-With per-request target lengths EOS is off and the batch runs to its *longest* target, as a static batch does.
+All P*N rows are left-padded to the longest prompt and decoded in lock-step until the last one finishes: a row done
+early keeps its slot and its KV, the waste CB removes. Sampling logprobs are the log_softmax of the *processed* logits
+at the drawn token, kept one step at a time by a logits processor at the end of the warper chain.
 """
 
 from __future__ import annotations
@@ -42,15 +37,8 @@ class GenerateBackend:
         self.model = model
         self.pad_token_id = pad_token_id
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        num_generations: int,
-        sampling: SamplingParams,
-        *,
-        prompt_names: Sequence[str] | None = None,
-        target_lengths: Sequence[int] | None = None,
-    ) -> Rollout:
+    def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
+                 prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
         check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
         gen_config = sampling.generation_config()
         pad_id = self.pad_token_id if self.pad_token_id is not None else gen_config.pad_token_id
@@ -74,12 +62,9 @@ class GenerateBackend:
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
             with torch.no_grad(), rollout_generation_config(self.model):
-                out = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    generation_config=gen_config,
-                    logits_processor=LogitsProcessorList([*warpers, recorder]),
-                )
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                          generation_config=gen_config,
+                                          logits_processor=LogitsProcessorList([*warpers, recorder]))
             mem.synchronize()
             wall = time.perf_counter() - start
 
@@ -90,25 +75,12 @@ class GenerateBackend:
         token_rows, logprob_rows = new_tokens.tolist(), logprobs.tolist()
         for i, row in enumerate(rows):
             keep, reason = cut_completion(token_rows[i], sampling, targets[i] if targets else None)
-            completions.append(
-                Completion(
-                    group=i // num_generations,
-                    prompt_ids=tuple(row),
-                    completion_ids=tuple(token_rows[i][:keep]),
-                    sampling_logprobs=tuple(logprob_rows[i][:keep]),
-                    finish_reason=reason,
-                )
-            )
-        return Rollout(
-            completions=completions,
-            num_generations=num_generations,
-            backend=self.name,
-            wall_s=wall,
-            peak_mem_bytes=mem.peak_bytes,
-            peak_mem_kind=mem.kind,
-            engine_config={"batch_rows": len(rows), "padded_prompt_len": int(input_ids.shape[1]),
-                           "steps": len(token_rows[0]) if token_rows else 0},
-        )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
+            completions.append(Completion(i // num_generations, tuple(row), tuple(token_rows[i][:keep]),
+                                          tuple(logprob_rows[i][:keep]), reason))
+        return Rollout(completions, num_generations, self.name, wall, mem.peak_bytes, mem.kind,
+                       engine_config={"batch_rows": len(rows), "padded_prompt_len": int(input_ids.shape[1]),
+                                      "steps": len(token_rows[0]) if token_rows else 0},
+                       )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -132,9 +104,8 @@ class _LogprobRecorder(LogitsProcessor):
 
 
 def _explicit_warpers(sampling: SamplingParams, gen_config):
-    """transformers inserts user processors *before* its own warpers, so to sit after them the recorder
-    brings the warpers along -- the same classes, in the same order `generate` uses (temperature, top-k,
-    top-p) -- and the config handed to `generate` gets neutral values so nothing is applied twice."""
+    """transformers puts user processors *before* its warpers, so the recorder brings the same warpers along, in
+    `generate`'s order, and the config gets neutral values so nothing is applied twice."""
     warpers: list[LogitsProcessor] = []
     if sampling.do_sample:
         if sampling.temperature != 1.0:

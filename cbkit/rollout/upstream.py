@@ -1,17 +1,9 @@
-"""transformers' CB engine beyond its public API: every private name cbkit reaches lives in this module, and only here.
+"""transformers' CB engine beyond its public API: every private name cbkit reaches lives here, and only here.
 
-`cbkit.rollout.engine` drives the engine through the public API (`init_continuous_batching`,
-`continuous_batching_context_manager`, the manager's `add_request(s)`, `get_result`, `pause`, `is_running`, `stop`,
-`destroy`, `GenerationOutput`'s fields) and calls the functions below where the public API does not do the job:
-
-* `CallerLoop`: the manager runs its loop only in its own thread; on a CPU that thread's OpenMP team, queue hand-offs
-  and `pause()` round trips cost more than the steps (lab/small_n.md), so cbkit runs the same loop body in the caller's.
-* `attach`, `forget_cached_kv`, `reseed`, `prefix_sharing`, `resolved_config`: a kept manager sits on the model under
-  a private name, holds a prefix cache no public call empties, seeds itself only when built, and reports its resolved
-  pool only on its cache; `supports_flash`: whether a model class runs flash-attn is a private class attribute.
-* `scheduled`, `watch_batches`, `forward_stream`: no public call says what a step scheduled, nor on which stream it
-  runs (notebook 01's engine trace, the async engine's token versions and weight copies).
-* `workload_hints`, `engine_footprint`: the engine's hints type and its memory check live in its private modules.
+`cbkit.rollout.engine` drives the manager through its public API; this module does what that API cannot: run the
+loop body in the caller's thread (`CallerLoop`: on a CPU the manager's own thread costs more than its steps), keep a
+manager between calls (`attach`, `forget_cached_kv`, `reseed`), report what a step scheduled (`scheduled`,
+`watch_batches`) and on which stream (`forward_stream`), and run the engine's memory check anywhere (`engine_footprint`).
 
 Pinned, each by tests/test_engine_contract.py against the installed transformers (an upgrade that renames one fails
 there, naming it; `PINNED` is read from this list, and no other cbkit module may reach one):
@@ -42,13 +34,16 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import torch
 
 PINNED = tuple(re.findall(r"`(\w+\.[\w.]+)`", (__doc__ or "Pinned,").split("Pinned,")[1]))
 CACHED_MANAGER = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager on the model
+# cbkit's own requests (the first prefill of a shared prompt, `Engine.run`), not completions.
+HELPER_PREFIX = "cbkit-prefill-"
 
 
 def workload_hints(rows: Sequence[Sequence[int]], max_new_tokens: int):
@@ -83,17 +78,15 @@ def prefix_sharing(manager) -> bool:
 
 
 def forget_cached_kv(manager) -> None:
-    """Drop every KV block a kept manager holds, prefix cache included, before a call that may see new weights: the
-    prefix cache's hashes cover token ids, not weights (docs/design.md, "A kept engine"). `cache.reset()` is the
-    engine's own call for an empty pool, the one it makes after its warm-up."""
+    """Empty a kept manager's pool, prefix cache included, before a call that may see new weights: the prefix
+    cache's hashes cover token ids, not weights (docs/design.md, "A kept engine")."""
     cache = getattr(manager.batch_processor, "cache", None)
     if cache is not None:
         cache.reset()
 
 
 def reseed(manager, seed: int | None) -> None:
-    """Seed the sampler for this call, as a fresh manager seeds itself when its batch processor is built: a kept one
-    would otherwise ignore every later call's seed, and a resumed run would not draw what the uninterrupted one did."""
+    """Seed the sampler for this call, as a fresh manager seeds itself once: a kept one would ignore later seeds."""
     if seed is not None:
         manager.continuous_batching_config.seed = seed  # what `resolved_config` reports
         manager.distributed_helper.set_tp_seed(seed, manager.model.device)
@@ -117,9 +110,8 @@ def resolved_config(manager) -> dict[str, Any]:
 
 
 class CallerLoop:
-    """The manager's loop body (`_generation_loop_body`), run in the caller's thread: one engine step per iteration
-    until the asked-for requests are done. Same scheduler, cache, sampler, seeds and prefix sharing as the thread;
-    a failing step raises in the caller."""
+    """The manager's loop body (`_generation_loop_body`) in the caller's thread: same scheduler, cache and sampler as
+    its thread; a failing step raises in the caller."""
 
     def __init__(self, model, persistent: bool, **engine_kwargs: Any) -> None:
         self.model, self.persistent, self.engine_kwargs = model, persistent, engine_kwargs
@@ -130,16 +122,13 @@ class CallerLoop:
         with torch.no_grad():
             self.manager = manager = self.model.init_continuous_batching(**self.engine_kwargs)
         try:
-            if manager.continuous_batching_config.use_async_batching:
-                raise ValueError("engine_loop='caller' cannot drive async batching (it overlaps two batches across "
-                                 "the loop's iterations); use engine_loop='thread' (or 'auto').")
-            if not manager.is_tp_driver or manager.distributed_helper.cpu_comm_group is not None:
-                raise ValueError("engine_loop='caller' cannot drive tensor parallelism (every rank's loop takes part "
-                                 "in collectives); use engine_loop='thread' (or 'auto').")
+            if manager.continuous_batching_config.use_async_batching or not manager.is_tp_driver \
+                    or manager.distributed_helper.cpu_comm_group is not None:
+                raise ValueError("the caller's engine loop cannot drive async batching nor tensor parallelism; set "
+                                 "use_async_batching=False in the continuous batching config, or use one device.")
             if not manager.warmed_up:
                 manager.warmup()
-            # What start() and the head of the thread's loop do: clear the stop status, build (or reset) the batch
-            # processor. Anything an earlier, failed call left queued is dropped, not run as part of this one.
+            # What start() and the thread's loop head do; what a failed earlier call left queued is dropped.
             manager.background_thread_status.clear()
             for q in (manager.input_queue, manager.output_router.output_queue):
                 with contextlib.suppress(queue.Empty):
@@ -152,8 +141,7 @@ class CallerLoop:
         return self
 
     def __exit__(self, *exc) -> None:
-        """What `manager.stop()` does once its thread has joined, minus its full `gc.collect()` (a dropped processor's
-        `__del__` runs one already), and what the context manager does after it for a manager not kept."""
+        """What `manager.stop()` does after its thread joined, and the context manager after it."""
         manager = self.manager
         manager.background_thread_status.mark_as_stopped()
         if self.persistent:
@@ -201,17 +189,27 @@ def finished(out, results: dict[str, Any]) -> None:
 # --- what a step scheduled ----------------------------------------------------------------------------------------
 
 
-class Scheduled(NamedTuple):
-    """One request's part of the batch the engine is about to run."""
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of one engine step."""
 
     request_id: str
-    prompt: tuple[int, ...]
+    prompt_len: int
+    prompt_hash: int  # the same for the N requests of one prompt
     past_len: int  # tokens already in its KV cache before this step
     query_len: int  # tokens this step computes for it: a prefill chunk, or 1 when decoding
     blocks: tuple[int, ...]  # its block table (full attention), when asked for
 
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.past_len < self.prompt_len else "decode"
 
-def scheduled(processor, blocks: bool = True) -> list[Scheduled]:
+    @property
+    def helper(self) -> bool:
+        return self.request_id.startswith(HELPER_PREFIX)
+
+
+def scheduled(processor, blocks: bool = True) -> list[ScheduledRequest]:
     """The requests of the batch `processor` (a manager's, or None) has just prepared, in the order it packed them."""
     if processor is None:
         return []
@@ -219,10 +217,11 @@ def scheduled(processor, blocks: bool = True) -> list[Scheduled]:
     out = []
     for future in list(processor.inputs_and_outputs.requests_in_batch or ()):
         state, query = future.state, int(future.query_length)
+        prompt = tuple(state.initial_tokens)
         table = allocator.block_table.get(state.request_id, ()) if allocator is not None else ()
-        out.append(Scheduled(str(state.request_id), tuple(state.initial_tokens),
-                             int(state.position_offset) - query,  # prepare_next_batch has already advanced it
-                             query, tuple(int(b) for b in table)))
+        out.append(ScheduledRequest(str(state.request_id), len(prompt), hash(prompt),
+                                    int(state.position_offset) - query,  # prepare_next_batch has advanced it
+                                    query, tuple(int(b) for b in table)))
     return out
 
 
@@ -231,15 +230,14 @@ def processor_of(manager) -> Any:
 
 
 def forward_stream(manager) -> torch.cuda.Stream | None:
-    """The CUDA stream `manager`'s forwards run on, or None (on CPU; or no manager, or none built its processor yet).
-    transformers enqueues each engine forward on a stream of its own, so whoever writes the weights the engine reads
-    orders the write against this stream (`AsyncEngine.publish`); a Python lock orders only the enqueueing."""
+    """The CUDA stream `manager`'s forwards run on (None on CPU or before it built one): a weight write orders
+    against it (`AsyncEngine.publish`)."""
     processor = processor_of(manager)
     return processor.inputs_and_outputs.compute_stream if processor is not None else None
 
 
 @contextlib.contextmanager
-def watch_batches(callback: Callable[[list[Scheduled], int, int], None]) -> Iterator[None]:
+def watch_batches(callback: Callable[[list[ScheduledRequest], int, int], None]) -> Iterator[None]:
     """Call `callback(requests, pool_blocks, page_size)` for every batch any CB engine schedules inside the block, in
     whatever thread the engine runs; the engine's method is put back after."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
@@ -265,21 +263,11 @@ def watch_batches(callback: Callable[[list[Scheduled], int, int], None]) -> Iter
 # --- the engine's memory check, on any machine --------------------------------------------------------------------
 
 
-class Footprint(NamedTuple):
-    footprint: int  # what the engine reserves: the pool, its per-token buffers, the attention mask, ...
-    available: int  # max_memory_percent x (total - max(allocated, reserved)): what it checks against
-    num_blocks: int | None  # None where it refuses
-    max_batch_tokens: int | None
-    error: str | None  # the engine's own message where it refuses
-    cache_bytes: int = 0  # the cache tensor it allocates
-    mask_bytes: int = 0  # its dense attention masks
-
-
 def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, hints, total_bytes: int,
-                     used_bytes: int, device: str = "cuda") -> Footprint:
-    """transformers' own verdict on starting a CB engine for a model of `config` on a `device` of `total_bytes` with
-    `used_bytes` taken: the engine's config resolution, then its `PagedAttentionCache` built on the meta device (no
-    memory touched) with its memory reading returning that device's numbers."""
+                     used_bytes: int, device: str = "cuda") -> dict[str, Any]:
+    """transformers' own verdict on starting a CB engine on a `device` of `total_bytes` with `used_bytes` taken: its
+    config resolution, then its cache built on the meta device with its memory reading returning that device's.
+    Keys: footprint, available, max_batch_tokens, mask, num_blocks, cache_bytes (None where it refuses), error."""
     from transformers.generation.continuous_batching import cache as cache_module
     from transformers.generation.continuous_batching import initialization
     from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -287,8 +275,7 @@ def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, h
     text = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
     text._attn_implementation = attention
     where = torch.device(device)
-    # On a GPU the resolution asks whether CUDA is there and, with flash attention, whether flash-attn's block-table
-    # kernel imports (its decode path): answered as on that GPU.
+    # On a GPU the resolution asks for CUDA and flash-attn's block-table kernel: answered as on that GPU.
     flash_kernel = ((None, None, lambda *a, **k: None, None, None), (None, None))
     gpu = device == "cuda"
     with (mock.patch("torch.cuda.is_available", return_value=True) if gpu else contextlib.nullcontext(),
@@ -296,7 +283,7 @@ def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, h
           if gpu else contextlib.nullcontext()):
         resolved = initialization.resolve_continuous_batching_config(
             config=text, cb_config=cb_config, workload_hints=hints, has_logit_processors=True, device=where)
-    seen: dict[str, int] = {}
+    seen: dict[str, Any] = {}
     handler = cache_module.PagedAttentionMemoryHandler
     original_check = handler._check_footprint
 
@@ -317,14 +304,12 @@ def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, h
     except (MemoryError, ValueError) as e:
         if "footprint" not in seen:
             raise
-        return Footprint(seen["footprint"], seen["available"], None, None, str(e))
-    return Footprint(seen["footprint"], seen["available"], int(built.num_blocks), seen["max_batch_tokens"], None,
-                     int(built.cache_tensor.numel()), seen["mask"])
+        return {**seen, "num_blocks": None, "max_batch_tokens": None, "cache_bytes": 0, "mask": 0, "error": str(e)}
+    return {**seen, "num_blocks": int(built.num_blocks), "cache_bytes": int(built.cache_tensor.numel()), "error": None}
 
 
 def _keeps_logits(config) -> bool:
-    """Whether the model class of `config` slices hidden states before its LM head (`logits_to_keep`), as the engine
-    asks the loaded model (`_supports_logits_to_keep`): it changes what the engine reserves for logits."""
+    """Whether `config`'s model class takes `logits_to_keep`, as the engine asks a loaded model: it sizes the logits."""
     from transformers import AutoModelForCausalLM
 
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)

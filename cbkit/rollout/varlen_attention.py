@@ -1,21 +1,12 @@
 """Varlen attention for the CB engine on any device: each packed sequence attends to its own keys.
 
-The engine packs every running sequence into one row of tokens. With flash attention (fp16/bf16, compute capability
-8.0 or newer, flash-attn installed) a varlen kernel attends each sequence to its own keys; everywhere else (a CPU, a
-T4, fp32 weights, no flash-attn) the engine's SDPA or eager path builds one dense [all queries x all keys] mask,
-block-diagonal across sequences, so decoding B sequences of length L costs B x (B x L): the square of the batch.
-
-cbkit registers an attention function that splits the packed batch at the engine's `cu_seq_lens_q` / `cu_seq_lens_k`,
-written with PyTorch's SDPA only. Its name contains "flash", which is how the engine recognises a varlen kernel (it
-then builds no dense mask), and no version digit, so the engine never tries flash-attn's block-table decode path
-(cbkit also sets `max_blocks_per_request=0`). The model's attention is switched only while the engine runs.
-`engine_config.engine_attention` decides where it runs. Nearly every step is decode-only, so the decoding sequences'
-keys go through one SDPA call per equal length; a prefill chunk runs on its own. tests/reference_attention.py has
-the plain loop it is tested against; docs/cpu_results.md what each costs on a CPU.
+Without flash-attn (a CPU, a T4, fp32 weights) the engine's SDPA/eager path builds one dense block-diagonal mask over
+the whole packed batch: decoding B sequences costs the square of B. This function splits the batch at the engine's
+`cu_seq_lens_q/k` instead, with PyTorch's SDPA alone: decoding sequences of equal length in one call, each prefill
+chunk on its own (tests/reference_attention.py has the plain loop it is tested against).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -23,8 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# "flash" makes the engine treat it as varlen (no dense mask); no "2"/"3" after it, so the engine never looks for
-# flash-attn's block-table kernel (tests/test_varlen_attention.py asks transformers' own checks).
+# "flash" in the name: the engine builds no dense mask; no version digit: it never looks for flash-attn's kernel.
 NAME = "cbkit_flash_varlen"
 
 
@@ -36,15 +26,13 @@ def _boundaries(cu, module) -> torch.Tensor:
     return cu
 
 
-# The boundaries last read to the host, by tensor: (the tensor, held so its id is not reused; its version; as a list).
+# The boundaries last read to the host, by id: (the tensor, held so its id is not reused; its version; the list).
 _HOST: dict[int, tuple[torch.Tensor, int, list[int]]] = {}
 
 
 def _host_list(cu: torch.Tensor) -> list[int]:
-    """`cu` as a Python list, read once per forward rather than once per layer: on a GPU every read waits for the
-    device. The engine hands every layer of a forward the same tensors (`get_model_kwargs` slices new views each
-    step) and writes through them in place, which bumps their version, so the tensor and its version say whether a
-    list read before is still its contents."""
+    """`cu` as a list, read once per forward, not per layer (on a GPU each read waits): every layer gets the same
+    tensor, written in place between steps, so the tensor and its version say whether the last read still holds."""
     hit = _HOST.get(id(cu))
     if hit is None or hit[0] is not cu or hit[1] != cu._version:
         if len(_HOST) >= 4:  # the q and k boundaries of the current step; older steps' views are dropped
@@ -54,11 +42,7 @@ def _host_list(cu: torch.Tensor) -> list[int]:
 
 
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None).
-
-    Decoding sequences (one query token each) with the same number of keys go through one SDPA call; sequences
-    that prefill run one call each. tests/reference_attention.py has the plain loop it is tested against.
-    """
+    """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None)."""
     cu_q = _host_list(_boundaries(kwargs["cu_seq_lens_q"], module))
     cu_k = _host_list(_boundaries(kwargs["cu_seq_lens_k"], module))
     decode, prefill = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
@@ -86,12 +70,8 @@ def _one_sequence(out, query, key, value, qs, qe, ks, ke, scaling) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeGroup:
-    """Decoding sequences of one batch that have the same number of keys: one SDPA call for all of them.
-
-    The N completions of a prompt start together and so decode in lock-step at equal lengths; a batch has as
-    many groups as it has distinct lengths (a few: one per prompt, plus requests admitted late), not one per
-    sequence. Equal lengths need no padding mask, which keeps SDPA on its fast CPU kernel.
-    """
+    """Decoding sequences of one batch with the same number of keys, one SDPA call for all (no padding mask): a
+    prompt's N completions decode in lock-step, so a batch has a few such groups."""
 
     q_pos: torch.Tensor  # [rows] their query positions in the packed batch
     k_start: int | None  # where their keys start, when they sit back to back in the packed keys
@@ -102,8 +82,7 @@ class _DecodeGroup:
 
 @functools.lru_cache(maxsize=8)
 def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.device):
-    """(decode groups, prefill sequences) of one batch. Every layer of a forward sees the same boundaries, so
-    this runs once per step, not once per layer."""
+    """(decode groups, prefill sequences) of one batch; cached, so once per step, not per layer."""
     by_len: dict[int, list[int]] = {}
     prefill = []
     for i in range(len(cu_q) - 1):
@@ -114,7 +93,6 @@ def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.dev
             prefill.append(i)
     groups = []
     for k_len, seqs in by_len.items():
-        # built where the query is: a host tensor moved per step would be one more copy to the device
         q_pos = torch.tensor([cu_q[i] for i in seqs], device=device)
         starts = [cu_k[i] for i in seqs]
         if all(s == starts[0] + j * k_len for j, s in enumerate(starts)):
@@ -127,12 +105,8 @@ def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.dev
 
 
 def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Tensor:
-    """One SDPA call for a group of decoding sequences: their keys as a [rows, Hkv, L, D] grid, no mask.
-
-    The H query heads of a token are folded into the query-length axis of their KV head ([rows, Hkv, H/Hkv, D]),
-    so grouped-query attention needs neither repeated keys nor the `enable_gqa` path; a single query token may
-    see all of its keys, so no causal mask is needed either.
-    """
+    """One SDPA call for a group of decoding sequences, their keys as a [rows, Hkv, L, D] grid. A token's H query
+    heads fold into its KV head's query axis, so grouped-query attention repeats no keys; one query needs no mask."""
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
     rows, k_len = group.rows, group.k_len
     q = query[0, :, group.q_pos].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
@@ -148,20 +122,13 @@ def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Te
 
 
 def varlen_unsupported_reason(model: Any) -> str | None:
-    """Why `varlen_attention` would compute something else than the model's own attention, or None if it would not.
-
-    It runs plain causal SDPA: it has no sliding window, no logit soft-capping and no attention sinks,
-    and the engine hands those in as keyword arguments (`sliding_window`, `softcap`, `s_aux`) that it would drop.
-    A Mistral-style window, Gemma-2's soft-capping or gpt-oss's sinks would silently change the rollout, so for
-    such models the engine keeps its own attention (its dense mask; it has windows and sinks, but no soft-capping,
-    which `ContinuousBackend` therefore refuses on CPU). ``model`` may be a config alone (the planner, admission):
-    then sinks, which only the modules show, go unseen; gpt-oss, the model with sinks, also alternates windows.
-    """
+    """Why `varlen_attention` (plain causal SDPA) would differ from the model's attention, or None: a sliding window,
+    logit soft-capping or attention sinks. ``model`` may be a config alone, where sinks go unseen (gpt-oss, the
+    model with sinks, also alternates windows)."""
     config = getattr(model, "config", model)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    # Where a config lists its layer types they decide (Gemma-2 alternates); else a window set means one is used.
     sliding = "sliding_attention" in layer_types if layer_types else window is not None
     if sliding:
         return f"sliding-window attention (sliding_window={window})"
@@ -176,19 +143,6 @@ def varlen_unsupported_reason(model: Any) -> str | None:
 def register() -> str:
     from transformers import AttentionInterface
 
-    # Looked up at call time through the module, so a test (or a lab A/B) can swap the function in.
+    # Looked up at call time, so a test can swap the function in.
     AttentionInterface.register(NAME, lambda *a, **k: varlen_attention(*a, **k))
     return NAME
-
-
-@contextlib.contextmanager
-def varlen_attention_for_engine(model):
-    """Run the CB engine with cbkit's varlen attention; the model's own implementation is restored after."""
-    original = model.config._attn_implementation
-    # Set on the config directly: `set_attn_implementation` would take the "flash" in the name as a request
-    # to import a flash-attn kernel. The attention layers look the function up by this name at every call.
-    model.config._attn_implementation = register()
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = original
