@@ -13,8 +13,7 @@ import pytest
 
 from cbkit.rollout.engine import is_helper
 from cbkit.rollout.engine_trace import EngineTrace
-from cbkit.teach.exercises import solutions
-from cbkit.teach.exercises.checks import schedule_cases
+from cbkit.teach.exercises import schedule_cases, solutions
 
 DATA = Path(__file__).parent / "data" / "engine_trace_tiny_waits.json"
 

@@ -1,144 +1,103 @@
 """How an exercise is graded: a table of cases, the package's own reference on each, and one short verdict.
 
-A check runs the learner's function on every case of its table, in order (the edge cases first, then cases drawn
-from a seed), and stops at the first disagreement with the reference: the verdict names the case, shows its inputs,
-what the reference returns and what the learner's function returned, and gives that case's hint, which points at
-the idea the case tests, never at the code. Nothing the learner's function does raises out of a check: an
-exception inside it is a verdict (its type and message, and the case), and `NotImplementedError`, the stub's, is
-the "not implemented yet" verdict. The reference is called on its own copy of the inputs, so a learner's function
-that writes into its arguments cannot change what it is compared with.
-
-The seed is printed with every verdict: `check_x(fn, seed=...)` replays the same table. Without one a check draws
-a fresh seed, so the drawn cases cannot be learned by heart.
+The first case where the learner's function disagrees with the reference fails the check, named with its inputs,
+both answers and a hint; nothing the function does (a `NotImplementedError` stub, an exception) raises out of it.
+The seed is printed with every verdict: `check_x(fn, seed=...)` replays the same table.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Case", "Result", "close", "grade", "new_seed", "show"]
+__all__ = ["Case", "Result", "close", "exact", "grade"]
 
 
 @dataclass(frozen=True)
 class Result:
-    """A check's verdict: whether every case passed, the first failing case's name (None when all passed or the
-    function is not written yet), and the message the check printed."""
+    """A check's verdict: the first failing case's name (None when all passed or not implemented) and its message."""
 
     passed: bool
     case: str | None
     message: str
     not_implemented: bool = False
 
-    def __repr__(self) -> str:  # the message is printed already; a notebook's last expression shows this line
-        return f"Result(passed={self.passed}, case={self.case!r})"
 
-
-@dataclass(frozen=True)
-class Case:
-    """One row of a check's table: a name a learner can read, the arguments, and the idea it tests."""
+class Case(NamedTuple):
+    """One row of a check's table; `expected` is given when there is no reference to call (the engine's record)."""
 
     name: str
     args: tuple
     hint: str
+    expected: Any = None
 
 
-def new_seed() -> int:
-    return random.SystemRandom().randrange(1, 1_000_000)
-
-
-def grade(exercise: str, fn: Callable[..., Any], cases: Sequence[Case], reference: Callable[..., Any],
-          compare: Callable[[Any, Any], str | None], *, seed: int, check: str, quiet: bool = False) -> Result:
-    """Run `fn` and `reference` on every case; the first case where `compare(expected, got)` finds a difference
-    (it returns what differs, or None when they agree) fails the check. Prints the verdict unless `quiet`."""
-    replay = f"(seed {seed}: `{check}(fn, seed={seed})` replays these cases)"
-    result = None
-    for case in cases:
-        expected = reference(*copy.deepcopy(case.args))
+def grade(exercise: str, fn: Callable[..., Any], cases: Callable[[int], Sequence[Case]],
+          reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None], *, seed: int | None,
+          quiet: bool = False) -> Result:
+    """Run `fn` on each of `cases(seed)` (a fresh seed when None) against `reference`, called on its own copy of
+    the inputs, or `case.expected`; `compare(expected, got)` returns what differs, or None. Prints the verdict."""
+    seed = random.SystemRandom().randrange(1, 1_000_000) if seed is None else seed
+    replay = f"(seed {seed}: `check_{exercise}(fn, seed={seed})` replays these cases)"
+    table = cases(seed)
+    for case in table:
+        expected = case.expected if reference is None else reference(*copy.deepcopy(case.args))
+        what = ""
         try:
             got = fn(*copy.deepcopy(case.args))
-        except NotImplementedError:
-            result = Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above (it still "
-                            "raises NotImplementedError), run that cell, then run this check again.",
-                            not_implemented=True)
-            break
-        except Exception as exc:  # a learner's bug is a verdict, never a traceback
-            result = Result(False, case.name, _failure(exercise, case, expected,
-                                                       f"raised {type(exc).__name__}: {exc}", replay))
-            break
-        try:
+            what = f"returned {show(got)}: "
             diff = compare(expected, got)
-        except Exception as exc:  # a return value the comparison cannot read (a wrong type, a wrong shape)
-            diff = f"could not compare it with the expected value ({type(exc).__name__}: {exc})"
+        except NotImplementedError:
+            return _verdict(Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above "
+                                   "(it still raises NotImplementedError), run that cell, then run this check again.",
+                                   not_implemented=True), quiet)
+        except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
+            diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
         if diff is not None:
-            result = Result(False, case.name, _failure(exercise, case, expected, f"returned {show(got)}: {diff}",
-                                                       replay))
-            break
-    if result is None:
-        result = Result(True, None, f"{exercise}: correct on all {len(cases)} cases, the edge cases included {replay}.")
+            inputs = ", ".join(show(a) for a in case.args)
+            return _verdict(Result(False, case.name, f"{exercise} fails the case '{case.name}' {replay}\n"
+                                   f"      inputs:   ({inputs})\n      expected: {show(expected)}\n"
+                                   f"      yours:    {what}{diff}\n      hint:     {case.hint}"), quiet)
+    return _verdict(Result(True, None, f"{exercise}: correct on all {len(table)} cases, the edge cases included "
+                           f"{replay}."), quiet)
+
+
+def _verdict(result: Result, quiet: bool) -> Result:
     if not quiet:
         print(("PASS  " if result.passed else "TODO  " if result.not_implemented else "FAIL  ") + result.message)
     return result
 
 
-def _failure(exercise: str, case: Case, expected: Any, what: str, replay: str) -> str:
-    inputs = ", ".join(show(a) for a in case.args)
-    return (f"{exercise} fails the case '{case.name}' {replay}\n"
-            f"      inputs:   ({inputs})\n"
-            f"      expected: {show(expected)}\n"
-            f"      yours:    {what}\n"
-            f"      hint:     {case.hint}")
-
-
 def show(value: Any, width: int = 160) -> str:
     """A short readable form of a value: tensors as nested lists rounded to 4 digits, long text cut."""
     if hasattr(value, "tolist") and hasattr(value, "shape"):
-        value = _rounded(value.tolist())
-    elif isinstance(value, float):
-        value = _rounded(value)
-    text = repr(value)
+        value = value.tolist()
+    text = repr(_rounded(value))
     return text if len(text) <= width else text[: width - 5] + " ...]"
 
 
 def _rounded(x: Any) -> Any:
-    if isinstance(x, float):
-        return round(x, 4)
-    if isinstance(x, list):
-        return [_rounded(v) for v in x]
-    return x
+    return round(x, 4) if isinstance(x, float) else [_rounded(v) for v in x] if isinstance(x, list) else x
 
 
 def close(expected: Any, got: Any, *, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
-    """None when `got` equals `expected` (numbers within the tolerances, tensors elementwise with the same shape,
-    sequences item by item), else what differs."""
+    """None when `got` (a number, a tensor or nested lists) equals `expected` within the tolerances, else what
+    differs, as torch.testing says it."""
     import torch
 
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            got = torch.as_tensor(got)
-        if tuple(got.shape) != tuple(expected.shape):
-            return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
-        e, g = expected.detach().cpu().double(), got.detach().cpu().double()
-        if not torch.allclose(g, e, rtol=rtol, atol=atol, equal_nan=True):
-            where = (~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)).nonzero()[0].tolist()
-            return f"at index {tuple(where)} {g[tuple(where)].item():.6g}, expected {e[tuple(where)].item():.6g}"
-        return None
-    if isinstance(expected, (list, tuple)):
-        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
-            return f"expected a list of {len(expected)} items"
-        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
-            diff = close(e, g, rtol=rtol, atol=atol)
-            if diff is not None:
-                return f"item {i}: {diff}"
-        return None
-    if hasattr(got, "item") and not isinstance(got, (int, float)):
-        got = got.item()  # a 0-d tensor or numpy scalar where a number is expected
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        return f"expected a number, got a {type(got).__name__}"
-    if math.isnan(got) or not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
-        return f"off by {got - expected:.6g}"
+    numeric = isinstance(got, (int, float, list, tuple, torch.Tensor)) or hasattr(got, "item")
+    if isinstance(got, bool) or not numeric:
+        return f"expected a number or a tensor, got a {type(got).__name__}"
+    try:
+        torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64),
+                                   torch.as_tensor(expected, dtype=torch.float64), rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        return " ".join(str(exc).split())
     return None
+
+
+def exact(expected: Any, got: Any) -> str | None:
+    return None if (list(got) if isinstance(got, tuple) else got) == expected else "not the expected value"

@@ -1,10 +1,6 @@
-"""The facilitator's answers to the notebooks' exercises, written the way a learner would write them.
-
-Each function here has the signature and docstring of its stub in the notebook (tests/test_exercises.py compares
-them), and is self-contained, imports included, so the solutions book (`make book`) can show its source in place
-of the stub. They are *answers*, not the kit's references: each check grades them against the package's own code
-(`cbkit.teach.exercises.checks`), exactly as it grades a learner's.
-"""
+"""The facilitator's answers, written as a learner would: each has its notebook stub's signature and docstring
+(tests/test_exercises.py compares them) and is self-contained, so the solutions book can show its source. The
+checks grade them against the kit's own code exactly as they grade a learner's."""
 
 from __future__ import annotations
 
