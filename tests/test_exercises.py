@@ -271,7 +271,7 @@ def test_the_solutions_edition_answers_and_passes_every_exercise(stem):
         answer, graded = _stub_and_check(book, name)
         scope: dict = {}
         exec(compile(answer.source, f"<{stem}: {name}>", "exec"), scope)  # self-contained, imports included
-        assert check(scope[name], seed=11, quiet=True).passed
+        assert check(scope[name], seed=11).passed
         (out,) = graded.outputs
         assert out["text"].startswith(f"PASS  {name}: correct"), out["text"]
 

@@ -1,18 +1,17 @@
-"""The notebooks' graded exercises. The cell after each stub calls `check_<name>(fn)`, which runs the learner's
-function on a table of cases (the edge cases first, then cases drawn from a seed) and grades it against the kit's
-own code, called as the kit runs it, never the formula written out again: the format reward, the padding share 01
-prints, the engine's own recorded scheduler steps, `cbkit.train.objective` (checked against TRL's code by
-tests/test_objective.py), the planner's generate() plan and async GRPO's staleness filter. `solutions` holds the
-facilitator's answers, which the solutions book (scripts/build_book.py) shows.
+"""The notebooks' graded exercises: `check_<name>(fn)` runs a learner's function on a table of cases (edge cases
+first, then cases drawn from a printed seed, which replays them) against the kit's own code as the kit runs it, and
+prints the first case that differs with its inputs, both answers and a hint; nothing the function does raises out of
+a check. `solutions` holds the facilitator's answers.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,29 +21,100 @@ from cbkit.rollout import SamplingParams, make_backend
 from cbkit.rollout.engine_config import workload_blocks
 from cbkit.rollout.engine_trace import record_engine_steps
 from cbkit.tasks.rewards import format_reward
-from cbkit.teach.exercises.grading import Case, Result, close, exact, grade
 from cbkit.telemetry import kv_accounting
 from cbkit.train.objective import LossType, group_advantages, grpo_loss, importance_weights
 from cbkit.train.offpolicy import fresh_groups
 
-Check = Callable[..., Result]
+
+class Result(NamedTuple):
+    """A check's verdict: the first failing case's name (None when all passed or not implemented) and its message."""
+
+    passed: bool
+    case: str | None
+    message: str
+    not_implemented: bool = False
+
+
+class Case(NamedTuple):
+    """One row of a check's table; `expected` is given when there is no reference to call (the engine's record)."""
+
+    name: str
+    args: tuple
+    hint: str
+    expected: Any = None
+
+
+def grade(exercise: str, fn: Callable[..., Any], cases: Callable[[int], Sequence[Case]],
+          reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None], seed: int | None) -> Result:
+    """Run `fn` on each of `cases(seed)` (a fresh seed when None) against `reference`, called on its own copy of
+    the inputs, or `case.expected`; `compare(expected, got)` returns what differs, or None. Prints the verdict."""
+    seed = random.SystemRandom().randrange(1, 1_000_000) if seed is None else seed
+    replay = f"(seed {seed}: `check_{exercise}(fn, seed={seed})` replays these cases)"
+    table = cases(seed)
+    for case in table:
+        expected = case.expected if reference is None else reference(*copy.deepcopy(case.args))
+        what = ""
+        try:
+            got = fn(*copy.deepcopy(case.args))
+            what = f"returned {show(got)}: "
+            diff = compare(expected, got)
+        except NotImplementedError:
+            result = Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above (it "
+                             "still raises NotImplementedError), run that cell, then run this check again.", True)
+            break
+        except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
+            diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
+        if diff is not None:
+            inputs = ", ".join(show(a) for a in case.args)
+            result = Result(False, case.name, f"{exercise} fails the case '{case.name}' {replay}\n"
+                            f"      inputs:   ({inputs})\n      expected: {show(expected)}\n"
+                            f"      yours:    {what}{diff}\n      hint:     {case.hint}")
+            break
+    else:
+        result = Result(True, None, f"{exercise}: correct on all {len(table)} cases, the edge cases included {replay}.")
+    print(("PASS  " if result.passed else "TODO  " if result.not_implemented else "FAIL  ") + result.message)
+    return result
+
+
+def show(value: Any) -> str:
+    """A short readable form of a value: tensors as nested lists rounded to 4 digits, long text cut."""
+    text = repr(_rounded(value.tolist() if hasattr(value, "tolist") and hasattr(value, "shape") else value))
+    return text if len(text) <= 160 else text[:155] + " ...]"
+
+
+def _rounded(x: Any) -> Any:
+    return round(x, 4) if isinstance(x, float) else [_rounded(v) for v in x] if isinstance(x, list) else x
+
+
+def close(expected: Any, got: Any, *, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
+    """None when `got` (a number, a tensor or nested lists) equals `expected` within the tolerances, else what
+    differs, as torch.testing says it."""
+    numeric = isinstance(got, (int, float, list, tuple, torch.Tensor)) or hasattr(got, "item")
+    if isinstance(got, bool) or not numeric:
+        return f"expected a number or a tensor, got a {type(got).__name__}"
+    try:
+        torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64),
+                                   torch.as_tensor(expected, dtype=torch.float64), rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        return " ".join(str(exc).split())
+    return None
+
+
+def exact(expected: Any, got: Any) -> str | None:
+    return None if (list(got) if isinstance(got, tuple) else got) == expected else "not the expected value"
 
 
 def _check(reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None] = close,
-           ) -> Callable[[Callable[[int], list[Case]]], Check]:
-    """`check_x(fn, seed=None, *, quiet=False) -> Result` from the function that draws x's cases from a seed."""
-    def make(cases: Callable[[int], list[Case]]) -> Check:
-        def check(fn: Callable[..., Any], seed: int | None = None, *, quiet: bool = False) -> Result:
-            return grade(cases.__name__.removeprefix("check_"), fn, cases, reference, compare, seed=seed,
-                         quiet=quiet)
+           ) -> Callable[[Callable[[int], list[Case]]], Callable[..., Result]]:
+    """`check_x(fn, seed=None) -> Result` from the function that draws x's cases from a seed."""
+    def make(cases: Callable[[int], list[Case]]) -> Callable[..., Result]:
+        def check(fn: Callable[..., Any], seed: int | None = None) -> Result:
+            return grade(cases.__name__.removeprefix("check_"), fn, cases, reference, compare, seed)
 
         check.__name__ = check.__qualname__ = cases.__name__
         check.__doc__ = cases.__doc__
         return check
     return make
-
-
-# --- 00: the format reward of one completion ------------------------------------------------------------------
 
 
 @_check(lambda text: format_reward([text], ["0"])[0])
@@ -77,9 +147,6 @@ def check_format_score(seed: int) -> list[Case]:
         rng.shuffle(lines)
         cases.append(Case(f"drawn completion {i + 1}", ("\n".join(lines),), "read the rule in the docstring again."))
     return cases
-
-
-# --- 01: the static batch's padding, and one step of the engine's scheduler -----------------------------------
 
 
 def _padding_reference(prompt_lens: list[int], completion_lens: list[int]) -> float:
@@ -116,13 +183,10 @@ def check_padding_share(seed: int) -> list[Case]:
 
 
 def schedule_cases(trace: Any, token_budget: int, max_requests: int) -> list[tuple[int, tuple, list]]:
-    """Per step of `trace` (an `EngineTrace`): its index, `schedule_step`'s arguments as the scheduler saw them, and
-    what the engine scheduled [(request_id, query_len)].
-
-    Candidates come in `FIFOScheduler.schedule_batch`'s order: decoding requests, then prefilling ones (each in the
-    order first scheduled), then waiting ones in arrival order (cbkit's prefill helpers first, the completions once
-    every helper has finished), a waiting one from where its prefix-cache match leaves it. `fits` is taken from the
-    record: False for a request the engine left out although both budgets had room for it."""
+    """Per step of `trace`: its index, `schedule_step`'s arguments as the scheduler saw them, and what the engine
+    scheduled. Candidates come in `FIFOScheduler.schedule_batch`'s order: decoding, prefilling (in the order first
+    scheduled), then waiting ones in arrival order (cbkit's prefill helpers first), a waiting one from where its
+    prefix-cache match leaves it; `fits` is False for one the engine left out although both budgets had room."""
     read = trace.pool_blocks * trace.page_size  # the engine's cache read budget: the pool's tokens
     lives = trace.lives()  # in the order first scheduled
     start = {r.request_id: r for s in reversed(trace.steps) for r in s.requests}  # each request at its first step
@@ -167,9 +231,8 @@ def _step_hint(args: tuple, engine: list) -> str:
 
 @functools.cache
 def _recorded_steps() -> list[Case]:
-    """The steps of a small rollout of the tiny model through the real engine, recorded once per process: 2 prompts
-    x 4, pages of 16, a pool for three requests without sharing, a token budget of 32 (prefills come in chunks),
-    fixed completion lengths (so a wrong answer fails where it always does)."""
+    """A small rollout of the tiny model through the real engine, recorded once: 2 prompts x 4, pages of 16, a pool
+    for three requests unshared, prefills in chunks of 32, fixed lengths (a wrong answer fails where it always does)."""
     tiny = load_policy("tiny", seed=0, device="cpu")
     tok = tiny.tokenizer
     prompts = [tok.encode("Tom has 3 apples and buys 4 more apples at the market. How many apples does he have?"),
@@ -178,7 +241,8 @@ def _recorded_steps() -> list[Case]:
     backend = make_backend("continuous", tiny.model, cb_config={
         "page_size": 16, "num_blocks": workload_blocks([prompts[0]] * 3, 40, 16), "max_batch_tokens": 32})
     with record_engine_steps() as trace:
-        config = backend.generate(prompts, 4, sampling, target_lengths=[3 + (11 * i) % 37 for i in range(8)]).engine_config
+        rollout = backend.generate(prompts, 4, sampling, target_lengths=[3 + (11 * i) % 37 for i in range(8)])
+    config = rollout.engine_config
     steps = schedule_cases(trace, config["max_batch_tokens"], config["max_requests_per_batch"])
     return [Case(f"engine step {i}", args, _step_hint(args, engine), engine) for i, args, engine in steps]
 
@@ -188,9 +252,6 @@ def check_schedule_step(seed: int) -> list[Case]:
     """`fn(candidates, token_budget, read_budget, max_requests) -> [(request_id, query_len)]`, graded step by step
     against what transformers' engine scheduled in a small rollout it records now."""
     return _recorded_steps()
-
-
-# --- 02: importance-sampling weights ---------------------------------------------------------------------------
 
 
 def _logprob_batch(g, rows: int, width: int, spread: float):
@@ -232,32 +293,31 @@ def _is_cases(seed: int, sequence: bool) -> list[Case]:
 
 
 def _masked(expected: Any, got: Any) -> str | None:
-    """Graded on the mask's positions only (where the reference, a ratio, is not 0): padding never reaches the
-    loss."""
+    """Graded where the reference, a ratio, is not 0: on the mask; padding never reaches the loss."""
     got = torch.as_tensor(got)
     return close(expected, got.where(expected != 0, 0.0) if got.shape == expected.shape else got)
 
 
-@_check(lambda old, sampled, mask, clip: importance_weights(old, sampled, mask, "token_truncate", clip_max=clip)[0]
-        .where(mask, 0.0), _masked)
+def _token_weights(old, sampled, mask, clip_max: float):
+    return importance_weights(old, sampled, mask, "token_truncate", clip_max=clip_max)[0].where(mask, 0.0)
+
+
+@_check(_token_weights, _masked)
 def check_token_is_weights(seed: int) -> list[Case]:
     """`fn(old, sampled, mask, clip_max) -> [B, T] weights`, against `importance_weights(mode="token_truncate")`.
     Graded on the mask's positions only."""
     return _is_cases(seed, False)
 
 
-@_check(lambda old, sampled, mask, clip: importance_weights(old, sampled, mask, "sequence_mask", clip_max=clip)[0][:, 0])
+@_check(lambda old, sampled, mask, clip_max: importance_weights(old, sampled, mask, "sequence_mask",
+                                                                 clip_max=clip_max)[0][:, 0])
 def check_sequence_mask_weights(seed: int) -> list[Case]:
     """`fn(old, sampled, mask, clip_max) -> [B] weights, one per completion`, against
     `importance_weights(mode="sequence_mask")`."""
     return _is_cases(seed, True)
 
 
-# --- 03: the static batch's KV bytes ---------------------------------------------------------------------------
-
-
-def _shape(**kw: Any) -> SimpleNamespace:
-    """A model config: the fields the planner reads, these as defaults."""
+def _shape(**kw: Any) -> SimpleNamespace:  # a model config: the fields the planner reads
     return SimpleNamespace(**{"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
                               "hidden_size": 256, "head_dim": None, "intermediate_size": 512, "vocab_size": 1000,
                               "sliding_window": None, "layer_types": None, **kw})
@@ -297,9 +357,6 @@ def check_static_kv_bytes(seed: int) -> list[Case]:
                                                    rng.choice([1, 2, 4])),
                           "every row is kept at the longest prompt + max_new_tokens until the batch ends."))
     return cases
-
-
-# --- 04: group-relative advantages and the loss's aggregation --------------------------------------------------
 
 
 # rtol 1e-3: TRL's 1e-4 added to the std is a guard for ties (a case below), not a number to reproduce
@@ -365,9 +422,6 @@ def check_aggregate_loss(seed: int) -> list[Case]:
     return cases
 
 
-# --- 05: the staleness filter ----------------------------------------------------------------------------------
-
-
 @_check(fresh_groups, exact)
 def check_fresh_groups(seed: int) -> list[Case]:
     """`fn(group_versions, now, max_staleness) -> indices of the groups to keep`, against async GRPO's filter."""
@@ -403,7 +457,7 @@ def check_fresh_groups(seed: int) -> list[Case]:
 
 
 # notebook -> its exercises in the order asked: (solution name, check); docs/workshop.md lists them with times.
-EXERCISES: dict[str, list[tuple[str, Check]]] = {
+EXERCISES: dict[str, list[tuple[str, Callable[..., Result]]]] = {
     "00_quickstart": [("format_score", check_format_score)],
     "01_kv_slot_recycling": [("padding_share", check_padding_share), ("schedule_step", check_schedule_step)],
     "02_logprob_correctness": [("token_is_weights", check_token_is_weights),

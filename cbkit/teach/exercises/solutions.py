@@ -4,9 +4,6 @@ checks grade them against the kit's own code exactly as they grade a learner's."
 
 from __future__ import annotations
 
-__all__ = ["aggregate_loss", "format_score", "fresh_groups", "group_advantages", "padding_share", "schedule_step",
-           "sequence_mask_weights", "static_kv_bytes", "token_is_weights"]
-
 
 def format_score(completion: str) -> float:
     """The format reward of one completion: 1.0 when its last non-empty line is `#### <number>` and that is its
@@ -124,16 +121,11 @@ def aggregate_loss(loss, mask, loss_type: str, max_completion_length: int) -> fl
         return ((loss * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean().item()
     if loss_type in ("bnpo", "dapo"):
         return (total / m.sum().clamp(min=1)).item()
-    if loss_type == "dr_grpo":
-        return (total / (loss.shape[0] * max_completion_length)).item()
-    raise ValueError(loss_type)
+    return (total / (loss.shape[0] * max_completion_length)).item()  # dr_grpo
 
 
 def fresh_groups(group_versions: list[list[list[int]]], now: int, max_staleness: int) -> list[int]:
     """The indices of the groups async GRPO keeps: those whose every token is at most `max_staleness` updates older
     than `now`. `group_versions[g][c]` lists the policy version of each token of completion c of group g."""
-    keep = []
-    for g, group in enumerate(group_versions):
-        if all(now - v <= max_staleness for completion in group for v in completion):
-            keep.append(g)
-    return keep
+    return [g for g, group in enumerate(group_versions)
+            if all(now - v <= max_staleness for completion in group for v in completion)]
