@@ -60,7 +60,8 @@ def grade(exercise: str, fn: Callable[..., Any], cases: Callable[[int], Sequence
             diff = compare(expected, got)
         except NotImplementedError:
             result = Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above (it "
-                             "still raises NotImplementedError), run that cell, then run this check again.", True)
+                             "still raises NotImplementedError), run that cell, then run this check again.",
+                             not_implemented=True)
             break
         except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
             diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
