@@ -517,15 +517,18 @@ def test_05_says_its_drift_sentences_when_a_gap_is_exactly_zero(capsys):
 
 
 def test_02s_update_is_linear_in_the_weights_and_blind_to_a_zero_advantage():
-    """02's `update(weight)` cell, run on the tiny model: GRPO's gradient at ratio 1 is sum_i A_i w_i grad log p_i,
-    so doubling every weight doubles it, a completion whose advantage is 0 changes nothing whatever its weight, and
-    zeroing the weight of one with a nonzero advantage turns it. The model's gradients are left cleared."""
+    """02's `update(*weights)` cell, run on the tiny model: GRPO's gradient at ratio 1 is sum_i A_i w_i grad log p_i,
+    the batch's loss differentiated at once; so doubling every weight doubles it, a completion whose advantage is 0
+    changes nothing whatever its weight, and zeroing the weight of one with a nonzero advantage turns it. The
+    model's gradients are left cleared."""
     import torch
 
+    from cbkit.train.logprobs import chunked_logits
+    from cbkit.train.objective import policy_logprobs
     from tests.helpers import PROBLEMS, config, trainer
 
     book = nbformat.read(REPO / "notebooks" / "02_logprob_correctness.ipynb", as_version=4)
-    cell = next(c.source for c in book.cells if c.cell_type == "code" and "def update(weight)" in c.source)
+    cell = next(c.source for c in book.cells if c.cell_type == "code" and "def update(*weights)" in c.source)
     tr = trainer(config(use_transformers_continuous_batching=True))
     rollout = tr.rollout([0, 1], 0).rollout
     kept = tr.prepare(rollout, tr.score(rollout, PROBLEMS[:2])[0])
@@ -533,12 +536,17 @@ def test_02s_update_is_linear_in_the_weights_and_blind_to_a_zero_advantage():
     advantages = torch.arange(n, dtype=torch.float32) - n // 2  # A = 0 at n // 2
     space = {"model": tr.model, "kept": kept, "config": tr.config, "torch": torch, "advantages": advantages}
     exec(cell, space)
-    update, ones = space["update"], torch.ones(n)
-    g = update(ones)
-    assert g.norm() > 0 and torch.allclose(update(2 * ones), 2 * g, rtol=1e-5, atol=1e-9)
+    ones = torch.ones(n)
     blind, turned = ones.clone(), ones.clone()
     blind[n // 2], turned[0] = 5.0, 0.0
-    assert torch.allclose(update(blind), g, rtol=1e-5, atol=1e-9)
-    other = update(turned)
+    g, doubled, same, other = space["update"](ones, 2 * ones, blind, turned)
+    for rows, mb, logits in chunked_logits(tr.model, kept.batch, None):  # every row in one forward and backward
+        logps = policy_logprobs(logits, mb.completion_ids, tr.config.temperature)
+        mask = kept.loss_mask[rows, :mb.completion_width]
+        (-(logps * advantages[rows, None] * mask).sum() / kept.loss_mask.sum()).backward()
+    whole = torch.cat([p.grad.flatten() for p in tr.model.parameters() if p.requires_grad])
+    tr.model.zero_grad(set_to_none=True)
+    assert g.norm() > 0 and (g - whole).norm() <= 1e-4 * whole.norm()  # padding moves the floats, no more
+    assert torch.allclose(doubled, 2 * g, rtol=1e-5, atol=1e-9) and torch.allclose(same, g, rtol=1e-5, atol=1e-9)
     assert float(other @ g / (other.norm() * g.norm())) < 1 - 1e-4
     assert all(p.grad is None for p in tr.model.parameters())

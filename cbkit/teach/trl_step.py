@@ -8,15 +8,12 @@ import dataclasses
 from typing import Any
 
 from cbkit.teach.notebook import NotebookEnv
+from cbkit.telemetry import release_memory
 
 
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
-    """The `GRPOConfig` overrides (TRL's names) of the notebooks' one TRL step. The batch is not among them: the
-    bridge turns ``prompts_per_step`` and ``gradient_accumulation_steps`` into TRL's ``per_device_train_batch_size``
-    (one micro-batch), so that TRL generates exactly prompts x N completions a step.
-
-    Checkpointing is off (TRL defaults it on) under the installed transformers' name for it: 5.17 has only
-    ``gradient_checkpointing``; later 5.x call it ``activation_checkpointing`` and warn on the old name."""
+    """The `GRPOConfig` overrides (TRL's names) of the notebooks' TRL step (the bridge sets the batch). Checkpointing,
+    which TRL turns on, is off under the installed transformers' name for it (5.17 has only the older one)."""
     from transformers import TrainingArguments
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -27,12 +24,9 @@ def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
 
 def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
                          **overrides: Any) -> dict[str, Any]:
-    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path (not cbkit's
-    ``CBLogprobGRPOTrainer``), recording what its rollout returned: the completions and the logprobs, which that
-    path sets to None (``_generate_single_turn`` in TRL's grpo_trainer.py). Runs on a copy of ``model``, so the
-    caller's weights do not move. Returns the completions' count, the logprobs as TRL got them, and the step's
-    logged ``sampling/*`` metrics (TRL's importance-sampling diagnostics: absent when it had nothing to correct
-    with)."""
+    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path, on a copy of ``model``: the
+    completions' count and tokens, the logprobs its rollout (``_generate_single_turn``) returned, which that path sets
+    to None, and the step's logged ``sampling/*`` metrics (TRL's IS diagnostics, absent without logprobs)."""
     import copy
 
     from trl import GRPOTrainer as StockGRPOTrainer
@@ -44,9 +38,8 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
     cb = args.transformers_continuous_batching_config
     if model.device.type == "cpu" and cb is not None:
-        # Stock TRL hands the engine max_memory_percent, which on a CPU is a share of host RAM: 12 GB of zeroed KV
-        # on a 24 GB machine (02 at CPU size peaked at 16.1 GiB for it; lab/memory.md). The pool cbkit's own CPU
-        # engine gets instead (the CPU pool rule): every completion of the step at its longest prompt and the limit.
+        # Stock TRL hands the engine max_memory_percent, on a CPU a share of host RAM (gigabytes of zeroed KV); the
+        # pool cbkit's own CPU engine gets instead: every completion of the step at its longest prompt and the limit.
         from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
 
         longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
@@ -63,10 +56,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer)
     seen = _train_recording(trainer)
-    # The trainer and its copy of the model, freed with the heap they used (nothing here holds them any longer).
-    del trainer
-    from cbkit.telemetry import release_memory
-
+    del trainer  # and its copy of the model, with the heap they used
     release_memory()
     return seen
 

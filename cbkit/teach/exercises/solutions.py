@@ -1,15 +1,8 @@
-"""The facilitator's answers to the notebooks' exercises, written the way a learner would write them.
-
-Each function here has the signature and docstring of its stub in the notebook (tests/test_exercises.py compares
-them), and is self-contained, imports included, so the solutions book (`make book`) can show its source in place
-of the stub. They are *answers*, not the kit's references: each check grades them against the package's own code
-(`cbkit.teach.exercises.checks`), exactly as it grades a learner's.
-"""
+"""The facilitator's answers, written as a learner would: each has its notebook stub's signature and docstring
+(tests/test_exercises.py compares them) and is self-contained, so the solutions book can show its source. The
+checks grade them against the kit's own code exactly as they grade a learner's."""
 
 from __future__ import annotations
-
-__all__ = ["aggregate_loss", "format_score", "fresh_groups", "group_advantages", "padding_share", "schedule_step",
-           "sequence_mask_weights", "static_kv_bytes", "token_is_weights"]
 
 
 def format_score(completion: str) -> float:
@@ -128,16 +121,11 @@ def aggregate_loss(loss, mask, loss_type: str, max_completion_length: int) -> fl
         return ((loss * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean().item()
     if loss_type in ("bnpo", "dapo"):
         return (total / m.sum().clamp(min=1)).item()
-    if loss_type == "dr_grpo":
-        return (total / (loss.shape[0] * max_completion_length)).item()
-    raise ValueError(loss_type)
+    return (total / (loss.shape[0] * max_completion_length)).item()  # dr_grpo
 
 
 def fresh_groups(group_versions: list[list[list[int]]], now: int, max_staleness: int) -> list[int]:
     """The indices of the groups async GRPO keeps: those whose every token is at most `max_staleness` updates older
     than `now`. `group_versions[g][c]` lists the policy version of each token of completion c of group g."""
-    keep = []
-    for g, group in enumerate(group_versions):
-        if all(now - v <= max_staleness for completion in group for v in completion):
-            keep.append(g)
-    return keep
+    return [g for g, group in enumerate(group_versions)
+            if all(now - v <= max_staleness for completion in group for v in completion)]
