@@ -81,8 +81,7 @@ def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mod
     from cbkit.measure.results import load_runs
     from cbkit.measure.sweep import run_sweep
 
-    workload = getattr(cfg, "lengths", None)
-    title = "N-sweep, live" + (f", workload {workload}" if workload else "") + ": each point is one run"
+    title = f"N-sweep, live, workload {cfg.lengths}: each point is one run"
     chart = LiveChart(title, ["tokens/s", "peak memory (MiB)"], x_title="N (completions per prompt)",
                       mode=mode, x_log=True,  # type: ignore[arg-type]
                       style=lambda backend: {"color": backend_color(backend)})

@@ -1,8 +1,6 @@
-"""What the six notebooks share. ``env = setup("NN_name")`` settles profile, device, tier, dtypes, model, data
-and sizes the same way in each, so one notebook serves Colab, a laptop and CI (``env.sizes``, ``env.pick``);
-``env.check_fits`` refuses a run a GPU will not hold before it starts; ``record_phenomena`` records the
-numbers a notebook's text relies on for tests/test_notebooks.py's guards. ``CBKIT_TIER=t4|a100`` forces a GPU
-tier: on a GPU to rehearse a smaller one; under the ci profile on a CPU, a dry run of it at CI sizes.
+"""What the six notebooks share: ``env = setup("NN_name")`` decides profile, device, tier, dtypes, model, data
+and sizes the same way in each, so one notebook serves Colab, a laptop and CI. ``CBKIT_TIER=t4|a100`` forces a
+GPU tier: on a GPU to rehearse a smaller one; under the ci profile on a CPU, a dry run of it at CI sizes.
 """
 
 from __future__ import annotations
@@ -86,11 +84,9 @@ class NotebookEnv:
         return place_for_tier(self.tier, self.device)
 
     def trl_micro_batches(self, rows: int, gradient_accumulation_steps: int) -> int:
-        """TRL's ``gradient_accumulation_steps``: on a CPU its micro-batch is the forward chunk where that
-        divides ``rows``, elsewhere the config's."""
-        if self.device == "cpu" and not self.dry_run and rows % CPU_FORWARD_CHUNK_ROWS == 0:
-            return max(gradient_accumulation_steps, rows // CPU_FORWARD_CHUNK_ROWS)
-        return gradient_accumulation_steps
+        """TRL's ``gradient_accumulation_steps``: on a CPU one per forward chunk, else the config's."""
+        on_cpu = self.device == "cpu" and not self.dry_run
+        return rows // CPU_FORWARD_CHUNK_ROWS if on_cpu else gradient_accumulation_steps
 
     def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
         """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
@@ -160,23 +156,19 @@ class NotebookEnv:
     @property
     def precision(self) -> str:
         """The precision rule: what the rollout samples in, what the logprobs are computed in, the drift."""
-        fp32 = torch.finfo(torch.float32).eps
+        def eps(dtype: str) -> str:
+            return f"{torch.finfo(getattr(torch, dtype)).eps:.1e} relative resolution"
+
         if self.trains:
-            low = self.autocast_dtype
-            logprobs = f"under {low} autocast over those weights" if low else f"in {self.train_dtype}"
-            drift = (f"{low}'s resolution ({torch.finfo(getattr(torch, low)).eps:.1e} relative) per logit, "
-                     "which check_fits measures on this model" if low else f"fp32 rounding ({fp32:.1e} "
-                     "relative: the engine's packed attention and the trainer's forward sum in other orders)")
+            low = self.autocast_dtype or self.train_dtype
+            logprobs = f"under {low} autocast over those weights" if self.autocast_dtype else f"in {low}"
             return (f"rollout samples from the {self.train_dtype} training weights; old and policy logprobs "
-                    f"{logprobs}; drift to expect: {drift}, shown every step by logprob/* and is/*")
+                    f"{logprobs}; drift to expect: {low}'s {eps(low)} per logit (logprob/*, is/* every step)")
         if self.notebook is not None and tiers.notebook_spec(self.notebook).kind == "logprobs":
             return (f"the policy keeps {self.train_dtype} weights and scores every rollout teacher-forced in "
                     f"{self.train_dtype}; sections 1 and 4 sample from those weights, section 2 from a "
-                    f"bfloat16 copy ({torch.finfo(torch.bfloat16).eps:.1e} relative resolution, fp32's "
-                    f"{fp32:.1e})")
-        eps = torch.finfo(getattr(torch, self.rollout_dtype)).eps
-        return (f"rollouts sample from {self.rollout_dtype} weights ({eps:.1e} relative resolution); nothing "
-                "trains here")
+                    f"bfloat16 copy ({eps('bfloat16')}, fp32's {eps('float32')})")
+        return f"rollouts sample from {self.rollout_dtype} weights ({eps(self.rollout_dtype)}); no training"
 
     def summary(self) -> str:
         if self.dry_run:
