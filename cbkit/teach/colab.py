@@ -1,8 +1,7 @@
 """Colab's one surprise: the install cell upgrades a package the kernel had already imported (pyarrow, for
-TRL), and imports then mix versions far from the cause. Such a package's module carries another
-``__version__`` than its distribution *and* the distribution was written after the kernel started; the second
-test keeps a module that spells its version differently (certifi's 2026.10.19 for 2026.10.19.post1) from
-restarting the kernel forever.
+TRL), and imports then mix versions. Such a package's module has another ``__version__`` than its
+distribution, *and* that was written after the kernel started: a misspelt version alone (certifi's) would
+restart the kernel forever.
 """
 
 from __future__ import annotations
