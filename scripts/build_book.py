@@ -48,7 +48,7 @@ def executed_notebooks(folder: Path) -> list[Path]:
 
 
 # Mime types only a live front end reads: plotly's JSON (JupyterLab draws it; the saved text/html draws
-# everywhere else) and the phenomena the guards read (cbkit.teach.phenomena.record_phenomena). Sphinx would warn
+# everywhere else) and the phenomena the guards read (cbkit.teach.notebook.record_phenomena). Sphinx would warn
 # on each, so the staged copy keeps the rest of every bundle: text/html, the PNG and text/plain.
 FRONT_END_ONLY = ("application/vnd.plotly.v1+json", "application/vnd.cbkit.phenomena+json")
 

@@ -13,12 +13,29 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from cbkit.teach.figures_runs import runs_curves
-from cbkit.viz.figures import backend_color, figure_pngs, read_metrics
+import plotly.graph_objects as go
+
+from cbkit.viz.figures import PALETTE, TEMPLATE, backend_color, figure_pngs, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def runs_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str, *, title: str | None = None,
+                dashes: Mapping[str, str] | None = None, colors: Mapping[str, str] | None = None) -> go.Figure:
+    """One metric of several runs against step, one colour per run. Rows without the metric are left out, so a
+    held-out metric (`eval/*`) draws as a line through its evaluations."""
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(runs.items()):
+        have = [r for r in rows if isinstance(r.get(key), int | float)]
+        fig.add_scatter(x=[r["step"] for r in have], y=[r[key] for r in have], mode="lines+markers", name=name,
+                        line=dict(color=(colors or {}).get(name, PALETTE[i % len(PALETTE)]),
+                                  dash=(dashes or {}).get(name, "solid")))
+    fig.update_layout(template=TEMPLATE, title=title or key, xaxis_title="step", yaxis_title=key, height=380)
+    return fig
 
 
 def evals(rows: list[dict]) -> list[tuple[int, float]]:

@@ -55,7 +55,7 @@ def test_restart_names_what_was_replaced_and_kills_only_when_asked(site, monkeyp
     start = time.time() - 60
     _dist(site, "upgraded", "2.0", written=start + 30)
     monkeypatch.setitem(sys.modules, "upgraded", types.SimpleNamespace(__version__="1.0"))
-    monkeypatch.setattr(colab, "process_start", lambda: start)
+    monkeypatch.setattr("psutil.Process", lambda: types.SimpleNamespace(create_time=lambda: start))
     killed = []
     monkeypatch.setattr(colab.os, "kill", lambda pid, sig: killed.append((pid, sig)))
     assert colab.restart_if_replaced(kill=False) == {"upgraded": ("1.0", "2.0")} and killed == []

@@ -10,7 +10,7 @@ import torch
 
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import load_problems
-from cbkit.teach import fits, live, notebook, trl_step
+from cbkit.teach import live, notebook, trl_step
 from cbkit.train.grpo import GRPOTrainer
 from cbkit.train.hooks import StepRecord
 
@@ -69,11 +69,17 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
     assert env.micro_batches(128, 256, 151_936) == {"t4": 128, "a100": 16}[tier]
 
 
+def _config(**kw):
+    from cbkit.train.config import CBGRPOConfig
+
+    return CBGRPOConfig(model="tiny", disable_tqdm=True, **kw)
+
+
 def test_check_fits_adds_training_memory_to_the_planners_rollout(tiny):
     env = notebook.NotebookEnv("full", "cpu", None, None, False, "float32", "float32", "tiny", "d")
     params = sum(p.numel() for p in tiny.model.parameters())
-    line = fits.check_fits(env, tiny.model, prompt_ids=[[5, 6, 7], [8, 9]], num_generations=4,
-                               max_new_tokens=8, gradient_accumulation_steps=2)
+    config = _config(num_generations=4, max_completion_length=8, gradient_accumulation_steps=2)
+    line = env.check_fits(tiny.model, config, [[5, 6, 7], [8, 9]])
     # 16 bytes a parameter (fp32 weights, gradients, two AdamW moments), computed here from the model itself.
     assert f"weights, gradients, AdamW: {16 * params / 2**30:.2f}" in line and "rollout peak" in line
 
@@ -203,11 +209,9 @@ def test_a_cpu_notebook_trains_in_small_chunks_and_keeps_its_weight_copy_on_disk
     assert cpu.trl_micro_batches(16, 1) == 16 // notebook.CPU_FORWARD_CHUNK_ROWS
     monkeypatch.setattr(notebook, "CPU_FORWARD_CHUNK_ROWS", 2)
     assert cpu.trl_micro_batches(16, 1) == 8
-    assert cpu.trl_micro_batches(15, 3) == 3  # two does not divide 15: the config's micro-batches
     assert dry.trl_micro_batches(16, 1) == 1
-    whole, chunk = (fits.check_fits(cpu, tiny.model, prompt_ids=[[5, 6, 7]] * 2, num_generations=4,
-                                        max_new_tokens=8, gradient_accumulation_steps=1, forward_chunk_rows=c)
-                    for c in (None, 2))
+    whole, chunk = (cpu.check_fits(tiny.model, _config(num_generations=4, max_completion_length=8,
+                                                       forward_chunk_rows=c), [[5, 6, 7]] * 2) for c in (None, 2))
     assert "one forward of 8 rows" in whole and "one forward of 2 rows" in chunk
 
 
@@ -215,13 +219,12 @@ def test_check_fits_refuses_a_gpu_run_that_would_not_fit(tiny, monkeypatch):
     gpu = notebook.NotebookEnv("full", "cuda", "Fake", (7, 5), False, "float16", "float32", "tiny", "d",
                                tier="t4", gpu_memory_bytes=2**20)  # 1 MiB: the weights alone do not fit
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))  # the rollout fits anything
+    config = _config(num_generations=2, max_completion_length=4)
     with pytest.raises(MemoryError, match="needs more than this GPU.s 0.0 GiB"):
-        fits.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
-                            gradient_accumulation_steps=1)
+        gpu.check_fits(tiny.model, config, [[5, 6, 7]])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**10, 2**40))  # 1 KiB free: no KV pool fits
     with pytest.raises(MemoryError, match="the rollout does not fit"):
-        fits.check_fits(gpu, tiny.model, prompt_ids=[[5, 6, 7]], num_generations=2, max_new_tokens=4,
-                            gradient_accumulation_steps=1)
+        gpu.check_fits(tiny.model, config, [[5, 6, 7]])
 
 
 # --- sentences printed from a run -------------------------------------------------------------------------------

@@ -188,13 +188,13 @@ def test_executed_notebook_recorded_its_kernels_time_and_peak_rss(path):
 
 
 # --- phenomenon guards: what the text relies on, still there at CI size -------------------------------------------
-# Each notebook records, as it runs, the measured numbers its text relies on (cbkit.teach.phenomena.record_phenomena,
+# Each notebook records, as it runs, the measured numbers its text relies on (cbkit.teach.notebook.record_phenomena,
 # a JSON output). The guards below read them back from the executed notebook and fail, naming the phenomenon,
 # when one has disappeared: a change of sizes, engine or model that makes 01's pool fit everything, 03's CB fall
 # behind, or 00's rewards all zero, fails here instead of leaving text that describes what the run no longer shows.
 # The thresholds are the guards' own, never the notebooks'.
 
-from cbkit.teach.phenomena import PHENOMENA_MIME  # noqa: E402
+from cbkit.teach.notebook import PHENOMENA_MIME  # noqa: E402
 
 # stem -> [(what the text says, check over the recorded values, what would hide it: an edit to the recorded
 # numbers that the phenomenon's disappearing gives, e.g. a `fixed` workload's zero padding)]
@@ -501,7 +501,7 @@ def test_05_says_its_drift_sentences_when_a_gap_is_exactly_zero(capsys):
     kernels), and then the cells must still print their lines, not raise ZeroDivisionError."""
     from types import SimpleNamespace
 
-    from cbkit.teach.phenomena import record_phenomena
+    from cbkit.teach.notebook import record_phenomena
 
     book = nbformat.read(REPO / "notebooks" / "05_off_policy.ipynb", as_version=4)
     drift = next(c.source for c in book.cells if c.cell_type == "code" and "gap = {k: step_mean" in c.source)

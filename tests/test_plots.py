@@ -9,7 +9,7 @@ import types
 import plotly.graph_objects as go
 import pytest
 
-from cbkit.teach import figures_padding
+from cbkit.teach import figures
 from cbkit.viz import figures as plots
 from cbkit.viz import live as display
 from cbkit.viz.live import LiveChart
@@ -239,7 +239,7 @@ def test_padding_figure_from_a_real_generate_rollout(tiny):
     prompts = [tok("What is 2+2?").input_ids, tok("Hi").input_ids]
     rollout = GenerateBackend(tiny.model).generate(
         prompts, 3, SamplingParams(max_new_tokens=12, eos_token_id=tok.eos_token_id, seed=0))
-    fig = figures_padding.padding_figure(rollout)
+    fig = figures.padding_figure(rollout)
     (heat,) = fig.data
     z = [list(row) for row in heat.z]
     cfg = rollout.engine_config
@@ -256,7 +256,7 @@ def test_padding_figure_refuses_a_cb_rollout():
 
     r = Rollout([Completion(0, (1,), (2,), (0.0,), "eos")], 1, "continuous", 0.1)
     with pytest.raises(ValueError, match="generate"):
-        figures_padding.padding_figure(r)
+        figures.padding_figure(r)
 
 
 # --- plotly.js once per notebook --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cbkit.cli import main
-from cbkit.teach import fits, notebook, trl_step
+from cbkit.teach import notebook, trl_step
 from cbkit.teach.tiers import table
 from cbkit.teach.tiers.plan import parameter_count, plan_config, plan_notebook, pool_bytes
 
@@ -191,7 +191,7 @@ def test_the_precision_rule_follows_the_dtypes_the_code_uses():
 def test_autocast_drift_is_measured_and_above_fp32_rounding():
     from cbkit.models.synthetic import tiny_model
 
-    line = fits.autocast_drift(tiny_model(), list(range(1, 30)), "bfloat16")
+    line = notebook.autocast_drift(tiny_model(), list(range(1, 30)), "bfloat16")
     biggest = float(line.split("by up to ")[1].split(" nats")[0])
     assert 1e-5 < biggest < 1.0  # bf16's 8 bits, far above fp32's ~1e-7, far below a broken forward
 

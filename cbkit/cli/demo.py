@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from cbkit.cli.flags import dataclass_flags, given_fields
 
@@ -12,7 +11,7 @@ def _demo(args: argparse.Namespace) -> int:
     from cbkit.teach.demo import DemoConfig, format_table, run_demo
 
     cfg = DemoConfig(**given_fields(args, DemoConfig))
-    results = run_demo(**dataclasses.asdict(cfg))
+    results = run_demo(cfg)
     print(f"\n{cfg.num_prompts} prompts x N={cfg.num_generations}, max_new_tokens={cfg.max_new_tokens}, "
           f"model={cfg.model}, data={cfg.data}")
     print("peak memory: CPU RSS above the post-load baseline (indicative); CUDA max_memory_allocated on a GPU")

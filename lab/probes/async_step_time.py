@@ -18,10 +18,10 @@ import sys
 import time
 
 import torch
+from cbkit.teach.offpolicy import Recorder
 
 from cbkit.models.load import load_policy
 from cbkit.teach.notebook import SHORT_ANSWER_PROMPT
-from cbkit.teach.offpolicy import Recorder
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.grpo import GRPOTrainer
 

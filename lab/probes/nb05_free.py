@@ -8,10 +8,10 @@ Results: lab/memory.md."""
 import time
 
 import torch
+from cbkit.teach.offpolicy import resident_bytes, train_runs
 
 from cbkit.models.load import load_policy
 from cbkit.teach.notebook import SHORT_ANSWER_PROMPT
-from cbkit.teach.offpolicy import resident_bytes, train_runs
 from cbkit.train.config import CBGRPOConfig
 
 policy = load_policy("smollm2-offline", dtype=torch.float32, seed=0)

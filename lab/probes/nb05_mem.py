@@ -8,10 +8,10 @@ import sys
 import time
 
 import torch
+from cbkit.teach.offpolicy import train_runs
 
 from cbkit.models.load import load_policy
 from cbkit.teach.notebook import SHORT_ANSWER_PROMPT
-from cbkit.teach.offpolicy import train_runs
 from cbkit.train.config import CBGRPOConfig
 
 
