@@ -235,7 +235,7 @@ def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_ge
 
 def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: float, resolved: Mapping[str, Any],
              swaps: Sequence[tuple[float, int]] | None = None) -> dict[str, Any]:
-    """Engine clocks per request, as `cbkit.telemetry.occupancy` and the timeline plots read them; with each token's
+    """Engine clocks per request, as 05's timeline (`cbkit.teach.figures.async_timeline`) reads them; with each token's
     policy version and when each update landed, where the completions carry versions."""
     requests = []
     for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
