@@ -1,8 +1,5 @@
-"""A rollout as training tensors, and the teacher-forced forward that scores its completions.
-
-Prompts left-padded to a width P, completions right-padded to T: every completion starts at column P, so one
-`logits_to_keep=T+1` forward gives exactly the logits that predict completion tokens. The forward runs under
-`autocast_dtype` over fp32 weights: bf16 *weights* would round away AdamW's small updates.
+"""A rollout as training tensors (prompts left-padded, completions right-padded: all start at column P, so one
+`logits_to_keep=T+1` forward gives exactly the logits that predict them), and that teacher-forced forward.
 """
 
 from __future__ import annotations

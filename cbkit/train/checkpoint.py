@@ -1,8 +1,5 @@
-"""Checkpoints a killed run continues from, written atomically and read back exactly, and the run's start or resume.
-
-`checkpoint-<step>/` holds `model.safetensors`, `optimizer.pt`, `rng.pt`, `trainer_state.json` and `config.json`
-(compared field by field on resume), plus what the rollout source saves; written into a temporary sibling and
-renamed, so a crash leaves the old checkpoint or the new one. The reference model (beta > 0) is not saved.
+"""Checkpoints a killed run continues from exactly, and the run's start or resume. `checkpoint-<step>/` is written
+into a temporary sibling and renamed, so a crash leaves the old checkpoint or the new one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Held-out evaluation: accuracy on problems the run never trains on, at step 0 and every `eval_steps` steps.
-
-Train reward is no evidence that a recipe learns (a policy that games the reward raises it too), so the loop scores a
-fixed set (the same seed, `EVAL_SEED`, in every run), drawn first and removed from the training problems, with
-`verified_reward` (math-verify), through the CB engine, the RNG state restored around it: evaluation changes no draw.
+"""Held-out evaluation: train reward is no evidence a recipe learns (a reward hack raises it too), so the loop scores a
+fixed set, removed from the training problems, with math-verify at step 0 and every `eval_steps`; it changes no draw.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 
-Read `GRPOTrainer.step` first: the whole algorithm, one stage a line, each stage a method. The maths is
-`cbkit.train.objective`; this file moves data between the stages and makes them observable (`cbkit.train.hooks`).
-What varies between runs is an object built once, not a branch here: the rollout source (`cbkit.train.rollouts`,
-`cbkit.train.offpolicy`), the held-out set (`cbkit.train.evaluate`), a fresh or resumed start (`checkpoint`).
-The rollout keeps the engine's sampling logprobs, so the old-logprob forward gives `logprob/*` and the IS weights
-exp(old - sampling); released TRL drops them on its CB path. Simplified against TRL's GRPOTrainer: one process and
-device, a constant learning rate (AdamW, no scheduler), dropout off, text only, fp32 weights under an autocast.
+Read `GRPOTrainer.step` first: one stage a line, each a method; the maths is `cbkit.train.objective`. What varies
+between runs is an object built once, not a branch here (the rollout source, the held-out set, a resumed start).
+Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast.
 """
 
 from __future__ import annotations
@@ -70,8 +66,8 @@ class GRPOTrainer:
                  rollouts: RolloutSource | None = None,
                  reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
                  hooks: Sequence[StepHooks] = (), policy: Any = None, problems: Sequence[Problem] | None = None) -> None:
-        """`run`: `set_up_run`'s set-up (else made once, on `policy`/`problems` when given). `backend` samples the
-        on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
+        """`run`: `set_up_run`'s set-up (else made on `policy`/`problems`); `backend` samples on-policy rollouts (None:
+        the config's); `rollouts` replaces the whole rollout source."""
         self.run_setup = run = set_up_for_config(config, run, policy=policy, problems=problems)
         self.model, self.tokenizer, self.pad_token_id = run.model, run.tokenizer, run.pad_token_id
         self.model.eval()  # dropout off for the whole run
@@ -153,10 +149,6 @@ class GRPOTrainer:
         self.state.finish_step(step, len(indices))
         return emit(self.hooks, self.state, StepRecord(step, metrics))
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy of the current weights (`cbkit.train.evaluate`)."""
-        return self.held_out.evaluate()
-
     def sampling_params(self, step: int) -> SamplingParams:
         c = self.config
         # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
@@ -164,8 +156,7 @@ class GRPOTrainer:
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
     def rollout(self, indices: Sequence[int], step: int) -> SourcedRollout:
-        """N completions for each prompt from the run's rollout source, checked where they enter; the request names
-        the next step's prompts too (a source may decode them ahead)."""
+        """N completions per prompt from the rollout source; the request names the next step's prompts too."""
         ahead = self.order.indices(self.state.data_position + len(indices), self.config.prompts_per_step)
         request = self._request(indices, step, self._request(ahead, step + 1) if step < self.config.max_steps else None)
         return check_entry(self.rollouts.rollout(request), request)
@@ -205,7 +196,6 @@ class GRPOTrainer:
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
-        # The whole completion mask: `logprob/*` describes every token the engine sampled.
         weights: Tensor | None
         weights, metrics = importance_weights(old_processed, batch.sampling_logps, batch.completion_mask,
                                               cast(Any, c.importance_sampling_mode), c.clip_max, c.clip_min)
@@ -214,7 +204,6 @@ class GRPOTrainer:
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
             # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
             metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
-        # How far the sampler was from this policy: `offpolicy/*` from a source that samples older weights.
         metrics.update(self.rollouts.drift(old_processed, batch.sampling_logps, batch.completion_mask,
                                            c.importance_sampling_mode))
         if not c.importance_sampling_correction:
@@ -281,7 +270,7 @@ class GRPOTrainer:
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """Temperature-only and sampler-processed logprobs [B, T], and where a sampled token lay outside the
-        trainer's nucleus (`objective.replayed_logprobs`)."""
+        trainer's nucleus."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps

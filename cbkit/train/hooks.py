@@ -1,9 +1,5 @@
-"""Step hooks: every stage of a step made observable without the loop knowing who watches.
-
-A hook subclasses `StepHooks` and overrides what it needs: `on_train_begin(state)` (after a resume is applied), per
-step `on_step_begin`, `on_rollout_end` and `on_step_end(record)` (with evaluation on, also a step-0 record of
-`eval/*` alone), and `on_train_end(state)` (also after an error: `state.status`). The NaN guard runs before the
-JSONL writer and the checkpoints, so a diverged step is neither logged nor saved.
+"""Step hooks: every stage of a step observable without the loop knowing who watches (`StepHooks` lists them).
+The NaN guard runs before the JSONL writer and the checkpoints, so a diverged step is neither logged nor saved.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cbkit.jsonl import read_jsonl
+from cbkit.jsonl import append_jsonl, read_jsonl
 from cbkit.train.order import capture_rng
 
 if TYPE_CHECKING:
@@ -34,11 +30,6 @@ class StepRecord:
 
     step: int
     metrics: dict[str, Metric] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        # NaN (logprob/* of a backend without logprobs) as JSON null, not invalid JSON.
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
-        return json.dumps({"step": self.step, **clean})
 
 
 @dataclass
@@ -72,7 +63,8 @@ def emit(hooks: list[StepHooks], state: TrainState, record: StepRecord) -> StepR
 
 
 class StepHooks:
-    """Base class: every method is a no-op, override the ones you need."""
+    """Override what you need. `on_train_begin` runs after a resume is applied; `on_step_end` also gets a step-0
+    record of `eval/*` alone when evaluation is on; `on_train_end` runs after an error too (`state.status`)."""
 
     def on_train_begin(self, state: TrainState) -> None: ...
 
@@ -123,15 +115,14 @@ class JSONLHook(StepHooks):
         kept = []
         if self.path.exists():  # a torn last line (a crash mid-write) is dropped by read_jsonl
             kept = [r for r in read_jsonl(self.path, what="step") if r.get("step", state.step + 1) <= state.step]
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
 
     def on_step_end(self, record: StepRecord) -> None:
-        with self.path.open("a") as f:
-            f.write(record.to_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        # NaN (logprob/* of a backend without logprobs) as JSON null, not invalid JSON.
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.metrics.items()}
+        append_jsonl(self.path, {"step": record.step, **clean})
 
 
 class CheckpointHook(StepHooks):

@@ -1,6 +1,5 @@
-"""The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it: on unchanged
-weights a sampled token's logprob must equal the training forward's under the same distribution, or the IS
-correction would "correct" a bug.
+"""The chunked teacher-forced forward, and the check that the sampler's logprobs match it on unchanged weights (else
+the IS correction would "correct" a bug).
 """
 
 from __future__ import annotations

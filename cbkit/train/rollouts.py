@@ -1,8 +1,5 @@
-"""Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)`.
-
-On-policy (`OnPolicyRollouts`, the default) the backend samples the weights as they are; `cbkit.train.offpolicy` has
-a fixed lag and async rollouts. A source never calls back into the trainer: it hears of each update and step end,
-reports its drift metrics, saves what a checkpoint needs, and closes. What it returns is checked where it enters.
+"""Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)` (on-policy here,
+off-policy in `cbkit.train.offpolicy`). A source never calls back into the trainer; its result is checked on entry.
 """
 
 from __future__ import annotations

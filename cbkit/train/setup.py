@@ -1,5 +1,5 @@
-"""The run set-up: policy, problems, prompt ids, stop and pad ids, sampling, warmed backends, decided in one place
-for the loop, the sweep and the demo (`GRPOTrainer(config, run)` takes it, or makes it once from its config)."""
+"""The run set-up (policy, problems, prompt ids, stop and pad ids, sampling, warmed backends) for the loop, the sweep
+and the demo."""
 
 from __future__ import annotations
 
