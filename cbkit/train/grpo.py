@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,6 @@ from cbkit.train.objective import (
     importance_weights,
     policy_logprobs,
     replayed_logprobs,
-    warn_if_truncated,
 )
 from cbkit.train.offpolicy import make_rollout_source
 from cbkit.train.order import PromptOrder, mix_seed
@@ -78,11 +78,15 @@ class GRPOTrainer:
         self.reward_funcs, weights = resolve_rewards(
             config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)
         self.config = c = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
-        self.truncates = warn_if_truncated(c.top_p, c.top_k)
+        self.truncates = c.top_p < 1 or c.top_k > 0
+        if self.truncates:
+            warnings.warn(f"top_p={c.top_p}, top_k={c.top_k}: the rollout samples from a truncated distribution; the "
+                          "IS reference is taken under it, the loss's ratio is temperature-only and the truncation is "
+                          "not corrected (logprob/temperature_only_max_abs_diff shows its size).", stacklevel=2)
 
         self.backend = check_backend(backend if backend is not None else make_backend(
             c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id))
-        # The held-out set is drawn first; its questions leave the training problems (cbkit.train.evaluate).
+        # The held-out set is drawn first; its questions leave the training problems.
         self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
         self.problems = without_held_out(run.problems, self.held_out.problems)
         self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 Metric = float | int | str
 METRICS_FILE = "metrics.jsonl"  # in output_dir
-RunStatus = Literal["running", "finished", "interrupted", "failed"]
 
 
 @dataclass
@@ -41,7 +40,7 @@ class TrainState:
     config: CBGRPOConfig
     output_dir: Path | None = None
     resumed_from: Path | None = None
-    status: RunStatus = "running"
+    status: Literal["running", "finished", "interrupted", "failed"] = "running"
     resumable: bool = True  # the weights are exactly `step`'s end (False mid-update): only then may it be saved
     data_position: int = 0  # prompts taken so far (`cbkit.train.order.PromptOrder`)
     rng: dict[str, Any] | None = None  # the RNG states at the end of `step`: what a checkpoint of it restores
@@ -78,7 +77,7 @@ class StepHooks:
 
 
 class ProgressBarHook(StepHooks):
-    """A tqdm bar (widget in notebooks, text elsewhere) with the step's reward and rollout speed."""
+    """A tqdm bar with the step's reward and rollout speed."""
 
     def __init__(self, **tqdm_kwargs: Any) -> None:
         self.tqdm_kwargs, self.bar = tqdm_kwargs, None
@@ -100,7 +99,6 @@ class ProgressBarHook(StepHooks):
     def on_train_end(self, state: TrainState) -> None:
         if self.bar is not None:
             self.bar.close()
-            self.bar = None
 
 
 class JSONLHook(StepHooks):
@@ -149,11 +147,8 @@ class CheckpointHook(StepHooks):
 class NaNGuardHook(StepHooks):
     """Stops training when the loss or the gradient norm is NaN or infinite, saying where and what to try."""
 
-    def __init__(self) -> None:
-        self.learning_rate: float | None = None
-
-    def on_train_begin(self, state: TrainState) -> None:
-        self.learning_rate = state.config.learning_rate
+    def __init__(self, learning_rate: float) -> None:
+        self.learning_rate = learning_rate
 
     def on_step_end(self, record: StepRecord) -> None:
         for key in ("train/loss", "train/grad_norm"):
@@ -167,7 +162,7 @@ class NaNGuardHook(StepHooks):
 
 def default_hooks(config: Any, output_dir: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
     """The hooks every run has: the NaN guard, the JSONL log and checkpoints when it writes to a folder, the bar."""
-    hooks: list[StepHooks] = [NaNGuardHook()]
+    hooks: list[StepHooks] = [NaNGuardHook(config.learning_rate)]
     if output_dir is not None:
         hooks.append(JSONLHook(output_dir / METRICS_FILE))
         if config.save_steps:

@@ -200,15 +200,3 @@ def grpo_loss(policy_logps: Tensor, old_logps: Tensor, advantages: Tensor, mask:
     if kl is not None:
         metrics["train/kl"] = ((kl.detach() * m).sum() / n_tokens).item()
     return loss, metrics
-
-
-def warn_if_truncated(top_p: float, top_k: int) -> bool:
-    """Warn that the rollout samples from a truncated distribution; True if so."""
-    if not (top_p < 1 or top_k > 0):
-        return False
-    import warnings
-
-    warnings.warn(f"top_p={top_p}, top_k={top_k}: the rollout samples from a truncated distribution; the IS "
-                  "reference is taken under it, the loss's ratio is temperature-only and the truncation is not "
-                  "corrected (logprob/temperature_only_max_abs_diff shows its size).", UserWarning, stacklevel=3)
-    return True
