@@ -21,7 +21,7 @@ from cbkit.train.hooks import (
 
 
 def _state(step=0, **kw):
-    return TrainState(step=step, max_steps=4, config=CBGRPOConfig(model="tiny"), **kw)
+    return TrainState(step=step, config=CBGRPOConfig(model="tiny", max_steps=4), **kw)
 
 
 def test_a_hook_overrides_only_what_it_needs_and_sees_every_step():

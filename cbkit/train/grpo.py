@@ -100,8 +100,7 @@ class GRPOTrainer:
             betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_epsilon, weight_decay=c.weight_decay,
             fused=c.optim == "adamw_torch_fused")
         self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
-        self.state = TrainState(step=0, max_steps=c.max_steps, config=c,
-                                output_dir=Path(c.output_dir) if c.output_dir else None)
+        self.state = TrainState(step=0, config=c, output_dir=Path(c.output_dir) if c.output_dir else None)
         self.hooks = default_hooks(c, self.state.output_dir, functools.partial(checkpoint.save, self)) + list(hooks)
 
     def train(self, resume_from: str | Path | bool | None = None) -> TrainState:
@@ -154,8 +153,7 @@ class GRPOTrainer:
         return emit(self.hooks, self.state, StepRecord(step, metrics))
 
     def sampling_params(self, step: int) -> SamplingParams:
-        c = self.config
-        # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
+        c = self.config  # a seed per (run, step): a resumed run draws what the uninterrupted one would have
         return self.run_setup.sampling(c.max_completion_length, temperature=c.temperature, top_p=c.top_p,
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
@@ -212,9 +210,7 @@ class GRPOTrainer:
                                            c.importance_sampling_mode))
         if not c.importance_sampling_correction:
             weights, metrics["is/skipped"] = None, 1.0
-        loss_mask = batch.completion_mask
-        if c.mask_truncated_completions:
-            loss_mask = loss_mask & ~batch.truncated.unsqueeze(-1)
+        loss_mask = batch.completion_mask & ~(batch.truncated.unsqueeze(-1) & c.mask_truncated_completions)
         return Prepared(batch, advantages.float().to(self.device), old, ref, weights, loss_mask, metrics)
 
     def optimize(self, prepared: Prepared) -> dict[str, float]:

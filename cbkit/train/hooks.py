@@ -36,7 +36,6 @@ class TrainState:
     """Where the run is: shared with hooks, and what a checkpoint records besides the weights."""
 
     step: int  # last finished step (0 before the first)
-    max_steps: int
     config: CBGRPOConfig
     output_dir: Path | None = None
     resumed_from: Path | None = None
@@ -85,7 +84,7 @@ class ProgressBarHook(StepHooks):
     def on_train_begin(self, state: TrainState) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=state.max_steps, initial=state.step, desc="GRPO", unit="step", **self.tqdm_kwargs)
+        self.bar = tqdm(total=state.config.max_steps, initial=state.step, desc="GRPO", unit="step", **self.tqdm_kwargs)
 
     def on_step_end(self, record: StepRecord) -> None:
         if self.bar is None or record.step == 0:  # step 0: the evaluation before training, not a step

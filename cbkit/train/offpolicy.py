@@ -27,8 +27,8 @@ STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next r
 
 
 def drift_metrics(current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
-    """How far the sampler is from the policy the loss uses, over completion tokens. With r = exp(current -
-    sampling): `kl` is the k3 estimate E[r - 1 - log r]; `ratio_*` the raw IS ratios (per sequence for `sequence_*`)."""
+    """How far the sampler is from the loss's policy, r = exp(current - sampling): `kl` the k3 E[r - 1 - log r],
+    `ratio_*` the raw IS ratios (per sequence for `sequence_*` modes)."""
     if sampling_logps is None:
         return {}
     m = mask.bool() & ~sampling_logps.isnan()
@@ -62,7 +62,7 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
     """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
-    updates older than `now`: one too-old token drops its group (a group missing a member has another baseline)."""
+    updates older than `now`."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
@@ -77,8 +77,7 @@ def _stamped(rollout: Rollout, version: int) -> Rollout:
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
-    """`given` (it wins), or the source the config asks for: on-policy, a fixed lag, or async rollouts
-    (`max_prompt_len` sizes its KV pool)."""
+    """`given`, or the source the config asks for (`max_prompt_len` sizes an async KV pool)."""
     if given is not None:
         if not isinstance(given, RolloutSource):
             raise TypeError(f"rollouts must be a cbkit.train.rollouts.RolloutSource (subclass it and override "
@@ -132,8 +131,8 @@ class LaggedRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """Step t+1's requests decode on the engine's copy of the policy (refreshed at each step's end) while step t
-    trains. `target_lengths` (one per row, EOS ignored) replays a length workload (`cbkit sweep --full-step`)."""
+    """Step t+1's requests decode on the engine's copy of the policy while step t trains. `target_lengths` (one per
+    row, EOS ignored) replays a length workload (`cbkit sweep --full-step`)."""
 
     def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
                  checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
@@ -178,8 +177,8 @@ class AsyncRollouts(RolloutSource):
                                   prompt_names=request.prompt_names, target_lengths=self.target_lengths)
 
     def _too_old(self, rollout: Rollout, request: RolloutRequest) -> tuple[Rollout, list[int], bool]:
-        """Drop the groups holding a too-old token, or (also when none would be left) sample the step again on the
-        current weights. Returns the rollout, its problems, and whether it was resampled."""
+        """Drop the groups holding a too-old token, or (also when none is left) sample again: (rollout, its problems,
+        whether it was resampled)."""
         c, now = self.config, request.policy_version
         groups = rollout.groups()
         fresh = fresh_groups([[comp.policy_versions or () for comp in g] for g in groups], now, c.max_staleness)
