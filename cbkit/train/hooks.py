@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from cbkit.rollout import Rollout
     from cbkit.train.config import CBGRPOConfig
 
-Metric = float | int | str
 METRICS_FILE = "metrics.jsonl"  # in output_dir
 
 
@@ -28,7 +27,7 @@ class StepRecord:
     """One finished step: its number and its namespaced metrics (JSON-safe scalars)."""
 
     step: int
-    metrics: dict[str, Metric] = field(default_factory=dict)
+    metrics: dict[str, float | int | str] = field(default_factory=dict)
 
 
 @dataclass
