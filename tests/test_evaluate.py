@@ -94,7 +94,7 @@ def test_evaluation_changes_nothing_the_run_trains(tmp_path):
 
 def test_evaluating_twice_on_the_same_weights_gives_the_same_numbers():
     trainer = GRPOTrainer(config(), policy=load_policy("tiny", seed=0))
-    a, b = trainer.evaluate(), trainer.evaluate()
+    a, b = trainer.held_out.evaluate(), trainer.held_out.evaluate()
     assert {k: v for k, v in a.items() if k != "eval/seconds"} == {k: v for k, v in b.items() if k != "eval/seconds"}
 
 

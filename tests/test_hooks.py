@@ -21,7 +21,7 @@ from cbkit.train.hooks import (
 
 
 def _state(step=0, **kw):
-    return TrainState(step=step, max_steps=4, config=CBGRPOConfig(model="tiny"), **kw)
+    return TrainState(step=step, config=CBGRPOConfig(model="tiny", max_steps=4), **kw)
 
 
 def test_a_hook_overrides_only_what_it_needs_and_sees_every_step():
@@ -84,8 +84,7 @@ def test_jsonl_refuses_a_log_damaged_before_its_last_line(tmp_path):
 @pytest.mark.parametrize("key", ["train/loss", "train/grad_norm"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_nan_guard_names_metric_and_step(key, value):
-    guard = NaNGuardHook()
-    guard.on_train_begin(_state())
+    guard = NaNGuardHook(learning_rate=1e-5)
     guard.on_step_end(StepRecord(1, {"train/loss": 0.1, "train/grad_norm": 1.0}))
     with pytest.raises(FloatingPointError, match=rf"{key} is {value} at step 7: training diverged.*learning_rate"):
         guard.on_step_end(StepRecord(7, {"train/loss": 0.1, "train/grad_norm": 1.0, key: value}))

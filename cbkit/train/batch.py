@@ -1,8 +1,5 @@
-"""A rollout as training tensors, and the teacher-forced forward that scores its completions.
-
-Prompts left-padded to a width P, completions right-padded to T: every completion starts at column P, so one
-`logits_to_keep=T+1` forward gives exactly the logits that predict completion tokens. The forward runs under
-`autocast_dtype` over fp32 weights: bf16 *weights* would round away AdamW's small updates.
+"""A rollout as training tensors (prompts left-padded, completions right-padded: all start at column P, so one
+`logits_to_keep=T+1` forward gives exactly the logits that predict them), and that teacher-forced forward.
 """
 
 from __future__ import annotations
@@ -46,15 +43,11 @@ class Batch:
             attn[i, p - n_p : p + n_c] = 1
             if logps is not None:
                 logps[i, :n_c] = torch.tensor(c.sampling_logprobs, dtype=torch.float32)
-        return cls(
-            input_ids=ids.to(device),
-            attention_mask=attn.to(device),
-            completion_ids=ids[:, p:].to(device),
-            completion_mask=attn[:, p:].bool().to(device),
-            sampling_logps=None if logps is None else logps.to(device),
-            truncated=torch.tensor([c.finish_reason == "length" for c in completions], device=device),
-            prompt_width=p,
-        )
+        return cls(input_ids=ids.to(device), attention_mask=attn.to(device), completion_ids=ids[:, p:].to(device),
+                   completion_mask=attn[:, p:].bool().to(device),
+                   sampling_logps=None if logps is None else logps.to(device),
+                   truncated=torch.tensor([c.finish_reason == "length" for c in completions], device=device),
+                   prompt_width=p)
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
@@ -69,15 +62,10 @@ class Batch:
         p_real = int(attn[:, : self.prompt_width].sum(-1).max())
         t_real = max(1, int(self.completion_mask[rows].sum(-1).max()))
         cols = slice(self.prompt_width - p_real, self.prompt_width + t_real)
-        return Batch(
-            input_ids=self.input_ids[rows, cols],
-            attention_mask=attn[:, cols],
-            completion_ids=self.completion_ids[rows, :t_real],
-            completion_mask=self.completion_mask[rows, :t_real],
-            sampling_logps=None if self.sampling_logps is None else self.sampling_logps[rows, :t_real],
-            truncated=self.truncated[rows],
-            prompt_width=p_real,
-        )
+        return Batch(input_ids=self.input_ids[rows, cols], attention_mask=attn[:, cols],
+                     completion_ids=self.completion_ids[rows, :t_real], completion_mask=self.completion_mask[rows, :t_real],
+                     sampling_logps=None if self.sampling_logps is None else self.sampling_logps[rows, :t_real],
+                     truncated=self.truncated[rows], prompt_width=p_real)
 
 
 def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = None) -> Tensor:
@@ -92,8 +80,7 @@ def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None = 
 
 
 def logits_bytes(rows: int, completion_len: int, vocab_size: int) -> int:
-    """Peak bytes of one micro-batch's logits in the loss: at most 4 fp32 copies of [rows, T, V] (logits,
-    log-softmax and their gradients)."""
+    """Peak bytes of one micro-batch's logits in the loss: 4 fp32 [rows, T, V] (logits, log-softmax, their grads)."""
     return 4 * 4 * rows * completion_len * vocab_size
 
 
@@ -114,8 +101,7 @@ def micro_batches_for(rows: int, completion_len: int, vocab_size: int, budget_by
 
 
 def check_causal_forward(model: PreTrainedModel, attn_implementation: str) -> None:
-    """Refuse a training forward while the attention is not the one training began with or a CB engine runs on the
-    model: such a forward can run without a causal mask (transformers issue #48296)."""
+    """Refuse a training forward that could run without a causal mask (transformers #48296)."""
     from cbkit.rollout.engine import engine_is_idle
 
     impl = model.config._attn_implementation

@@ -1,8 +1,5 @@
-"""Checkpoints a killed run continues from, written atomically and read back exactly, and the run's start or resume.
-
-`checkpoint-<step>/` holds `model.safetensors`, `optimizer.pt`, `rng.pt`, `trainer_state.json` and `config.json`
-(compared field by field on resume), plus what the rollout source saves; written into a temporary sibling and
-renamed, so a crash leaves the old checkpoint or the new one. The reference model (beta > 0) is not saved.
+"""Checkpoints a killed run continues from exactly, and the run's start or resume. `checkpoint-<step>/` is written
+into a temporary sibling and renamed, so a crash leaves the old checkpoint or the new one.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ def save_checkpoint(output_dir: str | os.PathLike[str], step: int, *, model: tor
         torch.save(rng, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(
             json.dumps({"step": step, "cbkit_version": __version__, **trainer_state}, indent=2))
-        (tmp / "config.json").write_text(config.to_json())
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
         old = root / f".{target.name}.old"  # the same step saved again (a resumed run): swap, never delete first
         shutil.rmtree(old, ignore_errors=True)
         if target.exists():
@@ -114,17 +111,24 @@ def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | b
 
 
 def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> None:
-    """Start `trainer`'s run fresh (the RNGs seeded from the config; never over a folder holding a run), or exactly
-    where the checkpoint `resume_from` (True: the newest in output_dir) left it."""
-    if resume_from:
-        resume(trainer, resume_from)
+    """Start `trainer`'s run fresh (seeded from the config; never over a folder holding a run), or exactly where
+    the checkpoint `resume_from` (True: the newest in output_dir) left it, if made with the same config."""
+    state, out = trainer.state, trainer.state.output_dir
+    if not resume_from:
+        if out is not None and (checkpoints(out) or (out / METRICS_FILE).is_file()
+                                and (out / METRICS_FILE).stat().st_size):
+            raise FileExistsError(f"{out} already holds a run (checkpoints or {METRICS_FILE}). Resume it with "
+                                  "resume_from=True (cbkit train --resume), or choose an empty output_dir.")
+        seed_everything(trainer.config.seed)
+        state.rng = capture_rng()
         return
-    out = trainer.state.output_dir
-    if out is not None and (checkpoints(out) or (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size):
-        raise FileExistsError(f"{out} already holds a run (checkpoints or {METRICS_FILE}). Resume it with "
-                              "resume_from=True (cbkit train --resume), or choose an empty output_dir.")
-    seed_everything(trainer.config.seed)
-    trainer.state.rng = capture_rng()
+    path = resume_path(out, resume_from)
+    check_same_config(read_config(path), trainer.config, path)
+    saved, rng = load_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+    state.step, state.data_position, state.resumed_from, state.rng = saved["step"], saved["data_position"], path, rng
+    trainer.policy_version = state.step * trainer.config.num_iterations
+    trainer.rollouts.load(path, trainer.policy_version)
+    restore_rng(rng)
 
 
 def save(trainer: Any, step: int) -> Path:
@@ -136,17 +140,4 @@ def save(trainer: Any, step: int) -> Path:
                            config=trainer.config, trainer_state={"data_position": state.data_position},
                            rng=state.rng or capture_rng(), keep=trainer.config.save_total_limit)
     trainer.rollouts.save(path)
-    return path
-
-
-def resume(trainer: Any, resume_from: str | os.PathLike[str] | bool) -> Path:
-    """Load a checkpoint into `trainer` after checking it was made with the same config."""
-    state = trainer.state
-    path = resume_path(state.output_dir, resume_from)
-    check_same_config(read_config(path), trainer.config, path)
-    saved, rng = load_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
-    state.step, state.data_position, state.resumed_from, state.rng = saved["step"], saved["data_position"], path, rng
-    trainer.policy_version = state.step * trainer.config.num_iterations
-    trainer.rollouts.load(path, trainer.policy_version)
-    restore_rng(rng)
     return path

@@ -1,13 +1,11 @@
-"""The run's config: one dataclass with TRL 1.16's `GRPOConfig` names wherever TRL has the concept, and only the
-fields the loop reads (`cbkit.trl.config` maps it onto TRL's). `__post_init__` is the one home of every check of a
-value: its type first (a recipe's YAML can hold anything), then its range, each error saying what to change.
+"""The run's config: TRL 1.16's `GRPOConfig` names where TRL has the concept, only the fields the loop reads, and
+`__post_init__` the one home of every check of a value (its type, then its range), each error saying what to change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import numbers
 import os
 import re
@@ -47,14 +45,12 @@ class CBGRPOConfig:
 
     # --- model and prompts (cbkit's own) ---
     model: str = _help("Policy: 'smollm2-offline', 'tiny', a hub id or a local directory.", default="smollm2-offline")
-    dtype: str = _help("Autocast over the fp32 weights: 'auto' (bf16 where the GPU has it), 'float32' or "
-                       "'bfloat16'.", default="auto")
+    dtype: str = _help("Autocast over fp32 weights: 'auto' (bf16 where native), 'float32', 'bfloat16'.", default="auto")
     data: str = _help("Prompts: 'synthetic', 'gsm8k-local[:split]', 'gsm8k[:split]', 'reasoning-gym:<name>' or "
                       "a .jsonl path.", default="synthetic")
     data_options: dict[str, Any] = _help("A reasoning-gym source's config, e.g. {min_digits: 1}.", default_factory=dict)
     num_problems: int | None = _help("Cap on the problems loaded (None: all).", default=None)
-    system_prompt: str | None = _help("System prompt of every chat prompt (None: the user turn alone).",
-                                      default=SYSTEM_PROMPT)
+    system_prompt: str | None = _help("System prompt of every chat prompt (None: none).", default=SYSTEM_PROMPT)
     prompts_per_step: int = _help("Prompts per step, each with num_generations completions.", default=2)
     # --- sampling (TRL names) ---
     num_generations: int = _help("Completions per prompt (the group size N), at least 2.", default=8)
@@ -63,8 +59,8 @@ class CBGRPOConfig:
     top_p: float = _help("Nucleus sampling mass in (0, 1]; 1.0 disables it.", default=1.0)
     top_k: int = _help("Keep the top_k most likely tokens; 0 disables it.", default=0)
     # --- rewards ---
-    reward_funcs: list[str] = _help("Reward functions by name (cbkit.tasks.rewards): 'correctness', 'format', "
-                                    "'verified'.", default_factory=lambda: ["correctness", "format"])
+    reward_funcs: list[str] = _help("Reward functions: 'correctness', 'format', 'verified'.",
+                                    default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = _help("One weight per reward function (None: defaults).", default=None)
     # --- the objective (TRL names and meanings) ---
     loss_type: str = _help(f"Loss aggregation, one of {LOSS_TYPES}.", default="dapo")
@@ -75,10 +71,8 @@ class CBGRPOConfig:
     epsilon_high: float | None = _help("Upper clip: 1 + epsilon_high (None: epsilon).", default=None)
     kl_bias_correction: bool = _help("Multiply the KL term by the policy ratio (TRL's).", default=True)
     num_iterations: int = _help("Optimizer updates per rollout (TRL's mu).", default=1)
-    gradient_accumulation_steps: int = _help("Micro-batches per update; must divide prompts_per_step x "
-                                             "num_generations.", default=1)
-    forward_chunk_rows: int | None = _help("Completions per teacher-forced forward, each back-propagated at once "
-                                           "(None: a whole micro-batch).", default=4)
+    gradient_accumulation_steps: int = _help("Micro-batches per update, dividing the step's completions.", default=1)
+    forward_chunk_rows: int | None = _help("Completions per training forward (None: a micro-batch).", default=4)
     mask_truncated_completions: bool = _help("Leave truncated completions out of the loss.", default=False)
     # --- importance-sampling correction (TRL: vllm_importance_sampling_*) ---
     importance_sampling_correction: bool = _help("Weigh the loss by exp(old - sampling) logprobs.", default=True)
@@ -87,13 +81,11 @@ class CBGRPOConfig:
     clip_min: float | None = _help("Lower bound of the IS ratio (None: none).", default=None)
     # --- off-policy rollouts (cbkit.train.offpolicy) ---
     rollout_staleness: int = _help("Sample from the weights of this many updates earlier (0: on-policy).", default=0)
-    rollout_snapshots: str = _help(f"Where rollout_staleness keeps older weights, one of {SNAPSHOT_PLACES}.",
-                                   default="host")
+    rollout_snapshots: str = _help(f"Where older weights wait, one of {SNAPSHOT_PLACES}.", default="host")
     async_rollouts: bool = _help("Decode the next step's rollout in the CB engine during this step.", default=False)
     async_update_at: int = _help("Async: the engine forward of a rollout at which new weights land.", default=8)
     max_staleness: int = _help("Async: most updates a token may lag the loss's policy.", default=4)
-    stale_rollouts: str = _help(f"A too-old rollout is, one of {STALE_ROLLOUTS}: sampled again, or its groups "
-                                "dropped.", default="regenerate")
+    stale_rollouts: str = _help(f"A too-old rollout is, one of {STALE_ROLLOUTS}.", default="regenerate")
     # --- rollout engine (TRL names) ---
     use_transformers_continuous_batching: bool = _help("Roll out with transformers' CB engine (else generate()).",
                                                        default=True)
@@ -116,23 +108,20 @@ class CBGRPOConfig:
     save_total_limit: int = _help("Keep this many newest checkpoints.", default=1)
     disable_tqdm: bool = _help("No progress bar.", default=False)
     # --- held-out evaluation (cbkit.train.evaluate) ---
-    eval_steps: int = _help("Evaluate held-out accuracy at step 0 and every eval_steps steps; 0 disables it.",
-                            default=0)
+    eval_steps: int = _help("Evaluate held-out accuracy at step 0 and every eval_steps; 0: never.", default=0)
     eval_data: str | None = _help("Source of the held-out problems (None: the training source).", default=None)
     eval_num_problems: int = _help("Held-out problems (distinct questions).", default=64)
     eval_num_generations: int = _help("Completions per held-out problem.", default=4)
 
     def __post_init__(self) -> None:
+        from cbkit.rollout.engine_config import make_cb_config
+
         _check_types(self)  # first: every check below compares values of the declared types
         self.use_transformers_continuous_batching = continuous_batching_flag(self.use_transformers_paged,
                                                                              self.use_transformers_continuous_batching)
         self.use_transformers_paged = None  # forwarded: a round trip does not warn again
-        self._check()
-        from cbkit.rollout.engine_config import make_cb_config
-
         make_cb_config(self.transformers_continuous_batching_config)  # unknown keys, bad values: say so now
 
-    def _check(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
@@ -204,8 +193,7 @@ class CBGRPOConfig:
         return [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
 
     def cb_overrides(self) -> dict[str, Any]:
-        """The CB keys the user set (`make_cb_config` merges cbkit's defaults under them, and sizes a CPU pool to
-        the workload unless the user fixed it)."""
+        """The CB keys the user set (`make_cb_config` merges cbkit's defaults under them)."""
         return dict(self.transformers_continuous_batching_config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,12 +215,8 @@ class CBGRPOConfig:
         """Build from a run recipe (`cbkit train --config`), the YAML TRL's `TrlParser --config` reads too."""
         return cls.from_dict(read_recipe(path))
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     def diff(self, other: CBGRPOConfig, ignore: tuple[str, ...] = RESUMABLE_CHANGES) -> dict[str, tuple[Any, Any]]:
-        """Fields whose values differ, as {name: (self's, other's)}, leaving out `ignore`; CB configs differ only
-        when they resolve to different engine settings (a default spelled out is the default)."""
+        """{name: (self's, other's)} for fields that differ, but `ignore`; CB configs when their engine settings do."""
         from cbkit.rollout.engine_config import cb_config_values
 
         a, b = self.to_dict(), other.to_dict()
@@ -244,15 +228,13 @@ class CBGRPOConfig:
 
 
 def same_as(name: str, *, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
-    """A field of another command's config that means `CBGRPOConfig.<name>`: its help text, so the flags of two
-    commands cannot drift apart; `aliases` are more flag spellings."""
+    """A field of another command's config that means `CBGRPOConfig.<name>`, with its help text (and flag `aliases`)."""
     text = next(f.metadata["help"] for f in dataclasses.fields(CBGRPOConfig) if f.name == name)
     return field(metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})}, **kw)
 
 
 def continuous_batching_flag(use_transformers_paged: bool | None, use_transformers_continuous_batching: bool) -> bool:
-    """The rollout engine switch with TRL's deprecated `use_transformers_paged` forwarded (None: not set); the one
-    place the old name is read, for `CBGRPOConfig` and the TRL bridge alike."""
+    """The rollout engine switch with TRL's deprecated `use_transformers_paged` (None: not set) forwarded."""
     if use_transformers_paged is None:
         return use_transformers_continuous_batching
     warnings.warn("use_transformers_paged is deprecated (as in TRL); use use_transformers_continuous_batching. "
@@ -276,7 +258,7 @@ def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 _EXPONENT_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
-# --- every field against its annotation, generically: a field added later is checked without a line here ----------
+# --- every field against its annotation, generically ---
 
 _NAMES: dict[Any, tuple[str, str, Any]] = {  # (one, several, an example)
     int: ("an integer", "integers", 1), float: ("a number", "numbers", 0.5),
@@ -284,8 +266,8 @@ _NAMES: dict[Any, tuple[str, str, Any]] = {  # (one, several, an example)
 
 
 def _check_types(config: Any) -> None:
-    """Give each field its annotation's type where nothing is lost (`1` -> `1.0`, `8.0` -> `8`, numpy scalars, a
-    string that reads as a number), else raise naming the field, the value, the type and an example."""
+    """Give each field its annotation's type where nothing is lost (`1` -> `1.0`, `8.0` -> `8`, "5e-5"), else raise
+    naming the field, the value, the type and an example."""
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]

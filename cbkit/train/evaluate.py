@@ -1,8 +1,5 @@
-"""Held-out evaluation: accuracy on problems the run never trains on, at step 0 and every `eval_steps` steps.
-
-Train reward is no evidence that a recipe learns (a policy that games the reward raises it too), so the loop scores a
-fixed set (the same seed, `EVAL_SEED`, in every run), drawn first and removed from the training problems, with
-`verified_reward` (math-verify), through the CB engine, the RNG state restored around it: evaluation changes no draw.
+"""Held-out evaluation: train reward is no evidence a recipe learns (a reward hack raises it too), so the loop scores a
+fixed set, removed from the training problems, with math-verify at step 0 and every `eval_steps`; it changes no draw.
 """
 
 from __future__ import annotations
@@ -18,17 +15,18 @@ import torch
 from cbkit.rollout import RolloutBackend, SamplingParams
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import compute_rewards, verified_reward
+from cbkit.train.hooks import StepRecord
 
 EVAL_SEED = 20_240_601  # the evaluation set's seed and its sampler's
 
 
 def question_key(problem: Problem) -> str:
-    """The question, whitespace-normalised: what makes two problems the same for the leak check."""
+    """The question, whitespace-normalised: two problems are the same for the leak check when these are."""
     return " ".join(problem.question.split())
 
 
 def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> list[Problem]:
-    """`train` minus every problem whose question is a held-out one; an error if nothing is left to train on."""
+    """`train` minus every problem whose question is a held-out one."""
     if not held_out:
         return list(train)
     banned = {question_key(p) for p in held_out}
@@ -42,8 +40,7 @@ def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> l
 
 @dataclass
 class HeldOut:
-    """A run's fixed evaluation set, scored before training and every `every` steps (and after the last) through
-    `backend`; empty (`every=0`) for a run without evaluation."""
+    """A run's fixed evaluation set, scored before training, every `every` steps and after the last; `every=0`: none."""
 
     problems: list[Problem]
     prompts: list[list[int]]
@@ -58,7 +55,7 @@ class HeldOut:
     @classmethod
     def for_run(cls, config: Any, run: Any, backend: RolloutBackend, sampling: SamplingParams,
                 rewards: Mapping[str, Callable[..., list[float]]]) -> HeldOut:
-        """The set `config` asks for, scored through the CB engine whatever the training rollouts use."""
+        """The set `config` asks for, scored through the CB engine."""
         if not config.eval_steps:
             return cls([], [], 0)
         if backend.name != "continuous":
@@ -71,10 +68,8 @@ class HeldOut:
             backend=backend, sampling=dataclasses.replace(sampling, seed=EVAL_SEED), rewards=rewards,
             decode=lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def before_training(self, step: int) -> list[Any]:
+    def before_training(self, step: int) -> list[StepRecord]:
         """The step-0 record of the held-out curve, for a run that starts at step 0."""
-        from cbkit.train.hooks import StepRecord
-
         return [StepRecord(0, dict(self.evaluate()))] if self.every and step == 0 else []
 
     def after_step(self, step: int) -> dict[str, float]:

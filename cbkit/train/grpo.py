@@ -1,12 +1,8 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 
-Read `GRPOTrainer.step` first: the whole algorithm, one stage a line, each stage a method. The maths is
-`cbkit.train.objective`; this file moves data between the stages and makes them observable (`cbkit.train.hooks`).
-What varies between runs is an object built once, not a branch here: the rollout source (`cbkit.train.rollouts`,
-`cbkit.train.offpolicy`), the held-out set (`cbkit.train.evaluate`), a fresh or resumed start (`checkpoint`).
-The rollout keeps the engine's sampling logprobs, so the old-logprob forward gives `logprob/*` and the IS weights
-exp(old - sampling); released TRL drops them on its CB path. Simplified against TRL's GRPOTrainer: one process and
-device, a constant learning rate (AdamW, no scheduler), dropout off, text only, fp32 weights under an autocast.
+Read `GRPOTrainer.step` first: one stage a line, each a method; the maths is `cbkit.train.objective`. What varies
+between runs is an object built once, not a branch here (the rollout source, the held-out set, a resumed start).
+Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +39,6 @@ from cbkit.train.objective import (
     importance_weights,
     policy_logprobs,
     replayed_logprobs,
-    warn_if_truncated,
 )
 from cbkit.train.offpolicy import make_rollout_source
 from cbkit.train.order import PromptOrder, mix_seed
@@ -70,8 +66,8 @@ class GRPOTrainer:
                  rollouts: RolloutSource | None = None,
                  reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn] | None = None,
                  hooks: Sequence[StepHooks] = (), policy: Any = None, problems: Sequence[Problem] | None = None) -> None:
-        """`run`: `set_up_run`'s set-up (else made once, on `policy`/`problems` when given). `backend` samples the
-        on-policy rollouts (None: the config's); `rollouts` replaces the whole rollout source."""
+        """`run`: `set_up_run`'s set-up (else made on `policy`/`problems`); `backend` samples on-policy rollouts (None:
+        the config's); `rollouts` replaces the whole rollout source."""
         self.run_setup = run = set_up_for_config(config, run, policy=policy, problems=problems)
         self.model, self.tokenizer, self.pad_token_id = run.model, run.tokenizer, run.pad_token_id
         self.model.eval()  # dropout off for the whole run
@@ -82,11 +78,15 @@ class GRPOTrainer:
         self.reward_funcs, weights = resolve_rewards(
             config.reward_funcs if reward_funcs is None else reward_funcs, config.reward_weights)
         self.config = c = dataclasses.replace(config, reward_funcs=list(self.reward_funcs), reward_weights=weights)
-        self.truncates = warn_if_truncated(c.top_p, c.top_k)
+        self.truncates = c.top_p < 1 or c.top_k > 0
+        if self.truncates:
+            warnings.warn(f"top_p={c.top_p}, top_k={c.top_k}: the rollout samples from a truncated distribution; the "
+                          "IS reference is taken under it, the loss's ratio is temperature-only and the truncation is "
+                          "not corrected (logprob/temperature_only_max_abs_diff shows its size).", stacklevel=2)
 
         self.backend = check_backend(backend if backend is not None else make_backend(
             c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id))
-        # The held-out set is drawn first; its questions leave the training problems (cbkit.train.evaluate).
+        # The held-out set is drawn first; its questions leave the training problems.
         self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
         self.problems = without_held_out(run.problems, self.held_out.problems)
         self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]
@@ -100,8 +100,7 @@ class GRPOTrainer:
             betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_epsilon, weight_decay=c.weight_decay,
             fused=c.optim == "adamw_torch_fused")
         self.policy_version = 0  # optimizer updates so far: the version a rollout records for its tokens
-        self.state = TrainState(step=0, max_steps=c.max_steps, config=c,
-                                output_dir=Path(c.output_dir) if c.output_dir else None)
+        self.state = TrainState(step=0, config=c, output_dir=Path(c.output_dir) if c.output_dir else None)
         self.hooks = default_hooks(c, self.state.output_dir, functools.partial(checkpoint.save, self)) + list(hooks)
 
     def train(self, resume_from: str | Path | bool | None = None) -> TrainState:
@@ -153,19 +152,13 @@ class GRPOTrainer:
         self.state.finish_step(step, len(indices))
         return emit(self.hooks, self.state, StepRecord(step, metrics))
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy of the current weights (`cbkit.train.evaluate`)."""
-        return self.held_out.evaluate()
-
     def sampling_params(self, step: int) -> SamplingParams:
-        c = self.config
-        # A seed per (run, step): a resumed run draws exactly what the uninterrupted one would have.
+        c = self.config  # a seed per (run, step): a resumed run draws what the uninterrupted one would have
         return self.run_setup.sampling(c.max_completion_length, temperature=c.temperature, top_p=c.top_p,
                                        top_k=c.top_k, seed=mix_seed(c.seed, step))
 
     def rollout(self, indices: Sequence[int], step: int) -> SourcedRollout:
-        """N completions for each prompt from the run's rollout source, checked where they enter; the request names
-        the next step's prompts too (a source may decode them ahead)."""
+        """N completions per prompt from the rollout source; the request names the next step's prompts too."""
         ahead = self.order.indices(self.state.data_position + len(indices), self.config.prompts_per_step)
         request = self._request(indices, step, self._request(ahead, step + 1) if step < self.config.max_steps else None)
         return check_entry(self.rollouts.rollout(request), request)
@@ -205,7 +198,6 @@ class GRPOTrainer:
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
-        # The whole completion mask: `logprob/*` describes every token the engine sampled.
         weights: Tensor | None
         weights, metrics = importance_weights(old_processed, batch.sampling_logps, batch.completion_mask,
                                               cast(Any, c.importance_sampling_mode), c.clip_max, c.clip_min)
@@ -214,14 +206,11 @@ class GRPOTrainer:
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
             # Sampled tokens the trainer's own nucleus left out, put back into it (objective.replayed_logprobs).
             metrics["logprob/outside_support_tokens"] = float((outside & batch.completion_mask).sum().item())
-        # How far the sampler was from this policy: `offpolicy/*` from a source that samples older weights.
         metrics.update(self.rollouts.drift(old_processed, batch.sampling_logps, batch.completion_mask,
                                            c.importance_sampling_mode))
         if not c.importance_sampling_correction:
             weights, metrics["is/skipped"] = None, 1.0
-        loss_mask = batch.completion_mask
-        if c.mask_truncated_completions:
-            loss_mask = loss_mask & ~batch.truncated.unsqueeze(-1)
+        loss_mask = batch.completion_mask & ~(batch.truncated.unsqueeze(-1) & c.mask_truncated_completions)
         return Prepared(batch, advantages.float().to(self.device), old, ref, weights, loss_mask, metrics)
 
     def optimize(self, prepared: Prepared) -> dict[str, float]:
@@ -281,7 +270,7 @@ class GRPOTrainer:
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """Temperature-only and sampler-processed logprobs [B, T], and where a sampled token lay outside the
-        trainer's nucleus (`objective.replayed_logprobs`)."""
+        trainer's nucleus."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps

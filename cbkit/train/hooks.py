@@ -1,9 +1,5 @@
-"""Step hooks: every stage of a step made observable without the loop knowing who watches.
-
-A hook subclasses `StepHooks` and overrides what it needs: `on_train_begin(state)` (after a resume is applied), per
-step `on_step_begin`, `on_rollout_end` and `on_step_end(record)` (with evaluation on, also a step-0 record of
-`eval/*` alone), and `on_train_end(state)` (also after an error: `state.status`). The NaN guard runs before the
-JSONL writer and the checkpoints, so a diverged step is neither logged nor saved.
+"""Step hooks: every stage of a step observable without the loop knowing who watches (`StepHooks` lists them).
+The NaN guard runs before the JSONL writer and the checkpoints, so a diverged step is neither logged nor saved.
 """
 
 from __future__ import annotations
@@ -16,16 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cbkit.jsonl import read_jsonl
+from cbkit.jsonl import append_jsonl, read_jsonl
 from cbkit.train.order import capture_rng
 
 if TYPE_CHECKING:
     from cbkit.rollout import Rollout
     from cbkit.train.config import CBGRPOConfig
 
-Metric = float | int | str
 METRICS_FILE = "metrics.jsonl"  # in output_dir
-RunStatus = Literal["running", "finished", "interrupted", "failed"]
 
 
 @dataclass
@@ -33,12 +27,7 @@ class StepRecord:
     """One finished step: its number and its namespaced metrics (JSON-safe scalars)."""
 
     step: int
-    metrics: dict[str, Metric] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        # NaN (logprob/* of a backend without logprobs) as JSON null, not invalid JSON.
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
-        return json.dumps({"step": self.step, **clean})
+    metrics: dict[str, float | int | str] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,11 +35,10 @@ class TrainState:
     """Where the run is: shared with hooks, and what a checkpoint records besides the weights."""
 
     step: int  # last finished step (0 before the first)
-    max_steps: int
     config: CBGRPOConfig
     output_dir: Path | None = None
     resumed_from: Path | None = None
-    status: RunStatus = "running"
+    status: Literal["running", "finished", "interrupted", "failed"] = "running"
     resumable: bool = True  # the weights are exactly `step`'s end (False mid-update): only then may it be saved
     data_position: int = 0  # prompts taken so far (`cbkit.train.order.PromptOrder`)
     rng: dict[str, Any] | None = None  # the RNG states at the end of `step`: what a checkpoint of it restores
@@ -72,7 +60,8 @@ def emit(hooks: list[StepHooks], state: TrainState, record: StepRecord) -> StepR
 
 
 class StepHooks:
-    """Base class: every method is a no-op, override the ones you need."""
+    """Override what you need. `on_train_begin` runs after a resume is applied; `on_step_end` also gets a step-0
+    record of `eval/*` alone when evaluation is on; `on_train_end` runs after an error too (`state.status`)."""
 
     def on_train_begin(self, state: TrainState) -> None: ...
 
@@ -86,7 +75,7 @@ class StepHooks:
 
 
 class ProgressBarHook(StepHooks):
-    """A tqdm bar (widget in notebooks, text elsewhere) with the step's reward and rollout speed."""
+    """A tqdm bar with the step's reward and rollout speed."""
 
     def __init__(self, **tqdm_kwargs: Any) -> None:
         self.tqdm_kwargs, self.bar = tqdm_kwargs, None
@@ -94,7 +83,7 @@ class ProgressBarHook(StepHooks):
     def on_train_begin(self, state: TrainState) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=state.max_steps, initial=state.step, desc="GRPO", unit="step", **self.tqdm_kwargs)
+        self.bar = tqdm(total=state.config.max_steps, initial=state.step, desc="GRPO", unit="step", **self.tqdm_kwargs)
 
     def on_step_end(self, record: StepRecord) -> None:
         if self.bar is None or record.step == 0:  # step 0: the evaluation before training, not a step
@@ -108,7 +97,6 @@ class ProgressBarHook(StepHooks):
     def on_train_end(self, state: TrainState) -> None:
         if self.bar is not None:
             self.bar.close()
-            self.bar = None
 
 
 class JSONLHook(StepHooks):
@@ -123,15 +111,14 @@ class JSONLHook(StepHooks):
         kept = []
         if self.path.exists():  # a torn last line (a crash mid-write) is dropped by read_jsonl
             kept = [r for r in read_jsonl(self.path, what="step") if r.get("step", state.step + 1) <= state.step]
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
 
     def on_step_end(self, record: StepRecord) -> None:
-        with self.path.open("a") as f:
-            f.write(record.to_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        # NaN (logprob/* of a backend without logprobs) as JSON null, not invalid JSON.
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.metrics.items()}
+        append_jsonl(self.path, {"step": record.step, **clean})
 
 
 class CheckpointHook(StepHooks):
@@ -158,11 +145,8 @@ class CheckpointHook(StepHooks):
 class NaNGuardHook(StepHooks):
     """Stops training when the loss or the gradient norm is NaN or infinite, saying where and what to try."""
 
-    def __init__(self) -> None:
-        self.learning_rate: float | None = None
-
-    def on_train_begin(self, state: TrainState) -> None:
-        self.learning_rate = state.config.learning_rate
+    def __init__(self, learning_rate: float) -> None:
+        self.learning_rate = learning_rate
 
     def on_step_end(self, record: StepRecord) -> None:
         for key in ("train/loss", "train/grad_norm"):
@@ -176,7 +160,7 @@ class NaNGuardHook(StepHooks):
 
 def default_hooks(config: Any, output_dir: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
     """The hooks every run has: the NaN guard, the JSONL log and checkpoints when it writes to a folder, the bar."""
-    hooks: list[StepHooks] = [NaNGuardHook()]
+    hooks: list[StepHooks] = [NaNGuardHook(config.learning_rate)]
     if output_dir is not None:
         hooks.append(JSONLHook(output_dir / METRICS_FILE))
         if config.save_steps:

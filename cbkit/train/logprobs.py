@@ -1,6 +1,5 @@
-"""The chunked teacher-forced forward, written once, and the check that the sampler's logprobs match it: on unchanged
-weights a sampled token's logprob must equal the training forward's under the same distribution, or the IS
-correction would "correct" a bug.
+"""The chunked teacher-forced forward, and the check that the sampler's logprobs match it on unchanged weights (else
+the IS correction would "correct" a bug).
 """
 
 from __future__ import annotations
@@ -29,12 +28,8 @@ def chunked_logits(model, batch: Batch, chunk_rows: int | None, *, start: int = 
 
 
 @torch.no_grad()
-def teacher_forced_logprobs(
-    model,
-    completions: Sequence[Completion],
-    sampling: SamplingParams | None = None,
-    batch_size: int | None = 16,
-) -> list[Tensor]:
+def teacher_forced_logprobs(model, completions: Sequence[Completion], sampling: SamplingParams | None = None,
+                            batch_size: int | None = 16) -> list[Tensor]:
     """Per completion, each token's logprob from the forward training runs (`chunked_logits`); `sampling=None` (or
     greedy): the raw distribution, otherwise the sampler's."""
     device = next(model.parameters()).device
@@ -59,9 +54,8 @@ def logprob_check(model, rollout: Rollout, sampling: SamplingParams) -> dict[str
     if not rollout.has_logprobs:
         return {"logprob/max_abs_diff": float("nan"), "logprob/mean_abs_diff": float("nan")}
     ref = teacher_forced_logprobs(model, rollout.completions, sampling)
-    diffs = torch.cat(
-        [(torch.tensor(c.sampling_logprobs) - r).abs() for c, r in zip(rollout.completions, ref, strict=True)]
-    )
+    pairs = zip(rollout.completions, ref, strict=True)
+    diffs = torch.cat([(torch.tensor(c.sampling_logprobs) - r).abs() for c, r in pairs])
     return {"logprob/max_abs_diff": diffs.max().item(), "logprob/mean_abs_diff": diffs.mean().item()}
 
 

@@ -1,11 +1,6 @@
-"""The objective: advantages, the clipped policy loss, KL and the importance-sampling (IS) correction.
-
-Pure functions on tensors, following TRL 1.16 (`tests/test_objective.py` runs TRL's code as the oracle); the values
-they take are checked once, by `CBGRPOConfig`. The engine samples from logits / temperature, then top-k, then top-p
-(`processed_logprobs`); the training forward uses temperature only (`policy_logprobs`), as TRL's. With top-p/top-k,
-cbkit takes the IS reference under the sampler's own distribution (`replayed_logprobs`), so a ratio measures the
-engine-vs-trainer mismatch, not the truncated mass; the loss's ratio stays temperature-only. Left out against TRL:
-GSPO, two-sided `delta`, cispo/sapo, entropy masks; a non-finite reward is an error (TRL gives it advantage 0).
+"""The objective: advantages, the clipped policy loss, KL and the importance-sampling (IS) correction, as TRL 1.16
+(`tests/test_objective.py` runs TRL's code as the oracle). With top-p/top-k the IS reference is taken under the
+sampler's own distribution (`replayed_logprobs`), so a ratio measures engine-vs-trainer mismatch, not truncated mass.
 """
 
 from __future__ import annotations
@@ -66,9 +61,8 @@ def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k
 
 def replayed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int = 0,
                       top_p: float = 1.0) -> tuple[Tensor, Tensor]:
-    """`processed_logprobs` of tokens the sampler *did* draw, each kept inside its own support: a token at the edge
-    of the nucleus (a bf16 rounding is enough) would otherwise get -inf, an IS ratio of 0 and, per sequence, zero its
-    completion's loss. Returns (logprobs, outside: where the trainer's nucleus had left the token out)."""
+    """`processed_logprobs` of tokens the sampler drew, each kept in its support (an edge token would get -inf and
+    zero its completion's loss); returns (logprobs, where the trainer's nucleus had left the token out)."""
     scores = _sampler_scores(logits, temperature, top_k, top_p)
     index = tokens.unsqueeze(-1)
     outside = scores.gather(-1, index).squeeze(-1) == -math.inf
@@ -83,8 +77,7 @@ def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float
         kth = scores.topk(min(top_k, scores.size(-1)), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th survive, as in transformers
     if top_p < 1.0:
-        # Walk up from the least likely token and drop it while the mass dropped so far stays <= 1 - top_p:
-        # what is left is the smallest head whose mass reaches top_p. The most likely token always stays.
+        # Drop from the least likely up while the dropped mass stays <= 1 - top_p; the most likely always stays.
         ascending, order = scores.sort(dim=-1)
         dropped_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
         drop = dropped_mass <= 1 - top_p
@@ -94,19 +87,17 @@ def _sampler_scores(logits: Tensor, temperature: float, top_k: int, top_p: float
 
 
 def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """What TRL's training forward computes: log_softmax(logits / temperature) at the token, in fp32, selectively
-    (the score minus the logsumexp: no [..., V] log-softmax beside the logits, as TRL's `selective_log_softmax`)."""
+    """TRL's training forward: log_softmax(logits / temperature) at the token in fp32, without a [..., V] copy."""
     scores = logits.float() if temperature == 1 else logits.float() / temperature
     return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
 def importance_weights(policy_logps_old: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: ISMode,
                        clip_max: float | None = 3.0, clip_min: float | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Per-token IS weights [B, T] for the engine's `sampling_logps` (NaN: no correction for that token, as TRL)
-    against the trainer's `policy_logps_old`, and TRL's `sampling/*` metrics as `is/*` and `logprob/*`: ratios
-    over tokens or sequences (by mode) after the clip, `is/clipped_frac` the share clipped or masked."""
-    if sampling_logps is None:  # e.g. TRL's transformers-CB path: no sampling logprobs, no correction
-        nan = float("nan")  # nothing to compare
+    """Per-token IS weights [B, T] of the engine's `sampling_logps` (NaN: no correction there) against the trainer's,
+    and TRL's `sampling/*` metrics as `is/*` (after the clip) and `logprob/*`."""
+    if sampling_logps is None:  # no sampling logprobs (generate()): no correction
+        nan = float("nan")
         metrics = {"is/skipped": 1.0, "is/ratio_mean": 1.0, "is/ratio_min": 1.0, "is/ratio_max": 1.0,
                    "is/clipped_frac": 0.0, "logprob/mean_abs_diff": nan, "logprob/max_abs_diff": nan}
         return torch.ones_like(policy_logps_old, dtype=torch.float32), metrics
@@ -138,8 +129,7 @@ def importance_weights(policy_logps_old: Tensor, sampling_logps: Tensor | None, 
 
 
 def chunk_share(loss_type: LossType, chunk_mask: Tensor, micro_batch_mask: Tensor) -> tuple[float, float]:
-    """The factors that make a chunk's `grpo_loss` (and its token-share metrics) its part of the micro-batch's, so
-    the chunks' losses and gradients add up: grpo/dr_grpo its rows' share, bnpo its tokens' share, dapo 1."""
+    """(loss share, token share) that make a chunk's `grpo_loss` and metrics add up to the micro-batch's."""
     tokens = float(chunk_mask.sum())
     all_tokens = max(float(micro_batch_mask.sum()), 1.0)
     if loss_type in ("grpo", "dr_grpo"):
@@ -210,15 +200,3 @@ def grpo_loss(policy_logps: Tensor, old_logps: Tensor, advantages: Tensor, mask:
     if kl is not None:
         metrics["train/kl"] = ((kl.detach() * m).sum() / n_tokens).item()
     return loss, metrics
-
-
-def warn_if_truncated(top_p: float, top_k: int) -> bool:
-    """Warn once that the rollout samples from a truncated distribution (see this module's docstring); True if so."""
-    if not (top_p < 1 or top_k > 0):
-        return False
-    import warnings
-
-    warnings.warn(f"top_p={top_p}, top_k={top_k}: the rollout samples from a truncated distribution; the IS "
-                  "reference is taken under it, the loss's ratio is temperature-only and the truncation is not "
-                  "corrected (logprob/temperature_only_max_abs_diff shows its size).", UserWarning, stacklevel=3)
-    return True

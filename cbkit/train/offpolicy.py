@@ -1,14 +1,6 @@
-"""Off-policy rollouts: two `RolloutSource`s that sample older weights on purpose, and how far off they are.
-
-* a fixed lag (`rollout_staleness = k`, `LaggedRollouts`): step t samples an exact copy of the weights of k updates
-  earlier (a ring of snapshots) while the loss uses the current ones;
-* async rollouts (`async_rollouts`, `AsyncRollouts` over `cbkit.rollout.async_cb.AsyncEngine`): step t+1's requests
-  decode while step t trains, so a completion's tokens come from two versions; a token more than `max_staleness`
-  updates old is regenerated or its group dropped (`stale_rollouts`).
-
-Both report `offpolicy/*`. IS on the engine's own logprobs stays exact when the weights change mid-sequence, where
-a forward under one set of weights divides by a distribution nothing was sampled from: `versioned_logprobs`
-replays the engine's computation version by version (`tests/test_async_rollouts.py`, `docs/off_policy.md`).
+"""Off-policy rollouts: a fixed lag (`LaggedRollouts`, k updates old) and async rollouts (`AsyncRollouts`: step
+t+1 decodes while step t trains, a completion's tokens from two versions), both reporting `offpolicy/*`. IS on the
+engine's own logprobs stays exact when weights change mid-sequence (`versioned_logprobs`, `docs/off_policy.md`).
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from cbkit.rollout import Completion, Rollout, RolloutBackend
+from cbkit.rollout import Rollout, RolloutBackend
 from cbkit.rollout.async_cb import AsyncEngine, Pending
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.rollouts import OnPolicyRollouts, RolloutRequest, RolloutSource, SourcedRollout, sample
@@ -35,8 +27,8 @@ STATE_FILE = "offpolicy.pt"  # in a checkpoint directory: the weights the next r
 
 
 def drift_metrics(current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
-    """How far the sampler is from the policy the loss uses, over completion tokens. With r = exp(current -
-    sampling): `kl` is the k3 estimate E[r - 1 - log r]; `ratio_*` the raw IS ratios (per sequence for `sequence_*`)."""
+    """How far the sampler is from the loss's policy, r = exp(current - sampling): `kl` the k3 E[r - 1 - log r],
+    `ratio_*` the raw IS ratios (per sequence for `sequence_*` modes)."""
     if sampling_logps is None:
         return {}
     m = mask.bool() & ~sampling_logps.isnan()
@@ -70,7 +62,7 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
     """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
-    updates older than `now`: one too-old token drops its group (a group missing a member has another baseline)."""
+    updates older than `now`."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
@@ -82,16 +74,10 @@ def _stamped(rollout: Rollout, version: int) -> Rollout:
     return dataclasses.replace(rollout, completions=done)
 
 
-def _token_versions(completion: Completion) -> tuple[int, ...]:
-    assert completion.policy_versions is not None, "`AsyncEngine.collect` stamps every token's version"
-    return completion.policy_versions
-
-
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
-    """`given` (it wins), or the source the config asks for: on-policy, a fixed lag, or async rollouts
-    (`max_prompt_len` sizes its KV pool)."""
+    """`given`, or the source the config asks for (`max_prompt_len` sizes an async KV pool)."""
     if given is not None:
         if not isinstance(given, RolloutSource):
             raise TypeError(f"rollouts must be a cbkit.train.rollouts.RolloutSource (subclass it and override "
@@ -120,16 +106,11 @@ class LaggedRollouts(RolloutSource):
     drift = staticmethod(drift_metrics)
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
-        version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
-        if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is
-            rollout = sample(self.backend, request)
-        else:
-            self.history.load_into(self.policy, 0)
-            try:
-                rollout = sample(self.backend, request)
-            finally:
-                self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
-        rollout = _stamped(rollout, version)
+        version = self.history.load_into(self.policy, 0)  # k updates back, or the oldest kept while fewer happened
+        try:
+            rollout = _stamped(sample(self.backend, request), version)
+        finally:
+            self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
         return SourcedRollout(rollout, list(request.indices), staleness_metrics(rollout, request.policy_version))
 
     def after_update(self, version: int) -> None:
@@ -150,8 +131,8 @@ class LaggedRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """Step t+1's requests decode on the engine's copy of the policy (refreshed at each step's end) while step t
-    trains. `target_lengths` (one per row, EOS ignored) replays a length workload (`cbkit sweep --full-step`)."""
+    """Step t+1's requests decode on the engine's copy of the policy while step t trains. `target_lengths` (one per
+    row, EOS ignored) replays a length workload (`cbkit sweep --full-step`)."""
 
     def __init__(self, policy: PreTrainedModel, config: CBGRPOConfig, *, max_prompt_len: int,
                  checkpoints: bool = False, target_lengths: Sequence[int] | None = None) -> None:
@@ -167,8 +148,7 @@ class AsyncRollouts(RolloutSource):
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         """The rollout queued during the last step (or one now), bounded by max_staleness; the next one queued."""
-        c, metrics, scored = self.config, {}, list(request.indices)
-        start = time.perf_counter()
+        metrics, scored, start = {}, list(request.indices), time.perf_counter()
         if self.pending is None:  # the first step, or the first after a resume
             self.pending = self._submit(request, self.resume_update is not None)
             if self.resume_update is not None:
@@ -177,15 +157,11 @@ class AsyncRollouts(RolloutSource):
         rollout = self.engine.collect(self.pending)
         self.pending = None
         metrics["offpolicy/rollout_wait_s"] = time.perf_counter() - start
-        now = request.policy_version
-        oldest = min(v for comp in rollout.completions for v in _token_versions(comp))
-        metrics.update({**staleness_metrics(rollout, now), "offpolicy/regenerated": 0.0,
-                        "offpolicy/dropped_groups": 0.0})
-        if now - oldest > c.max_staleness:
+        now, regenerated = request.policy_version, False
+        if now - min(v for comp in rollout.completions for v in comp.policy_versions or ()) > self.config.max_staleness:
             rollout, scored, regenerated = self._too_old(rollout, request)
-            metrics["offpolicy/dropped_groups"] = float(len(request.indices) - len(scored) if not regenerated else 0)
-            metrics["offpolicy/regenerated"] = float(regenerated)
-            metrics.update(staleness_metrics(rollout, now))
+        metrics.update({**staleness_metrics(rollout, now), "offpolicy/regenerated": float(regenerated),
+                        "offpolicy/dropped_groups": float(len(request.indices) - len(scored))})
         if request.following is not None:  # queue the next step's requests: they decode while this step trains
             self.pending = self._submit(request.following, True)
         return SourcedRollout(rollout, scored, metrics)
@@ -201,11 +177,11 @@ class AsyncRollouts(RolloutSource):
                                   prompt_names=request.prompt_names, target_lengths=self.target_lengths)
 
     def _too_old(self, rollout: Rollout, request: RolloutRequest) -> tuple[Rollout, list[int], bool]:
-        """Drop the groups holding a too-old token, or (also when none would be left) sample the step again on the
-        current weights. Returns the rollout, its problems, and whether it was resampled."""
+        """Drop the groups holding a too-old token, or (also when none is left) sample again: (rollout, its problems,
+        whether it was resampled)."""
         c, now = self.config, request.policy_version
         groups = rollout.groups()
-        fresh = fresh_groups([[_token_versions(comp) for comp in g] for g in groups], now, c.max_staleness)
+        fresh = fresh_groups([[comp.policy_versions or () for comp in g] for g in groups], now, c.max_staleness)
         if c.stale_rollouts == "drop" and fresh:
             kept = [dataclasses.replace(comp, group=j) for j, i in enumerate(fresh) for comp in groups[i]]
             return dataclasses.replace(rollout, completions=kept), [request.indices[i] for i in fresh], False
@@ -230,8 +206,9 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
                        completion_ids: Sequence[int], position_versions: Sequence[int],
                        temperature: float = 1.0) -> Tensor:
     """Logprobs of `completion_ids` as an engine computed them when its weights changed mid-sequence: each run of
-    input positions of one version (`position_versions`, from `input_versions`) goes through `model` loaded with
-    its weights, on the KV cache the earlier runs left. `model`'s weights are overwritten."""
+    input positions of one `position_versions` version goes through `model` (overwritten) on the cache so far."""
+    import inspect
+
     from transformers import DynamicCache
 
     ids = list(prompt_ids) + list(completion_ids)
@@ -239,8 +216,6 @@ def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str
     if len(position_versions) != n_in:
         raise ValueError(f"position_versions has {len(position_versions)} entries for {n_in} input positions.")
     device = next(model.parameters()).device
-    import inspect
-
     # transformers 5.x renames `past_key_values` to `cache`; the DynamicCache is filled in place either way.
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache, logits, start = DynamicCache(), [], 0

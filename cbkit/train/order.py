@@ -30,8 +30,7 @@ class PromptOrder:
 
 
 def mix_seed(seed: int, *counters: int) -> int:
-    """One seed per (run seed, counter, ...): a stream per step, epoch or process that a rerun draws again, and
-    that two runs with different seeds do not share. Below 2**31 - 1, which every sampler accepts."""
+    """One seed per (run seed, counter, ...), below 2**31 - 1: a stream a rerun draws again, another run does not."""
     for c in counters:
         seed = seed * 1_000_003 + int(c)
     return seed % (2**31 - 1)

@@ -1,8 +1,5 @@
-"""Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)`.
-
-On-policy (`OnPolicyRollouts`, the default) the backend samples the weights as they are; `cbkit.train.offpolicy` has
-a fixed lag and async rollouts. A source never calls back into the trainer: it hears of each update and step end,
-reports its drift metrics, saves what a checkpoint needs, and closes. What it returns is checked where it enters.
+"""Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)` (on-policy here,
+off-policy in `cbkit.train.offpolicy`). A source never calls back into the trainer; its result is checked on entry.
 """
 
 from __future__ import annotations
@@ -39,17 +36,14 @@ class SourcedRollout:
 
 
 class RolloutSource:
-    """Where a run's rollouts come from. Override `rollout`; the other calls are no-ops unless a source keeps
-    something across steps."""
+    """Where a run's rollouts come from. Override `rollout`; the rest matter to a source that keeps state."""
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         raise NotImplementedError(f"{type(self).__name__} must override rollout(request) -> SourcedRollout.")
 
-    def after_update(self, version: int) -> None:
-        """An optimizer update has just made the policy's weights `version`."""
+    def after_update(self, version: int) -> None: ...
 
     def after_step(self, version: int) -> dict[str, float]:
-        """The step's last update is done; returns metrics for the step."""
         return {}
 
     def drift(self, current_logps: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str) -> dict[str, float]:
@@ -62,13 +56,10 @@ class RolloutSource:
     def load(self, directory: Path, version: int) -> None:
         """Read back what `save` wrote; the policy already holds the checkpoint's weights, `version`."""
 
-    def close(self) -> None:
-        """Release what the source holds (an engine's thread, snapshot files)."""
+    def close(self) -> None: ...
 
 
 class OnPolicyRollouts(RolloutSource):
-    """The default: the backend samples from the policy's current weights."""
-
     def __init__(self, backend: RolloutBackend) -> None:
         self.backend = backend
 

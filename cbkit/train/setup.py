@@ -1,5 +1,5 @@
-"""The run set-up: policy, problems, prompt ids, stop and pad ids, sampling, warmed backends, decided in one place
-for the loop, the sweep and the demo (`GRPOTrainer(config, run)` takes it, or makes it once from its config)."""
+"""The run set-up (policy, problems, prompt ids, stop and pad ids, sampling, warmed backends) for the loop, the sweep
+and the demo."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from cbkit.tasks.data import SYSTEM_PROMPT
 
 @dataclass
 class RunSetup:
-    """What every rollout of a run needs: the problems' chat prompt ids, the stop ids (the tokenizer's EOS with the
-    generation config's), the pad id."""
+    """What every rollout of a run needs: the problems' chat prompt ids, the stop ids, the pad id."""
 
     model: Any
     tokenizer: Any
@@ -40,7 +39,7 @@ class RunSetup:
 
 
 def pad_token_id(tokenizer: Any) -> int:
-    """The tokenizer's pad id, else its EOS (padding is masked out, so any id serves); neither is an error."""
+    """The tokenizer's pad id, else its EOS (padding is masked out, so any id serves)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError(f"{type(tokenizer).__name__} has neither a pad nor an EOS token; set tokenizer.pad_token.")
@@ -67,8 +66,7 @@ def set_up_run(model: str, data: str, num_prompts: int, *, seed: int = 0, dtype:
 
 def set_up_for_config(config: Any, run: RunSetup | None = None, *, policy: Any = None,
                       problems: Sequence[Any] | None = None) -> RunSetup:
-    """The run set-up a `CBGRPOConfig` trains on: `run` as given, or `set_up_run` from the config (on `policy` and
-    `problems` when given), the policy checked first (fp32 weights, text only)."""
+    """`run` as given, or `set_up_run` from the config (on `policy` and `problems` when given); the policy checked."""
     if run is not None and (policy is not None or problems is not None):
         raise ValueError("Pass either run= (what set_up_run returned, which holds its policy and problems) or "
                          "policy=/problems=, not both.")
@@ -84,8 +82,7 @@ def set_up_for_config(config: Any, run: RunSetup | None = None, *, policy: Any =
 
 
 def check_policy(processing_class: Any, model: Any) -> None:
-    """Refuse what the loop cannot train: a multimodal policy (rollouts are token ids in and out), and weights
-    that are not all fp32 (AdamW on bf16 weights rounds away GRPO's small updates: precision is `dtype`'s autocast)."""
+    """Refuse what the loop cannot train: a multimodal policy, weights not all fp32 (AdamW rounds away small updates)."""
     import torch
 
     parts = [a for a in ("image_processor", "video_processor", "feature_extractor", "audio_processor")

@@ -1,8 +1,5 @@
-"""A ring of the policy's recent weights (`rollout_staleness`), and the copies of the weights a notebook comes back to.
-
-Where they wait decides which memory pays: "device" (a clone where the model is), "host" (CPU memory, pinned where
-CUDA is) or "disk" (a file per version, read straight into the model). A snapshot is bitwise the weights and keeps
-each distinct storage once: a tied embedding is one matrix under two names (`_aliases`).
+"""A ring of the policy's recent weights (`rollout_staleness`, a notebook's saved copies), bitwise, kept on the
+"device", pinned "host" memory or "disk" (a file per version); a tied storage is kept once (`_aliases`).
 """
 
 from __future__ import annotations
@@ -18,18 +15,16 @@ from torch import Tensor
 
 from cbkit.train.config import SNAPSHOT_PLACES
 
-# A T4 (and a Colab runtime's RAM) holds no copies besides the run: files. An A100 does.
 TIER_PLACES = {"t4": "disk", "a100": "device"}
 
 
 def place_for_tier(tier: str, device: str = "cuda") -> str:
-    """Where a notebook on `tier` keeps a copy of the weights: a GPU tier's choice (in its CPU dry run too), else a
-    file on a CPU and host memory on a GPU."""
+    """Where a notebook on `tier` keeps a copy of the weights (a T4 has no room but files)."""
     return TIER_PLACES.get(tier, "disk" if device == "cpu" else "host")
 
 
 class WeightSnapshots:
-    """The last `maxlen` versions of a model's weights, oldest first, kept `where` (the module docstring)."""
+    """The last `maxlen` versions of a model's weights, oldest first, kept `where`."""
 
     def __init__(self, maxlen: int, where: str = "host") -> None:
         if where not in SNAPSHOT_PLACES:
@@ -45,8 +40,7 @@ class WeightSnapshots:
 
     def append(self, version: int, weights: torch.nn.Module | Mapping[str, Tensor], *,
                device: torch.device | str | None = None) -> None:
-        """Keep `weights` (a model or a state dict) as `version`, dropping the oldest past `maxlen`; a ``"device"``
-        copy goes to `device` (default: where the weights are)."""
+        """Keep `weights` (a model or a state dict) as `version`, dropping the oldest past `maxlen`."""
         full = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
         aliases = _aliases(full)
         state = {n: t for n, t in full.items() if n not in aliases}
@@ -68,8 +62,7 @@ class WeightSnapshots:
             self._drop()
 
     def load_into(self, model: torch.nn.Module, index: int = 0) -> int:
-        """Overwrite `model`'s weights in place with the version at `index` (0: the oldest, -1: the newest); returns
-        that version."""
+        """Overwrite `model`'s weights with the version at `index` (0: the oldest, -1: the newest); returns it."""
         version, kept, aliases = self._ring[index]
         with torch.no_grad():
             _fill(model.state_dict(), kept, aliases, non_blocking=True)  # from pinned host memory: queued
