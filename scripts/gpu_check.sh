@@ -157,7 +157,7 @@ used = CUDA_CONTEXT_BYTES + resident
 # A dry run's tiny model would get tens of GB of pool from an A100-80 (allocated on this CPU): it asks the same check
 # for a device with 256 MiB beside what is resident, and batches of 256 tokens (the mask of 8192 would not fit).
 dry = sys.argv[2] == "1"
-total = used + 256 * 2**20 if dry else roofline.GPUS["a100-80"].total_memory()
+total = used + 256 * 2**20 if dry else roofline.GPUS["a100-80"].memory_bytes
 pool_setting = {"max_memory_percent": 0.5, **({"max_batch_tokens": 256} if dry else {})}
 a = admission(config, pool_setting, dtype=dtype, rows=rows, max_new_tokens=preset["max_new_tokens"],
               total_bytes=total, used_bytes=used,

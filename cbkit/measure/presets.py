@@ -15,8 +15,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # `--dry-run`: the same preset at test size on a CPU (same model family, workload kind and code path).
 DRY_RUN: dict[str, Any] = dict(model="llama-tiny-random", num_prompts=2, ns=(2, 4), max_new_tokens=8, repeats=1,
                                dtype="float32")
-# TRL casts the policy to bf16 under CB, so a gradient and AdamW's two moments are 3 copies in the weights' dtype.
-TRAINER_STATE_COPIES = 3
+TRAINER_STATE_COPIES = 3  # TRL's bf16 policy under CB: a gradient and AdamW's two moments in the weights' dtype
 
 
 def trainer_state_bytes(model) -> int:

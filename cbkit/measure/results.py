@@ -1,6 +1,5 @@
-"""The sweep's results file: a header line with the configuration (a rerun resumes, or refuses to mix another
-configuration into the same table), then one JSONL line per run, appended as it finishes. `aggregate` turns runs into
-points: the median of a backend's repeats at one N, with its ratios to generate() measured in the same process."""
+"""The sweep's results file: a header line with the configuration, then one JSONL line per run as it finishes.
+`aggregate` turns runs into points: a backend's median at one N, with its ratios to generate() at that N."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class Results:
 
 
 def read_results(path: str | Path, *, repair: bool = False) -> Results:
-    """A sweep results file, a torn last line dropped (`cbkit.jsonl.read_jsonl`). A missing, empty or foreign file is
-    an error that says what to do."""
+    """A sweep results file, a torn last line dropped; a missing, empty or foreign file is an error."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No results file at {path}; run `cbkit sweep --out {path}` first.")
@@ -42,7 +40,7 @@ def read_results(path: str | Path, *, repair: bool = False) -> Results:
 
 
 class ResultsFile:
-    """The sweep's JSONL: a header line with the fingerprint, then one line per finished run."""
+    """The sweep's JSONL for writing: a rerun resumes it, or refuses another configuration."""
 
     def __init__(self, path: str | Path, fingerprint: dict[str, Any]) -> None:
         self.path = Path(path)
@@ -71,12 +69,7 @@ class ResultsFile:
         append_jsonl(self.path, run)
         self.runs.append(run)
 
-    def add_line(self, record: dict[str, Any]) -> None:
-        """A line that is not a run (a probe of the machine): kept in the file, skipped by `done` and `aggregate`."""
-        append_jsonl(self.path, record)
 
-
-# What `aggregate` takes the median of: a run's speed, memory and lengths, its roof, a full step's phases.
 _MEDIANS = ("tokens_per_s", "rollout_s", "step_s", "train_s", "peak_mem_bytes", "kv_bytes", "kv_padding_share",
             "completion_tokens", "planned_peak_bytes", "plan_error", "length_mean", "length_cv", "length_max",
             "decode_padding_share", "mfu", "peak_flops", "peak_reserved_bytes", "device_used_bytes",
@@ -97,8 +90,6 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in _MEDIANS:
             vals = [r[key] for r in ok if r.get(key) is not None]
             point[key] = statistics.median(vals) if vals else None
-        if point["rollout_share"] is None and point["step_s"] and point["rollout_s"] is not None:
-            point["rollout_share"] = point["rollout_s"] / point["step_s"]  # a full step written before the split
         if not ok:
             point["peak_mem_bytes"] = max((r["peak_mem_bytes"] or 0 for r in rs), default=None)
         for key in ("peak_mem_kind", "lengths"):
@@ -121,8 +112,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def amdahl_ceiling(rollout_share: float, rollout_speedup: float) -> float:
-    """The step speed-up that speeding the rollout alone up by ``rollout_speedup`` gives, when the rollout is
-    ``rollout_share`` of the reference step (Amdahl's law): 1 / ((1 - r) + r / s)."""
+    """Amdahl's law: the step speed-up from speeding up the rollout (``rollout_share`` of the step) alone."""
     if not 0 <= rollout_share <= 1 or rollout_speedup <= 0:
         raise ValueError(f"need a rollout share in [0, 1] and a positive speed-up, got {rollout_share}, "
                          f"{rollout_speedup}.")

@@ -1,5 +1,4 @@
-"""What one sweep measures (`SweepConfig`, every field a `cbkit sweep` flag), checked before any model time, and what
-makes two sweeps' runs comparable (its fingerprint, the results file's first line)."""
+"""What one sweep measures, checked before any model time, and its fingerprint (the results file's first line)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,8 @@ def _f(v, fmt: str, unit: str = "", empty: str = "—") -> str:
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
-    """Every point: speed, memory, the length spread it ran (idle = share of a static batch's decode slots those
-    lengths leave to rows already past their end), its MFU against the probed matmul peak, the attainable tokens/s of
-    its shape on the probed machine (c = compute-bound, b = bandwidth-bound), its share of it, the plan's error."""
+    """Every point: speed, memory, its lengths (idle = a static batch's padding share), MFU, its roof (c = compute-,
+    b = bandwidth-bound) and the share of it reached, the plan's error."""
     head = (f"{'N':>4} {'backend':<17} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} {'KV MiB':>8} "
             f"{'len':>6} {'CV':>5} {'max':>4} {'idle':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} {'roof':>7} "
             f"{'of roof':>7} {'plan err':>8}")
@@ -38,9 +37,8 @@ def points_table(points: list[dict[str, Any]]) -> str:
 
 
 def step_split_table(points: list[dict[str, Any]]) -> str:
-    """A full GRPO step per backend and N (`cbkit sweep --full-step`): each phase's seconds (the rollout's with its
-    share of its roof), the rollout's share of the step, the step's speed-up over generate(), the Amdahl ceiling
-    (`results.amdahl_ceiling`) and the share of it reached."""
+    """A full GRPO step per backend and N (`--full-step`): each phase's seconds, the rollout's share, the step's
+    speed-up over generate() beside its Amdahl ceiling."""
     rows = ["| N | backend | step s | rollout s (of roof) | old-logprob fwd s | update s | other s | rollout share "
             "| step speed-up | Amdahl ceiling | of ceiling |", "|" + " --- |" * 11]
     for p in sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"])):
@@ -59,10 +57,7 @@ def results_summary(results: Results | str | Path) -> str:
     """What a results file ran: its length workload, and the range each roof's probes read (or why one is missing)."""
     results = results if isinstance(results, Results) else read_results(results)
     fp = results.fingerprint
-    try:
-        out = [parse_lengths(fp.get("lengths") or "natural").describe(fp.get("max_new_tokens", 0))]
-    except ValueError:  # a replayed file that has moved since: the spec is still what ran
-        out = [f"lengths: {fp['lengths']}"]
+    out = [parse_lengths(fp.get("lengths") or "natural").describe(fp.get("max_new_tokens", 0))]
     for key, unit, what in (("peak_flops", "GFLOP/s", "matmul probe"), ("bytes_per_s", "GB/s", "read bandwidth")):
         vals = [p[key] / 1e9 for p in results.probes if p.get(key)]
         failed = sorted({p["probe_missing"][key] for p in results.probes if key in (p.get("probe_missing") or {})})
@@ -74,7 +69,6 @@ def results_summary(results: Results | str | Path) -> str:
 
 
 def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
-    """Every point, every column `results.aggregate` made."""
     import csv
 
     keys = list(dict.fromkeys(k for p in points for k in p))
