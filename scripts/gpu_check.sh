@@ -140,8 +140,7 @@ if [ "$DRY" = 1 ]; then dry=(--dry-run); long_ns=4; short_ns=2; else dry=(); lon
 import json, sys
 import torch
 from cbkit.measure import roofline
-from cbkit.measure.presets import DRY_RUN, PRESETS
-from cbkit.measure.presets import TRAINER_STATE_COPIES
+from cbkit.measure.sweep_config import DRY_RUN, PRESETS, TRAINER_STATE_COPIES
 from cbkit.rollout.admission import admission
 from cbkit.teach.tiers.plan import parameter_count, plan_config
 from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES, PROMPT_LEN

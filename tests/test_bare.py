@@ -168,7 +168,7 @@ def test_gpu_preset_without_cuda_fails_before_loading(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "Tesla T4")
     assert cli.main(["sweep", "--preset", "trl-benchmark", "--out", "/nonexistent/never-written.jsonl"]) == 2
     assert "Tesla T4 (compute capability 7.5) only emulates; add --dtype float16" in capsys.readouterr().err
-    from cbkit.measure.presets import check_preset_device
+    from cbkit.measure.sweep_config import check_preset_device
 
     check_preset_device("trl-benchmark", dtype="float16")
 

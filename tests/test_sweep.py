@@ -232,10 +232,9 @@ def test_amdahl_ceiling_by_hand():
 
 
 def _old_full_step_runs() -> list[dict]:
-    """Full-step run lines as cbkit wrote them before full steps recorded their lengths and phases: a mean
-    length and no CV, max or padding share."""
+    """Full-step run lines without the length columns and phases: a mean length and no CV, max or padding share."""
     return [{"kind": "run", "backend": b, "N": 8, "repeat": 0, "status": "ok", "step_s": step, "rollout_s": roll,
-             "train_s": step - roll, "completion_tokens": 700.0, "tokens_per_s": 700.0 / step,
+             "train_s": step - roll, "rollout_share": roll / step, "completion_tokens": 700.0, "tokens_per_s": 700.0 / step,
              "peak_mem_bytes": 3 * 2**30, "peak_mem_kind": "cpu_rss", "length_mean": 87.5, "reward_mean": 0.1,
              "lengths": "natural"}
             for b, step, roll in (("generate", 29.1, 10.9), ("continuous", 32.5, 16.1))]

@@ -12,9 +12,8 @@ from cbkit.cli.flags import dataclass_flags, given_fields
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from cbkit.measure.presets import DRY_RUN, PRESETS, check_preset_device
     from cbkit.measure.sweep import run_sweep
-    from cbkit.measure.sweep_config import SweepConfig
+    from cbkit.measure.sweep_config import DRY_RUN, PRESETS, SweepConfig, check_preset_device
     from cbkit.models.synthetic import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
 
     if args.dry_run and not args.preset:

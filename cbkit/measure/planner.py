@@ -15,7 +15,7 @@ from typing import Any, Literal
 from cbkit.measure.roofline import Shape
 from cbkit.models.load import DTYPES
 from cbkit.rollout.admission import admission, blocks_needed
-from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
+from cbkit.telemetry import fmt_bytes
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
@@ -56,27 +56,13 @@ class ContinuousPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    model: str
-    num_prompts: int
-    num_generations: int
-    num_sequences: int
-    prompt_len: int  # the longest prompt
-    max_new_tokens: int
-    dtype_bytes: int
-    device: str
-    budget_bytes: int | None
-    kv_bytes_per_token: int
     generate: GeneratePlan
     continuous: ContinuousPlan
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         g, c = self.generate, self.continuous
-        budget = f"budget {fmt_bytes(self.budget_bytes)} free after the weights" if self.budget_bytes else "no budget"
         return "\n".join([
-            f"{self.model}: {self.num_prompts} prompts x N={self.num_generations}, prompt {self.prompt_len} + up to "
-            f"{self.max_new_tokens} new tokens, {self.dtype_bytes}-byte dtype, {self.device}, {budget}; KV "
-            f"{fmt_bytes(self.kv_bytes_per_token)} a token",
             f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
             f"x {g.padded_len} positions) + last step {fmt_bytes(g.decode_transient_bytes)}"
             + (f" + CPU heap slack {fmt_bytes(g.cpu_heap_slack_bytes)}" if g.cpu_heap_slack_bytes else ""),
@@ -90,8 +76,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
          max_new_tokens: int, dtype_bytes: int, mean_completion_len: float | None = None,
          budget_bytes: int | None = None, cb_config: Mapping[str, Any] | None = None,
          device: Literal["cuda", "cpu"] = "cuda",
-         attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None,
-         model_name: str = "model") -> Plan:
+         attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None) -> Plan:
     """The peak memory above the weights of one rollout through each backend. ``prompt_len``: one for all prompts or
     one each; ``budget_bytes``: free after the weights (CB needs it unless ``num_blocks`` is fixed, or on a CPU)."""
     import torch
@@ -163,18 +148,12 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
     fits = None if budget_bytes is None else (a.fits and peak <= budget_bytes)
     cb = ContinuousPlan(sized_by, blocks, page, m, blocks * page * s.layers * layer_token, a.cache_bytes, mask,
                         transient, a.footprint_bytes, peak, held, fits, batch)
-    return Plan(model_name, num_prompts, num_generations, rows, max(lens), max_new_tokens, dtype_bytes, device,
-                budget_bytes, kv_bytes_per_token(text, dtype_bytes), gen, cb, notes)
+    return Plan(gen, cb, notes)
 
 
 def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
     """The smallest N at which CB's planned peak is below generate()'s, or None up to ``max_n`` (``plan``'s keywords
     but ``num_generations``). generate()'s KV grows with N and CB's pool does not: a bisection finds it."""
-    if "num_generations" in plan_kwargs:
-        raise TypeError("crossover_n scans N itself; do not pass num_generations.")
-    if max_n < 1:
-        raise ValueError(f"max_n must be >= 1, got {max_n}.")
-
     def lighter(n: int) -> bool:
         p = plan(config, num_generations=n, **plan_kwargs)
         return p.continuous.peak_bytes < p.generate.peak_bytes

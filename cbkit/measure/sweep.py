@@ -19,10 +19,9 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.jsonl import append_jsonl
-from cbkit.measure.presets import trainer_state_bytes
 from cbkit.measure.results import ResultsFile, aggregate
 from cbkit.measure.roofline import machine_probe, matmul_params, mfu
-from cbkit.measure.sweep_config import SweepConfig
+from cbkit.measure.sweep_config import SweepConfig, trainer_state_bytes
 from cbkit.measure.workload import decode_padding_share, length_stats
 
 
