@@ -45,13 +45,12 @@ def _sweep(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.close()
-    _print_results(points, out, cfg.fingerprint(), gpu_tables=args.preset == "trl-benchmark")
+    _print_results(points, out, cfg.fingerprint())
     return 0
 
 
-def _print_results(points, out: Path, fingerprint: dict, *, gpu_tables: bool = False) -> None:
-    """What a sweep prints at its end and `cbkit report` prints again from its file: what ran, the points, a full
-    step's split by phase, on a GPU run every memory counter; then the CSV and the HTML report."""
+def _print_results(points, out: Path, fingerprint: dict) -> None:
+    """What a sweep prints at its end and `cbkit report` again: the tables, then the CSV and the HTML report."""
     from cbkit.measure import tables
 
     print(tables.results_summary(out))
@@ -60,7 +59,7 @@ def _print_results(points, out: Path, fingerprint: dict, *, gpu_tables: bool = F
         print("\nOne GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
               "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
         print(tables.step_split_table(points))
-    if gpu_tables or any(p.get("peak_reserved_bytes") is not None for p in points):
+    if any(p.get("peak_reserved_bytes") is not None for p in points):  # a GPU run: every memory counter
         print("\nMemory (GiB): the planner's prediction beside the measured peaks")
         print(tables.memory_table(points))
     csv = out.with_suffix(".csv")

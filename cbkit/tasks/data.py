@@ -1,9 +1,5 @@
 """Prompts for GRPO rollouts: a seeded synthetic generator (the offline default), GSM8K (hub or local JSONL) and
-reasoning-gym's procedural tasks, all as `Problem`s.
-
-Answers end in GSM8K's own `#### <number>`, so one extractor (`rewards.extract_answer`) reads gold answers and
-completions alike.
-"""
+reasoning-gym's procedural tasks, all as `Problem`s whose answers end in GSM8K's `#### <number>`."""
 
 from __future__ import annotations
 
@@ -145,8 +141,7 @@ def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
 
 def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, Any] | None = None) -> list[Problem]:
     """`n` problems of the reasoning-gym dataset named in `source` (e.g. `reasoning-gym:chain_sum`), drawn with
-    `seed` at the difficulty `options` sets: arithmetic whose difficulty is a knob, so a run can sit where a small
-    model is sometimes right (docs/learning.md). Score them with `verified_reward`."""
+    `seed` at the difficulty `options` sets (docs/learning.md)."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -172,8 +167,8 @@ def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, An
 
 def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0,
                   options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """The one entry point (the forms in `ACCEPTED_SOURCES`). `n` caps the count (GSM8K's first rows, in file
-    order); `seed` is for generated sources, `options` for reasoning-gym's difficulty knobs."""
+    """The one entry point (the forms in `ACCEPTED_SOURCES`): `n` caps the count, `seed` is for generated sources,
+    `options` for reasoning-gym's knobs."""
     _check_count(n, "n")
     procedural = source.startswith(PROCEDURAL)
     if options and not procedural:
@@ -196,8 +191,7 @@ def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0
 
 def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,
                     system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
-    """Token ids of the chat-formatted prompt (system + user + generation prompt); `system_prompt=None` sends the
-    user turn alone, for chat templates that reject a system role."""
+    """Token ids of the chat-formatted prompt; `system_prompt=None` sends the user turn alone."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{type(tokenizer).__name__} has no chat template, so prompts cannot be formatted as a chat. "
                          "Load an instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) or set "

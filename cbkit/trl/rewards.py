@@ -13,8 +13,7 @@ from cbkit.tasks.rewards import resolve_rewards, reward_scores
 
 
 def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
-    """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column (with `system_prompt` unless
-    None) and the gold `answer`."""
+    """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column and the gold `answer`."""
     from datasets import Dataset
 
     head = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
@@ -25,9 +24,8 @@ def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
 
 
 class TRLReward:
-    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls: the gold answers from the dataset
-    column `answer_column`, chat completions reduced to their text, `__name__` kept (TRL logs
-    `rewards/<__name__>/mean`). A class rather than a closure so it pickles like `fn` does."""
+    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls, `__name__` kept for TRL's logs. A
+    class rather than a closure so it pickles like `fn` does."""
 
     def __init__(self, fn: Callable[[list[str], list[str]], list[float]], answer_column: str = "answer") -> None:
         self.fn = fn
@@ -58,9 +56,8 @@ def _is_trl_native(fn) -> bool:
 
 
 def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_column: str = "answer"):
-    """TRL's reward list and weights by the loop's rules (`resolve_rewards`): cbkit rewards wrapped in `TRLReward`,
-    TRL-native ones and reward-model ids as they are. Without `reward_weights` the config's, matched to the
-    functions by name, so a TRL run weighs the rewards as cbkit's loop does; neither: None (TRL's 1.0 each)."""
+    """TRL's reward list and weights by the loop's rules (`resolve_rewards`), cbkit rewards wrapped in `TRLReward`.
+    Without `reward_weights`, the config's matched by name; neither: None (TRL's 1.0 each)."""
     if reward_weights is None and cfg is not None:
         if isinstance(cfg, Mapping):
             names, reward_weights = cfg.get("reward_funcs"), cfg.get("reward_weights")
