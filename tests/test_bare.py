@@ -205,8 +205,7 @@ def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
 def test_gpu_tables_from_hand_made_runs():
     """aggregate keeps the reserved, device and NVML counters (median over repeats), and the memory table puts
     them beside the plan. Hand-made runs, numbers worked by hand."""
-    from cbkit.measure.results import aggregate
-    from cbkit.measure.tables import memory_table
+    from cbkit.measure.results import aggregate, memory_table
 
     gib = 2**30
 

@@ -51,19 +51,19 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _print_results(points, out: Path, fingerprint: dict) -> None:
     """What a sweep prints at its end and `cbkit report` again: the tables, then the CSV and the HTML report."""
-    from cbkit.measure import tables
+    from cbkit.measure import results
 
-    print(tables.results_summary(out))
-    print(tables.points_table(points))
+    print(results.results_summary(out))
+    print(results.points_table(points))
     if any(p.get("step_s") is not None for p in points):
         print("\nOne GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
               "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
-        print(tables.step_split_table(points))
+        print(results.step_split_table(points))
     if any(p.get("peak_reserved_bytes") is not None for p in points):  # a GPU run: every memory counter
         print("\nMemory (GiB): the planner's prediction beside the measured peaks")
-        print(tables.memory_table(points))
+        print(results.memory_table(points))
     csv = out.with_suffix(".csv")
-    tables.write_csv(points, csv)
+    results.write_csv(points, csv)
     if not has_plotly():  # a bare GPU box still gets the JSONL, the CSV and the tables
         print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
               f"run `cbkit report {out}` on a machine that has it.")

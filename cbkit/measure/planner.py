@@ -12,9 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from cbkit.measure.roofline import Shape
 from cbkit.models.load import DTYPES
 from cbkit.rollout.admission import admission, blocks_needed
+from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.telemetry import fmt_bytes
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -22,7 +25,7 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
-_ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+_ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager", "varlen": VARLEN}
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,6 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
          attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None) -> Plan:
     """The peak memory above the weights of one rollout through each backend. ``prompt_len``: one for all prompts or
     one each; ``budget_bytes``: free after the weights (CB needs it unless ``num_blocks`` is fixed, or on a CPU)."""
-    import torch
-
-    from cbkit.rollout.varlen_attention import NAME as VARLEN
-
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if isinstance(prompt_len, int):
         lens = [prompt_len] * max(num_prompts, 0)
@@ -113,7 +112,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
 
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     requests = [range(p) for p in lens for _ in range(num_generations)]
-    attention = VARLEN if attn_implementation == "varlen" else _ATTENTION.get(attn_implementation or "")
+    attention = _ATTENTION.get(attn_implementation or "")
     fixed = overrides.get("num_blocks") is not None or (device == "cpu" and "num_blocks" not in overrides)
     if budget_bytes is None and not fixed:
         raise ValueError("The CB engine sizes its pool as a share of free memory: give budget_bytes (free memory "

@@ -52,8 +52,12 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
     probe: dict[str, Any] = {}
     probed_at = None
     for n, rep, b in tqdm(todo, desc="sweep runs"):
-        if probed_at != n:  # at the start, then before every N
-            probe = _probe_line(results, model, cfg.workload.describe(cfg.max_new_tokens), n if probed_at else None)
+        if probed_at != n:  # both roofs, at the start, then before every N; a failed probe is recorded, not fatal
+            probe = machine_probe(model)
+            append_jsonl(results.path, {"kind": "probe", "time": time.time(), "before_N": n if probed_at else None,
+                                        "lengths": cfg.workload.describe(cfg.max_new_tokens), **probe})
+            for name, why in probe["probe_missing"].items():
+                print(f"probe: no {name} ({why}); the columns that need it stay empty", flush=True)
             probed_at = n
         run_sampling = dataclasses.replace(sampling, seed=cfg.seed + rep)
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
@@ -80,22 +84,13 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
     return aggregate(results.runs)
 
 
-def _probe_line(results: ResultsFile, model, lengths: str, point: int | None) -> dict[str, Any]:
-    probe = machine_probe(model)
-    append_jsonl(results.path, {"kind": "probe", "time": time.time(), "lengths": lengths, "before_N": point, **probe})
-    for name, why in probe["probe_missing"].items():
-        print(f"probe: no {name} ({why}); the columns that need it stay empty", flush=True)
-    return probe
-
-
 def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
                 target_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """One timed rollout and what it cost; an OOM becomes a record. ``target_lengths`` replays a length workload."""
     from cbkit.telemetry import kv_accounting
 
     try:
-        kw = {} if target_lengths is None else {"target_lengths": target_lengths}
-        rollout = backend.generate(prompts, n, sampling, **kw)
+        rollout = backend.generate(prompts, n, sampling, target_lengths=target_lengths)
     except Exception as e:
         cuda = torch.cuda.is_available()
         record = oom_record(e, torch.cuda.max_memory_allocated() if cuda else None, "cuda_allocated" if cuda else None)

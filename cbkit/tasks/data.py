@@ -3,6 +3,7 @@ reasoning-gym's procedural tasks, all as `Problem`s whose answers end in GSM8K's
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -77,9 +78,7 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
     def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
         with path.open(encoding="utf-8") as f:
             lines = ((n, line) for n, line in enumerate(f, start=1) if line.strip())
-            for taken, (lineno, line) in enumerate(lines):
-                if limit is not None and taken >= limit:
-                    return
+            for lineno, line in itertools.islice(lines, limit):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -176,17 +175,15 @@ def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0
                          f"Remove data_options, or use data='{PROCEDURAL}<dataset>'.")
     kind, _, split = source.partition(":")
     if procedural:
-        problems = procedural_problems(source, GENERATED_N if n is None else n, seed, options)
-    elif source == "synthetic":
-        problems = synthetic_gsm(GENERATED_N if n is None else n, seed=seed)
-    elif kind in ("gsm8k", "gsm8k-local") and split in ("", "test", "train"):
-        problems = (_gsm8k_hub if kind == "gsm8k" else _gsm8k_local)(split or "test", n)
-    elif source.endswith(".jsonl"):
-        problems = load_gsm8k_jsonl(source, limit=n)
-    else:
-        accepted = "\n  ".join(ACCEPTED_SOURCES)
-        raise ValueError(f"unknown problem source {source!r}; accepted forms:\n  {accepted}")
-    return problems
+        return procedural_problems(source, GENERATED_N if n is None else n, seed, options)
+    if source == "synthetic":
+        return synthetic_gsm(GENERATED_N if n is None else n, seed=seed)
+    if kind in ("gsm8k", "gsm8k-local") and split in ("", "test", "train"):
+        return (_gsm8k_hub if kind == "gsm8k" else _gsm8k_local)(split or "test", n)
+    if source.endswith(".jsonl"):
+        return load_gsm8k_jsonl(source, limit=n)
+    accepted = "\n  ".join(ACCEPTED_SOURCES)
+    raise ValueError(f"unknown problem source {source!r}; accepted forms:\n  {accepted}")
 
 
 def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,
