@@ -203,24 +203,24 @@ def test_cpu_rss_without_psutil_agrees_with_psutil(monkeypatch):
 
 
 def test_gpu_tables_from_hand_made_runs():
-    """aggregate keeps the reserved, device and NVML counters (median over repeats), and the memory table puts
-    them beside the plan. Hand-made runs, numbers worked by hand."""
+    """aggregate keeps the reserved and device counters (median over repeats), and the memory table puts them
+    beside the plan. Hand-made runs, numbers worked by hand."""
     from cbkit.measure.results import aggregate, memory_table
 
     gib = 2**30
 
-    def run(backend, rep, seconds, alloc, reserved, device, nvml):
+    def run(backend, rep, seconds, alloc, reserved, device):
         return {"kind": "run", "backend": backend, "N": 32, "repeat": rep, "status": "ok", "rollout_s": seconds,
                 "tokens_per_s": 1000 / seconds, "peak_mem_bytes": alloc, "peak_reserved_bytes": reserved,
-                "device_used_bytes": device, "nvml_bytes": nvml, "planned_peak_bytes": 2 * gib, "plan_error": 0.5}
+                "device_used_bytes": device, "planned_peak_bytes": 2 * gib, "plan_error": 0.5}
 
-    runs = [run("generate", 0, 40.0, 3 * gib, 10e9, 12e9, None), run("generate", 1, 44.0, 3 * gib, 11e9, 13e9, None),
-            run("generate", 2, 90.0, 3 * gib, 12e9, 14e9, None),
-            run("continuous", 0, 30.0, 2 * gib, 20e9, 21e9, 22e9), run("continuous", 1, 33.0, 2 * gib, 20e9, 21e9, 22e9)]
+    runs = [run("generate", 0, 40.0, 3 * gib, 10e9, 12e9), run("generate", 1, 44.0, 3 * gib, 11e9, 13e9),
+            run("generate", 2, 90.0, 3 * gib, 12e9, 14e9),
+            run("continuous", 0, 30.0, 2 * gib, 20e9, 21e9), run("continuous", 1, 33.0, 2 * gib, 20e9, 21e9)]
     points = aggregate(runs)
     g = next(p for p in points if p["backend"] == "generate")
     c = next(p for p in points if p["backend"] == "continuous")
-    assert (g["rollout_s"], g["peak_reserved_bytes"], g["device_used_bytes"], g["nvml_bytes"]) == (44.0, 11e9, 13e9, None)
-    assert (c["rollout_s"], c["nvml_bytes"]) == (31.5, 22e9)
+    assert (g["rollout_s"], g["peak_reserved_bytes"], g["device_used_bytes"]) == (44.0, 11e9, 13e9)
+    assert c["rollout_s"] == 31.5
     mem = next(r for r in memory_table(points).splitlines() if r.startswith("| 32 | continuous"))
-    assert mem == "| 32 | continuous | 2.00 | 2.00 | +50% | 18.63 | 19.56 | 20.49 |"
+    assert mem == "| 32 | continuous | 2.00 | 2.00 | +50% | 18.63 | 19.56 |"

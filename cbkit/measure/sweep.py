@@ -177,6 +177,15 @@ class _Replayed:
                                      target_lengths=self.targets if target_lengths is None else target_lengths)
 
 
+def _keep_weights(model):
+    """The weights a measured step puts back, in a file: a copy in memory would sit beside the step's peak."""
+    from cbkit.train.snapshots import WeightSnapshots
+
+    kept = WeightSnapshots(1, "disk")
+    kept.append(0, model)
+    return kept
+
+
 def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] | None = None) -> dict[str, Any]:
     """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times (rollout, old-logprob forward,
     update, the rest); the weights are put back afterwards."""
@@ -184,7 +193,6 @@ def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] |
     from cbkit.train.config import CBGRPOConfig
     from cbkit.train.grpo import GRPOTrainer
     from cbkit.train.hooks import StepHooks
-    from cbkit.train.snapshots import WeightSnapshots
 
     class Seen(StepHooks):
         rollout: Any = None
@@ -193,8 +201,7 @@ def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] |
             self.rollout = rollout
 
     model, seen = setup.model, Seen()
-    saved = WeightSnapshots(1, "disk")  # on disk: a copy in memory would sit beside the step's peak
-    saved.append(0, model)
+    saved = _keep_weights(model)
     config = CBGRPOConfig(model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(setup.problems),
                           max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, max_steps=1,
