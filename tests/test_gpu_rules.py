@@ -369,7 +369,7 @@ def test_the_t4_is_planned_at_what_cuda_reports_with_slack_in_every_notebook():
 def test_the_held_trainer_state_is_what_adamw_keeps_after_trls_bf16_cast():
     """TRL under bf16 with CB casts the policy to bf16 in place; one real backward and torch's AdamW step on a bf16
     model then hold its gradients and two moments: the bytes the sweep holds (`trainer_state_bytes`), 6 a parameter."""
-    from cbkit.measure.presets import trainer_state_bytes
+    from cbkit.measure.sweep_config import trainer_state_bytes
     from cbkit.models.load import load_policy
 
     model = load_policy("tiny", seed=0).model.to(torch.bfloat16)

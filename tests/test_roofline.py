@@ -3,6 +3,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cbkit.measure.roofline import Shape, decode_step, matmul_params, rollout_roofline
+from cbkit.telemetry import kv_bytes_per_token
 
 
 def _config(**kw):
@@ -26,7 +27,7 @@ def test_a_decode_step_worked_by_hand():
                      num_key_value_heads=1)
     shape = Shape.of(config)
     assert shape.matmul_params == 592
-    cost = decode_step(shape, [3, 5], dtype_bytes=2)
+    cost = decode_step(config, [3, 5], dtype_bytes=2)
     # FLOPs: 2 x 592 x 2 rows + attention 4 x 1 layer x 2 heads x 4 dims x (3 + 5) = 2368 + 256
     assert cost.flops == 2368 + 256
     # bytes: weights (592 + 8 x 2 embedding rows) x 2, KV: 1 layer x 2 x 1 head x 4 x 2 bytes = 16 per token x 8 tokens
@@ -39,8 +40,8 @@ def test_the_lower_roof_binds_and_rows_drop_out_as_completions_end():
     fast_compute = rollout_roofline(config, prompt_lens=[4], completion_lengths=[2, 1], dtype_bytes=4,
                                     peak_flops=1e30, bytes_per_s=1.0)
     # Bandwidth-bound everywhere: the time is the bytes read. Step 0 runs both rows, step 1 only the first.
-    expected = (shape.matmul_params * 4 + shape.kv_bytes_per_token(4) * 4) \
-        + decode_step(shape, [4, 4], 4).bytes + decode_step(shape, [5], 4).bytes
+    expected = (shape.matmul_params * 4 + kv_bytes_per_token(config, 4) * 4) \
+        + decode_step(config, [4, 4], 4).bytes + decode_step(config, [5], 4).bytes
     assert fast_compute["roof_seconds"] == pytest.approx(expected)
     assert fast_compute["decode_steps"] == 2 and fast_compute["compute_bound_steps"] == 0
     assert fast_compute["attainable_tokens_per_s"] == pytest.approx(3 / expected)

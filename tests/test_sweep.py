@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cbkit.measure import roofline, tables
+from cbkit.measure import results, roofline
 from cbkit.measure.results import ResultsFile, aggregate
 from cbkit.measure.sweep import run_sweep
 from cbkit.measure.sweep_config import SweepConfig
@@ -93,7 +93,7 @@ def test_oom_is_recorded_and_the_sweep_goes_on(tiny, tmp_path, counting):
     oom = next(r for r in runs if r["status"] == "oom")
     assert "out of memory" in oom["error"] and "peak_mem_bytes" in oom
     assert any(p["status"] == "oom" for p in points)
-    assert "oom" in tables.points_table(points)
+    assert "oom" in results.points_table(points)
 
 
 def test_ctrl_c_keeps_finished_runs_and_rerun_resumes(tiny, tmp_path, counting):
@@ -215,7 +215,7 @@ def test_full_step_replays_the_workload_and_splits_the_step(tiny, tmp_path):
     assert c["step_speedup"] == pytest.approx(g["step_s"] / c["step_s"])
     assert c["amdahl_ceiling"] == pytest.approx(amdahl_ceiling(g["rollout_share"], g["rollout_s"] / c["rollout_s"]))
     assert g["amdahl_ceiling"] == pytest.approx(1.0)
-    table = tables.step_split_table(points)
+    table = results.step_split_table(points)
     assert table.count("\n") == 3 and "Amdahl ceiling" in table
     assert f"| 3 | continuous | {c['step_s']:.2f} |" in table
 
@@ -232,10 +232,9 @@ def test_amdahl_ceiling_by_hand():
 
 
 def _old_full_step_runs() -> list[dict]:
-    """Full-step run lines as cbkit wrote them before full steps recorded their lengths and phases: a mean
-    length and no CV, max or padding share."""
+    """Full-step run lines without the length columns and phases: a mean length and no CV, max or padding share."""
     return [{"kind": "run", "backend": b, "N": 8, "repeat": 0, "status": "ok", "step_s": step, "rollout_s": roll,
-             "train_s": step - roll, "completion_tokens": 700.0, "tokens_per_s": 700.0 / step,
+             "train_s": step - roll, "rollout_share": roll / step, "completion_tokens": 700.0, "tokens_per_s": 700.0 / step,
              "peak_mem_bytes": 3 * 2**30, "peak_mem_kind": "cpu_rss", "length_mean": 87.5, "reward_mean": 0.1,
              "lengths": "natural"}
             for b, step, roll in (("generate", 29.1, 10.9), ("continuous", 32.5, 16.1))]
@@ -247,12 +246,12 @@ def test_full_step_tables_on_results_without_lengths(tmp_path, capsys):
     from cbkit.cli import main
 
     points = aggregate(_old_full_step_runs())
-    split = tables.step_split_table(points)
+    split = results.step_split_table(points)
     assert "| 8 | continuous | 32.50 | 16.10 (—) | — | — | — |" in split
     # generate()'s rollout was 10.9 / 29.1 of its step; CB's rollout 10.9 / 16.1 as fast
     ceiling = 1 / ((1 - 10.9 / 29.1) + (10.9 / 29.1) * 16.1 / 10.9)
     assert f"| {ceiling:.2f}x |" in split
-    tables.points_table(points)
+    results.points_table(points)
     path = tmp_path / "old.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in [{"kind": "header", "fingerprint": {"model": "tiny",
                                                                                            "full_step": True}},
@@ -309,7 +308,7 @@ def test_replay_gives_both_backends_the_same_targets_and_records_the_spread(tiny
         by_point.setdefault((r["N"], r["repeat"]), []).append(r["completion_lengths"])
     assert all(a == b for a, b in by_point.values())  # identical targets per request for both backends
     assert any(len(set(r["completion_lengths"])) > 1 for r in runs)  # a spread, not one length
-    table = tables.points_table(points)
+    table = results.points_table(points)
     assert "len" in table and "MFU" in table
 
 
@@ -337,7 +336,7 @@ def test_mfu_is_computed_from_the_recorded_numbers(tiny, tmp_path):
         assert r["completion_lengths"] == [6, 6]  # fixed: every completion runs to the limit
         assert r["matmul_params"] == params and r["peak_flops"] == probe["peak_flops"]
         assert r["mfu"] == pytest.approx(2 * params * r["completion_tokens"] / r["rollout_s"] / probe["peak_flops"])
-    assert "matmul probe:" in tables.results_summary(out) and "lengths: fixed" in tables.results_summary(out)
+    assert "matmul probe:" in results.results_summary(out) and "lengths: fixed" in results.results_summary(out)
 
 
 def test_matmul_probe_is_positive_and_takes_the_best(tiny):
@@ -390,9 +389,9 @@ def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp
         assert r["mfu"] is not None  # the matmul roof was probed: MFU stands without the other one
     assert all(p["roof_share"] is None and "no bandwidth here" in p["roof_missing"] for p in points)
     assert "no bytes_per_s (bandwidth probe failed" in capsys.readouterr().out
-    summary = tables.results_summary(out)
+    summary = results.results_summary(out)
     assert "read bandwidth: missing (bandwidth probe failed: RuntimeError: no bandwidth here)" in summary
-    row = next(line for line in tables.points_table(points).splitlines() if " generate " in line)
+    row = next(line for line in results.points_table(points).splitlines() if " generate " in line)
     assert row.split()[-3:-1] == ["-", "-"]  # roof and share of it: empty, not zero
 
 
@@ -417,8 +416,7 @@ def test_each_n_is_probed_again_and_its_runs_carry_that_probe(tiny, tmp_path, mo
 
     def fake(model, **k):
         flops, bw = next(probes)
-        return {"peak_flops": flops, "bytes_per_s": bw, "probe_missing": {}, "peak_flops_spread": 0.1,
-                "bytes_per_s_spread": 0.2}
+        return {"peak_flops": flops, "bytes_per_s": bw, "probe_missing": {}}
 
     monkeypatch.setattr(sweep_module, "machine_probe", fake)
     out = tmp_path / "s.jsonl"
@@ -442,8 +440,7 @@ def _prompt_ids(tiny):
     return set_up_run("tiny", "synthetic", 1, seed=0, policy=tiny).prompts
 
 
-def test_bandwidth_probe_keeps_every_round_and_the_spread_is_worked_by_hand():
+def test_bandwidth_probe_keeps_every_round_and_takes_the_best():
     measured = roofline.bandwidth_probe("cpu", nbytes=8 * 2**20, min_seconds=0.01, rounds=3)
     assert len(measured["bandwidth_rounds"]) == 3 and measured["bytes_per_s"] == max(measured["bandwidth_rounds"])
     assert 1e7 < measured["bytes_per_s"] < 1e13  # 10 MB/s .. 10 TB/s: a CPU reads somewhere in between
-    assert roofline.spread([4.0, 3.0, 2.0]) == 0.5 and roofline.spread([2.0, 2.0]) == 0.0 and roofline.spread([]) is None

@@ -488,7 +488,7 @@ def test_the_configs_reward_weights_follow_the_functions_by_name():
     funcs = {"format": format_reward, "correctness": correctness_reward}  # another order than the config's
     assert trl_rewards(funcs, cfg=cfg)[1] == [0.5, 1.0]
     assert trl_rewards(funcs, {"format": 2.0}, cfg)[1] == [2.0, 1.0]  # explicit weights win
-    with pytest.raises(ValueError, match="for 2 reward functions, got 1"):
+    with pytest.raises(ValueError, match="reward_weights has 2 entries for 1 reward functions"):
         trl_rewards([format_reward], cfg=cfg)
 
 

@@ -50,6 +50,7 @@ def _plan(args: argparse.Namespace) -> int:
     """The planner's one page: both backends' planned peaks at N, the lower one, and the crossover N."""
     from cbkit.measure.planner import crossover_n, plan
     from cbkit.models.load import load_config
+    from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
     a = PlanConfig(**given_fields(args, PlanConfig))
     dtype_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (2 if a.device == "cuda" else 4)
@@ -57,10 +58,13 @@ def _plan(args: argparse.Namespace) -> int:
                                  mean_completion_len=a.mean_completion_len, dtype_bytes=dtype_bytes, device=a.device,
                                  budget_bytes=int(a.budget_gb * 1024**3) if a.budget_gb is not None else None)
     config = load_config(a.model)
-    memory = plan(config, num_generations=a.num_generations, model_name=a.model, **sizes)
+    memory = plan(config, num_generations=a.num_generations, **sizes)
     max_n = max(1024, 4 * a.num_generations)
     gen, cb = memory.generate.peak_bytes, memory.continuous.peak_bytes
-    print("Planned peak memory above the weights, one rollout:")
+    budget = f"budget {fmt_bytes(sizes['budget_bytes'])} free after the weights" if a.budget_gb else "no budget"
+    print(f"Planned peak memory above the weights, one rollout of {a.model}: {a.num_prompts} prompts x "
+          f"N={a.num_generations}, prompt {a.prompt_len} + up to {a.max_new_tokens} new tokens, {dtype_bytes}-byte "
+          f"dtype, {a.device}, {budget}; KV {fmt_bytes(kv_bytes_per_token(config, dtype_bytes))} a token")
     print(memory.summary())
     print(f"lower peak at N={a.num_generations}: {'continuous' if cb < gen else 'generate'} "
           f"(continuous/generate {cb / gen:.2f})")

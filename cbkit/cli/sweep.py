@@ -12,9 +12,8 @@ from cbkit.cli.flags import dataclass_flags, given_fields
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from cbkit.measure.presets import DRY_RUN, PRESETS, check_preset_device
     from cbkit.measure.sweep import run_sweep
-    from cbkit.measure.sweep_config import SweepConfig
+    from cbkit.measure.sweep_config import DRY_RUN, PRESETS, SweepConfig, check_preset_device
     from cbkit.models.synthetic import RANDOM_SHAPES, RANDOM_WEIGHTS_NOTE
 
     if args.dry_run and not args.preset:
@@ -46,26 +45,25 @@ def _sweep(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.close()
-    _print_results(points, out, cfg.fingerprint(), gpu_tables=args.preset == "trl-benchmark")
+    _print_results(points, out, cfg.fingerprint())
     return 0
 
 
-def _print_results(points, out: Path, fingerprint: dict, *, gpu_tables: bool = False) -> None:
-    """What a sweep prints at its end and `cbkit report` prints again from its file: what ran, the points, a full
-    step's split by phase, on a GPU run every memory counter; then the CSV and the HTML report."""
-    from cbkit.measure import tables
+def _print_results(points, out: Path, fingerprint: dict) -> None:
+    """What a sweep prints at its end and `cbkit report` again: the tables, then the CSV and the HTML report."""
+    from cbkit.measure import results
 
-    print(tables.results_summary(out))
-    print(tables.points_table(points))
+    print(results.results_summary(out))
+    print(results.points_table(points))
     if any(p.get("step_s") is not None for p in points):
         print("\nOne GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
               "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
-        print(tables.step_split_table(points))
-    if gpu_tables or any(p.get("peak_reserved_bytes") is not None for p in points):
+        print(results.step_split_table(points))
+    if any(p.get("peak_reserved_bytes") is not None for p in points):  # a GPU run: every memory counter
         print("\nMemory (GiB): the planner's prediction beside the measured peaks")
-        print(tables.memory_table(points))
+        print(results.memory_table(points))
     csv = out.with_suffix(".csv")
-    tables.write_csv(points, csv)
+    results.write_csv(points, csv)
     if not has_plotly():  # a bare GPU box still gets the JSONL, the CSV and the tables
         print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
               f"run `cbkit report {out}` on a machine that has it.")

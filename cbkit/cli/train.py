@@ -60,8 +60,7 @@ def _plot(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"No metrics file at {path}; `cbkit train --output-dir DIR` writes DIR/metrics.jsonl.")
     rows = read_metrics(path)
     keys = [k for k in args.keys.split(",") if k]
-    absent = [k for k in keys if not any(k in r for r in rows)]
-    if len(absent) == len(keys):
+    if not any(k in r for k in keys for r in rows):
         raise ValueError(f"None of {keys} is in {path}; it has e.g. {sorted(rows[0])[:8]}. Choose --keys from those.")
     out = Path(args.out) if args.out else path.with_name("reward.html")
     fig = reward_curve(rows, keys, title=f"Reward per step: {path}")

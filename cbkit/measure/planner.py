@@ -1,11 +1,8 @@
 """Will it fit? One rollout's peak memory above the weights through each backend, from the model's config alone.
 
-``generate()`` keeps every row of the static batch, its KV grown to the longest prompt + ``max_new_tokens``, until the
-last row finishes; the CB engine allocates one pool up front, sized by `cbkit.rollout.admission` (transformers' own
-sizing on the meta device), plus the activations of its largest batch. ``crossover_n`` is the smallest N at which
-CB's peak is the lower; `training_bytes` plans the training step beside the rollout. On a CPU the
-plan adds the heap glibc keeps resident after ``torch.cat`` frees (fitted by `lab/refit_cpu_heap.py`); every sweep run
-records its ``plan_error``. Full and sliding-window attention only.
+generate() keeps every row's KV, grown to the longest prompt + ``max_new_tokens``, until the last row finishes; the
+CB engine allocates one pool up front (sized by `cbkit.rollout.admission`) plus its largest batch's activations.
+Every sweep run records the plan's error. Full and sliding-window attention only.
 """
 
 from __future__ import annotations
@@ -15,20 +12,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from cbkit.measure.roofline import Shape
 from cbkit.models.load import DTYPES
-from cbkit.rollout.admission import admission, blocks_needed, pool_blocks
-from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
-
-__all__ = ["DTYPE_BYTES", "ContinuousPlan", "GeneratePlan", "Plan", "crossover_n", "plan", "pool_blocks",
-           "training_bytes"]
+from cbkit.rollout.admission import admission, blocks_needed
+from cbkit.rollout.varlen_attention import NAME as VARLEN
+from cbkit.telemetry import fmt_bytes
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
-_ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+_ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager", "varlen": VARLEN}
 
 
 @dataclass(frozen=True)
@@ -62,27 +59,13 @@ class ContinuousPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    model: str
-    num_prompts: int
-    num_generations: int
-    num_sequences: int
-    prompt_len: int  # the longest prompt
-    max_new_tokens: int
-    dtype_bytes: int
-    device: str
-    budget_bytes: int | None
-    kv_bytes_per_token: int
     generate: GeneratePlan
     continuous: ContinuousPlan
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         g, c = self.generate, self.continuous
-        budget = f"budget {fmt_bytes(self.budget_bytes)} free after the weights" if self.budget_bytes else "no budget"
         return "\n".join([
-            f"{self.model}: {self.num_prompts} prompts x N={self.num_generations}, prompt {self.prompt_len} + up to "
-            f"{self.max_new_tokens} new tokens, {self.dtype_bytes}-byte dtype, {self.device}, {budget}; KV "
-            f"{fmt_bytes(self.kv_bytes_per_token)} a token",
             f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
             f"x {g.padded_len} positions) + last step {fmt_bytes(g.decode_transient_bytes)}"
             + (f" + CPU heap slack {fmt_bytes(g.cpu_heap_slack_bytes)}" if g.cpu_heap_slack_bytes else ""),
@@ -96,18 +79,9 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
          max_new_tokens: int, dtype_bytes: int, mean_completion_len: float | None = None,
          budget_bytes: int | None = None, cb_config: Mapping[str, Any] | None = None,
          device: Literal["cuda", "cpu"] = "cuda",
-         attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None,
-         model_name: str = "model") -> Plan:
-    """Predict the peak memory above the weights of one rollout through each backend.
-
-    ``prompt_len`` is one length for every prompt or one per prompt. ``budget_bytes`` is the memory free after the
-    weights are loaded; CB needs it unless ``cb_config`` (the engine's overrides) fixes ``num_blocks`` or on a CPU,
-    where cbkit sizes the pool to the workload. ``attn_implementation`` is what the engine runs: "flash", "varlen"
-    (cbkit's: no mask), "sdpa" or "eager" (the engine's dense mask); None is cbkit's own choice without flash-attn."""
-    import torch
-
-    from cbkit.rollout.varlen_attention import NAME as VARLEN
-
+         attn_implementation: Literal["sdpa", "eager", "flash", "varlen"] | None = None) -> Plan:
+    """The peak memory above the weights of one rollout through each backend. ``prompt_len``: one for all prompts or
+    one each; ``budget_bytes``: free after the weights (CB needs it unless ``num_blocks`` is fixed, or on a CPU)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if isinstance(prompt_len, int):
         lens = [prompt_len] * max(num_prompts, 0)
@@ -138,7 +112,7 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
 
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     requests = [range(p) for p in lens for _ in range(num_generations)]
-    attention = VARLEN if attn_implementation == "varlen" else _ATTENTION.get(attn_implementation or "")
+    attention = _ATTENTION.get(attn_implementation or "")
     fixed = overrides.get("num_blocks") is not None or (device == "cpu" and "num_blocks" not in overrides)
     if budget_bytes is None and not fixed:
         raise ValueError("The CB engine sizes its pool as a share of free memory: give budget_bytes (free memory "
@@ -173,19 +147,12 @@ def plan(config: Any, *, num_prompts: int, num_generations: int, prompt_len: int
     fits = None if budget_bytes is None else (a.fits and peak <= budget_bytes)
     cb = ContinuousPlan(sized_by, blocks, page, m, blocks * page * s.layers * layer_token, a.cache_bytes, mask,
                         transient, a.footprint_bytes, peak, held, fits, batch)
-    return Plan(model_name, num_prompts, num_generations, rows, max(lens), max_new_tokens, dtype_bytes, device,
-                budget_bytes, kv_bytes_per_token(text, dtype_bytes), gen, cb, notes)
+    return Plan(gen, cb, notes)
 
 
 def crossover_n(config: Any, *, max_n: int = 1024, **plan_kwargs: Any) -> int | None:
-    """The smallest N at which CB's planned peak is below generate()'s, or None up to ``max_n``. Takes ``plan``'s
-    keywords except ``num_generations``. generate()'s KV grows with N and CB's pool does not, so once CB is the
-    lighter it stays so: the N is found by bisection."""
-    if "num_generations" in plan_kwargs:
-        raise TypeError("crossover_n scans N itself; do not pass num_generations.")
-    if max_n < 1:
-        raise ValueError(f"max_n must be >= 1, got {max_n}.")
-
+    """The smallest N at which CB's planned peak is below generate()'s, or None up to ``max_n`` (``plan``'s keywords
+    but ``num_generations``). generate()'s KV grows with N and CB's pool does not: a bisection finds it."""
     def lighter(n: int) -> bool:
         p = plan(config, num_generations=n, **plan_kwargs)
         return p.continuous.peak_bytes < p.generate.peak_bytes
@@ -206,16 +173,15 @@ def _sliding(cfg: Any) -> tuple[int, int | None]:
 
 
 def _forward_bytes_per_token(s: Shape, a: int) -> int:
-    """Activations of one token inside one decoder layer, no gradients: the residual and its normed copy, plus the
-    larger of the attention projections and the MLP's gate, up and product."""
+    """Activations of one token in one decoder layer, no gradients: the residual, its normed copy, and the larger of
+    the attention projections and the MLP's three."""
     return a * (2 * s.hidden + max(s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + s.hidden, 3 * s.intermediate))
 
 
 def _plan_generate(s: Shape, layer_token: int, sliding: int, window: int | None, rows: int, prompt: int, max_new: int, a: int,
                    budget: int | None, device: str) -> GeneratePlan:
-    """transformers' DynamicCache grows with torch.cat, so the peak is at the end: rows x (longest prompt + decode
-    steps) of KV (a sliding-window layer keeps its window), plus the last step's logits, generate's fp32 copy, the
-    log-probs cbkit keeps and the softmax, and torch.cat holding one layer's old K beside the new."""
+    """DynamicCache grows by torch.cat, so the peak is at the end: every row's KV at full length (a sliding layer keeps
+    its window), the last step's logits and their copies, and one layer's old K beside the new."""
     length = prompt + max_new
     kv = rows * ((s.layers - sliding) * length + sliding * min(length, window or length)) * layer_token
     layer_k = rows * length * layer_token // 2
@@ -231,14 +197,10 @@ def _fit(fits: bool | None) -> str:
     return "" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")
 
 
-# --- the training step beside the rollout -----------------------------------------------------------------------
-
-
 def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
                    autocast: bool, chunk_rows: int | None = None) -> dict[str, int]:
-    """What a training step holds at once, by part: the optimizer state (16 bytes a parameter), one forward's loss
-    logits (`cbkit.train.batch.logits_bytes`) and its saved activations, for the micro-batch or `chunk_rows` of it
-    (the loop's `forward_chunk_rows`). An estimate: the loop's other buffers are not counted."""
+    """What a training step holds at once, by part: the optimizer state, one forward's loss logits and its saved
+    activations, for the micro-batch or `chunk_rows` of it (the loop's `forward_chunk_rows`)."""
     from cbkit.train.batch import logits_bytes
 
     rows = micro_batch_rows if chunk_rows is None else min(chunk_rows, micro_batch_rows)
@@ -249,10 +211,8 @@ def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, c
 
 
 def activation_bytes_per_token(config: Any, tokens_per_row: int, autocast: bool) -> int:
-    """What autograd keeps per token of a training forward (Llama-family layer, SDPA with a padding mask), counted
-    tensor by tensor with ``saved_tensors_hooks`` (a test repeats the count): per layer two RMSNorms (3 x hidden
-    each), q, k and v at the query heads' width, SDPA's output and log-sum-exp, its float mask (one a key position),
-    the gated MLP's four intermediate-wide tensors; the final norm once. 4-byte elements, or 2 under autocast."""
+    """What autograd keeps per token of a Llama-family training forward (SDPA with a padding mask), as a test counts
+    it with ``saved_tensors_hooks``; 4-byte elements, or 2 under autocast."""
     s = Shape.of(config)
     per_layer = 6 * s.hidden + 4 * s.heads * s.head_dim + s.heads + tokens_per_row + 4 * s.intermediate
     return (2 if autocast else 4) * (s.layers * per_layer + 3 * s.hidden)

@@ -1,11 +1,8 @@
 """The roofline of a rollout: the least time its work can take on this machine, by FLOPs and by bytes.
 
-Both roofs are probed, never guessed: a matmul at the model's dtype and width, and a read-bandwidth pass. A decode
-step over R rows multiplies every matmul weight by R hidden states (plus the attention products, charged per sequence
-over its own keys) and reads every weight once and each row's KV; whichever takes longer at the probed peaks binds.
-Summed over the decode steps (rows drop out as their completions end) plus the prefill, that is the attainable
-tokens/s each backend's speed is a share of: a roof of the work, not of a backend. MFU is measured against the
-matmul roof.
+Both roofs are probed, never guessed (a matmul at the model's dtype and width, a read-bandwidth pass). Each decode
+step costs the longer of its FLOPs at the matmul peak and its bytes (weights once, each row's KV) at the bandwidth;
+summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul roof.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cbkit.telemetry import ModelShape
+from cbkit.telemetry import ModelShape, kv_bytes_per_token
 
 GiB = 1024**3
 
@@ -29,9 +26,6 @@ class Machine:
 
     name: str
     memory_bytes: int
-
-    def total_memory(self) -> int:
-        return self.memory_bytes
 
 
 GPUS: dict[str, Machine] = {
@@ -53,9 +47,6 @@ class Shape(ModelShape):
         mlp = 3 * self.hidden * self.intermediate
         return self.layers * (attn + mlp) + self.vocab * self.hidden
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
-
     def attention_flops(self, context: int) -> int:
         """Score and value products of one query token against `context` keys, all layers."""
         return 4 * self.layers * self.heads * self.head_dim * context
@@ -66,27 +57,27 @@ class StepCost:
     flops: float
     bytes: float
 
-    def seconds(self, peak_flops: float, bytes_per_s: float) -> float:
-        return max(self.flops / peak_flops, self.bytes / bytes_per_s)
+    def seconds(self, peak_flops: float, bytes_per_s: float) -> tuple[float, bool]:
+        """The step's least seconds, and whether compute (not bandwidth) binds it."""
+        compute, memory = self.flops / peak_flops, self.bytes / bytes_per_s
+        return max(compute, memory), compute >= memory
 
-    def compute_bound(self, peak_flops: float, bytes_per_s: float) -> bool:
-        return self.flops / peak_flops >= self.bytes / bytes_per_s
 
-
-def decode_step(shape: Shape, contexts: Sequence[int], dtype_bytes: int) -> StepCost:
+def decode_step(config: Any, contexts: Sequence[int], dtype_bytes: int) -> StepCost:
     """One decode step over rows whose KV holds `contexts` tokens each: every weight read once, each row's KV read."""
-    rows = len(contexts)
+    shape, rows = Shape.of(config), len(contexts)
     flops = 2 * shape.matmul_params * rows + sum(shape.attention_flops(c) for c in contexts)
     weight_bytes = (shape.matmul_params + shape.hidden * rows) * dtype_bytes  # + the rows' embedding lookups
-    kv_bytes = shape.kv_bytes_per_token(dtype_bytes) * sum(contexts)
+    kv_bytes = kv_bytes_per_token(config, dtype_bytes) * sum(contexts)
     return StepCost(flops, weight_bytes + kv_bytes)
 
 
-def prefill(shape: Shape, prompt_lens: Sequence[int], dtype_bytes: int) -> StepCost:
+def prefill(config: Any, prompt_lens: Sequence[int], dtype_bytes: int) -> StepCost:
     """The prompts' forward: compute for every prompt token, the weights read once."""
+    shape = Shape.of(config)
     flops = sum(2 * shape.matmul_params * p + sum(shape.attention_flops(c) for c in range(1, p + 1))
                 for p in prompt_lens)
-    return StepCost(flops, shape.matmul_params * dtype_bytes + shape.kv_bytes_per_token(dtype_bytes) * sum(prompt_lens))
+    return StepCost(flops, shape.matmul_params * dtype_bytes + kv_bytes_per_token(config, dtype_bytes) * sum(prompt_lens))
 
 
 def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_lengths: Sequence[int],
@@ -96,20 +87,18 @@ def rollout_roofline(config: Any, *, prompt_lens: Sequence[int], completion_leng
     completion still going, at context prompt + t."""
     if peak_flops <= 0 or bytes_per_s <= 0:
         raise ValueError(f"A roofline needs positive peaks, got {peak_flops} FLOP/s and {bytes_per_s} B/s.")
-    shape = Shape.of(config)
     lengths = list(completion_lengths)
     per = max(1, len(lengths) // max(1, len(prompt_lens)))
     prompt_of = [min(i // per, len(prompt_lens) - 1) for i in range(len(lengths))]
-    seconds = prefill(shape, prompt_lens, dtype_bytes).seconds(peak_flops, bytes_per_s)
-    compute_steps = steps = 0
-    for t in range(max(lengths, default=0)):
+    seconds = prefill(config, prompt_lens, dtype_bytes).seconds(peak_flops, bytes_per_s)[0]
+    steps = max(lengths, default=0)
+    compute_steps = 0
+    for t in range(steps):
         contexts = [prompt_lens[prompt_of[i]] + t for i, n in enumerate(lengths) if n > t]
-        cost = decode_step(shape, contexts, dtype_bytes)
-        seconds += cost.seconds(peak_flops, bytes_per_s)
-        compute_steps += cost.compute_bound(peak_flops, bytes_per_s)
-        steps += 1
-    tokens = sum(lengths)
-    return {"attainable_tokens_per_s": tokens / seconds if seconds else None, "roof_seconds": seconds,
+        step_s, compute_bound = decode_step(config, contexts, dtype_bytes).seconds(peak_flops, bytes_per_s)
+        seconds += step_s
+        compute_steps += compute_bound
+    return {"attainable_tokens_per_s": sum(lengths) / seconds if seconds else None, "roof_seconds": seconds,
             "decode_steps": steps, "compute_bound_steps": compute_steps}
 
 
@@ -140,16 +129,14 @@ def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0
     """The best FLOP/s of a [rows x hidden] @ [hidden x intermediate] ``torch.mm`` at the model's dtype, the shapes
     timed in turn for ``rounds`` rounds (one short pass per shape reads low and unevenly on a CPU)."""
     shape = ModelShape.of(model.config)
-    by_rows: dict[str, list[float]] = {}
+    by_rows: dict[str, float] = {}
     for r in [r for _ in range(rounds) for r in rows]:
         a = torch.randn(r, shape.hidden, device=model.device, dtype=model.dtype)
         b = torch.randn(shape.hidden, shape.intermediate, device=model.device, dtype=model.dtype)
         calls = _per_second(functools.partial(torch.mm, a, b), model.device, min_seconds)
-        by_rows.setdefault(str(r), []).append(2 * r * shape.hidden * shape.intermediate * calls)
-    best = max(by_rows, key=lambda k: max(by_rows[k]))
-    return {"peak_flops": max(by_rows[best]), "probe_flops_by_rows": {k: max(v) for k, v in by_rows.items()},
-            "probe_shape": [shape.hidden, shape.intermediate], "peak_flops_spread": spread(by_rows[best]),
-            "probe_dtype": str(model.dtype).removeprefix("torch."), "probe_device": model.device.type}
+        by_rows[str(r)] = max(by_rows.get(str(r), 0.0), 2 * r * shape.hidden * shape.intermediate * calls)
+    return {"peak_flops": max(by_rows.values()), "probe_flops_by_rows": by_rows,
+            "probe_shape": [shape.hidden, shape.intermediate], "probe_dtype": str(model.dtype).removeprefix("torch.")}
 
 
 def bandwidth_probe(device: torch.device | str = "cpu", nbytes: int = BANDWIDTH_BYTES, min_seconds: float = 0.1,
@@ -158,13 +145,7 @@ def bandwidth_probe(device: torch.device | str = "cpu", nbytes: int = BANDWIDTH_
     device = torch.device(device)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     per_round = [x.numel() * 4 * _per_second(x.sum, device, min_seconds) for _ in range(rounds)]
-    return {"bytes_per_s": max(per_round), "bandwidth_rounds": per_round, "bytes_per_s_spread": spread(per_round)}
-
-
-def spread(values: Sequence[float]) -> float | None:
-    """(best - worst) / best over a probe's rounds: 0 on a quiet machine, growing with the noise."""
-    values = [v for v in values if v]
-    return (max(values) - min(values)) / max(values) if values else None
+    return {"bytes_per_s": max(per_round), "bandwidth_rounds": per_round}
 
 
 def machine_probe(model) -> dict[str, Any]:

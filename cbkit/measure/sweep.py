@@ -1,11 +1,8 @@
 """The N-sweep: both backends side by side at growing N, resumable, honest about what it measured.
 
-One process, one model load, one warm-up per backend; for every N, `repeats` runs of each backend in an order that
-alternates between repeats and Ns, so neither always runs on a warmer machine. Each run is appended to the results
-JSONL at once (a rerun resumes, a different configuration is refused, an OOM is a record). Both backends get the same
-length targets at a point (`workload`). Beside each number, its limit: both roofs of the machine are probed before
-every N, and each run records its MFU, its share of its shape's roof and the planner's peak with its error. With
-`full_step` a point is one GRPO step through cbkit's loop, split into the phases the loop times itself.
+One model load; at every N, `repeats` runs of each backend in alternating order, each appended to the results JSONL
+as it lands, both backends given the same length targets. Both roofs are probed before every N, and each run records
+its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by phase.
 """
 
 from __future__ import annotations
@@ -21,10 +18,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from cbkit.measure.presets import trainer_state_bytes
+from cbkit.jsonl import append_jsonl
 from cbkit.measure.results import ResultsFile, aggregate
 from cbkit.measure.roofline import machine_probe, matmul_params, mfu
-from cbkit.measure.sweep_config import SweepConfig
+from cbkit.measure.sweep_config import SweepConfig, trainer_state_bytes
 from cbkit.measure.workload import decode_padding_share, length_stats
 
 
@@ -55,8 +52,12 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
     probe: dict[str, Any] = {}
     probed_at = None
     for n, rep, b in tqdm(todo, desc="sweep runs"):
-        if probed_at != n:  # at the start, then before every N
-            probe = _probe_line(results, model, cfg.workload.describe(cfg.max_new_tokens), n if probed_at else None)
+        if probed_at != n:  # both roofs, at the start, then before every N; a failed probe is recorded, not fatal
+            probe = machine_probe(model)
+            append_jsonl(results.path, {"kind": "probe", "time": time.time(), "before_N": n if probed_at else None,
+                                        "lengths": cfg.workload.describe(cfg.max_new_tokens), **probe})
+            for name, why in probe["probe_missing"].items():
+                print(f"probe: no {name} ({why}); the columns that need it stay empty", flush=True)
             probed_at = n
         run_sampling = dataclasses.replace(sampling, seed=cfg.seed + rep)
         # Drawn from (seed, rows) only: both backends at this point get the same targets.
@@ -83,23 +84,13 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
     return aggregate(results.runs)
 
 
-def _probe_line(results: ResultsFile, model, lengths: str, point: int | None) -> dict[str, Any]:
-    probe = machine_probe(model)
-    results.add_line({"kind": "probe", "time": time.time(), "lengths": lengths, "before_N": point, **probe})
-    for name, why in probe["probe_missing"].items():
-        print(f"probe: no {name} ({why}); the columns that need it stay empty", flush=True)
-    return probe
-
-
 def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
                 target_lengths: Sequence[int] | None = None) -> dict[str, Any]:
-    """One timed rollout and what it cost; an OOM becomes a record, not a crash. ``target_lengths`` (one per
-    completion row) replays a length workload; None lets EOS decide."""
+    """One timed rollout and what it cost; an OOM becomes a record. ``target_lengths`` replays a length workload."""
     from cbkit.telemetry import kv_accounting
 
     try:
-        kw = {} if target_lengths is None else {"target_lengths": target_lengths}
-        rollout = backend.generate(prompts, n, sampling, **kw)
+        rollout = backend.generate(prompts, n, sampling, target_lengths=target_lengths)
     except Exception as e:
         cuda = torch.cuda.is_available()
         record = oom_record(e, torch.cuda.max_memory_allocated() if cuda else None, "cuda_allocated" if cuda else None)
@@ -114,9 +105,8 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
 
 
 def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
-    """The planner's rollout peak for this point (`planner.plan`, with the attention the engine ran) and its error
-    against the measured peak. With replayed targets the static batch runs to the longest one; the CB pool is sized
-    from the generation limit, as the engine cannot know them. A full step's peak is not planned."""
+    """The planner's rollout peak for this point, with the attention the engine ran, and its error against the
+    measured peak. With replayed targets the static batch runs to the longest one. A full step is not planned."""
     from cbkit.measure.planner import plan
     from cbkit.rollout.engine_config import make_cb_config
     from cbkit.rollout.varlen_attention import NAME as VARLEN
@@ -148,8 +138,7 @@ def oom_record(e: BaseException, peak_bytes: int | None, kind: str | None) -> di
 
 
 def lengths_record(completions) -> dict[str, Any]:
-    """A run's completion lengths (each, so a later sweep can replay them), their mean / CV / max, the share of a
-    static batch's decode slots they leave as padding, and the share cut at the limit."""
+    """A run's completion lengths, their mean / CV / max, the padding share of a static batch, the share truncated."""
     lengths = [len(c.completion_ids) for c in completions]
     stats = length_stats(lengths)
     return {"completion_lengths": lengths, "length_mean": stats["mean"], "length_cv": stats["cv"],
@@ -159,8 +148,8 @@ def lengths_record(completions) -> dict[str, Any]:
 
 def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | None, probe: dict[str, Any],
                 dtype_bytes: int) -> dict[str, Any]:
-    """The attainable tokens/s of a rollout's shape on the probed machine, the share of it ``tokens_per_s`` reached,
-    and which roof bound most decode steps. Without both peaks they are None and ``roof_missing`` says why."""
+    """The attainable tokens/s of a rollout on the probed machine, the share reached, and which roof bound most
+    decode steps; without both peaks, None and ``roof_missing`` says why."""
     from cbkit.measure.roofline import rollout_roofline
 
     empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
@@ -174,13 +163,11 @@ def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | N
     return {**empty, "roof_tokens_per_s": attainable,
             "roof_share": tokens_per_s / attainable if attainable and tokens_per_s else None,
             "roof_bound": "compute" if roof["compute_bound_steps"] * 2 > roof["decode_steps"] else "bandwidth",
-            "roof_seconds": roof["roof_seconds"], "peak_flops_spread": probe.get("peak_flops_spread"),
-            "bytes_per_s_spread": probe.get("bytes_per_s_spread")}
+            "roof_seconds": roof["roof_seconds"]}
 
 
 class _Replayed:
-    """A backend whose every rollout stops each completion at its drawn target: the length workload replayed inside
-    the GRPO loop, which asks for rollouts without targets."""
+    """A backend whose rollouts stop each completion at its drawn target, inside a loop that asks for none."""
 
     def __init__(self, backend, targets: Sequence[int]) -> None:
         self.backend, self.targets, self.name = backend, list(targets), backend.name
@@ -191,7 +178,7 @@ class _Replayed:
 
 
 def _keep_weights(model):
-    """The weights a measured step puts back, kept in a file: a copy in memory would sit beside the step's peak."""
+    """The weights a measured step puts back, in a file: a copy in memory would sit beside the step's peak."""
     from cbkit.train.snapshots import WeightSnapshots
 
     kept = WeightSnapshots(1, "disk")
@@ -200,9 +187,8 @@ def _keep_weights(model):
 
 
 def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] | None = None) -> dict[str, Any]:
-    """One GRPO step of ``backend`` through cbkit's loop, split by the phases the loop times: the rollout, the
-    old-logprob forward, the update, and the rest (rewards, batching, bookkeeping). ``targets`` replays a length
-    workload. The weights are put back afterwards."""
+    """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times (rollout, old-logprob forward,
+    update, the rest); the weights are put back afterwards."""
     from cbkit.telemetry import PeakMemory, release_memory
     from cbkit.train.config import CBGRPOConfig
     from cbkit.train.grpo import GRPOTrainer

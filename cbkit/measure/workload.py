@@ -1,14 +1,8 @@
-"""Length workloads: how long each completion of a rollout runs. CB wins back the decode slots a static batch spends
-on rows already finished, so whether it wins depends on the lengths' spread; a benchmark says which spread it ran
-and controls it. One string names each (``cbkit sweep --lengths``):
-
-* ``natural``: EOS decides, as in training;
-* ``fixed``: every completion runs to ``max_new_tokens``: the zero-spread control;
-* ``replay:gsm8k``: lengths drawn (seeded, with replacement) from GSM8K's train reference solutions in SmolLM2
-  tokens (``cbkit/resources``, made by ``scripts/gsm8k_lengths.py``), scaled so their p95 is the limit.
-
-In ``fixed`` and a replay EOS is ignored and every request stops at its target, so both backends do the same useful
-work and only the batching differs, as vLLM's throughput benchmark replays ShareGPT's output lengths.
+"""Length workloads: how long each completion runs. CB wins back the decode slots a static batch spends on finished
+rows, so the lengths' spread decides it; a benchmark names its spread (``cbkit sweep --lengths``): ``natural`` (EOS
+decides), ``fixed`` (all to ``max_new_tokens``, the zero-spread control) or ``replay:gsm8k`` (GSM8K train solution
+lengths in SmolLM2 tokens, p95 scaled to the limit). Outside ``natural`` EOS is ignored, as vLLM's benchmark replays
+ShareGPT's output lengths: both backends do the same useful work.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ KINDS = ("natural", "fixed", "replay:gsm8k")
 
 @dataclass(frozen=True)
 class LengthWorkload:
-    """A parsed ``--lengths`` value (`parse_lengths`)."""
+    """A parsed ``--lengths`` value."""
 
     spec: str
     source_lengths: tuple[int, ...] = field(default=(), repr=False)  # replay:gsm8k's distribution, unscaled
@@ -40,8 +34,8 @@ class LengthWorkload:
         return scale_to_limit(self.source_lengths, max_new_tokens) if self.source_lengths else []
 
     def targets(self, rows: int, max_new_tokens: int, seed: int) -> list[int] | None:
-        """One target per completion row (group order), drawn with replacement from (seed, rows) only: both
-        backends at a sweep point get the same targets, and a rerun reproduces them. None for ``natural``."""
+        """One target per completion row, drawn from (seed, rows) only, so both backends at a point get the same;
+        None for ``natural``."""
         pool = self.distribution(max_new_tokens)
         if not pool:
             return None
@@ -94,6 +88,5 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
 
 
 def decode_padding_share(lengths: Sequence[int]) -> float:
-    """Share of a static batch's decode slots that compute padding: rows x the longest length slots, of which the
-    lengths are useful (prompt padding is not counted: both backends' prefill pays it alike)."""
+    """Share of a static batch's decode slots (rows x the longest) that compute padding."""
     return 1 - sum(lengths) / (len(lengths) * max(lengths))

@@ -1,12 +1,9 @@
 """Prompts for GRPO rollouts: a seeded synthetic generator (the offline default), GSM8K (hub or local JSONL) and
-reasoning-gym's procedural tasks, all as `Problem`s.
-
-Answers end in GSM8K's own `#### <number>`, so one extractor (`rewards.extract_answer`) reads gold answers and
-completions alike.
-"""
+reasoning-gym's procedural tasks, all as `Problem`s whose answers end in GSM8K's `#### <number>`."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -81,9 +78,7 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
     def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
         with path.open(encoding="utf-8") as f:
             lines = ((n, line) for n, line in enumerate(f, start=1) if line.strip())
-            for taken, (lineno, line) in enumerate(lines):
-                if limit is not None and taken >= limit:
-                    return
+            for lineno, line in itertools.islice(lines, limit):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -145,8 +140,7 @@ def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
 
 def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, Any] | None = None) -> list[Problem]:
     """`n` problems of the reasoning-gym dataset named in `source` (e.g. `reasoning-gym:chain_sum`), drawn with
-    `seed` at the difficulty `options` sets: arithmetic whose difficulty is a knob, so a run can sit where a small
-    model is sometimes right (docs/learning.md). Score them with `verified_reward`."""
+    `seed` at the difficulty `options` sets (docs/learning.md)."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -172,8 +166,8 @@ def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, An
 
 def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0,
                   options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """The one entry point (the forms in `ACCEPTED_SOURCES`). `n` caps the count (GSM8K's first rows, in file
-    order); `seed` is for generated sources, `options` for reasoning-gym's difficulty knobs."""
+    """The one entry point (the forms in `ACCEPTED_SOURCES`): `n` caps the count, `seed` is for generated sources,
+    `options` for reasoning-gym's knobs."""
     _check_count(n, "n")
     procedural = source.startswith(PROCEDURAL)
     if options and not procedural:
@@ -181,23 +175,20 @@ def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0
                          f"Remove data_options, or use data='{PROCEDURAL}<dataset>'.")
     kind, _, split = source.partition(":")
     if procedural:
-        problems = procedural_problems(source, GENERATED_N if n is None else n, seed, options)
-    elif source == "synthetic":
-        problems = synthetic_gsm(GENERATED_N if n is None else n, seed=seed)
-    elif kind in ("gsm8k", "gsm8k-local") and split in ("", "test", "train"):
-        problems = (_gsm8k_hub if kind == "gsm8k" else _gsm8k_local)(split or "test", n)
-    elif source.endswith(".jsonl"):
-        problems = load_gsm8k_jsonl(source, limit=n)
-    else:
-        accepted = "\n  ".join(ACCEPTED_SOURCES)
-        raise ValueError(f"unknown problem source {source!r}; accepted forms:\n  {accepted}")
-    return problems
+        return procedural_problems(source, GENERATED_N if n is None else n, seed, options)
+    if source == "synthetic":
+        return synthetic_gsm(GENERATED_N if n is None else n, seed=seed)
+    if kind in ("gsm8k", "gsm8k-local") and split in ("", "test", "train"):
+        return (_gsm8k_hub if kind == "gsm8k" else _gsm8k_local)(split or "test", n)
+    if source.endswith(".jsonl"):
+        return load_gsm8k_jsonl(source, limit=n)
+    accepted = "\n  ".join(ACCEPTED_SOURCES)
+    raise ValueError(f"unknown problem source {source!r}; accepted forms:\n  {accepted}")
 
 
 def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,
                     system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
-    """Token ids of the chat-formatted prompt (system + user + generation prompt); `system_prompt=None` sends the
-    user turn alone, for chat templates that reject a system role."""
+    """Token ids of the chat-formatted prompt; `system_prompt=None` sends the user turn alone."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{type(tokenizer).__name__} has no chat template, so prompts cannot be formatted as a chat. "
                          "Load an instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) or set "

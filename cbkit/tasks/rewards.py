@@ -1,9 +1,7 @@
 """Answer extraction and the reward functions, each `fn(completions, answers) -> list[float]`.
 
-GRPO learns only from reward differences inside a group, so the rewards are cheap, deterministic and strict enough
-to separate completions: `correctness_reward` reads the answer leniently (a right number badly formatted is still
-right), `format_reward` pays the `#### <number>` line the system prompt asks for, graded so that a group differs
-before any completion is perfect. Numbers compare as floats within 1e-6 after `normalize_number`.
+GRPO learns only from reward differences inside a group: `correctness_reward` reads the answer leniently,
+`format_reward` pays the `#### <number>` line, graded so that a group differs before any completion is perfect.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ def _number(text: str, last: bool = False) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The answer a completion commits to, normalised: the last "#### <n>", else the last "\\boxed{n}", else the
-    number after the last "answer is" / "Answer:" / "A:" on its line, else the last number; None if none."""
+    """The answer a completion commits to: the last "#### <n>", else the last "\\boxed{n}", else the number after the
+    last "answer is" / "Answer:" / "A:" on its line, else the last number; None if none."""
     hashes = list(_HASH_ANSWER.finditer(text))
     if hashes:
         return _number(text[hashes[-1].start() + len(_HASHES) :])
@@ -87,8 +85,8 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
 
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 if the last non-empty line is "#### <number>" and the only such line, 0.5 if the form appears otherwise
-    (answered, then kept talking, or a stack of answer lines a run learned to game), else 0.0."""
+    """1.0 if the last non-empty line is "#### <number>" and the only such line, 0.5 if the form appears otherwise,
+    else 0.0."""
     _check_lengths(completions, answers)
     out = []
     for completion in completions:
@@ -100,24 +98,21 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
 
 
 def format_if_correct_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """`format_reward`, paid only where `correctness_reward` is 1, so a gamed format cannot earn it
-    (docs/learning.md)."""
+    """`format_reward`, paid only where `correctness_reward` is 1, so a gamed format cannot earn it."""
     return [f * c for f, c in zip(format_reward(completions, answers), correctness_reward(completions, answers),
                                   strict=True)]
 
 
 def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 where math-verify (TRL's and open-r1's checker) finds the gold answer as the completion's final answer,
-    written as a number (math-verify evaluates a final expression, so "7 + 7" would be "right" for 14: a run learned
-    to end by echoing the question); else 0.0. Held-out accuracy is always this score."""
+    written as a number (so echoing "7 + 7" is not "right" for 14); else 0.0. Held-out accuracy is this score."""
     _check_lengths(completions, answers)
     try:
         from math_verify import parse, verify
     except ImportError as e:
         raise ModuleNotFoundError("verified_reward needs math-verify: pip install math-verify "
                                   "(cbkit's default install has it).") from e
-    # math-verify times out with SIGALRM, which only the main thread may use; elsewhere it runs without one, and
-    # would log that for every call.
+    # math-verify times out with SIGALRM, which only the main thread may use; elsewhere it logs that at every call.
     main = threading.current_thread() is threading.main_thread()
     timeout = 5 if main else None
     if not main:
@@ -148,9 +143,8 @@ WeightsArg = Mapping[str, float] | Sequence[float] | None
 def resolve_rewards(
     reward_funcs: RewardsArg = None, reward_weights: WeightsArg = None, *, names_are_builtin: bool = True
 ) -> tuple[dict[str, Any], list[float]]:
-    """The reward functions by name (`correctness_reward` -> `correctness`; None: `DEFAULT_REWARDS`; a string is a
-    built-in, or with `names_are_builtin=False` a TRL reward model's id) and one weight each (a list, a dict by name,
-    or None: 1.0 each as in TRL, `DEFAULT_REWARD_WEIGHTS` for a built-in named by its string)."""
+    """The reward functions by name (`correctness_reward` -> `correctness`; a string is a built-in, or with
+    `names_are_builtin=False` a TRL reward model's id) and one weight each (None: 1.0, or a built-in's default)."""
     if reward_funcs is None:
         reward_funcs = list(DEFAULT_REWARDS)
     if callable(reward_funcs) or isinstance(reward_funcs, str):
@@ -196,7 +190,7 @@ def reward_scores(
     name: str, fn: Callable[..., Any], completions: list[str], answers: list[str], num_generations: int | None = None
 ) -> list[float]:
     """One reward function's scores, checked: a failure, a wrong count or a score that is not a finite number stops
-    with the function's name and the completion (and its prompt, given `num_generations`) that caused it."""
+    with the function's name and the completion that caused it."""
 
     def where(i: int) -> str:
         shown = completions[i] if len(completions[i]) <= 300 else completions[i][:300] + "..."
@@ -238,8 +232,7 @@ def compute_rewards(
     weights: WeightsArg = None,
     num_generations: int | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
-    """The weighted sum of the reward functions (`resolve_rewards`), and each one's checked scores keyed by
-    `reward/<name>`."""
+    """The weighted sum of the reward functions, and each one's checked scores keyed by `reward/<name>`."""
     _check_lengths(completions, answers)
     funcs, resolved = resolve_rewards(rewards, weights)
     total = [0.0] * len(completions)

@@ -1,6 +1,5 @@
 """cbkit's config onto TRL's `GRPOConfig` / `RLOOConfig`: most fields keep TRL's names; the exceptions (vLLM-named
-IS fields, steps counted in updates, a constant learning rate) and the CB engine config are here
-(docs/trl_bridge.md)."""
+IS fields, steps counted in updates, a constant learning rate) are here (docs/trl_bridge.md)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **
 
 
 def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo", **overrides: Any):
-    """A `trl.RLOOConfig` (see `trl_grpo_config`): `scale_rewards` becomes `normalize_advantages`; settings RLOO
-    lacks are dropped, with a warning when they differ from TRL's GRPO defaults."""
+    """A `trl.RLOOConfig` (see `trl_grpo_config`); settings RLOO lacks are dropped, with a warning if not defaults."""
     values = _cbkit_values(cfg_or_kwargs)
     values.pop("advantage_estimator", None)  # RLOO is the leave-one-out estimator whatever the config says
     if "scale_rewards" in values:
@@ -123,9 +121,8 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
 
 
 def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
-    """Pop the fields TRL counts differently and return them in TRL's units: a cbkit step is one rollout and
-    `num_iterations` updates, a TRL step one update; cbkit's prompts x N completions a step are split into
-    `gradient_accumulation_steps` micro-batches of `per_device_train_batch_size` (one process)."""
+    """Pop the fields TRL counts differently and return them in TRL's units: a cbkit step is `num_iterations` TRL
+    updates, and its prompts x N completions `gradient_accumulation_steps` micro-batches."""
     iterations = int(values.get("num_iterations", 1) or 1)
     out: dict[str, Any] = {}
     values.pop("reward_funcs", None)

@@ -13,8 +13,7 @@ from cbkit.tasks.rewards import resolve_rewards, reward_scores
 
 
 def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
-    """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column (with `system_prompt` unless
-    None) and the gold `answer`."""
+    """cbkit `Problem`s as the dataset TRL expects: a conversational `prompt` column and the gold `answer`."""
     from datasets import Dataset
 
     head = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
@@ -25,9 +24,8 @@ def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
 
 
 class TRLReward:
-    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls: the gold answers from the dataset
-    column `answer_column`, chat completions reduced to their text, `__name__` kept (TRL logs
-    `rewards/<__name__>/mean`). A class rather than a closure so it pickles like `fn` does."""
+    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls, `__name__` kept for TRL's logs. A
+    class rather than a closure so it pickles like `fn` does."""
 
     def __init__(self, fn: Callable[[list[str], list[str]], list[float]], answer_column: str = "answer") -> None:
         self.fn = fn
@@ -58,24 +56,15 @@ def _is_trl_native(fn) -> bool:
 
 
 def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_column: str = "answer"):
-    """TRL's reward list and weights by the loop's rules (`resolve_rewards`): cbkit rewards wrapped in `TRLReward`,
-    TRL-native ones and reward-model ids as they are. Without `reward_weights` the config's, matched to the
-    functions by name, so a TRL run weighs the rewards as cbkit's loop does; neither: None (TRL's 1.0 each)."""
+    """TRL's reward list and weights by the loop's rules (`resolve_rewards`), cbkit rewards wrapped in `TRLReward`.
+    Without `reward_weights`, the config's matched by name; neither: None (TRL's 1.0 each)."""
     if reward_weights is None and cfg is not None:
-        if isinstance(cfg, Mapping):
-            names, reward_weights = cfg.get("reward_funcs"), cfg.get("reward_weights")
-        else:
-            resolve = getattr(cfg, "resolved_reward_weights", None)
-            names = getattr(cfg, "reward_funcs", None)
-            reward_weights = resolve() if callable(resolve) else getattr(cfg, "reward_weights", None)
+        from cbkit.trl.config import _cbkit_values
+
+        values = _cbkit_values(cfg)
+        names, reward_weights = values.get("reward_funcs"), values.get("reward_weights")
         if reward_weights is not None and names is not None and isinstance(reward_funcs, Mapping):
             reward_weights = {n: float(w) for n, w in zip(names, reward_weights, strict=True) if n in reward_funcs}
-        elif reward_weights is not None:
-            count = 1 if callable(reward_funcs) or isinstance(reward_funcs, str) else len(reward_funcs)
-            if count != len(reward_weights):
-                raise ValueError(f"The config's reward_weights {list(reward_weights)} are for {len(reward_weights)} "
-                                 f"reward functions, got {count}. Pass reward_funcs as a name -> fn dict with the "
-                                 "config's names, or reward_weights= explicitly.")
     funcs, weights = resolve_rewards(reward_funcs, reward_weights, names_are_builtin=False)
     adapted = [f if _is_trl_native(f) else TRLReward(f, answer_column) for f in funcs.values()]
     return adapted, None if reward_weights is None else weights

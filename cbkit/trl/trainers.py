@@ -1,8 +1,7 @@
 """TRL's trainers with CB rollouts that keep the engine's sampling logprobs.
 
 Released TRL asks the CB engine for no logprobs and gates its importance-sampling correction on vLLM, so with CB
-the correction never runs. `CBLogprobGRPOTrainer` makes the smallest change that lets it run; `CBRLOOTrainer` takes
-the same CB call. docs/trl_bridge.md lists the TRL lines this depends on (pinned by tests/test_trl_bridge.py).
+the correction never runs. `CBLogprobGRPOTrainer` makes the smallest change that lets it run (docs/trl_bridge.md).
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ else:
 
 
 class _CBRollouts(_TrainerHost):
-    """TRL's CB branch as both bridge trainers run it, through cbkit's engine: cut at the stop ids, logprobs kept,
-    failures raised, a seed per call. Mixed into a TRL trainer, which sets the attributes below."""
+    """TRL's CB branch through cbkit's engine, for both bridge trainers: logprobs kept, a seed per call."""
 
     args: Any
     _dist: Any
@@ -74,8 +72,7 @@ class _CBRollouts(_TrainerHost):
         return [list(c.completion_ids) for c in completions], [list(c.sampling_logprobs or ()) for c in completions]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's `train`, after which the caller's model has its own `forward` again (accelerate's mixed-precision
-        wrapper left on it would break cbkit's later CB rollouts)."""
+        """TRL's `train`, then the model's own `forward` back (accelerate's wrapper breaks later CB rollouts)."""
         found = {k: self.model.__dict__.get(k) for k in ("forward", "_original_forward")}
         try:
             return super().train(*args, **kwargs)
@@ -87,15 +84,13 @@ class _CBRollouts(_TrainerHost):
                     self.model.__dict__[k] = v
 
     def _engine_for(self, model) -> Engine:
-        """One engine per trainer, on the model TRL generates with."""
         if self._cb_engine is None or self._cb_engine.model is not model:
             self._cb_engine = Engine(model, self.args.transformers_continuous_batching_config)
         return self._cb_engine
 
 
 class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path
-    (`use_transformers_continuous_batching=True` without vLLM, which has the logprobs already)."""
+    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path."""
 
     _is_gate_open = False
     _scoring = False
@@ -112,13 +107,11 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
                              f"got {self.vllm_importance_sampling_mode!r}.")
         truncated = (self.top_p is not None and self.top_p < 1.0) or (self.top_k or 0) > 0 or self.min_p
         if self.vllm_importance_sampling_correction and truncated:
-            warnings.warn(f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the "
-                          "engine's sampling logprobs are under the truncated distribution, TRL's old logprobs under "
-                          "temperature only, so the IS ratio is biased below 1 even on identical weights (as on "
-                          "TRL's vLLM path). Use top_p=1.0, top_k=0 for an unbiased correction.", stacklevel=2)
+            warnings.warn(f"IS correction with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: the sampling "
+                          "logprobs are of the truncated distribution, TRL's of the full one, so the IS ratio is "
+                          "biased below 1. Use top_p=1.0, top_k=0 for an unbiased correction.", stacklevel=2)
 
-    # -- the gate: `use_vllm` reads True only where TRL computes and applies the IS ratio --
-
+    # The gate: `use_vllm` reads True only where TRL computes and applies the IS ratio.
     @property
     def use_vllm(self) -> bool:
         return self._is_gate_open
@@ -158,8 +151,6 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
         with self._gate("importance_sampling_ratio" in inputs):
             return super()._compute_loss(model, inputs)
 
-    # -- generation: TRL's CB call, keeping the logprobs --
-
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
         return self._cb_generate(prompt_ids, images)
@@ -168,9 +159,8 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 @contextmanager
 def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, *,
                              keep: torch.nn.Module | None = None) -> Iterator[None]:
-    """Inside the block ``model``'s floating-point weights and buffers are ``dtype`` copies (``keep``'s stay: TRL's
-    ``cast_lm_head_to_fp32``); after it, the very tensors it had before, so training goes on from the fp32 weights
-    (TRL's in-place ``model.to(dtype)`` would round away every update under half of bf16's spacing)."""
+    """Inside the block ``model``'s float weights are ``dtype`` copies (``keep``'s stay), after it the fp32 tensors
+    again: TRL's in-place ``model.to(dtype)`` would round away every update under half of bf16's spacing."""
     if dtype is None:
         yield
         return
@@ -189,8 +179,8 @@ def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, 
 
 @contextmanager
 def plain_forward(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model``'s own ``forward`` inside the block: accelerate's mixed-precision one calls ``.float()`` on the
-    CB engine's ``PagedAttentionCache`` and kills its loop. The rollout's weights are in the half dtype already."""
+    """``model``'s own ``forward`` inside the block: accelerate's mixed-precision one calls ``.float()`` on the CB
+    engine's ``PagedAttentionCache`` and kills its loop."""
     wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     if wrapped is None:
         yield
@@ -203,8 +193,7 @@ def plain_forward(model: torch.nn.Module) -> Iterator[None]:
 
 
 class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
-    """`trl.RLOOTrainer` with the GRPO bridge's CB call; RLOO in TRL 1.16 has no IS correction, so the logprobs
-    are dropped."""
+    """`trl.RLOOTrainer` with the GRPO bridge's CB call; TRL's RLOO has no IS correction: the logprobs are dropped."""
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
         if not self.use_transformers_continuous_batching or self.use_vllm:
@@ -215,9 +204,8 @@ class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
 def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None, *, output_dir: str | None = None,
                   reward_weights: Mapping[str, float] | Sequence[float] | None = None, answer_column: str = "answer",
                   eval_dataset=None, callbacks=None, **overrides: Any):
-    """TRL's trainer for a cbkit run: the config's `advantage_estimator` picks GRPO (default) or RLOO; on the CB
-    path the bridge's subclass, otherwise the stock trainer. `reward_funcs` as `trl_rewards` takes them;
-    `overrides`: `GRPOConfig` / `RLOOConfig` arguments under TRL's names."""
+    """TRL's trainer for a cbkit run: GRPO or RLOO by the config's `advantage_estimator`, the bridge's subclass on the
+    CB path; `overrides` are `GRPOConfig` / `RLOOConfig` arguments under TRL's names."""
     rloo = (cfg.get("advantage_estimator") if isinstance(cfg, Mapping)
             else getattr(cfg, "advantage_estimator", None)) == "rloo"  # any other but grpo: trl_grpo_config refuses
     funcs, weights = trl_rewards(reward_funcs, reward_weights, cfg, answer_column)

@@ -140,7 +140,7 @@ def write_report(points: Points, path: str | os.PathLike,
                  meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
     """Write one self-contained HTML page to ``path`` and return it: the run's settings, the charts (plotly's
     JS inline, so it opens offline) and the tables `cbkit report` prints."""
-    from cbkit.measure.tables import points_table, step_split_table
+    from cbkit.measure.results import points_table, step_split_table
 
     figures = [throughput_vs_n(points), memory_vs_n(points)]
     tables = [points_table([dict(p) for p in sorted(points, key=_order)])]
