@@ -8,6 +8,8 @@ Prints the median step, rollout-wait and training seconds per loop and appends o
 the engine thread and the training share the same cores, so overlap buys little or nothing; on a GPU the
 rollout's decode steps leave the device mostly idle between kernels, which is what the overlap fills.
 """
+# Runs against cbkit as of commit 7648080 (`git worktree add /tmp/at-7648080 7648080`): the names it imports left the
+# package after this probe was run; its result stays in lab/ with the command that made it.
 
 from __future__ import annotations
 

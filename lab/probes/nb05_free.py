@@ -4,6 +4,8 @@ after loading and after each run.
     OMP_NUM_THREADS=1 .venv/bin/python lab/probes/nb05_free.py
 
 Results: lab/memory.md."""
+# Runs against cbkit as of commit 7648080 (`git worktree add /tmp/at-7648080 7648080`): the names it imports left the
+# package after this probe was run; its result stays in lab/ with the command that made it.
 
 import time
 

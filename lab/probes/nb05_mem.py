@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python lab/probes/nb05_mem.py 4 5 8 48   # k=4, 5 steps, N=8, 48 tokens
 
 Run before `train_runs` released memory between runs. Results: lab/memory.md."""
+# Runs against cbkit as of commit 7648080 (`git worktree add /tmp/at-7648080 7648080`): the names it imports left the
+# package after this probe was run; its result stays in lab/ with the command that made it.
 
 import sys
 import time

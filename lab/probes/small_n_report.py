@@ -6,6 +6,8 @@ the same process, CB's peak memory against generate()'s, and the repeats behind 
 against the roofline of its shape.
 Usage: python lab/probes/small_n_report.py lab/results/small-n-fixed.jsonl lab/results/small-n-replay.jsonl
 """
+# Runs against cbkit as of commit e0f16eb (`git worktree add /tmp/at-e0f16eb e0f16eb`): the names it imports left the
+# package after this probe was run; its result stays in lab/ with the command that made it.
 
 from __future__ import annotations
 
