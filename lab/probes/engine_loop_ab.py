@@ -3,6 +3,8 @@
 SmolLM2 (`smollm2-offline`, fp32), one GSM8K prompt x N, EOS off, TOKENS new tokens each (the `fixed` workload).
 Usage: python lab/probes/engine_loop_ab.py [N] [TOKENS] [PAIRS]
 """
+# Runs against cbkit as of commit d091adf (`git worktree add /tmp/at-d091adf d091adf`): its `engine_loop` option left the
+# package after this probe was run (the loop is now chosen by device); its result stays in lab/.
 
 from __future__ import annotations
 
