@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sys
 
-from cbkit.measure.results import aggregate, read_results
 from cbkit.measure.tables import results_summary, roof_table
+
+from cbkit.measure.results import aggregate, read_results
 
 
 def ratio_table(points) -> str:
