@@ -48,7 +48,7 @@ EDITS = {
         Edit(3, "TOKEN_BUDGET = 64", "TOKEN_BUDGET = 1024", "`TOKEN_BUDGET = 1024`", until="for s in trace.steps[:8]"),
     ],
     "02_logprob_correctness": [
-        Edit(1, "TOP_P = 0.7", "TOP_P = 0.95", "`TOP_P = 0.95`", until="sequence_log_ratios(tp"),
+        Edit(1, "TOP_P = 0.7", "TOP_P = 0.95", "`TOP_P = 0.95`", until="trl_seq = torch.stack("),
         Edit(2, "                      disable_tqdm=True)",
              '                      disable_tqdm=True, importance_sampling_mode="token_truncate")',
              '`importance_sampling_mode="token_truncate"`', until="seq_weight = kept.is_weights"),

@@ -10,6 +10,7 @@ logprobs" pass would use; a resumed async run against the uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import pytest
@@ -20,7 +21,6 @@ from cbkit.models.load import load_policy
 from cbkit.rollout import SamplingParams, upstream
 from cbkit.rollout.async_cb import AsyncEngine
 from cbkit.train.objective import policy_logprobs
-from cbkit.train.offpolicy import input_versions, versioned_logprobs
 from tests.helpers import TIMING, config, same_weights, trainer, untimed_metrics
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
@@ -40,6 +40,32 @@ def _perturb(model, scale: float = 0.05) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn_like(p))
+
+
+@torch.no_grad()
+def _versioned_logprobs(model, weights, c) -> torch.Tensor:
+    """`c`'s logprobs as the engine computed them: each run of input positions (prompt, then its tokens but the last)
+    of one recorded version goes through `model` loaded with that version, on the KV cache the earlier runs left."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    # transformers 5.x renames `past_key_values` to `cache`; the DynamicCache is filled in place either way.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    versions = list(c.prompt_versions) + list(c.policy_versions[1:])
+    ids = torch.tensor([list(c.prompt_ids) + list(c.completion_ids)])
+    cache, logits, start = DynamicCache(), [], 0
+    while start < len(versions):
+        end = start
+        while end < len(versions) and versions[end] == versions[start]:
+            end += 1
+        model.load_state_dict(weights[versions[start]])
+        out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end)[None], use_cache=True,
+                    **{name: cache})
+        logits.append(out.logits[0].float())
+        start = end
+    p = len(c.prompt_ids)
+    return torch.cat(logits)[p - 1 :].log_softmax(-1).gather(-1, ids[0, p:, None]).squeeze(-1)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -85,11 +111,12 @@ def test_is_on_engine_logprobs_is_exact_where_an_after_the_fact_forward_is_not(s
     model, _ = load_policy("tiny", seed=0)
     for c in rollout.completions:
         engine = torch.tensor(c.sampling_logprobs)
-        replay = versioned_logprobs(model, weights, c.prompt_ids, c.completion_ids, input_versions(c))
+        replay = _versioned_logprobs(model, weights, c)
         assert (replay - engine).abs().max().item() < 1e-4
         for version in (0, 1):
-            single = versioned_logprobs(model, weights, c.prompt_ids, c.completion_ids, [version] * (
-                len(c.prompt_ids) + len(c.completion_ids) - 1))
+            n = len(c.completion_ids)
+            single = _versioned_logprobs(model, weights, dataclasses.replace(
+                c, prompt_versions=(version,) * len(c.prompt_ids), policy_versions=(version,) * n))
             assert (single - engine).abs().max().item() > 1e-2, version
         # The IS ratio against the current policy (version 1) is what the loss uses: with the engine's logprobs it
         # is the replay's; with the after-the-fact denominator (version 1 itself) it would be exactly 1.

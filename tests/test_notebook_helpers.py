@@ -4,6 +4,8 @@ committed form."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -145,22 +147,22 @@ def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
 # --- logprob pairs and their figures -------------------------------------------------------------------------
 
 
-def test_logprob_pairs_separate_the_truncation_from_the_engine(tiny):
-    from cbkit.train.logprobs import logprob_pairs, sequence_log_ratios
+def test_the_processed_reference_separates_the_truncation_from_the_engine(tiny):
+    """02's top-p comparison: under the sampler's nucleus the teacher-forced logprobs agree with the engine's; the
+    temperature-only reference (TRL's) gives every sampled token less mass, so every sequence ratio is below 1."""
+    from cbkit.train.logprobs import teacher_forced_logprobs
 
     tok = tiny.tokenizer
     nucleus = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.7, top_k=0, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id, seed=0)
     rollout = make_backend("continuous", tiny.model).generate([[5, 6, 7, 8]], 4, nucleus)
-    pairs = logprob_pairs(tiny.model, rollout, nucleus)
-    assert (pairs["sampling"] - pairs["processed"]).abs().max() < 1e-4  # same distribution: agree
-    # the temperature-only reference gives every sampled token less mass than the nucleus did
-    assert (pairs["temperature_only"] <= pairs["processed"] + 1e-6).all()
-    assert (pairs["temperature_only"] < pairs["processed"] - 1e-3).any()
-    per_seq = sequence_log_ratios(pairs["temperature_only"] - pairs["sampling"], pairs["sequence"])
-    assert per_seq.shape == (4,) and (per_seq < 0).all()
-    with pytest.raises(ValueError, match="carries no sampling logprobs"):
-        logprob_pairs(tiny.model, rollout.without_logprobs("dropped"), nucleus)
+    sampled = [torch.tensor(c.sampling_logprobs) for c in rollout.completions]
+    processed = torch.cat(teacher_forced_logprobs(tiny.model, rollout.completions, nucleus))
+    plain = teacher_forced_logprobs(tiny.model, rollout.completions, dataclasses.replace(nucleus, top_p=1.0))
+    assert (torch.cat(sampled) - processed).abs().max() < 1e-4  # same distribution: agree
+    assert (torch.cat(plain) <= processed + 1e-6).all()
+    assert (torch.cat(plain) < processed - 1e-3).any()
+    assert all((p - s).sum() < 0 for p, s in zip(plain, sampled, strict=True))
 
 
 def test_without_logprobs_drops_them_and_says_why(tiny):

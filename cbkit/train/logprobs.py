@@ -4,7 +4,6 @@ the IS correction would "correct" a bug).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -57,27 +56,3 @@ def logprob_check(model, rollout: Rollout, sampling: SamplingParams) -> dict[str
     pairs = zip(rollout.completions, ref, strict=True)
     diffs = torch.cat([(torch.tensor(c.sampling_logprobs) - r).abs() for c, r in pairs])
     return {"logprob/max_abs_diff": diffs.max().item(), "logprob/mean_abs_diff": diffs.mean().item()}
-
-
-@torch.no_grad()
-def logprob_pairs(model, rollout: Rollout, sampling: SamplingParams, batch_size: int = 16) -> dict[str, torch.Tensor]:
-    """Every completion token's sampling logprob beside the teacher-forced `processed` (cbkit's IS reference) and
-    `temperature_only` (TRL's), flattened, with `sequence` (each token's completion index)."""
-    if not rollout.has_logprobs:
-        raise ValueError(f"This {rollout.backend!r} rollout carries no sampling logprobs "
-                         f"({rollout.logprobs_missing_reason}); there is nothing to compare.")
-    completions = rollout.completions
-    processed = teacher_forced_logprobs(model, completions, sampling, batch_size)
-    plain = dataclasses.replace(sampling, top_k=0, top_p=1.0)
-    temperature_only = teacher_forced_logprobs(model, completions, plain, batch_size)
-    return {
-        "sampling": torch.cat([torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in completions]),
-        "processed": torch.cat(processed),
-        "temperature_only": torch.cat(temperature_only),
-        "sequence": torch.cat([torch.full((len(c.completion_ids),), i) for i, c in enumerate(completions)]),
-    }
-
-
-def sequence_log_ratios(log_ratio: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
-    """Per-token log ratios summed per completion: the log of a sequence-level importance ratio."""
-    return torch.zeros(int(sequence.max()) + 1, dtype=log_ratio.dtype).index_add_(0, sequence, log_ratio)

@@ -1,13 +1,13 @@
 """Off-policy rollouts: a fixed lag (`LaggedRollouts`, k updates old) and async rollouts (`AsyncRollouts`: step
 t+1 decodes while step t trains, a completion's tokens from two versions), both reporting `offpolicy/*`. IS on the
-engine's own logprobs stays exact when weights change mid-sequence (`versioned_logprobs`, `docs/off_policy.md`).
+engine's own logprobs stays exact when weights change mid-sequence (`docs/off_policy.md`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -199,41 +199,3 @@ class AsyncRollouts(RolloutSource):
 
     def close(self) -> None:
         self.engine.close()
-
-
-@torch.no_grad()
-def versioned_logprobs(model: torch.nn.Module, weights: Mapping[int, Mapping[str, Tensor]], prompt_ids: Sequence[int],
-                       completion_ids: Sequence[int], position_versions: Sequence[int],
-                       temperature: float = 1.0) -> Tensor:
-    """Logprobs of `completion_ids` as an engine computed them when its weights changed mid-sequence: each run of
-    input positions of one `position_versions` version goes through `model` (overwritten) on the cache so far."""
-    import inspect
-
-    from transformers import DynamicCache
-
-    ids = list(prompt_ids) + list(completion_ids)
-    n_in = len(ids) - 1
-    if len(position_versions) != n_in:
-        raise ValueError(f"position_versions has {len(position_versions)} entries for {n_in} input positions.")
-    device = next(model.parameters()).device
-    # transformers 5.x renames `past_key_values` to `cache`; the DynamicCache is filled in place either way.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache, logits, start = DynamicCache(), [], 0
-    while start < n_in:
-        version = position_versions[start]
-        end = start
-        while end < n_in and position_versions[end] == version:
-            end += 1
-        model.load_state_dict(weights[version])
-        out = model(input_ids=torch.tensor([ids[start:end]], device=device), use_cache=True,
-                    position_ids=torch.arange(start, end, device=device)[None], **{name: cache})
-        logits.append(out.logits[0].float())
-        start = end
-    p = len(prompt_ids)
-    step_logits = torch.cat(logits)[p - 1 :] / temperature
-    return step_logits.log_softmax(-1).gather(-1, torch.tensor(completion_ids, device=device)[:, None]).squeeze(-1)
-
-
-def input_versions(completion) -> list[int]:
-    """Per input position of a completion (prompt, then its tokens but the last): the version that processed it."""
-    return list(completion.prompt_versions) + list(completion.policy_versions[1:])

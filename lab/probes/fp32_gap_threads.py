@@ -15,7 +15,7 @@ from cbkit.models.load import load_policy
 from cbkit.rollout import SamplingParams, make_backend
 from cbkit.tasks.data import chat_prompt_ids, load_problems
 from cbkit.teach.notebook import setup
-from cbkit.train.logprobs import logprob_pairs
+from cbkit.train.logprobs import teacher_forced_logprobs
 
 torch.set_num_threads(int(sys.argv[1]))
 env = setup("02_logprob_correctness", "ci")
@@ -29,7 +29,7 @@ plain = SamplingParams(max_new_tokens=S.max_new_tokens, temperature=1.0, top_p=1
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=0)
 cb = make_backend("continuous", model, pad_token_id=tok.pad_token_id, cb_config=POOL)
 r = cb.generate(prompts, S.n, plain)
-pairs = logprob_pairs(model, r, plain)
-d = (pairs["sampling"] - pairs["processed"]).abs()
+d = torch.cat([(torch.tensor(c.sampling_logprobs) - ref).abs()
+               for c, ref in zip(r.completions, teacher_forced_logprobs(model, r.completions, plain), strict=True)])
 h = hashlib.sha256(str([c.completion_ids for c in r.completions]).encode()).hexdigest()[:12]
 print(f"threads={torch.get_num_threads()} tokens={h} n={len(d)} max={d.max():.2e} mean={d.mean():.2e}", flush=True)
