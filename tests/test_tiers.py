@@ -160,7 +160,7 @@ def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys
     env = notebook.setup("03_n_sweep", profile="ci")
     assert env.dry_run and env.tier == tier and env.sizes == table.sizes_for("03_n_sweep", tier).dry()
     assert env.rollout_dtype == ("bfloat16" if tier == "a100" else "float16")
-    assert env.pick(ci=1, cpu=2, t4=3, a100=4) == (3 if tier == "t4" else 4)
+    assert env.pick(ci=1, cpu=2, gpu=3) == 3
     pool = env.pool_config(types.SimpleNamespace(config=plan_config(env.sizes.model),
                                                  parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])),
                            [[1] * 10] * 8, 8)

@@ -92,14 +92,9 @@ class NotebookEnv:
         """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
         return micro_batches_for(rows, completion_len, vocab_size, table.LOGITS_BUDGET_BYTES[self.tier])
 
-    def pick(self, *, ci: Any, cpu: Any, gpu: Any = None, t4: Any = None, a100: Any = None) -> Any:
-        """``ci`` under the ci profile, ``cpu`` on a CPU, on a GPU tier (or dry run) its value or ``gpu``."""
-        if self.tier not in GPU_TIERS:
-            return ci if self.profile == "ci" else cpu
-        value = {"t4": t4, "a100": a100}[self.tier]
-        if value is None and gpu is None:
-            raise ValueError(f"no size for the {self.tier!r} tier: give {self.tier}= or gpu= to env.pick.")
-        return gpu if value is None else value
+    def pick(self, *, ci: Any, cpu: Any, gpu: Any) -> Any:
+        """``ci`` under the ci profile, ``cpu`` on a CPU, ``gpu`` on a GPU tier (or its dry run)."""
+        return gpu if self.tier in GPU_TIERS else ci if self.profile == "ci" else cpu
 
     def free_memory_bytes(self) -> int | None:
         """CUDA's free memory; on a dry run the tier's GPU (a CPU's RAM says nothing of a T4); else None."""
