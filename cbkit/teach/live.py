@@ -12,8 +12,7 @@ from cbkit.train.hooks import StepHooks, StepRecord, TrainState
 from cbkit.viz.figures import backend_color
 from cbkit.viz.live import LiveChart
 
-# (panel, [(series label, metric key, scale)]): six panels in two columns, readable without scrolling. Train
-# reward and held-out accuracy share a panel (scores in [0, 1]). Labels are unique: a style is found by label.
+# (panel, [(series label, metric key, scale)]): six panels in two columns; labels are unique (a style is by label).
 TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
     ("reward", (("train reward", "reward/mean", 1.0), ("held-out accuracy", "eval/accuracy", 1.0))),
     ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
