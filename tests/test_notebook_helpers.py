@@ -62,9 +62,6 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
     assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
     assert env.model == notebook.GPU_MODEL
     assert env.pick(ci=1, cpu=2, gpu=3) == 3
-    assert env.pick(ci=1, cpu=2, gpu=3, t4=4, a100=5) == {"t4": 4, "a100": 5}[tier]
-    with pytest.raises(ValueError, match=f"no size for the '{tier}' tier"):
-        env.pick(ci=1, cpu=2)
     assert ("no native bf16" in env.summary()) == (cc[0] < 8) and f"tier '{tier}'" in env.summary()
     # The tier's logits budget sets the micro-batches: 128 completions x 256 tokens over Qwen2.5's vocabulary
     # (0.58 GiB a completion in the loss) is 128 micro-batches of 1 on a T4 (1 GiB), 16 of 8 on an A100 (8 GiB).

@@ -1,8 +1,6 @@
-"""Colab's one surprise: the install cell upgrades a package the kernel had already imported (pyarrow, for
-TRL), and imports then mix versions. Such a package's module has another ``__version__`` than its
-distribution, *and* that was written after the kernel started: a misspelt version alone (certifi's) would
-restart the kernel forever.
-"""
+"""Colab's one surprise: the install cell upgrades a package the kernel had already imported (pyarrow, for TRL),
+and imports then mix versions. Such a module's ``__version__`` differs from its distribution's, *and* that was
+written after the kernel started (a misspelt version alone, certifi's, would restart the kernel forever)."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ _DISTRIBUTIONS = {"sklearn": "scikit-learn", "PIL": "pillow", "yaml": "pyyaml"} 
 
 def replaced_packages(modules: dict | None = None, *,
                       since: float | None = None) -> dict[str, tuple[str, str]]:
-    """Loaded top-level packages whose distribution was installed after ``since`` (default: when this process
-    started) in another version than the one in memory: name -> (loaded, installed)."""
+    """Loaded packages installed after ``since`` (default: process start) in another version: name -> (old, new)."""
     import psutil
 
     since = psutil.Process().create_time() if since is None else since
@@ -45,8 +42,7 @@ def replaced_packages(modules: dict | None = None, *,
 
 
 def restart_if_replaced(*, kill: bool = True) -> dict[str, tuple[str, str]]:
-    """After the install: if a package the kernel had imported was replaced, say so and restart the kernel
-    (Colab brings it back at once; the rerun's install is a no-op). Returns what was replaced."""
+    """After the install: if a package the kernel had imported was replaced, say so and restart the kernel."""
     replaced = replaced_packages()
     if replaced:
         names = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in sorted(replaced.items()))

@@ -1,5 +1,4 @@
-"""`cbkit demo`: one GRPO-shaped rollout through each backend, side by side, with the same sampling
-parameters: tokens/s, peak memory, completion lengths, rewards and the logprob check (backends warmed up)."""
+"""`cbkit demo`: one GRPO-shaped rollout through each backend, side by side, with the same sampling parameters."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ _CELLS = (("left padding", "#d9d9d9"), ("prompt", PALETTE[0]), ("completion", PA
 
 
 def padding_figure(rollout: Any) -> go.Figure:
-    """Every row x position of a ``generate`` rollout's static batch, coloured as left padding, prompt,
-    completion, or the slots a finished row holds until the longest row ends; the title gives the padding."""
+    """Every row x position of a ``generate`` rollout's static batch, coloured by what the slot holds."""
     if rollout.backend != "generate":
         raise ValueError("padding_figure draws the static batch of a 'generate' rollout; got a "
                          f"{rollout.backend!r} rollout (the CB engine packs sequences without padding).")
@@ -45,8 +44,7 @@ def padding_figure(rollout: Any) -> go.Figure:
 
 
 def async_timeline(timeline: Mapping[str, Any], train: Sequence[tuple[float, float, str]] = ()) -> go.Figure:
-    """Requests as rows, one dot per token at the time the engine sampled it, coloured by its policy version;
-    a line where each update landed; shaded spans for training (`train`: (start, end, label) in seconds)."""
+    """Requests as rows, a dot per token when sampled, coloured by policy version; `train`: (start, end, label)."""
     t0, requests = timeline["t0"], timeline["requests"]
     fig = go.Figure()
     for i, version in enumerate(sorted({v for r in requests for v in r["token_versions"]})):

@@ -12,8 +12,7 @@ from cbkit.train.hooks import StepHooks, StepRecord, TrainState
 from cbkit.viz.figures import backend_color
 from cbkit.viz.live import LiveChart
 
-# (panel, [(series label, metric key, scale)]): six panels in two columns, readable without scrolling. Train
-# reward and held-out accuracy share a panel (scores in [0, 1]). Labels are unique: a style is found by label.
+# (panel, [(series label, metric key, scale)]): six panels in two columns; labels are unique (a style is by label).
 TRAINING_PANELS: tuple[tuple[str, tuple[tuple[str, str, float], ...]], ...] = (
     ("reward", (("train reward", "reward/mean", 1.0), ("held-out accuracy", "eval/accuracy", 1.0))),
     ("completion length (tokens)", (("mean length", "completion/mean_length", 1.0),)),
@@ -29,9 +28,8 @@ _PLACE = {label: (i, len(series)) for _, series in TRAINING_PANELS for i, (label
 
 
 def run_style(series: str) -> dict[str, Any]:
-    """A "run: quantity" series: the run's colour (a backend's own) and legend group; a panel's second and
-    third quantities a lighter tint, a dash and a marker of their own (a dash alone is invisible on two
-    points), and their name beside the last point."""
+    """A "run: quantity" series: the run's colour and legend group; a panel's later quantities a lighter tint, a dash
+    and a marker (a dash alone is invisible on two points)."""
     run, _, name = series.rpartition(": ")
     place, count = _PLACE.get(name, (0, 1))
     color = backend_color(run or name)
@@ -43,9 +41,8 @@ def run_style(series: str) -> dict[str, Any]:
 
 
 class LiveMetricsHook(StepHooks):
-    """A live chart of the loop's metrics, one panel per quantity, redrawn (throttled) as steps finish.
-    ``label`` prefixes every series, so two runs drawn into one chart (``chart=``) stay apart. ``records``
-    keeps every training step's record; the chart closes when training ends (``close_on_end``)."""
+    """A live chart of the loop's metrics, one panel per quantity; ``label`` prefixes every series, so two runs drawn
+    into one chart (``chart=``) stay apart. ``records`` keeps every training step's record."""
 
     def __init__(self, label: str = "", *, chart: Any = None, title: str = "GRPO, live",
                  close_on_end: bool = True, **chart_kwargs: Any) -> None:
@@ -76,8 +73,7 @@ class LiveMetricsHook(StepHooks):
 
 def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mode: str = "auto",
                on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """`cbkit.measure.sweep.run_sweep` with a live chart of tokens/s and peak memory against N, a point per
-    run as it lands (runs already in ``out`` first, so a resumed sweep shows all). Returns the points."""
+    """`run_sweep` with a live chart of tokens/s and peak memory against N, a point per run (those in ``out`` first)."""
     from cbkit.measure.results import load_runs
     from cbkit.measure.sweep import run_sweep
 

@@ -35,8 +35,7 @@ A100_MIN_MEMORY = 35 * GiB  # the a100 tier: native bf16 and at least this much 
 # Completions per training forward on a CPU: one row's fp32 activations keep an async step in a laptop's RAM.
 CPU_FORWARD_CHUNK_ROWS = 1
 PHENOMENA_MIME = "application/vnd.cbkit.phenomena+json"
-# One worked example of the answer line: under cbkit's default prompt SmolLM2 rarely reaches "#### <number>"
-# within a CI-sized budget, so every reward and advantage would be zero (lab/cpu_results.md).
+# One worked example of the answer line, so that a CI-sized budget reaches "#### <number>" and rewards are not all 0.
 SHORT_ANSWER_PROMPT = (
     "Answer with one short line of working, then the final line '#### <number>'.\n"
     "Example:\nQ: Sam has 3 bags of 4 apples. How many apples?\nA: 3 * 4 = 12\n#### 12"
@@ -93,14 +92,9 @@ class NotebookEnv:
         """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
         return micro_batches_for(rows, completion_len, vocab_size, table.LOGITS_BUDGET_BYTES[self.tier])
 
-    def pick(self, *, ci: Any, cpu: Any, gpu: Any = None, t4: Any = None, a100: Any = None) -> Any:
-        """``ci`` under the ci profile, ``cpu`` on a CPU, on a GPU tier (or dry run) its value or ``gpu``."""
-        if self.tier not in GPU_TIERS:
-            return ci if self.profile == "ci" else cpu
-        value = {"t4": t4, "a100": a100}[self.tier]
-        if value is None and gpu is None:
-            raise ValueError(f"no size for the {self.tier!r} tier: give {self.tier}= or gpu= to env.pick.")
-        return gpu if value is None else value
+    def pick(self, *, ci: Any, cpu: Any, gpu: Any) -> Any:
+        """``ci`` under the ci profile, ``cpu`` on a CPU, ``gpu`` on a GPU tier (or its dry run)."""
+        return gpu if self.tier in GPU_TIERS else ci if self.profile == "ci" else cpu
 
     def free_memory_bytes(self) -> int | None:
         """CUDA's free memory; on a dry run the tier's GPU (a CPU's RAM says nothing of a T4); else None."""
@@ -121,9 +115,8 @@ class NotebookEnv:
                            max_new_tokens=max_new_tokens, dry_run=self.dry_run)
 
     def check_fits(self, model: Any, config: Any, prompt_ids: Sequence[Sequence[int]]) -> str:
-        """Before training with ``config`` (a `CBGRPOConfig`): the planner's rollout peak with its CB pool
-        beside what training holds (`training_bytes`), as one line. On a GPU or a dry run, raises with what to
-        lower where it does not fit. Under autocast, also measures its drift on the first prompt."""
+        """Before training with ``config``: the planner's rollout peak with its CB pool beside what training holds,
+        as one line; on a GPU or a dry run, raises with what to lower where it does not fit."""
         n, new, chunk = config.num_generations, config.max_completion_length, config.forward_chunk_rows
         micro_rows = len(prompt_ids) * n // config.gradient_accumulation_steps
         train = training_bytes(sum(p.numel() for p in model.parameters()), micro_batch_rows=micro_rows,
@@ -150,8 +143,6 @@ class NotebookEnv:
                 raise MemoryError(f"{line}: training next to the rollout needs more than this GPU's "
                                   f"{total / GiB:.1f} GiB. Lower N or the prompts per step, or raise "
                                   "gradient_accumulation_steps.")
-        if self.autocast_dtype:
-            line += "\n" + autocast_drift(model, prompt_ids[0], self.autocast_dtype)
         return line
 
     @property
@@ -254,19 +245,6 @@ def resolve_profile(profile: str | None = None) -> str:
         raise ValueError(f"{PROFILE_ENV}={profile!r} is not a profile; use one of {PROFILES} "
                          f"(ci: small and offline, as CI runs the notebooks; full: sized for this machine).")
     return profile
-
-
-def autocast_drift(model: Any, ids: Sequence[int], dtype: str) -> str:
-    """How far ``dtype`` autocast moves the next-token logprobs of ``ids`` from the fp32 forward's."""
-    x = torch.tensor([list(ids)], device=next(model.parameters()).device)
-    with torch.no_grad():
-        exact = torch.log_softmax(model(x).logits.float(), -1)
-        with torch.autocast(x.device.type, dtype=getattr(torch, dtype)):
-            mixed = torch.log_softmax(model(x).logits.float(), -1)
-    target = x[:, 1:, None]
-    diff = (exact[:, :-1].gather(-1, target) - mixed[:, :-1].gather(-1, target)).abs()
-    return (f"{dtype} autocast moved the logprobs of {diff.numel()} prompt tokens by up to {diff.max():.2e} "
-            f"nats (mean {diff.mean():.2e}) from the fp32 forward's")
 
 
 def record_phenomena(**values: float | int | bool | str) -> None:

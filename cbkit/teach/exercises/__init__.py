@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -27,7 +27,7 @@ from cbkit.train.offpolicy import fresh_groups
 
 
 class Result(NamedTuple):
-    """A check's verdict: the first failing case's name (None when all passed or not implemented) and its message."""
+    """A check's verdict: the first failing case's name (None when all passed or not implemented), its message."""
 
     passed: bool
     case: str | None
@@ -42,39 +42,6 @@ class Case(NamedTuple):
     args: tuple
     hint: str
     expected: Any = None
-
-
-def grade(exercise: str, fn: Callable[..., Any], cases: Callable[[int], Sequence[Case]],
-          reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None], seed: int | None) -> Result:
-    """Run `fn` on each of `cases(seed)` (a fresh seed when None) against `reference`, called on its own copy of
-    the inputs, or `case.expected`; `compare(expected, got)` returns what differs, or None. Prints the verdict."""
-    seed = random.SystemRandom().randrange(1, 1_000_000) if seed is None else seed
-    replay = f"(seed {seed}: `check_{exercise}(fn, seed={seed})` replays these cases)"
-    table = cases(seed)
-    for case in table:
-        expected = case.expected if reference is None else reference(*copy.deepcopy(case.args))
-        what = ""
-        try:
-            got = fn(*copy.deepcopy(case.args))
-            what = f"returned {show(got)}: "
-            diff = compare(expected, got)
-        except NotImplementedError:
-            result = Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above (it "
-                             "still raises NotImplementedError), run that cell, then run this check again.",
-                             not_implemented=True)
-            break
-        except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
-            diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
-        if diff is not None:
-            inputs = ", ".join(show(a) for a in case.args)
-            result = Result(False, case.name, f"{exercise} fails the case '{case.name}' {replay}\n"
-                            f"      inputs:   ({inputs})\n      expected: {show(expected)}\n"
-                            f"      yours:    {what}{diff}\n      hint:     {case.hint}")
-            break
-    else:
-        result = Result(True, None, f"{exercise}: correct on all {len(table)} cases, the edge cases included {replay}.")
-    print(("PASS  " if result.passed else "TODO  " if result.not_implemented else "FAIL  ") + result.message)
-    return result
 
 
 def show(value: Any) -> str:
@@ -107,10 +74,41 @@ def exact(expected: Any, got: Any) -> str | None:
 
 def _check(reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None] = close,
            ) -> Callable[[Callable[[int], list[Case]]], Callable[..., Result]]:
-    """`check_x(fn, seed=None) -> Result` from the function that draws x's cases from a seed."""
+    """`check_x(fn, seed=None) -> Result` from the function that draws x's cases from a seed (a fresh seed when None):
+    runs `fn` on each case against `reference`, called on its own copy of the inputs, or `case.expected`;
+    `compare(expected, got)` returns what differs, or None. Prints the verdict."""
     def make(cases: Callable[[int], list[Case]]) -> Callable[..., Result]:
+        exercise = cases.__name__.removeprefix("check_")
+
         def check(fn: Callable[..., Any], seed: int | None = None) -> Result:
-            return grade(cases.__name__.removeprefix("check_"), fn, cases, reference, compare, seed)
+            seed = random.SystemRandom().randrange(1, 1_000_000) if seed is None else seed
+            replay = f"(seed {seed}: `check_{exercise}(fn, seed={seed})` replays these cases)"
+            table = cases(seed)
+            for case in table:
+                expected = case.expected if reference is None else reference(*copy.deepcopy(case.args))
+                what = ""
+                try:
+                    got = fn(*copy.deepcopy(case.args))
+                    what = f"returned {show(got)}: "
+                    diff = compare(expected, got)
+                except NotImplementedError:
+                    result = Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above "
+                                    "(it still raises NotImplementedError), run that cell, then run this check again.",
+                                    not_implemented=True)
+                    break
+                except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
+                    diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
+                if diff is not None:
+                    inputs = ", ".join(show(a) for a in case.args)
+                    result = Result(False, case.name, f"{exercise} fails the case '{case.name}' {replay}\n"
+                                    f"      inputs:   ({inputs})\n      expected: {show(expected)}\n"
+                                    f"      yours:    {what}{diff}\n      hint:     {case.hint}")
+                    break
+            else:
+                result = Result(True, None, f"{exercise}: correct on all {len(table)} cases, the edge cases included "
+                                f"{replay}.")
+            print(("PASS  " if result.passed else "TODO  " if result.not_implemented else "FAIL  ") + result.message)
+            return result
 
         check.__name__ = check.__qualname__ = cases.__name__
         check.__doc__ = cases.__doc__
@@ -184,10 +182,9 @@ def check_padding_share(seed: int) -> list[Case]:
 
 
 def schedule_cases(trace: Any, token_budget: int, max_requests: int) -> list[tuple[int, tuple, list]]:
-    """Per step of `trace`: its index, `schedule_step`'s arguments as the scheduler saw them, and what the engine
-    scheduled. Candidates come in `FIFOScheduler.schedule_batch`'s order: decoding, prefilling (in the order first
-    scheduled), then waiting ones in arrival order (cbkit's prefill helpers first), a waiting one from where its
-    prefix-cache match leaves it; `fits` is False for one the engine left out although both budgets had room."""
+    """Per step of `trace`: its index, `schedule_step`'s arguments as the scheduler saw them, what the engine scheduled.
+    Candidates in `FIFOScheduler.schedule_batch`'s order: decoding, prefilling, then waiting ones in arrival order
+    (cbkit's prefill helpers first); `fits` is False for one left out although both budgets had room."""
     read = trace.pool_blocks * trace.page_size  # the engine's cache read budget: the pool's tokens
     lives = trace.lives()  # in the order first scheduled
     start = {r.request_id: r for s in reversed(trace.steps) for r in s.requests}  # each request at its first step
@@ -232,8 +229,8 @@ def _step_hint(args: tuple, engine: list) -> str:
 
 @functools.cache
 def _recorded_steps() -> list[Case]:
-    """A small rollout of the tiny model through the real engine, recorded once: 2 prompts x 4, pages of 16, a pool
-    for three requests unshared, prefills in chunks of 32, fixed lengths (a wrong answer fails where it always does)."""
+    """The tiny model's rollout through the real engine, recorded once, at fixed lengths (a wrong answer always fails
+    at the same step)."""
     tiny = load_policy("tiny", seed=0, device="cpu")
     tok = tiny.tokenizer
     prompts = [tok.encode("Tom has 3 apples and buys 4 more apples at the market. How many apples does he have?"),
@@ -299,11 +296,8 @@ def _masked(expected: Any, got: Any) -> str | None:
     return close(expected, got.where(expected != 0, 0.0) if got.shape == expected.shape else got)
 
 
-def _token_weights(old, sampled, mask, clip_max: float):
-    return importance_weights(old, sampled, mask, "token_truncate", clip_max=clip_max)[0].where(mask, 0.0)
-
-
-@_check(_token_weights, _masked)
+@_check(lambda old, sampled, mask, clip_max: importance_weights(old, sampled, mask, "token_truncate",
+                                                                 clip_max=clip_max)[0].where(mask, 0.0), _masked)
 def check_token_is_weights(seed: int) -> list[Case]:
     """`fn(old, sampled, mask, clip_max) -> [B, T] weights`, against `importance_weights(mode="token_truncate")`.
     Graded on the mask's positions only."""
@@ -324,12 +318,9 @@ def _shape(**kw: Any) -> SimpleNamespace:  # a model config: the fields the plan
                               "sliding_window": None, "layer_types": None, **kw})
 
 
-def _kv_reference(config, rows: int, prompt_len: int, max_new_tokens: int, dtype_bytes: int) -> int:
-    return plan(config, num_prompts=1, num_generations=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                dtype_bytes=dtype_bytes, device="cpu").generate.kv_bytes
-
-
-@_check(_kv_reference, exact)
+@_check(lambda config, rows, prompt_len, new, dtype_bytes: plan(
+    config, num_prompts=1, num_generations=rows, prompt_len=prompt_len, max_new_tokens=new, dtype_bytes=dtype_bytes,
+    device="cpu").generate.kv_bytes, exact)
 def check_static_kv_bytes(seed: int) -> list[Case]:
     """`fn(config, rows, prompt_len, max_new_tokens, dtype_bytes) -> bytes`, against the planner's generate() plan."""
     rng = random.Random(seed)

@@ -25,7 +25,7 @@ _GPU_CONFIG: dict[str, Any] = dict(num_hidden_layers=24, hidden_size=896, interm
 
 
 def plan_config(model: str) -> Any:
-    """The config a plan reads, without weights: a real transformers config, which the admission check builds on."""
+    """A real transformers config without weights (the admission check builds on it)."""
     if model == table.GPU_MODEL:
         from transformers import Qwen2Config
 
@@ -52,8 +52,8 @@ def pool_bytes(config: Any, tier: str, share: float) -> int:
 
 def pool_config(config: Any, sizes: table.Sizes, tier: str, *, dtype_bytes: int, rows: Sequence[Sequence[int]] = (),
                 max_new_tokens: int | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """The pool a notebook runs (`NotebookEnv.pool_config`) and `plan_notebook` plans; ``{}``: cbkit's default. A dry
-    run caps a GPU tier's pool at half the ``rows`` at full length, so that some wait."""
+    """The pool a notebook runs and `plan_notebook` plans (``{}``: cbkit's default); a dry run caps a GPU tier's pool
+    at half the ``rows`` at full length, so that some wait."""
     page, new = table.LESSON_PAGE_SIZE, max_new_tokens or sizes.max_new_tokens
     if sizes.pool_share is not None and tier in table.GPU_TIERS:
         blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page,

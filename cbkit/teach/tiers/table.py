@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 GiB = 2**30
 GPU_TIERS = ("t4", "a100")
-# The GPUs `cbkit tiers` checks: each one's tier and rollout dtype (a T4 has no bf16), total memory as CUDA reports it
-# (a Colab T4: 14.74 GiB, less than its datasheet's 15) and compute capability.
+# The GPUs `cbkit tiers` checks: tier and rollout dtype, total memory as CUDA reports it, compute capability.
 MACHINES: dict[str, tuple[str, str]] = {"t4": ("t4", "float16"), "a100-40": ("a100", "bfloat16"),
                                         "a100-80": ("a100", "bfloat16")}
 DEVICE_BYTES = {"t4": int(14.74 * GiB), "a100-40": 40 * GiB, "a100-80": 80 * GiB}
@@ -63,8 +62,7 @@ class NotebookSpec:
     kind: str  # "train", "rollout" (01), "logprobs" (02) or "sweep" (03)
     sizes: dict[str, Sizes]
     train_runs: tuple[str, ...] = ("continuous",)  # one training run per entry, on that backend
-    # Copies of the fp32 weights kept at the fullest point, where the tier keeps them (`snapshots.place_for_tier`),
-    # whether a run is async (the engine's snapshot, on the GPU), and state dicts held on the CPU on every tier.
+    # fp32 weight copies at the fullest point (`place_for_tier`), an async run's snapshot, state dicts on the CPU.
     weight_copies: int = 0
     async_run: bool = False
     host_copies: int = 0
