@@ -63,7 +63,6 @@ def extract_answer(text: str) -> str | None:
 
 
 def numbers_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:
-    """Both parse as numbers and differ by at most `tol`."""
     na, nb = normalize_number(a), normalize_number(b)
     return na is not None and nb is not None and math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=tol)
 

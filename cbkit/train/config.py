@@ -177,7 +177,6 @@ class CBGRPOConfig:
 
     @property
     def backend(self) -> str:
-        """The rollout backend's name in `cbkit.rollout.make_backend`."""
         return "continuous" if self.use_transformers_continuous_batching else "generate"
 
     @property
@@ -186,7 +185,6 @@ class CBGRPOConfig:
         return self.prompts_per_step * self.num_generations // self.gradient_accumulation_steps
 
     def cb_overrides(self) -> dict[str, Any]:
-        """The CB keys the user set (`make_cb_config` merges cbkit's defaults under them)."""
         return dict(self.transformers_continuous_batching_config)
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,8 +24,6 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
                      estimator: Estimator = "grpo") -> Tensor:
     """Advantages for rewards laid out group after group (prompt 0's N completions first). Shape [B]."""
-    if rewards.dim() != 1 or rewards.numel() == 0:
-        raise ValueError(f"rewards must be a non-empty 1-D tensor, one per completion; got shape {tuple(rewards.shape)}")
     if rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; "
                          f"pass N completions for every prompt (a batch of {num_generations} x number of prompts)")
