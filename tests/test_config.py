@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from cbkit.tasks.rewards import resolve_rewards
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.objective import IS_MODES
 
@@ -17,7 +18,7 @@ def test_defaults_use_trl_names_and_cb_defaults():
     assert c.importance_sampling_mode == "sequence_mask" and c.clip_max == 3.0
     assert c.transformers_continuous_batching_config == {}  # the user's keys only; the engine adds the defaults
     assert c.backend == "continuous" and c.cb_overrides() == {}
-    assert c.resolved_reward_weights() == [1.0, 0.5]
+    assert resolve_rewards(c.reward_funcs, c.reward_weights)[1] == [1.0, 0.5]
     assert all(f.metadata.get("help") for f in dataclasses.fields(CBGRPOConfig)), "every field needs help text"
 
 

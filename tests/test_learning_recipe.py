@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cbkit.cli import main
+from cbkit.tasks.rewards import resolve_rewards
 from cbkit.teach.notebook import SHORT_ANSWER_PROMPT
 from cbkit.train.config import CBGRPOConfig
 from tests.helpers import config, trainer, untimed_metrics
@@ -33,7 +34,8 @@ def test_the_hacking_lesson_and_its_fix_differ_only_in_the_format_gate():
     hack = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_format_hack.yaml")
     fixed = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_format_fixed.yaml")
     assert hack.system_prompt == SHORT_ANSWER_PROMPT
-    assert hack.resolved_reward_weights() == fixed.resolved_reward_weights() == [0.5, 1.0]
+    weights = [resolve_rewards(c.reward_funcs, c.reward_weights)[1] for c in (hack, fixed)]
+    assert weights == [[0.5, 1.0], [0.5, 1.0]]
     assert hack.diff(fixed, ignore=("output_dir",)) == {
         "reward_funcs": (["format", "correctness"], ["format_if_correct", "correctness"]),
         "reward_weights": (None, [0.5, 1.0])}

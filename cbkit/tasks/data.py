@@ -24,13 +24,6 @@ SYSTEM_PROMPT = (
 GSM8K_DIR_ENV = "CBKIT_GSM8K_DIR"
 GENERATED_N = 256  # generated sources need a size for n=None
 PROCEDURAL = "reasoning-gym:"
-ACCEPTED_SOURCES = (
-    "'synthetic' (seeded generator, offline)",
-    "'gsm8k', 'gsm8k:test' or 'gsm8k:train' (Hugging Face hub, needs network)",
-    f"'gsm8k-local' or 'gsm8k-local:train' (a local copy found via ${GSM8K_DIR_ENV} or ../shared/data/gsm8k)",
-    "a path to a GSM8K-format .jsonl file",
-    f"'{PROCEDURAL}<dataset>' (a procedural task, e.g. {PROCEDURAL}chain_sum; its knobs in data_options)",
-)
 
 
 @dataclass(frozen=True)
@@ -139,8 +132,7 @@ def synthetic_gsm(n: int, seed: int = 0) -> list[Problem]:
 
 
 def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """`n` problems of the reasoning-gym dataset named in `source` (e.g. `reasoning-gym:chain_sum`), drawn with
-    `seed` at the difficulty `options` sets (docs/learning.md)."""
+    """`n` problems of the reasoning-gym dataset named in `source`, at the difficulty `options` sets."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -166,8 +158,7 @@ def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, An
 
 def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0,
                   options: Mapping[str, Any] | None = None) -> list[Problem]:
-    """The one entry point (the forms in `ACCEPTED_SOURCES`): `n` caps the count, `seed` is for generated sources,
-    `options` for reasoning-gym's knobs."""
+    """The one entry point: `n` caps the count, `seed` is for generated sources, `options` for reasoning-gym's knobs."""
     _check_count(n, "n")
     procedural = source.startswith(PROCEDURAL)
     if options and not procedural:
@@ -182,8 +173,9 @@ def load_problems(source: str = "synthetic", n: int | None = None, seed: int = 0
         return (_gsm8k_hub if kind == "gsm8k" else _gsm8k_local)(split or "test", n)
     if source.endswith(".jsonl"):
         return load_gsm8k_jsonl(source, limit=n)
-    accepted = "\n  ".join(ACCEPTED_SOURCES)
-    raise ValueError(f"unknown problem source {source!r}; accepted forms:\n  {accepted}")
+    raise ValueError(f"unknown problem source {source!r}; accepted forms: 'synthetic' (offline), 'gsm8k', "
+                     f"'gsm8k:test' or 'gsm8k:train' (the hub), 'gsm8k-local' or 'gsm8k-local:train' (${GSM8K_DIR_ENV} "
+                     f"or ../shared/data/gsm8k), a GSM8K-format .jsonl path, or '{PROCEDURAL}<dataset>'.")
 
 
 def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,

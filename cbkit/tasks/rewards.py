@@ -63,7 +63,6 @@ def extract_answer(text: str) -> str | None:
 
 
 def numbers_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:
-    """Both parse as numbers and differ by at most `tol`."""
     na, nb = normalize_number(a), normalize_number(b)
     return na is not None and nb is not None and math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=tol)
 
@@ -85,8 +84,7 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
 
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 if the last non-empty line is "#### <number>" and the only such line, 0.5 if the form appears otherwise,
-    else 0.0."""
+    """1.0 if the last non-empty line is the only "#### <number>", 0.5 if the form appears otherwise, else 0.0."""
     _check_lengths(completions, answers)
     out = []
     for completion in completions:
@@ -189,8 +187,7 @@ def resolve_rewards(
 def reward_scores(
     name: str, fn: Callable[..., Any], completions: list[str], answers: list[str], num_generations: int | None = None
 ) -> list[float]:
-    """One reward function's scores, checked: a failure, a wrong count or a score that is not a finite number stops
-    with the function's name and the completion that caused it."""
+    """One reward function's scores, checked: a failure, a wrong count or a non-finite score names the completion."""
 
     def where(i: int) -> str:
         shown = completions[i] if len(completions[i]) <= 300 else completions[i][:300] + "..."

@@ -1,6 +1,5 @@
 """The seeded word-problem generator behind `load_problems("synthetic")`: six GSM-style templates whose worked
-solutions' `<<a*b=c>>` annotations are the computation itself, and GSM8K's number-free scene-setting sentences,
-whose length moves prompt lengths: varied lengths offline, reproducible from a seed."""
+solutions' `<<a*b=c>>` annotations are the computation, padded by number-free scene sentences to vary lengths."""
 
 from __future__ import annotations
 

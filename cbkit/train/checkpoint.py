@@ -111,8 +111,7 @@ def resume_path(output_dir: Path | None, resume_from: str | os.PathLike[str] | b
 
 
 def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> None:
-    """Start `trainer`'s run fresh (seeded from the config; never over a folder holding a run), or exactly where
-    the checkpoint `resume_from` (True: the newest in output_dir) left it, if made with the same config."""
+    """Start `trainer`'s run fresh (never over a folder holding a run), or exactly where `resume_from` left it."""
     state, out = trainer.state, trainer.state.output_dir
     if not resume_from:
         if out is not None and (checkpoints(out) or (out / METRICS_FILE).is_file()
@@ -134,8 +133,7 @@ def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> No
 def save(trainer: Any, step: int) -> Path:
     """`checkpoint-<step>` of `trainer`'s run, and what its rollout source needs (e.g. the older weights)."""
     state = trainer.state
-    if state.output_dir is None:
-        raise ValueError("save_checkpoint needs config.output_dir.")
+    assert state.output_dir is not None  # CheckpointHook runs only with an output_dir
     path = save_checkpoint(state.output_dir, step, model=trainer.model, optimizer=trainer.optimizer,
                            config=trainer.config, trainer_state={"data_position": state.data_position},
                            rng=state.rng or capture_rng(), keep=trainer.config.save_total_limit)

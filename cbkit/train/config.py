@@ -177,7 +177,6 @@ class CBGRPOConfig:
 
     @property
     def backend(self) -> str:
-        """The rollout backend's name in `cbkit.rollout.make_backend`."""
         return "continuous" if self.use_transformers_continuous_batching else "generate"
 
     @property
@@ -185,15 +184,7 @@ class CBGRPOConfig:
         """TRL's micro-batch in completions: a step's rollout is gradient_accumulation_steps of them."""
         return self.prompts_per_step * self.num_generations // self.gradient_accumulation_steps
 
-    def resolved_reward_weights(self) -> list[float]:
-        if self.reward_weights is not None:
-            return list(self.reward_weights)
-        from cbkit.tasks.rewards import DEFAULT_REWARD_WEIGHTS
-
-        return [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
-
     def cb_overrides(self) -> dict[str, Any]:
-        """The CB keys the user set (`make_cb_config` merges cbkit's defaults under them)."""
         return dict(self.transformers_continuous_batching_config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,9 +196,7 @@ class CBGRPOConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in values if k not in names]
         if unknown:
-            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
-            said = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
-            raise ValueError(f"Unknown config field(s) {said}. Fields: {', '.join(names)}.")
+            raise ValueError(f"Unknown config field(s) {did_you_mean(unknown, names)}. Fields: {', '.join(names)}.")
         return cls(**values)
 
     @classmethod
@@ -225,6 +214,11 @@ class CBGRPOConfig:
         if cb in out and cb_config_values(a[cb]) == cb_config_values(b[cb]):
             del out[cb]
         return out
+
+
+def did_you_mean(names: list[str], known: Any) -> str:
+    hints = [(n, difflib.get_close_matches(n, known, n=1)) for n in names]
+    return ", ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in hints)
 
 
 def same_as(name: str, *, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
@@ -266,8 +260,7 @@ _NAMES: dict[Any, tuple[str, str, Any]] = {  # (one, several, an example)
 
 
 def _check_types(config: Any) -> None:
-    """Give each field its annotation's type where nothing is lost (`1` -> `1.0`, `8.0` -> `8`, "5e-5"), else raise
-    naming the field, the value, the type and an example."""
+    """Give each field its annotation's type where nothing is lost (`1` -> `1.0`, "5e-5"), else raise with an example."""
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]

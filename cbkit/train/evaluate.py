@@ -1,6 +1,5 @@
 """Held-out evaluation: train reward is no evidence a recipe learns (a reward hack raises it too), so the loop scores a
-fixed set, removed from the training problems, with math-verify at step 0 and every `eval_steps`; it changes no draw.
-"""
+fixed set, removed from the training problems, with math-verify at step 0 and every `eval_steps`."""
 
 from __future__ import annotations
 

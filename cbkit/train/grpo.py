@@ -1,8 +1,6 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
-
-Read `GRPOTrainer.step` first: one stage a line, each a method; the maths is `cbkit.train.objective`. What varies
-between runs is an object built once, not a branch here (the rollout source, the held-out set, a resumed start).
-Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast.
+Read `GRPOTrainer.step` first; what varies between runs is an object built once (rollout source, held-out set), not
+a branch. Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast.
 """
 
 from __future__ import annotations
@@ -128,7 +126,7 @@ class GRPOTrainer:
         self.rollouts.close()
 
     def step(self) -> StepRecord:
-        """One GRPO step. Each line is a stage; each stage is a method below."""
+        """One GRPO step: a stage a line, each a method below."""
         start, step = time.perf_counter(), self.state.step + 1
         for h in self.hooks:
             h.on_step_begin(step)
@@ -269,8 +267,7 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _old_logprobs(self, model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Temperature-only and sampler-processed logprobs [B, T], and where a sampled token lay outside the
-        trainer's nucleus."""
+        """Temperature-only and sampler-processed logprobs [B, T], and where a token lay outside the trainer's nucleus."""
         check_causal_forward(self.model, self.attn_implementation)
         c = self.config
         size = len(batch) // c.gradient_accumulation_steps

@@ -100,8 +100,7 @@ class ProgressBarHook(StepHooks):
 
 
 class JSONLHook(StepHooks):
-    """One JSON line per finished step, on disk before the next starts; a resumed run drops the lines after its
-    start and writes them again."""
+    """One JSON line per finished step, on disk before the next starts; a resume drops the lines after its start."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -24,8 +24,6 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
                      estimator: Estimator = "grpo") -> Tensor:
     """Advantages for rewards laid out group after group (prompt 0's N completions first). Shape [B]."""
-    if rewards.dim() != 1 or rewards.numel() == 0:
-        raise ValueError(f"rewards must be a non-empty 1-D tensor, one per completion; got shape {tuple(rewards.shape)}")
     if rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; "
                          f"pass N completions for every prompt (a batch of {num_generations} x number of prompts)")
@@ -146,16 +144,11 @@ def grpo_loss(policy_logps: Tensor, old_logps: Tensor, advantages: Tensor, mask:
               ref_logps: Tensor | None = None, is_weights: Tensor | None = None,
               max_completion_length: int | None = None, num_items_in_batch: int | Tensor | None = None,
               gradient_accumulation_steps: int = 1, kl_bias_correction: bool = True) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss of one micro-batch, as TRL 1.16's `GRPOTrainer._compute_loss` returns it, and metrics.
-
-    Per token: -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A), rho = exp(policy - old), times the IS weight, plus
-    beta times the k3 KL exp(ref - pol) - (ref - pol) - 1 (times rho: `kl_bias_correction`). Aggregated:
-      grpo:    mean over sequences of (sum_t L / tokens in the sequence)    (length bias: favours short wins)
-      bnpo:    sum L / tokens in this micro-batch
-      dr_grpo: sum L / (B * max_completion_length)                          (a constant: no length bias)
-      dapo:    sum L / num_items_in_batch, the tokens of the whole optimizer step (TRL's default type)
-    grpo, bnpo and dr_grpo are divided by `gradient_accumulation_steps` so the micro-batch losses add up.
-    """
+    """Scalar loss of one micro-batch, as TRL 1.16's `GRPOTrainer._compute_loss` returns it, and metrics. Per token:
+    -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A), rho = exp(policy - old), times the IS weight, plus beta times the
+    k3 KL (times rho: `kl_bias_correction`). The sum is divided by each sequence's tokens then averaged (grpo: favours
+    short wins), by the micro-batch's tokens (bnpo), by B * max_completion_length (dr_grpo), or by the step's tokens
+    `num_items_in_batch` (dapo); all but dapo also by `gradient_accumulation_steps`, so micro-batch losses add up."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # one advantage for every token
     ratio = torch.exp(policy_logps - old_logps.detach())

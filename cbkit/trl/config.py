@@ -4,7 +4,6 @@ IS fields, steps counted in updates, a constant learning rate) are here (docs/tr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -13,7 +12,8 @@ from trl import GRPOConfig, RLOOConfig
 
 from cbkit.models.load import native_bf16
 from cbkit.rollout.engine_config import cb_config_values
-from cbkit.train.config import CBGRPOConfig, continuous_batching_flag
+from cbkit.tasks.rewards import DEFAULT_REWARD_WEIGHTS
+from cbkit.train.config import CBGRPOConfig, continuous_batching_flag, did_you_mean
 
 _RENAMED: dict[str, str] = {
     "importance_sampling_correction": "vllm_importance_sampling_correction",
@@ -66,11 +66,6 @@ def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo
     return _trl_config(RLOOConfig, {k: v for k, v in values.items() if k not in dropped}, output_dir, overrides)
 
 
-def _did_you_mean(names: list[str], known: Any) -> str:
-    hints = [(n, difflib.get_close_matches(n, known, n=1)) for n in names]
-    return ", ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in hints)
-
-
 def _cbkit_values(cfg: Any) -> dict[str, Any]:
     """The cbkit fields `cfg` sets. A dict must hold only cbkit fields; an object is read by attribute name."""
     if cfg is None:
@@ -78,14 +73,14 @@ def _cbkit_values(cfg: Any) -> dict[str, Any]:
     if isinstance(cfg, Mapping):
         unknown = [k for k in cfg if k not in CBKIT_FIELDS]
         if unknown:
-            raise ValueError(f"Unknown cbkit config field(s) {_did_you_mean(unknown, CBKIT_FIELDS)}. cbkit fields: "
+            raise ValueError(f"Unknown cbkit config field(s) {did_you_mean(unknown, CBKIT_FIELDS)}. cbkit fields: "
                              f"{', '.join(sorted(CBKIT_FIELDS))}. TRL-only settings go in the keyword overrides "
                              "under TRL's names, e.g. trl_grpo_config(cfg, output_dir, logging_steps=1).")
         values = dict(cfg)
     else:
         values = {k: getattr(cfg, k) for k in CBKIT_FIELDS if hasattr(cfg, k)}
-    if "reward_weights" in values and values["reward_weights"] is None and hasattr(cfg, "resolved_reward_weights"):
-        values["reward_weights"] = cfg.resolved_reward_weights()  # cbkit's per-reward defaults (format 0.5)
+    if isinstance(cfg, CBGRPOConfig) and cfg.reward_weights is None:  # cbkit's per-reward defaults (format 0.5)
+        values["reward_weights"] = [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in cfg.reward_funcs]
     paged = values.pop("use_transformers_paged", None)
     if paged is not None:
         values["use_transformers_continuous_batching"] = continuous_batching_flag(
@@ -97,7 +92,7 @@ def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: 
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"Unknown {config_cls.__name__} argument(s) {_did_you_mean(unknown, fields)}. Overrides "
+        raise ValueError(f"Unknown {config_cls.__name__} argument(s) {did_you_mean(unknown, fields)}. Overrides "
                          "use TRL's names; cbkit's names go in the first argument.")
     if overrides.get("use_vllm"):  # generate with vLLM instead: the config's CB settings no longer apply
         if overrides.get("use_transformers_continuous_batching"):

@@ -24,8 +24,7 @@ def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
 
 
 class TRLReward:
-    """A cbkit reward `fn(completions, answers)` as the reward function TRL calls, `__name__` kept for TRL's logs. A
-    class rather than a closure so it pickles like `fn` does."""
+    """A cbkit reward `fn(completions, answers)` as TRL calls it, `__name__` kept; a class so it pickles like `fn`."""
 
     def __init__(self, fn: Callable[[list[str], list[str]], list[float]], answer_column: str = "answer") -> None:
         self.fn = fn

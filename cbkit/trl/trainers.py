@@ -1,8 +1,5 @@
-"""TRL's trainers with CB rollouts that keep the engine's sampling logprobs.
-
-Released TRL asks the CB engine for no logprobs and gates its importance-sampling correction on vLLM, so with CB
-the correction never runs. `CBLogprobGRPOTrainer` makes the smallest change that lets it run (docs/trl_bridge.md).
-"""
+"""TRL's trainers with CB rollouts that keep the engine's sampling logprobs. Released TRL asks the CB engine for no
+logprobs and gates its IS correction on vLLM; `CBLogprobGRPOTrainer` makes the smallest change that lets it run."""
 
 from __future__ import annotations
 
