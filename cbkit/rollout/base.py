@@ -53,11 +53,11 @@ class SamplingParams:
         return frozenset(self.eos_token_id)
 
     def generation_config(self):
-        """The `GenerationConfig` both backends hand to the model, complete (`rollout_generation_config`)."""
+        """The complete `GenerationConfig` both backends hand to the model."""
         from transformers import GenerationConfig
 
         eos = self.eos_token_id if isinstance(self.eos_token_id, int | None) else list(self.eos_token_id)
-        first_eos = eos[0] if isinstance(eos, list) and eos else (None if isinstance(eos, list) else eos)
+        first_eos = next(iter(eos), None) if isinstance(eos, list) else eos
         kwargs: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample, eos_token_id=eos,
                                       pad_token_id=self.pad_token_id if self.pad_token_id is not None else first_eos)
         if self.do_sample:  # neutral knobs too: `generate` fills a missing top_k with 50
@@ -76,8 +76,7 @@ _WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were
 
 @contextlib.contextmanager
 def rollout_generation_config(model: Any):
-    """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; what is dropped is named
-    once per model in a warning."""
+    """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; the rest is named once."""
     from transformers import GenerationConfig
 
     original = getattr(model, "generation_config", None)
@@ -191,19 +190,20 @@ class RolloutBackend(Protocol):
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
-        """N completions per prompt, in group order. ``target_lengths`` (one per row) replays a length workload:
-        EOS is ignored and completion i has exactly ``target_lengths[i]`` tokens, as vLLM's ``ignore_eos``."""
-        ...
+        """N completions per prompt, in group order; with ``target_lengths`` (one per row) EOS is ignored and
+        completion i has exactly ``target_lengths[i]`` tokens, as vLLM's ``ignore_eos``."""
 
 
 def check_request(prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, model: Any,
-                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> None:
-    """Refuse a request no backend can serve on `model`, before any compute is spent on it."""
-    context_len = getattr(model.config, "max_position_embeddings", None)
+                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None
+                  ) -> tuple[list[list[int]], list[int] | None]:
+    """Refuse a request no backend can serve on `model`, before any compute is spent on it; else the rows in group
+    order (each prompt N times in a row) and the targets."""
     if num_generations < 1:
         raise ValueError(f"num_generations (N) must be >= 1, got {num_generations}.")
     if not prompts:
         raise ValueError("No prompts given: the dataset or prompt list is empty.")
+    context_len = getattr(model.config, "max_position_embeddings", None)
     for i, p in enumerate(prompts):
         name = prompt_names[i] if prompt_names is not None else f"#{i}"
         if len(p) == 0:
@@ -214,21 +214,22 @@ def check_request(prompts: Sequence[Sequence[int]], num_generations: int, sampli
                 f"{len(p) + sampling.max_new_tokens} positions, more than the model's context of {context_len}. "
                 "Shorten the prompt or lower max_new_tokens."
             )
+    rows = [list(p) for p in prompts for _ in range(num_generations)]
     if target_lengths is None:
-        return
-    targets, rows, max_new_tokens = list(target_lengths), len(prompts) * num_generations, sampling.max_new_tokens
-    if len(targets) != rows:
-        raise ValueError(f"target_lengths has {len(targets)} entries for {rows} completion rows (prompts x N): give one "
-                         "target per completion, in group order (prompt 0's N targets first).")
+        return rows, None
+    targets, max_new_tokens = list(target_lengths), sampling.max_new_tokens
+    if len(targets) != len(rows):
+        raise ValueError(f"target_lengths has {len(targets)} entries for {len(rows)} completion rows (prompts x N): "
+                         "give one target per completion, in group order (prompt 0's N targets first).")
     for i, t in enumerate(targets):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 1 <= t <= max_new_tokens:
             raise ValueError(f"target_lengths[{i}] is {t!r}; every target must be a whole number of tokens in "
                              f"1..max_new_tokens={max_new_tokens}. Scale the workload to the limit or raise max_new_tokens.")
+    return rows, [int(t) for t in targets]
 
 
 def cut_completion(tokens: Sequence[int], sampling: SamplingParams, target: int | None) -> tuple[int, FinishReason]:
-    """Length to keep (EOS included) and why generation stopped: EOS, the limit, or exactly the target; an engine that
-    stopped short of all of them broke the contract."""
+    """Length to keep (EOS included) and why generation stopped: EOS, the limit, or exactly the target."""
     if target is not None:
         if len(tokens) < target:
             raise RuntimeError(f"Generation stopped after {len(tokens)} tokens, short of its target of {target}.")
@@ -245,12 +246,8 @@ def cut_completion(tokens: Sequence[int], sampling: SamplingParams, target: int 
 def stop_token_ids(tokenizer: Any, model: Any = None) -> int | tuple[int, ...] | None:
     """Every id a completion stops at: the tokenizer's EOS, then the model's `generation_config.eos_token_id` (chat
     models end a turn on e.g. `<|eot_id|>`), as TRL's `eos_token_ids`. One id comes back as an int."""
-    ids: list[int] = []
     config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for i in [getattr(tokenizer, "eos_token_id", None),
-              *(config_ids if isinstance(config_ids, list | tuple) else [config_ids])]:
-        if i is not None and int(i) not in ids:
-            ids.append(int(i))
-    if not ids:
-        return None
-    return ids[0] if len(ids) == 1 else tuple(ids)
+    found = [getattr(tokenizer, "eos_token_id", None),
+             *(config_ids if isinstance(config_ids, list | tuple) else [config_ids])]
+    ids = tuple(dict.fromkeys(int(i) for i in found if i is not None))
+    return None if not ids else ids[0] if len(ids) == 1 else ids

@@ -1,9 +1,8 @@
 """Continuous batching: the same job as `generate.py`, through transformers' CB engine; read the two side by side.
 
-The P*N requests go into a queue; at every step the engine packs whatever is running (prefill chunks of new
-requests, one decode token for each running one) without padding into a fixed pool of KV blocks, and a finished
-request's blocks go to a waiting one (*recycling*). Unlike TRL's CB path, cbkit keeps the engine's sampling logprobs
-(`return_logprobs=True`) and raises on a failed request. The engine itself lives in `engine.py`.
+The P*N requests go into a queue; each step the engine packs what runs (prefill chunks, one decode token each) without
+padding into a fixed pool of KV blocks, and a finished request's blocks go to a waiting one (*recycling*). Unlike
+TRL's CB path, cbkit keeps the engine's sampling logprobs and raises on a failed request.
 """
 
 from __future__ import annotations
@@ -33,10 +32,8 @@ class ContinuousBackend:
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
-        check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
-        # Each prompt N times in a row: results come back in this order, whatever order they finished in.
-        rows = [list(p) for p in prompts for _ in range(num_generations)]
-        targets = [int(t) for t in target_lengths] if target_lengths is not None else None
+        # Results come back in row order, whatever order they finished in.
+        rows, targets = check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
         with PeakMemory(self.model.device) as mem:
             start = time.perf_counter()
             outputs, resolved = self.engine.run(rows, sampling.generation_config(), seed=sampling.seed,
@@ -44,6 +41,6 @@ class ContinuousBackend:
             mem.synchronize()
             wall = time.perf_counter() - start
         completions = to_completions(rows, outputs, num_generations, sampling, targets)
-        return Rollout(completions, num_generations, self.name, wall, mem.peak_bytes, mem.kind, engine_config=resolved,
-                       timeline=timeline(outputs, completions, start, resolved) if self.engine.record_timestamps else None,
-                       )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
+        clocks = timeline(outputs, completions, start, resolved) if self.engine.record_timestamps else None
+        return Rollout(completions, num_generations, self.name, wall, mem.peak_bytes, mem.kind, resolved,
+                       timeline=clocks)

@@ -1,13 +1,14 @@
 """The engine: one class owns transformers' continuous batching manager and drives it through the public API.
 
-`ContinuousBackend`, `AsyncEngine` and the TRL bridge all go through `Engine`: its config (`make_cb_config`), its
-attention (`engine_attention`), the manager's life (per call, or kept) and who runs its loop (transformers' thread,
-or `upstream.CallerLoop` on a CPU). Not `generate_batch`: it returns fewer results when a request fails, queues into a
-running loop without `pause()` (seeded draws would depend on thread timing) and has no per-request length.
+`ContinuousBackend`, `AsyncEngine` and the TRL bridge all go through `Engine`: its config, its attention, the
+manager's life (per call, or kept) and who runs its loop (transformers' thread, or `upstream.CallerLoop` on a CPU).
+Not `generate_batch`: it drops failed requests, queues without `pause()` (seeded draws would depend on thread timing)
+and has no per-request length.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 import weakref
@@ -28,10 +29,9 @@ class ThreadLoop:
     def __init__(self, model, persistent: bool, *, warmup: bool = True, **engine_kwargs: Any) -> None:
         self._context = model.continuous_batching_context_manager(
             block=True, timeout=5, persistent_manager=persistent, warmup=warmup, **engine_kwargs)
-        self.manager: Any = None
 
     def __enter__(self) -> ThreadLoop:
-        self.manager = self._context.__enter__()
+        self.manager: Any = self._context.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool | None:
@@ -130,14 +130,16 @@ class Engine:
             self.model, self.persistent, generation_config=gen_config, continuous_batching_config=cb_config,
             workload_hints=upstream.workload_hints(rows, max(targets) if targets else max_new_tokens))
         with attention, self._own(), driver:
-            if upstream.prefix_sharing(driver.manager):
-                # The engine shares only pages a finished forward wrote: N copies of a prompt admitted together would
-                # all compute it. So each repeated prompt is prefilled first, alone (two tokens, thrown away).
+            # The engine shares only pages a finished forward wrote: N copies of a prompt admitted together would all
+            # compute it. So each repeated prompt of a page or more is prefilled first, alone (two tokens, discarded).
+            page = page_size(cb_config)
+            shared = [p for p, n in collections.Counter(map(tuple, rows)).items() if n > 1 and len(p) >= page]
+            if upstream.prefix_sharing(driver.manager) and shared:
                 with driver.paused():
                     upstream.reseed(driver.manager, seed)
                     prefill = [driver.manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}",
                                                           max_new_tokens=2, eos_token_id=-1)
-                               for k, p in enumerate(_shared_prompts(rows, page_size(cb_config)))]
+                               for k, p in enumerate(shared)]
                 driver.collect(prefill)
                 seed = None  # seeded once per call, before its first request
             with driver.paused():  # all queued while the loop is parked: one drain, so a seeded order of draws
@@ -168,8 +170,7 @@ class Engine:
 
     @contextlib.contextmanager
     def _own(self) -> Iterator[None]:
-        """Attach exactly this engine's kept manager (or none) for one call, then restore what was there:
-        `init_continuous_batching` hands out whatever manager is cached on the model, whoever built it."""
+        """Attach this engine's kept manager (or none) for one call, then restore what was there."""
         previous, mine = upstream.attached(self.model), self._kept
         upstream.attach(self.model, mine)
         try:
@@ -194,7 +195,7 @@ class Engine:
     # --- kept running on transformers' thread (the async engine) ----------------------------------------------
 
     def start(self, gen_config, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> None:
-        """Start a manager whose pool fits `rows` at `max_new_tokens` on its thread; it runs until `close`."""
+        """Start a manager sized for `rows` on its thread; it runs until `close`."""
         self.close()
         cb_config = self.config(rows, max_new_tokens, seed)
         stack = contextlib.ExitStack()
@@ -206,7 +207,7 @@ class Engine:
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
     def running(self) -> ThreadLoop:
-        """The loop `start` keeps running: `submit` to it, `take` from it, hold its `paused()` while queueing."""
+        """The loop `start` keeps running."""
         if self._loop is None:
             raise RuntimeError("No engine manager is running: call start() first (close() stops it).")
         return self._loop
@@ -235,8 +236,7 @@ def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_ge
 
 def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: float, resolved: Mapping[str, Any],
              swaps: Sequence[tuple[float, int]] | None = None) -> dict[str, Any]:
-    """Engine clocks per request, as 05's timeline (`cbkit.teach.figures.async_timeline`) reads them; with each token's
-    policy version and when each update landed, where the completions carry versions."""
+    """Engine clocks per request (`cbkit.teach.figures.async_timeline` reads them), with policy versions if any."""
     requests = []
     for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
         start, end = out.lifespan
@@ -263,9 +263,8 @@ def engine_is_idle(model) -> bool:
 
 @contextlib.contextmanager
 def attention_for_engine(model, implementation: str) -> Iterator[None]:
-    """Run the engine with `implementation`, the model's own restored after (`make_cb_config` turns the engine's
-    own switch to flash off). cbkit's varlen attention is set on the config: `set_attn_implementation` would take
-    the "flash" in its name as a request for a flash-attn kernel."""
+    """Run the engine with `implementation`, the model's own restored after. Varlen is set on the config:
+    `set_attn_implementation` would read the "flash" in its name as a request for flash-attn."""
     original = model.config._attn_implementation
     if implementation == VARLEN:
         model.config._attn_implementation = register()
@@ -278,11 +277,3 @@ def attention_for_engine(model, implementation: str) -> Iterator[None]:
             model.config._attn_implementation = original
         elif model.config._attn_implementation != original:
             model.set_attn_implementation(original)
-
-
-def _shared_prompts(rows: list[list[int]], page: int) -> list[tuple[int, ...]]:
-    """Prompts that occur more than once and fill at least one KV page: the ones a first prefill helps."""
-    counts: dict[tuple[int, ...], int] = {}
-    for r in rows:
-        counts[tuple(r)] = counts.get(tuple(r), 0) + 1
-    return [p for p, n in counts.items() if n > 1 and len(p) >= page]

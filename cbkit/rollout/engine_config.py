@@ -1,8 +1,5 @@
-"""The CB engine's settings, resolved once: cbkit's defaults, the CPU pool rule, the page size and the attention.
-
-Plain values on transformers' public `ContinuousBatchingConfig`, so the planner, the training config and the TRL
-bridge resolve a config without a model.
-"""
+"""The CB engine's settings, resolved once and without a model (the planner, the training config and the TRL bridge
+need them too): cbkit's defaults, the CPU pool rule, the page size and the attention."""
 
 from __future__ import annotations
 
@@ -56,19 +53,18 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
 def make_cb_config(overrides: Mapping[str, Any] | None = None, *, seed: int | None = None,
                    device: torch.device | None = None, rows: Sequence[Sequence[int]] | None = None,
                    max_new_tokens: int | None = None, warn: bool = True):
-    """The `ContinuousBatchingConfig` of one call. On CPU the engine would take a share of host RAM for its pool;
-    cbkit sizes it to the workload instead (`cpu_pool_blocks`), in pages of `CPU_PAGE_SIZE` tokens, unless the user
-    set them (`{"num_blocks": None}` lets the engine size it from memory)."""
+    """The `ContinuousBatchingConfig` of one call. On CPU the pool is sized to the workload (`cpu_pool_blocks`), in
+    pages of `CPU_PAGE_SIZE` tokens, unless the user set them (`{"num_blocks": None}`: sized from memory)."""
     from transformers import ContinuousBatchingConfig
 
     overrides = dict(overrides or {})
     values = cb_config_values(overrides)
-    cpu = device is not None and torch.device(device).type == "cpu"
+    kind = torch.device(device).type if device is not None else None
+    cpu = kind == "cpu"
     if cpu and "page_size" not in overrides and "block_size" not in overrides:
         values["page_size"] = CPU_PAGE_SIZE
     values["auto_switch_to_flash"] = False  # cbkit chooses the attention itself (`engine_attention`)
-    if (device is not None and torch.device(device).type == "cuda" and "max_blocks_per_request" not in overrides
-            and page_size(values) % KERNEL_PAGE_MULTIPLE):
+    if kind == "cuda" and "max_blocks_per_request" not in overrides and page_size(values) % KERNEL_PAGE_MULTIPLE:
         values["max_blocks_per_request"] = 0
     mmp_default = CB_DEFAULTS["max_memory_percent"]
     workload = cpu_pool_blocks(overrides, rows, max_new_tokens, page_size(values)) if cpu else None
@@ -93,16 +89,14 @@ def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_siz
 
 def cpu_pool_blocks(overrides: Mapping[str, Any], rows: Sequence[Sequence[int]] | None, max_new_tokens: int | None,
                     page: int) -> int | None:
-    """The CPU pool rule: every request at the generation limit at once (`workload_blocks`); None where the
-    caller's ``overrides`` set ``num_blocks`` (None included) or no workload is given."""
+    """The CPU pool rule (`workload_blocks`); None where ``overrides`` set ``num_blocks`` or no workload is given."""
     if "num_blocks" in overrides or not rows or not max_new_tokens:
         return None
     return workload_blocks(rows, max_new_tokens, page)
 
 
 def flash_versions() -> tuple[int, ...]:
-    """The flash-attn versions installed as packages, newest first (not the `kernels` hub fallback: offline it
-    fails, and its kernels are untested here)."""
+    """The flash-attn versions installed as packages, newest first (not the hub fallback: offline it fails)."""
     from transformers.utils import import_utils
 
     found = [(3, import_utils.is_flash_attn_3_available), (2, import_utils.is_flash_attn_2_available)]
@@ -111,9 +105,8 @@ def flash_versions() -> tuple[int, ...]:
 
 def engine_attention(device: torch.device | str, dtype: torch.dtype, capability: tuple[int, int] | None = None,
                      flash: Sequence[int] | None = None, needs_own: str | None = None) -> str:
-    """The attention the CB engine runs with: flash-attn 3 on a Hopper, 2 from compute capability 8.0, for fp16/bf16
-    weights where it is installed (``flash``); else cbkit's varlen attention; else, where the model needs its own
-    (``needs_own``), `ENGINE_OWN`. ``capability`` and ``flash`` default to this machine's."""
+    """The CB engine's attention: flash-attn 3 on a Hopper, 2 from capability 8.0, for fp16/bf16 weights where it is
+    installed; else cbkit's varlen attention, or `ENGINE_OWN` where the model needs its own (``needs_own``)."""
     from cbkit.rollout.varlen_attention import NAME
 
     if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
@@ -128,7 +121,7 @@ def engine_attention(device: torch.device | str, dtype: torch.dtype, capability:
 
 
 def page_size(config) -> int:
-    """Tokens per KV page of a ContinuousBatchingConfig or a dict of engine keys (the engine's default if unset)."""
+    """Tokens per KV page of a ContinuousBatchingConfig or a dict of its keys (the engine's default if unset)."""
     from transformers import ContinuousBatchingConfig
 
     get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)

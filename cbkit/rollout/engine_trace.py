@@ -1,13 +1,13 @@
-"""What transformers' CB engine scheduled, step by step, read inside the engine: an opt-in recorder.
+"""What transformers' CB engine scheduled, step by step: an opt-in recorder.
 
-The timeline (``record_timestamps``) says when each request ran; `record_engine_steps` says what each forward held:
-per request its query tokens, from which position, and its block table (`upstream.watch_batches`). `EngineTrace`
-reads from them who waited, which block passed from one request to another (recycling) and who was restarted.
+Per forward and request: its query tokens, from which position, and its block table (`upstream.watch_batches`).
+`EngineTrace` reads from them who waited, which block passed between requests (recycling) and who was restarted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -77,8 +77,7 @@ class EngineTrace:
         return out
 
     def blocks_in_use(self) -> list[int]:
-        """Blocks held by some request's table at each step, a shared page once: a request keeps the table it was
-        last scheduled with while it waits, and holds none from after an offload until its restart."""
+        """Blocks held at each step, a shared one once: a waiting request keeps its last table, an offloaded none."""
         held_at: dict[int, set[int]] = {step.index: set() for step in self.steps}
         for apps in self._appearances().values():
             for (i, r), nxt in zip(apps, [*apps[1:], None], strict=True):
@@ -90,20 +89,16 @@ class EngineTrace:
 
     def restarts(self) -> dict[str, int]:
         """request -> KV tokens it computed again after the engine offloaded it; requests never restarted absent."""
-        reached: dict[str, int] = {}
         again: dict[str, int] = {}
-        for step in self.steps:
-            for r in step.requests:
-                before = reached.get(r.request_id, 0)
-                if r.past_len < before:
-                    again[r.request_id] = again.get(r.request_id, 0) + before - r.past_len
-                reached[r.request_id] = r.past_len + r.query_len
+        for rid, apps in self._appearances().items():
+            for (_, r), (_, later) in itertools.pairwise(apps):
+                if later.past_len < r.past_len + r.query_len:
+                    again[rid] = again.get(rid, 0) + r.past_len + r.query_len - later.past_len
         return again
 
     def reuses(self) -> list[BlockReuse]:
-        """Each time a block passed to a request after its previous holder stopped holding it: recycling. Not a
-        block two requests hold at once (sharing), nor a prompt page the prefix cache hands to a request of the same
-        prompt at the same place (the same KV, kept)."""
+        """Each time a block passed to a request after its previous holder released it: recycling. Not sharing (held
+        at once), nor a cached prompt page handed to a request of the same prompt at the same place (the same KV)."""
         held: dict[str, dict[int, tuple[int, int, int]]] = {}  # request -> block -> (first, last step, position)
         for step in self.steps:
             for r in step.requests:
@@ -130,7 +125,6 @@ class EngineTrace:
 
 @contextlib.contextmanager
 def record_engine_steps() -> Iterator[EngineTrace]:
-    """Record every batch transformers' CB engine schedules inside the block, in whatever thread it runs."""
     trace = EngineTrace()
 
     def record(requests: list[ScheduledRequest], pool_blocks: int, page_size: int) -> None:

@@ -1,8 +1,7 @@
 """The static batch: every completion of every prompt in one `model.generate` call; read it beside `continuous.py`.
 
-All P*N rows are left-padded to the longest prompt and decoded in lock-step until the last one finishes: a row done
-early keeps its slot and its KV, the waste CB removes. Sampling logprobs are the log_softmax of the *processed* logits
-at the drawn token, kept one step at a time by a logits processor at the end of the warper chain.
+All P*N rows are left-padded and decoded in lock-step until the last one finishes: a row done early keeps its slot and
+its KV, the waste CB removes. Sampling logprobs are the log_softmax of the processed logits at the drawn token.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -39,22 +39,18 @@ class GenerateBackend:
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
-        check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
+        rows, targets = check_request(prompts, num_generations, sampling, self.model, prompt_names, target_lengths)
         gen_config = sampling.generation_config()
         pad_id = self.pad_token_id if self.pad_token_id is not None else gen_config.pad_token_id
         if pad_id is None:
             raise ValueError("The static batch needs a pad token: set sampling.pad_token_id or the tokenizer's pad.")
         gen_config.pad_token_id = pad_id
-        targets = [int(t) for t in target_lengths] if target_lengths is not None else None
         if targets is not None:
             # An empty list, not None: None would be filled in from the model's own generation config.
             gen_config.eos_token_id = []
             gen_config.max_new_tokens = max(targets)
         warpers, gen_config = _explicit_warpers(sampling, gen_config)
         recorder = _LogprobRecorder()
-
-        # Each prompt repeated N times in a row: rows are already in group order.
-        rows = [list(p) for p in prompts for _ in range(num_generations)]
         input_ids, attention_mask = _left_pad(rows, pad_id, self.model.device)
 
         with PeakMemory(self.model.device) as mem:
@@ -79,8 +75,7 @@ class GenerateBackend:
                                           tuple(logprob_rows[i][:keep]), reason))
         return Rollout(completions, num_generations, self.name, wall, mem.peak_bytes, mem.kind,
                        engine_config={"batch_rows": len(rows), "padded_prompt_len": int(input_ids.shape[1]),
-                                      "steps": len(token_rows[0]) if token_rows else 0},
-                       )  # checked once, where it enters the trainer (cbkit.train.rollouts.check_entry)
+                                      "steps": len(token_rows[0]) if token_rows else 0})
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -119,12 +114,6 @@ def _explicit_warpers(sampling: SamplingParams, gen_config):
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
-
-
+    ids = pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad_id, padding_side="left")
+    return ids.to(device), pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True,
+                                        padding_side="left").to(device)

@@ -78,15 +78,14 @@ def prefix_sharing(manager) -> bool:
 
 
 def forget_cached_kv(manager) -> None:
-    """Empty a kept manager's pool, prefix cache included, before a call that may see new weights: the prefix
-    cache's hashes cover token ids, not weights (docs/design.md, "A kept engine")."""
+    """Empty a kept manager's pool and prefix cache (its hashes cover token ids, not weights)."""
     cache = getattr(manager.batch_processor, "cache", None)
     if cache is not None:
         cache.reset()
 
 
 def reseed(manager, seed: int | None) -> None:
-    """Seed the sampler for this call, as a fresh manager seeds itself once: a kept one would ignore later seeds."""
+    """Seed the sampler for this call: a kept manager would ignore later seeds."""
     if seed is not None:
         manager.continuous_batching_config.seed = seed  # what `resolved_config` reports
         manager.distributed_helper.set_tp_seed(seed, manager.model.device)
@@ -110,8 +109,7 @@ def resolved_config(manager) -> dict[str, Any]:
 
 
 class CallerLoop:
-    """The manager's loop body (`_generation_loop_body`) in the caller's thread: same scheduler, cache and sampler as
-    its thread; a failing step raises in the caller."""
+    """The manager's loop body in the caller's thread: same scheduler, cache and sampler; a failing step raises."""
 
     def __init__(self, model, persistent: bool, **engine_kwargs: Any) -> None:
         self.model, self.persistent, self.engine_kwargs = model, persistent, engine_kwargs
@@ -230,16 +228,14 @@ def processor_of(manager) -> Any:
 
 
 def forward_stream(manager) -> torch.cuda.Stream | None:
-    """The CUDA stream `manager`'s forwards run on (None on CPU or before it built one): a weight write orders
-    against it (`AsyncEngine.publish`)."""
+    """The CUDA stream `manager`'s forwards run on (None on CPU or before it built one)."""
     processor = processor_of(manager)
     return processor.inputs_and_outputs.compute_stream if processor is not None else None
 
 
 @contextlib.contextmanager
 def watch_batches(callback: Callable[[list[ScheduledRequest], int, int], None]) -> Iterator[None]:
-    """Call `callback(requests, pool_blocks, page_size)` for every batch any CB engine schedules inside the block, in
-    whatever thread the engine runs; the engine's method is put back after."""
+    """Call `callback(requests, pool_blocks, page_size)` for every batch any CB engine schedules inside the block."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
     lock = threading.Lock()
@@ -266,8 +262,8 @@ def watch_batches(callback: Callable[[list[ScheduledRequest], int, int], None]) 
 def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, hints, total_bytes: int,
                      used_bytes: int, device: str = "cuda") -> dict[str, Any]:
     """transformers' own verdict on starting a CB engine on a `device` of `total_bytes` with `used_bytes` taken: its
-    config resolution, then its cache built on the meta device with its memory reading returning that device's.
-    Keys: footprint, available, max_batch_tokens, mask, num_blocks, cache_bytes (None where it refuses), error."""
+    config resolution, then its cache built on the meta device, reading that device's memory."""
+    from transformers import AutoModelForCausalLM
     from transformers.generation.continuous_batching import cache as cache_module
     from transformers.generation.continuous_batching import initialization
     from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -294,23 +290,17 @@ def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, h
         return original_check(self, max_batch_tokens, num_blocks)
 
     breakdown = (where, int(total_bytes), int(used_bytes), int(used_bytes))
+    model_class: Any = AutoModelForCausalLM._model_mapping.get(type(text), None)  # the engine sizes its logits by it
+    keeps_logits = model_class is not None and "logits_to_keep" in inspect.signature(model_class.forward).parameters
     try:
         with (mock.patch.object(cache_module, "get_device_and_memory_breakdown", lambda: breakdown),
               mock.patch.object(handler, "_check_footprint", check)):
             built = cache_module.PagedAttentionCache(
                 config=text, continuous_batching_config=resolved, device="meta", dtype=dtype,
                 distributed_helper=DistributedHelper(device_mesh=None, cpu_group_timeout=None, tp_plan={}),
-                model_supports_logits_to_keep=_keeps_logits(text))
+                model_supports_logits_to_keep=keeps_logits)
     except (MemoryError, ValueError) as e:
         if "footprint" not in seen:
             raise
         return {**seen, "num_blocks": None, "max_batch_tokens": None, "cache_bytes": 0, "mask": 0, "error": str(e)}
     return {**seen, "num_blocks": int(built.num_blocks), "cache_bytes": int(built.cache_tensor.numel()), "error": None}
-
-
-def _keeps_logits(config) -> bool:
-    """Whether `config`'s model class takes `logits_to_keep`, as the engine asks a loaded model: it sizes the logits."""
-    from transformers import AutoModelForCausalLM
-
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return cls is not None and "logits_to_keep" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]

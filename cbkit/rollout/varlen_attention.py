@@ -1,9 +1,8 @@
 """Varlen attention for the CB engine on any device: each packed sequence attends to its own keys.
 
-Without flash-attn (a CPU, a T4, fp32 weights) the engine's SDPA/eager path builds one dense block-diagonal mask over
-the whole packed batch: decoding B sequences costs the square of B. This function splits the batch at the engine's
-`cu_seq_lens_q/k` instead, with PyTorch's SDPA alone: decoding sequences of equal length in one call, each prefill
-chunk on its own (tests/reference_attention.py has the plain loop it is tested against).
+Without flash-attn the engine's SDPA/eager path builds one dense block-diagonal mask over the packed batch (decoding B
+sequences costs B squared). This splits the batch at the engine's `cu_seq_lens_q/k` with PyTorch's SDPA alone; the
+plain loop it is tested against is tests/reference_attention.py.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ _HOST: dict[int, tuple[torch.Tensor, int, list[int]]] = {}
 
 def _host_list(cu: torch.Tensor) -> list[int]:
     """`cu` as a list, read once per forward, not per layer (on a GPU each read waits): every layer gets the same
-    tensor, written in place between steps, so the tensor and its version say whether the last read still holds."""
+    tensor, written in place between steps, so its version says whether the last read holds."""
     hit = _HOST.get(id(cu))
     if hit is None or hit[0] is not cu or hit[1] != cu._version:
         if len(_HOST) >= 4:  # the q and k boundaries of the current step; older steps' views are dropped
@@ -122,9 +121,8 @@ def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Te
 
 
 def varlen_unsupported_reason(model: Any) -> str | None:
-    """Why `varlen_attention` (plain causal SDPA) would differ from the model's attention, or None: a sliding window,
-    logit soft-capping or attention sinks. ``model`` may be a config alone, where sinks go unseen (gpt-oss, the
-    model with sinks, also alternates windows)."""
+    """Why `varlen_attention` (plain causal SDPA) would differ from the model's attention, or None. ``model`` may be
+    a config alone, where sinks go unseen (gpt-oss, the model with sinks, also alternates windows)."""
     config = getattr(model, "config", model)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(config, "layer_types", None)
