@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest
-from cbkit.teach.exercises import schedule_cases, solutions
+from cbkit.teach.exercises import solutions
 
 DATA = Path(__file__).parent / "data" / "engine_trace_tiny_waits.json"
 
@@ -85,7 +85,7 @@ def test_the_engines_steps_are_the_fifo_rule_with_its_read_budget(recorded):
     step the reads exceed the blocks held: a shared prompt page is read once per request, so the read budget can bind
     while blocks are free."""
     trace, _ = recorded
-    steps = schedule_cases(trace, token_budget=8192, max_requests=10**6)
+    steps = trace.scheduler_inputs(token_budget=8192, max_requests=10**6)
     assert len(steps) == len(trace.steps)
     for i, args, engine in steps:
         assert solutions.schedule_step(*args) == engine, f"step {i}"

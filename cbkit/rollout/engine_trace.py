@@ -122,6 +122,41 @@ class EngineTrace:
                 last_holder[b] = (rid, last, pos)
         return out
 
+    def scheduler_inputs(self, token_budget: int, max_requests: int) -> list[tuple[int, tuple, list]]:
+        """Per step: its index, what the scheduler chose from as `(candidates, token_budget, read_budget, max_requests)`,
+        and what the engine scheduled (notebook 01's `schedule_step` exercise is graded on these).
+        Candidates in `FIFOScheduler.schedule_batch`'s order: decoding, prefilling, then waiting ones in arrival order
+        (cbkit's prefill helpers first); `fits` is False for one left out although both budgets had room."""
+        assert self.pool_blocks and self.page_size, "no step recorded"
+        read = self.pool_blocks * self.page_size  # the engine's cache read budget: the pool's tokens
+        lives = self.lives()  # in the order first scheduled
+        start = {r.request_id: r for s in reversed(self.steps) for r in s.requests}  # each request at its first step
+        prompt = {rid: r.prompt_len for rid, r in start.items()}
+
+        def arrival(rid: str) -> tuple[bool, int]:
+            return (not lives[rid].helper, int(rid.replace("-", "_").rsplit("_", 1)[1]))
+
+        helpers_done = 1 + max((life.last_step for life in lives.values() if life.helper), default=-1)
+        reached: dict[str, int] = {}
+        out = []
+        for s in self.steps:
+            alive = [rid for rid, life in lives.items() if rid in reached and life.last_step >= s.index]
+            ordered = [(rid, reached[rid], 1) for rid in alive if reached[rid] >= prompt[rid]]
+            ordered += [(rid, reached[rid], prompt[rid] - reached[rid]) for rid in alive if reached[rid] < prompt[rid]]
+            ordered += [(rid, start[rid].past_len, prompt[rid] - start[rid].past_len) for rid in sorted(lives, key=arrival)
+                        if lives[rid].first_step >= s.index and (lives[rid].helper or s.index >= helpers_done)]
+            got = {r.request_id: r.query_len for r in s.requests}
+            candidates, tokens, reads, n = [], token_budget, read, 0
+            for rid, past, wants in ordered:
+                open_ = tokens > 0 and reads > 0 and n < max_requests
+                candidates.append((rid, past, wants, rid in got or not (open_ and reads >= past)))
+                if rid in got and open_:
+                    tokens, reads, n = tokens - got[rid], reads - past, n + 1
+            out.append((s.index, (candidates, token_budget, read, max_requests), [(r.request_id, r.query_len)
+                                                                                  for r in s.requests]))
+            reached.update({r.request_id: r.past_len + r.query_len for r in s.requests})
+        return out
+
 
 @contextlib.contextmanager
 def record_engine_steps() -> Iterator[EngineTrace]:

@@ -181,40 +181,6 @@ def check_padding_share(seed: int) -> list[Case]:
     return cases
 
 
-def schedule_cases(trace: Any, token_budget: int, max_requests: int) -> list[tuple[int, tuple, list]]:
-    """Per step of `trace`: its index, `schedule_step`'s arguments as the scheduler saw them, what the engine scheduled.
-    Candidates in `FIFOScheduler.schedule_batch`'s order: decoding, prefilling, then waiting ones in arrival order
-    (cbkit's prefill helpers first); `fits` is False for one left out although both budgets had room."""
-    read = trace.pool_blocks * trace.page_size  # the engine's cache read budget: the pool's tokens
-    lives = trace.lives()  # in the order first scheduled
-    start = {r.request_id: r for s in reversed(trace.steps) for r in s.requests}  # each request at its first step
-    prompt = {rid: r.prompt_len for rid, r in start.items()}
-
-    def arrival(rid: str) -> tuple[bool, int]:
-        return (not lives[rid].helper, int(rid.replace("-", "_").rsplit("_", 1)[1]))
-
-    helpers_done = 1 + max((life.last_step for life in lives.values() if life.helper), default=-1)
-    reached: dict[str, int] = {}
-    out = []
-    for s in trace.steps:
-        alive = [rid for rid, life in lives.items() if rid in reached and life.last_step >= s.index]
-        ordered = [(rid, reached[rid], 1) for rid in alive if reached[rid] >= prompt[rid]]
-        ordered += [(rid, reached[rid], prompt[rid] - reached[rid]) for rid in alive if reached[rid] < prompt[rid]]
-        ordered += [(rid, start[rid].past_len, prompt[rid] - start[rid].past_len) for rid in sorted(lives, key=arrival)
-                    if lives[rid].first_step >= s.index and (lives[rid].helper or s.index >= helpers_done)]
-        got = {r.request_id: r.query_len for r in s.requests}
-        candidates, tokens, reads, n = [], token_budget, read, 0
-        for rid, past, wants in ordered:
-            open_ = tokens > 0 and reads > 0 and n < max_requests
-            candidates.append((rid, past, wants, rid in got or not (open_ and reads >= past)))
-            if rid in got and open_:
-                tokens, reads, n = tokens - got[rid], reads - past, n + 1
-        out.append((s.index, (candidates, token_budget, read, max_requests), [(r.request_id, r.query_len)
-                                                                              for r in s.requests]))
-        reached.update({r.request_id: r.past_len + r.query_len for r in s.requests})
-    return out
-
-
 def _step_hint(args: tuple, engine: list) -> str:
     candidates, got = args[0], dict(engine)
     if any(q < wants for rid, _, wants, _ in candidates for r, q in engine if r == rid):
@@ -241,7 +207,7 @@ def _recorded_steps() -> list[Case]:
     with record_engine_steps() as trace:
         rollout = backend.generate(prompts, 4, sampling, target_lengths=[3 + (11 * i) % 37 for i in range(8)])
     config = rollout.engine_config
-    steps = schedule_cases(trace, config["max_batch_tokens"], config["max_requests_per_batch"])
+    steps = trace.scheduler_inputs(config["max_batch_tokens"], config["max_requests_per_batch"])
     return [Case(f"engine step {i}", args, _step_hint(args, engine), engine) for i, args, engine in steps]
 
 
