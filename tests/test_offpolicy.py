@@ -54,13 +54,17 @@ def test_staleness_zero_builds_nothing_and_is_the_on_policy_loop():
 
 
 def test_a_lag_of_zero_through_the_snapshot_machinery_changes_no_number():
-    """The same loop through the snapshot machinery with k = 0 (the policy samples as it is; nothing is swapped in)
+    """The same loop through the snapshot machinery with k = 0 (the policy samples as it is; no weights are copied)
     is the on-policy loop to the bit: the same tokens, rewards, losses and every other metric."""
     policy = load_policy("tiny", seed=0)
     backend = make_backend("generate", policy.model, pad_token_id=pad_token_id(policy.tokenizer))
-    plain, lagged = trainer(config()), trainer(config(), policy=policy, rollouts=LaggedRollouts(policy.model, backend, 0))
+    rollouts = LaggedRollouts(policy.model, backend, 0)
+    plain, lagged = trainer(config()), trainer(config(), policy=policy, rollouts=rollouts)
+    loads = []
+    rollouts.history.load_into = lambda *a: loads.append(a)  # type: ignore[method-assign]
     a = [plain.step().metrics for _ in range(2)]
     b = [lagged.step().metrics for _ in range(2)]
+    assert loads == []  # k = 0: no weight copy in or out of the policy
     for x, y in zip(a, b, strict=True):
         assert set(x) == {k for k in y if not k.startswith("offpolicy/")}
         for k in set(x) - set(TIMING):

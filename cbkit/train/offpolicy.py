@@ -106,11 +106,15 @@ class LaggedRollouts(RolloutSource):
     drift = staticmethod(drift_metrics)
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
-        version = self.history.load_into(self.policy, 0)  # k updates back, or the oldest kept while fewer happened
-        try:
+        version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
+        if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is, no copy
             rollout = _stamped(sample(self.backend, request), version)
-        finally:
-            self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
+        else:
+            self.history.load_into(self.policy, 0)
+            try:
+                rollout = _stamped(sample(self.backend, request), version)
+            finally:
+                self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
         return SourcedRollout(rollout, list(request.indices), staleness_metrics(rollout, request.policy_version))
 
     def after_update(self, version: int) -> None:
