@@ -61,8 +61,10 @@ browser:
 		exit 1; \
 	fi
 
+# `make sweep SWEEP_ARGS="--repeats 1"`: any `cbkit sweep` flags (CI runs the default size once per point).
+SWEEP_ARGS ?=
 sweep: $(STAMP)
-	$(BIN)/cbkit sweep
+	$(BIN)/cbkit sweep $(SWEEP_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/cbkit demo
@@ -82,7 +84,7 @@ publish-address:
 # alone (exit 5: PYTEST_ARGS selected none of them), and every notebook once at CI size, its figures checked in
 # headless Chromium. What else CI runs is `make test-more` (docs/testing.md says what moved where).
 test: lint browser
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --serial=skip $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --serial=skip --durations=15 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest --serial=only $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(MAKE) test-notebooks
 
@@ -216,25 +218,24 @@ cpu-notebooks: $(STAMP)
 
 # Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and
 # only the cells that the edited cell and that cell need. `pytest` checks cheaply that every edit applies and compiles;
-# this runs them (15 copies, one at a time: 7 min on a quiet 2-core machine; two at a time, two kernels of two
-# threads each on two cores took 15 min and three cells that lengthen a sweep passed the 5-minute cell limit).
+# this runs them (18 copies), $(NOTEBOOK_JOBS) at a time with the cores shared out as in test-notebooks (two kernels
+# of two threads each on two cores thrash: 15 min, and three sweep cells passed the 5-minute cell limit).
 # Part of `make test-more`.
 test-questions: $(STAMP)
 	rm -rf $(QUESTIONS) && $(BIN)/python scripts/question_edits.py --out $(QUESTIONS)
-	CBKIT_PROFILE=ci $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 \
-		$(QUESTIONS)
+	$(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(QUESTIONS)
 
 # The GPU tiers without a GPU: `cbkit tiers` plans every notebook on a T4 and an A100-40/80 (memory fit and CB
-# engine starts; exit 1 otherwise), then every notebook runs top to bottom through the t4 and
-# the a100 code paths on this CPU: CBKIT_TIER under CBKIT_PROFILE=ci is a dry run (the tier's presets, branches,
-# pools and TRL config at CI sizes, on a 2-layer random model), two notebooks at a time. Part of `make test-more`.
+# engine starts; exit 1 otherwise), then every notebook runs top to bottom through the t4 and the a100 code paths on
+# this CPU: CBKIT_TIER under CBKIT_PROFILE=ci is a dry run (the tier's presets, branches, pools and TRL config at CI
+# sizes, on a 2-layer random model), $(NOTEBOOK_JOBS) at a time as in test-notebooks. Part of `make test-more`.
 TIERS_EXECUTED ?= runs/notebooks-tiers
 test-tiers: $(STAMP)
 	$(BIN)/cbkit tiers
 	for tier in t4 a100; do \
 		rm -rf $(TIERS_EXECUTED)/$$tier && mkdir -p $(TIERS_EXECUTED)/$$tier && cp notebooks/*.ipynb $(TIERS_EXECUTED)/$$tier/ && \
-		CBKIT_PROFILE=ci CBKIT_TIER=$$tier $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=300 \
-			--overwrite -n 2 --durations=0 $(TIERS_EXECUTED)/$$tier || exit 1; \
+		CBKIT_TIER=$$tier $(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite \
+			--durations=0 $(TIERS_EXECUTED)/$$tier || exit 1; \
 	done
 # The workshop book: the notebooks executed by test-notebooks, with a PNG of every figure added for
 # viewers without JavaScript (cbkit.viz.figures: kaleido on the installed Chromium), and docs/workshop.md,
