@@ -17,6 +17,7 @@ facilitator's answer key (`ANSWERS`).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import inspect
 import io
@@ -274,6 +275,16 @@ def answer_key(stem: str) -> str:
             "What each Question's edit shows and why, and what to compare in the rerun's output.\n\n" + items)
 
 
+def answer(stub: str, name: str) -> str:
+    """The package's solution to `name` under the stub's docstring, which states the exercise once, in the notebook."""
+    from cbkit.teach.exercises import solutions
+
+    solution = inspect.getsource(getattr(solutions, name)).rstrip().splitlines()
+    asked = next(n for n in ast.parse(stub).body if isinstance(n, ast.FunctionDef) and n.name == name).body[0]
+    first = ast.parse("\n".join(solution)).body[0].body[0].lineno - 1  # the solution's first statement
+    return "\n".join(solution[:first] + stub.splitlines()[asked.lineno - 1:asked.end_lineno] + solution[first:])
+
+
 def with_solutions(book: Any, stem: str, *, seed: int = 1) -> Any:
     """`book` (an nbformat notebook of `stem`, executed or not) with, in place, each stub cell's source replaced by
     the package's solution (self-contained), each check cell's output by that check grading it now, and the answer
@@ -291,7 +302,7 @@ def with_solutions(book: Any, stem: str, *, seed: int = 1) -> Any:
         if len(stubs) != 1 or stubs[0] + 1 >= len(code) or check.__name__ not in code[stubs[0] + 1].source:
             raise ValueError(f"{stem}: expected one cell defining {name}() followed by a cell running {check.__name__}")
         stub, graded = code[stubs[0]], code[stubs[0] + 1]
-        stub.source = inspect.getsource(getattr(solutions, name)).rstrip()
+        stub.source = answer(stub.source, name)
         stub.outputs = []
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
