@@ -13,7 +13,8 @@ import nbformat
 import pytest
 import torch
 
-from cbkit.teach.exercises import EXERCISES, Result, solutions
+from cbkit.teach.exercises import EXERCISES, Result
+from scripts import solutions
 
 REPO = Path(__file__).resolve().parents[1]
 ALL = [(stem, name, check) for stem, exs in EXERCISES.items() for name, check in exs]

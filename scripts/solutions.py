@@ -1,6 +1,6 @@
-"""The facilitator's answers, written as a learner would, each with its notebook stub's signature (tests compare
-them) and under the stub's docstring, which states the exercise once (`scripts/build_book.py` shows them together).
-Self-contained; the checks grade them against the kit's own code exactly as they grade a learner's."""
+"""The facilitator's answers to the notebooks' exercises (`cbkit.teach.exercises`), written as a learner would, each
+with its notebook stub's signature (tests compare them) and under the stub's docstring, which states the exercise
+once (`build_book.py` shows them together). Self-contained; the checks grade them as they grade a learner's."""
 
 from __future__ import annotations
 
