@@ -179,6 +179,18 @@ def check_padding_share(seed: int) -> list[Case]:
     return cases
 
 
+def _step_hint(args: tuple, engine: list) -> str:
+    candidates, got = args[0], dict(engine)
+    if any(q < wants for rid, _, wants, _ in candidates for r, q in engine if r == rid):
+        return "the token budget ran out inside a prompt: that request gets a chunk of min(wants, budget left)."
+    if any(rid not in got and fits for rid, _, _, fits in candidates):
+        return ("a request that fits was left out: the read budget (the pool's tokens) pays each scheduled "
+                "request's past_len; skip one that would overdraw it and go on, stop once it is spent.")
+    if any(not fits for *_, fits in candidates):
+        return "a candidate that does not fit is skipped, and the ones after it are still considered."
+    return "decoding requests come first, one token each, in the candidates' order."
+
+
 @functools.cache
 def _recorded_steps() -> list[Case]:
     """The tiny model's rollout through the real engine, recorded once, at fixed lengths (a wrong answer always fails
@@ -194,9 +206,7 @@ def _recorded_steps() -> list[Case]:
         rollout = backend.generate(prompts, 4, sampling, target_lengths=[3 + (11 * i) % 37 for i in range(8)])
     config = rollout.engine_config
     steps = trace.scheduler_inputs(config["max_batch_tokens"], config["max_requests_per_batch"])
-    hint = ("in the candidates' order: skip one that does not fit or whose past_len would overdraw the read budget "
-            "and go on; a scheduled one gets min(wants, token budget left); stop once a budget is spent.")
-    return [Case(f"engine step {i}", args, hint, engine) for i, args, engine in steps]
+    return [Case(f"engine step {i}", args, _step_hint(args, engine), engine) for i, args, engine in steps]
 
 
 @_check(None, lambda expected, got: exact(expected, [tuple(x) for x in got]))
