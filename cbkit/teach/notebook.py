@@ -177,9 +177,8 @@ class NotebookEnv:
                 f"precision: {self.precision}")
 
 
-def setup(notebook: str | None = None, profile: str | None = None, *, seed: int = 0,
-          verbose: bool = True) -> NotebookEnv:
-    """Decide profile, device, tier, dtypes, model, data and (with ``notebook``) its sizes; seed every RNG;
+def setup(notebook: str | None = None, profile: str | None = None, *, verbose: bool = True) -> NotebookEnv:
+    """Decide profile, device, tier, dtypes, model, data and (with ``notebook``) its sizes; seed every RNG with 0;
     print it. On a GPU tier, refuses before any model time a plan that does not fit."""
     from cbkit.train.order import seed_everything
 
@@ -217,7 +216,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
     if notebook is not None:
         sizes = table.sizes_for(notebook, env.tier, dry_run=env.dry_run)
         env = dataclasses.replace(env, notebook=notebook, sizes=sizes, model=sizes.model)
-    seed_everything(seed)
+    seed_everything(0)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
     if verbose:
