@@ -32,7 +32,7 @@ NOTEBOOK_RUN := CBKIT_PROFILE=ci OMP_NUM_THREADS=$(shell n=$$(( $(NPROC) / $(NOT
 	$(BIN)/python -m pytest -n $(NOTEBOOK_JOBS) --dist worksteal
 endif
 
-.PHONY: setup browser sweep demo gpu-wheels test test-more test-bare test-oldest test-newest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
+.PHONY: setup browser sweep gpu-wheels test test-more test-bare test-oldest test-newest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
 	publish-address clean
 
 setup: $(STAMP)
@@ -65,9 +65,6 @@ browser:
 SWEEP_ARGS ?=
 sweep: $(STAMP)
 	$(BIN)/cbkit sweep $(SWEEP_ARGS)
-
-demo: $(STAMP)
-	$(BIN)/cbkit demo
 
 # ruff, then mypy over cbkit/ ([tool.mypy] in pyproject.toml: what it checks, and why mypy: docs/testing.md).
 lint: $(STAMP)

@@ -17,6 +17,7 @@ facilitator's answer key (`ANSWERS`).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import inspect
 import io
@@ -26,6 +27,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+try:  # scripts/solutions.py: scripts.solutions where this file is imported (the tests), a sibling where it runs
+    from scripts import solutions
+except ImportError:
+    import solutions  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["00_quickstart", "01_kv_slot_recycling", "02_logprob_correctness", "03_n_sweep", "04_grpo_live", "05_off_policy"]
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 SOLUTIONS_NOTE = (
     "\n**The solutions edition**, for facilitators: each exercise's stub is replaced by its solution from "
-    "`cbkit.teach.exercises.solutions`, and the check under it shows that check grading the solution. Learners "
+    "`scripts/solutions.py`, and the check under it shows that check grading the solution. Learners "
     "get the other edition, where every stub is still to write.\n")
 
 
@@ -274,16 +280,24 @@ def answer_key(stem: str) -> str:
             "What each Question's edit shows and why, and what to compare in the rerun's output.\n\n" + items)
 
 
+def answer(stub: str, name: str) -> str:
+    """The solution to `name` (scripts/solutions.py) under the stub's docstring, which states the exercise once."""
+    solution = inspect.getsource(getattr(solutions, name)).rstrip().splitlines()
+    asked = next(n for n in ast.parse(stub).body if isinstance(n, ast.FunctionDef) and n.name == name).body[0]
+    first = ast.parse("\n".join(solution)).body[0].body[0].lineno - 1  # the solution's first statement
+    return "\n".join(solution[:first] + stub.splitlines()[asked.lineno - 1:asked.end_lineno] + solution[first:])
+
+
 def with_solutions(book: Any, stem: str, *, seed: int = 1) -> Any:
     """`book` (an nbformat notebook of `stem`, executed or not) with, in place, each stub cell's source replaced by
-    the package's solution (self-contained), each check cell's output by that check grading it now, and the answer
+    its solution (self-contained), each check cell's output by that check grading it now, and the answer
     key under the Questions. Nothing else is run again: the exercises never read the notebook's state.
 
     Raises when a stub or its check cell is missing, when a check refuses its solution, or when the Questions and
     the answer key do not number alike."""
     import nbformat
 
-    from cbkit.teach.exercises import EXERCISES, solutions
+    from cbkit.teach.exercises import EXERCISES
 
     code = [cell for cell in book.cells if cell.cell_type == "code"]
     for name, check in EXERCISES[stem]:
@@ -291,7 +305,7 @@ def with_solutions(book: Any, stem: str, *, seed: int = 1) -> Any:
         if len(stubs) != 1 or stubs[0] + 1 >= len(code) or check.__name__ not in code[stubs[0] + 1].source:
             raise ValueError(f"{stem}: expected one cell defining {name}() followed by a cell running {check.__name__}")
         stub, graded = code[stubs[0]], code[stubs[0] + 1]
-        stub.source = inspect.getsource(getattr(solutions, name)).rstrip()
+        stub.source = answer(stub.source, name)
         stub.outputs = []
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

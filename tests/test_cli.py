@@ -151,7 +151,7 @@ def test_the_shipped_recipe_is_the_readme_run():
     assert train_config(["--config", str(recipe)]) == train_config(flags)
 
 
-@pytest.mark.parametrize("command", ["sweep", "demo", "train"])
+@pytest.mark.parametrize("command", ["sweep", "train"])
 @pytest.mark.parametrize(("value", "says"), [("{bad json", "is not valid JSON"), ("[1, 2]", "must be a JSON object")])
 def test_a_bad_json_flag_is_named_in_one_line(capsys, command, value, says, no_model_loads):
     flag = "--transformers-continuous-batching-config" if command == "train" else "--cb-config"
@@ -160,31 +160,21 @@ def test_a_bad_json_flag_is_named_in_one_line(capsys, command, value, says, no_m
     assert err.startswith(f"cbkit {command}: error: {flag} {says}") and len(err.strip().splitlines()) == 1
 
 
-def test_demo_and_plan_flags_are_their_dataclasses_with_the_old_spellings():
-    """`demo` and `plan` parse into `DemoConfig` / `PlanConfig`; the spellings the README, the Makefile and
-    earlier releases use (-N, --prompts, --cb-config, comma lists) still reach the right field, and a flag the
-    training run also has carries CBGRPOConfig's help, not a copy."""
+def test_plan_flags_are_its_dataclass_with_the_old_spellings():
+    """`plan` parses into `PlanConfig`; the spellings the README and earlier releases use (-N, --prompts) still
+    reach the right field, and a flag the training run also has carries CBGRPOConfig's help, not a copy."""
     import dataclasses
 
     from cbkit.cli.flags import given_fields
     from cbkit.cli.plan import PlanConfig
-    from cbkit.teach.demo import DemoConfig
     from cbkit.train.config import CBGRPOConfig
 
-    args = build_parser().parse_args(["demo", "--model", "tiny", "--prompts", "3", "-N", "4", "--max-new-tokens",
-                                      "16", "--top-p", "0.9", "--top-k", "5", "--backends", "generate,continuous",
-                                      "--cb-config", '{"num_blocks": 64}', "--seed", "7", "--out", "x.jsonl"])
-    assert DemoConfig(**given_fields(args, DemoConfig)) == DemoConfig(
-        model="tiny", num_prompts=3, num_generations=4, max_new_tokens=16, top_p=0.9, top_k=5,
-        backends=["generate", "continuous"], cb_config={"num_blocks": 64}, seed=7, out="x.jsonl")
     args = build_parser().parse_args(["plan", "-N", "64", "--prompts", "2", "--prompt-len", "50", "--budget-gb", "1"])
     a = PlanConfig(**given_fields(args, PlanConfig))
     assert (a.num_generations, a.num_prompts, a.prompt_len, a.budget_gb, a.device) == (64, 2, 50, 1.0, "cuda")
     grpo_help = {f.name: f.metadata["help"] for f in dataclasses.fields(CBGRPOConfig)}
-    demo_help = {f.name: f.metadata["help"] for f in dataclasses.fields(DemoConfig)}
     plan_help = {f.name: f.metadata["help"] for f in dataclasses.fields(PlanConfig)}
-    assert demo_help["temperature"] == grpo_help["temperature"]
-    assert demo_help["max_new_tokens"] == plan_help["max_new_tokens"] == grpo_help["max_completion_length"]
+    assert plan_help["max_new_tokens"] == grpo_help["max_completion_length"]
 
 
 def test_plan_without_n_is_a_usage_error(capsys):

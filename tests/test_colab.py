@@ -51,14 +51,13 @@ def test_nothing_installed_while_this_process_ran_means_nothing_replaced():
     assert colab.replaced_packages() == {}
 
 
-def test_restart_names_what_was_replaced_and_kills_only_when_asked(site, monkeypatch, capsys):
+def test_restart_names_what_was_replaced_and_kills_the_kernel(site, monkeypatch, capsys):
     start = time.time() - 60
     _dist(site, "upgraded", "2.0", written=start + 30)
     monkeypatch.setitem(sys.modules, "upgraded", types.SimpleNamespace(__version__="1.0"))
     monkeypatch.setattr("psutil.Process", lambda: types.SimpleNamespace(create_time=lambda: start))
     killed = []
     monkeypatch.setattr(colab.os, "kill", lambda pid, sig: killed.append((pid, sig)))
-    assert colab.restart_if_replaced(kill=False) == {"upgraded": ("1.0", "2.0")} and killed == []
     assert colab.restart_if_replaced() == {"upgraded": ("1.0", "2.0")} and killed == [(os.getpid(), 9)]
     out = capsys.readouterr().out
     assert "upgraded 1.0 -> 2.0" in out and "run this cell again" in out

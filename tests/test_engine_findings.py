@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cbkit.rollout.engine_trace import EngineStep, EngineTrace, ScheduledRequest
-from cbkit.teach.exercises import solutions
+from scripts import solutions
 
 DATA = Path(__file__).parent / "data" / "engine_trace_tiny_waits.json"
 

@@ -13,7 +13,8 @@ import nbformat
 import pytest
 import torch
 
-from cbkit.teach.exercises import EXERCISES, Result, solutions
+from cbkit.teach.exercises import EXERCISES, Result
+from scripts import solutions
 
 REPO = Path(__file__).resolve().parents[1]
 ALL = [(stem, name, check) for stem, exs in EXERCISES.items() for name, check in exs]
@@ -242,8 +243,12 @@ def _stub_and_check(book, name):
     return code[stubs[0]], code[stubs[0] + 1]
 
 
+def _docstring(source, name):
+    return next(ast.get_docstring(n) for n in ast.parse(source).body if getattr(n, "name", None) == name)
+
+
 @pytest.mark.parametrize("item", ALL, ids=_ids)
-def test_the_notebook_asks_with_the_solutions_signature_and_docstring(item):
+def test_the_notebook_asks_with_the_solutions_signature_and_states_it(item):
     stem, name, check = item
     book = nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4)
     stub, check_cell = _stub_and_check(book, name)
@@ -252,7 +257,7 @@ def test_the_notebook_asks_with_the_solutions_signature_and_docstring(item):
     assert defs, f"{stem}: the stub cell does not define {name}"
     solution = ast.parse(inspect.getsource(getattr(solutions, name))).body[0]
     assert ast.dump(defs[0].args) == ast.dump(solution.args), f"{stem}: {name}'s stub and solution signatures differ"
-    assert ast.get_docstring(defs[0]) == ast.get_docstring(solution), f"{stem}: {name}'s docstring differs"
+    assert ast.get_docstring(defs[0]), f"{stem}: {name}'s stub states the exercise in its docstring"
     body = [n for n in defs[0].body if not isinstance(n, ast.Expr)]
     assert len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])
     assert f"{check.__name__}({name})" in check_cell.source, f"{stem}: the cell after {name} must run {check.__name__}"
@@ -261,8 +266,8 @@ def test_the_notebook_asks_with_the_solutions_signature_and_docstring(item):
 
 @pytest.mark.parametrize("stem", list(EXERCISES))
 def test_the_solutions_edition_answers_and_passes_every_exercise(stem):
-    """What `make book` shows facilitators (scripts/build_book.py): each stub replaced by the solution's source,
-    which runs on its own, and each check's output that check's PASS on it."""
+    """What `make book` shows facilitators (scripts/build_book.py): each stub replaced by the solution's source under
+    the stub's docstring, which runs on its own, and each check's output that check's PASS on it."""
     from scripts.build_book import with_solutions
 
     book = with_solutions(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), stem)
@@ -272,6 +277,8 @@ def test_the_solutions_edition_answers_and_passes_every_exercise(stem):
         scope: dict = {}
         exec(compile(answer.source, f"<{stem}: {name}>", "exec"), scope)  # self-contained, imports included
         assert check(scope[name], seed=11).passed
+        asked, _ = _stub_and_check(nbformat.read(REPO / "notebooks" / f"{stem}.ipynb", as_version=4), name)
+        assert _docstring(answer.source, name) == _docstring(asked.source, name)  # the exercise above its answer
         (out,) = graded.outputs
         assert out["text"].startswith(f"PASS  {name}: correct"), out["text"]
 

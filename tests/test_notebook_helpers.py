@@ -128,17 +128,19 @@ def test_nan_metrics_are_not_points():
     assert names == {"train reward"}
 
 
-def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path):
+def test_live_sweep_draws_each_run_and_redraws_a_resumed_file(tiny, tmp_path, monkeypatch):
     from cbkit.measure.sweep_config import SweepConfig
+    from cbkit.viz.live import LiveChart
 
+    drawn: list[tuple] = []
+    monkeypatch.setattr(LiveChart, "add", lambda self, series, x, y, panel=None: drawn.append((series, x, panel)))
     cfg = SweepConfig(model="tiny", ns=(1, 2), repeats=1, max_new_tokens=4, num_prompts=1)
-    seen: list[dict] = []
-    points = live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=seen.append)
+    points = live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny)
     assert {(p["backend"], p["N"]) for p in points} == {(b, n) for b in ("generate", "continuous") for n in (1, 2)}
-    assert len(seen) == 4
-    again: list[dict] = []
-    live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny, mode="static", on_point=again.append)
-    assert len(again) == 4  # nothing measured again, every finished run drawn
+    assert sorted(d[:2] for d in drawn if d[2] == "tokens/s") == sorted((p["backend"], p["N"]) for p in points)
+    drawn.clear()
+    live.live_sweep(cfg, tmp_path / "s.jsonl", policy=tiny)
+    assert len([d for d in drawn if d[2] == "tokens/s"]) == 4  # nothing measured again, every finished run drawn
 
 
 # --- logprob pairs and their figures -------------------------------------------------------------------------

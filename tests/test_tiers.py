@@ -168,7 +168,7 @@ def test_a_dry_run_takes_the_tiers_branches_at_ci_size(tier, monkeypatch, capsys
 
     # Capped so a CPU does not allocate a T4's share: fewer blocks than the 8 requests need, so some wait.
     assert 0 < pool["num_blocks"] < workload_blocks([[1] * 10] * 8, 8, pool["page_size"])
-    assert "plan for a NVIDIA" in capsys.readouterr().out
+    assert f"plan for {'t4' if tier == 't4' else 'a100-40'} (`cbkit tiers`): peak" in capsys.readouterr().out
 
 
 def test_a_plan_that_does_not_fit_stops_before_any_model_time(monkeypatch):

@@ -1,4 +1,4 @@
-"""`cbkit <command>`: the kit's entry points. `train`, `sweep`, `demo` and `plan` take one flag per field of their
+"""`cbkit <command>`: the kit's entry points. `train`, `sweep` and `plan` take one flag per field of their
 config dataclass (`cbkit.cli.flags`): a field added is a flag."""
 
 from __future__ import annotations
@@ -6,39 +6,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cbkit.cli.flags import dataclass_flags, given_fields
 from cbkit.cli.plan import add_plan, add_tiers
 from cbkit.cli.sweep import add_sweep
 from cbkit.cli.train import add_plot, add_train
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from cbkit.teach.demo import DemoConfig, format_table, run_demo
-
-    cfg = DemoConfig(**given_fields(args, DemoConfig))
-    results = run_demo(cfg)
-    print(f"\n{cfg.num_prompts} prompts x N={cfg.num_generations}, max_new_tokens={cfg.max_new_tokens}, "
-          f"model={cfg.model}, data={cfg.data}")
-    print("peak memory: CPU RSS above the post-load baseline (indicative); CUDA max_memory_allocated on a GPU")
-    print(format_table(results))
-    return 0
-
-
-def add_demo(sub: argparse._SubParsersAction) -> None:
-    """`cbkit demo`: one GRPO-shaped rollout through each backend, side by side; every `DemoConfig` field a flag."""
-    from cbkit.teach.demo import DemoConfig
-
-    demo = sub.add_parser("demo", parents=[dataclass_flags(DemoConfig)],
-                          help="one GRPO-shaped rollout through each backend, side by side",
-                          description="Every DemoConfig field is a flag; those the training run also has carry "
-                                      "CBGRPOConfig's help.")
-    demo.set_defaults(func=_demo)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_demo, add_sweep, add_plot, add_train, add_plan, add_tiers):  # the help's order
+    for add in (add_sweep, add_plot, add_train, add_plan, add_tiers):  # the help's order
         add(sub)
     for command in (parser, *sub.choices.values()):  # a bad flag value: one line, as every other bad input
         command.exit_on_error = False

@@ -1,1 +1,1 @@
-"""What the notebooks call: set-up and tiers, a few figures, the live hook, the graded exercises, the demo."""
+"""What the notebooks call: set-up and tiers, a few figures, the live hook, the graded exercises."""

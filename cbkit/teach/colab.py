@@ -13,8 +13,7 @@ from importlib import metadata
 _DISTRIBUTIONS = {"sklearn": "scikit-learn", "PIL": "pillow", "yaml": "pyyaml"}  # import name -> distribution
 
 
-def replaced_packages(modules: dict | None = None, *,
-                      since: float | None = None) -> dict[str, tuple[str, str]]:
+def replaced_packages(modules: dict | None = None, *, since: float | None = None) -> dict[str, tuple[str, str]]:
     """Loaded packages installed after ``since`` (default: process start) in another version: name -> (old, new)."""
     import psutil
 
@@ -31,23 +30,21 @@ def replaced_packages(modules: dict | None = None, *,
         except metadata.PackageNotFoundError:
             continue
         # The .dist-info folder is the install's (uv links older files into it); none visible counts as new.
-        path = getattr(dist, "_path", None)
         try:
-            written = os.stat(path).st_mtime if path is not None else math.inf
-        except OSError:
+            written = os.stat(dist._path).st_mtime  # type: ignore[attr-defined]
+        except (AttributeError, OSError):
             written = math.inf
         if dist.version != loaded and written > since:
             out[name] = (loaded, dist.version)
     return out
 
 
-def restart_if_replaced(*, kill: bool = True) -> dict[str, tuple[str, str]]:
+def restart_if_replaced() -> dict[str, tuple[str, str]]:
     """After the install: if a package the kernel had imported was replaced, say so and restart the kernel."""
     replaced = replaced_packages()
     if replaced:
         names = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in sorted(replaced.items()))
         print(f"The install replaced packages this runtime had already imported ({names}). Restarting the "
               "runtime now: when it is back, run this cell again (the install is then a no-op).", flush=True)
-        if kill:
-            os.kill(os.getpid(), 9)
+        os.kill(os.getpid(), 9)
     return replaced

@@ -18,9 +18,8 @@ def padding_figure(rollout: Any) -> go.Figure:
     if rollout.backend != "generate":
         raise ValueError("padding_figure draws the static batch of a 'generate' rollout; got a "
                          f"{rollout.backend!r} rollout (the CB engine packs sequences without padding).")
-    comps = rollout.completions
-    width = rollout.engine_config.get("padded_prompt_len") or max(len(c.prompt_ids) for c in comps)
-    steps = rollout.engine_config.get("steps") or max(len(c.completion_ids) for c in comps)
+    comps, config = rollout.completions, rollout.engine_config
+    width, steps = config["padded_prompt_len"], config["steps"]
     z = [[0] * (width - len(c.prompt_ids)) + [1] * len(c.prompt_ids) + [2] * len(c.completion_ids)
          + [3] * (steps - len(c.completion_ids)) for c in comps]
     share = 1 - sum(len(c.prompt_ids) + len(c.completion_ids) for c in comps) / (len(comps) * (width + steps))

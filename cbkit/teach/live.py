@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +70,13 @@ class LiveMetricsHook(StepHooks):
             self.chart.flush()
 
 
-def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mode: str = "auto",
-               on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None) -> list[dict[str, Any]]:
     """`run_sweep` with a live chart of tokens/s and peak memory against N, a point per run (those in ``out`` first)."""
     from cbkit.measure.results import load_runs
     from cbkit.measure.sweep import run_sweep
 
     title = f"N-sweep, live, workload {cfg.lengths}: each point is one run"
-    chart = LiveChart(title, ["tokens/s", "peak memory (MiB)"], x_title="N (completions per prompt)",
-                      mode=mode, x_log=True,  # type: ignore[arg-type]
+    chart = LiveChart(title, ["tokens/s", "peak memory (MiB)"], x_title="N (completions per prompt)", x_log=True,
                       style=lambda backend: {"color": backend_color(backend)})
 
     def add(run: dict[str, Any]) -> None:
@@ -88,8 +85,6 @@ def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mod
         chart.add(run["backend"], run["N"], run["tokens_per_s"], panel="tokens/s")
         if run.get("peak_mem_bytes") is not None:
             chart.add(run["backend"], run["N"], run["peak_mem_bytes"] / 2**20, panel="peak memory (MiB)")
-        if on_point is not None:
-            on_point(run)
 
     if Path(out).exists():
         for run in load_runs(Path(out)):

@@ -152,7 +152,7 @@ class NotebookEnv:
             return f"{torch.finfo(getattr(torch, dtype)).eps:.1e} relative resolution"
 
         if self.trains:
-            low = self.autocast_dtype or self.train_dtype
+            low = self.compute_dtype
             logprobs = f"under {low} autocast over those weights" if self.autocast_dtype else f"in {low}"
             return (f"rollout samples from the {self.train_dtype} training weights; old and policy logprobs "
                     f"{logprobs}; drift to expect: {low}'s {eps(low)} per logit (logprob/*, is/* every step)")
@@ -177,9 +177,8 @@ class NotebookEnv:
                 f"precision: {self.precision}")
 
 
-def setup(notebook: str | None = None, profile: str | None = None, *, seed: int = 0,
-          verbose: bool = True) -> NotebookEnv:
-    """Decide profile, device, tier, dtypes, model, data and (with ``notebook``) its sizes; seed every RNG;
+def setup(notebook: str | None = None, profile: str | None = None, *, verbose: bool = True) -> NotebookEnv:
+    """Decide profile, device, tier, dtypes, model, data and (with ``notebook``) its sizes; seed every RNG with 0;
     print it. On a GPU tier, refuses before any model time a plan that does not fit."""
     from cbkit.train.order import seed_everything
 
@@ -217,14 +216,12 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
     if notebook is not None:
         sizes = table.sizes_for(notebook, env.tier, dry_run=env.dry_run)
         env = dataclasses.replace(env, notebook=notebook, sizes=sizes, model=sizes.model)
-    seed_everything(seed)
+    seed_everything(0)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
     if verbose:
         print(env.summary())
     if notebook is not None and tier in GPU_TIERS:
-        from cbkit.measure.roofline import GPUS
-
         machine = "t4" if tier == "t4" else "a100-80" if (memory or 0) > 60 * GiB else "a100-40"
         p = plan_notebook(notebook, machine)
         if not p.ok:
@@ -232,7 +229,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, seed: int 
                               f". The sizes are in cbkit.teach.tiers.table.NOTEBOOKS[{notebook!r}].")
         if verbose:
             dry = " (at the tier's sizes; this dry run's are smaller)" if env.dry_run else ""
-            print(f"plan for a {GPUS[machine].name}: peak {p.peak_bytes / GiB:.1f} of "
+            print(f"plan for {machine} (`cbkit tiers`): peak {p.peak_bytes / GiB:.1f} of "
                   f"{p.memory_bytes / GiB:.0f} GiB{dry}")
     return env
 

@@ -24,9 +24,9 @@ def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
 
 def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
                          **overrides: Any) -> dict[str, Any]:
-    """One training step of *stock* ``trl.GRPOTrainer`` on its transformers-CB path, on a copy of ``model``: the
-    completions' count and tokens, the logprobs its rollout (``_generate_single_turn``) returned, which that path sets
-    to None, and the step's logged ``sampling/*`` metrics (TRL's IS diagnostics, absent without logprobs)."""
+    """One training step of *stock* ``trl.GRPOTrainer`` on its CB path, on a copy of ``model`` and a `trl_dataset`:
+    the completions' count and tokens, the logprobs its rollout (``_generate_single_turn``) returned, which that path
+    sets to None, and the step's logged ``sampling/*`` metrics (TRL's IS diagnostics, absent without logprobs)."""
     import copy
 
     from trl import GRPOTrainer as StockGRPOTrainer
@@ -43,9 +43,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
         from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
 
         longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                                        return_dict=True)["input_ids"])
-                      if isinstance(row["prompt"], list) else len(tokenizer(row["prompt"])["input_ids"])
-                      for row in dataset)
+                                                        return_dict=True)["input_ids"]) for row in dataset)
         rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
         blocks = cpu_pool_blocks(cb, rows, args.max_completion_length, page_size(cb))
         if blocks is not None:
@@ -62,11 +60,11 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
 
 def _train_recording(trainer: Any) -> dict[str, Any]:
-    """Train `trainer` (a stock ``trl.GRPOTrainer``) one step, recording what its rollout (its
-    ``_generate_single_turn``, replaced on this one instance) returned."""
+    """Train a stock ``trl.GRPOTrainer`` one step, recording what its ``_generate_single_turn`` (replaced on this
+    instance) returned; a function of its own, so that nothing here holds the trainer once it returns."""
     from cbkit.trl.trainers import plain_forward
 
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {"completions": 0, "tokens": 0}
     generate = trainer._generate_single_turn
 
     def recording(*a: Any, **k: Any):
@@ -74,8 +72,8 @@ def _train_recording(trainer: Any) -> dict[str, Any]:
         # is native), which would call .float() on the engine's PagedAttentionCache; training keeps the wrapper.
         with plain_forward(trainer.model):
             completion_ids, logprobs = generate(*a, **k)
-        seen["completions"] = seen.get("completions", 0) + len(completion_ids)  # over every call of the step
-        seen["tokens"] = seen.get("tokens", 0) + sum(len(c) for c in completion_ids)
+        seen["completions"] += len(completion_ids)  # over every call of the step
+        seen["tokens"] += sum(len(c) for c in completion_ids)
         seen["logprobs"] = logprobs
         return completion_ids, logprobs
 

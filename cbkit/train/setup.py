@@ -1,5 +1,5 @@
-"""The run set-up (policy, problems, prompt ids, stop and pad ids, sampling, warmed backends) for the loop, the sweep
-and the demo."""
+"""The run set-up (policy, problems, prompt ids, stop and pad ids, sampling, warmed backends) for the loop
+and the sweep."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The notebooks' graded exercises: `check_<name>(fn)` runs a learner's function on a table of cases (edge cases
-first, then cases drawn from a printed seed, which replays them) against the kit's own code as the kit runs it, and
-prints the first case that differs with its inputs, both answers and a hint; nothing the function does raises out of
-a check. `solutions` holds the facilitator's answers.
-"""
+"""The notebooks' graded exercises: `check_<name>(fn)` runs a learner's function on edge cases, then on cases drawn
+from a printed seed, against the kit's own code, and prints the first case that differs with its inputs, both answers
+and a hint; nothing the function does raises out of a check. The facilitator's answers: scripts/solutions.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from cbkit.measure import roofline
-from cbkit.measure.planner import plan, training_bytes
+from cbkit.measure.planner import TRAIN_STATE_BYTES_PER_PARAM, plan, training_bytes
+from cbkit.models.load import load_config
 from cbkit.rollout.admission import Admission, admission, pool_blocks
 from cbkit.rollout.engine_config import workload_blocks
 from cbkit.teach.tiers import table
@@ -30,8 +31,6 @@ def plan_config(model: str) -> Any:
         from transformers import Qwen2Config
 
         return Qwen2Config(**_GPU_CONFIG)
-    from cbkit.models.load import load_config
-
     return load_config(model)
 
 
@@ -45,8 +44,7 @@ def pool_bytes(config: Any, tier: str, share: float) -> int:
     """``share`` x what a training step of this model (16 bytes a parameter) leaves free on the tier's smallest GPU."""
     if not 0 < share <= 1:
         raise ValueError(f"pool_share is a share of free memory in (0, 1], got {share}.")
-    state = training_bytes(parameter_count(config), micro_batch_rows=0, tokens_per_row=0, completion_len=1,
-                           config=config, autocast=True)["optimizer_state"]
+    state = TRAIN_STATE_BYTES_PER_PARAM * parameter_count(config)
     return int(share * (table.TIER_MEMORY[tier] - state))
 
 
@@ -120,13 +118,14 @@ class TierPlan:
 
 def plan_notebook(name: str, machine: str) -> TierPlan:
     """One notebook on one GPU of ``MACHINES``: its planned peak by part and every CB engine start it makes."""
-    tier = table.MACHINES[machine][0]
+    tier, rollout_dtype = table.MACHINES[machine]
     spec = table.notebook_spec(name)
     s = spec.sizes[tier]
     config = plan_config(s.model)
     params = parameter_count(config)
     # The notebooks that train, and 02, keep fp32 weights and roll out from them; the others load the rollout dtype.
-    weight_bytes = 4 if spec.trains or spec.kind == "logprobs" else 2
+    fp32 = spec.trains or spec.kind == "logprobs"
+    weight_bytes, dtype = (4, torch.float32) if fp32 else (2, getattr(torch, rollout_dtype))
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)
     memory = table.DEVICE_BYTES[machine] - table.CUDA_CONTEXT_BYTES
     parts = {"weights": weight_bytes * params}
@@ -140,14 +139,17 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     common: dict[str, Any] = dict(prompt_len=table.PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda",
                                   budget_bytes=memory - parts["weights"], cb_config=pool)
     peaks = [0]
-    starts: list[tuple[str, int, int, int]] = []  # what, requests, new tokens, resident bytes
+    starts: list[EngineStart] = []
 
     def rollout(prompts: int, n: int, new: int, backend: str = "continuous", *, what: str = "the rollout",
                 resident: int = loaded) -> None:
         p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=new, **common)
         peaks.append((p.generate if backend == "generate" else p.continuous).peak_bytes)
         if backend != "generate":
-            starts.append((what, prompts * n, new, resident))
+            verdict = admission(config, pool, dtype=dtype, rows=[range(table.PROMPT_LEN)] * (prompts * n),
+                                max_new_tokens=new, total_bytes=table.DEVICE_BYTES[machine],
+                                used_bytes=table.CUDA_CONTEXT_BYTES + resident, capability=table.CAPABILITY[machine])
+            starts.append(EngineStart(what, prompts * n, new, weight_bytes, resident, verdict))
 
     if spec.trains:
         rows = s.prompts * s.n
@@ -173,9 +175,4 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
             rollout(s.prompts, n, s.max_new_tokens, "generate")
             rollout(s.prompts, n, s.max_new_tokens, what=f"the rollout at N={n}")
     parts["the rollout"] = max(peaks)
-    dtype = torch.float32 if weight_bytes == 4 else torch.float16 if machine == "t4" else torch.bfloat16
-    checked = [EngineStart(what, rows, new, weight_bytes, resident, admission(
-        config, pool, dtype=dtype, rows=[range(table.PROMPT_LEN)] * rows, max_new_tokens=new,
-        total_bytes=table.DEVICE_BYTES[machine], used_bytes=table.CUDA_CONTEXT_BYTES + resident,
-        capability=table.CAPABILITY[machine])) for what, rows, new, resident in starts]
-    return TierPlan(name, tier, machine, sum(parts.values()), memory, parts, pool, checked, host)
+    return TierPlan(name, tier, machine, sum(parts.values()), memory, parts, pool, starts, host)
