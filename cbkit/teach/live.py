@@ -71,7 +71,7 @@ class LiveMetricsHook(StepHooks):
             self.chart.flush()
 
 
-def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mode: str = "auto",
+def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None,
                on_point: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """`run_sweep` with a live chart of tokens/s and peak memory against N, a point per run (those in ``out`` first)."""
     from cbkit.measure.results import load_runs
@@ -79,7 +79,7 @@ def live_sweep(cfg: Any, out: str | os.PathLike[str], *, policy: Any = None, mod
 
     title = f"N-sweep, live, workload {cfg.lengths}: each point is one run"
     chart = LiveChart(title, ["tokens/s", "peak memory (MiB)"], x_title="N (completions per prompt)",
-                      mode=mode, x_log=True,  # type: ignore[arg-type]
+                      x_log=True,
                       style=lambda backend: {"color": backend_color(backend)})
 
     def add(run: dict[str, Any]) -> None:

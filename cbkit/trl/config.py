@@ -37,7 +37,7 @@ LOOP_ONLY: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CBGRPOConf
 def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **overrides: Any):
     """A `trl.GRPOConfig` for the run `cfg_or_kwargs` describes (a cbkit config, a dict of its fields, or None), on
     the CB path with cbkit's CB defaults; `overrides` are `GRPOConfig` arguments under TRL's names and win."""
-    values = _cbkit_values(cfg_or_kwargs)
+    values = cbkit_values(cfg_or_kwargs)
     estimator = values.pop("advantage_estimator", "grpo")
     if estimator != "grpo":
         raise ValueError(f"advantage_estimator={estimator!r}: TRL's GRPOTrainer has only the group-mean baseline. "
@@ -48,7 +48,7 @@ def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **
 
 def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo", **overrides: Any):
     """A `trl.RLOOConfig` (see `trl_grpo_config`); settings RLOO lacks are dropped, with a warning if not defaults."""
-    values = _cbkit_values(cfg_or_kwargs)
+    values = cbkit_values(cfg_or_kwargs)
     values.pop("advantage_estimator", None)  # RLOO is the leave-one-out estimator whatever the config says
     if "scale_rewards" in values:
         scale = values.pop("scale_rewards")
@@ -66,7 +66,7 @@ def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo
     return _trl_config(RLOOConfig, {k: v for k, v in values.items() if k not in dropped}, output_dir, overrides)
 
 
-def _cbkit_values(cfg: Any) -> dict[str, Any]:
+def cbkit_values(cfg: Any) -> dict[str, Any]:
     """The cbkit fields `cfg` sets. A dict must hold only cbkit fields; an object is read by attribute name."""
     if cfg is None:
         return {}

@@ -58,9 +58,9 @@ def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_colum
     """TRL's reward list and weights by the loop's rules (`resolve_rewards`), cbkit rewards wrapped in `TRLReward`.
     Without `reward_weights`, the config's matched by name; neither: None (TRL's 1.0 each)."""
     if reward_weights is None and cfg is not None:
-        from cbkit.trl.config import _cbkit_values
+        from cbkit.trl.config import cbkit_values
 
-        values = _cbkit_values(cfg)
+        values = cbkit_values(cfg)
         names, reward_weights = values.get("reward_funcs"), values.get("reward_weights")
         if reward_weights is not None and names is not None and isinstance(reward_funcs, Mapping):
             reward_weights = {n: float(w) for n, w in zip(names, reward_weights, strict=True) if n in reward_funcs}
