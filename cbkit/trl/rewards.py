@@ -10,6 +10,7 @@ import torch
 
 from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.tasks.rewards import resolve_rewards, reward_scores
+from cbkit.trl.config import cbkit_values
 
 
 def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
@@ -58,8 +59,6 @@ def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_colum
     """TRL's reward list and weights by the loop's rules (`resolve_rewards`), cbkit rewards wrapped in `TRLReward`.
     Without `reward_weights`, the config's matched by name; neither: None (TRL's 1.0 each)."""
     if reward_weights is None and cfg is not None:
-        from cbkit.trl.config import cbkit_values
-
         values = cbkit_values(cfg)
         names, reward_weights = values.get("reward_funcs"), values.get("reward_weights")
         if reward_weights is not None and names is not None and isinstance(reward_funcs, Mapping):

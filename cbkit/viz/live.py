@@ -132,14 +132,16 @@ class LiveChart:
         xs.append(x)
         ys.append(y)
         self._dirty = True
-        now = self.clock()
-        if now - self._last >= self.min_interval_s:
-            self._redraw(now)
+        if self.clock() - self._last >= self.min_interval_s:
+            self.flush()
 
     def flush(self) -> None:
         """Redraw now if anything arrived since the last redraw."""
         if self._dirty and self._final is None:
-            self._redraw(self.clock())
+            self._last = self.clock()
+            self._dirty = False
+            if self.live:
+                self._show({"text/html": figure_html(self.figure())})
 
     def close(self) -> go.Figure:
         """Return the final figure; in a kernel it replaces the live chart's last snapshot."""
@@ -210,12 +212,6 @@ class LiveChart:
                            hovertemplate=f"{series}: %{{y:.4~g}}<extra></extra>")
         shown.add(group)
         return trace
-
-    def _redraw(self, now: float) -> None:
-        self._last = now
-        self._dirty = False
-        if self.live:
-            self._show({"text/html": figure_html(self.figure())})
 
     def _show(self, bundle: dict[str, Any]) -> None:
         """Show a mime bundle in place of the last one (a plotly figure would ignore the display id)."""
