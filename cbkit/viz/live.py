@@ -14,6 +14,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
@@ -35,7 +36,6 @@ def embed_plotlyjs() -> bool:
     global _PLOTLYJS_IN_PAGE
     if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
         return False
-    import plotly.io as pio
     from IPython.display import display_html
     from plotly.offline import get_plotlyjs
 
@@ -48,8 +48,6 @@ def embed_plotlyjs() -> bool:
 
 def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
     """A figure as an HTML fragment, drawn with the page's plotly.js when embedded, else the CDN's (Colab)."""
-    import plotly.io as pio
-
     return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
                        include_mathjax=False, default_width="100%", validate=False)
 
@@ -147,7 +145,6 @@ class LiveChart:
         """Return the final figure; in a kernel it replaces the live chart's last snapshot."""
         if self._final is None:
             self._final = fig = self.figure()
-            self._dirty = False
             if self.live:  # as plotly's JSON and HTML: an executed notebook keeps the figure
                 self._show({"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
                             "text/html": figure_html(fig), "text/plain": f"<plotly figure: {self.title}>"})
@@ -160,8 +157,7 @@ class LiveChart:
                             vertical_spacing=(0.08 if self.columns == 1 else 0.12) if rows > 1 else 0.0)
         shown: set[str] = set()
         for (panel, series), (xs, ys) in self._series.items():
-            row, col = self._cell(panel)
-            fig.add_trace(self._trace(series, xs, ys, shown), row=row, col=col)
+            fig.add_trace(self._trace(series, xs, ys, shown), *self._cell(panel))
         for i, panel in enumerate(self.panels):
             row, col = self._cell(panel)
             fig.update_yaxes(title_text=panel, range=self._y_range(panel), row=row, col=col)
