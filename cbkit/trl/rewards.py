@@ -46,13 +46,8 @@ class TRLReward:
 
 def _is_trl_native(fn) -> bool:
     """TRL reward functions must take **kwargs (TRL passes trainer_state, log_extra, ...); cbkit's never do."""
-    if isinstance(fn, str | torch.nn.Module | TRLReward):
-        return True
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return isinstance(fn, str | torch.nn.Module | TRLReward) or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
 def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_column: str = "answer"):

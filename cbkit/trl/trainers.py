@@ -7,39 +7,31 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from trl import GRPOTrainer, RLOOTrainer
+from trl import GRPOTrainer
 
 from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
 from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.order import mix_seed
-from cbkit.trl.config import cbkit_values, trl_grpo_config, trl_rloo_config
+from cbkit.trl.config import trl_grpo_config
 from cbkit.trl.rewards import trl_rewards
 
-if TYPE_CHECKING:  # the type checker reads the mixin as the Trainer it ends up in; at run time a plain mixin
-    from transformers import Trainer as _TrainerHost
-else:
-    _TrainerHost = object
 
+class CBLogprobGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB
+    path: TRL's CB branch through cbkit's engine, a seed per call, `use_vllm` as the gate of TRL's IS lines."""
 
-class _CBRollouts(_TrainerHost):
-    """TRL's CB branch through cbkit's engine, for both bridge trainers: logprobs kept, a seed per call."""
-
-    args: Any
-    _dist: Any
-    generation_config: Any
-    max_completion_length: int | None
-    eos_token_ids: list[int]
-
+    args: Any  # a GRPOConfig (the type checker reads Trainer's TrainingArguments)
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
     _cb_engine: Engine | None = None
+    _is_gate_open = False
 
     def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
-        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`.
-        Text only: TRL's trainers refuse a multimodal processor on the CB path."""
+        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`
+        (text only: TRL's trainer refuses a multimodal processor on the CB path)."""
         max_new_tokens = self.max_completion_length
         if max_new_tokens is None:
             raise ValueError("max_completion_length=None: CB rollouts through cbkit's engine need a cap on the "
@@ -62,7 +54,8 @@ class _CBRollouts(_TrainerHost):
             if self._cb_engine is None or self._cb_engine.model is not unwrapped:
                 self._cb_engine = Engine(unwrapped, self.args.transformers_continuous_batching_config)
             with half_weights_for_rollout(unwrapped, half, keep=keep), plain_forward(unwrapped):
-                outputs, _ = self._cb_engine.run(rows, self.generation_config, max_new_tokens=max_new_tokens, seed=seed)
+                outputs, _ = self._cb_engine.run(rows, self.generation_config, max_new_tokens=max_new_tokens,
+                                                 seed=seed)
             unwrapped.train(was_training)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tuple(self.eos_token_ids))
         completions = to_completions(rows, outputs, 1, sampling)  # raises where the engine returned no logprobs
@@ -78,12 +71,6 @@ class _CBRollouts(_TrainerHost):
             for k in names:
                 self.model.__dict__.pop(k, None)
             self.model.__dict__.update(found)
-
-
-class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path."""
-
-    _is_gate_open = False
 
     def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
         if args is None or not getattr(args, "use_transformers_continuous_batching", False):
@@ -172,32 +159,20 @@ def plain_forward(model: torch.nn.Module) -> Iterator[None]:
             model.forward = wrapped
 
 
-class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
-    """`trl.RLOOTrainer` with the GRPO bridge's CB call; TRL's RLOO has no IS correction: the logprobs are dropped."""
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-        if not self.use_transformers_continuous_batching or self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
-        return self._cb_generate(prompt_ids)[0]
-
-
-def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None, *, output_dir: str | None = None,
+def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None, *, output_dir: str = "cbkit-trl",
                   reward_weights: Mapping[str, float] | Sequence[float] | None = None, answer_column: str = "answer",
                   eval_dataset=None, callbacks=None, **overrides: Any):
-    """TRL's trainer for a cbkit run: GRPO or RLOO by the config's `advantage_estimator`, the bridge's subclass on the
-    CB path; `overrides` are `GRPOConfig` / `RLOOConfig` arguments under TRL's names."""
-    rloo = cbkit_values(cfg).get("advantage_estimator") == "rloo"  # any other but grpo: trl_grpo_config refuses
+    """TRL's GRPO trainer for a cbkit run, the bridge's on the CB path; `overrides`: GRPOConfig arguments."""
     funcs, weights = trl_rewards(reward_funcs, reward_weights, cfg, answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
     if eval_dataset is None:  # the config's eval_steps needs a held-out set TRL can read: none given, none evaluated
         overrides = {"eval_strategy": "no", "eval_on_start": False, **overrides}
-    to_args = trl_rloo_config if rloo else trl_grpo_config
-    args = to_args(cfg, output_dir or ("cbkit-trl-rloo" if rloo else "cbkit-trl"), **overrides)
+    args = trl_grpo_config(cfg, output_dir, **overrides)
     if isinstance(model, str):  # TRL loads it with these: hub kernels off as in cbkit's loads, unless the caller says
         args.model_init_kwargs = {**pretrained_kwargs(), **(args.model_init_kwargs or {})}
-    stock, cb = (RLOOTrainer, CBRLOOTrainer) if rloo else (GRPOTrainer, CBLogprobGRPOTrainer)
-    cls = cb if args.use_transformers_continuous_batching and not args.use_vllm else stock
+    on_cb = args.use_transformers_continuous_batching and not args.use_vllm
+    cls = CBLogprobGRPOTrainer if on_cb else GRPOTrainer
     return cls(model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                processing_class=tokenizer, callbacks=callbacks)
 
