@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
 
 from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
@@ -36,9 +38,6 @@ class CBLogprobGRPOTrainer(GRPOTrainer):
         if max_new_tokens is None:
             raise ValueError("max_completion_length=None: CB rollouts through cbkit's engine need a cap on the "
                              "completion length; set max_completion_length in the TRL config.")
-        from trl.extras.profiling import profiling_context
-        from trl.models import unwrap_model_for_generation
-
         rows = [list(p) for p in prompt_ids]
         unwrap = unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                              gather_deepspeed3_params=self.args.ds3_gather_for_generation,
