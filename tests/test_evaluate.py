@@ -170,7 +170,7 @@ def test_the_live_chart_draws_the_step_0_evaluation_but_does_not_count_it_as_a_s
     from cbkit.teach.live import LiveMetricsHook
     from cbkit.train.hooks import StepRecord
 
-    hook = LiveMetricsHook("continuous", mode="static")
+    hook = LiveMetricsHook("continuous")
     hook.on_step_end(StepRecord(0, {"eval/accuracy": 0.2}))
     hook.on_step_end(StepRecord(1, {"reward/mean": 0.5, "eval/accuracy": 0.4}))
     assert [r.step for r in hook.records] == [1]  # 04 compares runs over these: every one has reward/mean

@@ -99,7 +99,7 @@ def _train(tiny, hooks, **kw):
 def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
     from cbkit.viz.live import LiveChart
 
-    chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS], mode="static")
+    chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS])
     first = live.LiveMetricsHook("continuous", chart=chart, close_on_end=False)
     _train(tiny, [first], use_transformers_continuous_batching=True)
     second = live.LiveMetricsHook("generate", chart=chart)
@@ -121,7 +121,7 @@ def test_live_metrics_hook_draws_every_step_of_two_runs_into_one_chart(tiny):
 def test_nan_metrics_are_not_points():
     from cbkit.viz.live import LiveChart
 
-    chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS], mode="static")
+    chart = LiveChart("t", [p for p, _ in live.TRAINING_PANELS])
     hook = live.LiveMetricsHook(chart=chart)
     hook.on_step_end(StepRecord(1, {"logprob/max_abs_diff": float("nan"), "reward/mean": 0.5}))
     names = {t.name for t in chart.figure().data}
@@ -267,7 +267,7 @@ def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny,
 
 
 def test_training_chart_is_a_grid_with_one_legend_entry_per_run_and_labelled_quantities():
-    first = live.LiveMetricsHook("continuous", mode="static", close_on_end=False)
+    first = live.LiveMetricsHook("continuous", close_on_end=False)
     for hook in (first, live.LiveMetricsHook("generate", chart=first.chart)):
         for step in (1, 2, 3):
             hook.on_step_end(StepRecord(step, {"reward/mean": 0.1 * step, "logprob/max_abs_diff": 1e-6,

@@ -1,4 +1,4 @@
-"""The live chart's display modes, throttle and batching, and the static figures built from sample data."""
+"""Where the live chart draws, its throttle and batching, and the static figures built from sample data."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_a_kernel_updates_a_display_handle_and_leaves_a_figure(monkeypatch, cola
     _kernel(monkeypatch, colab=colab)
     display, clock = FakeDisplay(), FakeClock()
     chart = LiveChart("h", x_title="N", clock=clock, display=display)
-    assert chart.mode == "html"
+    assert chart.live
     for i in range(5):
         clock.t = 2.0 * i
         chart.add("generate", i, float(i))
@@ -102,7 +102,7 @@ def test_a_kernel_updates_a_display_handle_and_leaves_a_figure(monkeypatch, cola
 def test_without_a_kernel_nothing_is_shown_until_close(no_kernel):
     display = FakeDisplay()
     chart = LiveChart("s", display=display, clock=FakeClock())
-    assert chart.mode == "static"
+    assert not chart.live
     for i in range(20):
         chart.add("a", i, i * i)
     assert display.shown == []
@@ -119,7 +119,7 @@ def test_without_a_kernel_nothing_is_shown_until_close(no_kernel):
 def test_throttle_at_most_one_update_per_interval(monkeypatch):
     _kernel(monkeypatch, colab=True)
     display, clock = FakeDisplay(), FakeClock()
-    chart = LiveChart("t", mode="html", min_interval_s=1.0, clock=clock, display=display)
+    chart = LiveChart("t", min_interval_s=1.0, clock=clock, display=display)
     for i in range(100):  # 100 points within one second
         clock.t = i * 0.0099
         chart.add("a", i, i)
@@ -134,7 +134,7 @@ def test_throttle_at_most_one_update_per_interval(monkeypatch):
 def test_batched_points_all_arrive(monkeypatch):
     _kernel(monkeypatch, colab=True)
     display, clock = FakeDisplay(), FakeClock()
-    chart = LiveChart("b", panels=("x", "y"), mode="html", clock=clock, display=display)
+    chart = LiveChart("b", panels=("x", "y"), clock=clock, display=display)
     chart.add("a", 0, 0, panel="x")  # first point draws at once
     for i in range(1, 50):
         chart.add("a", i, i, panel="x")
@@ -146,12 +146,10 @@ def test_batched_points_all_arrive(monkeypatch):
     assert fig.layout.xaxis2.title.text == "step"
 
 
-def test_live_chart_rejects_unknown_panel_and_mode():
-    chart = LiveChart("p", panels=("a",), mode="static")
+def test_live_chart_rejects_an_unknown_panel():
+    chart = LiveChart("p", panels=("a",))
     with pytest.raises(ValueError, match="Unknown panel 'b'"):
         chart.add("s", 1, 1, panel="b")
-    with pytest.raises(ValueError, match="mode must be"):
-        LiveChart("p", mode="browser")
 
 
 # --- sweep figures ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The TRL bridge: stock TRL 1.16 loses the CB sampling logprobs, the bridge keeps them and TRL's IS runs.
 
 Everything runs on the tiny random Llama from `cbkit.models.load` (byte tokenizer, ChatML template) in fp32 on
-CPU, with real `GRPOTrainer` / `RLOOTrainer` objects and real CB engine calls.
+CPU, with real `GRPOTrainer` objects and real CB engine calls.
 
 Tolerances (fp32): the engine's logprob of a sampled token is log(softmax(processed logits))[token], the
 teacher-forced one log_softmax of a dense forward's logits; they differ only in summation order (paged vs
@@ -22,21 +22,16 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import ContinuousBatchingConfig, TrainerCallback
-from trl import GRPOTrainer, RLOOTrainer
+from trl import GRPOTrainer
 
 from cbkit.models.load import load_policy
 from cbkit.rollout.engine import Engine
 from cbkit.tasks.rewards import correctness_reward, format_reward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.objective import processed_logprobs
-from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config, trl_rloo_config
+from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config
 from cbkit.trl.rewards import TRLReward, trl_dataset, trl_rewards
-from cbkit.trl.trainers import (
-    CBLogprobGRPOTrainer,
-    CBRLOOTrainer,
-    build_trainer,
-    is_metrics,
-)
+from cbkit.trl.trainers import CBLogprobGRPOTrainer, build_trainer, is_metrics
 from tests.helpers import cb_forward_returns_its_cache
 
 pytestmark = [
@@ -405,10 +400,6 @@ def test_trl_gates_we_depend_on():
     init = inspect.getsource(GRPOTrainer.__init__)
     for knob in ('"do_sample": True', '"temperature": self.temperature', '"top_p": self.top_p', '"top_k": self.top_k'):
         assert knob in init, knob
-    # RLOO: no IS correction to feed in 1.16; its CB branch is called as CBRLOOTrainer expects.
-    assert "importance_sampling" not in inspect.getsource(RLOOTrainer)
-    assert list(inspect.signature(RLOOTrainer._generate_single_turn).parameters) == [
-        "self", "prompt_ids", "images", "multimodal_fields"]
     # accelerate's mixed-precision wrapper that plain_forward steps around.
     from accelerate import Accelerator
 
@@ -515,7 +506,7 @@ def test_config_errors_say_what_to_change(tmp_path):
         trl_grpo_config(dict(temprature=0.7), str(tmp_path))
     with pytest.raises(ValueError, match=r"did you mean 'vllm_importance_sampling_mode'"):
         trl_grpo_config(None, str(tmp_path), vllm_importance_sampling_mod="token_mask")
-    with pytest.raises(ValueError, match="build_trainer"):
+    with pytest.raises(ValueError, match="leave-one-out estimator in cbkit's loop"):
         trl_grpo_config(dict(advantage_estimator="rloo"), str(tmp_path))
     with pytest.warns(FutureWarning, match="use_transformers_paged"):
         args = trl_grpo_config(dict(use_transformers_paged=True, use_transformers_continuous_batching=False),
@@ -536,21 +527,6 @@ def test_asking_for_vllm_turns_cb_off(tmp_path):
     assert args.vllm_importance_sampling_mode == "token_mask"  # the IS settings still map
     with pytest.raises(ValueError, match="choose one generation backend"):
         trl_grpo_config(None, str(tmp_path), use_vllm=True, use_transformers_continuous_batching=True)
-
-
-def test_rloo_config_mapping(tmp_path):
-    args = trl_rloo_config(dict(num_generations=4, beta=0.0, scale_rewards="batch", temperature=0.8), str(tmp_path))
-    assert (args.num_generations, args.beta, args.normalize_advantages, args.temperature) == (4, 0.0, True, 0.8)
-    assert args.use_transformers_continuous_batching is True
-    assert args.transformers_continuous_batching_config["return_logprobs"] is True
-    assert trl_rloo_config(dict(scale_rewards="none"), str(tmp_path)).normalize_advantages is False
-    with pytest.raises(ValueError, match="scale_rewards='group' has no RLOO equivalent"):
-        trl_rloo_config(dict(scale_rewards="group"), str(tmp_path))
-    with pytest.warns(UserWarning, match=r"no equivalent for \{'loss_type': 'grpo'\}"):
-        trl_rloo_config(dict(loss_type="grpo", scale_rewards="none"), str(tmp_path))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # TRL's defaults are dropped silently
-        trl_rloo_config(dict(loss_type="dapo", clip_max=3.0, scale_rewards="none"), str(tmp_path))
 
 
 # --- rewards --------------------------------------------------------------------------------------------------
@@ -613,12 +589,9 @@ def test_trl_dataset_from_cbkit_problems():
     assert user_only == [{"role": "user", "content": problems[0].question}]
 
 
-# --- RLOO -----------------------------------------------------------------------------------------------------
-
-
-def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
-    """One RLOO step on the CB path, in bf16 mixed precision (TRL's default) to exercise CBRLOOTrainer's fix, with
-    the GRPO bridge's engine config: no pool size given, and still no share of host RAM; a seed per call."""
+def test_bridge_engine_sized_to_the_workload_with_a_seed_per_call(tmp_path, dataset, monkeypatch):
+    """Two steps on the CB path in bf16 mixed precision (TRL's default): no pool size given, and still no share
+    of host RAM; a seed per call."""
     logs = Logs()
     model, tok = _policy()
     seen = []
@@ -632,15 +605,14 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
     monkeypatch.setattr(Engine, "config", spy)
     tr = build_trainer(
         model, tok, {"correctness": correctness_reward, "format": format_reward}, dataset,
-        dict(RUN, advantage_estimator="rloo", beta=0.0, scale_rewards="none", max_steps=2), output_dir=str(tmp_path), callbacks=[logs],
+        dict(RUN, max_steps=2), output_dir=str(tmp_path), callbacks=[logs],
         reward_weights={"format": 0.5}, bf16=True, use_cpu=True, **TRL_ONLY,
     )
-    assert type(tr) is CBRLOOTrainer and tr.continuous_batching_config is not None
+    assert type(tr) is CBLogprobGRPOTrainer
     assert tr.reward_weights.tolist() == [1.0, 0.5]
     tr.train()
     step = logs.train_step
     assert {"rewards/correctness_reward/mean", "rewards/format_reward/mean"} <= set(step)
-    assert not is_metrics(step)  # RLOO in TRL 1.16 has no IS correction
     assert len(seen) == 2
     for rows, cb in seen:
         # Sized to the workload (not gigabytes of host RAM): a 32-token page per 32 tokens of each row at full
@@ -650,13 +622,11 @@ def test_rloo_trainer_on_the_cb_path_one_step(tmp_path, dataset, monkeypatch):
     assert seen[0][1].seed != seen[1][1].seed
 
 
-def test_rloo_trainer_raises_on_a_failed_request(tmp_path, dataset, monkeypatch):
+def test_bridge_raises_on_a_failed_request(tmp_path, dataset, monkeypatch):
     """A forward that fails a few steps in fails the call; transformers' `generate_batch` (what TRL calls) logs it
     and returns fewer completions, which would shift every prompt/completion pair after the lost one."""
     model, tok = _policy()
-    tr = build_trainer(model, tok, format_reward, dataset,
-                       dict(RUN, advantage_estimator="rloo", beta=0.0, scale_rewards="none"),
-                       output_dir=str(tmp_path), **TRL_ONLY)
+    tr = build_trainer(model, tok, format_reward, dataset, RUN, output_dir=str(tmp_path), **TRL_ONLY)
     layer = model.model.layers[0].mlp
     real, calls = layer.forward, {"n": 0}
 
@@ -668,7 +638,7 @@ def test_rloo_trainer_raises_on_a_failed_request(tmp_path, dataset, monkeypatch)
 
     monkeypatch.setattr(layer, "forward", broken)
     with pytest.raises(RuntimeError, match="injected failure|failed request"):
-        tr._generate_single_turn(_prompt_ids(tok), None, {})
+        tr._generate_single_turn(_prompt_ids(tok), None, {}, N)
 
 
 def test_bridge_rollout_without_a_length_cap_says_what_to_set():

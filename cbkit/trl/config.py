@@ -1,14 +1,13 @@
-"""cbkit's config onto TRL's `GRPOConfig` / `RLOOConfig`: most fields keep TRL's names; the exceptions (vLLM-named
+"""cbkit's config onto TRL's `GRPOConfig`: most fields keep TRL's names; the exceptions (vLLM-named
 IS fields, steps counted in updates, a constant learning rate) are here (docs/trl_bridge.md)."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from trl import GRPOConfig, RLOOConfig
+from trl import GRPOConfig
 
 from cbkit.models.load import native_bf16
 from cbkit.rollout.engine_config import cb_config_values
@@ -37,36 +36,38 @@ LOOP_ONLY: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CBGRPOConf
 def trl_grpo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl", **overrides: Any):
     """A `trl.GRPOConfig` for the run `cfg_or_kwargs` describes (a cbkit config, a dict of its fields, or None), on
     the CB path with cbkit's CB defaults; `overrides` are `GRPOConfig` arguments under TRL's names and win."""
-    values = _cbkit_values(cfg_or_kwargs)
+    values = cbkit_values(cfg_or_kwargs)
     estimator = values.pop("advantage_estimator", "grpo")
     if estimator != "grpo":
-        raise ValueError(f"advantage_estimator={estimator!r}: TRL's GRPOTrainer has only the group-mean baseline. "
-                         "Use build_trainer (which picks TRL's RLOOTrainer for it) or trl_rloo_config for the "
-                         "leave-one-out estimator, or set advantage_estimator='grpo'.")
-    return _trl_config(GRPOConfig, values, output_dir, overrides)
+        raise ValueError(f"advantage_estimator={estimator!r}: the bridge builds TRL's GRPOTrainer, which has "
+                         "only the group-mean baseline. Run the leave-one-out estimator in cbkit's loop "
+                         "(`cbkit train`), or set advantage_estimator='grpo'.")
+    unknown = sorted(set(overrides) - _GRPO_FIELDS)
+    if unknown:
+        raise ValueError(f"Unknown GRPOConfig argument(s) {did_you_mean(unknown, _GRPO_FIELDS)}. Overrides "
+                         "use TRL's names; cbkit's names go in the first argument.")
+    if overrides.get("use_vllm"):  # generate with vLLM instead: the config's CB settings no longer apply
+        if overrides.get("use_transformers_continuous_batching"):
+            raise ValueError("use_vllm=True and use_transformers_continuous_batching=True: choose one generation "
+                             "backend.")
+        values = {k: v for k, v in values.items() if not k.startswith(("use_transformers", "transformers_"))}
+    kwargs: dict[str, Any] = {
+        "use_transformers_continuous_batching": not overrides.get("use_vllm", False),
+        "bf16": native_bf16(),  # TRL defaults bf16=True even on CPU
+        # cbkit's loop keeps the learning rate constant, without warmup; TRL's default decays it linearly to 0.
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        **_counted_in_trl_units(values),
+        **{_RENAMED.get(k, k): v for k, v in values.items()},
+        **overrides,
+    }
+    if kwargs["use_transformers_continuous_batching"]:  # + return_logprobs=True, checked
+        kwargs["transformers_continuous_batching_config"] = cb_config_values(
+            kwargs.get("transformers_continuous_batching_config"))
+    return GRPOConfig(output_dir=str(output_dir), **kwargs)
 
 
-def trl_rloo_config(cfg_or_kwargs: Any = None, output_dir: str = "cbkit-trl-rloo", **overrides: Any):
-    """A `trl.RLOOConfig` (see `trl_grpo_config`); settings RLOO lacks are dropped, with a warning if not defaults."""
-    values = _cbkit_values(cfg_or_kwargs)
-    values.pop("advantage_estimator", None)  # RLOO is the leave-one-out estimator whatever the config says
-    if "scale_rewards" in values:
-        scale = values.pop("scale_rewards")
-        if scale not in ("batch", "none"):
-            raise ValueError(f"scale_rewards={scale!r} has no RLOO equivalent: TRL's RLOOTrainer normalises "
-                             "advantages over the whole batch or not at all. Set 'batch' or 'none'.")
-        values["normalize_advantages"] = scale == "batch"
-    rloo_fields = {f.name for f in dataclasses.fields(RLOOConfig)}
-    grpo_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    dropped = {k: v for k, v in values.items() if k not in _SPECIAL and _RENAMED.get(k, k) not in rloo_fields}
-    changed = {k: v for k, v in dropped.items() if v != grpo_defaults.get(_RENAMED.get(k, k), object())}
-    if changed:
-        warnings.warn(f"RLOOConfig has no equivalent for {changed}; ignored. TRL's RLOO uses its own "
-                      "sequence-level loss and has no importance-sampling correction.", stacklevel=2)
-    return _trl_config(RLOOConfig, {k: v for k, v in values.items() if k not in dropped}, output_dir, overrides)
-
-
-def _cbkit_values(cfg: Any) -> dict[str, Any]:
+def cbkit_values(cfg: Any) -> dict[str, Any]:
     """The cbkit fields `cfg` sets. A dict must hold only cbkit fields; an object is read by attribute name."""
     if cfg is None:
         return {}
@@ -88,36 +89,8 @@ def _cbkit_values(cfg: Any) -> dict[str, Any]:
     return values
 
 
-def _trl_config(config_cls, values: dict[str, Any], output_dir: str, overrides: dict[str, Any]):
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"Unknown {config_cls.__name__} argument(s) {did_you_mean(unknown, fields)}. Overrides "
-                         "use TRL's names; cbkit's names go in the first argument.")
-    if overrides.get("use_vllm"):  # generate with vLLM instead: the config's CB settings no longer apply
-        if overrides.get("use_transformers_continuous_batching"):
-            raise ValueError("use_vllm=True and use_transformers_continuous_batching=True: choose one generation "
-                             "backend.")
-        values = {k: v for k, v in values.items() if not k.startswith(("use_transformers", "transformers_"))}
-    kwargs: dict[str, Any] = {
-        "use_transformers_continuous_batching": not overrides.get("use_vllm", False),
-        "bf16": native_bf16(),  # TRL defaults bf16=True even on CPU
-        # cbkit's loop keeps the learning rate constant, without warmup; TRL's default decays it linearly to 0.
-        "lr_scheduler_type": "constant",
-        "warmup_steps": 0,
-        **_counted_in_trl_units(values),
-        **{_RENAMED.get(k, k): v for k, v in values.items()},
-        **overrides,
-    }
-    if kwargs["use_transformers_continuous_batching"]:  # + return_logprobs=True, checked
-        kwargs["transformers_continuous_batching_config"] = cb_config_values(
-            kwargs.get("transformers_continuous_batching_config"))
-    return config_cls(output_dir=str(output_dir), **kwargs)
-
-
 def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
-    """Pop the fields TRL counts differently and return them in TRL's units: a cbkit step is `num_iterations` TRL
-    updates, and its prompts x N completions `gradient_accumulation_steps` micro-batches."""
+    """Pop the fields TRL counts in other units (a step is `num_iterations` updates); return them in TRL's."""
     iterations = int(values.get("num_iterations", 1) or 1)
     out: dict[str, Any] = {}
     values.pop("reward_funcs", None)

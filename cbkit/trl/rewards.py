@@ -10,6 +10,7 @@ import torch
 
 from cbkit.tasks.data import SYSTEM_PROMPT
 from cbkit.tasks.rewards import resolve_rewards, reward_scores
+from cbkit.trl.config import cbkit_values
 
 
 def trl_dataset(problems, system_prompt: str | None = SYSTEM_PROMPT):
@@ -45,22 +46,15 @@ class TRLReward:
 
 def _is_trl_native(fn) -> bool:
     """TRL reward functions must take **kwargs (TRL passes trainer_state, log_extra, ...); cbkit's never do."""
-    if isinstance(fn, str | torch.nn.Module | TRLReward):
-        return True
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return isinstance(fn, str | torch.nn.Module | TRLReward) or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
 def trl_rewards(reward_funcs, reward_weights=None, cfg: Any = None, answer_column: str = "answer"):
     """TRL's reward list and weights by the loop's rules (`resolve_rewards`), cbkit rewards wrapped in `TRLReward`.
     Without `reward_weights`, the config's matched by name; neither: None (TRL's 1.0 each)."""
     if reward_weights is None and cfg is not None:
-        from cbkit.trl.config import _cbkit_values
-
-        values = _cbkit_values(cfg)
+        values = cbkit_values(cfg)
         names, reward_weights = values.get("reward_funcs"), values.get("reward_weights")
         if reward_weights is not None and names is not None and isinstance(reward_funcs, Mapping):
             reward_weights = {n: float(w) for n, w in zip(names, reward_weights, strict=True) if n in reward_funcs}

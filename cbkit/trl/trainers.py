@@ -7,47 +7,37 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from trl import GRPOTrainer, RLOOTrainer
+from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
 
 from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
 from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.order import mix_seed
-from cbkit.trl.config import trl_grpo_config, trl_rloo_config
+from cbkit.trl.config import trl_grpo_config
 from cbkit.trl.rewards import trl_rewards
 
-if TYPE_CHECKING:  # the type checker reads the mixin as the Trainer it ends up in; at run time a plain mixin
-    from transformers import Trainer as _TrainerHost
-else:
-    _TrainerHost = object
 
+class CBLogprobGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB
+    path: TRL's CB branch through cbkit's engine, a seed per call, `use_vllm` as the gate of TRL's IS lines."""
 
-class _CBRollouts(_TrainerHost):
-    """TRL's CB branch through cbkit's engine, for both bridge trainers: logprobs kept, a seed per call."""
-
-    args: Any
-    _dist: Any
-    generation_config: Any
-    max_completion_length: int | None
-    eos_token_ids: list[int]
-
+    args: Any  # a GRPOConfig (the type checker reads Trainer's TrainingArguments)
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
     _cb_engine: Engine | None = None
+    _is_gate_open = False
 
-    def _cb_generate(self, prompt_ids, images=None) -> tuple[list[list[int]], list[list[float]]]:
-        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`."""
-        if images is not None and any(images):
-            raise ValueError("The continuous batching path is text-only; use vLLM for multimodal models.")
+    def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`
+        (text only: TRL's trainer refuses a multimodal processor on the CB path)."""
         max_new_tokens = self.max_completion_length
         if max_new_tokens is None:
             raise ValueError("max_completion_length=None: CB rollouts through cbkit's engine need a cap on the "
                              "completion length; set max_completion_length in the TRL config.")
-        from trl.extras.profiling import profiling_context
-        from trl.models import unwrap_model_for_generation
-
         rows = [list(p) for p in prompt_ids]
         unwrap = unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                              gather_deepspeed3_params=self.args.ds3_gather_for_generation,
@@ -60,9 +50,11 @@ class _CBRollouts(_TrainerHost):
             was_training = unwrapped.training
             seed = mix_seed(int(self.args.seed), self.accelerator.process_index, self._cb_calls)
             self._cb_calls += 1
+            if self._cb_engine is None or self._cb_engine.model is not unwrapped:
+                self._cb_engine = Engine(unwrapped, self.args.transformers_continuous_batching_config)
             with half_weights_for_rollout(unwrapped, half, keep=keep), plain_forward(unwrapped):
-                outputs, _ = self._engine_for(unwrapped).run(
-                    rows, self.generation_config, max_new_tokens=max_new_tokens, seed=seed)
+                outputs, _ = self._cb_engine.run(rows, self.generation_config, max_new_tokens=max_new_tokens,
+                                                 seed=seed)
             unwrapped.train(was_training)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tuple(self.eos_token_ids))
         completions = to_completions(rows, outputs, 1, sampling)  # raises where the engine returned no logprobs
@@ -70,27 +62,14 @@ class _CBRollouts(_TrainerHost):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's `train`, then the model's own `forward` back (accelerate's wrapper breaks later CB rollouts)."""
-        found = {k: self.model.__dict__.get(k) for k in ("forward", "_original_forward")}
+        names = ("forward", "_original_forward")
+        found = {k: v for k, v in self.model.__dict__.items() if k in names}
         try:
             return super().train(*args, **kwargs)
         finally:
-            for k, v in found.items():
-                if v is None:
-                    self.model.__dict__.pop(k, None)
-                else:
-                    self.model.__dict__[k] = v
-
-    def _engine_for(self, model) -> Engine:
-        if self._cb_engine is None or self._cb_engine.model is not model:
-            self._cb_engine = Engine(model, self.args.transformers_continuous_batching_config)
-        return self._cb_engine
-
-
-class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB path."""
-
-    _is_gate_open = False
-    _scoring = False
+            for k in names:
+                self.model.__dict__.pop(k, None)
+            self.model.__dict__.update(found)
 
     def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
         if args is None or not getattr(args, "use_transformers_continuous_batching", False):
@@ -130,19 +109,14 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
     def _generate(self, prompts: list):
         with self._gate(False):  # generation, weight sync, tool loop: vLLM-only code must not see True
             out = super()._generate(prompts)
-        # out[4]: the per-token sampling logprobs (None from a rollout_func that has none). Open the gate for
-        # the rest of _generate_and_score_completions only when there is something to correct with.
-        if self._scoring:
-            self._is_gate_open = out[4] is not None and bool(self.vllm_importance_sampling_correction)
+        # out[4]: the per-token sampling logprobs (None from a rollout_func that has none). Open the gate for the
+        # rest of _generate_and_score_completions (TRL's one caller) only when there is something to correct with.
+        self._is_gate_open = out[4] is not None and bool(self.vllm_importance_sampling_correction)
         return out
 
     def _generate_and_score_completions(self, inputs):
-        self._scoring = True
-        try:
-            with self._gate(False):  # closed again on the way out, whatever _generate opened
-                return super()._generate_and_score_completions(inputs)
-        finally:
-            self._scoring = False
+        with self._gate(False):  # closed again on the way out, whatever _generate opened
+            return super()._generate_and_score_completions(inputs)
 
     def _compute_loss(self, model, inputs):
         with self._gate("importance_sampling_ratio" in inputs):
@@ -150,7 +124,7 @@ class CBLogprobGRPOTrainer(_CBRollouts, GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
-        return self._cb_generate(prompt_ids, images)
+        return self._cb_generate(prompt_ids)
 
 
 @contextmanager
@@ -158,13 +132,10 @@ def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, 
                              keep: torch.nn.Module | None = None) -> Iterator[None]:
     """Inside the block ``model``'s float weights are ``dtype`` copies (``keep``'s stay), after it the fp32 tensors
     again: TRL's in-place ``model.to(dtype)`` would round away every update under half of bf16's spacing."""
-    if dtype is None:
-        yield
-        return
     kept = {id(t) for t in (*keep.parameters(), *keep.buffers())} if keep is not None else set()
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point() and t.dtype != dtype and id(t) not in kept:
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype and id(t) not in kept:
             saved.append((t, t.data))
             t.data = t.data.to(dtype)
     try:
@@ -178,44 +149,29 @@ def half_weights_for_rollout(model: torch.nn.Module, dtype: torch.dtype | None, 
 def plain_forward(model: torch.nn.Module) -> Iterator[None]:
     """``model``'s own ``forward`` inside the block: accelerate's mixed-precision one calls ``.float()`` on the CB
     engine's ``PagedAttentionCache`` and kills its loop."""
-    wrapped = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
-    if wrapped is None:
-        yield
-        return
-    del model.forward  # the class's forward shows through
+    # Without the instance's wrapper, the class's forward shows through.
+    wrapped = model.__dict__.pop("forward", None) if "_original_forward" in model.__dict__ else None
     try:
         yield
     finally:
-        model.forward = wrapped
+        if wrapped is not None:
+            model.forward = wrapped
 
 
-class CBRLOOTrainer(_CBRollouts, RLOOTrainer):
-    """`trl.RLOOTrainer` with the GRPO bridge's CB call; TRL's RLOO has no IS correction: the logprobs are dropped."""
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-        if not self.use_transformers_continuous_batching or self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
-        return self._cb_generate(prompt_ids, images)[0]
-
-
-def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None, *, output_dir: str | None = None,
+def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None, *, output_dir: str = "cbkit-trl",
                   reward_weights: Mapping[str, float] | Sequence[float] | None = None, answer_column: str = "answer",
                   eval_dataset=None, callbacks=None, **overrides: Any):
-    """TRL's trainer for a cbkit run: GRPO or RLOO by the config's `advantage_estimator`, the bridge's subclass on the
-    CB path; `overrides` are `GRPOConfig` / `RLOOConfig` arguments under TRL's names."""
-    rloo = (cfg.get("advantage_estimator") if isinstance(cfg, Mapping)
-            else getattr(cfg, "advantage_estimator", None)) == "rloo"  # any other but grpo: trl_grpo_config refuses
+    """TRL's GRPO trainer for a cbkit run, the bridge's on the CB path; `overrides`: GRPOConfig arguments."""
     funcs, weights = trl_rewards(reward_funcs, reward_weights, cfg, answer_column)
     if weights is not None:
         overrides = {**overrides, "reward_weights": weights}
     if eval_dataset is None:  # the config's eval_steps needs a held-out set TRL can read: none given, none evaluated
         overrides = {"eval_strategy": "no", "eval_on_start": False, **overrides}
-    to_args = trl_rloo_config if rloo else trl_grpo_config
-    args = to_args(cfg, output_dir or ("cbkit-trl-rloo" if rloo else "cbkit-trl"), **overrides)
+    args = trl_grpo_config(cfg, output_dir, **overrides)
     if isinstance(model, str):  # TRL loads it with these: hub kernels off as in cbkit's loads, unless the caller says
         args.model_init_kwargs = {**pretrained_kwargs(), **(args.model_init_kwargs or {})}
-    stock, cb = (RLOOTrainer, CBRLOOTrainer) if rloo else (GRPOTrainer, CBLogprobGRPOTrainer)
-    cls = cb if args.use_transformers_continuous_batching and not args.use_vllm else stock
+    on_cb = args.use_transformers_continuous_batching and not args.use_vllm
+    cls = CBLogprobGRPOTrainer if on_cb else GRPOTrainer
     return cls(model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                processing_class=tokenizer, callbacks=callbacks)
 

@@ -1,7 +1,6 @@
 """cbkit's figures: one palette (a backend keeps its colour in every chart), the sweep's figures and HTML
 report (`cbkit sweep`, `cbkit report`), a training run's reward curve (`cbkit plot`), figures as PNG images.
-A failed run is annotated at its N, never drawn as a zero: a missing measurement is not a small one.
-"""
+A failed run is annotated at its N, never drawn as a zero: a missing measurement is not a small one."""
 
 from __future__ import annotations
 
@@ -36,10 +35,8 @@ def _solid(color: str) -> dict[str, Any]:
 
 def throughput_vs_n(points: Points) -> go.Figure:
     """Completion tokens/s vs N, one line per backend; under each N, the speed ratio to generate()."""
-    fig = _vs_n(points, [("tokens_per_s", "", _solid)], 1, "tokens/s", "speed_vs_generate")
-    fig.update_yaxes(title_text="completion tokens / s")
-    fig.update_layout(title="Rollout throughput vs N (under each N: speed vs generate())", height=460)
-    return fig
+    return _vs_n(points, [("tokens_per_s", "", _solid)], 1, "tokens/s", "speed_vs_generate",
+                 "completion tokens / s", "Rollout throughput vs N (under each N: speed vs generate())", 460)
 
 
 def memory_vs_n(points: Points) -> go.Figure:
@@ -52,21 +49,17 @@ def memory_vs_n(points: Points) -> go.Figure:
               (keys[1], ": KV (analytic)", lambda c: {"mode": "lines", "line": {"color": c, "dash": "dash"}}),
               (keys[2], ": planner", lambda c: {"mode": "markers", "marker": {
                   "color": c, "symbol": "diamond-open", "size": 12, "line": {"width": 2}}})]
-    fig = _vs_n(points, traces, scale, unit, "mem_vs_generate")
     names = {"cuda_allocated": "CUDA allocated", "cpu_rss": "CPU RSS"}
     kinds = sorted({p["peak_mem_kind"] for p in points if p.get("peak_mem_kind")})
     measured_as = " / ".join(names.get(k, k) for k in kinds) or "not measured"
-    fig.update_yaxes(title_text=f"peak memory above weights ({unit})")
-    fig.update_layout(title=f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs "
-                            "generate())", height=500)
-    return fig
+    return _vs_n(points, traces, scale, unit, "mem_vs_generate", f"peak memory above weights ({unit})",
+                 f"Rollout memory vs N (measured as {measured_as}; under each N: memory vs generate())", 500)
 
 
 def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]]], scale: float, unit: str,
-          ratio_key: str) -> go.Figure:
-    """Per backend, a trace for each (key, name suffix, style) against N on a log axis (N grows
-    geometrically), each backend's ratio to generate() under its N (a label beside a marker ends up on
-    another marker), and every failed point marked above the plot."""
+          ratio_key: str, y_title: str, title: str, height: int) -> go.Figure:
+    """Per backend a trace for each (key, name suffix, style) against N (log axis), each ratio to generate()
+    under its N (beside a marker it lands on another), every failed point marked above the plot."""
     fig = go.Figure()
     for backend in _backends(points):
         pts = sorted((p for p in points if p["backend"] == backend), key=lambda p: p["N"])
@@ -94,15 +87,15 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]
                            text="<br>".join(labels), showarrow=False, font={"color": "#b00", "size": 13},
                            bgcolor="rgba(255,255,255,0.9)", bordercolor="#b00", borderwidth=1)
         fig.add_vline(x=n, line={"color": "#b00", "width": 1, "dash": "dot"})  # shapes: data units
-    fig.update_yaxes(rangemode="tozero")
-    fig.update_layout(template=TEMPLATE, legend={"orientation": "h", "y": -0.2, "x": 0}, margin={"t": 90})
+    fig.update_yaxes(rangemode="tozero", title_text=y_title)
+    fig.update_layout(template=TEMPLATE, title=title, height=height, margin={"t": 90},
+                      legend={"orientation": "h", "y": -0.2, "x": 0})
     return fig
 
 
 def step_split_figure(points: Points) -> go.Figure:
-    """A full GRPO step per backend and N (`--full-step`) as one stacked bar of its phases, with the step's
-    speed-up over generate() beside the Amdahl ceiling; an async CB bar's rollout is what its trainer still
-    waited for."""
+    """Each `--full-step` point as a stacked bar of its phases, its step speed-up beside the Amdahl ceiling
+    (an async CB bar's rollout is what its trainer still waited for)."""
     pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)), key=_order)
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
     fig = go.Figure()
@@ -136,10 +129,8 @@ def step_split_figure(points: Points) -> go.Figure:
     return fig
 
 
-def write_report(points: Points, path: str | os.PathLike,
-                 meta: Mapping[str, Any] | None = None, title: str = "cbkit N-sweep") -> Path:
-    """Write one self-contained HTML page to ``path`` and return it: the run's settings, the charts (plotly's
-    JS inline, so it opens offline) and the tables `cbkit report` prints."""
+def write_report(points: Points, path: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> Path:
+    """An HTML page that opens offline: the run's settings, the charts, the tables `cbkit report` prints."""
     from cbkit.measure.results import points_table, step_split_table
 
     figures = [throughput_vs_n(points), memory_vs_n(points)]
@@ -152,12 +143,10 @@ def write_report(points: Points, path: str | os.PathLike,
     meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
                         for k, v in (meta or {}).items())
     page = f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{esc(title)}</title>
+<html><head><meta charset="utf-8"><title>cbkit N-sweep</title>
 <style>body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
 th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
-<h1>{esc(title)}</h1>
-<p>Ratios compare each backend with <code>generate()</code> at the same N, measured side by side in one
-process; points that ran out of memory or failed are marked at their N, never drawn as zero.</p>
+<h1>cbkit N-sweep: each backend against <code>generate()</code> at the same N, in one process</h1>
 <table>{meta_rows}</table>
 {charts}
 <h2>Points</h2>
@@ -192,9 +181,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, window: int = 3,
                  title: str = "Reward per step") -> go.Figure:
-    """Each metric per step (dots: one rollout's mean, noisy) and its trailing mean over ``window`` steps
-    (line). Held-out metrics (``eval/*``) are drawn as measured, step 0 included: each point already averages
-    many completions the run never trained on."""
+    """Each metric per step (dots) and its trailing mean over ``window`` steps (line); held-out ``eval/*``
+    metrics as measured, step 0 included (each point already averages many unseen completions)."""
     fig = go.Figure()
     for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
         color = PALETTE[i % len(PALETTE)]
@@ -222,21 +210,19 @@ def step_mean(values: Sequence[Any]) -> float | None:
 
 
 def figure_pngs(figures: Sequence[Any], *, width: int = 1000) -> list[bytes]:
-    """Each figure (a ``go.Figure`` or its dict) as PNG bytes at its own ``layout.height``, ``width`` pixels
-    wide (an HTML figure's width follows its page; an image needs one), drawn offline by kaleido with the
-    installed Chrome or Chromium (kaleido's error says how to get one)."""
+    """Each figure (a ``go.Figure`` or its dict) as PNG bytes at its ``layout`` size, else ``width`` wide (a
+    page sets an HTML figure's width), drawn offline by kaleido with the installed Chrome or Chromium."""
     if not figures:
         return []
     import kaleido
 
-    def opts(fig: Any) -> dict[str, Any]:
-        layout = (fig.to_dict() if hasattr(fig, "to_dict") else fig).get("layout", {})
-        return {"format": "png", "width": int(layout.get("width") or width),
-                "height": int(layout.get("height") or 500)}
+    layouts = [(f.to_dict() if hasattr(f, "to_dict") else f).get("layout", {}) for f in figures]
 
     async def draw() -> list[bytes]:
         async with kaleido.Kaleido(n=1, timeout=120, mathjax=False) as k:
-            return [await k.calc_fig(fig, opts=opts(fig)) for fig in figures]
+            return [await k.calc_fig(fig, opts={"format": "png", "width": int(lay.get("width") or width),
+                                                "height": int(lay.get("height") or 500)})
+                    for fig, lay in zip(figures, layouts, strict=True)]
 
     return asyncio.run(draw())
 

@@ -1,8 +1,6 @@
-"""Where a notebook's figures draw: plotly.js embedded once, figures as ``text/html`` that draws with it (what
-nbconvert, GitHub and nbviewer read; no CDN). A live chart in any kernel is one IPython display handle whose
-HTML is replaced at most once per ``min_interval_s``, at the end by the final figure, which an executed
-notebook keeps; outside a kernel ``close()`` returns the figure. One mechanism everywhere: no widget.
-"""
+"""Where a notebook's figures draw: plotly.js embedded once and figures as ``text/html`` that use it (what
+nbconvert, GitHub and nbviewer read; no CDN). A live chart is one display handle whose HTML is replaced at
+most once per ``min_interval_s``, then by the final figure an executed notebook keeps: no widget."""
 
 from __future__ import annotations
 
@@ -13,9 +11,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.io.base_renderers import MimetypeRenderer
 from plotly.subplots import make_subplots
 
@@ -32,12 +31,11 @@ class EmbeddedHTMLRenderer(MimetypeRenderer):
 
 
 def embed_plotlyjs() -> bool:
-    """Put plotly.js into the notebook once and make every figure output plotly's JSON and ``text/html`` that
-    uses it; False where it did nothing (no kernel, Colab, done already)."""
+    """Put plotly.js into the notebook once, figures output as plotly's JSON and HTML that uses it; False
+    where it did nothing (no kernel, Colab, done already)."""
     global _PLOTLYJS_IN_PAGE
     if _PLOTLYJS_IN_PAGE or not in_kernel() or "google.colab" in sys.modules:
         return False
-    import plotly.io as pio
     from IPython.display import display_html
     from plotly.offline import get_plotlyjs
 
@@ -50,15 +48,13 @@ def embed_plotlyjs() -> bool:
 
 def figure_html(fig: go.Figure | Mapping[str, Any]) -> str:
     """A figure as an HTML fragment, drawn with the page's plotly.js when embedded, else the CDN's (Colab)."""
-    import plotly.io as pio
-
     return pio.to_html(fig, full_html=False, include_plotlyjs=False if _PLOTLYJS_IN_PAGE else "cdn",
                        include_mathjax=False, default_width="100%", validate=False)
 
 
 def text_progress_bars() -> bool:
-    """Under CI or nbmake, make ``tqdm.auto`` text bars that write only their last frame, not widgets a saved
-    notebook keeps as "0%"; returns whether it did. Runs in ``setup()``, before anything imports tqdm.auto."""
+    """Under CI or nbmake in a kernel, ``tqdm.auto`` bars become text that writes only its last frame (a saved
+    widget reads "0%"); returns whether it did. ``setup()`` runs it before anything imports tqdm.auto."""
     ci = os.environ.get("CBKIT_PROFILE") == "ci" or any(map(os.environ.get, ("CI", "PYTEST_CURRENT_TEST")))
     if not (ci and in_kernel()):
         return False
@@ -92,15 +88,14 @@ def _ipython_display(bundle: dict[str, Any]) -> Any:
 
 @dataclass(eq=False)
 class LiveChart:
-    """A chart of ``panels`` sharing the x axis, in one column or a grid of ``columns``, redrawn as points
-    arrive. A series takes ``style(series)``: its line, its marker ``symbol``, its legend ``group`` (one entry
-    a group) and a ``label`` beside its last point. A panel in ``y_min_span`` spans at least that much."""
+    """``panels`` sharing the x axis in a grid of ``columns``, redrawn in a kernel as points arrive (elsewhere
+    ``close()`` returns the figure). ``style(series)``: its line, marker ``symbol``, legend ``group`` (one
+    entry a group), a ``label`` beside its last point. A panel in ``y_min_span`` spans at least that much."""
 
     title: str
     panels: Sequence[str] = ("",)
     _: KW_ONLY
     x_title: str = "step"
-    mode: Literal["auto", "html", "static"] = "auto"
     min_interval_s: float = 1.0
     x_log: bool = False
     style: Callable[[str], Mapping[str, Any]] | None = None
@@ -111,16 +106,13 @@ class LiveChart:
     display: Callable[[dict[str, Any]], Any] = _ipython_display
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "html", "static"):
-            raise ValueError(f"mode must be auto, html or static; got {self.mode!r}.")
         if not self.panels:
             raise ValueError("panels must name at least one panel.")
         if self.columns < 1:
             raise ValueError(f"columns must be >= 1, got {self.columns}.")
         self.panels = tuple(self.panels)
         self.columns = min(self.columns, len(self.panels))
-        if self.mode == "auto":
-            self.mode = "html" if in_kernel() else "static"
+        self.live = in_kernel()
         self._series: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}  # (panel, series) -> (xs, ys)
         self._dirty = False
         self._last = -math.inf
@@ -138,21 +130,22 @@ class LiveChart:
         xs.append(x)
         ys.append(y)
         self._dirty = True
-        now = self.clock()
-        if now - self._last >= self.min_interval_s:
-            self._redraw(now)
+        if self.clock() - self._last >= self.min_interval_s:
+            self.flush()
 
     def flush(self) -> None:
         """Redraw now if anything arrived since the last redraw."""
         if self._dirty and self._final is None:
-            self._redraw(self.clock())
+            self._last = self.clock()
+            self._dirty = False
+            if self.live:
+                self._show({"text/html": figure_html(self.figure())})
 
     def close(self) -> go.Figure:
         """Return the final figure; in a kernel it replaces the live chart's last snapshot."""
         if self._final is None:
             self._final = fig = self.figure()
-            self._dirty = False
-            if self.mode == "html":  # as plotly's JSON and HTML: an executed notebook keeps the figure
+            if self.live:  # as plotly's JSON and HTML: an executed notebook keeps the figure
                 self._show({"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
                             "text/html": figure_html(fig), "text/plain": f"<plotly figure: {self.title}>"})
         return self._final
@@ -164,8 +157,7 @@ class LiveChart:
                             vertical_spacing=(0.08 if self.columns == 1 else 0.12) if rows > 1 else 0.0)
         shown: set[str] = set()
         for (panel, series), (xs, ys) in self._series.items():
-            row, col = self._cell(panel)
-            fig.add_trace(self._trace(series, xs, ys, shown), row=row, col=col)
+            fig.add_trace(self._trace(series, xs, ys, shown), *self._cell(panel))
         for i, panel in enumerate(self.panels):
             row, col = self._cell(panel)
             fig.update_yaxes(title_text=panel, range=self._y_range(panel), row=row, col=col)
@@ -206,8 +198,8 @@ class LiveChart:
             order = list(dict.fromkeys(s for _, s in self._series))
             line = {"color": PALETTE[order.index(series) % len(PALETTE)]}
         group, label, symbol = line.pop("group", series), line.pop("label", None), line.pop("symbol", None)
-        text = [""] * (len(xs) - 1) + [label] if label and xs else None
         color = line.get("color")
+        text = [""] * (len(xs) - 1) + [label] if label else None
         mode = "lines+markers+text" if text else "lines+markers"
         trace = go.Scatter(x=list(xs), y=list(ys), name=group, mode=mode, line=line,
                            marker={"color": color, "symbol": symbol}, legendgroup=group,
@@ -216,12 +208,6 @@ class LiveChart:
                            hovertemplate=f"{series}: %{{y:.4~g}}<extra></extra>")
         shown.add(group)
         return trace
-
-    def _redraw(self, now: float) -> None:
-        self._last = now
-        self._dirty = False
-        if self.mode == "html":  # static: nothing live, the points wait for close()
-            self._show({"text/html": figure_html(self.figure())})
 
     def _show(self, bundle: dict[str, Any]) -> None:
         """Show a mime bundle in place of the last one (a plotly figure would ignore the display id)."""
