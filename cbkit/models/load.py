@@ -35,10 +35,6 @@ ACCEPTED_FORMS = (f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PA
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model name that resolves to nothing loadable here."""
-
-
 @dataclass
 class LoadedPolicy:
     model: Any  # a transformers PreTrainedModel
@@ -73,7 +69,7 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
             model, tok, source = *_load_pretrained(name, dtype), "hub"
         except OSError as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelNotFoundError(
+            raise FileNotFoundError(
                 f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network access, use a local "
                 f"model directory (a path), '{OFFLINE_NAME}' (bundled, needs no network) or '{TINY_NAME}'; with "
                 "network access, check the id (it is case-sensitive) and that you may download it."
@@ -95,16 +91,12 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float3
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16, auto (fp32, bf16, fp16 also "
-                             "work).")
-        return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if native_bf16(device) else torch.float16
-    return torch.float32
+    if dtype is None or dtype == "auto":
+        native = device.type == "cuda" and native_bf16(device)
+        return torch.bfloat16 if native else torch.float16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16, auto (fp32, bf16, fp16 also work).")
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 def native_bf16(device: torch.device | int | None = None) -> bool:
@@ -241,7 +233,7 @@ def load_config(name: str) -> Any:
         fields = json.loads(shipped.read_text())
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     local = Path(name).expanduser()
-    if not local.is_dir() and name.count("/") != 1:
+    if not local.is_dir() and not _HUB_ID.match(name):
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     try:
         return AutoConfig.from_pretrained(str(local) if local.is_dir() else name)

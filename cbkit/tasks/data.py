@@ -14,12 +14,9 @@ from typing import Any
 from cbkit.tasks.rewards import normalize_number
 from cbkit.tasks.wordproblems import word_problem
 
-SYSTEM_PROMPT = (
-    "You are a careful math tutor. Solve the problem with brief step-by-step reasoning, a few short "
-    "lines at most. Then give the final answer as a plain number on its own last line, in the form\n"
-    "#### <number>\n"
-    "and write nothing after that line."
-)
+SYSTEM_PROMPT = ("You are a careful math tutor. Solve the problem with brief step-by-step reasoning, a few short lines "
+                 "at most. Then give the final answer as a plain number on its own last line, in the form\n"
+                 "#### <number>\nand write nothing after that line.")
 
 GSM8K_DIR_ENV = "CBKIT_GSM8K_DIR"
 GENERATED_N = 256  # generated sources need a size for n=None

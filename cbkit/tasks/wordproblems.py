@@ -81,10 +81,8 @@ def _sharing(rng: random.Random, sol: _Solution) -> tuple[str, int]:
             have = sol.step(f"{packs} * {size}", packs * size, f"{name} has {{}} {things}.")
             keep = have - shared
             text = f"{name} buys {packs} packs of {things} with {size} in each pack."
-        text += (
-            f" {subj.capitalize()} keeps {keep} for {poss} little sister and shares the rest equally "
-            f"among {friends} friends."
-        )
+        text += (f" {subj.capitalize()} keeps {keep} for {poss} little sister and shares the rest equally among "
+                 f"{friends} friends.")
         sol.step(f"{have} - {keep}", shared, "That leaves {} to share.")
     each = sol.step(f"{shared} / {friends}", each, "Each friend gets {}.")
     return f"{text} How many {things} does each friend get?", each
@@ -132,16 +130,14 @@ def _ages(rng: random.Random, sol: _Solution) -> tuple[str, int]:
         kind = rng.choice(kinds if prev >= 4 else kinds[:2])
         if kind == "older":
             d = rng.randint(2, 9)
-            age = sol.step(f"{prev} + {d}", prev + d, f"{who} is {{}} years old.")
-            text.append(f"{who} is {d} years older than {ref}.")
+            expr, age, relation = f"{prev} + {d}", prev + d, f"{d} years older than"
         elif kind == "twice":
-            age = sol.step(f"2 * {prev}", 2 * prev, f"{who} is {{}} years old.")
-            text.append(f"{who} is twice as old as {ref}.")
+            expr, age, relation = f"2 * {prev}", 2 * prev, "twice as old as"
         else:
             d = rng.randint(1, prev - 3)
-            age = sol.step(f"{prev} - {d}", prev - d, f"{who} is {{}} years old.")
-            text.append(f"{who} is {d} years younger than {ref}.")
-        ages.append(age)
+            expr, age, relation = f"{prev} - {d}", prev - d, f"{d} years younger than"
+        ages.append(sol.step(expr, age, f"{who} is {{}} years old."))
+        text.append(f"{who} is {relation} {ref}.")
     last = people[len(ages) - 1]
     ask = rng.randint(0, 2)
     if ask == 0:
