@@ -1,6 +1,5 @@
 """Models and tokenizers built in code, no download: `tiny` (a 2-layer random Llama over a byte tokenizer, for tests)
-and `llama-1b-random` (Llama-3.2-1B's shape, random weights: rollout time and memory depend on shapes, not values).
-"""
+and `llama-1b-random` (Llama-3.2-1B's shape, random weights: rollout time and memory depend on shapes, not values)."""
 
 from __future__ import annotations
 

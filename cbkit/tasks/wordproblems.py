@@ -4,7 +4,6 @@ solutions' `<<a*b=c>>` annotations are the computation, padded by number-free sc
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 _PEOPLE = (("Maya", "she", "her"), ("Liam", "he", "his"), ("Aisha", "she", "her"), ("Noah", "he", "his"),
            ("Sofia", "she", "her"), ("Kenji", "he", "his"), ("Priya", "she", "her"), ("Mateo", "he", "his"),
@@ -93,11 +92,9 @@ def _rates(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     per_minute = rng.random() < 0.3
     rate = rng.randint(2, 6) if per_minute else rng.randint(5, 40)
     hours = rng.randint(2, 8)
+    text = f"A {machine} {verb} {rate} {things} every {'minute' if per_minute else 'hour'}."
     if per_minute:
-        text = f"A {machine} {verb} {rate} {things} every minute."
         rate = sol.step(f"{rate} * 60", rate * 60, f"In an hour it makes {{}} {things}.")
-    else:
-        text = f"A {machine} {verb} {rate} {things} every hour."
     days = rng.randint(2, 7) if rng.random() < 0.7 else 1
     if days == 1:
         total = sol.step(f"{rate} * {hours}", rate * hours, f"It makes {{}} {things}.")
@@ -195,8 +192,7 @@ def _travel(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     return f"{text} How many miles does {subj} drive in total?", total
 
 
-_TEMPLATES: tuple[Callable[[random.Random, _Solution], tuple[str, int]], ...] = (
-    _shopping, _sharing, _rates, _ages, _savings, _travel)
+_TEMPLATES = (_shopping, _sharing, _rates, _ages, _savings, _travel)
 
 
 def word_problem(seed: int, i: int) -> tuple[str, str, int]:
