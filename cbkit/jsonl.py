@@ -34,7 +34,6 @@ def read_jsonl(path: str | os.PathLike[str], *, repair: bool = False, what: str 
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
-    """One record as one line, flushed before this returns."""
+    """One record as one line; the file is closed, so flushed, before this returns."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-        f.flush()

@@ -58,7 +58,7 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
     elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
         tok = synthetic.piece_tokenizer()
         model, source = synthetic.random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
-    elif name in (OFFLINE_NAME, "offline"):
+    elif name == OFFLINE_NAME:
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
         check_model_dir(Path(name).expanduser())
@@ -212,7 +212,7 @@ def load_config(name: str) -> Any:
         return synthetic.tiny_model().config
     if name in RANDOM_SHAPES:
         return synthetic.random_config(name)
-    if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit
+    if name == OFFLINE_NAME:  # the GGUF's config, shipped with cbkit
         shipped = resources.files("cbkit") / "resources" / "smollm2-135m-instruct-config.json"
         fields = json.loads(shipped.read_text())
         return AutoConfig.for_model(fields.pop("model_type"), **fields)

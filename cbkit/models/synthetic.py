@@ -50,14 +50,14 @@ def tiny_tokenizer():
     return _chatml_tokenizer(core)
 
 
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: int = 1024):
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A 2-layer random Llama over the tiny tokenizer, its init scale large so greedy parity avoids near-ties."""
     from transformers import LlamaConfig
 
     eos_id, pad_id = (256 + TINY_SPECIALS.index(s) for s in ("<|im_end|>", "<pad>"))
     config = LlamaConfig(vocab_size=256 + len(TINY_SPECIALS), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=context_len, initializer_range=0.2, bos_token_id=256,
+                         max_position_embeddings=1024, initializer_range=0.2, bos_token_id=256,
                          eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=False)
     return _seeded_llama(config, seed, None).to(dtype)  # type: ignore[arg-type]
 

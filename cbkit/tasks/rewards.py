@@ -58,9 +58,9 @@ def extract_answer(text: str) -> str | None:
     return found if found is not None else _number(text, last=True)
 
 
-def numbers_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:
+def numbers_equal(a: str | None, b: str | None) -> bool:
     na, nb = normalize_number(a), normalize_number(b)
-    return na is not None and nb is not None and math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=tol)
+    return na is not None and nb is not None and math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=1e-6)
 
 
 def _check_lengths(completions: Sequence[str], answers: Sequence[str]) -> None:
