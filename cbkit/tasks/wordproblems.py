@@ -18,14 +18,12 @@ _MACHINES = (("bakery oven", "bakes", "loaves of bread"), ("printer", "prints", 
              ("sewing machine", "stitches", "patches"))
 _PURCHASES = ("bike helmet", "board game", "pair of shoes", "video game", "backpack", "telescope")
 _JOBS = ("babysitting", "walking dogs", "mowing lawns", "washing cars", "tutoring")
-_SCENES = (
-    "It is an ordinary weekday in a small town.",
-    "Everyone involved wants to know the exact number, so they write everything down carefully.",
-    "The question came up during a family dinner, and nobody could agree on the answer at first.",
-    "It has been a busy week, and there are many things to keep track of.",
-    "A teacher later uses this story as a warm-up exercise for the whole class.",
-    "Nothing else changes during this time, and nobody makes any mistakes with the counting.",
-)
+_SCENES = ("It is an ordinary weekday in a small town.",
+           "Everyone involved wants to know the exact number, so they write everything down carefully.",
+           "The question came up during a family dinner, and nobody could agree on the answer at first.",
+           "It has been a busy week, and there are many things to keep track of.",
+           "A teacher later uses this story as a warm-up exercise for the whole class.",
+           "Nothing else changes during this time, and nobody makes any mistakes with the counting.")
 
 
 class _Solution(list[str]):
@@ -118,9 +116,8 @@ def _rates(rng: random.Random, sol: _Solution) -> tuple[str, int]:
 
 def _ages(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     people = [p[0] for p in rng.sample(_PEOPLE, 4)]
-    first = rng.randint(3, 15)
-    ages = [first]
-    text = [f"{people[0]} is {first} years old."]
+    ages = [rng.randint(3, 15)]
+    text = [f"{people[0]} is {ages[0]} years old."]
     for k in range(1, rng.randint(2, 4)):
         prev, who, ref = ages[-1], people[k], people[k - 1]
         kinds = ("older", "twice", "younger") if prev < 40 else ("older", "younger")
@@ -160,8 +157,7 @@ def _savings(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     text += f" {subj.capitalize()} saves ${weekly} every week for {weeks} weeks."
     money = sol.step(f"{start} + {saved}", start + saved, "Then there is {} dollars in the bank.")
     if rng.random() < 0.6:
-        item = rng.choice(_PURCHASES)
-        price = rng.randint(1, money)
+        item, price = rng.choice(_PURCHASES), rng.randint(1, money)
         text += f" Then {subj} buys a {item} for ${price}."
         money = sol.step(f"{money} - {price}", money - price, "After the purchase {} dollars are left.")
     if rng.random() < 0.5:

@@ -23,8 +23,7 @@ from cbkit.trl.rewards import trl_rewards
 
 
 class CBLogprobGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB
-    path: TRL's CB branch through cbkit's engine, a seed per call, `use_vllm` as the gate of TRL's IS lines."""
+    """TRL's CB branch through cbkit's engine (a seed per call), and `use_vllm` as the gate of TRL's IS lines."""
 
     args: Any  # a GRPOConfig (the type checker reads Trainer's TrainingArguments)
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
