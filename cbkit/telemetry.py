@@ -1,7 +1,5 @@
-"""Measuring a rollout: peak memory above a baseline (CUDA: the allocator's peak after a reset; CPU: resident
-memory, on Linux the kernel's high-water mark VmHWM reset at the start, so no thread of ours runs beside the
-code measured, elsewhere a thread sampling it), analytic KV bytes, byte formatting.
-"""
+"""Measuring a rollout: peak memory above a baseline (on Linux CPUs the kernel's high-water mark, reset at the start,
+so no thread of ours runs beside the code measured), analytic KV bytes, byte formatting."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def _status_bytes(field: str) -> int:
-    """A field of Linux's /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak since the last
-    reset), 0 where there is none."""
+    """A field of Linux's /proc/self/status in bytes (VmRSS: resident now; VmHWM: peak since reset), else 0."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -42,8 +39,7 @@ def resident_bytes() -> int:
 
 
 def release_memory(model: torch.nn.Module | None = None) -> None:
-    """Drop ``model``'s gradients, collect garbage and hand glibc's freed heap back to the OS, so resident
-    memory falls to what is still held (between runs, and before every measurement)."""
+    """Drop ``model``'s gradients, collect garbage and give glibc's freed heap back, so RSS falls to what is held."""
     if model is not None:
         model.zero_grad(set_to_none=True)
     gc.collect()
@@ -110,8 +106,7 @@ class PeakMemory:
 
 
 def cuda_peaks(device: torch.device | str) -> dict[str, int]:
-    """After a measured call: the allocator's peak reserved bytes and the device's used bytes now (what
-    nvidia-smi shows). Empty on CPU."""
+    """The allocator's peak reserved bytes and the device's used bytes now (what nvidia-smi shows); {} on CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return {}
@@ -133,8 +128,7 @@ def fmt_bytes(n: int | float | None) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A model's shape, read from its transformers config in this one place: a multimodal config's text
-    model, GQA's KV heads, ``head_dim``, the MLP's width."""
+    """A model's shape, read from its transformers config in this one place (a multimodal config's text model)."""
 
     layers: int
     heads: int

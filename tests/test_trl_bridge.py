@@ -647,4 +647,4 @@ def test_bridge_rollout_without_a_length_cap_says_what_to_set():
     from types import SimpleNamespace
 
     with pytest.raises(ValueError, match="set max_completion_length"):
-        CBLogprobGRPOTrainer._cb_generate(SimpleNamespace(max_completion_length=None), [[1, 2]])
+        CBLogprobGRPOTrainer._generate_single_turn(SimpleNamespace(max_completion_length=None), [[1, 2]], None, {}, 1)

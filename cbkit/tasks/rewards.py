@@ -1,8 +1,5 @@
-"""Answer extraction and the reward functions, each `fn(completions, answers) -> list[float]`.
-
-GRPO learns only from reward differences inside a group: `correctness_reward` reads the answer leniently,
-`format_reward` pays the `#### <number>` line, graded so that a group differs before any completion is perfect.
-"""
+"""Answer extraction and the reward functions, each `fn(completions, answers) -> list[float]`. GRPO learns only from
+reward differences inside a group, so `format_reward` is graded: a group differs before any completion is perfect."""
 
 from __future__ import annotations
 
@@ -19,7 +16,6 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 # look-behind stops "5-3" from yielding "-3" and "x2" from yielding "2".
 _NUMBER_IN_TEXT = re.compile(r"(?<![\w.])-?\$?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 _STRICT_NUMBER = re.compile(r"(-?)(\d*)(?:\.(\d*))?")
-_HASHES = "####"
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 # "The answer is 12", "final answer: 12", "Answer = 12", "A: 12" (capital A only: "a: " is prose).
 _ANSWER_PHRASE = re.compile(r"(?:\b(?:final\s+)?answer\b\s*(?:is\b|:|=)|(?<!\w)(?-i:A)\s*:)", re.IGNORECASE)
@@ -52,7 +48,7 @@ def extract_answer(text: str) -> str | None:
     last "answer is" / "Answer:" / "A:" on its line, else the last number; None if none."""
     hashes = list(_HASH_ANSWER.finditer(text))
     if hashes:
-        return _number(text[hashes[-1].start() + len(_HASHES) :])
+        return _number(text[hashes[-1].start() + 4 :])
     boxed = _BOXED.findall(text)
     found = _number(boxed[-1]) if boxed else None
     phrases = list(_ANSWER_PHRASE.finditer(text))
@@ -62,9 +58,9 @@ def extract_answer(text: str) -> str | None:
     return found if found is not None else _number(text, last=True)
 
 
-def numbers_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:
+def numbers_equal(a: str | None, b: str | None) -> bool:
     na, nb = normalize_number(a), normalize_number(b)
-    return na is not None and nb is not None and math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=tol)
+    return na is not None and nb is not None and math.isclose(float(na), float(nb), rel_tol=0.0, abs_tol=1e-6)
 
 
 def _check_lengths(completions: Sequence[str], answers: Sequence[str]) -> None:
@@ -89,7 +85,7 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     out = []
     for completion in completions:
         lines = [line.strip() for line in _TRAILING_SPECIALS.sub("", completion).splitlines() if line.strip()]
-        last_ok = bool(lines) and lines[-1].startswith(_HASHES) and normalize_number(lines[-1][4:]) is not None
+        last_ok = bool(lines) and lines[-1].startswith("####") and normalize_number(lines[-1][4:]) is not None
         hashes = len(_HASH_ANSWER.findall(completion))
         out.append(1.0 if last_ok and hashes == 1 else 0.5 if hashes else 0.0)
     return out
@@ -138,9 +134,8 @@ RewardsArg = Mapping[str, RewardFn] | Sequence[RewardFn | str] | RewardFn | str 
 WeightsArg = Mapping[str, float] | Sequence[float] | None
 
 
-def resolve_rewards(
-    reward_funcs: RewardsArg = None, reward_weights: WeightsArg = None, *, names_are_builtin: bool = True
-) -> tuple[dict[str, Any], list[float]]:
+def resolve_rewards(reward_funcs: RewardsArg = None, reward_weights: WeightsArg = None, *,
+                    names_are_builtin: bool = True) -> tuple[dict[str, Any], list[float]]:
     """The reward functions by name (`correctness_reward` -> `correctness`; a string is a built-in, or with
     `names_are_builtin=False` a TRL reward model's id) and one weight each (None: 1.0, or a built-in's default)."""
     if reward_funcs is None:
@@ -148,11 +143,8 @@ def resolve_rewards(
     if callable(reward_funcs) or isinstance(reward_funcs, str):
         reward_funcs = [reward_funcs]
     builtin: set[str] = set()
-    funcs: dict[str, RewardFn | str]
-    if isinstance(reward_funcs, Mapping):
-        funcs = dict(reward_funcs)
-    else:
-        funcs = {}
+    funcs: dict[str, RewardFn | str] = dict(reward_funcs) if isinstance(reward_funcs, Mapping) else {}
+    if not isinstance(reward_funcs, Mapping):
         unknown = [n for n in reward_funcs if isinstance(n, str) and n not in BUILTIN_REWARDS]
         if names_are_builtin and unknown:
             raise ValueError(f"Unknown reward function(s) {unknown}; built-in: {sorted(BUILTIN_REWARDS)}. "
@@ -184,9 +176,8 @@ def resolve_rewards(
     return funcs, weights
 
 
-def reward_scores(
-    name: str, fn: Callable[..., Any], completions: list[str], answers: list[str], num_generations: int | None = None
-) -> list[float]:
+def reward_scores(name: str, fn: Callable[..., Any], completions: list[str], answers: list[str],
+                  num_generations: int | None = None) -> list[float]:
     """One reward function's scores, checked: a failure, a wrong count or a non-finite score names the completion."""
 
     def where(i: int) -> str:
@@ -222,13 +213,8 @@ def reward_scores(
     return out
 
 
-def compute_rewards(
-    completions: list[str],
-    answers: list[str],
-    rewards: RewardsArg = None,
-    weights: WeightsArg = None,
-    num_generations: int | None = None,
-) -> tuple[list[float], dict[str, list[float]]]:
+def compute_rewards(completions: list[str], answers: list[str], rewards: RewardsArg = None, weights: WeightsArg = None,
+                    num_generations: int | None = None) -> tuple[list[float], dict[str, list[float]]]:
     """The weighted sum of the reward functions, and each one's checked scores keyed by `reward/<name>`."""
     _check_lengths(completions, answers)
     funcs, resolved = resolve_rewards(rewards, weights)

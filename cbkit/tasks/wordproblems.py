@@ -4,7 +4,6 @@ solutions' `<<a*b=c>>` annotations are the computation, padded by number-free sc
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 _PEOPLE = (("Maya", "she", "her"), ("Liam", "he", "his"), ("Aisha", "she", "her"), ("Noah", "he", "his"),
            ("Sofia", "she", "her"), ("Kenji", "he", "his"), ("Priya", "she", "her"), ("Mateo", "he", "his"),
@@ -19,14 +18,12 @@ _MACHINES = (("bakery oven", "bakes", "loaves of bread"), ("printer", "prints", 
              ("sewing machine", "stitches", "patches"))
 _PURCHASES = ("bike helmet", "board game", "pair of shoes", "video game", "backpack", "telescope")
 _JOBS = ("babysitting", "walking dogs", "mowing lawns", "washing cars", "tutoring")
-_SCENES = (
-    "It is an ordinary weekday in a small town.",
-    "Everyone involved wants to know the exact number, so they write everything down carefully.",
-    "The question came up during a family dinner, and nobody could agree on the answer at first.",
-    "It has been a busy week, and there are many things to keep track of.",
-    "A teacher later uses this story as a warm-up exercise for the whole class.",
-    "Nothing else changes during this time, and nobody makes any mistakes with the counting.",
-)
+_SCENES = ("It is an ordinary weekday in a small town.",
+           "Everyone involved wants to know the exact number, so they write everything down carefully.",
+           "The question came up during a family dinner, and nobody could agree on the answer at first.",
+           "It has been a busy week, and there are many things to keep track of.",
+           "A teacher later uses this story as a warm-up exercise for the whole class.",
+           "Nothing else changes during this time, and nobody makes any mistakes with the counting.")
 
 
 class _Solution(list[str]):
@@ -81,10 +78,8 @@ def _sharing(rng: random.Random, sol: _Solution) -> tuple[str, int]:
             have = sol.step(f"{packs} * {size}", packs * size, f"{name} has {{}} {things}.")
             keep = have - shared
             text = f"{name} buys {packs} packs of {things} with {size} in each pack."
-        text += (
-            f" {subj.capitalize()} keeps {keep} for {poss} little sister and shares the rest equally "
-            f"among {friends} friends."
-        )
+        text += (f" {subj.capitalize()} keeps {keep} for {poss} little sister and shares the rest equally among "
+                 f"{friends} friends.")
         sol.step(f"{have} - {keep}", shared, "That leaves {} to share.")
     each = sol.step(f"{shared} / {friends}", each, "Each friend gets {}.")
     return f"{text} How many {things} does each friend get?", each
@@ -95,11 +90,9 @@ def _rates(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     per_minute = rng.random() < 0.3
     rate = rng.randint(2, 6) if per_minute else rng.randint(5, 40)
     hours = rng.randint(2, 8)
+    text = f"A {machine} {verb} {rate} {things} every {'minute' if per_minute else 'hour'}."
     if per_minute:
-        text = f"A {machine} {verb} {rate} {things} every minute."
         rate = sol.step(f"{rate} * 60", rate * 60, f"In an hour it makes {{}} {things}.")
-    else:
-        text = f"A {machine} {verb} {rate} {things} every hour."
     days = rng.randint(2, 7) if rng.random() < 0.7 else 1
     if days == 1:
         total = sol.step(f"{rate} * {hours}", rate * hours, f"It makes {{}} {things}.")
@@ -123,25 +116,22 @@ def _rates(rng: random.Random, sol: _Solution) -> tuple[str, int]:
 
 def _ages(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     people = [p[0] for p in rng.sample(_PEOPLE, 4)]
-    first = rng.randint(3, 15)
-    ages = [first]
-    text = [f"{people[0]} is {first} years old."]
+    ages = [rng.randint(3, 15)]
+    text = [f"{people[0]} is {ages[0]} years old."]
     for k in range(1, rng.randint(2, 4)):
         prev, who, ref = ages[-1], people[k], people[k - 1]
         kinds = ("older", "twice", "younger") if prev < 40 else ("older", "younger")
         kind = rng.choice(kinds if prev >= 4 else kinds[:2])
         if kind == "older":
             d = rng.randint(2, 9)
-            age = sol.step(f"{prev} + {d}", prev + d, f"{who} is {{}} years old.")
-            text.append(f"{who} is {d} years older than {ref}.")
+            expr, age, relation = f"{prev} + {d}", prev + d, f"{d} years older than"
         elif kind == "twice":
-            age = sol.step(f"2 * {prev}", 2 * prev, f"{who} is {{}} years old.")
-            text.append(f"{who} is twice as old as {ref}.")
+            expr, age, relation = f"2 * {prev}", 2 * prev, "twice as old as"
         else:
             d = rng.randint(1, prev - 3)
-            age = sol.step(f"{prev} - {d}", prev - d, f"{who} is {{}} years old.")
-            text.append(f"{who} is {d} years younger than {ref}.")
-        ages.append(age)
+            expr, age, relation = f"{prev} - {d}", prev - d, f"{d} years younger than"
+        ages.append(sol.step(expr, age, f"{who} is {{}} years old."))
+        text.append(f"{who} is {relation} {ref}.")
     last = people[len(ages) - 1]
     ask = rng.randint(0, 2)
     if ask == 0:
@@ -167,8 +157,7 @@ def _savings(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     text += f" {subj.capitalize()} saves ${weekly} every week for {weeks} weeks."
     money = sol.step(f"{start} + {saved}", start + saved, "Then there is {} dollars in the bank.")
     if rng.random() < 0.6:
-        item = rng.choice(_PURCHASES)
-        price = rng.randint(1, money)
+        item, price = rng.choice(_PURCHASES), rng.randint(1, money)
         text += f" Then {subj} buys a {item} for ${price}."
         money = sol.step(f"{money} - {price}", money - price, "After the purchase {} dollars are left.")
     if rng.random() < 0.5:
@@ -199,8 +188,7 @@ def _travel(rng: random.Random, sol: _Solution) -> tuple[str, int]:
     return f"{text} How many miles does {subj} drive in total?", total
 
 
-_TEMPLATES: tuple[Callable[[random.Random, _Solution], tuple[str, int]], ...] = (
-    _shopping, _sharing, _rates, _ages, _savings, _travel)
+_TEMPLATES = (_shopping, _sharing, _rates, _ages, _savings, _travel)
 
 
 def word_problem(seed: int, i: int) -> tuple[str, str, int]:

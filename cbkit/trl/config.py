@@ -101,9 +101,8 @@ def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
         out.update({"save_steps": save * iterations} if save else {"save_strategy": "no"})
     if "eval_steps" in values:  # TRL evaluates eval_dataset every eval_steps updates, and before the first one
         every = int(values.pop("eval_steps"))
-        out["eval_strategy"] = "steps" if every else "no"
-        if every:
-            out.update(eval_steps=every * iterations, eval_on_start=True)
+        out.update({"eval_strategy": "steps", "eval_steps": every * iterations, "eval_on_start": True} if every
+                   else {"eval_strategy": "no"})
     if "eval_num_generations" in values:
         out["num_generations_eval"] = int(values.pop("eval_num_generations"))
     if "prompts_per_step" in values:
@@ -111,7 +110,6 @@ def _counted_in_trl_units(values: dict[str, Any]) -> dict[str, Any]:
         ga = int(values.get("gradient_accumulation_steps", 1) or 1)
         if completions % ga:
             raise ValueError(f"prompts_per_step x num_generations = {completions} completions do not split into "
-                             f"gradient_accumulation_steps={ga} equal micro-batches; TRL needs "
-                             "per_device_train_batch_size to be a whole number.")
+                             f"gradient_accumulation_steps={ga} equal micro-batches (TRL's per-device batch).")
         out["per_device_train_batch_size"] = completions // ga
     return out

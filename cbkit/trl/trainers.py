@@ -23,17 +23,16 @@ from cbkit.trl.rewards import trl_rewards
 
 
 class CBLogprobGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose CB rollouts carry sampling logprobs, so TRL's IS correction runs on the CB
-    path: TRL's CB branch through cbkit's engine, a seed per call, `use_vllm` as the gate of TRL's IS lines."""
+    """TRL's CB branch through cbkit's engine (a seed per call), and `use_vllm` as the gate of TRL's IS lines."""
 
     args: Any  # a GRPOConfig (the type checker reads Trainer's TrainingArguments)
     _cb_calls = 0  # rollouts so far in this process: part of each call's engine seed
     _cb_engine: Engine | None = None
     _is_gate_open = False
 
-    def _cb_generate(self, prompt_ids) -> tuple[list[list[int]], list[list[float]]]:
-        """Completion ids cut after the first stop id, and their sampling logprobs, one per row of `prompt_ids`
-        (text only: TRL's trainer refuses a multimodal processor on the CB path)."""
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Completion ids cut after the first stop id, and their sampling logprobs, from cbkit's engine, one per row
+        of `prompt_ids` (already repeated N times; text only: TRL refuses a multimodal processor on the CB path)."""
         max_new_tokens = self.max_completion_length
         if max_new_tokens is None:
             raise ValueError("max_completion_length=None: CB rollouts through cbkit's engine need a cap on the "
@@ -121,10 +120,6 @@ class CBLogprobGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         with self._gate("importance_sampling_ratio" in inputs):
             return super()._compute_loss(model, inputs)
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """Completions (prompt_ids arrive already repeated N times) and their sampling logprobs from the CB engine."""
-        return self._cb_generate(prompt_ids)
 
 
 @contextmanager
