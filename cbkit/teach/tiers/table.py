@@ -18,6 +18,8 @@ COLAB_RAM_BYTES = int(12.7e9)  # a standard Colab runtime's RAM: the weight copi
 CUDA_CONTEXT_BYTES = GiB // 2  # held before the first tensor: an assumption until scripts/gpu_check.sh reads it
 LESSON_PAGE_SIZE = 32  # the lessons' KV pages: a GSM8K chat prompt fills four, which its group's completions share
 POOL_SHARE = 0.4  # TRL's example: max_memory_percent=0.4 with the trainer resident
+# Notebook 01's pool (PAGE_SIZE, POOL_ROWS, TOKEN_BUDGET): a quarter of its rows at full length, so that requests wait.
+NB01_POOL = (16, 0.25, 64)
 PROMPT_LEN = 132  # a GSM8K chat prompt with cbkit's system prompt, in SmolLM2's tokens
 DRY_MODEL = "llama-tiny-random"
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
