@@ -44,7 +44,6 @@ SHORT_ANSWER_PROMPT = (
 
 @dataclass(frozen=True)
 class NotebookEnv:  # the machine-dependent choices of one notebook run; `summary()` says what was chosen
-
     profile: str  # "ci" or "full"
     device: str  # "cuda" or "cpu"
     gpu_name: str | None
@@ -159,8 +158,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
         elif self.gpu:
             major, minor = self.compute_capability or (0, 0)
             bf16 = "bf16" if major >= 8 else f"no native bf16 (compute capability {major}.{minor} < 8.0)"
-            memory = (self.gpu_memory_bytes or 0) / GiB
-            hw = f"GPU {self.gpu_name}, {memory:.0f} GiB, {bf16}, tier {self.tier!r}"
+            hw = f"GPU {self.gpu_name}, {(self.gpu_memory_bytes or 0) / GiB:.0f} GiB, {bf16}, tier {self.tier!r}"
         else:
             hw = f"CPU ({os.cpu_count()} cores), no GPU"
         where = "Colab, " if self.colab else ""

@@ -38,8 +38,7 @@ class Case(NamedTuple):  # one row of a check's table; `expected` where there is
     expected: Any = None
 
 
-def show(value: Any) -> str:
-    """A short readable form of a value: tensors as nested lists rounded to 4 digits, long text cut."""
+def show(value: Any) -> str:  # tensors as nested lists rounded to 4 digits, long text cut
     text = repr(_rounded(value.tolist() if hasattr(value, "tolist") and hasattr(value, "shape") else value))
     return text if len(text) <= 160 else text[:155] + " ...]"
 
@@ -384,14 +383,13 @@ def check_fresh_groups(seed: int) -> list[Case]:
         Case("max_staleness 0 (on-policy only)", ([[[now] * 2], [[now - 1, now]], [[now] * 3]], now, 0),
              "with 0 only tokens from the current policy pass."),
     ]
+
+    def completion() -> list[int]:  # tokens of one version, then of a later one: an update mid-rollout
+        start = now - rng.randint(0, 4)
+        return [start] * rng.randint(0, 6) + [min(now, start + rng.randint(0, 2))] * rng.randint(0, 6)
+
     for i in range(5):
-        groups = []
-        for _ in range(rng.randint(1, 6)):
-            group = []
-            for _ in range(rng.randint(2, 4)):
-                start, switch = now - rng.randint(0, 4), rng.randint(0, 6)
-                group.append([start] * switch + [min(now, start + rng.randint(0, 2))] * rng.randint(0, 6))
-            groups.append(group)
+        groups = [[completion() for _ in range(rng.randint(2, 4))] for _ in range(rng.randint(1, 6))]
         cases.append(Case(f"drawn rollout {i + 1}", (groups, now, rng.randint(0, 3)),
                           "age = now - version, for every token of every completion of the group."))
     return cases

@@ -67,10 +67,11 @@ def pool_config(config: Any, sizes: table.Sizes, tier: str, *, dtype_bytes: int,
 
 
 @dataclass(frozen=True)
-class EngineStart:
-    """One CB engine start: what it rolls out, what the GPU holds beside it, transformers' verdict."""
-
+class EngineStart:  # one CB engine start: its requests of `PROMPT_LEN` tokens, what is beside it, the verdict
     what: str
+    requests: int
+    new_tokens: int
+    dtype_bytes: int  # the weights the engine runs: its KV pool's dtype
     resident_bytes: int  # beside it on the GPU, besides the CUDA context
     admission: Admission
 
@@ -78,6 +79,7 @@ class EngineStart:
 @dataclass
 class TierPlan:
     notebook: str
+    tier: str
     machine: str
     peak_bytes: int
     memory_bytes: int  # what tensors may use: CUDA's total less the context
@@ -103,8 +105,7 @@ class TierPlan:
                 "what is resident beside it" for s in self.starts if not s.admission.fits]
         return out
 
-    def line(self) -> str:
-        """One row of `cbkit tiers`' table; the tightest engine start shows."""
+    def line(self) -> str:  # one row of `cbkit tiers`' table; the tightest engine start shows
         a = min((s.admission for s in self.starts), key=lambda a: a.available_bytes - a.footprint_bytes)
         return (f"{self.notebook:23} {self.machine:8} {fmt_bytes(self.peak_bytes):>10} of "
                 f"{fmt_bytes(self.memory_bytes):>9} {fmt_bytes(self.host_bytes):>10} {fmt_bytes(a.footprint_bytes):>10}"
@@ -124,8 +125,8 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)
     if spec.kind == "rollout":  # 01 sizes its own pool: a share of its rows at full length (its parameters cell)
         page, share, budget = table.NB01_POOL
-        rows = [range(table.PROMPT_LEN)] * int(s.prompts * s.n * share)
-        pool = {"page_size": page, "num_blocks": workload_blocks(rows, s.max_new_tokens, page), "max_batch_tokens": budget}
+        own = [range(table.PROMPT_LEN)] * int(s.prompts * s.n * share)
+        pool = {"page_size": page, "num_blocks": workload_blocks(own, s.max_new_tokens, page), "max_batch_tokens": budget}
     memory = table.DEVICE_BYTES[machine] - table.CUDA_CONTEXT_BYTES
     parts = {"weights": weight_bytes * params}
     place = place_for_tier(tier)  # where the tier keeps copies of the weights
@@ -147,7 +148,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
             verdict = admission(config, pool, dtype=dtype, rows=[range(table.PROMPT_LEN)] * (prompts * n),
                                 max_new_tokens=s.max_new_tokens, total_bytes=table.DEVICE_BYTES[machine],
                                 used_bytes=table.CUDA_CONTEXT_BYTES + resident, capability=table.CAPABILITY[machine])
-            starts.append(EngineStart(what, resident, verdict))
+            starts.append(EngineStart(what, prompts * n, s.max_new_tokens, weight_bytes, resident, verdict))
 
     if spec.trains:
         rows = s.prompts * s.n
@@ -171,4 +172,4 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
             rollout(s.prompts, n, "generate", what="")
             rollout(s.prompts, n, what=f"the rollout at N={n}")
     parts["the rollout"] = max(peaks)
-    return TierPlan(name, machine, sum(parts.values()), memory, parts, pool, starts, host)
+    return TierPlan(name, tier, machine, sum(parts.values()), memory, parts, pool, starts, host)

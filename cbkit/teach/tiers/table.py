@@ -27,9 +27,7 @@ LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": GiB, "a100": 8 * GiB
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """One notebook's sizes at one tier; a notebook reads the fields it uses."""
-
+class Sizes:  # one notebook's sizes at one tier; a notebook reads the fields it uses
     model: str
     prompts: int  # prompts per rollout (per step where the notebook trains)
     n: int  # completions per prompt
@@ -57,9 +55,7 @@ class Sizes:
 
 
 @dataclass(frozen=True)
-class NotebookSpec:
-    """A notebook's sizes and what it holds, as `plan.plan_notebook` adds it up."""
-
+class NotebookSpec:  # a notebook's sizes and what it holds, as `plan.plan_notebook` adds it up
     name: str
     kind: str  # "train", "rollout" (01), "logprobs" (02) or "sweep" (03)
     sizes: dict[str, Sizes]
