@@ -141,7 +141,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     peaks = [0]
     starts: list[EngineStart] = []
 
-    def rollout(prompts: int, n: int, backend: str = "continuous", *, what: str, resident: int = loaded) -> None:
+    def rollout(prompts: int, n: int, backend: str = "continuous", *, what: str = "", resident: int = loaded) -> None:
         p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=s.max_new_tokens, **common)
         peaks.append((p.generate if backend == "generate" else p.continuous).peak_bytes)
         if backend != "generate":
@@ -169,7 +169,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                       3 * logits_bytes(min(16, s.prompts * s.n), s.max_new_tokens, config.vocab_size) // 4})
     else:  # 03 sweeps N through both backends; 01 rolls out once through each
         for n in s.sweep_ns or (s.n,):
-            rollout(s.prompts, n, "generate", what="")
+            rollout(s.prompts, n, "generate")
             rollout(s.prompts, n, what=f"the rollout at N={n}")
     parts["the rollout"] = max(peaks)
     return TierPlan(name, tier, machine, sum(parts.values()), memory, parts, pool, starts, host)
