@@ -91,9 +91,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
         return gpu if self.tier in GPU_TIERS else ci if self.profile == "ci" else cpu
 
     def free_memory_bytes(self) -> int | None:  # on a dry run the tier's GPU: a CPU's RAM says nothing of a T4
-        if self.gpu:
-            return torch.cuda.mem_get_info()[0]
-        return self.gpu_memory_bytes if self.dry_run else None
+        return torch.cuda.mem_get_info()[0] if self.gpu else self.gpu_memory_bytes if self.dry_run else None
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
                     *, requests: int | None = None, **pool: Any) -> dict[str, Any]:
