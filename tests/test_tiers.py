@@ -53,6 +53,21 @@ def test_the_tier_check_plans_the_pool_the_notebook_allocates(name, machine):
     assert allocated and plan_notebook(name, machine).pool == allocated
 
 
+@pytest.mark.parametrize("machine", list(table.MACHINES))
+def test_01_is_planned_with_the_pool_its_own_cells_allocate(machine):
+    from cbkit.rollout.engine_config import workload_blocks
+
+    tier = table.MACHINES[machine][0]
+    cells = nbformat.read(REPO / "notebooks/01_kv_slot_recycling.ipynb", as_version=4).cells
+    params = next(i for i, c in enumerate(cells) if c.source.startswith("## Parameters")) + 1
+    ns: dict = {"env": types.SimpleNamespace(sizes=table.sizes_for("01_kv_slot_recycling", tier), data="gsm8k")}
+    exec(cells[params].source, ns)
+    rows = [range(table.PROMPT_LEN)] * int(ns["PROMPTS"] * ns["N"] * ns["POOL_ROWS"])  # the plan's prompt length
+    own = {"page_size": ns["PAGE_SIZE"], "max_batch_tokens": ns["TOKEN_BUDGET"],
+           "num_blocks": workload_blocks(rows, ns["MAX_NEW_TOKENS"], ns["PAGE_SIZE"])}
+    assert plan_notebook("01_kv_slot_recycling", machine).pool == own
+
+
 def _with_sizes(monkeypatch, name: str, tier: str, **changes):
     spec = table.NOTEBOOKS[name]
     sizes = {**spec.sizes, tier: dataclasses.replace(spec.sizes[tier], **changes)}

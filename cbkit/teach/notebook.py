@@ -43,9 +43,7 @@ SHORT_ANSWER_PROMPT = (
 
 
 @dataclass(frozen=True)
-class NotebookEnv:
-    """The machine-dependent choices of one notebook run. ``summary()`` says what was chosen."""
-
+class NotebookEnv:  # the machine-dependent choices of one notebook run; `summary()` says what was chosen
     profile: str  # "ci" or "full"
     device: str  # "cuda" or "cpu"
     gpu_name: str | None
@@ -68,44 +66,37 @@ class NotebookEnv:
         return self.device == "cuda"
 
     @property
-    def compute_dtype(self) -> str:
-        """The loop's ``dtype``: the tier's autocast, else float32 (not 'auto': a forced t4 tier is fp32)."""
+    def compute_dtype(self) -> str:  # the loop's `dtype`: not 'auto', since a forced t4 tier is fp32
         return self.autocast_dtype or self.train_dtype
 
     @property
-    def forward_chunk_rows(self) -> int | None:
-        """Completions per training forward: ``CPU_FORWARD_CHUNK_ROWS`` on a CPU, else the config's."""
-        on_cpu = self.device == "cpu" and not self.dry_run
-        return CPU_FORWARD_CHUNK_ROWS if on_cpu else CBGRPOConfig.forward_chunk_rows
+    def on_cpu(self) -> bool:  # a CPU run, not a GPU tier's dry run: it trains in chunks of CPU_FORWARD_CHUNK_ROWS
+        return self.device == "cpu" and not self.dry_run
 
     @property
-    def weights_place(self) -> str:
-        """Where a copy of the weights a notebook comes back to lives: disk, host or device."""
+    def forward_chunk_rows(self) -> int | None:
+        return CPU_FORWARD_CHUNK_ROWS if self.on_cpu else CBGRPOConfig.forward_chunk_rows
+
+    @property
+    def weights_place(self) -> str:  # where a copy of the weights a notebook comes back to lives: disk, host, device
         return place_for_tier(self.tier, self.device)
 
     def trl_micro_batches(self, rows: int, gradient_accumulation_steps: int) -> int:
-        """TRL's ``gradient_accumulation_steps``: on a CPU one per forward chunk, else the config's."""
-        on_cpu = self.device == "cpu" and not self.dry_run
-        return rows // CPU_FORWARD_CHUNK_ROWS if on_cpu else gradient_accumulation_steps
+        return rows // CPU_FORWARD_CHUNK_ROWS if self.on_cpu else gradient_accumulation_steps
 
-    def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:
-        """``gradient_accumulation_steps`` that keeps the loss's logits within this tier's budget."""
+    def micro_batches(self, rows: int, completion_len: int, vocab_size: int) -> int:  # logits within the tier's budget
         return micro_batches_for(rows, completion_len, vocab_size, table.LOGITS_BUDGET_BYTES[self.tier])
 
-    def pick(self, *, ci: Any, cpu: Any, gpu: Any) -> Any:
-        """``ci`` under the ci profile, ``cpu`` on a CPU, ``gpu`` on a GPU tier (or its dry run)."""
+    def pick(self, *, ci: Any, cpu: Any, gpu: Any) -> Any:  # gpu on a GPU tier (or its dry run), else by profile
         return gpu if self.tier in GPU_TIERS else ci if self.profile == "ci" else cpu
 
-    def free_memory_bytes(self) -> int | None:
-        """CUDA's free memory; on a dry run the tier's GPU (a CPU's RAM says nothing of a T4); else None."""
-        if self.gpu:
-            return torch.cuda.mem_get_info()[0]
-        return self.gpu_memory_bytes if self.dry_run else None
+    def free_memory_bytes(self) -> int | None:  # on a dry run the tier's GPU: a CPU's RAM says nothing of a T4
+        return torch.cuda.mem_get_info()[0] if self.gpu else self.gpu_memory_bytes if self.dry_run else None
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
                     *, requests: int | None = None, **pool: Any) -> dict[str, Any]:
-        """The CB engine settings that fix this notebook's pool at this tier (`tiers.plan.pool_config`) for
-        ``rows`` (or ``requests`` prompts); ``pool`` overrides the sizes' pool_share or pool_sequences."""
+        """The CB engine settings of this notebook's pool at this tier (`tiers.plan.pool_config`) for ``rows`` (or
+        ``requests`` prompts); ``pool`` overrides the sizes' pool_share or pool_sequences."""
         if self.sizes is None:
             return {}
         if requests and not rows:
@@ -126,28 +117,25 @@ class NotebookEnv:
         rollout = plan(model.config, num_prompts=len(prompt_ids), num_generations=n, max_new_tokens=new,
                        prompt_len=[len(p) for p in prompt_ids], budget_bytes=free,
                        dtype_bytes=next(model.parameters()).element_size(),
-                       device="cuda" if self.gpu or self.dry_run else "cpu",
+                       device="cpu" if self.on_cpu else "cuda",
                        cb_config=config.transformers_continuous_batching_config).continuous
         gib = {k: f"{v / GiB:.2f}" for k, v in train.items()}
         rows, budget = min(chunk or micro_rows, micro_rows), table.LOGITS_BUDGET_BYTES[self.tier]
-        line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB (continuous), training "
-                f"{gib['total']} GiB (weights, gradients, AdamW: {gib['optimizer_state']}; logits of one "
-                f"forward of {rows} rows: {gib['logits']}, budget {budget / GiB:.0f}; its activations: "
-                f"{gib['activations']})")
-        if self.gpu or self.dry_run:
+        line = (f"planned: rollout peak {rollout.peak_bytes / GiB:.2f} GiB (continuous), training {gib['total']} GiB "
+                f"(weights, gradients, AdamW: {gib['optimizer_state']}; logits of one forward of {rows} rows: "
+                f"{gib['logits']}, budget {budget / GiB:.0f}; its activations: {gib['activations']})")
+        if not self.on_cpu:
             total = self.gpu_memory_bytes or torch.cuda.get_device_properties(0).total_memory
             if free is not None and rollout.fits is False:  # (fits is None without a budget)
                 raise MemoryError(f"{line}: the rollout does not fit the {free / GiB:.1f} GiB free on this "
                                   "GPU. Lower N, the prompts per step or max_completion_length.")
             if train["total"] + rollout.peak_bytes > total:
-                raise MemoryError(f"{line}: training next to the rollout needs more than this GPU's "
-                                  f"{total / GiB:.1f} GiB. Lower N or the prompts per step, or raise "
-                                  "gradient_accumulation_steps.")
+                raise MemoryError(f"{line}: training next to the rollout needs more than this GPU's {total / GiB:.1f} "
+                                  "GiB. Lower N or the prompts per step, or raise gradient_accumulation_steps.")
         return line
 
     @property
-    def precision(self) -> str:
-        """The precision rule: what the rollout samples in, what the logprobs are computed in, the drift."""
+    def precision(self) -> str:  # what the rollout samples in, what the logprobs are computed in, the drift
         def eps(dtype: str) -> str:
             return f"{torch.finfo(getattr(torch, dtype)).eps:.1e} relative resolution"
 
@@ -168,8 +156,7 @@ class NotebookEnv:
         elif self.gpu:
             major, minor = self.compute_capability or (0, 0)
             bf16 = "bf16" if major >= 8 else f"no native bf16 (compute capability {major}.{minor} < 8.0)"
-            memory = (self.gpu_memory_bytes or 0) / GiB
-            hw = f"GPU {self.gpu_name}, {memory:.0f} GiB, {bf16}, tier {self.tier!r}"
+            hw = f"GPU {self.gpu_name}, {(self.gpu_memory_bytes or 0) / GiB:.0f} GiB, {bf16}, tier {self.tier!r}"
         else:
             hw = f"CPU ({os.cpu_count()} cores), no GPU"
         where = "Colab, " if self.colab else ""

@@ -1,6 +1,5 @@
 """TRL's own step in the notebooks: its config overrides (04), and one step of *stock* `trl.GRPOTrainer` on its CB
-path, recording the logprobs it drops (02).
-"""
+path, recording the logprobs it drops (02)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ from cbkit.telemetry import release_memory
 
 
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
-    """The `GRPOConfig` overrides (TRL's names) of the notebooks' TRL step (the bridge sets the batch). Checkpointing,
-    which TRL turns on, is off under the installed transformers' name for it (5.17 has only the older one)."""
+    """The notebooks' `GRPOConfig` overrides; checkpointing, which TRL turns on, is off under the installed
+    transformers' name for it (5.17 has only the older one)."""
     from transformers import TrainingArguments
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -24,9 +23,8 @@ def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
 
 def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
                          **overrides: Any) -> dict[str, Any]:
-    """One training step of *stock* ``trl.GRPOTrainer`` on its CB path, on a copy of ``model`` and a `trl_dataset`:
-    the completions' count and tokens, the logprobs its rollout (``_generate_single_turn``) returned, which that path
-    sets to None, and the step's logged ``sampling/*`` metrics (TRL's IS diagnostics, absent without logprobs)."""
+    """One step of *stock* ``trl.GRPOTrainer``'s CB path on a copy of ``model``: the completions' count and tokens, the
+    logprobs its rollout returned (that path sets them to None) and its ``sampling/*`` metrics (absent without them)."""
     import copy
 
     from trl import GRPOTrainer as StockGRPOTrainer
@@ -36,6 +34,9 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
     funcs, weights = trl_rewards(reward_funcs, cfg=cfg)
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
+    if not args.use_transformers_continuous_batching:
+        raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
+                         "use_transformers_continuous_batching=True.")
     cb = args.transformers_continuous_batching_config
     if model.device.type == "cpu" and cb is not None:
         # Stock TRL hands the engine max_memory_percent, on a CPU a share of host RAM (gigabytes of zeroed KV); the
@@ -46,11 +47,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
                                                         return_dict=True)["input_ids"]) for row in dataset)
         rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
         blocks = cpu_pool_blocks(cb, rows, args.max_completion_length, page_size(cb))
-        if blocks is not None:
-            args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks}
-    if not args.use_transformers_continuous_batching:
-        raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
-                         "use_transformers_continuous_batching=True.")
+        args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks} if blocks else cb
     trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer)
     seen = _train_recording(trainer)
@@ -60,8 +57,8 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
 
 def _train_recording(trainer: Any) -> dict[str, Any]:
-    """Train a stock ``trl.GRPOTrainer`` one step, recording what its ``_generate_single_turn`` (replaced on this
-    instance) returned; a function of its own, so that nothing here holds the trainer once it returns."""
+    """Trains one step, recording what ``_generate_single_turn`` returned; a function of its own, so that nothing here
+    holds the trainer once it returns."""
     from cbkit.trl.trainers import plain_forward
 
     seen: dict[str, Any] = {"completions": 0, "tokens": 0}

@@ -24,26 +24,21 @@ from cbkit.train.objective import LossType, group_advantages, grpo_loss, importa
 from cbkit.train.offpolicy import fresh_groups
 
 
-class Result(NamedTuple):
-    """A check's verdict: the first failing case's name (None when all passed or not implemented), its message."""
-
+class Result(NamedTuple):  # a check's verdict: the first failing case's name (None when none failed), its message
     passed: bool
     case: str | None
     message: str
     not_implemented: bool = False
 
 
-class Case(NamedTuple):
-    """One row of a check's table; `expected` is given when there is no reference to call (the engine's record)."""
-
+class Case(NamedTuple):  # one row of a check's table; `expected` where there is no reference to call
     name: str
     args: tuple
     hint: str
     expected: Any = None
 
 
-def show(value: Any) -> str:
-    """A short readable form of a value: tensors as nested lists rounded to 4 digits, long text cut."""
+def show(value: Any) -> str:  # tensors as nested lists rounded to 4 digits, long text cut
     text = repr(_rounded(value.tolist() if hasattr(value, "tolist") and hasattr(value, "shape") else value))
     return text if len(text) <= 160 else text[:155] + " ...]"
 
@@ -53,8 +48,7 @@ def _rounded(x: Any) -> Any:
 
 
 def close(expected: Any, got: Any, *, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
-    """None when `got` (a number, a tensor or nested lists) equals `expected` within the tolerances, else what
-    differs, as torch.testing says it."""
+    """None when `got` (a number, a tensor or nested lists) is `expected` within the tolerances, else what differs."""
     numeric = isinstance(got, (int, float, list, tuple, torch.Tensor)) or hasattr(got, "item")
     if isinstance(got, bool) or not numeric:
         return f"expected a number or a tensor, got a {type(got).__name__}"
@@ -72,46 +66,41 @@ def exact(expected: Any, got: Any) -> str | None:
 
 def _check(reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None] = close,
            ) -> Callable[[Callable[[int], list[Case]]], Callable[..., Result]]:
-    """`check_x(fn, seed=None) -> Result` from the function that draws x's cases from a seed (a fresh seed when None):
-    runs `fn` on each case against `reference`, called on its own copy of the inputs, or `case.expected`;
-    `compare(expected, got)` returns what differs, or None. Prints the verdict."""
+    """Makes `check_x(fn, seed=None) -> Result` from x's case table (drawn from a seed, fresh when None): prints and
+    returns the verdict on the first case where `compare(expected, got)` says what differs; `expected` is `reference`
+    on its own copy of the inputs, or `case.expected`."""
     def make(cases: Callable[[int], list[Case]]) -> Callable[..., Result]:
-        exercise = cases.__name__.removeprefix("check_")
-
+        @functools.wraps(cases)
         def check(fn: Callable[..., Any], seed: int | None = None) -> Result:
             seed = random.SystemRandom().randrange(1, 1_000_000) if seed is None else seed
-            replay = f"(seed {seed}: `check_{exercise}(fn, seed={seed})` replays these cases)"
-            table = cases(seed)
-            for case in table:
-                expected = case.expected if reference is None else reference(*copy.deepcopy(case.args))
-                what = ""
-                try:
-                    got = fn(*copy.deepcopy(case.args))
-                    what = f"returned {show(got)}: "
-                    diff = compare(expected, got)
-                except NotImplementedError:
-                    result = Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above "
-                                    "(it still raises NotImplementedError), run that cell, then run this check again.",
-                                    not_implemented=True)
-                    break
-                except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
-                    diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
-                if diff is not None:
-                    inputs = ", ".join(show(a) for a in case.args)
-                    result = Result(False, case.name, f"{exercise} fails the case '{case.name}' {replay}\n"
-                                    f"      inputs:   ({inputs})\n      expected: {show(expected)}\n"
-                                    f"      yours:    {what}{diff}\n      hint:     {case.hint}")
-                    break
-            else:
-                result = Result(True, None, f"{exercise}: correct on all {len(table)} cases, the edge cases included "
-                                f"{replay}.")
+            result = _grade(cases.__name__.removeprefix("check_"), fn, cases(seed), reference, compare, seed)
             print(("PASS  " if result.passed else "TODO  " if result.not_implemented else "FAIL  ") + result.message)
             return result
-
-        check.__name__ = check.__qualname__ = cases.__name__
-        check.__doc__ = cases.__doc__
         return check
     return make
+
+
+def _grade(exercise: str, fn: Callable[..., Any], table: list[Case], reference: Callable[..., Any] | None,
+           compare: Callable[[Any, Any], str | None], seed: int) -> Result:
+    replay = f"(seed {seed}: `check_{exercise}(fn, seed={seed})` replays these cases)"
+    for case in table:
+        expected = case.expected if reference is None else reference(*copy.deepcopy(case.args))
+        what = ""
+        try:
+            got = fn(*copy.deepcopy(case.args))
+            what = f"returned {show(got)}: "
+            diff = compare(expected, got)
+        except NotImplementedError:
+            return Result(False, None, f"{exercise}: not implemented yet. Write its body in the cell above (it still "
+                          "raises NotImplementedError), run that cell, then run this check again.", True)
+        except Exception as exc:  # a learner's bug, or a value the comparison cannot read, is a verdict
+            diff = f"{'could not compare it:' if what else 'raised'} {type(exc).__name__}: {exc}"
+        if diff is not None:
+            inputs = ", ".join(show(a) for a in case.args)
+            return Result(False, case.name, f"{exercise} fails the case '{case.name}' {replay}\n"
+                          f"      inputs:   ({inputs})\n      expected: {show(expected)}\n"
+                          f"      yours:    {what}{diff}\n      hint:     {case.hint}")
+    return Result(True, None, f"{exercise}: correct on all {len(table)} cases, the edge cases included {replay}.")
 
 
 @_check(lambda text: format_reward([text], ["0"])[0])
@@ -193,8 +182,7 @@ def _step_hint(args: tuple, engine: list) -> str:
 
 @functools.cache
 def _recorded_steps() -> list[Case]:
-    """The tiny model's rollout through the real engine, recorded once, at fixed lengths (a wrong answer always fails
-    at the same step)."""
+    """The tiny model's rollout through the real engine, at fixed lengths: a wrong answer fails at the same step."""
     tiny = load_policy("tiny", seed=0, device="cpu")
     tok = tiny.tokenizer
     prompts = [tok.encode("Tom has 3 apples and buys 4 more apples at the market. How many apples does he have?"),
@@ -254,8 +242,7 @@ def _is_cases(seed: int, sequence: bool) -> list[Case]:
     return cases
 
 
-def _masked(expected: Any, got: Any) -> str | None:
-    """Graded where the reference, a ratio, is not 0: on the mask; padding never reaches the loss."""
+def _masked(expected: Any, got: Any) -> str | None:  # graded where the reference ratio is not 0: on the mask
     got = torch.as_tensor(got)
     return close(expected, got.where(expected != 0, 0.0) if got.shape == expected.shape else got)
 
@@ -263,16 +250,14 @@ def _masked(expected: Any, got: Any) -> str | None:
 @_check(lambda old, sampled, mask, clip_max: importance_weights(old, sampled, mask, "token_truncate",
                                                                  clip_max=clip_max)[0].where(mask, 0.0), _masked)
 def check_token_is_weights(seed: int) -> list[Case]:
-    """`fn(old, sampled, mask, clip_max) -> [B, T] weights`, against `importance_weights(mode="token_truncate")`.
-    Graded on the mask's positions only."""
+    """`fn(old, sampled, mask, clip_max) -> [B, T] weights` on the mask, against `importance_weights` (token_truncate)."""
     return _is_cases(seed, False)
 
 
 @_check(lambda old, sampled, mask, clip_max: importance_weights(old, sampled, mask, "sequence_mask",
                                                                  clip_max=clip_max)[0][:, 0])
 def check_sequence_mask_weights(seed: int) -> list[Case]:
-    """`fn(old, sampled, mask, clip_max) -> [B] weights, one per completion`, against
-    `importance_weights(mode="sequence_mask")`."""
+    """`fn(old, sampled, mask, clip_max) -> [B] weights`, one per completion, against `importance_weights` (sequence_mask)."""
     return _is_cases(seed, True)
 
 
@@ -340,8 +325,7 @@ def check_group_advantages(seed: int) -> list[Case]:
 
 
 def _aggregate(loss, mask, loss_type: LossType, max_len: int) -> float:
-    """`grpo_loss`'s aggregation as the loop runs it: policy = old makes every ratio 1, and an advantage of -loss
-    makes the per-token loss `loss` itself."""
+    """`grpo_loss`'s aggregation: policy = old makes every ratio 1, and an advantage of -loss makes the loss `loss`."""
     zeros = torch.zeros_like(loss)
     return grpo_loss(zeros, zeros, -loss, mask, loss_type=loss_type, max_completion_length=max_len)[0].item()
 
@@ -399,14 +383,13 @@ def check_fresh_groups(seed: int) -> list[Case]:
         Case("max_staleness 0 (on-policy only)", ([[[now] * 2], [[now - 1, now]], [[now] * 3]], now, 0),
              "with 0 only tokens from the current policy pass."),
     ]
+
+    def completion() -> list[int]:  # tokens of one version, then of a later one: an update mid-rollout
+        start = now - rng.randint(0, 4)
+        return [start] * rng.randint(0, 6) + [min(now, start + rng.randint(0, 2))] * rng.randint(0, 6)
+
     for i in range(5):
-        groups = []
-        for _ in range(rng.randint(1, 6)):
-            group = []
-            for _ in range(rng.randint(2, 4)):
-                start, switch = now - rng.randint(0, 4), rng.randint(0, 6)
-                group.append([start] * switch + [min(now, start + rng.randint(0, 2))] * rng.randint(0, 6))
-            groups.append(group)
+        groups = [[completion() for _ in range(rng.randint(2, 4))] for _ in range(rng.randint(1, 6))]
         cases.append(Case(f"drawn rollout {i + 1}", (groups, now, rng.randint(0, 3)),
                           "age = now - version, for every token of every completion of the group."))
     return cases

@@ -25,8 +25,7 @@ _GPU_CONFIG: dict[str, Any] = dict(num_hidden_layers=24, hidden_size=896, interm
                                    tie_word_embeddings=True)
 
 
-def plan_config(model: str) -> Any:
-    """A real transformers config without weights (the admission check builds on it)."""
+def plan_config(model: str) -> Any:  # a real transformers config without weights: the admission check builds on it
     if model == table.GPU_MODEL:
         from transformers import Qwen2Config
 
@@ -68,9 +67,7 @@ def pool_config(config: Any, sizes: table.Sizes, tier: str, *, dtype_bytes: int,
 
 
 @dataclass(frozen=True)
-class EngineStart:
-    """One CB engine start: its requests of `PROMPT_LEN` tokens, what the GPU holds beside it, the engine's verdict."""
-
+class EngineStart:  # one CB engine start: its requests of `PROMPT_LEN` tokens, what is beside it, the verdict
     what: str
     requests: int
     new_tokens: int
@@ -108,8 +105,7 @@ class TierPlan:
                 "what is resident beside it" for s in self.starts if not s.admission.fits]
         return out
 
-    def line(self) -> str:
-        """One row of `cbkit tiers`' table; the tightest engine start shows."""
+    def line(self) -> str:  # one row of `cbkit tiers`' table; the tightest engine start shows
         a = min((s.admission for s in self.starts), key=lambda a: a.available_bytes - a.footprint_bytes)
         return (f"{self.notebook:23} {self.machine:8} {fmt_bytes(self.peak_bytes):>10} of "
                 f"{fmt_bytes(self.memory_bytes):>9} {fmt_bytes(self.host_bytes):>10} {fmt_bytes(a.footprint_bytes):>10}"
@@ -127,6 +123,10 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     fp32 = spec.trains or spec.kind == "logprobs"
     weight_bytes, dtype = (4, torch.float32) if fp32 else (2, getattr(torch, rollout_dtype))
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)
+    if spec.kind == "rollout":  # 01 sizes its own pool: a share of its rows at full length (its parameters cell)
+        page, share, budget = table.NB01_POOL
+        own = [range(table.PROMPT_LEN)] * int(s.prompts * s.n * share)
+        pool = {"page_size": page, "num_blocks": workload_blocks(own, s.max_new_tokens, page), "max_batch_tokens": budget}
     memory = table.DEVICE_BYTES[machine] - table.CUDA_CONTEXT_BYTES
     parts = {"weights": weight_bytes * params}
     place = place_for_tier(tier)  # where the tier keeps copies of the weights
@@ -141,15 +141,14 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     peaks = [0]
     starts: list[EngineStart] = []
 
-    def rollout(prompts: int, n: int, new: int, backend: str = "continuous", *, what: str = "the rollout",
-                resident: int = loaded) -> None:
-        p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=new, **common)
+    def rollout(prompts: int, n: int, backend: str = "continuous", *, what: str = "", resident: int = loaded) -> None:
+        p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=s.max_new_tokens, **common)
         peaks.append((p.generate if backend == "generate" else p.continuous).peak_bytes)
         if backend != "generate":
             verdict = admission(config, pool, dtype=dtype, rows=[range(table.PROMPT_LEN)] * (prompts * n),
-                                max_new_tokens=new, total_bytes=table.DEVICE_BYTES[machine],
+                                max_new_tokens=s.max_new_tokens, total_bytes=table.DEVICE_BYTES[machine],
                                 used_bytes=table.CUDA_CONTEXT_BYTES + resident, capability=table.CAPABILITY[machine])
-            starts.append(EngineStart(what, prompts * n, new, weight_bytes, resident, verdict))
+            starts.append(EngineStart(what, prompts * n, s.max_new_tokens, weight_bytes, resident, verdict))
 
     if spec.trains:
         rows = s.prompts * s.n
@@ -159,20 +158,18 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         trainer = train["optimizer_state"] - 4 * params  # gradients and AdamW's moments, resident from step 2 on
         held = s.steps > 1
         for backend in sorted(set(spec.train_runs)):
-            rollout(s.prompts, s.n, s.max_new_tokens, backend, resident=loaded + trainer * held,
+            rollout(s.prompts, s.n, backend, resident=loaded + trainer * held,
                     what="a step's rollout" + (", the trainer's state resident" if held else ""))
         if s.eval_every:
-            rollout(s.eval_prompts, s.eval_n, s.max_new_tokens, what="the held-out evaluation",
-                    resident=loaded + trainer)
+            rollout(s.eval_prompts, s.eval_n, what="the held-out evaluation", resident=loaded + trainer)
         parts.update({"optimizer state": trainer, "loss logits": train["logits"], "activations": train["activations"]})
     elif spec.kind == "logprobs":  # section 2 samples from a bf16 copy beside the fp32 policy, in a second engine
-        rollout(s.prompts, s.n, s.max_new_tokens, what="the rollout, the bf16 copy resident",
-                resident=loaded + 2 * params)
+        rollout(s.prompts, s.n, what="the rollout, the bf16 copy resident", resident=loaded + 2 * params)
         parts.update({"the bf16 copy and its rollout": 2 * params + max(peaks), "teacher-forced logits":
                       3 * logits_bytes(min(16, s.prompts * s.n), s.max_new_tokens, config.vocab_size) // 4})
-    else:  # 03 sweeps N through both backends; 01 rolls out once through each, from a pool smaller than planned here
+    else:  # 03 sweeps N through both backends; 01 rolls out once through each
         for n in s.sweep_ns or (s.n,):
-            rollout(s.prompts, n, s.max_new_tokens, "generate")
-            rollout(s.prompts, n, s.max_new_tokens, what=f"the rollout at N={n}")
+            rollout(s.prompts, n, "generate")
+            rollout(s.prompts, n, what=f"the rollout at N={n}")
     parts["the rollout"] = max(peaks)
     return TierPlan(name, tier, machine, sum(parts.values()), memory, parts, pool, starts, host)

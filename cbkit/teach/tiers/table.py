@@ -18,6 +18,8 @@ COLAB_RAM_BYTES = int(12.7e9)  # a standard Colab runtime's RAM: the weight copi
 CUDA_CONTEXT_BYTES = GiB // 2  # held before the first tensor: an assumption until scripts/gpu_check.sh reads it
 LESSON_PAGE_SIZE = 32  # the lessons' KV pages: a GSM8K chat prompt fills four, which its group's completions share
 POOL_SHARE = 0.4  # TRL's example: max_memory_percent=0.4 with the trainer resident
+# Notebook 01's pool (PAGE_SIZE, POOL_ROWS, TOKEN_BUDGET): a quarter of its rows at full length, so that requests wait.
+NB01_POOL = (16, 0.25, 64)
 PROMPT_LEN = 132  # a GSM8K chat prompt with cbkit's system prompt, in SmolLM2's tokens
 DRY_MODEL = "llama-tiny-random"
 GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -25,9 +27,7 @@ LOGITS_BUDGET_BYTES = {"ci": 2 * GiB, "cpu": 2 * GiB, "t4": GiB, "a100": 8 * GiB
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """One notebook's sizes at one tier; a notebook reads the fields it uses."""
-
+class Sizes:  # one notebook's sizes at one tier; a notebook reads the fields it uses
     model: str
     prompts: int  # prompts per rollout (per step where the notebook trains)
     n: int  # completions per prompt
@@ -55,9 +55,7 @@ class Sizes:
 
 
 @dataclass(frozen=True)
-class NotebookSpec:
-    """A notebook's sizes and what it holds, as `plan.plan_notebook` adds it up."""
-
+class NotebookSpec:  # a notebook's sizes and what it holds, as `plan.plan_notebook` adds it up
     name: str
     kind: str  # "train", "rollout" (01), "logprobs" (02) or "sweep" (03)
     sizes: dict[str, Sizes]
