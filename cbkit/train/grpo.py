@@ -85,7 +85,7 @@ class GRPOTrainer:
         self.backend = check_backend(backend if backend is not None else make_backend(
             c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id))
         # The held-out set is drawn first; its questions leave the training problems.
-        self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
+        self.held_out = HeldOut(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
         self.problems = without_held_out(run.problems, self.held_out.problems)
         self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]
         self.order = PromptOrder(len(self.problems), c.seed)
