@@ -118,14 +118,13 @@ def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
 def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, aliases: Mapping[str, str], *,
           non_blocking: bool = False) -> None:
     """Copy a snapshot into `target`'s tensors: each kept storage into its first name, then every tied name from it."""
-    if isinstance(kept, Path):
-        kept = torch.load(kept, map_location="cpu", mmap=True, weights_only=True)
+    tensors = torch.load(kept, map_location="cpu", mmap=True, weights_only=True) if isinstance(kept, Path) else kept
     distinct = [n for n in target if n not in aliases]
-    if set(distinct) != set(kept):
-        raise RuntimeError(f"this weight snapshot holds {len(kept)} tensors and the model {len(distinct)} distinct "
+    if set(distinct) != set(tensors):
+        raise RuntimeError(f"this weight snapshot holds {len(tensors)} tensors and the model {len(distinct)} distinct "
                            "ones: it was taken from another model (or one tied otherwise).")
     for name in distinct:
-        target[name].copy_(kept[name], non_blocking=non_blocking)
+        target[name].copy_(tensors[name], non_blocking=non_blocking)
     for name, source in aliases.items():
         if target[name].data_ptr() != target[source].data_ptr():
             target[name].copy_(target[source])
