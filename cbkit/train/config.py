@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import numbers
 import os
 import re
@@ -264,42 +265,36 @@ def _check_types(config: Any) -> None:
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
-        ok, converted = _as_type(value, hint)
-        if not ok:
+        try:
+            converted = _as_type(value, hint)
+        except TypeError:
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             example = _example(hint) if default is None or len(repr(default)) > 40 else default
+            shown = example if isinstance(example, str) else json.dumps(example)  # YAML's flow style
             raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not {_describe(hint)}; "
-                             f"e.g. `{f.name}: {_yaml(example)}` in a recipe.")
+                             f"e.g. `{f.name}: {shown}` in a recipe.") from None
         if converted is not value:
             setattr(config, f.name, converted)
 
 
-def _as_type(value: Any, hint: Any) -> tuple[bool, Any]:
-    """(whether `value` is a `hint`, the value as that type)."""
+def _as_type(value: Any, hint: Any) -> Any:
+    """`value` as a `hint`, the same object where it already is one; a TypeError where it is not one."""
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType):  # X | None
-        return (True, None) if value is None else _as_type(value, args[0])
-    if typing.get_origin(hint) is list:
-        if not isinstance(value, list | tuple):
-            return False, value
+        return None if value is None else _as_type(value, args[0])
+    if typing.get_origin(hint) is list and isinstance(value, list | tuple):
         items = [_as_type(v, args[0]) for v in value]
-        same = type(value) is list and all(out is v for (_, out), v in zip(items, value, strict=True))
-        return all(ok for ok, _ in items), value if same else [out for _, out in items]
-    if typing.get_origin(hint) is dict:
-        return isinstance(value, dict), value
-    if hint is bool:  # YAML's true/false; 0 and 1 are not switches
-        return isinstance(value, bool), value
-    if hint in (int, float):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
-            return False, value
+        return value if type(value) is list and all(a is b for a, b in zip(items, value, strict=True)) else items
+    if isinstance(value, typing.get_origin(hint) or hint) and (hint is bool or not isinstance(value, bool)):
+        return value  # a dict, a string, a bool (YAML's true/false: 0 and 1 are not switches), a number of its type
+    if hint in (int, float) and isinstance(value, numbers.Real | str) and not isinstance(value, bool):
         try:
-            number = int(value) if isinstance(value, numbers.Integral) else float(value)
+            number = value if isinstance(value, numbers.Integral) else float(value)
         except ValueError:
-            return False, value
-        if hint is int and not float(number).is_integer():
-            return False, value
-        return True, hint(number)
-    return isinstance(value, hint), value
+            raise TypeError from None
+        if hint is float or float(number).is_integer():
+            return hint(number)
+    raise TypeError
 
 
 def _describe(hint: Any, plural: bool = False) -> str:
@@ -316,13 +311,3 @@ def _example(hint: Any) -> Any:
     if typing.get_origin(hint) is list:
         return [_example(typing.get_args(hint)[0])]
     return {} if typing.get_origin(hint) is dict else _NAMES[hint][2]
-
-
-def _yaml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_yaml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
-    return str(value)
