@@ -9,7 +9,6 @@ import difflib
 import json
 import numbers
 import os
-import re
 import types
 import typing
 import warnings
@@ -239,7 +238,8 @@ def continuous_batching_flag(use_transformers_paged: bool | None, use_transforme
 
 
 def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks them)."""
+    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks them, reading YAML 1.1's `5e-5`
+    string as the number it means)."""
     import yaml  # transformers' own dependency
 
     with open(path) as f:
@@ -247,11 +247,8 @@ def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a YAML mapping of config fields (e.g. `num_generations: 8`), "
                          f"not {type(values).__name__}.")
-    # PyYAML follows YAML 1.1, where `5e-5` (no dot) is a string, not a number: read it as the number it means.
-    return {k: float(v) if isinstance(v, str) and _EXPONENT_FLOAT.fullmatch(v) else v for k, v in values.items()}
+    return values
 
-
-_EXPONENT_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 # --- every field against its annotation, generically ---
 
