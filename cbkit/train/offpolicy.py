@@ -107,13 +107,13 @@ class LaggedRollouts(RolloutSource):
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
-        if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is, no copy
-            rollout = _stamped(sample(self.backend, request), version)
-        else:
+        swap = version != self.history.versions[-1]  # nothing older kept yet (or k = 0): the policy as it is
+        if swap:
             self.history.load_into(self.policy, 0)
-            try:
-                rollout = _stamped(sample(self.backend, request), version)
-            finally:
+        try:
+            rollout = _stamped(sample(self.backend, request), version)
+        finally:
+            if swap:
                 self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
         return SourcedRollout(rollout, list(request.indices), staleness_metrics(rollout, request.policy_version))
 
