@@ -1,6 +1,5 @@
 """A rollout as training tensors (prompts left-padded, completions right-padded: all start at column P, so one
-`logits_to_keep=T+1` forward gives exactly the logits that predict them), and that teacher-forced forward.
-"""
+`logits_to_keep=T+1` forward gives exactly the logits that predict them), and that teacher-forced forward."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Checkpoints a killed run continues from exactly, and the run's start or resume. `checkpoint-<step>/` is written
-into a temporary sibling and renamed, so a crash leaves the old checkpoint or the new one.
-"""
+into a temporary sibling and renamed, so a crash leaves the old checkpoint or the new one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 Read `GRPOTrainer.step` first; what varies between runs is an object built once (rollout source, held-out set), not
-a branch. Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast.
-"""
+a branch. Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Off-policy rollouts: a fixed lag (`LaggedRollouts`, k updates old) and async rollouts (`AsyncRollouts`: step
 t+1 decodes while step t trains, a completion's tokens from two versions), both reporting `offpolicy/*`. IS on the
-engine's own logprobs stays exact when weights change mid-sequence (`docs/off_policy.md`).
-"""
+engine's own logprobs stays exact when weights change mid-sequence (`docs/off_policy.md`)."""
 
 from __future__ import annotations
 
@@ -67,13 +66,6 @@ def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, ma
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
 
-def _stamped(rollout: Rollout, version: int) -> Rollout:
-    """The rollout with every token marked as sampled by `version` (a backend whose weights held still)."""
-    done = [dataclasses.replace(c, policy_versions=(version,) * len(c.completion_ids),
-                                prompt_versions=(version,) * len(c.prompt_ids)) for c in rollout.completions]
-    return dataclasses.replace(rollout, completions=done)
-
-
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
                         max_prompt_len: int, given: RolloutSource | None = None,
                         backend_given: bool = False) -> RolloutSource:
@@ -111,10 +103,13 @@ class LaggedRollouts(RolloutSource):
         if swap:
             self.history.load_into(self.policy, 0)
         try:
-            rollout = _stamped(sample(self.backend, request), version)
+            rollout = sample(self.backend, request)
         finally:
             if swap:
                 self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
+        stamped = [dataclasses.replace(c, policy_versions=(version,) * len(c.completion_ids),  # weights held still
+                                       prompt_versions=(version,) * len(c.prompt_ids)) for c in rollout.completions]
+        rollout = dataclasses.replace(rollout, completions=stamped)
         return SourcedRollout(rollout, list(request.indices), staleness_metrics(rollout, request.policy_version))
 
     def after_update(self, version: int) -> None:

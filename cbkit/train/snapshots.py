@@ -1,6 +1,5 @@
 """A ring of the policy's recent weights (`rollout_staleness`, a notebook's saved copies), bitwise, kept on the
-"device", pinned "host" memory or "disk" (a file per version); a tied storage is kept once (`_aliases`).
-"""
+"device", pinned "host" memory or "disk" (a file per version); a tied storage is kept once (`_aliases`)."""
 
 from __future__ import annotations
 
