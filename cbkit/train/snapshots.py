@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,6 +33,8 @@ class WeightSnapshots:
         # (version, the distinct tensors or their file, {a tied name: the name its storage is kept under})
         self._ring: collections.deque[tuple[int, dict[str, Tensor] | Path, dict[str, str]]] = collections.deque()
         self._dir: Path | None = Path(tempfile.mkdtemp(prefix="cbkit-snapshots-")) if where == "disk" else None
+        if self._dir is not None:  # removed with the ring even when nobody calls close()
+            weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
 
     @property
     def versions(self) -> list[int]:
@@ -92,11 +95,6 @@ class WeightSnapshots:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-    def __del__(self) -> None:
-        directory = getattr(self, "_dir", None)  # unset when __init__ failed
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
