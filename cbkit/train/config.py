@@ -238,8 +238,7 @@ def continuous_batching_flag(use_transformers_paged: bool | None, use_transforme
 
 
 def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks them, reading YAML 1.1's `5e-5`
-    string as the number it means)."""
+    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks and converts them)."""
     import yaml  # transformers' own dependency
 
     with open(path) as f:

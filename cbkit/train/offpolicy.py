@@ -60,8 +60,7 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
-    """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
-    updates older than `now`."""
+    """The groups whose every token (`group_versions[g][c]`: completion c of group g) is <= max_staleness old."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
 
@@ -86,8 +85,7 @@ def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: 
 
 
 class LaggedRollouts(RolloutSource):
-    """The last k + 1 versions wait in a ring; for a rollout the oldest is loaded into the policy, `backend` samples,
-    and the newest is loaded back, bitwise."""
+    """The last k + 1 versions wait in a ring; the oldest is loaded into the policy to sample, then the newest back."""
 
     def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
@@ -176,8 +174,7 @@ class AsyncRollouts(RolloutSource):
                                   prompt_names=request.prompt_names, target_lengths=self.target_lengths)
 
     def _too_old(self, rollout: Rollout, request: RolloutRequest) -> tuple[Rollout, list[int], bool]:
-        """Drop the groups holding a too-old token, or (also when none is left) sample again: (rollout, its problems,
-        whether it was resampled)."""
+        """Drop the groups holding a too-old token, or (also when none is left) sample again."""
         c, now = self.config, request.policy_version
         groups = rollout.groups()
         fresh = fresh_groups([[comp.policy_versions or () for comp in g] for g in groups], now, c.max_staleness)
