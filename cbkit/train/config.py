@@ -265,9 +265,10 @@ def _check_types(config: Any) -> None:
             converted = _as_type(value, hint)
         except TypeError:
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            example = _example(hint) if default is None or len(repr(default)) > 40 else default
+            kind, example = _describe(hint)
+            example = example if default is None or len(repr(default)) > 40 else default
             shown = example if isinstance(example, str) else json.dumps(example)  # YAML's flow style
-            raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not {_describe(hint)}; "
+            raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not {kind}; "
                              f"e.g. `{f.name}: {shown}` in a recipe.") from None
         if converted is not value:
             setattr(config, f.name, converted)
@@ -293,17 +294,14 @@ def _as_type(value: Any, hint: Any) -> Any:
     raise TypeError
 
 
-def _describe(hint: Any, plural: bool = False) -> str:
-    if isinstance(hint, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a, plural) for a in typing.get_args(hint))
+def _describe(hint: Any, plural: bool = False) -> tuple[str, Any]:
+    """(how an error names the type `hint`, an example of it)."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType):  # X | None: an example of X
+        return " or ".join("null" if a is type(None) else _describe(a, plural)[0] for a in args), _describe(args[0])[1]
     if typing.get_origin(hint) is list:
-        return f"a list of {_describe(typing.get_args(hint)[0], plural=True)}"
-    return "a mapping" if typing.get_origin(hint) is dict else _NAMES[hint][plural]
-
-
-def _example(hint: Any) -> Any:
-    if isinstance(hint, types.UnionType):
-        return _example(typing.get_args(hint)[0])
-    if typing.get_origin(hint) is list:
-        return [_example(typing.get_args(hint)[0])]
-    return {} if typing.get_origin(hint) is dict else _NAMES[hint][2]
+        return f"a list of {_describe(args[0], plural=True)[0]}", [_describe(args[0])[1]]
+    if typing.get_origin(hint) is dict:
+        return "a mapping", {}
+    one, several, example = _NAMES[hint]
+    return several if plural else one, example
