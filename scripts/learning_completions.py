@@ -30,8 +30,8 @@ def main(run_dir: str, prompts: int = 16, n: int = 4) -> None:
         raise SystemExit(f"No checkpoint in {run_dir}: train with save_steps > 0 first.")
     config = checkpoint.read_config(last)
     policy = load_policy(config.model, dtype="float32", seed=config.seed)  # the weights the run trained
-    held_out = build_held_out(config, policy.tokenizer)
-    problems, ids = held_out.problems[:prompts], held_out.prompts[:prompts]
+    problems, ids = build_held_out(config, policy.tokenizer)
+    problems, ids = problems[:prompts], ids[:prompts]
     sampling = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               eos_token_id=stop_token_ids(policy.tokenizer, policy.model),
                               pad_token_id=policy.tokenizer.pad_token_id, seed=12345)

@@ -143,7 +143,7 @@ def test_trl_bridge_maps_this_config():
         (dict(epsilon_high="x"), r"epsilon_high='x' \(str\) is not a number or null"),
         (dict(reward_weights=[1.0, "a"]), r"reward_weights=\[1.0, 'a'\] \(list\) is not a list of numbers"),
         (dict(reward_funcs="correctness"), r"reward_funcs='correctness' \(str\) is not a list of strings; "
-                                           r"e.g. `reward_funcs: \[correctness, format\]`"),
+                                           r'e.g. `reward_funcs: \["correctness", "format"\]`'),
         (dict(data_options=[1]), r"data_options=\[1\] \(list\) is not a mapping"),
         # An Optional field whose default is None gets an example of its type, not `null`.
         (dict(num_problems="all"), r"num_problems='all' \(str\) is not an integer or null.*`num_problems: 1`"),

@@ -84,7 +84,7 @@ class Recording(OnPolicyRollouts):
         return {"custom/version": float(version)}
 
     def save(self, directory) -> None:
-        self.saved.append(directory.name)
+        self.saved.append(directory.name.split(".")[1])  # `.checkpoint-<step>.<tmp>`: renamed with the checkpoint
 
 
 def test_a_custom_rollout_source_plugs_in_through_the_one_call(tmp_path):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import numbers
 import os
-import re
 import types
 import typing
 import warnings
@@ -238,7 +238,7 @@ def continuous_batching_flag(use_transformers_paged: bool | None, use_transforme
 
 
 def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks them)."""
+    """The fields a recipe file sets, unchecked (`CBGRPOConfig.from_dict` checks and converts them)."""
     import yaml  # transformers' own dependency
 
     with open(path) as f:
@@ -246,11 +246,8 @@ def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a YAML mapping of config fields (e.g. `num_generations: 8`), "
                          f"not {type(values).__name__}.")
-    # PyYAML follows YAML 1.1, where `5e-5` (no dot) is a string, not a number: read it as the number it means.
-    return {k: float(v) if isinstance(v, str) and _EXPONENT_FLOAT.fullmatch(v) else v for k, v in values.items()}
+    return values
 
-
-_EXPONENT_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 # --- every field against its annotation, generically ---
 
@@ -264,65 +261,47 @@ def _check_types(config: Any) -> None:
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
-        ok, converted = _as_type(value, hint)
-        if not ok:
+        try:
+            converted = _as_type(value, hint)
+        except TypeError:
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            example = _example(hint) if default is None or len(repr(default)) > 40 else default
-            raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not {_describe(hint)}; "
-                             f"e.g. `{f.name}: {_yaml(example)}` in a recipe.")
+            kind, example = _describe(hint)
+            example = example if default is None or len(repr(default)) > 40 else default
+            shown = example if isinstance(example, str) else json.dumps(example)  # YAML's flow style
+            raise ValueError(f"{f.name}={value!r} ({type(value).__name__}) is not {kind}; "
+                             f"e.g. `{f.name}: {shown}` in a recipe.") from None
         if converted is not value:
             setattr(config, f.name, converted)
 
 
-def _as_type(value: Any, hint: Any) -> tuple[bool, Any]:
-    """(whether `value` is a `hint`, the value as that type)."""
+def _as_type(value: Any, hint: Any) -> Any:
+    """`value` as a `hint`, the same object where it already is one; a TypeError where it is not one."""
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType):  # X | None
-        return (True, None) if value is None else _as_type(value, args[0])
-    if typing.get_origin(hint) is list:
-        if not isinstance(value, list | tuple):
-            return False, value
+        return None if value is None else _as_type(value, args[0])
+    if typing.get_origin(hint) is list and isinstance(value, list | tuple):
         items = [_as_type(v, args[0]) for v in value]
-        same = type(value) is list and all(out is v for (_, out), v in zip(items, value, strict=True))
-        return all(ok for ok, _ in items), value if same else [out for _, out in items]
-    if typing.get_origin(hint) is dict:
-        return isinstance(value, dict), value
-    if hint is bool:  # YAML's true/false; 0 and 1 are not switches
-        return isinstance(value, bool), value
-    if hint in (int, float):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
-            return False, value
+        return value if type(value) is list and all(a is b for a, b in zip(items, value, strict=True)) else items
+    if isinstance(value, typing.get_origin(hint) or hint) and (hint is bool or not isinstance(value, bool)):
+        return value  # a dict, a string, a bool (YAML's true/false: 0 and 1 are not switches), a number of its type
+    if hint in (int, float) and isinstance(value, numbers.Real | str) and not isinstance(value, bool):
         try:
-            number = int(value) if isinstance(value, numbers.Integral) else float(value)
+            number = value if isinstance(value, numbers.Integral) else float(value)
         except ValueError:
-            return False, value
-        if hint is int and not float(number).is_integer():
-            return False, value
-        return True, hint(number)
-    return isinstance(value, hint), value
+            raise TypeError from None
+        if hint is float or float(number).is_integer():
+            return hint(number)
+    raise TypeError
 
 
-def _describe(hint: Any, plural: bool = False) -> str:
-    if isinstance(hint, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a, plural) for a in typing.get_args(hint))
+def _describe(hint: Any, plural: bool = False) -> tuple[str, Any]:
+    """(how an error names the type `hint`, an example of it)."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType):  # X | None: an example of X
+        return " or ".join("null" if a is type(None) else _describe(a, plural)[0] for a in args), _describe(args[0])[1]
     if typing.get_origin(hint) is list:
-        return f"a list of {_describe(typing.get_args(hint)[0], plural=True)}"
-    return "a mapping" if typing.get_origin(hint) is dict else _NAMES[hint][plural]
-
-
-def _example(hint: Any) -> Any:
-    if isinstance(hint, types.UnionType):
-        return _example(typing.get_args(hint)[0])
-    if typing.get_origin(hint) is list:
-        return [_example(typing.get_args(hint)[0])]
-    return {} if typing.get_origin(hint) is dict else _NAMES[hint][2]
-
-
-def _yaml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_yaml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
-    return str(value)
+        return f"a list of {_describe(args[0], plural=True)[0]}", [_describe(args[0])[1]]
+    if typing.get_origin(hint) is dict:
+        return "a mapping", {}
+    one, several, example = _NAMES[hint]
+    return several if plural else one, example

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,35 +36,22 @@ def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> l
     return kept
 
 
-@dataclass
 class HeldOut:
-    """A run's fixed evaluation set, scored before training, every `every` steps and after the last; `every=0`: none."""
+    """A run's fixed evaluation set, scored before training, every `eval_steps` steps and after the last, through the
+    CB engine; with eval_steps=0 it holds no problems and never samples."""
 
-    problems: list[Problem]
-    prompts: list[list[int]]
-    num_generations: int
-    every: int = 0  # eval_steps
-    last_step: int = 0  # max_steps
-    backend: RolloutBackend | None = None
-    sampling: SamplingParams | None = None
-    decode: Callable[[Sequence[int]], str] | None = None
-    rewards: Mapping[str, Callable[..., list[float]]] | None = None
-
-    @classmethod
-    def for_run(cls, config: Any, run: Any, backend: RolloutBackend, sampling: SamplingParams,
-                rewards: Mapping[str, Callable[..., list[float]]]) -> HeldOut:
-        """The set `config` asks for, scored through the CB engine."""
-        if not config.eval_steps:
-            return cls([], [], 0)
-        if backend.name != "continuous":
+    def __init__(self, config: Any, run: Any, backend: RolloutBackend, sampling: SamplingParams,
+                 rewards: Mapping[str, Callable[..., list[float]]]) -> None:
+        self.every, self.last_step = config.eval_steps, config.max_steps
+        self.num_generations = config.eval_num_generations
+        self.problems, self.prompts = build_held_out(config, run.tokenizer) if self.every else ([], [])
+        if self.every and backend.name != "continuous":
             from cbkit.rollout import make_backend
 
             backend = make_backend("continuous", run.model, cb_config=config.cb_overrides(),
                                    pad_token_id=run.pad_token_id)
-        return dataclasses.replace(
-            build_held_out(config, run.tokenizer), every=config.eval_steps, last_step=config.max_steps,
-            backend=backend, sampling=dataclasses.replace(sampling, seed=EVAL_SEED), rewards=rewards,
-            decode=lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True))
+        self.backend, self.sampling = backend, dataclasses.replace(sampling, seed=EVAL_SEED)
+        self.rewards, self.tokenizer = rewards, run.tokenizer
 
     def before_training(self, step: int) -> list[StepRecord]:
         """The step-0 record of the held-out curve, for a run that starts at step 0."""
@@ -78,13 +64,13 @@ class HeldOut:
 
     def evaluate(self) -> dict[str, float]:
         """`eval/accuracy` (math-verify), `eval/<reward>` per training reward, lengths and time."""
-        if self.backend is None or self.sampling is None or self.decode is None or self.rewards is None:
+        if not self.problems:
             raise ValueError("This run has no held-out set: set eval_steps > 0 in its config.")
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # the training stream of random numbers is left as it was
             rollout = self.backend.generate(self.prompts, self.num_generations, self.sampling,
                                             prompt_names=[p.id for p in self.problems])
-        texts = [self.decode(c.completion_ids) for c in rollout.completions]
+        texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in rollout.completions]
         answers = [self.problems[c.group].answer for c in rollout.completions]
         metrics: dict[str, float] = {"eval/accuracy": _mean(verified_reward(texts, answers))}
         _, per_reward = compute_rewards(texts, answers, dict(self.rewards), [1.0] * len(self.rewards),
@@ -95,8 +81,8 @@ class HeldOut:
                 "eval/completions": float(len(texts)), "eval/seconds": time.perf_counter() - start}
 
 
-def build_held_out(config: Any, tokenizer: Any) -> HeldOut:
-    """The held-out set a `CBGRPOConfig` asks for (`eval_data`, `eval_num_problems`, `eval_num_generations`)."""
+def build_held_out(config: Any, tokenizer: Any) -> tuple[list[Problem], list[list[int]]]:
+    """The held-out problems a `CBGRPOConfig` asks for (`eval_data`, `eval_num_problems`) and their prompt ids."""
     from cbkit.tasks.data import chat_prompt_ids, load_problems
 
     source = config.eval_data or config.data
@@ -104,8 +90,7 @@ def build_held_out(config: Any, tokenizer: Any) -> HeldOut:
     # A generated task can draw a question twice: each kept once, from more draws than needed.
     drawn = load_problems(source, n=4 * config.eval_num_problems, seed=EVAL_SEED, options=options)
     unique = list({question_key(p): p for p in drawn}.values())[: config.eval_num_problems]
-    prompts = [chat_prompt_ids(tokenizer, p, system_prompt=config.system_prompt) for p in unique]
-    return HeldOut(unique, prompts, config.eval_num_generations)
+    return unique, [chat_prompt_ids(tokenizer, p, system_prompt=config.system_prompt) for p in unique]
 
 
 def _mean(values: Sequence[float | bool]) -> float:

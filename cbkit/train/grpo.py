@@ -1,7 +1,6 @@
 """The GRPO loop, top to bottom: prompts -> rollout -> rewards -> advantages -> old logprobs -> loss -> update.
 Read `GRPOTrainer.step` first; what varies between runs is an object built once (rollout source, held-out set), not
-a branch. Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast.
-"""
+a branch. Against TRL's GRPOTrainer: one device, constant learning rate, text only, fp32 weights under an autocast."""
 
 from __future__ import annotations
 
@@ -24,20 +23,12 @@ from cbkit.rollout import Rollout, RolloutBackend, SamplingParams, make_backend
 from cbkit.tasks.data import Problem
 from cbkit.tasks.rewards import RewardFn, compute_rewards, resolve_rewards
 from cbkit.telemetry import seconds_since
-from cbkit.train import checkpoint
+from cbkit.train import checkpoint, objective
 from cbkit.train.batch import Batch, check_causal_forward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.evaluate import HeldOut, without_held_out
 from cbkit.train.hooks import StepHooks, StepRecord, TrainState, default_hooks, emit
 from cbkit.train.logprobs import chunked_logits
-from cbkit.train.objective import (
-    chunk_share,
-    group_advantages,
-    grpo_loss,
-    importance_weights,
-    policy_logprobs,
-    replayed_logprobs,
-)
 from cbkit.train.offpolicy import make_rollout_source
 from cbkit.train.order import PromptOrder, mix_seed
 from cbkit.train.rollouts import RolloutRequest, RolloutSource, SourcedRollout, check_backend, check_entry
@@ -85,7 +76,7 @@ class GRPOTrainer:
         self.backend = check_backend(backend if backend is not None else make_backend(
             c.backend, self.model, cb_config=c.cb_overrides(), pad_token_id=self.pad_token_id))
         # The held-out set is drawn first; its questions leave the training problems.
-        self.held_out = HeldOut.for_run(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
+        self.held_out = HeldOut(c, run, self.backend, self.sampling_params(0), self.reward_funcs)
         self.problems = without_held_out(run.problems, self.held_out.problems)
         self.prompt_ids = [ids for p, ids in zip(run.problems, run.prompts, strict=True) if p in self.problems]
         self.order = PromptOrder(len(self.problems), c.seed)
@@ -190,15 +181,16 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        advantages = group_advantages(rewards, c.num_generations, cast(Any, c.scale_rewards),
-                                      cast(Any, c.advantage_estimator))
+        advantages = objective.group_advantages(rewards, c.num_generations, cast(Any, c.scale_rewards),
+                                                cast(Any, c.advantage_estimator))
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         weights: Tensor | None
-        weights, metrics = importance_weights(old_processed, batch.sampling_logps, batch.completion_mask,
-                                              cast(Any, c.importance_sampling_mode), c.clip_max, c.clip_min)
+        weights, metrics = objective.importance_weights(
+            old_processed, batch.sampling_logps, batch.completion_mask, cast(Any, c.importance_sampling_mode),
+            c.clip_max, c.clip_min)
         if self.truncates and batch.sampling_logps is not None:
             gap = (batch.sampling_logps - old).abs()[batch.completion_mask]
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
@@ -238,16 +230,16 @@ class GRPOTrainer:
             for rows, mb, logits in chunked_logits(self.model, p.batch, c.forward_chunk_rows, start=k * size,
                                                    stop=(k + 1) * size, autocast_dtype=self.autocast_dtype):
                 t = mb.completion_width
-                logps = policy_logprobs(logits, mb.completion_ids, c.temperature)
+                logps = objective.policy_logprobs(logits, mb.completion_ids, c.temperature)
                 del logits  # its graph lives on in logps until this chunk's backward
-                loss, metrics = grpo_loss(
+                loss, metrics = objective.grpo_loss(
                     logps, p.old_logps[rows, :t], p.advantages[rows], p.loss_mask[rows, :t],
                     loss_type=loss_type, epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta,
                     ref_logps=None if p.ref_logps is None else p.ref_logps[rows, :t],
                     is_weights=None if p.is_weights is None else p.is_weights[rows, :t],
                     max_completion_length=c.max_completion_length, num_items_in_batch=num_items,
                     gradient_accumulation_steps=ga, kl_bias_correction=c.kl_bias_correction)
-                loss_share, token_share = chunk_share(loss_type, p.loss_mask[rows], micro_mask)
+                loss_share, token_share = objective.chunk_share(loss_type, p.loss_mask[rows], micro_mask)
                 (loss * loss_share).backward()
                 loss_sum += loss.item() * loss_share
                 for key, value in metrics.items():
@@ -278,9 +270,9 @@ class GRPOTrainer:
             for rows, mb, logits in chunked_logits(model, batch, c.forward_chunk_rows, start=start,
                                                    stop=start + size, autocast_dtype=self.autocast_dtype):
                 t = mb.completion_width
-                plain[rows, :t] = policy_logprobs(logits, mb.completion_ids, c.temperature)
+                plain[rows, :t] = objective.policy_logprobs(logits, mb.completion_ids, c.temperature)
                 if self.truncates:
-                    processed[rows, :t], outside[rows, :t] = replayed_logprobs(
+                    processed[rows, :t], outside[rows, :t] = objective.replayed_logprobs(
                         logits, mb.completion_ids, c.temperature, c.top_k, c.top_p)
                 del logits  # one chunk's logits alive at a time
         return plain, processed, outside

@@ -1,6 +1,5 @@
 """Step hooks: every stage of a step observable without the loop knowing who watches (`StepHooks` lists them).
-The NaN guard runs before the JSONL writer and the checkpoints, so a diverged step is neither logged nor saved.
-"""
+The NaN guard runs before the JSONL writer and the checkpoints, so a diverged step is neither logged nor saved."""
 
 from __future__ import annotations
 
@@ -64,13 +63,9 @@ class StepHooks:
     record of `eval/*` alone when evaluation is on; `on_train_end` runs after an error too (`state.status`)."""
 
     def on_train_begin(self, state: TrainState) -> None: ...
-
     def on_step_begin(self, step: int) -> None: ...
-
     def on_rollout_end(self, rollout: Rollout) -> None: ...
-
     def on_step_end(self, record: StepRecord) -> None: ...
-
     def on_train_end(self, state: TrainState) -> None: ...
 
 

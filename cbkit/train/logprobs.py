@@ -1,6 +1,5 @@
-"""The chunked teacher-forced forward, and the check that the sampler's logprobs match it on unchanged weights (else
-the IS correction would "correct" a bug).
-"""
+"""The chunked teacher-forced forward: the loss's, and the reference the sampler's logprobs must match on unchanged
+weights (else the IS correction would "correct" a bug)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from cbkit.rollout.base import Completion, Rollout, SamplingParams
+from cbkit.rollout.base import Completion, SamplingParams
 from cbkit.train.batch import Batch, completion_logits
 from cbkit.train.objective import policy_logprobs, processed_logprobs
 
@@ -46,13 +45,3 @@ def teacher_forced_logprobs(model, completions: Sequence[Completion], sampling: 
             out[row] = lp.cpu()
     return [lp for lp in out if lp is not None]
 
-
-def logprob_check(model, rollout: Rollout, sampling: SamplingParams) -> dict[str, float]:
-    """`logprob/max_abs_diff` and `logprob/mean_abs_diff` between the rollout's sampling logprobs and a
-    teacher-forced forward on the same weights; NaN when the rollout carries no logprobs."""
-    if not rollout.has_logprobs:
-        return {"logprob/max_abs_diff": float("nan"), "logprob/mean_abs_diff": float("nan")}
-    ref = teacher_forced_logprobs(model, rollout.completions, sampling)
-    pairs = zip(rollout.completions, ref, strict=True)
-    diffs = torch.cat([(torch.tensor(c.sampling_logprobs) - r).abs() for c, r in pairs])
-    return {"logprob/max_abs_diff": diffs.max().item(), "logprob/mean_abs_diff": diffs.mean().item()}

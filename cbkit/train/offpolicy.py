@@ -1,7 +1,6 @@
 """Off-policy rollouts: a fixed lag (`LaggedRollouts`, k updates old) and async rollouts (`AsyncRollouts`: step
 t+1 decodes while step t trains, a completion's tokens from two versions), both reporting `offpolicy/*`. IS on the
-engine's own logprobs stays exact when weights change mid-sequence (`docs/off_policy.md`).
-"""
+engine's own logprobs stays exact when weights change mid-sequence (`docs/off_policy.md`)."""
 
 from __future__ import annotations
 
@@ -61,17 +60,9 @@ def staleness_metrics(rollout: Rollout, current_version: int) -> dict[str, float
 
 
 def fresh_groups(group_versions: Sequence[Sequence[Sequence[int]]], now: int, max_staleness: int) -> list[int]:
-    """The groups whose every token (`group_versions[g][c]`: completion c of group g) is at most `max_staleness`
-    updates older than `now`."""
+    """The groups whose every token (`group_versions[g][c]`: completion c of group g) is <= max_staleness old."""
     return [g for g, group in enumerate(group_versions)
             if all(now - v <= max_staleness for versions in group for v in versions)]
-
-
-def _stamped(rollout: Rollout, version: int) -> Rollout:
-    """The rollout with every token marked as sampled by `version` (a backend whose weights held still)."""
-    done = [dataclasses.replace(c, policy_versions=(version,) * len(c.completion_ids),
-                                prompt_versions=(version,) * len(c.prompt_ids)) for c in rollout.completions]
-    return dataclasses.replace(rollout, completions=done)
 
 
 def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: RolloutBackend, *,
@@ -94,8 +85,7 @@ def make_rollout_source(config: CBGRPOConfig, policy: PreTrainedModel, backend: 
 
 
 class LaggedRollouts(RolloutSource):
-    """The last k + 1 versions wait in a ring; for a rollout the oldest is loaded into the policy, `backend` samples,
-    and the newest is loaded back, bitwise."""
+    """The last k + 1 versions wait in a ring; the oldest is loaded into the policy to sample, then the newest back."""
 
     def __init__(self, policy: PreTrainedModel, backend: RolloutBackend, staleness: int,
                  snapshots: str = "device") -> None:
@@ -107,14 +97,17 @@ class LaggedRollouts(RolloutSource):
 
     def rollout(self, request: RolloutRequest) -> SourcedRollout:
         version = self.history.versions[0]  # k updates back, or the initial weights while fewer have happened
-        if version == self.history.versions[-1]:  # nothing older kept yet (or k = 0): the policy as it is, no copy
-            rollout = _stamped(sample(self.backend, request), version)
-        else:
+        swap = version != self.history.versions[-1]  # nothing older kept yet (or k = 0): the policy as it is
+        if swap:
             self.history.load_into(self.policy, 0)
-            try:
-                rollout = _stamped(sample(self.backend, request), version)
-            finally:
+        try:
+            rollout = sample(self.backend, request)
+        finally:
+            if swap:
                 self.history.load_into(self.policy, -1)  # the current weights, bitwise, before the loss sees them
+        stamped = [dataclasses.replace(c, policy_versions=(version,) * len(c.completion_ids),  # weights held still
+                                       prompt_versions=(version,) * len(c.prompt_ids)) for c in rollout.completions]
+        rollout = dataclasses.replace(rollout, completions=stamped)
         return SourcedRollout(rollout, list(request.indices), staleness_metrics(rollout, request.policy_version))
 
     def after_update(self, version: int) -> None:
@@ -181,8 +174,7 @@ class AsyncRollouts(RolloutSource):
                                   prompt_names=request.prompt_names, target_lengths=self.target_lengths)
 
     def _too_old(self, rollout: Rollout, request: RolloutRequest) -> tuple[Rollout, list[int], bool]:
-        """Drop the groups holding a too-old token, or (also when none is left) sample again: (rollout, its problems,
-        whether it was resampled)."""
+        """Drop the groups holding a too-old token, or (also when none is left) sample again."""
         c, now = self.config, request.policy_version
         groups = rollout.groups()
         fresh = fresh_groups([[comp.policy_versions or () for comp in g] for g in groups], now, c.max_staleness)

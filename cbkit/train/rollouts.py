@@ -1,6 +1,5 @@
 """Where a step's rollout comes from: one object behind one call, `RolloutSource.rollout(request)` (on-policy here,
-off-policy in `cbkit.train.offpolicy`). A source never calls back into the trainer; its result is checked on entry.
-"""
+off-policy in `cbkit.train.offpolicy`). A source never calls back into the trainer; its result is checked on entry."""
 
 from __future__ import annotations
 

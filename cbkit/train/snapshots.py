@@ -1,12 +1,12 @@
 """A ring of the policy's recent weights (`rollout_staleness`, a notebook's saved copies), bitwise, kept on the
-"device", pinned "host" memory or "disk" (a file per version); a tied storage is kept once (`_aliases`).
-"""
+"device", pinned "host" memory or "disk" (a file per version); a tied storage is kept once (`_aliases`)."""
 
 from __future__ import annotations
 
 import collections
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,6 +33,8 @@ class WeightSnapshots:
         # (version, the distinct tensors or their file, {a tied name: the name its storage is kept under})
         self._ring: collections.deque[tuple[int, dict[str, Tensor] | Path, dict[str, str]]] = collections.deque()
         self._dir: Path | None = Path(tempfile.mkdtemp(prefix="cbkit-snapshots-")) if where == "disk" else None
+        if self._dir is not None:  # removed with the ring even when nobody calls close()
+            weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
 
     @property
     def versions(self) -> list[int]:
@@ -50,13 +52,10 @@ class WeightSnapshots:
         elif self.where == "host":  # page-locked where CUDA is: copies to and from the GPU at full speed
             pin = torch.cuda.is_available()
             kept = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach()) for n, t in state.items()}
-        else:
+        else:  # one file per version, read back through a memory map: never a whole copy in host memory
             assert self._dir is not None
             kept = self._dir / f"v{version}.bin"
-            with open(kept, "wb") as f:
-                for t in state.values():
-                    # numpy's stubs give ndarray its buffer protocol (`__buffer__`) only from Python 3.12 on.
-                    f.write(_bytes(t.detach().cpu()).numpy())  # type: ignore[arg-type]
+            torch.save({n: t.detach() for n, t in state.items()}, kept)
         self._ring.append((version, kept, aliases))
         while len(self._ring) > self.maxlen:
             self._drop()
@@ -97,11 +96,6 @@ class WeightSnapshots:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
-    def __del__(self) -> None:
-        directory = getattr(self, "_dir", None)  # unset when __init__ failed
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-
 
 def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
     """{name: the first name} for every entry of `state` viewing the same memory as an earlier one (tied weights)."""
@@ -121,32 +115,13 @@ def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
 def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, aliases: Mapping[str, str], *,
           non_blocking: bool = False) -> None:
     """Copy a snapshot into `target`'s tensors: each kept storage into its first name, then every tied name from it."""
+    tensors = torch.load(kept, map_location="cpu", mmap=True, weights_only=True) if isinstance(kept, Path) else kept
     distinct = [n for n in target if n not in aliases]
-    if isinstance(kept, Path):
-        with open(kept, "rb") as f:  # the distinct tensors' bytes, in state-dict order
-            for name in distinct:
-                _read_into(f, target[name], name, kept)
-    else:
-        if set(distinct) != set(kept):
-            raise RuntimeError(f"this weight snapshot holds {len(kept)} tensors and the model {len(distinct)} distinct "
-                               "ones: it was taken from another model (or one tied otherwise).")
-        for name in distinct:
-            target[name].copy_(kept[name], non_blocking=non_blocking)
+    if set(distinct) != set(tensors):
+        raise RuntimeError(f"this weight snapshot holds {len(tensors)} tensors and the model {len(distinct)} distinct "
+                           "ones: it was taken from another model (or one tied otherwise).")
+    for name in distinct:
+        target[name].copy_(tensors[name], non_blocking=non_blocking)
     for name, source in aliases.items():
         if target[name].data_ptr() != target[source].data_ptr():
             target[name].copy_(target[source])
-
-
-def _bytes(t: Tensor) -> Tensor:
-    """A contiguous tensor's storage as bytes (any dtype, bf16 included), without a copy where it is contiguous."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _read_into(f, t: Tensor, name: str, path: Path) -> None:
-    """Fill `t` from the next bytes of `f`: straight into its memory on the CPU, through a buffer elsewhere."""
-    target = t if t.device.type == "cpu" and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
-    view = _bytes(target).numpy()
-    if f.readinto(view) != view.nbytes:
-        raise RuntimeError(f"weight snapshot {path} ends before {name}: the file is truncated or from another model.")
-    if target is not t:
-        t.copy_(target)
