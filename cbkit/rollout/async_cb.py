@@ -22,7 +22,7 @@ import torch
 
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, timeline, to_completions
+from cbkit.rollout.engine import Engine, take, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class AsyncEngine:
         pending = self._pending
         if pending is not None and pending.update_at is not None:
             while not self._parked.is_set() and not pending.done:
-                self.engine.running().take(pending.results, 0.01, len(pending.ids))
+                take(self.engine.running(), pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
         with self._writing_weights():
             for dst, src in self._pairs:
@@ -122,7 +122,7 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
         rows, targets = check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
         self._start(sampling, rows)
-        with self.engine.running().paused():  # all requests queued while the loop is parked: one drain, a seeded order
+        with self.engine.running().pause():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
             self._go.clear()
             self._parked.clear()
@@ -135,7 +135,7 @@ class AsyncEngine:
     def collect(self, pending: Pending) -> Rollout:
         with PeakMemory(self.snapshot.device) as mem:
             while not pending.done:
-                self.engine.running().take(pending.results, 1.0, len(pending.ids))
+                take(self.engine.running(), pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
         rows = [p for p in pending.prompts for _ in range(pending.num_generations)]

@@ -37,17 +37,16 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
     funcs, weights = trl_rewards(reward_funcs, cfg=cfg)
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)
     cb = args.transformers_continuous_batching_config
-    if model.device.type == "cpu" and cb is not None:
+    if model.device.type == "cpu" and cb is not None and "num_blocks" not in cb:
         # Stock TRL hands the engine max_memory_percent, on a CPU a share of host RAM (gigabytes of zeroed KV); the
         # pool cbkit's own CPU engine gets instead: every completion of the step at its longest prompt and the limit.
-        from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
+        from cbkit.rollout.engine_config import page_size, workload_blocks
 
         longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
                                                         return_dict=True)["input_ids"]) for row in dataset)
         rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
-        blocks = cpu_pool_blocks(cb, rows, args.max_completion_length, page_size(cb))
-        if blocks is not None:
-            args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks}
+        blocks = workload_blocks(rows, args.max_completion_length, page_size(cb))
+        args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks}
     if not args.use_transformers_continuous_batching:
         raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
                          "use_transformers_continuous_batching=True.")
