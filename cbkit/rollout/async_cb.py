@@ -30,9 +30,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Pending:
-    """A rollout queued in the engine: what was asked, and the results it has delivered so far."""
-
+class Pending:  # a rollout queued in the engine: what was asked, and the results delivered so far
     prompts: list[list[int]]
     num_generations: int
     sampling: SamplingParams
@@ -102,7 +100,7 @@ class AsyncEngine:
         pending = self._pending
         if pending is not None and pending.update_at is not None:
             while not self._parked.is_set() and not pending.done:
-                take(self.engine.running(), pending.results, 0.01, len(pending.ids))
+                take(self.engine.manager, pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
         with self._writing_weights():
             for dst, src in self._pairs:
@@ -122,12 +120,12 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
         rows, targets = check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
         self._start(sampling, rows)
-        with self.engine.running().pause():  # all requests queued while the loop is parked: one drain, a seeded order
+        with self.engine.manager.pause():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
             self._go.clear()
             self._parked.clear()
             self._update_at = update_at
-            ids = self.engine.submit(self.engine.running(), rows, sampling.max_new_tokens, sampling.seed, targets)
+            ids = self.engine.submit(self.engine.manager, rows, sampling.max_new_tokens, sampling.seed, targets)
         self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
                                 time.perf_counter(), update_at, targets)
         return self._pending
@@ -135,7 +133,7 @@ class AsyncEngine:
     def collect(self, pending: Pending) -> Rollout:
         with PeakMemory(self.snapshot.device) as mem:
             while not pending.done:
-                take(self.engine.running(), pending.results, 1.0, len(pending.ids))
+                take(self.engine.manager, pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
         rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
@@ -156,8 +154,7 @@ class AsyncEngine:
         return self.collect(self.submit(prompts, num_generations, sampling, prompt_names=prompt_names,
                                         target_lengths=target_lengths))
 
-    def close(self) -> None:
-        """Stop the engine thread and restore the snapshot's attention; the snapshot itself is kept."""
+    def close(self) -> None:  # the snapshot is kept
         self._go.set()  # a forward parked at the gate must not wait forever
         self.engine.close()
         self._key, self._pending = None, None
@@ -198,13 +195,12 @@ class AsyncEngine:
         enqueueing, two stream waits order the kernels on a GPU (before the engine has a stream, the host waits)."""
         with self._lock, torch.no_grad():
             engine = upstream.forward_stream(self.engine.manager)
-            copier = torch.cuda.current_stream(engine.device) if engine is not None else None
-            if engine is not None and copier is not None:  # both, or neither
-                copier.wait_stream(engine)
+            if engine is not None:
+                torch.cuda.current_stream(engine.device).wait_stream(engine)
             try:
                 yield
             finally:  # a failed write too: whatever it enqueued lands before the next forward
-                if engine is not None and copier is not None:
-                    engine.wait_stream(copier)
+                if engine is not None:
+                    engine.wait_stream(torch.cuda.current_stream(engine.device))
                 elif self.snapshot.device.type == "cuda":
                     torch.cuda.current_stream(self.snapshot.device).synchronize()

@@ -42,8 +42,8 @@ def collect(manager, ids: list[str]) -> dict[str, Any]:
 
 
 class Engine:
-    """One CB manager on one model. `run` is one rollout, start to finish; `start` / `queue` / `take` / `close` keep
-    the manager running on transformers' thread between calls (the async engine)."""
+    """One CB manager on one model. `run` is one rollout, start to finish; `start` keeps one running until `close`
+    (the async engine)."""
 
     def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, persistent: bool = False,
                  record_timestamps: bool = False) -> None:
@@ -94,8 +94,6 @@ class Engine:
             return contextlib.nullcontext()  # eager is the engine's other dense path ("paged|eager"), with sinks
         return attention_for_engine(self.model, choice)
 
-    # --- one rollout ------------------------------------------------------------------------------------------
-
     def run(self, rows: list[list[int]], gen_config, *, max_new_tokens: int, seed: int | None = None,
             targets: list[int] | None = None) -> tuple[list[Any], dict[str, Any]]:
         """Submit every row, collect every result: the outputs in row order and the config that ran. With ``targets``
@@ -121,9 +119,8 @@ class Engine:
             if upstream.prefix_sharing(manager) and shared:
                 with manager.pause():
                     upstream.reseed(manager, seed)
-                    prefill = [manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}",
-                                                          max_new_tokens=2, eos_token_id=-1)
-                               for k, p in enumerate(shared)]
+                    prefill = [manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}", max_new_tokens=2,
+                                                   eos_token_id=-1) for k, p in enumerate(shared)]
                 collect(manager, prefill)
                 seed = None  # seeded once per call, before its first request
             with manager.pause():  # all queued while the loop is parked: one drain, so a seeded order of draws
@@ -175,8 +172,6 @@ class Engine:
             self._kept = None
         self._key = None
 
-    # --- kept running on transformers' thread (the async engine) ----------------------------------------------
-
     def start(self, gen_config, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> None:
         """Start a manager sized for `rows` on its thread; it runs until `close`."""
         self.close()
@@ -189,12 +184,6 @@ class Engine:
         self._stack = stack
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
-    def running(self) -> Any:
-        """The manager `start` keeps running."""
-        if self._running is None:
-            raise RuntimeError("No engine manager is running: call start() first (close() stops it).")
-        return self._running
-
 
 # --- outputs -> cbkit records ---------------------------------------------------------------------------------
 
@@ -205,15 +194,9 @@ def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_ge
     completions = []
     for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
         keep, reason = cut_completion(out.generated_tokens, sampling, targets[i] if targets else None)
-        logprobs = list(out.logprobs or [])
-        if len(logprobs) < keep:
-            raise RuntimeError(
-                f"The CB engine returned {len(logprobs)} logprobs for {keep} tokens (request {i}); does this "
-                "transformers version support ContinuousBatchingConfig.return_logprobs?"
-            )
         completions.append(Completion(
             group=i // num_generations, prompt_ids=tuple(row), completion_ids=tuple(out.generated_tokens[:keep]),
-            sampling_logprobs=tuple(float(x) for x in logprobs[:keep]), finish_reason=reason))
+            sampling_logprobs=tuple(float(x) for x in out.logprobs[:keep]), finish_reason=reason))
     return completions
 
 

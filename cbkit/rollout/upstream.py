@@ -1,8 +1,7 @@
 """transformers' CB engine beyond its public API: every private name cbkit reaches lives here, and only here.
 
 `cbkit.rollout.engine` drives the manager through its public API; this module does what that API cannot: keep a
-manager between calls (`attach`, `forget_cached_kv`, `reseed`), report what a step scheduled (`scheduled`,
-`watch_batches`) and on which stream (`forward_stream`), and run the engine's memory check anywhere (`engine_footprint`).
+manager between calls, report what a step scheduled and on which stream, and run the engine's memory check anywhere.
 
 Pinned, each by tests/test_engine_contract.py against the installed transformers (an upgrade that renames one fails
 there, naming it; `PINNED` is read from this list, and no other cbkit module may reach one):
@@ -10,7 +9,7 @@ there, naming it; `PINNED` is read from this list, and no other cbkit module may
   manager:   `manager._use_prefix_sharing` `manager.batch_processor` `manager.distributed_helper`
              `manager.continuous_batching_config` `manager.model` `helper.set_tp_seed`
   processor: `processor.prepare_next_batch` `processor.cache` `processor.inputs_and_outputs`
-             `cache.reset` `cache.num_blocks` `cache.max_batch_tokens` `cache.cache_allocators`
+             `cache.reset` `cache.num_blocks` `cache.cache_allocators`
              `allocator.block_table` `allocator.tokens_per_page` `io.requests_in_batch` `io.compute_stream`
              `future.query_length` `future.state` `state.request_id` `state.position_offset` `state.initial_tokens`
   modules:   `cb.utils.WorkloadHints` `cb.continuous_api.ContinuousBatchProcessor` `cb.cache.PagedAttentionCache`
@@ -46,9 +45,6 @@ def workload_hints(rows: Sequence[Sequence[int]], max_new_tokens: int):
 
     return WorkloadHints(max_prompt_length=max(len(r) for r in rows), max_generated_length=max_new_tokens,
                          num_requests=len(rows))
-
-
-# --- a kept manager -----------------------------------------------------------------------------------------------
 
 
 def attached(model) -> Any:
@@ -91,16 +87,9 @@ def resolved_config(manager) -> dict[str, Any]:
     cfg = manager.continuous_batching_config
     keys = ("page_size", "num_blocks", "max_batch_tokens", "max_memory_percent", "max_requests_per_batch",
             "use_cuda_graph", "use_async_batching", "scheduler_type", "seed", "allow_block_sharing")
-    out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
-    cache = getattr(manager.batch_processor, "cache", None)
-    for k in ("num_blocks", "max_batch_tokens"):
-        if isinstance(v := getattr(cache, k, None), int):
-            out[k] = v
+    out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}  # the cache's sizes, once built
     out["attn_implementation"] = manager.model.config._attn_implementation
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
-
-
-# --- what a step scheduled ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -170,9 +159,6 @@ def watch_batches(callback: Callable[[list[ScheduledRequest], int, int], None]) 
         yield
     finally:
         ContinuousBatchProcessor.prepare_next_batch = original  # type: ignore[method-assign]
-
-
-# --- the engine's memory check, on any machine --------------------------------------------------------------------
 
 
 def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, hints, total_bytes: int,

@@ -17,14 +17,6 @@ import torch.nn.functional as F
 NAME = "cbkit_flash_varlen"
 
 
-def _boundaries(cu, module) -> torch.Tensor:
-    if isinstance(cu, dict):  # one entry per layer type (full / sliding attention)
-        layer_types = getattr(module.config, "layer_types", None)
-        key = layer_types[module.layer_idx] if layer_types else None
-        cu = cu[key] if key in cu else next(iter(cu.values()))
-    return cu
-
-
 # The boundaries last read to the host, by id: (the tensor, held so its id is not reused; its version; the list).
 _HOST: dict[int, tuple[torch.Tensor, int, list[int]]] = {}
 
@@ -42,8 +34,9 @@ def _host_list(cu: torch.Tensor) -> list[int]:
 
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None)."""
-    cu_q = _host_list(_boundaries(kwargs["cu_seq_lens_q"], module))
-    cu_k = _host_list(_boundaries(kwargs["cu_seq_lens_k"], module))
+    cu_k = kwargs["cu_seq_lens_k"]  # one entry per layer type: only full attention comes here (no sliding window)
+    cu_k = _host_list(next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k)
+    cu_q = _host_list(kwargs["cu_seq_lens_q"])
     decode, prefill = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
     out = torch.empty_like(query)
     for group in decode:
