@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Pending:  # a rollout queued in the engine: what was asked, and the results delivered so far
-    prompts: list[list[int]]
+    rows: list[list[int]]  # each prompt N times, in group order
     num_generations: int
     sampling: SamplingParams
     ids: list[str]
@@ -74,8 +74,6 @@ class AsyncEngine:
         self.snapshot.register_forward_pre_hook(self._before_forward)
         self.snapshot.register_forward_hook(self._after_forward, always_call=True)
 
-    # --- the engine's side (its thread) ---------------------------------------------------------------------
-
     def _before_forward(self, module, args) -> None:
         if self._update_at is not None and self._forwards >= self._update_at:
             self._parked.set()
@@ -90,8 +88,6 @@ class AsyncEngine:
 
     def _after_forward(self, module, args, output) -> None:
         self._lock.release()
-
-    # --- the trainer's side ---------------------------------------------------------------------------------
 
     def publish(self, version: int) -> float:
         """Copy the policy's weights into the snapshot between two engine forwards (with `update_at`, once the engine
@@ -126,7 +122,7 @@ class AsyncEngine:
             self._parked.clear()
             self._update_at = update_at
             ids = self.engine.submit(self.engine.manager, rows, sampling.max_new_tokens, sampling.seed, targets)
-        self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
+        self._pending = Pending(rows, num_generations, sampling, ids,
                                 time.perf_counter(), update_at, targets)
         return self._pending
 
@@ -136,10 +132,9 @@ class AsyncEngine:
                 take(self.engine.manager, pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
-        rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
         outputs = [pending.results[rid] for rid in pending.ids]
         completions = [self._versioned(c, rid) for c, rid in zip(
-            to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
+            to_completions(pending.rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
             strict=True)]
         self._pending = None
         resolved = upstream.resolved_config(self.engine.manager)

@@ -1,9 +1,8 @@
 """The engine: one class owns transformers' continuous batching manager and drives it through the public API.
 
 `ContinuousBackend`, `AsyncEngine` and the TRL bridge all go through `Engine`: its config, its attention and the
-manager's life (per call, or kept); the loop runs in transformers' own thread on every device.
-Not `generate_batch`: it drops failed requests, queues without `pause()` (seeded draws would depend on thread timing)
-and has no per-request length.
+manager's life (per call, or kept); the loop runs in transformers' own thread. Not `generate_batch`: it drops failed
+requests, queues without `pause()` (seeded draws would depend on thread timing) and has no per-request length.
 """
 
 from __future__ import annotations
@@ -185,7 +184,6 @@ class Engine:
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
 
-# --- outputs -> cbkit records ---------------------------------------------------------------------------------
 
 
 def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_generations: int,

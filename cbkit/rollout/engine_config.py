@@ -54,21 +54,18 @@ def make_cb_config(overrides: Mapping[str, Any] | None = None, *, seed: int | No
     overrides = dict(overrides or {})
     values = cb_config_values(overrides)
     kind = torch.device(device).type if device is not None else None
-    cpu = kind == "cpu"
-    if cpu and "page_size" not in overrides:
+    if kind == "cpu" and "page_size" not in overrides:
         values["page_size"] = CPU_PAGE_SIZE
     values["auto_switch_to_flash"] = False  # cbkit chooses the attention itself (`engine_attention`)
     if kind == "cuda" and "max_blocks_per_request" not in overrides and page_size(values) % KERNEL_PAGE_MULTIPLE:
         values["max_blocks_per_request"] = 0
-    mmp_default = CB_DEFAULTS["max_memory_percent"]
-    if cpu and rows and max_new_tokens and "num_blocks" not in overrides:
-        workload = workload_blocks(rows, max_new_tokens, page_size(values))
-        if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
+    if kind == "cpu" and rows and max_new_tokens and "num_blocks" not in overrides:
+        values["num_blocks"] = workload = workload_blocks(rows, max_new_tokens, page_size(values))
+        if warn and overrides.get("max_memory_percent", mmp := CB_DEFAULTS["max_memory_percent"]) != mmp:
             warnings.warn(f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a "
                           f"CPU the engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
                           f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
                           "to let the engine size it from max_memory_percent.", UserWarning, stacklevel=3)
-        values["num_blocks"] = workload
     if values.get("num_blocks") is not None and "max_memory_percent" not in overrides:
         values["max_memory_percent"] = FIXED_POOL_MEMORY_PERCENT
     if seed is not None and "seed" not in overrides:

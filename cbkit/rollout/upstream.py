@@ -1,17 +1,15 @@
-"""transformers' CB engine beyond its public API: every private name cbkit reaches lives here, and only here.
-
-`cbkit.rollout.engine` drives the manager through its public API; this module does what that API cannot: keep a
-manager between calls, report what a step scheduled and on which stream, and run the engine's memory check anywhere.
+"""transformers' CB engine beyond its public API: every private name cbkit reaches lives here, and only here, to
+keep a manager between calls, report what a step scheduled and on which stream, and run the memory check anywhere.
 
 Pinned, each by tests/test_engine_contract.py against the installed transformers (an upgrade that renames one fails
 there, naming it; `PINNED` is read from this list, and no other cbkit module may reach one):
   model:     `model._cached_continuous_batching_manager` `model._supports_flash_attn`
-  manager:   `manager._use_prefix_sharing` `manager.batch_processor` `manager.distributed_helper`
-             `manager.continuous_batching_config` `manager.model` `helper.set_tp_seed`
-  processor: `processor.prepare_next_batch` `processor.cache` `processor.inputs_and_outputs`
-             `cache.reset` `cache.num_blocks` `cache.cache_allocators`
-             `allocator.block_table` `allocator.tokens_per_page` `io.requests_in_batch` `io.compute_stream`
-             `future.query_length` `future.state` `state.request_id` `state.position_offset` `state.initial_tokens`
+  manager:   `manager._use_prefix_sharing` `manager.batch_processor` `manager.distributed_helper` `manager.model`
+             `manager.continuous_batching_config` `helper.set_tp_seed`
+  processor: `processor.prepare_next_batch` `processor.cache` `processor.inputs_and_outputs` `cache.reset`
+             `cache.num_blocks` `cache.cache_allocators` `allocator.block_table` `allocator.tokens_per_page`
+             `io.requests_in_batch` `io.compute_stream` `future.query_length` `future.state` `state.request_id`
+             `state.position_offset` `state.initial_tokens`
   modules:   `cb.utils.WorkloadHints` `cb.continuous_api.ContinuousBatchProcessor` `cb.cache.PagedAttentionCache`
              `cb.cache.PagedAttentionMemoryHandler` `cb.cache.get_device_and_memory_breakdown`
              `cb.initialization.resolve_continuous_batching_config` `cb.initialization.lazy_import_flash_attention`

@@ -1,8 +1,7 @@
 """Varlen attention for the CB engine on any device: each packed sequence attends to its own keys.
 
 Without flash-attn the engine's SDPA/eager path builds one dense block-diagonal mask over the packed batch (decoding B
-sequences costs B squared). This splits the batch at the engine's `cu_seq_lens_q/k` with PyTorch's SDPA alone; the
-plain loop it is tested against is tests/reference_attention.py.
+sequences costs B squared). This splits the batch at the engine's `cu_seq_lens_q/k`, with PyTorch's SDPA alone.
 """
 from __future__ import annotations
 
@@ -41,23 +40,13 @@ def varlen_attention(module, query, key, value, attention_mask=None, scaling=Non
     out = torch.empty_like(query)
     for group in decode:
         out[:, :, group.q_pos] = _batched_decode(query, key, value, group, scaling)
-    for i in prefill:
-        _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
+    for i in prefill:  # one SDPA call each, causal and aligned to the end: query j sees the cached prefix and j
+        (qs, qe), (ks, ke) = cu_q[i : i + 2], cu_k[i : i + 2]
+        mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=query.device).tril((ke - ks) - (qe - qs))
+        out[:, :, qs:qe] = F.scaled_dot_product_attention(
+            query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
-
-
-def _one_sequence(out, query, key, value, qs, qe, ks, ke, scaling) -> None:
-    q_len, k_len = qe - qs, ke - ks
-    if q_len == 0:
-        return
-    mask = None
-    if q_len > 1:
-        # causal, aligned to the end: query j sees the cached prefix and queries up to j
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    out[:, :, qs:qe] = F.scaled_dot_product_attention(
-        query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
 
 
 @dataclasses.dataclass(frozen=True)
