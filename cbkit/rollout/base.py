@@ -75,11 +75,7 @@ def rollout_generation_config(model: Any):
     """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; the rest is named once."""
     from transformers import GenerationConfig
 
-    original = getattr(model, "generation_config", None)
-    if original is None:
-        yield
-        return
-    default = GenerationConfig()
+    original, default = model.generation_config, GenerationConfig()
     # Named: what would change a token; `output_*` / `return_*` are dropped unnamed (every checkpoint sets some).
     dropped = {k: v for k, v in original.to_diff_dict().items()
                if k not in GENERATION_CONFIG_KEPT and not k.startswith(("_", "output_", "return_"))
