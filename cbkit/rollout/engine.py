@@ -184,8 +184,6 @@ class Engine:
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
 
 
-
-
 def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_generations: int,
                    sampling: SamplingParams, targets: Sequence[int] | None = None) -> list[Completion]:
     """One `Completion` per row (rows in group order), cut at EOS, the limit or the row's target."""
