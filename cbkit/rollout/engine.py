@@ -201,11 +201,9 @@ def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: floa
     """Engine clocks per request (`cbkit.teach.figures.async_timeline` reads them), with policy versions if any."""
     requests = []
     for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
-        start, end = out.lifespan
-        # "start" is when the request left PENDING (a prefix-cache match does that before it is scheduled).
+        start, end = out.lifespan  # start: when it left PENDING (a prefix-cache match does that before it is scheduled)
         request = {"id": i, "engine_id": str(out.request_id), "group": c.group, "prompt_len": len(c.prompt_ids),
-                   "start": start, "end": end,
-                   "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
+                   "start": start, "end": end, "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
         if c.policy_versions is not None:
             request["token_versions"] = list(c.policy_versions)
         requests.append(request)
