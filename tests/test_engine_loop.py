@@ -1,8 +1,4 @@
-"""The CB engine's loop driven from the caller's thread: the same rollout as transformers' thread, failures raise.
-
-The thread driver is the reference: both run the manager's own scheduler, cache and sampler, so with one seed they
-must draw the same tokens with the same logprobs, with and without prefix sharing and with a kept engine.
-"""
+"""The CB engine's loop (transformers' thread): a kept engine draws what a fresh one draws, and failures raise."""
 
 from __future__ import annotations
 
@@ -10,17 +6,6 @@ import pytest
 
 from cbkit.rollout import BACKENDS, ContinuousBackend, SamplingParams, make_backend
 from cbkit.rollout.engine import engine_is_idle
-
-
-def _on_loop(loop, model, cb_config=None, persistent=False):
-    """The CB backend with its engine's loop in `loop` ("caller", the CPU's default, or "thread")."""
-    backend = ContinuousBackend(model, cb_config, persistent=persistent)
-    backend.engine.thread_loop = loop == "thread"
-    return backend
-
-
-def _threaded(model, cb_config=None):
-    return _on_loop("thread", model, cb_config)
 
 
 def _prompts(tok):
@@ -40,26 +25,10 @@ def _same(a, b):
     assert [c.finish_reason for c in a.completions] == [c.finish_reason for c in b.completions]
 
 
-@pytest.mark.parametrize("cb_config", [{}, {"page_size": 4}, {"allow_block_sharing": False}])
-def test_caller_loop_samples_what_the_thread_samples(tiny, cb_config):
+def test_a_kept_engine_matches_a_fresh_engine(tiny):
     tok, model = tiny.tokenizer, tiny.model
-    caller = _on_loop("caller", model, cb_config)
-    thread = _threaded(model, cb_config)
-    a, b = _rollout(caller, tok), _rollout(thread, tok)
-    _same(a, b)
-    assert len({c.completion_ids for c in a.completions}) > 1, "sampling drew one sequence: the test cannot tell"
-    # Replayed targets take the per-request path (EOS off, one max_new_tokens each).
-    targets = [3, 9, 5, 10, 1, 7]
-    a, b = _rollout(caller, tok, targets=targets), _rollout(thread, tok, targets=targets)
-    _same(a, b)
-    assert [len(c.completion_ids) for c in a.completions] == targets
-    assert engine_is_idle(model)
-
-
-def test_kept_engine_on_the_caller_loop_matches_a_fresh_thread_engine(tiny):
-    tok, model = tiny.tokenizer, tiny.model
-    reference = _rollout(_threaded(model), tok)
-    kept = _on_loop("caller", model, persistent=True)
+    reference = _rollout(ContinuousBackend(model), tok)
+    kept = ContinuousBackend(model, persistent=True)
     try:
         first, second = _rollout(kept, tok), _rollout(kept, tok)
         assert getattr(model, "_cached_continuous_batching_manager", None) is not None, "engine was not kept"
@@ -73,7 +42,7 @@ def test_kept_engine_on_the_caller_loop_matches_a_fresh_thread_engine(tiny):
 def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, monkeypatch):
     tok, model = tiny.tokenizer, tiny.model
     original_impl = model.config._attn_implementation
-    backend = _on_loop("caller", model)
+    backend = ContinuousBackend(model)
     layer = model.model.layers[0].mlp
     real = layer.forward
     calls = {"n": 0}
@@ -90,12 +59,12 @@ def test_a_failing_step_raises_in_the_caller_and_leaves_the_model_usable(tiny, m
     monkeypatch.setattr(layer, "forward", real)
     assert model.config._attn_implementation == original_impl and engine_is_idle(model)
     # Nothing the failed call queued leaks into the next one.
-    _same(_rollout(backend, tok), _rollout(_threaded(model), tok))
+    _same(_rollout(backend, tok), _rollout(ContinuousBackend(model), tok))
 
 
 def test_the_loop_is_the_engines_choice_not_a_backend_or_an_option(tiny):
     assert sorted(BACKENDS) == ["continuous", "generate"]
     backend = make_backend("continuous", tiny.model)
-    assert backend.name == "continuous" and not backend.engine.thread_loop
+    assert backend.name == "continuous"
     with pytest.raises(TypeError, match="engine_loop"):
         ContinuousBackend(tiny.model, engine_loop="thread")

@@ -175,7 +175,7 @@ def test_cpu_pool_sizing_respects_only_real_choices():
     assert make_cb_config({}, **work).num_blocks == 7
     # a page size the user chose is kept, and the pool follows it: ceil(45 / 16) = 3 blocks a row
     cfg = make_cb_config({"page_size": 16}, **work)
-    assert (page_size(cfg), cfg.num_blocks) == (16, 10)  # page_size: block_size in transformers 5.17.0
+    assert (page_size(cfg), cfg.num_blocks) == (16, 10)
     # another fraction is a share of *GPU* memory: on CPU it would be host RAM, so it is ignored, with a warning
     with pytest.warns(UserWarning, match="max_memory_percent=0.3 is a share of free GPU memory"):
         assert make_cb_config({"max_memory_percent": 0.3}, **work).num_blocks == 7
@@ -411,16 +411,16 @@ def test_a_shared_prompt_is_prefilled_once(tiny, monkeypatch):
 
 
 def test_the_cpu_pool_rule_is_what_the_engine_allocates(tiny, prompts):
-    """The one CPU pool rule (`cpu_pool_blocks`): a CB rollout on a CPU runs on a pool of exactly the blocks that
+    """The one CPU pool rule (`workload_blocks`): a CB rollout on a CPU runs on a pool of exactly the blocks that
     hold every request at the generation limit at once, counted from the page size the engine reports; a
     `num_blocks` the caller sets wins, and the rule steps aside."""
-    from cbkit.rollout.engine_config import cpu_pool_blocks
+    from cbkit.rollout.engine_config import workload_blocks
 
     rows = [list(p) for p in prompts for _ in range(2)]
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
     sized = make_backend("continuous", tiny.model).generate(prompts, 2, sp)
     page = sized.engine_config["page_size"]
-    assert sized.engine_config["num_blocks"] == cpu_pool_blocks({}, rows, 6, page)
+    assert sized.engine_config["num_blocks"] == workload_blocks(rows, 6, page)
     assert sized.engine_config["num_blocks"] == sum(-(-(len(r) + 6) // page) for r in rows) + 1  # worked by hand
     fixed = make_backend("continuous", tiny.model, cb_config={"num_blocks": 64}).generate(prompts, 2, sp)
-    assert fixed.engine_config["num_blocks"] == 64 and cpu_pool_blocks({"num_blocks": 64}, rows, 6, page) is None
+    assert fixed.engine_config["num_blocks"] == 64

@@ -22,7 +22,7 @@ import torch
 
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, timeline, to_completions
+from cbkit.rollout.engine import Engine, take, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 if TYPE_CHECKING:
@@ -30,10 +30,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Pending:
-    """A rollout queued in the engine: what was asked, and the results it has delivered so far."""
-
-    prompts: list[list[int]]
+class Pending:  # a rollout queued in the engine: what was asked, and the results delivered so far
+    rows: list[list[int]]  # each prompt N times, in group order
     num_generations: int
     sampling: SamplingParams
     ids: list[str]
@@ -76,8 +74,6 @@ class AsyncEngine:
         self.snapshot.register_forward_pre_hook(self._before_forward)
         self.snapshot.register_forward_hook(self._after_forward, always_call=True)
 
-    # --- the engine's side (its thread) ---------------------------------------------------------------------
-
     def _before_forward(self, module, args) -> None:
         if self._update_at is not None and self._forwards >= self._update_at:
             self._parked.set()
@@ -93,8 +89,6 @@ class AsyncEngine:
     def _after_forward(self, module, args, output) -> None:
         self._lock.release()
 
-    # --- the trainer's side ---------------------------------------------------------------------------------
-
     def publish(self, version: int) -> float:
         """Copy the policy's weights into the snapshot between two engine forwards (with `update_at`, once the engine
         ran that many or the rollout finished); returns seconds waited."""
@@ -102,7 +96,7 @@ class AsyncEngine:
         pending = self._pending
         if pending is not None and pending.update_at is not None:
             while not self._parked.is_set() and not pending.done:
-                self.engine.running().take(pending.results, 0.01, len(pending.ids))
+                take(self.engine.manager, pending.results, 0.01, len(pending.ids))
         waited = time.perf_counter() - start
         with self._writing_weights():
             for dst, src in self._pairs:
@@ -122,26 +116,25 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.submit: the previous rollout is still running; collect it first.")
         rows, targets = check_request(prompts, num_generations, sampling, self.snapshot, prompt_names, target_lengths)
         self._start(sampling, rows)
-        with self.engine.running().paused():  # all requests queued while the loop is parked: one drain, a seeded order
+        with self.engine.manager.pause():  # all requests queued while the loop is parked: one drain, a seeded order
             self._forwards, self._positions = 0, {}
             self._go.clear()
             self._parked.clear()
             self._update_at = update_at
-            ids = self.engine.submit(self.engine.running(), rows, sampling.max_new_tokens, sampling.seed, targets)
-        self._pending = Pending([list(p) for p in prompts], num_generations, sampling, ids,
+            ids = self.engine.submit(self.engine.manager, rows, sampling.max_new_tokens, sampling.seed, targets)
+        self._pending = Pending(rows, num_generations, sampling, ids,
                                 time.perf_counter(), update_at, targets)
         return self._pending
 
     def collect(self, pending: Pending) -> Rollout:
         with PeakMemory(self.snapshot.device) as mem:
             while not pending.done:
-                self.engine.running().take(pending.results, 1.0, len(pending.ids))
+                take(self.engine.manager, pending.results, 1.0, len(pending.ids))
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
-        rows = [p for p in pending.prompts for _ in range(pending.num_generations)]
         outputs = [pending.results[rid] for rid in pending.ids]
         completions = [self._versioned(c, rid) for c, rid in zip(
-            to_completions(rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
+            to_completions(pending.rows, outputs, pending.num_generations, pending.sampling, pending.targets), pending.ids,
             strict=True)]
         self._pending = None
         resolved = upstream.resolved_config(self.engine.manager)
@@ -156,8 +149,7 @@ class AsyncEngine:
         return self.collect(self.submit(prompts, num_generations, sampling, prompt_names=prompt_names,
                                         target_lengths=target_lengths))
 
-    def close(self) -> None:
-        """Stop the engine thread and restore the snapshot's attention; the snapshot itself is kept."""
+    def close(self) -> None:  # the snapshot is kept
         self._go.set()  # a forward parked at the gate must not wait forever
         self.engine.close()
         self._key, self._pending = None, None
@@ -198,13 +190,12 @@ class AsyncEngine:
         enqueueing, two stream waits order the kernels on a GPU (before the engine has a stream, the host waits)."""
         with self._lock, torch.no_grad():
             engine = upstream.forward_stream(self.engine.manager)
-            copier = torch.cuda.current_stream(engine.device) if engine is not None else None
-            if engine is not None and copier is not None:  # both, or neither
-                copier.wait_stream(engine)
+            if engine is not None:
+                torch.cuda.current_stream(engine.device).wait_stream(engine)
             try:
                 yield
             finally:  # a failed write too: whatever it enqueued lands before the next forward
-                if engine is not None and copier is not None:
-                    engine.wait_stream(copier)
+                if engine is not None:
+                    engine.wait_stream(torch.cuda.current_stream(engine.device))
                 elif self.snapshot.device.type == "cuda":
                     torch.cuda.current_stream(self.snapshot.device).synchronize()

@@ -36,9 +36,8 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.do_sample and not self.temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy."
-            )
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False "
+                             "for greedy.")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable top-p.")
         if self.top_k < 0:
@@ -46,11 +45,8 @@ class SamplingParams:
 
     @property
     def eos_ids(self) -> frozenset[int]:
-        if self.eos_token_id is None:
-            return frozenset()
-        if isinstance(self.eos_token_id, int):
-            return frozenset({self.eos_token_id})
-        return frozenset(self.eos_token_id)
+        eos = self.eos_token_id
+        return frozenset() if eos is None else frozenset({eos} if isinstance(eos, int) else eos)
 
     def generation_config(self):
         """The complete `GenerationConfig` both backends hand to the model."""
@@ -79,11 +75,7 @@ def rollout_generation_config(model: Any):
     """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; the rest is named once."""
     from transformers import GenerationConfig
 
-    original = getattr(model, "generation_config", None)
-    if original is None:
-        yield
-        return
-    default = GenerationConfig()
+    original, default = model.generation_config, GenerationConfig()
     # Named: what would change a token; `output_*` / `return_*` are dropped unnamed (every checkpoint sets some).
     dropped = {k: v for k, v in original.to_diff_dict().items()
                if k not in GENERATION_CONFIG_KEPT and not k.startswith(("_", "output_", "return_"))
@@ -135,8 +127,7 @@ class Rollout:
         return len(self.completions) // self.num_generations if self.num_generations else 0
 
     @property
-    def completion_tokens(self) -> int:
-        """Generated tokens up to and including EOS; padding never counts."""
+    def completion_tokens(self) -> int:  # up to and including EOS; padding never counts
         return sum(len(c.completion_ids) for c in self.completions)
 
     @property
@@ -209,11 +200,9 @@ def check_request(prompts: Sequence[Sequence[int]], num_generations: int, sampli
         if len(p) == 0:
             raise ValueError(f"Prompt {name} is empty (0 tokens).")
         if context_len is not None and len(p) + sampling.max_new_tokens > context_len:
-            raise ValueError(
-                f"Prompt {name} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it needs "
-                f"{len(p) + sampling.max_new_tokens} positions, more than the model's context of {context_len}. "
-                "Shorten the prompt or lower max_new_tokens."
-            )
+            raise ValueError(f"Prompt {name} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it "
+                             f"needs {len(p) + sampling.max_new_tokens} positions, more than the model's context of "
+                             f"{context_len}. Shorten the prompt or lower max_new_tokens.")
     rows = [list(p) for p in prompts for _ in range(num_generations)]
     if target_lengths is None:
         return rows, None

@@ -1,9 +1,8 @@
 """The engine: one class owns transformers' continuous batching manager and drives it through the public API.
 
-`ContinuousBackend`, `AsyncEngine` and the TRL bridge all go through `Engine`: its config, its attention, the
-manager's life (per call, or kept) and who runs its loop (transformers' thread, or `upstream.CallerLoop` on a CPU).
-Not `generate_batch`: it drops failed requests, queues without `pause()` (seeded draws would depend on thread timing)
-and has no per-request length.
+`ContinuousBackend`, `AsyncEngine` and the TRL bridge all go through `Engine`: its config, its attention and the
+manager's life (per call, or kept); the loop runs in transformers' own thread. Not `generate_batch`: it drops failed
+requests, queues without `pause()` (seeded draws would depend on thread timing) and has no per-request length.
 """
 
 from __future__ import annotations
@@ -18,48 +17,32 @@ from typing import Any
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
 from cbkit.rollout.engine_config import ENGINE_OWN, engine_attention, make_cb_config, page_size
-from cbkit.rollout.upstream import HELPER_PREFIX, CallerLoop
+from cbkit.rollout.upstream import HELPER_PREFIX
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.rollout.varlen_attention import register, varlen_unsupported_reason
 
 
-class ThreadLoop:
-    """transformers' own driver: the loop in its background thread, results read with `get_result`."""
+def take(manager, results: dict[str, Any], timeout: float, expected: int) -> None:
+    """Wait up to `timeout` s for one result of transformers' loop; a failed request or a stopped loop raises."""
+    out = manager.get_result(timeout=timeout)
+    if out is not None and out.error is not None:
+        raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
+    if out is not None and out.is_finished():
+        results[out.request_id] = out
+    elif out is None and not manager.is_running():
+        raise RuntimeError(f"The CB engine stopped after {len(results)} of {expected} requests; see the log above.")
 
-    def __init__(self, model, persistent: bool, *, warmup: bool = True, **engine_kwargs: Any) -> None:
-        self._context = model.continuous_batching_context_manager(
-            block=True, timeout=5, persistent_manager=persistent, warmup=warmup, **engine_kwargs)
 
-    def __enter__(self) -> ThreadLoop:
-        self.manager: Any = self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> bool | None:
-        return self._context.__exit__(*exc)
-
-    def paused(self) -> contextlib.AbstractContextManager:
-        """Park the loop while requests are queued: one drain, so the order of draws does not depend on timing."""
-        return self.manager.pause()
-
-    def take(self, results: dict[str, Any], timeout: float, expected: int) -> None:
-        out = self.manager.get_result(timeout=timeout)
-        if out is not None:
-            upstream.finished(out, results)
-        elif not self.manager.is_running():
-            raise RuntimeError(f"The CB engine stopped after {len(results)} of {expected} requests; see the log above.")
-
-    def collect(self, ids: list[str]) -> dict[str, Any]:
-        results: dict[str, Any] = {}
-        while len(results) < len(ids):
-            self.take(results, 1.0, len(ids))
-        return results
+def collect(manager, ids: list[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    while len(results) < len(ids):
+        take(manager, results, 1.0, len(ids))
+    return results
 
 
 class Engine:
-    """One CB manager on one model. `run` is one rollout, start to finish; `start` / `queue` / `take` / `close` keep
-    the manager running on transformers' thread between calls (the async engine)."""
-
-    thread_loop = False  # True: transformers' thread runs `run`'s loop on a CPU too (the parity tests' reference)
+    """One CB manager on one model. `run` is one rollout, start to finish; `start` keeps one running until `close`
+    (the async engine)."""
 
     def __init__(self, model, cb_config: Mapping[str, Any] | None = None, *, persistent: bool = False,
                  record_timestamps: bool = False) -> None:
@@ -68,13 +51,13 @@ class Engine:
         self.persistent, self.record_timestamps = persistent, record_timestamps
         self._kept: Any = None  # this engine's kept manager, attached to the model only during its calls (`_own`)
         self._key: tuple | None = None  # the sampling settings and config the kept manager was built with
-        self._loop: ThreadLoop | None = None  # the manager kept running by `start`
+        self._running: Any = None  # the manager kept running by `start`
         self._stack: contextlib.ExitStack | None = None
         self._warned_varlen = self._warned_pool = False  # each note once per engine, not per call
 
     @property
     def manager(self) -> Any:
-        return self._loop.manager if self._loop is not None else self._kept
+        return self._running if self._running is not None else self._kept
 
     def config(self, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None):
         cb = make_cb_config(self.overrides, seed=seed, device=self.model.device, rows=rows,
@@ -110,8 +93,6 @@ class Engine:
             return contextlib.nullcontext()  # eager is the engine's other dense path ("paged|eager"), with sinks
         return attention_for_engine(self.model, choice)
 
-    # --- one rollout ------------------------------------------------------------------------------------------
-
     def run(self, rows: list[list[int]], gen_config, *, max_new_tokens: int, seed: int | None = None,
             targets: list[int] | None = None) -> tuple[list[Any], dict[str, Any]]:
         """Submit every row, collect every result: the outputs in row order and the config that ran. With ``targets``
@@ -125,33 +106,31 @@ class Engine:
         attention = self._attention(cb_config)
         if self._kept is not None:
             upstream.forget_cached_kv(self._kept)
-        caller = self.model.device.type == "cpu" and not (cb_config.use_async_batching or self.thread_loop)
-        driver = (CallerLoop if caller else ThreadLoop)(
-            self.model, self.persistent, generation_config=gen_config, continuous_batching_config=cb_config,
+        loop = self.model.continuous_batching_context_manager(
+            block=True, timeout=5, persistent_manager=self.persistent, generation_config=gen_config,
+            continuous_batching_config=cb_config,
             workload_hints=upstream.workload_hints(rows, max(targets) if targets else max_new_tokens))
-        with attention, self._own(), driver:
+        with attention, self._own(), loop as manager:
             # The engine shares only pages a finished forward wrote: N copies of a prompt admitted together would all
             # compute it. So each repeated prompt of a page or more is prefilled first, alone (two tokens, discarded).
             page = page_size(cb_config)
             shared = [p for p, n in collections.Counter(map(tuple, rows)).items() if n > 1 and len(p) >= page]
-            if upstream.prefix_sharing(driver.manager) and shared:
-                with driver.paused():
-                    upstream.reseed(driver.manager, seed)
-                    prefill = [driver.manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}",
-                                                          max_new_tokens=2, eos_token_id=-1)
-                               for k, p in enumerate(shared)]
-                driver.collect(prefill)
+            if upstream.prefix_sharing(manager) and shared:
+                with manager.pause():
+                    upstream.reseed(manager, seed)
+                    prefill = [manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}", max_new_tokens=2,
+                                                   eos_token_id=-1) for k, p in enumerate(shared)]
+                collect(manager, prefill)
                 seed = None  # seeded once per call, before its first request
-            with driver.paused():  # all queued while the loop is parked: one drain, so a seeded order of draws
-                ids = self.submit(driver, rows, max_new_tokens, seed, targets=targets)
-            results = driver.collect(ids)
-            resolved = upstream.resolved_config(driver.manager)
+            with manager.pause():  # all queued while the loop is parked: one drain, so a seeded order of draws
+                ids = self.submit(manager, rows, max_new_tokens, seed, targets=targets)
+            results = collect(manager, ids)
+            resolved = upstream.resolved_config(manager)
         return [results[i] for i in ids], resolved
 
-    def submit(self, driver, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
+    def submit(self, manager, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
                targets: Sequence[int] | None = None) -> list[str]:
         """Reseed the sampler, then queue `rows`; ids in row order. Call it with the loop paused."""
-        manager = driver.manager
         upstream.reseed(manager, seed)
         if targets is None:
             return list(manager.add_requests(inputs=[list(r) for r in rows], max_new_tokens=max_new_tokens,
@@ -184,7 +163,7 @@ class Engine:
         """Stop a running manager and free this engine's kept one; another engine's is left."""
         if self._stack is not None:
             self._stack.close()
-        self._stack = self._loop = None
+        self._stack = self._running = None
         if self._kept is not None:
             if upstream.attached(self.model) is self._kept:
                 upstream.attach(self.model, None)
@@ -192,28 +171,17 @@ class Engine:
             self._kept = None
         self._key = None
 
-    # --- kept running on transformers' thread (the async engine) ----------------------------------------------
-
     def start(self, gen_config, rows: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> None:
         """Start a manager sized for `rows` on its thread; it runs until `close`."""
         self.close()
         cb_config = self.config(rows, max_new_tokens, seed)
         stack = contextlib.ExitStack()
         stack.enter_context(self._attention(cb_config))
-        self._loop = stack.enter_context(ThreadLoop(
-            self.model, False, warmup=False, generation_config=gen_config, continuous_batching_config=cb_config,
+        self._running = stack.enter_context(self.model.continuous_batching_context_manager(
+            block=True, timeout=5, warmup=False, generation_config=gen_config, continuous_batching_config=cb_config,
             workload_hints=upstream.workload_hints(rows, max_new_tokens)))
         self._stack = stack
         weakref.finalize(self, stack.close)  # the engine thread is not a daemon: never leave it running at exit
-
-    def running(self) -> ThreadLoop:
-        """The loop `start` keeps running."""
-        if self._loop is None:
-            raise RuntimeError("No engine manager is running: call start() first (close() stops it).")
-        return self._loop
-
-
-# --- outputs -> cbkit records ---------------------------------------------------------------------------------
 
 
 def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_generations: int,
@@ -222,15 +190,9 @@ def to_completions(rows: Sequence[Sequence[int]], outputs: Sequence[Any], num_ge
     completions = []
     for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
         keep, reason = cut_completion(out.generated_tokens, sampling, targets[i] if targets else None)
-        logprobs = list(out.logprobs or [])
-        if len(logprobs) < keep:
-            raise RuntimeError(
-                f"The CB engine returned {len(logprobs)} logprobs for {keep} tokens (request {i}); does this "
-                "transformers version support ContinuousBatchingConfig.return_logprobs?"
-            )
         completions.append(Completion(
             group=i // num_generations, prompt_ids=tuple(row), completion_ids=tuple(out.generated_tokens[:keep]),
-            sampling_logprobs=tuple(float(x) for x in logprobs[:keep]), finish_reason=reason))
+            sampling_logprobs=tuple(float(x) for x in out.logprobs[:keep]), finish_reason=reason))
     return completions
 
 
@@ -239,11 +201,9 @@ def timeline(outputs: Sequence[Any], completions: Sequence[Completion], t0: floa
     """Engine clocks per request (`cbkit.teach.figures.async_timeline` reads them), with policy versions if any."""
     requests = []
     for i, (out, c) in enumerate(zip(outputs, completions, strict=True)):
-        start, end = out.lifespan
-        # "start" is when the request left PENDING (a prefix-cache match does that before it is scheduled).
+        start, end = out.lifespan  # start: when it left PENDING (a prefix-cache match does that before it is scheduled)
         request = {"id": i, "engine_id": str(out.request_id), "group": c.group, "prompt_len": len(c.prompt_ids),
-                   "start": start, "end": end,
-                   "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
+                   "start": start, "end": end, "token_times": list(out.timestamps or [])[: len(c.completion_ids)]}
         if c.policy_versions is not None:
             request["token_versions"] = list(c.policy_versions)
         requests.append(request)

@@ -29,12 +29,6 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
     from transformers import ContinuousBatchingConfig
 
     overrides = dict(overrides or {})
-    # Tokens per KV page: page_size since transformers 5.17, block_size before (and in TRL configs written for it).
-    if "block_size" in overrides:
-        if overrides.get("page_size", overrides["block_size"]) != overrides["block_size"]:
-            raise ValueError(f"page_size={overrides['page_size']!r} and block_size={overrides['block_size']!r} "
-                             "are one setting, tokens per KV page; give one of them.")
-        overrides["page_size"] = overrides.pop("block_size")
     valid = sorted(f.name for f in dataclasses.fields(ContinuousBatchingConfig))
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
@@ -53,28 +47,25 @@ def cb_config_values(overrides: Mapping[str, Any] | None = None) -> dict[str, An
 def make_cb_config(overrides: Mapping[str, Any] | None = None, *, seed: int | None = None,
                    device: torch.device | None = None, rows: Sequence[Sequence[int]] | None = None,
                    max_new_tokens: int | None = None, warn: bool = True):
-    """The `ContinuousBatchingConfig` of one call. On CPU the pool is sized to the workload (`cpu_pool_blocks`), in
+    """The `ContinuousBatchingConfig` of one call. On CPU the pool is sized to the workload (`workload_blocks`), in
     pages of `CPU_PAGE_SIZE` tokens, unless the user set them (`{"num_blocks": None}`: sized from memory)."""
     from transformers import ContinuousBatchingConfig
 
     overrides = dict(overrides or {})
     values = cb_config_values(overrides)
     kind = torch.device(device).type if device is not None else None
-    cpu = kind == "cpu"
-    if cpu and "page_size" not in overrides and "block_size" not in overrides:
+    if kind == "cpu" and "page_size" not in overrides:
         values["page_size"] = CPU_PAGE_SIZE
     values["auto_switch_to_flash"] = False  # cbkit chooses the attention itself (`engine_attention`)
     if kind == "cuda" and "max_blocks_per_request" not in overrides and page_size(values) % KERNEL_PAGE_MULTIPLE:
         values["max_blocks_per_request"] = 0
-    mmp_default = CB_DEFAULTS["max_memory_percent"]
-    workload = cpu_pool_blocks(overrides, rows, max_new_tokens, page_size(values)) if cpu else None
-    if workload:
-        if warn and overrides.get("max_memory_percent", mmp_default) != mmp_default:
+    if kind == "cpu" and rows and max_new_tokens and "num_blocks" not in overrides:
+        values["num_blocks"] = workload = workload_blocks(rows, max_new_tokens, page_size(values))
+        if warn and overrides.get("max_memory_percent", mmp := CB_DEFAULTS["max_memory_percent"]) != mmp:
             warnings.warn(f"max_memory_percent={overrides['max_memory_percent']} is a share of free GPU memory; on a "
                           f"CPU the engine would take that share of host RAM. cbkit sizes the CPU pool to the workload "
                           f"({workload} blocks) instead. Set num_blocks to fix the pool yourself, or num_blocks=None "
                           "to let the engine size it from max_memory_percent.", UserWarning, stacklevel=3)
-        values["num_blocks"] = workload
     if values.get("num_blocks") is not None and "max_memory_percent" not in overrides:
         values["max_memory_percent"] = FIXED_POOL_MEMORY_PERCENT
     if seed is not None and "seed" not in overrides:
@@ -85,14 +76,6 @@ def make_cb_config(overrides: Mapping[str, Any] | None = None, *, seed: int | No
 def workload_blocks(rows: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
     """Blocks for every request at the generation limit at once, plus the engine's trash block."""
     return sum(-(-(len(r) + max_new_tokens) // page_size) for r in rows) + 1
-
-
-def cpu_pool_blocks(overrides: Mapping[str, Any], rows: Sequence[Sequence[int]] | None, max_new_tokens: int | None,
-                    page: int) -> int | None:
-    """The CPU pool rule (`workload_blocks`); None where ``overrides`` set ``num_blocks`` or no workload is given."""
-    if "num_blocks" in overrides or not rows or not max_new_tokens:
-        return None
-    return workload_blocks(rows, max_new_tokens, page)
 
 
 def flash_versions() -> tuple[int, ...]:
@@ -125,4 +108,4 @@ def page_size(config) -> int:
     from transformers import ContinuousBatchingConfig
 
     get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
-    return int(get("page_size") or get("block_size") or ContinuousBatchingConfig().page_size)
+    return int(get("page_size") or ContinuousBatchingConfig().page_size)

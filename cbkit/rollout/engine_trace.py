@@ -1,8 +1,5 @@
-"""What transformers' CB engine scheduled, step by step: an opt-in recorder.
-
-Per forward and request: its query tokens, from which position, and its block table (`upstream.watch_batches`).
-`EngineTrace` reads from them who waited, which block passed between requests (recycling) and who was restarted.
-"""
+"""What transformers' CB engine scheduled, step by step (`record_engine_steps`): who waited, which block passed
+between requests (recycling) and who was restarted, read from each step's requests and block tables."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ class EngineStep:
 
 
 @dataclass(frozen=True)
-class BlockReuse:
-    """A block one request held and released, later held by another: recycling, as the engine did it."""
-
+class BlockReuse:  # a block one request held and released, later held by another: recycling
     block: int
     released_by: str
     last_step: int  # the last step the first request held it
@@ -40,9 +35,7 @@ class BlockReuse:
 
 
 @dataclass(frozen=True)
-class RequestLife:
-    """One request's life in engine steps (indices into ``EngineTrace.steps``)."""
-
+class RequestLife:  # in engine steps, indices into `EngineTrace.steps`
     request_id: str
     helper: bool
     first_step: int  # its admission
@@ -52,9 +45,7 @@ class RequestLife:
 
 
 @dataclass
-class EngineTrace:
-    """Every step the engine scheduled inside ``record_engine_steps``, and the pool it scheduled them into."""
-
+class EngineTrace:  # every step the engine scheduled inside `record_engine_steps`, and its pool
     steps: list[EngineStep] = field(default_factory=list)
     pool_blocks: int | None = None
     page_size: int | None = None
@@ -66,8 +57,7 @@ class EngineTrace:
                 seen.setdefault(r.request_id, []).append((step.index, r))
         return seen
 
-    def lives(self) -> dict[str, RequestLife]:
-        """request -> its `RequestLife`, in the order the engine first scheduled them."""
+    def lives(self) -> dict[str, RequestLife]:  # in the order the engine first scheduled them
         out = {}
         for rid, apps in self._appearances().items():
             idx = [i for i, _ in apps]

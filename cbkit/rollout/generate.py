@@ -51,7 +51,10 @@ class GenerateBackend:
             gen_config.max_new_tokens = max(targets)
         warpers, gen_config = _explicit_warpers(sampling, gen_config)
         recorder = _LogprobRecorder()
-        input_ids, attention_mask = _left_pad(rows, pad_id, self.model.device)
+        input_ids = pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad_id,
+                                 padding_side="left").to(self.model.device)
+        attention_mask = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True,
+                                      padding_side="left").to(self.model.device)  # by length: pad may be a real id
 
         with PeakMemory(self.model.device) as mem:
             start = time.perf_counter()
@@ -111,9 +114,3 @@ def _explicit_warpers(sampling: SamplingParams, gen_config):
             warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
         gen_config.temperature, gen_config.top_k, gen_config.top_p = 1.0, 0, 1.0
     return warpers, gen_config
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad_id, padding_side="left")
-    return ids.to(device), pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True,
-                                        padding_side="left").to(device)

@@ -1,22 +1,15 @@
-"""transformers' CB engine beyond its public API: every private name cbkit reaches lives here, and only here.
-
-`cbkit.rollout.engine` drives the manager through its public API; this module does what that API cannot: run the
-loop body in the caller's thread (`CallerLoop`: on a CPU the manager's own thread costs more than its steps), keep a
-manager between calls (`attach`, `forget_cached_kv`, `reseed`), report what a step scheduled (`scheduled`,
-`watch_batches`) and on which stream (`forward_stream`), and run the engine's memory check anywhere (`engine_footprint`).
+"""transformers' CB engine beyond its public API: every private name cbkit reaches lives here, and only here, to
+keep a manager between calls, report what a step scheduled and on which stream, and run the memory check anywhere.
 
 Pinned, each by tests/test_engine_contract.py against the installed transformers (an upgrade that renames one fails
 there, naming it; `PINNED` is read from this list, and no other cbkit module may reach one):
   model:     `model._cached_continuous_batching_manager` `model._supports_flash_attn`
-  manager:   `manager._create_batch_processor` `manager._generation_step` `manager._original_attn_impl`
-             `manager._use_prefix_sharing` `manager.batch_processor` `manager.background_thread_status`
-             `manager.input_queue` `manager.output_router` `manager.warmed_up` `manager.distributed_helper`
-             `manager.is_tp_driver` `manager.continuous_batching_config` `manager.model`
-             `status.clear` `status.mark_as_stopped` `router.output_queue` `helper.set_tp_seed` `helper.cpu_comm_group`
-  processor: `processor.prepare_next_batch` `processor.update_batch` `processor.cache` `processor.inputs_and_outputs`
-             `cache.reset` `cache.num_blocks` `cache.max_batch_tokens` `cache.cache_allocators`
-             `allocator.block_table` `allocator.tokens_per_page` `io.requests_in_batch` `io.compute_stream`
-             `future.query_length` `future.state` `state.request_id` `state.position_offset` `state.initial_tokens`
+  manager:   `manager._use_prefix_sharing` `manager.batch_processor` `manager.distributed_helper` `manager.model`
+             `manager.continuous_batching_config` `helper.set_tp_seed`
+  processor: `processor.prepare_next_batch` `processor.cache` `processor.inputs_and_outputs` `cache.reset`
+             `cache.num_blocks` `cache.cache_allocators` `allocator.block_table` `allocator.tokens_per_page`
+             `io.requests_in_batch` `io.compute_stream` `future.query_length` `future.state` `state.request_id`
+             `state.position_offset` `state.initial_tokens`
   modules:   `cb.utils.WorkloadHints` `cb.continuous_api.ContinuousBatchProcessor` `cb.cache.PagedAttentionCache`
              `cb.cache.PagedAttentionMemoryHandler` `cb.cache.get_device_and_memory_breakdown`
              `cb.initialization.resolve_continuous_batching_config` `cb.initialization.lazy_import_flash_attention`
@@ -30,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import queue
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -51,9 +43,6 @@ def workload_hints(rows: Sequence[Sequence[int]], max_new_tokens: int):
 
     return WorkloadHints(max_prompt_length=max(len(r) for r in rows), max_generated_length=max_new_tokens,
                          num_requests=len(rows))
-
-
-# --- a kept manager -----------------------------------------------------------------------------------------------
 
 
 def attached(model) -> Any:
@@ -96,95 +85,9 @@ def resolved_config(manager) -> dict[str, Any]:
     cfg = manager.continuous_batching_config
     keys = ("page_size", "num_blocks", "max_batch_tokens", "max_memory_percent", "max_requests_per_batch",
             "use_cuda_graph", "use_async_batching", "scheduler_type", "seed", "allow_block_sharing")
-    out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
-    cache = getattr(manager.batch_processor, "cache", None)
-    for k in ("num_blocks", "max_batch_tokens"):
-        if isinstance(v := getattr(cache, k, None), int):
-            out[k] = v
+    out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}  # the cache's sizes, once built
     out["attn_implementation"] = manager.model.config._attn_implementation
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
-
-
-# --- the loop in the caller's thread ------------------------------------------------------------------------------
-
-
-class CallerLoop:
-    """The manager's loop body in the caller's thread: same scheduler, cache and sampler; a failing step raises."""
-
-    def __init__(self, model, persistent: bool, **engine_kwargs: Any) -> None:
-        self.model, self.persistent, self.engine_kwargs = model, persistent, engine_kwargs
-        self.manager: Any = None
-        self.processor: Any = None
-
-    def __enter__(self) -> CallerLoop:
-        with torch.no_grad():
-            self.manager = manager = self.model.init_continuous_batching(**self.engine_kwargs)
-        try:
-            if manager.continuous_batching_config.use_async_batching or not manager.is_tp_driver \
-                    or manager.distributed_helper.cpu_comm_group is not None:
-                raise ValueError("the caller's engine loop cannot drive async batching nor tensor parallelism; set "
-                                 "use_async_batching=False in the continuous batching config, or use one device.")
-            if not manager.warmed_up:
-                manager.warmup()
-            # What start() and the thread's loop head do; what a failed earlier call left queued is dropped.
-            manager.background_thread_status.clear()
-            for q in (manager.input_queue, manager.output_router.output_queue):
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        q.get_nowait()
-            self.processor = manager.batch_processor = manager._create_batch_processor()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        """What `manager.stop()` does after its thread joined, and the context manager after it."""
-        manager = self.manager
-        manager.background_thread_status.mark_as_stopped()
-        if self.persistent:
-            attach(self.model, manager)
-        else:
-            manager.batch_processor = None
-        if manager._original_attn_impl is not None:
-            self.model.set_attn_implementation(manager._original_attn_impl)
-            manager._original_attn_impl = None
-        self.processor = None  # the last reference: the processor's __del__ frees the pool
-        if not self.persistent:
-            manager.destroy()
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        yield  # nothing runs between two steps of this thread's own loop
-
-    def collect(self, ids: list[str]) -> dict[str, Any]:
-        """Step the engine until every request in `ids` has finished; a failed request or a failing step raises."""
-        manager, processor = self.manager, self.processor
-        outputs = manager.output_router.output_queue
-        results: dict[str, Any] = {}
-        with torch.no_grad():
-            while True:
-                while not outputs.empty():
-                    finished(outputs.get_nowait(), results)
-                if all(i in results for i in ids):
-                    return results
-                if not processor.prepare_next_batch():
-                    missing = [i for i in ids if i not in results]
-                    raise RuntimeError(f"The CB engine has no work left but {len(missing)} of {len(ids)} requests "
-                                       f"never finished (first: {missing[0]}); see the log above.")
-                manager._generation_step()
-                processor.update_batch()
-
-
-def finished(out, results: dict[str, Any]) -> None:
-    """Keep `out` in `results` when its request finished; a failed request raises."""
-    if out.is_finished():
-        if out.error is not None:
-            raise RuntimeError(f"The CB engine failed request {out.request_id}: {out.error}")
-        results[out.request_id] = out
-
-
-# --- what a step scheduled ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -254,9 +157,6 @@ def watch_batches(callback: Callable[[list[ScheduledRequest], int, int], None]) 
         yield
     finally:
         ContinuousBatchProcessor.prepare_next_batch = original  # type: ignore[method-assign]
-
-
-# --- the engine's memory check, on any machine --------------------------------------------------------------------
 
 
 def engine_footprint(config, cb_config, *, attention: str, dtype: torch.dtype, hints, total_bytes: int,

@@ -1,8 +1,7 @@
 """Varlen attention for the CB engine on any device: each packed sequence attends to its own keys.
 
 Without flash-attn the engine's SDPA/eager path builds one dense block-diagonal mask over the packed batch (decoding B
-sequences costs B squared). This splits the batch at the engine's `cu_seq_lens_q/k` with PyTorch's SDPA alone; the
-plain loop it is tested against is tests/reference_attention.py.
+sequences costs B squared). This splits the batch at the engine's `cu_seq_lens_q/k`, with PyTorch's SDPA alone.
 """
 from __future__ import annotations
 
@@ -15,14 +14,6 @@ import torch.nn.functional as F
 
 # "flash" in the name: the engine builds no dense mask; no version digit: it never looks for flash-attn's kernel.
 NAME = "cbkit_flash_varlen"
-
-
-def _boundaries(cu, module) -> torch.Tensor:
-    if isinstance(cu, dict):  # one entry per layer type (full / sliding attention)
-        layer_types = getattr(module.config, "layer_types", None)
-        key = layer_types[module.layer_idx] if layer_types else None
-        cu = cu[key] if key in cu else next(iter(cu.values()))
-    return cu
 
 
 # The boundaries last read to the host, by id: (the tensor, held so its id is not reused; its version; the list).
@@ -42,29 +33,20 @@ def _host_list(cu: torch.Tensor) -> list[int]:
 
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, sum q, D], key/value [1, Hkv, sum k, D] -> ([1, sum q, H, D], None)."""
-    cu_q = _host_list(_boundaries(kwargs["cu_seq_lens_q"], module))
-    cu_k = _host_list(_boundaries(kwargs["cu_seq_lens_k"], module))
+    cu_k = kwargs["cu_seq_lens_k"]  # one entry per layer type: only full attention comes here (no sliding window)
+    cu_k = _host_list(next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k)
+    cu_q = _host_list(kwargs["cu_seq_lens_q"])
     decode, prefill = _decode_plan(tuple(cu_q), tuple(cu_k), query.device)
     out = torch.empty_like(query)
     for group in decode:
         out[:, :, group.q_pos] = _batched_decode(query, key, value, group, scaling)
-    for i in prefill:
-        _one_sequence(out, query, key, value, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], scaling)
+    for i in prefill:  # one SDPA call each, causal and aligned to the end: query j sees the cached prefix and j
+        (qs, qe), (ks, ke) = cu_q[i : i + 2], cu_k[i : i + 2]
+        mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=query.device).tril((ke - ks) - (qe - qs))
+        out[:, :, qs:qe] = F.scaled_dot_product_attention(
+            query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
-
-
-def _one_sequence(out, query, key, value, qs, qe, ks, ke, scaling) -> None:
-    q_len, k_len = qe - qs, ke - ks
-    if q_len == 0:
-        return
-    mask = None
-    if q_len > 1:
-        # causal, aligned to the end: query j sees the cached prefix and queries up to j
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    out[:, :, qs:qe] = F.scaled_dot_product_attention(
-        query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
 
 
 @dataclasses.dataclass(frozen=True)

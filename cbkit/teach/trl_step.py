@@ -38,16 +38,16 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
         raise ValueError("stock_trl_cb_rollout shows TRL's CB path: the config needs "
                          "use_transformers_continuous_batching=True.")
     cb = args.transformers_continuous_batching_config
-    if model.device.type == "cpu" and cb is not None:
+    if model.device.type == "cpu" and cb is not None and "num_blocks" not in cb:
         # Stock TRL hands the engine max_memory_percent, on a CPU a share of host RAM (gigabytes of zeroed KV); the
         # pool cbkit's own CPU engine gets instead: every completion of the step at its longest prompt and the limit.
-        from cbkit.rollout.engine_config import cpu_pool_blocks, page_size
+        from cbkit.rollout.engine_config import page_size, workload_blocks
 
         longest = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
                                                         return_dict=True)["input_ids"]) for row in dataset)
         rows = [[0] * longest] * (args.per_device_train_batch_size * args.gradient_accumulation_steps)
-        blocks = cpu_pool_blocks(cb, rows, args.max_completion_length, page_size(cb))
-        args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks} if blocks else cb
+        blocks = workload_blocks(rows, args.max_completion_length, page_size(cb))
+        args.transformers_continuous_batching_config = {**cb, "num_blocks": blocks}
     trainer = StockGRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer)
     seen = _train_recording(trainer)
