@@ -67,6 +67,12 @@ def test_offline_model_is_cached_after_first_load(tmp_path):
         assert torch.equal(p, q), n
     assert first.tokenizer.encode("#### 72") == second.tokenizer.encode("#### 72")
     assert first.model.config.max_position_embeddings == 8192 and first.model.dtype == torch.float32
+    # The first load is as trainable as the cached one: a trainer refuses a model transformers still marks quantized
+    # (02's stock TRL step failed where 02 was the first notebook to load SmolLM2).
+    from transformers.trainer_utils import validate_quantization_for_training
+
+    for loaded in (first, second):
+        validate_quantization_for_training(loaded.model)
 
 
 @pytest.mark.parametrize(("cc", "native", "auto"), [((7, 5), False, "float16"), ((8, 0), True, "bfloat16")])

@@ -190,9 +190,9 @@ def _save_atomically(model, tok, target: Path) -> None:
     """Write to a temporary sibling and rename: a killed first load leaves no half cache."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    model.hf_quantizer = None  # dequantised already; the GGUF marker would refuse to serialise it
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # dequantised already: the GGUF marks refuse to serialise it and a trainer to train it
+        quantizer.remove_quantization_config(model)
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
