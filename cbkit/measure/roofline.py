@@ -17,24 +17,6 @@ import torch
 
 from cbkit.telemetry import ModelShape, kv_bytes_per_token
 
-GiB = 1024**3
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A GPU not at hand, for `cbkit tiers`: its name and the device memory its driver reports."""
-
-    name: str
-    memory_bytes: int
-
-
-GPUS: dict[str, Machine] = {
-    "t4": Machine("NVIDIA T4", 15 * GiB),
-    "a100-40": Machine("NVIDIA A100-SXM4-40GB", 40 * GiB),
-    "a100-80": Machine("NVIDIA A100-SXM4-80GB", 80 * GiB),
-    "h200": Machine("NVIDIA H200", 141 * GiB),
-}
-
 
 @dataclass(frozen=True)
 class Shape(ModelShape):
