@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from csv import DictWriter
 from pathlib import Path
 
 from cbkit.cli.flags import dataclass_flags, given_fields
@@ -63,7 +64,10 @@ def _print_results(points, out: Path, fingerprint: dict) -> None:
         print("\nMemory (GiB): the planner's prediction beside the measured peaks")
         print(results.memory_table(points))
     csv = out.with_suffix(".csv")
-    results.write_csv(points, csv)
+    with open(csv, "w", newline="") as f:
+        table = DictWriter(f, fieldnames=list(dict.fromkeys(k for p in points for k in p)))
+        table.writeheader()
+        table.writerows(points)
     if not has_plotly():  # a bare GPU box still gets the JSONL, the CSV and the tables
         print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
               f"run `cbkit report {out}` on a machine that has it.")
