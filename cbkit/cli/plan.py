@@ -10,11 +10,7 @@ from cbkit.cli.flags import dataclass_flags, given_fields
 from cbkit.measure.planner import DTYPE_BYTES
 from cbkit.models.load import DEFAULT_MODEL
 from cbkit.teach.tiers.table import MACHINES, NOTEBOOKS
-from cbkit.train.config import same_as
-
-
-def _flag(text: str, default=None, *aliases: str):
-    return field(default=default, metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})})
+from cbkit.train.config import _help, same_as
 
 
 @dataclass
@@ -22,14 +18,14 @@ class PlanConfig:
     """What `cbkit plan` is asked: every field is a flag (`cbkit.cli.flags.dataclass_flags`). Only -N is required."""
 
     num_generations: int = same_as("num_generations", aliases=("-N",))
-    model: str = _flag("the model whose config is planned (no weights loaded)", DEFAULT_MODEL)
-    num_prompts: int = _flag("prompts per rollout", 8, "--prompts")
-    prompt_len: int = _flag("longest prompt, tokens", 256)
+    model: str = _help("the model whose config is planned (no weights loaded)", default=DEFAULT_MODEL)
+    num_prompts: int = field(default=8, metadata={"help": "prompts per rollout", "aliases": ["--prompts"]})
+    prompt_len: int = _help("longest prompt, tokens", default=256)
     max_new_tokens: int = same_as("max_completion_length", default=512)
-    mean_completion_len: float | None = _flag("mean completion length in tokens, if known")
-    budget_gb: float | None = _flag("GiB free after loading the weights (needed for cuda)")
-    device: str | None = _flag("cuda or cpu; cuda when --budget-gb is given, else cpu")
-    dtype: str | None = _flag(f"one of {', '.join(DTYPE_BYTES)} (default bf16 on cuda, fp32 on cpu)")
+    mean_completion_len: float | None = _help("mean completion length in tokens, if known", default=None)
+    budget_gb: float | None = _help("GiB free after loading the weights (needed for cuda)", default=None)
+    device: str | None = _help("cuda or cpu; cuda when --budget-gb is given, else cpu", default=None)
+    dtype: str | None = _help(f"one of {', '.join(DTYPE_BYTES)} (default bf16 on cuda, fp32 on cpu)", default=None)
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:

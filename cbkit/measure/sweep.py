@@ -80,7 +80,6 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
         results.add(run)
         if on_point is not None:
             on_point(run)
-    del held
     return aggregate(results.runs)
 
 
@@ -153,9 +152,7 @@ def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | N
     from cbkit.measure.roofline import rollout_roofline
 
     empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
-    missing = dict(probe.get("probe_missing") or {})
-    missing.update({k: "not probed" for k in ("peak_flops", "bytes_per_s") if not probe.get(k) and k not in missing})
-    if missing:
+    if missing := probe["probe_missing"]:
         return {**empty, "roof_missing": "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))}
     roof = rollout_roofline(config, prompt_lens=[len(p) for p in prompts], completion_lengths=lengths,
                             dtype_bytes=dtype_bytes, peak_flops=probe["peak_flops"], bytes_per_s=probe["bytes_per_s"])
@@ -166,15 +163,17 @@ def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | N
             "roof_seconds": roof["roof_seconds"]}
 
 
-class _Replayed:
-    """A backend whose rollouts stop each completion at its drawn target, inside a loop that asks for none."""
+class _Measured:
+    """The backend a measured step rolls out from: each completion stopped at its drawn target (the loop asks for
+    none), its rollout kept for the record."""
 
-    def __init__(self, backend, targets: Sequence[int]) -> None:
-        self.backend, self.targets, self.name = backend, list(targets), backend.name
+    def __init__(self, backend, targets: Sequence[int] | None) -> None:
+        self.backend, self.targets, self.name, self.rollout = backend, targets, backend.name, None
 
-    def generate(self, prompts, num_generations, sampling, *, prompt_names=None, target_lengths=None):
-        return self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
-                                     target_lengths=self.targets if target_lengths is None else target_lengths)
+    def generate(self, prompts, num_generations, sampling, *, prompt_names=None):
+        self.rollout = self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
+                                             target_lengths=self.targets)
+        return self.rollout
 
 
 def _keep_weights(model):
@@ -192,23 +191,15 @@ def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] |
     from cbkit.telemetry import PeakMemory, release_memory
     from cbkit.train.config import CBGRPOConfig
     from cbkit.train.grpo import GRPOTrainer
-    from cbkit.train.hooks import StepHooks
 
-    class Seen(StepHooks):
-        rollout: Any = None
-
-        def on_rollout_end(self, rollout) -> None:
-            self.rollout = rollout
-
-    model, seen = setup.model, Seen()
+    model, measured = setup.model, _Measured(backend, targets)
     saved = _keep_weights(model)
     config = CBGRPOConfig(model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(setup.problems),
                           max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, max_steps=1,
                           forward_chunk_rows=cfg.forward_chunk_rows, dtype=cfg.dtype or "auto",
                           use_transformers_continuous_batching=backend.name == "continuous")
-    trainer = GRPOTrainer(config, setup, backend=backend if targets is None else _Replayed(backend, targets),
-                          hooks=[seen])
+    trainer = GRPOTrainer(config, setup, backend=measured)
     # A trainer is a reference cycle holding its AdamW moments: collected now, not inside the next point's step.
     gc.collect()
     mem = PeakMemory(model.device)
@@ -225,7 +216,7 @@ def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] |
         release_memory(model)
     step_s, rollout_s, old_s, update_s, train_s = (float(metrics[k]) for k in (
         "step/seconds", "rollout/seconds", "train/prepare_seconds", "train/update_seconds", "train/seconds"))
-    rollout = seen.rollout
+    rollout = measured.rollout
     tokens = sum(len(c.completion_ids) for c in rollout.completions)
     return {"status": "ok", "step_s": step_s, "rollout_s": rollout_s, "train_s": train_s,
             "old_logprob_s": old_s, "update_s": update_s, "other_s": step_s - rollout_s - old_s - update_s,

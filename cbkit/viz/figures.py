@@ -94,8 +94,7 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]
 
 
 def step_split_figure(points: Points) -> go.Figure:
-    """Each `--full-step` point as a stacked bar of its phases, its step speed-up beside the Amdahl ceiling
-    (an async CB bar's rollout is what its trainer still waited for)."""
+    """Each `--full-step` point as a stacked bar of its phases, its step speed-up beside the Amdahl ceiling."""
     pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)), key=_order)
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
     fig = go.Figure()
@@ -103,9 +102,9 @@ def step_split_figure(points: Points) -> go.Figure:
               ("other_s", "other"))
     for i, (key, name) in enumerate(phases):
         xs = [p.get(key) if _ok(p) else None for p in pts]
-        shares = [p.get(key.replace("_s", "_roof_share")) if _ok(p) else None for p in pts]
+        roof = [p.get("roof_share") if key == "rollout_s" else None for p in pts]  # the rollout's share of its roof
         text = [f"{x:.1f} s" + (f" ({r:.0%} of roof)" if r is not None else "") if x is not None else ""
-                for x, r in zip(xs, shares, strict=True)]
+                for x, r in zip(xs, roof, strict=True)]
         fig.add_trace(go.Bar(y=labels, x=xs, name=name, orientation="h", marker={"color": PALETTE[i]},
                              text=text, textposition="inside", insidetextanchor="middle", textangle=0,
                              hovertemplate=f"{name}<br>%{{y}}<br>%{{x:.2f}} s<extra></extra>"))
@@ -117,8 +116,6 @@ def step_split_figure(points: Points) -> go.Figure:
         else:
             ceiling = f" vs Amdahl ceiling {p['amdahl_ceiling']:.2f}x" if p.get("amdahl_ceiling") else ""
             note = f"step {p['step_speedup']:.2f}x{ceiling}"
-            if p.get("overlap_s") is not None:  # async CB: its rollout bar is the wait; what the overlap hid
-                note += f"<br>overlap bought {p['overlap_s']:.1f} s of CB's rollout"
         fig.add_annotation(y=label, x=1.0, xref="paper", xanchor="left", text=note, showarrow=False,
                            font={"size": 12, "color": "#b00" if not _ok(p) else "#222"})
     fig.update_layout(template=TEMPLATE, barmode="stack", title="One GRPO step, split by phase",
