@@ -55,14 +55,7 @@ def _print_results(points, out: Path, fingerprint: dict) -> None:
     from cbkit.measure import results
 
     print(results.results_summary(out))
-    print(results.points_table(points))
-    if any(p.get("step_s") is not None for p in points):
-        print("\nOne GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
-              "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
-        print(results.step_split_table(points))
-    if any(p.get("peak_reserved_bytes") is not None for p in points):  # a GPU run: every memory counter
-        print("\nMemory (GiB): the planner's prediction beside the measured peaks")
-        print(results.memory_table(points))
+    print("\n\n".join(f"{title}\n{table}" for title, table in results.report_tables(points)))
     csv = out.with_suffix(".csv")
     with open(csv, "w", newline="") as f:
         table = DictWriter(f, fieldnames=list(dict.fromkeys(k for p in points for k in p)))

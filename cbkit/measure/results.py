@@ -85,7 +85,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["backend"], r["N"]), []).append(r)
     points = []
-    for (backend, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    # by N, generate() first at each N: the reference the others' ratios are to
+    for (backend, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0] != "generate", kv[0][0])):
         ok = [r for r in rs if r["status"] == "ok"]
         point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
                                  "status": "ok" if ok else rs[0]["status"]}
@@ -171,7 +172,7 @@ def step_split_table(points: list[dict[str, Any]]) -> str:
 
     return _table(["N", "backend", "step s", "rollout s (of roof)", "old-logprob fwd s", "update s", "other s",
                    "rollout share", "step speed-up", "Amdahl ceiling", "of ceiling"],
-                  map(row, sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"]))))
+                  map(row, points))
 
 
 def memory_table(points: list[dict[str, Any]]) -> str:
@@ -183,6 +184,19 @@ def memory_table(points: list[dict[str, Any]]) -> str:
 
     return _table(["N", "backend", "planned peak", "allocated peak", "plan error", "reserved peak", "device used"],
                   map(row, points))
+
+
+def report_tables(points: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The tables a sweep prints and its HTML report shows, each under its title: a full step's split and a GPU's
+    memory counters only where the points have them."""
+    tables = [("Points", points_table(points))]
+    if any(p.get("step_s") is not None for p in points):
+        tables.append(("One GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
+                       "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts",
+                       step_split_table(points)))
+    if any(p.get("peak_reserved_bytes") is not None for p in points):
+        tables.append(("Memory (GiB): the planner's prediction beside the measured peaks", memory_table(points)))
+    return tables
 
 
 def results_summary(results: Results | str | Path) -> str:

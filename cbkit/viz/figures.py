@@ -95,7 +95,7 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]
 
 def step_split_figure(points: Points) -> go.Figure:
     """Each `--full-step` point as a stacked bar of its phases, its step speed-up beside the Amdahl ceiling."""
-    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)), key=_order)
+    pts = [p for p in points if p.get("step_s") is not None or not _ok(p)]
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
     fig = go.Figure()
     phases = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
@@ -128,13 +128,11 @@ def step_split_figure(points: Points) -> go.Figure:
 
 def write_report(points: Points, path: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> Path:
     """An HTML page that opens offline: the run's settings, the charts, the tables `cbkit report` prints."""
-    from cbkit.measure.results import points_table, step_split_table
+    from cbkit.measure.results import report_tables
 
     figures = [throughput_vs_n(points), memory_vs_n(points)]
-    tables = [points_table([dict(p) for p in sorted(points, key=_order)])]
     if any(p.get("step_s") is not None for p in points):  # a full-step sweep: where the step's time went
         figures.append(step_split_figure(points))
-        tables.append(step_split_table([dict(p) for p in points]))
     esc = html.escape
     charts = "\n".join(f.to_html(full_html=False, include_plotlyjs=i == 0) for i, f in enumerate(figures))
     meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
@@ -146,8 +144,7 @@ th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
 <h1>cbkit N-sweep: each backend against <code>generate()</code> at the same N, in one process</h1>
 <table>{meta_rows}</table>
 {charts}
-<h2>Points</h2>
-{"".join(f"<pre>{esc(t)}</pre>" for t in tables)}
+{"".join(f"<h2>{esc(title)}</h2><pre>{esc(table)}</pre>" for title, table in report_tables([dict(p) for p in points]))}
 </body></html>
 """
     path = Path(path)
@@ -158,10 +155,6 @@ th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
 
 def _ok(p: Mapping[str, Any]) -> bool:
     return p.get("status", "ok") == "ok"
-
-
-def _order(p: Mapping[str, Any]) -> tuple[int, bool, str]:
-    return p["N"], p["backend"] != "generate", p["backend"]  # by N, generate() first: the reference
 
 
 def _backends(points: Points) -> list[str]:
