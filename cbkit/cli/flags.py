@@ -11,7 +11,6 @@ from typing import Any
 
 
 def given_fields(args: argparse.Namespace, dtype: type) -> dict[str, Any]:
-    """The fields of `dtype` that were given as flags, as the dataclass takes them."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(dtype) if f.name in vars(args)}
 
 

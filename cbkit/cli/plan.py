@@ -43,7 +43,6 @@ class PlanConfig:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """The planner's one page: both backends' planned peaks at N, the lower one, and the crossover N."""
     from cbkit.measure.planner import crossover_n, plan
     from cbkit.models.load import load_config
     from cbkit.telemetry import fmt_bytes, kv_bytes_per_token

@@ -85,7 +85,6 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def add_sweep(sub: argparse._SubParsersAction) -> None:
-    """`cbkit sweep` (every `SweepConfig` field a flag, plus the GPU preset and its dry run) and `cbkit report`."""
     from cbkit.measure.sweep_config import SweepConfig
 
     sweep = sub.add_parser(

@@ -2,8 +2,7 @@
 
 generate() keeps every row's KV, grown to the longest prompt + ``max_new_tokens``, until the last row finishes; the
 CB engine allocates one pool up front (sized by `cbkit.rollout.admission`) plus its largest batch's activations.
-Every sweep run records the plan's error. Full and sliding-window attention only.
-"""
+Every sweep run records the plan's error. Full and sliding-window attention only."""
 
 from __future__ import annotations
 

@@ -121,9 +121,7 @@ def amdahl_ceiling(rollout_share: float, rollout_speedup: float) -> float:
 
 
 def _ratio(a, b) -> float | None:
-    if a is None or not b:
-        return None
-    return a / b
+    return None if a is None or not b else a / b
 
 
 def load_runs(path: str | Path) -> list[dict[str, Any]]:
@@ -159,8 +157,7 @@ def points_table(points: list[dict[str, Any]]) -> str:
 
 
 def step_split_table(points: list[dict[str, Any]]) -> str:
-    """A full GRPO step per backend and N (`--full-step`): each phase's seconds, the rollout's share, the step's
-    speed-up over generate() beside its Amdahl ceiling."""
+    """A full step (`--full-step`): each phase's seconds, and its speed-up over generate() beside the Amdahl ceiling."""
     def row(p: dict[str, Any]) -> list[str]:
         if p["status"] != "ok":
             return [str(p["N"]), p["backend"], p["status"].upper(), *["—"] * 8]
@@ -187,8 +184,7 @@ def memory_table(points: list[dict[str, Any]]) -> str:
 
 
 def report_tables(points: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The tables a sweep prints and its HTML report shows, each under its title: a full step's split and a GPU's
-    memory counters only where the points have them."""
+    """The tables a sweep prints and its HTML report shows, each with its title, those the points have data for."""
     tables = [("Points", points_table(points))]
     if any(p.get("step_s") is not None for p in points):
         tables.append(("One GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "

@@ -2,8 +2,7 @@
 
 Both roofs are probed, never guessed (a matmul at the model's dtype and width, a read-bandwidth pass). Each decode
 step costs the longer of its FLOPs at the matmul peak and its bytes (weights once, each row's KV) at the bandwidth;
-summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul roof.
-"""
+summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul roof."""
 
 from __future__ import annotations
 
@@ -108,8 +107,8 @@ def _per_second(work: Callable[[], Any], device: torch.device, min_seconds: floa
 
 
 def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0.25, rounds: int = 3) -> dict[str, Any]:
-    """The best FLOP/s of a [rows x hidden] @ [hidden x intermediate] ``torch.mm`` at the model's dtype, the shapes
-    timed in turn for ``rounds`` rounds (one short pass per shape reads low and unevenly on a CPU)."""
+    """The best FLOP/s of a decode step's MLP matmul at the model's dtype, each shape timed in ``rounds`` rounds (one
+    short pass per shape reads low and unevenly on a CPU)."""
     shape = ModelShape.of(model.config)
     by_rows: dict[str, float] = {}
     for r in [r for _ in range(rounds) for r in rows]:

@@ -2,8 +2,7 @@
 
 One model load; at every N, `repeats` runs of each backend in alternating order, each appended to the results JSONL
 as it lands, both backends given the same length targets. Both roofs are probed before every N, and each run records
-its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by phase.
-"""
+its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by phase."""
 
 from __future__ import annotations
 
@@ -137,18 +136,14 @@ def oom_record(e: BaseException, peak_bytes: int | None, kind: str | None) -> di
 
 
 def lengths_record(completions) -> dict[str, Any]:
-    """A run's completion lengths, their mean / CV / max, the padding share of a static batch, the share truncated."""
     lengths = [len(c.completion_ids) for c in completions]
-    stats = length_stats(lengths)
-    return {"completion_lengths": lengths, "length_mean": stats["mean"], "length_cv": stats["cv"],
-            "length_max": stats["max"], "decode_padding_share": decode_padding_share(lengths),
+    return {"completion_lengths": lengths, **length_stats(lengths), "decode_padding_share": decode_padding_share(lengths),
             "truncated_share": statistics.mean(c.finish_reason == "length" for c in completions)}
 
 
 def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | None, probe: dict[str, Any],
                 dtype_bytes: int) -> dict[str, Any]:
-    """The attainable tokens/s of a rollout on the probed machine, the share reached, and which roof bound most
-    decode steps; without both peaks, None and ``roof_missing`` says why."""
+    """The rollout's attainable tokens/s on the probed machine, the share reached and the roof that bound most steps."""
     from cbkit.measure.roofline import rollout_roofline
 
     empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
@@ -186,8 +181,7 @@ def _keep_weights(model):
 
 
 def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] | None = None) -> dict[str, Any]:
-    """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times (rollout, old-logprob forward,
-    update, the rest); the weights are put back afterwards."""
+    """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times; the weights put back after."""
     from cbkit.telemetry import PeakMemory, release_memory
     from cbkit.train.config import CBGRPOConfig
     from cbkit.train.grpo import GRPOTrainer

@@ -194,7 +194,6 @@ def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, wind
 
 
 def step_mean(values: Sequence[Any]) -> float | None:
-    """The mean of the numbers among ``values`` (None where there are none)."""
     xs = [float(v) for v in values if isinstance(v, int | float)]
     return sum(xs) / len(xs) if xs else None
 
