@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbkit.cli.flags import dataclass_flags, given_fields
-from cbkit.measure.planner import DTYPE_BYTES
-from cbkit.models.load import DEFAULT_MODEL
+from cbkit.models.load import DEFAULT_MODEL, DTYPES
 from cbkit.teach.tiers.table import MACHINES, NOTEBOOKS
 from cbkit.train.config import _help, same_as
 
@@ -25,15 +24,15 @@ class PlanConfig:
     mean_completion_len: float | None = _help("mean completion length in tokens, if known", default=None)
     budget_gb: float | None = _help("GiB free after loading the weights (needed for cuda)", default=None)
     device: str | None = _help("cuda or cpu; cuda when --budget-gb is given, else cpu", default=None)
-    dtype: str | None = _help(f"one of {', '.join(DTYPE_BYTES)} (default bf16 on cuda, fp32 on cpu)", default=None)
+    dtype: str | None = _help(f"one of {', '.join(DTYPES)} (default bf16 on cuda, fp32 on cpu)", default=None)
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
             raise ValueError(f"-N must be >= 1, got {self.num_generations}.")
         if self.budget_gb is not None and not self.budget_gb > 0:
             raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {self.budget_gb}.")
-        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}; got {self.dtype!r}.")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}.")
         if self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"--device must be cuda or cpu; got {self.device!r}.")
         self.device = self.device or ("cuda" if self.budget_gb is not None else "cpu")
@@ -48,7 +47,7 @@ def _plan(args: argparse.Namespace) -> int:
     from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 
     a = PlanConfig(**given_fields(args, PlanConfig))
-    dtype_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (2 if a.device == "cuda" else 4)
+    dtype_bytes = DTYPES[a.dtype].itemsize if a.dtype else (2 if a.device == "cuda" else 4)
     sizes: dict[str, Any] = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
                                  mean_completion_len=a.mean_completion_len, dtype_bytes=dtype_bytes, device=a.device,
                                  budget_bytes=int(a.budget_gb * 1024**3) if a.budget_gb is not None else None)

@@ -19,8 +19,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
-    if args.preset:  # before any model is loaded
-        check_preset_device(args.preset, dry_run=args.dry_run, dtype=getattr(args, "dtype", None))
+    if args.preset and not args.dry_run:  # before any model is loaded; a dry run runs on this CPU
+        check_preset_device(args.preset, dtype=getattr(args, "dtype", None))
     fields = {**(PRESETS[args.preset] if args.preset else {}), **(DRY_RUN if args.dry_run else {}),
               **given_fields(args, SweepConfig)}
     cfg = SweepConfig(**fields)

@@ -14,12 +14,10 @@ from typing import Any, Literal
 import torch
 
 from cbkit.measure.roofline import Shape
-from cbkit.models.load import DTYPES
 from cbkit.rollout.admission import admission, blocks_needed
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.telemetry import fmt_bytes
 
-DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)

@@ -163,11 +163,12 @@ class _Measured:
     none), its rollout kept for the record."""
 
     def __init__(self, backend, targets: Sequence[int] | None) -> None:
-        self.backend, self.targets, self.name, self.rollout = backend, targets, backend.name, None
+        self.backend, self.targets, self.name = backend, targets, backend.name
+        self.rollout: Any = None
 
-    def generate(self, prompts, num_generations, sampling, *, prompt_names=None):
+    def generate(self, prompts, num_generations, sampling, *, prompt_names=None, target_lengths=None):
         self.rollout = self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
-                                             target_lengths=self.targets)
+                                             target_lengths=self.targets if target_lengths is None else target_lengths)
         return self.rollout
 
 

@@ -13,8 +13,6 @@ from cbkit.measure.workload import LengthWorkload, parse_lengths
 from cbkit.rollout import BACKENDS
 from cbkit.train.config import _help
 
-DEFAULT_NS = (8, 16, 32, 64)
-
 
 @dataclass
 class SweepConfig:
@@ -23,7 +21,7 @@ class SweepConfig:
     model: str = _help("smollm2-offline, tiny, a hub id or a local directory", default="smollm2-offline")
     data: str = _help("synthetic (offline), gsm8k-local, gsm8k[:split] (hub), or a .jsonl path", default="synthetic")
     num_prompts: int = _help("prompts per rollout", default=1)
-    ns: tuple[int, ...] = _help("N values (completions per prompt), comma- or space-separated", default=DEFAULT_NS)
+    ns: tuple[int, ...] = _help("N values (completions per prompt), comma- or space-separated", default=(8, 16, 32, 64))
     backends: tuple[str, ...] = _help("backends to compare; generate must be one (ratios are to it)",
                                       default=("generate", "continuous"))
     repeats: int = _help("runs per point; the median is reported", default=2)
@@ -99,12 +97,10 @@ def trainer_state_bytes(model) -> int:
     return TRAINER_STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None = None) -> None:
+def check_preset_device(preset: str, *, dtype: str | None = None) -> None:
     """A GPU preset without CUDA, or in bf16 on a GPU that only emulates it (a T4), fails before any model loads."""
     from cbkit.models.load import DTYPES, native_bf16
 
-    if dry_run:
-        return
     if torch.cuda.is_available():
         run_dtype = dtype or PRESETS[preset].get("dtype")
         if run_dtype is not None and DTYPES.get(run_dtype) == torch.bfloat16 and not native_bf16():

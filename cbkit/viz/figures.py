@@ -40,8 +40,7 @@ def throughput_vs_n(points: Points) -> go.Figure:
 
 
 def memory_vs_n(points: Points) -> go.Figure:
-    """Peak memory vs N per backend: measured (solid), analytic KV (dashed), the planner's prediction (open
-    diamonds, when the points carry one); under each N, the memory ratio to generate()."""
+    """Peak memory vs N per backend: measured, analytic KV and the planner's; under each N, the ratio to generate()."""
     keys = ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")
     biggest = max((p.get(k) or 0 for p in points for k in keys), default=0)
     unit, scale = ("GiB", 1024**3) if biggest >= 2 * 1024**3 else ("MiB", 1024**2)
