@@ -396,7 +396,8 @@ def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp
     assert "no bytes_per_s (bandwidth probe failed" in capsys.readouterr().out
     summary = results.results_summary(out)
     assert "read bandwidth: missing (bandwidth probe failed: RuntimeError: no bandwidth here)" in summary
-    assert _row(results.points_table(points), "generate")[-3:-1] == ["—", "—"]  # roof and share of it: empty, not zero
+    # roof and share of it: empty, not zero
+    assert _row(results.points_table(points), "generate")[-3:-1] == ["—", "—"]
 
 
 def test_without_a_matmul_probe_there_is_no_mfu_and_no_roof(tiny, tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 Both roofs are probed, never guessed (a matmul at the model's dtype and width, a read-bandwidth pass). Each decode
 step costs the longer of its FLOPs at the matmul peak and its bytes (weights once, each row's KV) at the bandwidth;
-summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul roof."""
+summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul
+roof."""
 
 from __future__ import annotations
 

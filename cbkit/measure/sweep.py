@@ -2,7 +2,8 @@
 
 One model load; at every N, `repeats` runs of each backend in alternating order, each appended to the results JSONL
 as it lands, both backends given the same length targets. Both roofs are probed before every N, and each run records
-its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by phase."""
+its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by
+phase."""
 
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def oom_record(e: BaseException, peak_bytes: int | None, kind: str | None) -> di
 
 def lengths_record(completions) -> dict[str, Any]:
     lengths = [len(c.completion_ids) for c in completions]
-    return {"completion_lengths": lengths, **length_stats(lengths), "decode_padding_share": decode_padding_share(lengths),
+    return {"completion_lengths": lengths, **length_stats(lengths),
+            "decode_padding_share": decode_padding_share(lengths),
             "truncated_share": statistics.mean(c.finish_reason == "length" for c in completions)}
 
 

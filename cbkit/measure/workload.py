@@ -49,9 +49,9 @@ class LengthWorkload:
             return f"lengths: fixed (every completion runs to max_new_tokens={max_new_tokens}, EOS ignored)"
         s = length_stats(self.source_lengths)
         return (f"lengths: replay:gsm8k, GSM8K train reference solutions in SmolLM2 tokens, {len(self.source_lengths)} "
-                f"lengths (mean {s['length_mean']:.1f}, CV {s['length_cv']:.2f}, max {s['length_max']}); scaled x{max_new_tokens}/"
-                f"{p95(self.source_lengths)} (p95 -> max_new_tokens={max_new_tokens}), clipped to 1..{max_new_tokens}; "
-                "EOS ignored, each completion runs to its drawn target")
+                f"lengths (mean {s['length_mean']:.1f}, CV {s['length_cv']:.2f}, max {s['length_max']}); "
+                f"scaled x{max_new_tokens}/{p95(self.source_lengths)} (p95 -> max_new_tokens={max_new_tokens}), "
+                f"clipped to 1..{max_new_tokens}; EOS ignored, each completion runs to its drawn target")
 
 
 def parse_lengths(spec: str) -> LengthWorkload:
