@@ -169,19 +169,19 @@ def test_full_step_collects_the_last_points_garbage_before_its_baseline(tiny, tm
     import gc
     import weakref
 
-    import cbkit.telemetry as telemetry
+    import cbkit.measure.sweep as sweep
 
     class Cycle:
         pass
 
     alive_at_baseline = []
 
-    class Watched(telemetry.PeakMemory):
+    class Watched(sweep.PeakMemory):
         def __enter__(self):
             alive_at_baseline.append(left() is not None)
             return super().__enter__()
 
-    monkeypatch.setattr(telemetry, "PeakMemory", Watched)
+    monkeypatch.setattr(sweep, "PeakMemory", Watched)
     gc.disable()  # as in a long step: the cycle has outlived the young generations' collections
     try:
         garbage = Cycle()

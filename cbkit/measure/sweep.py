@@ -19,18 +19,23 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.jsonl import append_jsonl
+from cbkit.measure.planner import plan
 from cbkit.measure.results import ResultsFile, aggregate
-from cbkit.measure.roofline import machine_probe, matmul_params, mfu
+from cbkit.measure.roofline import machine_probe, matmul_params, mfu, rollout_roofline
 from cbkit.measure.sweep_config import SweepConfig, trainer_state_bytes
 from cbkit.measure.workload import decode_padding_share, length_stats
+from cbkit.rollout.engine_config import make_cb_config
+from cbkit.rollout.varlen_attention import NAME as VARLEN
+from cbkit.telemetry import PeakMemory, cuda_peaks, kv_accounting, release_memory
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.grpo import GRPOTrainer
+from cbkit.train.setup import set_up_run
+from cbkit.train.snapshots import WeightSnapshots
 
 
 def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str, Any]], None] | None = None,
               policy=None) -> list[dict[str, Any]]:
     """Run (or resume) the sweep; returns the aggregated points. `on_point` sees each run as it lands."""
-    from cbkit.telemetry import cuda_peaks
-    from cbkit.train.setup import set_up_run
-
     results = ResultsFile(out, cfg.fingerprint())
     todo = [(n, rep, b) for n_i, n in enumerate(cfg.ns) for rep in range(cfg.repeats)
             for b in (cfg.backends if (n_i + rep) % 2 == 0 else cfg.backends[::-1]) if not results.done(b, n, rep)]
@@ -86,8 +91,6 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
 def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
                 target_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """One timed rollout and what it cost; an OOM becomes a record. ``target_lengths`` replays a length workload."""
-    from cbkit.telemetry import kv_accounting
-
     try:
         rollout = backend.generate(prompts, n, sampling, target_lengths=target_lengths)
     except Exception as e:
@@ -106,10 +109,6 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
 def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
     """The planner's rollout peak for this point, with the attention the engine ran, and its error against the
     measured peak. With replayed targets the static batch runs to the longest one. A full step is not planned."""
-    from cbkit.measure.planner import plan
-    from cbkit.rollout.engine_config import make_cb_config
-    from cbkit.rollout.varlen_attention import NAME as VARLEN
-
     if cfg.full_step:
         return {}
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
@@ -146,8 +145,6 @@ def lengths_record(completions) -> dict[str, Any]:
 def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | None, probe: dict[str, Any],
                 dtype_bytes: int) -> dict[str, Any]:
     """The rollout's attainable tokens/s on the probed machine, the share reached and the roof that bound most steps."""
-    from cbkit.measure.roofline import rollout_roofline
-
     empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
     if missing := probe["probe_missing"]:
         return {**empty, "roof_missing": "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))}
@@ -176,8 +173,6 @@ class _Measured:
 
 def _keep_weights(model):
     """The weights a measured step puts back, in a file: a copy in memory would sit beside the step's peak."""
-    from cbkit.train.snapshots import WeightSnapshots
-
     kept = WeightSnapshots(1, "disk")
     kept.append(0, model)
     return kept
@@ -185,10 +180,6 @@ def _keep_weights(model):
 
 def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] | None = None) -> dict[str, Any]:
     """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times; the weights put back after."""
-    from cbkit.telemetry import PeakMemory, release_memory
-    from cbkit.train.config import CBGRPOConfig
-    from cbkit.train.grpo import GRPOTrainer
-
     model, measured = setup.model, _Measured(backend, targets)
     saved = _keep_weights(model)
     config = CBGRPOConfig(model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(setup.problems),
