@@ -17,6 +17,7 @@ from cbkit.measure.roofline import Shape
 from cbkit.rollout.admission import admission, blocks_needed
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.telemetry import fmt_bytes
+from cbkit.train.batch import logits_bytes
 
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
@@ -198,8 +199,6 @@ def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, c
                    autocast: bool, chunk_rows: int | None = None) -> dict[str, int]:
     """What a training step holds at once, by part: the optimizer state, one forward's loss logits and its saved
     activations, for the micro-batch or `chunk_rows` of it (the loop's `forward_chunk_rows`)."""
-    from cbkit.train.batch import logits_bytes
-
     rows = micro_batch_rows if chunk_rows is None else min(chunk_rows, micro_batch_rows)
     parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
              "logits": logits_bytes(rows, completion_len, Shape.of(config).vocab),

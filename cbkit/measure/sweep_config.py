@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 
+from cbkit import __version__
 from cbkit.measure.workload import LengthWorkload, parse_lengths
+from cbkit.models.load import DTYPES, native_bf16, training_precision
 from cbkit.rollout import BACKENDS
 from cbkit.train.config import _help
 
@@ -63,22 +66,16 @@ class SweepConfig:
         if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
             raise ValueError(f"forward_chunk_rows must be >= 1 or None, got {self.forward_chunk_rows}.")
         if self.full_step:  # a whole step trains fp32 weights; dtype is its autocast, refused here as the loop would
-            from cbkit.models.load import training_precision
-
             training_precision(self.dtype or "auto", "cuda" if torch.cuda.is_available() else "cpu")
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs comparable. ns, backends and repeats may grow between reruns; nothing else."""
-        import transformers
-
-        import cbkit
-
         keep = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ns", "backends", "repeats")}
         if not self.full_step:  # a rollout-only sweep runs no training forward
             keep.pop("forward_chunk_rows")
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         return {**keep, "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-                "cbkit": cbkit.__version__}
+                "cbkit": __version__}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -99,8 +96,6 @@ def trainer_state_bytes(model) -> int:
 
 def check_preset_device(preset: str, *, dtype: str | None = None) -> None:
     """A GPU preset without CUDA, or in bf16 on a GPU that only emulates it (a T4), fails before any model loads."""
-    from cbkit.models.load import DTYPES, native_bf16
-
     if torch.cuda.is_available():
         run_dtype = dtype or PRESETS[preset].get("dtype")
         if run_dtype is not None and DTYPES.get(run_dtype) == torch.bfloat16 and not native_bf16():
