@@ -23,6 +23,7 @@ from cbkit.train.batch import logits_bytes
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
+_FIT = {None: "", True: " (fits)", False: " (DOES NOT FIT)"}  # fits is None without a budget
 _ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager", "varlen": VARLEN}
 
 
@@ -64,10 +65,10 @@ class Plan:
     def summary(self) -> str:
         g, c = self.generate, self.continuous
         return "\n".join([
-            f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
+            f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_FIT[g.fits]}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
             f"x {g.padded_len} positions) + last step {fmt_bytes(g.decode_transient_bytes)}"
             + (f" + CPU heap slack {fmt_bytes(g.cpu_heap_slack_bytes)}" if g.cpu_heap_slack_bytes else ""),
-            f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_fit(c.fits)}  pool {fmt_bytes(c.cache_tensor_bytes)} "
+            f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_FIT[c.fits]}  pool {fmt_bytes(c.cache_tensor_bytes)} "
             f"({c.num_blocks} blocks x {c.page_size} tokens, sized by {c.sized_by}, {c.full_length_sequences} "
             f"sequences at full length) + mask {fmt_bytes(c.buffer_bytes)} + transients {fmt_bytes(c.transient_bytes)}",
             *[f"note: {n}" for n in self.notes]])
@@ -189,10 +190,6 @@ def _plan_generate(s: Shape, layer_token: int, sliding: int, window: int | None,
                + rows * s.vocab * (a + 4))
     peak = max(kv + slack + decode, prefill)
     return GeneratePlan(rows, length, kv, prefill, decode, peak, None if budget is None else peak <= budget, slack)
-
-
-def _fit(fits: bool | None) -> str:
-    return "" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")
 
 
 def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
