@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbkit.cli.flags import dataclass_flags, given_fields
-from cbkit.models.load import DEFAULT_MODEL, DTYPES
+from cbkit.measure.planner import crossover_n, plan
+from cbkit.models.load import DEFAULT_MODEL, DTYPES, load_config
+from cbkit.teach.tiers.plan import plan_notebook
 from cbkit.teach.tiers.table import MACHINES, NOTEBOOKS
+from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
 from cbkit.train.config import _help, same_as
 
 
@@ -42,10 +45,6 @@ class PlanConfig:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from cbkit.measure.planner import crossover_n, plan
-    from cbkit.models.load import load_config
-    from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
-
     a = PlanConfig(**given_fields(args, PlanConfig))
     dtype_bytes = DTYPES[a.dtype].itemsize if a.dtype else (2 if a.device == "cuda" else 4)
     sizes: dict[str, Any] = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
@@ -71,8 +70,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from cbkit.teach.tiers.plan import plan_notebook
-
     plans = [plan_notebook(n, m) for n in args.notebooks or NOTEBOOKS for m in args.gpus or MACHINES]
     print(f"{'notebook':23} {'GPU':8} {'peak of memory':>24} {'host RAM':>10} {'engine start of free':>24}  verdict")
     print("\n".join(p.line() for p in plans))
