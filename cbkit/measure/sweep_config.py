@@ -57,9 +57,7 @@ class SweepConfig:
             raise ValueError(f"Unknown backend(s) {unknown or '(none given)'}; choose from {sorted(BACKENDS)}.")
         if "generate" not in self.backends:
             raise ValueError("The sweep reports ratios to generate(): keep 'generate' in the backends.")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}.")
-        for name in ("num_prompts", "max_new_tokens"):
+        for name in ("repeats", "num_prompts", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         self.workload: LengthWorkload = parse_lengths(self.lengths)  # checked before any model time
