@@ -19,13 +19,13 @@ from cbkit.jsonl import read_jsonl
 
 PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
            "#CCB974", "#64B5CD")
-BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
+BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1]}
 TEMPLATE = "plotly_white"
 Points = Sequence[Mapping[str, Any]]
 
 
 def backend_color(backend: str) -> str:
-    """A backend's colour: fixed for the three cbkit knows, else a stable pick (crc32, unlike hash())."""
+    """A backend's colour: fixed for cbkit's two, else a stable pick (crc32, unlike hash())."""
     return BACKEND_COLORS.get(backend, PALETTE[zlib.crc32(backend.encode()) % len(PALETTE)])
 
 
@@ -170,8 +170,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, window: int = 3,
                  title: str = "Reward per step") -> go.Figure:
-    """Each metric per step (dots) and its trailing mean over ``window`` steps (line); held-out ``eval/*``
-    metrics as measured, step 0 included (each point already averages many unseen completions)."""
+    """Each metric per step and its trailing mean over ``window`` steps; held-out ``eval/*`` as measured, step 0
+    included (each point already averages many unseen completions)."""
     fig = go.Figure()
     for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
         color = PALETTE[i % len(PALETTE)]
