@@ -139,11 +139,10 @@ if [ "$DRY" = 1 ]; then dry=(--dry-run); long_ns=4; short_ns=2; else dry=(); lon
 [ -f "$STATE/pool.json" ] || "$PYTHON" - "$STATE/pool.json" "$DRY" <<'EOF' || log "pool: FAILED"
 import json, sys
 import torch
-from cbkit.measure import roofline
 from cbkit.measure.sweep_config import DRY_RUN, PRESETS, TRAINER_STATE_COPIES
 from cbkit.rollout.admission import admission
 from cbkit.teach.tiers.plan import parameter_count, plan_config
-from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES, PROMPT_LEN
+from cbkit.teach.tiers.table import CAPABILITY, CUDA_CONTEXT_BYTES, DEVICE_BYTES, PROMPT_LEN
 
 preset = {**PRESETS["trl-benchmark"], **(DRY_RUN if sys.argv[2] == "1" else {})}
 config = plan_config(preset["model"])
@@ -156,7 +155,7 @@ used = CUDA_CONTEXT_BYTES + resident
 # A dry run's tiny model would get tens of GB of pool from an A100-80 (allocated on this CPU): it asks the same check
 # for a device with 256 MiB beside what is resident, and batches of 256 tokens (the mask of 8192 would not fit).
 dry = sys.argv[2] == "1"
-total = used + 256 * 2**20 if dry else roofline.GPUS["a100-80"].memory_bytes
+total = used + 256 * 2**20 if dry else DEVICE_BYTES["a100-80"]
 pool_setting = {"max_memory_percent": 0.5, **({"max_batch_tokens": 256} if dry else {})}
 a = admission(config, pool_setting, dtype=dtype, rows=rows, max_new_tokens=preset["max_new_tokens"],
               total_bytes=total, used_bytes=used,

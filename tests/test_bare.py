@@ -222,5 +222,5 @@ def test_gpu_tables_from_hand_made_runs():
     c = next(p for p in points if p["backend"] == "continuous")
     assert (g["rollout_s"], g["peak_reserved_bytes"], g["device_used_bytes"]) == (44.0, 11e9, 13e9)
     assert c["rollout_s"] == 31.5
-    mem = next(r for r in memory_table(points).splitlines() if r.startswith("| 32 | continuous"))
-    assert mem == "| 32 | continuous | 2.00 | 2.00 | +50% | 18.63 | 19.56 |"
+    mem = next(r for r in memory_table(points).splitlines() if " continuous |" in r)
+    assert [c.strip() for c in mem.split("|")[1:-1]] == ["32", "continuous", "2.00", "2.00", "+50%", "18.63", "19.56"]

@@ -229,13 +229,7 @@ def _t4_start(pool: dict):
     s = table.sizes_for("03_n_sweep", "t4")
     return admission(plan_config(s.model), pool, dtype=torch.float16,
                      rows=[range(table.PROMPT_LEN)] * s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens,
-                     total_bytes=roofline_memory("t4"), used_bytes=GiB, capability=T4)
-
-
-def roofline_memory(machine: str) -> int:
-    from cbkit.measure.roofline import GPUS
-
-    return GPUS[machine].memory_bytes
+                     total_bytes=table.DEVICE_BYTES["t4"], used_bytes=GiB, capability=T4)
 
 
 def _engines_own_attention():

@@ -13,6 +13,11 @@ from cbkit.measure.sweep import run_sweep
 from cbkit.measure.sweep_config import SweepConfig
 
 
+def _row(table: str, backend: str) -> list[str]:
+    """The cells of a markdown table's row for ``backend``."""
+    return [c.strip() for c in next(r for r in table.splitlines() if f" {backend} |" in r).split("|")[1:-1]]
+
+
 def _cfg(**kw):
     base = dict(model="tiny", ns=(1, 2), repeats=2, max_new_tokens=6, num_prompts=1)
     return SweepConfig(**{**base, **kw})
@@ -164,19 +169,19 @@ def test_full_step_collects_the_last_points_garbage_before_its_baseline(tiny, tm
     import gc
     import weakref
 
-    import cbkit.telemetry as telemetry
+    import cbkit.measure.sweep as sweep
 
     class Cycle:
         pass
 
     alive_at_baseline = []
 
-    class Watched(telemetry.PeakMemory):
+    class Watched(sweep.PeakMemory):
         def __enter__(self):
             alive_at_baseline.append(left() is not None)
             return super().__enter__()
 
-    monkeypatch.setattr(telemetry, "PeakMemory", Watched)
+    monkeypatch.setattr(sweep, "PeakMemory", Watched)
     gc.disable()  # as in a long step: the cycle has outlived the young generations' collections
     try:
         garbage = Cycle()
@@ -217,7 +222,7 @@ def test_full_step_replays_the_workload_and_splits_the_step(tiny, tmp_path):
     assert g["amdahl_ceiling"] == pytest.approx(1.0)
     table = results.step_split_table(points)
     assert table.count("\n") == 3 and "Amdahl ceiling" in table
-    assert f"| 3 | continuous | {c['step_s']:.2f} |" in table
+    assert _row(table, "continuous")[:3] == ["3", "continuous", f"{c['step_s']:.2f}"]
 
 
 def test_amdahl_ceiling_by_hand():
@@ -247,10 +252,10 @@ def test_full_step_tables_on_results_without_lengths(tmp_path, capsys):
 
     points = aggregate(_old_full_step_runs())
     split = results.step_split_table(points)
-    assert "| 8 | continuous | 32.50 | 16.10 (—) | — | — | — |" in split
+    assert _row(split, "continuous")[:7] == ["8", "continuous", "32.50", "16.10 (—)", "—", "—", "—"]
     # generate()'s rollout was 10.9 / 29.1 of its step; CB's rollout 10.9 / 16.1 as fast
     ceiling = 1 / ((1 - 10.9 / 29.1) + (10.9 / 29.1) * 16.1 / 10.9)
-    assert f"| {ceiling:.2f}x |" in split
+    assert _row(split, "continuous")[9] == f"{ceiling:.2f}x"
     results.points_table(points)
     path = tmp_path / "old.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in [{"kind": "header", "fingerprint": {"model": "tiny",
@@ -391,8 +396,8 @@ def test_a_probe_that_cannot_run_leaves_its_columns_empty_and_says_why(tiny, tmp
     assert "no bytes_per_s (bandwidth probe failed" in capsys.readouterr().out
     summary = results.results_summary(out)
     assert "read bandwidth: missing (bandwidth probe failed: RuntimeError: no bandwidth here)" in summary
-    row = next(line for line in results.points_table(points).splitlines() if " generate " in line)
-    assert row.split()[-3:-1] == ["-", "-"]  # roof and share of it: empty, not zero
+    # roof and share of it: empty, not zero
+    assert _row(results.points_table(points), "generate")[-3:-1] == ["—", "—"]
 
 
 def test_without_a_matmul_probe_there_is_no_mfu_and_no_roof(tiny, tmp_path, monkeypatch):

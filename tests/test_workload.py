@@ -31,8 +31,8 @@ def test_scaling_maps_p95_to_the_limit_and_clips():
 
 def test_length_stats_and_padding_share_by_hand():
     s = length_stats([2, 4, 6])
-    assert s["mean"] == 4 and s["max"] == 6
-    assert s["cv"] == pytest.approx((8 / 3) ** 0.5 / 4)  # population sd sqrt(8/3) over mean 4
+    assert s["length_mean"] == 4 and s["length_max"] == 6
+    assert s["length_cv"] == pytest.approx((8 / 3) ** 0.5 / 4)  # population sd sqrt(8/3) over mean 4
     # one batch: 3 rows x 6 steps = 18 slots for 12 useful tokens
     assert decode_padding_share([2, 4, 6]) == pytest.approx(1 / 3)
     assert decode_padding_share([5, 5, 5]) == 0
@@ -44,7 +44,8 @@ def test_shipped_gsm8k_lengths():
     lengths = gsm8k_solution_lengths()
     assert len(lengths) == 7473
     s = length_stats(lengths)
-    assert round(s["mean"]) == 125 and round(s["cv"], 2) == 0.44 and s["max"] == 454 and p95(lengths) == 232
+    assert round(s["length_mean"]) == 125 and round(s["length_cv"], 2) == 0.44 and s["length_max"] == 454
+    assert p95(lengths) == 232
 
 
 def test_kinds_and_draws():

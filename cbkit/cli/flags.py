@@ -11,7 +11,6 @@ from typing import Any
 
 
 def given_fields(args: argparse.Namespace, dtype: type) -> dict[str, Any]:
-    """The fields of `dtype` that were given as flags, as the dataclass takes them."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(dtype) if f.name in vars(args)}
 
 
@@ -57,11 +56,6 @@ class _ListFlag(argparse._StoreAction):
         setattr(namespace, self.dest, None if None in values else [x for part in values for x in part])
 
 
-def _named(fn, name: str):
-    fn.__name__ = name  # argparse names the type in "invalid <name> value" errors
-    return fn
-
-
 def _json_value(flag: str):
     def parse(text: str) -> dict:
         try:
@@ -73,7 +67,7 @@ def _json_value(flag: str):
             raise argparse.ArgumentTypeError(f"{flag} must be a JSON object of settings ({{...}}), got {text!r}.")
         return value
 
-    return _named(parse, "JSON")
+    return parse
 
 
 def _comma_list(item: type, flag: str):
@@ -84,11 +78,12 @@ def _comma_list(item: type, flag: str):
             kind = "integers like 8,16,32,64" if item is int else f"{item.__name__} values"
             raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind}; got {text!r}.") from None
 
-    return _named(parse, f"{item.__name__} list")
+    return parse
 
 
 def _or_none(parse):
     def convert(text: str):
         return None if text.lower() == "none" else parse(text)
 
-    return _named(convert, getattr(parse, "__name__", "value"))
+    convert.__name__ = getattr(parse, "__name__", "value")  # argparse names the type in "invalid <name> value" errors
+    return convert

@@ -7,14 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbkit.cli.flags import dataclass_flags, given_fields
-from cbkit.measure.planner import DTYPE_BYTES
-from cbkit.models.load import DEFAULT_MODEL
+from cbkit.measure.planner import crossover_n, plan
+from cbkit.models.load import DEFAULT_MODEL, DTYPES, load_config
+from cbkit.teach.tiers.plan import plan_notebook
 from cbkit.teach.tiers.table import MACHINES, NOTEBOOKS
-from cbkit.train.config import same_as
-
-
-def _flag(text: str, default=None, *aliases: str):
-    return field(default=default, metadata={"help": text, **({"aliases": list(aliases)} if aliases else {})})
+from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
+from cbkit.train.config import _help, same_as
 
 
 @dataclass
@@ -22,22 +20,22 @@ class PlanConfig:
     """What `cbkit plan` is asked: every field is a flag (`cbkit.cli.flags.dataclass_flags`). Only -N is required."""
 
     num_generations: int = same_as("num_generations", aliases=("-N",))
-    model: str = _flag("the model whose config is planned (no weights loaded)", DEFAULT_MODEL)
-    num_prompts: int = _flag("prompts per rollout", 8, "--prompts")
-    prompt_len: int = _flag("longest prompt, tokens", 256)
+    model: str = _help("the model whose config is planned (no weights loaded)", default=DEFAULT_MODEL)
+    num_prompts: int = field(default=8, metadata={"help": "prompts per rollout", "aliases": ["--prompts"]})
+    prompt_len: int = _help("longest prompt, tokens", default=256)
     max_new_tokens: int = same_as("max_completion_length", default=512)
-    mean_completion_len: float | None = _flag("mean completion length in tokens, if known")
-    budget_gb: float | None = _flag("GiB free after loading the weights (needed for cuda)")
-    device: str | None = _flag("cuda or cpu; cuda when --budget-gb is given, else cpu")
-    dtype: str | None = _flag(f"one of {', '.join(DTYPE_BYTES)} (default bf16 on cuda, fp32 on cpu)")
+    mean_completion_len: float | None = _help("mean completion length in tokens, if known", default=None)
+    budget_gb: float | None = _help("GiB free after loading the weights (needed for cuda)", default=None)
+    device: str | None = _help("cuda or cpu; cuda when --budget-gb is given, else cpu", default=None)
+    dtype: str | None = _help(f"one of {', '.join(DTYPES)} (default bf16 on cuda, fp32 on cpu)", default=None)
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
             raise ValueError(f"-N must be >= 1, got {self.num_generations}.")
         if self.budget_gb is not None and not self.budget_gb > 0:
             raise ValueError(f"--budget-gb must be > 0 (GiB free after loading the weights), got {self.budget_gb}.")
-        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}; got {self.dtype!r}.")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}.")
         if self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"--device must be cuda or cpu; got {self.device!r}.")
         self.device = self.device or ("cuda" if self.budget_gb is not None else "cpu")
@@ -47,13 +45,8 @@ class PlanConfig:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """The planner's one page: both backends' planned peaks at N, the lower one, and the crossover N."""
-    from cbkit.measure.planner import crossover_n, plan
-    from cbkit.models.load import load_config
-    from cbkit.telemetry import fmt_bytes, kv_bytes_per_token
-
     a = PlanConfig(**given_fields(args, PlanConfig))
-    dtype_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (2 if a.device == "cuda" else 4)
+    dtype_bytes = DTYPES[a.dtype].itemsize if a.dtype else (2 if a.device == "cuda" else 4)
     sizes: dict[str, Any] = dict(num_prompts=a.num_prompts, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens,
                                  mean_completion_len=a.mean_completion_len, dtype_bytes=dtype_bytes, device=a.device,
                                  budget_bytes=int(a.budget_gb * 1024**3) if a.budget_gb is not None else None)
@@ -77,8 +70,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from cbkit.teach.tiers.plan import plan_notebook
-
     plans = [plan_notebook(n, m) for n in args.notebooks or NOTEBOOKS for m in args.gpus or MACHINES]
     print(f"{'notebook':23} {'GPU':8} {'peak of memory':>24} {'host RAM':>10} {'engine start of free':>24}  verdict")
     print("\n".join(p.line() for p in plans))

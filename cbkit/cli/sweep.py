@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from csv import DictWriter
 from pathlib import Path
 
 from cbkit.cli.flags import dataclass_flags, given_fields
@@ -18,8 +19,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
     if args.dry_run and not args.preset:
         raise ValueError("--dry-run runs a preset at test size on CPU: give --preset too (e.g. --preset trl-benchmark).")
-    if args.preset:  # before any model is loaded
-        check_preset_device(args.preset, dry_run=args.dry_run, dtype=getattr(args, "dtype", None))
+    if args.preset and not args.dry_run:  # before any model is loaded; a dry run runs on this CPU
+        check_preset_device(args.preset, dtype=getattr(args, "dtype", None))
     fields = {**(PRESETS[args.preset] if args.preset else {}), **(DRY_RUN if args.dry_run else {}),
               **given_fields(args, SweepConfig)}
     cfg = SweepConfig(**fields)
@@ -54,16 +55,12 @@ def _print_results(points, out: Path, fingerprint: dict) -> None:
     from cbkit.measure import results
 
     print(results.results_summary(out))
-    print(results.points_table(points))
-    if any(p.get("step_s") is not None for p in points):
-        print("\nOne GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
-              "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts")
-        print(results.step_split_table(points))
-    if any(p.get("peak_reserved_bytes") is not None for p in points):  # a GPU run: every memory counter
-        print("\nMemory (GiB): the planner's prediction beside the measured peaks")
-        print(results.memory_table(points))
+    print("\n\n".join(f"{title}\n{table}" for title, table in results.report_tables(points)))
     csv = out.with_suffix(".csv")
-    results.write_csv(points, csv)
+    with open(csv, "w", newline="") as f:
+        table = DictWriter(f, fieldnames=list(dict.fromkeys(k for p in points for k in p)))
+        table.writeheader()
+        table.writerows(points)
     if not has_plotly():  # a bare GPU box still gets the JSONL, the CSV and the tables
         print(f"results: {out} (JSONL), {csv} (CSV). No HTML report: it needs plotly (pip install plotly); "
               f"run `cbkit report {out}` on a machine that has it.")
@@ -88,7 +85,6 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def add_sweep(sub: argparse._SubParsersAction) -> None:
-    """`cbkit sweep` (every `SweepConfig` field a flag, plus the GPU preset and its dry run) and `cbkit report`."""
     from cbkit.measure.sweep_config import SweepConfig
 
     sweep = sub.add_parser(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from cbkit.cli.flags import dataclass_flags, given_fields
+from cbkit.cli.sweep import has_plotly
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -47,10 +49,6 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from cbkit.cli.sweep import has_plotly
-
     if not has_plotly():
         raise ModuleNotFoundError("cbkit plot draws with plotly: pip install plotly.")
     from cbkit.viz.figures import read_metrics, reward_curve

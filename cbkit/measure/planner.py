@@ -2,8 +2,7 @@
 
 generate() keeps every row's KV, grown to the longest prompt + ``max_new_tokens``, until the last row finishes; the
 CB engine allocates one pool up front (sized by `cbkit.rollout.admission`) plus its largest batch's activations.
-Every sweep run records the plan's error. Full and sliding-window attention only.
-"""
+Every sweep run records the plan's error. Full and sliding-window attention only."""
 
 from __future__ import annotations
 
@@ -15,16 +14,16 @@ from typing import Any, Literal
 import torch
 
 from cbkit.measure.roofline import Shape
-from cbkit.models.load import DTYPES
 from cbkit.rollout.admission import admission, blocks_needed
 from cbkit.rollout.varlen_attention import NAME as VARLEN
 from cbkit.telemetry import fmt_bytes
+from cbkit.train.batch import logits_bytes
 
-DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # glibc's largest dynamic mmap threshold on 64-bit Linux (malloc(3)): a larger block is handed back when freed.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 CPU_HEAP_SLACK, CPU_HEAP_SLACK_MAX = 0.46, 6 * GLIBC_MMAP_THRESHOLD_MAX  # generate()'s cache: share, cap (fitted)
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 master weights, their gradients and AdamW's two moments: 4 + 4 + 8
+_FIT = {None: "", True: " (fits)", False: " (DOES NOT FIT)"}  # fits is None without a budget
 _ATTENTION = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager", "varlen": VARLEN}
 
 
@@ -66,10 +65,10 @@ class Plan:
     def summary(self) -> str:
         g, c = self.generate, self.continuous
         return "\n".join([
-            f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_fit(g.fits)}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
+            f"generate():  peak {fmt_bytes(g.peak_bytes):>10}{_FIT[g.fits]}  KV {fmt_bytes(g.kv_bytes)} ({g.rows} rows "
             f"x {g.padded_len} positions) + last step {fmt_bytes(g.decode_transient_bytes)}"
             + (f" + CPU heap slack {fmt_bytes(g.cpu_heap_slack_bytes)}" if g.cpu_heap_slack_bytes else ""),
-            f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_fit(c.fits)}  pool {fmt_bytes(c.cache_tensor_bytes)} "
+            f"continuous:  peak {fmt_bytes(c.peak_bytes):>10}{_FIT[c.fits]}  pool {fmt_bytes(c.cache_tensor_bytes)} "
             f"({c.num_blocks} blocks x {c.page_size} tokens, sized by {c.sized_by}, {c.full_length_sequences} "
             f"sequences at full length) + mask {fmt_bytes(c.buffer_bytes)} + transients {fmt_bytes(c.transient_bytes)}",
             *[f"note: {n}" for n in self.notes]])
@@ -193,16 +192,10 @@ def _plan_generate(s: Shape, layer_token: int, sliding: int, window: int | None,
     return GeneratePlan(rows, length, kv, prefill, decode, peak, None if budget is None else peak <= budget, slack)
 
 
-def _fit(fits: bool | None) -> str:
-    return "" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")
-
-
 def training_bytes(params: int, *, micro_batch_rows: int, tokens_per_row: int, completion_len: int, config: Any,
                    autocast: bool, chunk_rows: int | None = None) -> dict[str, int]:
     """What a training step holds at once, by part: the optimizer state, one forward's loss logits and its saved
     activations, for the micro-batch or `chunk_rows` of it (the loop's `forward_chunk_rows`)."""
-    from cbkit.train.batch import logits_bytes
-
     rows = micro_batch_rows if chunk_rows is None else min(chunk_rows, micro_batch_rows)
     parts = {"optimizer_state": TRAIN_STATE_BYTES_PER_PARAM * params,
              "logits": logits_bytes(rows, completion_len, Shape.of(config).vocab),

@@ -5,6 +5,7 @@ tables and the CSV show them; an empty cell is a number not measured, never a ze
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["backend"], r["N"]), []).append(r)
     points = []
-    for (backend, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    # by N, generate() first at each N: the reference the others' ratios are to
+    for (backend, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0] != "generate", kv[0][0])):
         ok = [r for r in rs if r["status"] == "ok"]
         point: dict[str, Any] = {"backend": backend, "N": n, "repeats": len(rs),
                                  "status": "ok" if ok else rs[0]["status"]}
@@ -119,57 +121,78 @@ def amdahl_ceiling(rollout_share: float, rollout_speedup: float) -> float:
 
 
 def _ratio(a, b) -> float | None:
-    if a is None or not b:
-        return None
-    return a / b
+    return None if a is None or not b else a / b
 
 
 def load_runs(path: str | Path) -> list[dict[str, Any]]:
     return read_results(path).runs
 
 
-def _f(v, fmt: str, unit: str = "", empty: str = "—") -> str:
-    return format(v, fmt) + unit if v is not None else empty
+def _f(v, fmt: str, unit: str = "") -> str:
+    return "—" if v is None else format(v, fmt) + unit  # a number not measured: a dash, never a zero
+
+
+def _table(head: list[str], rows: Iterable[list[str]]) -> str:
+    """A markdown table with its columns padded to one width: it reads in a terminal and pastes into a doc."""
+    cells = [head, *rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
 
 
 def points_table(points: list[dict[str, Any]]) -> str:
     """Every point: speed, memory, its lengths (idle = a static batch's padding share), MFU, its roof (c = compute-,
     b = bandwidth-bound) and the share of it reached, the plan's error."""
-    head = (f"{'N':>4} {'backend':<17} {'status':<6} {'tok/s':>8} {'rollout s':>9} {'peak MiB':>9} {'KV MiB':>8} "
-            f"{'len':>6} {'CV':>5} {'max':>4} {'idle':>5} {'speed x':>7} {'mem x':>6} {'MFU':>6} {'roof':>7} "
-            f"{'of roof':>7} {'plan err':>8}")
-    lines = [head, "-" * len(head)]
-    for p in points:
-        mib = {k: p.get(k) and p[k] / 2**20 for k in ("peak_mem_bytes", "kv_bytes")}
-        roof = "-" if p.get("roof_tokens_per_s") is None else \
-            f"{p['roof_tokens_per_s']:.0f} {(p.get('roof_bound') or '?')[0]}"
-        cells = [(p["tokens_per_s"], "8.1f"), (p["rollout_s"], "9.1f"), (mib["peak_mem_bytes"], "9.0f"),
-                 (mib["kv_bytes"], "8.1f"), (p.get("length_mean"), "6.1f"), (p.get("length_cv"), "5.2f"),
-                 (p.get("length_max"), "4.0f"), (p.get("decode_padding_share"), "5.2f"),
-                 (p["speed_vs_generate"], "7.2f"), (p["mem_vs_generate"], "6.2f"), (p.get("mfu"), "6.1%")]
-        widths = [8, 9, 9, 8, 6, 5, 4, 5, 7, 6, 6]
-        lines.append(f"{p['N']:>4} {p['backend']:<17} {p['status']:<6} "
-                     + " ".join(f"{_f(v, fmt, empty='-'):>{w}}" for (v, fmt), w in zip(cells, widths, strict=True))
-                     + f" {roof:>7} {_f(p.get('roof_share'), '7.1%', empty='-'):>7} "
-                     f"{_f(p.get('plan_error'), '+8.0%', empty='-'):>8}")
-    return "\n".join(lines)
+    def row(p: dict[str, Any]) -> list[str]:
+        mib = [p.get(k) and p[k] / 2**20 for k in ("peak_mem_bytes", "kv_bytes")]
+        return [str(p["N"]), p["backend"], p["status"], _f(p["tokens_per_s"], ".1f"), _f(p["rollout_s"], ".1f"),
+                _f(mib[0], ".0f"), _f(mib[1], ".1f"), _f(p.get("length_mean"), ".1f"), _f(p.get("length_cv"), ".2f"),
+                _f(p.get("length_max"), ".0f"), _f(p.get("decode_padding_share"), ".2f"),
+                _f(p["speed_vs_generate"], ".2f"), _f(p["mem_vs_generate"], ".2f"), _f(p.get("mfu"), ".1%"),
+                _f(p.get("roof_tokens_per_s"), ".0f", f" {(p.get('roof_bound') or '?')[0]}"),
+                _f(p.get("roof_share"), ".1%"), _f(p.get("plan_error"), "+.0%")]
+
+    return _table(["N", "backend", "status", "tok/s", "rollout s", "peak MiB", "KV MiB", "len", "CV", "max", "idle",
+                   "speed x", "mem x", "MFU", "roof", "of roof", "plan err"], map(row, points))
 
 
 def step_split_table(points: list[dict[str, Any]]) -> str:
-    """A full GRPO step per backend and N (`--full-step`): each phase's seconds, the rollout's share, the step's
-    speed-up over generate() beside its Amdahl ceiling."""
-    rows = ["| N | backend | step s | rollout s (of roof) | old-logprob fwd s | update s | other s | rollout share "
-            "| step speed-up | Amdahl ceiling | of ceiling |", "|" + " --- |" * 11]
-    for p in sorted(points, key=lambda p: (p["N"], p["backend"] != "generate", p["backend"])):
+    """A full step (`--full-step`): each phase's seconds, and its speed-up over generate() beside the Amdahl ceiling."""
+    def row(p: dict[str, Any]) -> list[str]:
         if p["status"] != "ok":
-            rows.append(f"| {p['N']} | {p['backend']} | {p['status'].upper()} |" + " — |" * 8)
-            continue
-        rows.append(f"| {p['N']} | {p['backend']} | {_f(p.get('step_s'), '.2f')} | {_f(p.get('rollout_s'), '.2f')} "
-                    f"({_f(p.get('roof_share'), '.0%')}) | {_f(p.get('old_logprob_s'), '.2f')} | "
-                    f"{_f(p.get('update_s'), '.2f')} | {_f(p.get('other_s'), '.2f')} | "
-                    f"{_f(p.get('rollout_share'), '.0%')} | {_f(p.get('step_speedup'), '.2f', 'x')} | "
-                    f"{_f(p.get('amdahl_ceiling'), '.2f', 'x')} | {_f(p.get('of_ceiling'), '.0%')} |")
-    return "\n".join(rows)
+            return [str(p["N"]), p["backend"], p["status"].upper(), *["—"] * 8]
+        return [str(p["N"]), p["backend"], _f(p.get("step_s"), ".2f"),
+                f"{_f(p.get('rollout_s'), '.2f')} ({_f(p.get('roof_share'), '.0%')})",
+                *[_f(p.get(k), ".2f") for k in ("old_logprob_s", "update_s", "other_s")],
+                _f(p.get("rollout_share"), ".0%"), _f(p.get("step_speedup"), ".2f", "x"),
+                _f(p.get("amdahl_ceiling"), ".2f", "x"), _f(p.get("of_ceiling"), ".0%")]
+
+    return _table(["N", "backend", "step s", "rollout s (of roof)", "old-logprob fwd s", "update s", "other s",
+                   "rollout share", "step speed-up", "Amdahl ceiling", "of ceiling"],
+                  map(row, points))
+
+
+def memory_table(points: list[dict[str, Any]]) -> str:
+    """The planner's prediction beside every memory counter measured, per point, in GiB."""
+    def row(p: dict[str, Any]) -> list[str]:
+        gib = [_f(p.get(k) and p[k] / 2**30, ".2f") for k in ("planned_peak_bytes", "peak_mem_bytes",
+                                                              "peak_reserved_bytes", "device_used_bytes")]
+        return [str(p["N"]), p["backend"], *gib[:2], _f(p.get("plan_error"), "+.0%"), *gib[2:]]
+
+    return _table(["N", "backend", "planned peak", "allocated peak", "plan error", "reserved peak", "device used"],
+                  map(row, points))
+
+
+def report_tables(points: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The tables a sweep prints and its HTML report shows, each with its title, those the points have data for."""
+    tables = [("Points", points_table(points))]
+    if any(p.get("step_s") is not None for p in points):
+        tables.append(("One GRPO step split by phase; (of roof) = the rollout's share of its roof on this run's probe; "
+                       "Amdahl ceiling = the step speed-up the rollout's speed-up alone predicts",
+                       step_split_table(points)))
+    if any(p.get("peak_reserved_bytes") is not None for p in points):
+        tables.append(("Memory (GiB): the planner's prediction beside the measured peaks", memory_table(points)))
+    return tables
 
 
 def results_summary(results: Results | str | Path) -> str:
@@ -185,25 +208,3 @@ def results_summary(results: Results | str | Path) -> str:
         if failed:
             out.append(f"{what}: missing ({'; '.join(failed)}); its columns stay empty")
     return "\n".join(out)
-
-
-def write_csv(points: list[dict[str, Any]], path: str | Path) -> None:
-    import csv
-
-    keys = list(dict.fromkeys(k for p in points for k in p))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(points)
-
-
-def memory_table(points: list[dict[str, Any]]) -> str:
-    """The planner's prediction beside every memory counter measured, per point, in GiB."""
-    rows = ["| N | backend | planned peak | allocated peak | plan error | reserved peak | device used |",
-            "|" + " --- |" * 7]
-    for p in points:
-        gib = [_f(p.get(k) and p[k] / 2**30, ".2f") for k in ("planned_peak_bytes", "peak_mem_bytes",
-                                                              "peak_reserved_bytes", "device_used_bytes")]
-        rows.append(f"| {p['N']} | {p['backend']} | {gib[0]} | {gib[1]} | {_f(p.get('plan_error'), '+.0%')} | "
-                    f"{gib[2]} | {gib[3]} |")
-    return "\n".join(rows)

@@ -2,8 +2,8 @@
 
 Both roofs are probed, never guessed (a matmul at the model's dtype and width, a read-bandwidth pass). Each decode
 step costs the longer of its FLOPs at the matmul peak and its bytes (weights once, each row's KV) at the bandwidth;
-summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul roof.
-"""
+summed with the prefill, that is the attainable tokens/s of the work, not of a backend. MFU is against the matmul
+roof."""
 
 from __future__ import annotations
 
@@ -16,24 +16,6 @@ from typing import Any
 import torch
 
 from cbkit.telemetry import ModelShape, kv_bytes_per_token
-
-GiB = 1024**3
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A GPU not at hand, for `cbkit tiers`: its name and the device memory its driver reports."""
-
-    name: str
-    memory_bytes: int
-
-
-GPUS: dict[str, Machine] = {
-    "t4": Machine("NVIDIA T4", 15 * GiB),
-    "a100-40": Machine("NVIDIA A100-SXM4-40GB", 40 * GiB),
-    "a100-80": Machine("NVIDIA A100-SXM4-80GB", 80 * GiB),
-    "h200": Machine("NVIDIA H200", 141 * GiB),
-}
 
 
 @dataclass(frozen=True)
@@ -126,8 +108,8 @@ def _per_second(work: Callable[[], Any], device: torch.device, min_seconds: floa
 
 
 def matmul_probe(model, rows: Sequence[int] = PROBE_ROWS, min_seconds: float = 0.25, rounds: int = 3) -> dict[str, Any]:
-    """The best FLOP/s of a [rows x hidden] @ [hidden x intermediate] ``torch.mm`` at the model's dtype, the shapes
-    timed in turn for ``rounds`` rounds (one short pass per shape reads low and unevenly on a CPU)."""
+    """The best FLOP/s of a decode step's MLP matmul at the model's dtype, each shape timed in ``rounds`` rounds (one
+    short pass per shape reads low and unevenly on a CPU)."""
     shape = ModelShape.of(model.config)
     by_rows: dict[str, float] = {}
     for r in [r for _ in range(rounds) for r in rows]:

@@ -2,8 +2,8 @@
 
 One model load; at every N, `repeats` runs of each backend in alternating order, each appended to the results JSONL
 as it lands, both backends given the same length targets. Both roofs are probed before every N, and each run records
-its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by phase.
-"""
+its MFU, its share of its roof and the planner's peak error. With `full_step` a point is one GRPO step, split by
+phase."""
 
 from __future__ import annotations
 
@@ -19,18 +19,23 @@ import torch
 from tqdm.auto import tqdm
 
 from cbkit.jsonl import append_jsonl
+from cbkit.measure.planner import plan
 from cbkit.measure.results import ResultsFile, aggregate
-from cbkit.measure.roofline import machine_probe, matmul_params, mfu
+from cbkit.measure.roofline import machine_probe, matmul_params, mfu, rollout_roofline
 from cbkit.measure.sweep_config import SweepConfig, trainer_state_bytes
 from cbkit.measure.workload import decode_padding_share, length_stats
+from cbkit.rollout.engine_config import make_cb_config
+from cbkit.rollout.varlen_attention import NAME as VARLEN
+from cbkit.telemetry import PeakMemory, cuda_peaks, kv_accounting, release_memory
+from cbkit.train.config import CBGRPOConfig
+from cbkit.train.grpo import GRPOTrainer
+from cbkit.train.setup import set_up_run
+from cbkit.train.snapshots import WeightSnapshots
 
 
 def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str, Any]], None] | None = None,
               policy=None) -> list[dict[str, Any]]:
     """Run (or resume) the sweep; returns the aggregated points. `on_point` sees each run as it lands."""
-    from cbkit.telemetry import cuda_peaks
-    from cbkit.train.setup import set_up_run
-
     results = ResultsFile(out, cfg.fingerprint())
     todo = [(n, rep, b) for n_i, n in enumerate(cfg.ns) for rep in range(cfg.repeats)
             for b in (cfg.backends if (n_i + rep) % 2 == 0 else cfg.backends[::-1]) if not results.done(b, n, rep)]
@@ -80,15 +85,12 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, on_point: Callable[[dict[str
         results.add(run)
         if on_point is not None:
             on_point(run)
-    del held
     return aggregate(results.runs)
 
 
 def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
                 target_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """One timed rollout and what it cost; an OOM becomes a record. ``target_lengths`` replays a length workload."""
-    from cbkit.telemetry import kv_accounting
-
     try:
         rollout = backend.generate(prompts, n, sampling, target_lengths=target_lengths)
     except Exception as e:
@@ -107,10 +109,6 @@ def measure_run(backend, prompts, n: int, sampling, config, dtype_bytes: int,
 def plan_record(cfg, model, prompts, n, backend, dtype_bytes, budget, run, targets=None) -> dict[str, Any]:
     """The planner's rollout peak for this point, with the attention the engine ran, and its error against the
     measured peak. With replayed targets the static batch runs to the longest one. A full step is not planned."""
-    from cbkit.measure.planner import plan
-    from cbkit.rollout.engine_config import make_cb_config
-    from cbkit.rollout.varlen_attention import NAME as VARLEN
-
     if cfg.full_step:
         return {}
     impl = str((run.get("engine_config") or {}).get("attn_implementation", "sdpa"))
@@ -138,24 +136,17 @@ def oom_record(e: BaseException, peak_bytes: int | None, kind: str | None) -> di
 
 
 def lengths_record(completions) -> dict[str, Any]:
-    """A run's completion lengths, their mean / CV / max, the padding share of a static batch, the share truncated."""
     lengths = [len(c.completion_ids) for c in completions]
-    stats = length_stats(lengths)
-    return {"completion_lengths": lengths, "length_mean": stats["mean"], "length_cv": stats["cv"],
-            "length_max": stats["max"], "decode_padding_share": decode_padding_share(lengths),
+    return {"completion_lengths": lengths, **length_stats(lengths),
+            "decode_padding_share": decode_padding_share(lengths),
             "truncated_share": statistics.mean(c.finish_reason == "length" for c in completions)}
 
 
 def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | None, probe: dict[str, Any],
                 dtype_bytes: int) -> dict[str, Any]:
-    """The attainable tokens/s of a rollout on the probed machine, the share reached, and which roof bound most
-    decode steps; without both peaks, None and ``roof_missing`` says why."""
-    from cbkit.measure.roofline import rollout_roofline
-
+    """The rollout's attainable tokens/s on the probed machine, the share reached and the roof that bound most steps."""
     empty = {"roof_tokens_per_s": None, "roof_share": None, "roof_bound": None, "bytes_per_s": probe.get("bytes_per_s")}
-    missing = dict(probe.get("probe_missing") or {})
-    missing.update({k: "not probed" for k in ("peak_flops", "bytes_per_s") if not probe.get(k) and k not in missing})
-    if missing:
+    if missing := probe["probe_missing"]:
         return {**empty, "roof_missing": "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))}
     roof = rollout_roofline(config, prompt_lens=[len(p) for p in prompts], completion_lengths=lengths,
                             dtype_bytes=dtype_bytes, peak_flops=probe["peak_flops"], bytes_per_s=probe["bytes_per_s"])
@@ -166,49 +157,37 @@ def roof_record(config, prompts, lengths: Sequence[int], tokens_per_s: float | N
             "roof_seconds": roof["roof_seconds"]}
 
 
-class _Replayed:
-    """A backend whose rollouts stop each completion at its drawn target, inside a loop that asks for none."""
+class _Measured:
+    """The backend a measured step rolls out from: each completion stopped at its drawn target (the loop asks for
+    none), its rollout kept for the record."""
 
-    def __init__(self, backend, targets: Sequence[int]) -> None:
-        self.backend, self.targets, self.name = backend, list(targets), backend.name
+    def __init__(self, backend, targets: Sequence[int] | None) -> None:
+        self.backend, self.targets, self.name = backend, targets, backend.name
+        self.rollout: Any = None
 
     def generate(self, prompts, num_generations, sampling, *, prompt_names=None, target_lengths=None):
-        return self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
-                                     target_lengths=self.targets if target_lengths is None else target_lengths)
+        self.rollout = self.backend.generate(prompts, num_generations, sampling, prompt_names=prompt_names,
+                                             target_lengths=self.targets if target_lengths is None else target_lengths)
+        return self.rollout
 
 
 def _keep_weights(model):
     """The weights a measured step puts back, in a file: a copy in memory would sit beside the step's peak."""
-    from cbkit.train.snapshots import WeightSnapshots
-
     kept = WeightSnapshots(1, "disk")
     kept.append(0, model)
     return kept
 
 
 def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] | None = None) -> dict[str, Any]:
-    """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times (rollout, old-logprob forward,
-    update, the rest); the weights are put back afterwards."""
-    from cbkit.telemetry import PeakMemory, release_memory
-    from cbkit.train.config import CBGRPOConfig
-    from cbkit.train.grpo import GRPOTrainer
-    from cbkit.train.hooks import StepHooks
-
-    class Seen(StepHooks):
-        rollout: Any = None
-
-        def on_rollout_end(self, rollout) -> None:
-            self.rollout = rollout
-
-    model, seen = setup.model, Seen()
+    """One GRPO step of ``backend`` through cbkit's loop, split by the phases it times; the weights put back after."""
+    model, measured = setup.model, _Measured(backend, targets)
     saved = _keep_weights(model)
     config = CBGRPOConfig(model=cfg.model, data=cfg.data, num_generations=n, prompts_per_step=len(setup.problems),
                           max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, seed=cfg.seed + rep, output_dir=None, disable_tqdm=True, max_steps=1,
                           forward_chunk_rows=cfg.forward_chunk_rows, dtype=cfg.dtype or "auto",
                           use_transformers_continuous_batching=backend.name == "continuous")
-    trainer = GRPOTrainer(config, setup, backend=backend if targets is None else _Replayed(backend, targets),
-                          hooks=[seen])
+    trainer = GRPOTrainer(config, setup, backend=measured)
     # A trainer is a reference cycle holding its AdamW moments: collected now, not inside the next point's step.
     gc.collect()
     mem = PeakMemory(model.device)
@@ -225,7 +204,7 @@ def measure_step(cfg, setup, n: int, rep: int, backend, targets: Sequence[int] |
         release_memory(model)
     step_s, rollout_s, old_s, update_s, train_s = (float(metrics[k]) for k in (
         "step/seconds", "rollout/seconds", "train/prepare_seconds", "train/update_seconds", "train/seconds"))
-    rollout = seen.rollout
+    rollout = measured.rollout
     tokens = sum(len(c.completion_ids) for c in rollout.completions)
     return {"status": "ok", "step_s": step_s, "rollout_s": rollout_s, "train_s": train_s,
             "old_logprob_s": old_s, "update_s": update_s, "other_s": step_s - rollout_s - old_s - update_s,

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 
+from cbkit import __version__
 from cbkit.measure.workload import LengthWorkload, parse_lengths
+from cbkit.models.load import DTYPES, native_bf16, training_precision
 from cbkit.rollout import BACKENDS
 from cbkit.train.config import _help
-
-DEFAULT_NS = (8, 16, 32, 64)
 
 
 @dataclass
@@ -23,7 +24,7 @@ class SweepConfig:
     model: str = _help("smollm2-offline, tiny, a hub id or a local directory", default="smollm2-offline")
     data: str = _help("synthetic (offline), gsm8k-local, gsm8k[:split] (hub), or a .jsonl path", default="synthetic")
     num_prompts: int = _help("prompts per rollout", default=1)
-    ns: tuple[int, ...] = _help("N values (completions per prompt), comma- or space-separated", default=DEFAULT_NS)
+    ns: tuple[int, ...] = _help("N values (completions per prompt), comma- or space-separated", default=(8, 16, 32, 64))
     backends: tuple[str, ...] = _help("backends to compare; generate must be one (ratios are to it)",
                                       default=("generate", "continuous"))
     repeats: int = _help("runs per point; the median is reported", default=2)
@@ -56,31 +57,23 @@ class SweepConfig:
             raise ValueError(f"Unknown backend(s) {unknown or '(none given)'}; choose from {sorted(BACKENDS)}.")
         if "generate" not in self.backends:
             raise ValueError("The sweep reports ratios to generate(): keep 'generate' in the backends.")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}.")
-        for name in ("num_prompts", "max_new_tokens"):
+        for name in ("repeats", "num_prompts", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         self.workload: LengthWorkload = parse_lengths(self.lengths)  # checked before any model time
         if self.forward_chunk_rows is not None and self.forward_chunk_rows < 1:
             raise ValueError(f"forward_chunk_rows must be >= 1 or None, got {self.forward_chunk_rows}.")
         if self.full_step:  # a whole step trains fp32 weights; dtype is its autocast, refused here as the loop would
-            from cbkit.models.load import training_precision
-
             training_precision(self.dtype or "auto", "cuda" if torch.cuda.is_available() else "cpu")
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs comparable. ns, backends and repeats may grow between reruns; nothing else."""
-        import transformers
-
-        import cbkit
-
         keep = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ns", "backends", "repeats")}
         if not self.full_step:  # a rollout-only sweep runs no training forward
             keep.pop("forward_chunk_rows")
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         return {**keep, "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-                "cbkit": cbkit.__version__}
+                "cbkit": __version__}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -99,12 +92,8 @@ def trainer_state_bytes(model) -> int:
     return TRAINER_STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def check_preset_device(preset: str, *, dry_run: bool = False, dtype: str | None = None) -> None:
+def check_preset_device(preset: str, *, dtype: str | None = None) -> None:
     """A GPU preset without CUDA, or in bf16 on a GPU that only emulates it (a T4), fails before any model loads."""
-    from cbkit.models.load import DTYPES, native_bf16
-
-    if dry_run:
-        return
     if torch.cuda.is_available():
         run_dtype = dtype or PRESETS[preset].get("dtype")
         if run_dtype is not None and DTYPES.get(run_dtype) == torch.bfloat16 and not native_bf16():

@@ -2,8 +2,7 @@
 rows, so the lengths' spread decides it; a benchmark names its spread (``cbkit sweep --lengths``): ``natural`` (EOS
 decides), ``fixed`` (all to ``max_new_tokens``, the zero-spread control) or ``replay:gsm8k`` (GSM8K train solution
 lengths in SmolLM2 tokens, p95 scaled to the limit). Outside ``natural`` EOS is ignored, as vLLM's benchmark replays
-ShareGPT's output lengths: both backends do the same useful work.
-"""
+ShareGPT's output lengths: both backends do the same useful work."""
 
 from __future__ import annotations
 
@@ -50,13 +49,12 @@ class LengthWorkload:
             return f"lengths: fixed (every completion runs to max_new_tokens={max_new_tokens}, EOS ignored)"
         s = length_stats(self.source_lengths)
         return (f"lengths: replay:gsm8k, GSM8K train reference solutions in SmolLM2 tokens, {len(self.source_lengths)} "
-                f"lengths (mean {s['mean']:.1f}, CV {s['cv']:.2f}, max {s['max']}); scaled x{max_new_tokens}/"
-                f"{p95(self.source_lengths)} (p95 -> max_new_tokens={max_new_tokens}), clipped to 1..{max_new_tokens}; "
-                "EOS ignored, each completion runs to its drawn target")
+                f"lengths (mean {s['length_mean']:.1f}, CV {s['length_cv']:.2f}, max {s['length_max']}); "
+                f"scaled x{max_new_tokens}/{p95(self.source_lengths)} (p95 -> max_new_tokens={max_new_tokens}), "
+                f"clipped to 1..{max_new_tokens}; EOS ignored, each completion runs to its drawn target")
 
 
 def parse_lengths(spec: str) -> LengthWorkload:
-    """``natural`` | ``fixed`` | ``replay:gsm8k``."""
     spec = spec.strip() if isinstance(spec, str) else ""
     if spec not in KINDS:
         raise ValueError(f"Unknown length workload {spec!r}; choose from {', '.join(KINDS)}.")
@@ -82,9 +80,10 @@ def scale_to_limit(lengths: Sequence[int], max_new_tokens: int) -> list[int]:
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:
-    """mean, CV (population standard deviation / mean) and max of completion lengths."""
+    """Mean, CV (population standard deviation / mean) and max of completion lengths, as a run records them."""
     mean = statistics.fmean(lengths)
-    return {"mean": mean, "cv": statistics.pstdev(lengths) / mean if mean else 0.0, "max": max(lengths)}
+    return {"length_mean": mean, "length_cv": statistics.pstdev(lengths) / mean if mean else 0.0,
+            "length_max": max(lengths)}
 
 
 def decode_padding_share(lengths: Sequence[int]) -> float:

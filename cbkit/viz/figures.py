@@ -19,13 +19,13 @@ from cbkit.jsonl import read_jsonl
 
 PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
            "#CCB974", "#64B5CD")
-BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1], "vllm": PALETTE[2]}
+BACKEND_COLORS = {"generate": PALETTE[0], "continuous": PALETTE[1]}
 TEMPLATE = "plotly_white"
 Points = Sequence[Mapping[str, Any]]
 
 
 def backend_color(backend: str) -> str:
-    """A backend's colour: fixed for the three cbkit knows, else a stable pick (crc32, unlike hash())."""
+    """A backend's colour: fixed for cbkit's two, else a stable pick (crc32, unlike hash())."""
     return BACKEND_COLORS.get(backend, PALETTE[zlib.crc32(backend.encode()) % len(PALETTE)])
 
 
@@ -40,8 +40,7 @@ def throughput_vs_n(points: Points) -> go.Figure:
 
 
 def memory_vs_n(points: Points) -> go.Figure:
-    """Peak memory vs N per backend: measured (solid), analytic KV (dashed), the planner's prediction (open
-    diamonds, when the points carry one); under each N, the memory ratio to generate()."""
+    """Peak memory vs N per backend: measured, analytic KV and the planner's; under each N, the ratio to generate()."""
     keys = ("peak_mem_bytes", "kv_bytes", "planned_peak_bytes")
     biggest = max((p.get(k) or 0 for p in points for k in keys), default=0)
     unit, scale = ("GiB", 1024**3) if biggest >= 2 * 1024**3 else ("MiB", 1024**2)
@@ -94,18 +93,17 @@ def _vs_n(points: Points, traces: Sequence[tuple[str, str, Callable[[str], dict]
 
 
 def step_split_figure(points: Points) -> go.Figure:
-    """Each `--full-step` point as a stacked bar of its phases, its step speed-up beside the Amdahl ceiling
-    (an async CB bar's rollout is what its trainer still waited for)."""
-    pts = sorted((p for p in points if p.get("step_s") is not None or not _ok(p)), key=_order)
+    """Each `--full-step` point as a stacked bar of its phases, its step speed-up beside the Amdahl ceiling."""
+    pts = [p for p in points if p.get("step_s") is not None or not _ok(p)]
     labels = [f"N={p['N']} {p['backend']}" for p in pts]
     fig = go.Figure()
     phases = (("rollout_s", "rollout"), ("old_logprob_s", "old-logprob forward"), ("update_s", "update"),
               ("other_s", "other"))
     for i, (key, name) in enumerate(phases):
         xs = [p.get(key) if _ok(p) else None for p in pts]
-        shares = [p.get(key.replace("_s", "_roof_share")) if _ok(p) else None for p in pts]
+        roof = [p.get("roof_share") if key == "rollout_s" else None for p in pts]  # the rollout's share of its roof
         text = [f"{x:.1f} s" + (f" ({r:.0%} of roof)" if r is not None else "") if x is not None else ""
-                for x, r in zip(xs, shares, strict=True)]
+                for x, r in zip(xs, roof, strict=True)]
         fig.add_trace(go.Bar(y=labels, x=xs, name=name, orientation="h", marker={"color": PALETTE[i]},
                              text=text, textposition="inside", insidetextanchor="middle", textangle=0,
                              hovertemplate=f"{name}<br>%{{y}}<br>%{{x:.2f}} s<extra></extra>"))
@@ -117,8 +115,6 @@ def step_split_figure(points: Points) -> go.Figure:
         else:
             ceiling = f" vs Amdahl ceiling {p['amdahl_ceiling']:.2f}x" if p.get("amdahl_ceiling") else ""
             note = f"step {p['step_speedup']:.2f}x{ceiling}"
-            if p.get("overlap_s") is not None:  # async CB: its rollout bar is the wait; what the overlap hid
-                note += f"<br>overlap bought {p['overlap_s']:.1f} s of CB's rollout"
         fig.add_annotation(y=label, x=1.0, xref="paper", xanchor="left", text=note, showarrow=False,
                            font={"size": 12, "color": "#b00" if not _ok(p) else "#222"})
     fig.update_layout(template=TEMPLATE, barmode="stack", title="One GRPO step, split by phase",
@@ -131,13 +127,11 @@ def step_split_figure(points: Points) -> go.Figure:
 
 def write_report(points: Points, path: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> Path:
     """An HTML page that opens offline: the run's settings, the charts, the tables `cbkit report` prints."""
-    from cbkit.measure.results import points_table, step_split_table
+    from cbkit.measure.results import report_tables
 
     figures = [throughput_vs_n(points), memory_vs_n(points)]
-    tables = [points_table([dict(p) for p in sorted(points, key=_order)])]
     if any(p.get("step_s") is not None for p in points):  # a full-step sweep: where the step's time went
         figures.append(step_split_figure(points))
-        tables.append(step_split_table([dict(p) for p in points]))
     esc = html.escape
     charts = "\n".join(f.to_html(full_html=False, include_plotlyjs=i == 0) for i, f in enumerate(figures))
     meta_rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>"
@@ -149,8 +143,7 @@ th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
 <h1>cbkit N-sweep: each backend against <code>generate()</code> at the same N, in one process</h1>
 <table>{meta_rows}</table>
 {charts}
-<h2>Points</h2>
-{"".join(f"<pre>{esc(t)}</pre>" for t in tables)}
+{"".join(f"<h2>{esc(title)}</h2><pre>{esc(table)}</pre>" for title, table in report_tables([dict(p) for p in points]))}
 </body></html>
 """
     path = Path(path)
@@ -161,10 +154,6 @@ th, td {{ text-align: left; padding: 0.2em 0.6em; }}</style></head><body>
 
 def _ok(p: Mapping[str, Any]) -> bool:
     return p.get("status", "ok") == "ok"
-
-
-def _order(p: Mapping[str, Any]) -> tuple[int, bool, str]:
-    return p["N"], p["backend"] != "generate", p["backend"]  # by N, generate() first: the reference
 
 
 def _backends(points: Points) -> list[str]:
@@ -181,8 +170,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, window: int = 3,
                  title: str = "Reward per step") -> go.Figure:
-    """Each metric per step (dots) and its trailing mean over ``window`` steps (line); held-out ``eval/*``
-    metrics as measured, step 0 included (each point already averages many unseen completions)."""
+    """Each metric per step and its trailing mean over ``window`` steps; held-out ``eval/*`` as measured, step 0
+    included (each point already averages many unseen completions)."""
     fig = go.Figure()
     for i, key in enumerate(k for k in keys if any(k in r for r in rows)):
         color = PALETTE[i % len(PALETTE)]
@@ -204,7 +193,6 @@ def reward_curve(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], *, wind
 
 
 def step_mean(values: Sequence[Any]) -> float | None:
-    """The mean of the numbers among ``values`` (None where there are none)."""
     xs = [float(v) for v in values if isinstance(v, int | float)]
     return sum(xs) / len(xs) if xs else None
 
