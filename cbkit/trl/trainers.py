@@ -18,8 +18,7 @@ from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
 from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.order import mix_seed
-from cbkit.trl.config import trl_grpo_config
-from cbkit.trl.rewards import trl_rewards
+from cbkit.trl.config import trl_grpo_config, trl_rewards
 
 
 class CBLogprobGRPOTrainer(GRPOTrainer):
