@@ -56,7 +56,7 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
         model, tok, source = synthetic.tiny_model(seed=seed, dtype=dtype), synthetic.tiny_tokenizer(), "tiny"
     elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
         tok = synthetic.piece_tokenizer()
-        model, source = synthetic.random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
+        model, source = synthetic.seeded_llama(synthetic.random_config(name), seed, dtype, device), "random"
     elif name == OFFLINE_NAME:
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
