@@ -86,7 +86,6 @@ def random_config(name: str):
 
 
 def seeded_llama(config, seed: int = 0, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"):
-    """A Llama of ``config`` with seeded random weights, built on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = torch.device(device)

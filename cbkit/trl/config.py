@@ -1,6 +1,5 @@
-"""cbkit's config onto TRL's `GRPOConfig`: most fields keep TRL's names; the exceptions (vLLM-named
-IS fields, steps counted in updates, a constant learning rate) are here (docs/trl_bridge.md). Also cbkit's rewards
-as TRL reward functions, and the problems as a TRL dataset."""
+"""cbkit's config onto TRL's `GRPOConfig` (TRL's names but for vLLM-named IS fields, steps counted in updates, a
+constant learning rate), its rewards as TRL reward functions and its problems as a TRL dataset (docs/trl_bridge.md)."""
 
 from __future__ import annotations
 
