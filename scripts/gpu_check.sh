@@ -178,7 +178,7 @@ import torch
 from cbkit.models.load import load_policy
 from cbkit.tasks.data import load_problems
 from cbkit.tasks.rewards import DEFAULT_REWARDS
-from cbkit.trl.rewards import trl_dataset
+from cbkit.trl.config import trl_dataset
 from cbkit.trl.trainers import build_trainer, is_metrics
 
 dry = os.environ.get("CBKIT_DRY_RUN") == "1"

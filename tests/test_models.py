@@ -92,7 +92,8 @@ def test_bf16_only_from_compute_capability_8(monkeypatch, cc, native, auto):
 def test_llama_1b_random_has_llama_3_2_1b_shape():
     """Built on the meta device (no memory): the parameter count must be the published 1,235,814,400 of
     Llama-3.2-1B(-Instruct), which only the right shapes and a tied LM head give (untied: +262,668,288)."""
-    model = synthetic.random_llama(synthetic.RANDOM_1B_NAME, synthetic.piece_tokenizer(), dtype=torch.bfloat16, device="meta")
+    config = synthetic.random_config(synthetic.RANDOM_1B_NAME)
+    model = synthetic.seeded_llama(config, dtype=torch.bfloat16, device="meta")
     assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
     assert model.lm_head.weight is model.model.embed_tokens.weight
     c = model.config
@@ -107,10 +108,9 @@ def test_llama_1b_random_has_llama_3_2_1b_shape():
 
 
 def test_random_llama_is_seeded_and_built_in_the_requested_dtype():
-    tok = synthetic.piece_tokenizer()
     a = models.load_policy(synthetic.RANDOM_TINY_NAME, seed=1, dtype="bfloat16", device="cpu")
-    b = synthetic.random_llama(synthetic.RANDOM_TINY_NAME, tok, seed=1, dtype=torch.bfloat16)
-    c = synthetic.random_llama(synthetic.RANDOM_TINY_NAME, tok, seed=2, dtype=torch.bfloat16)
+    config = synthetic.random_config(synthetic.RANDOM_TINY_NAME)
+    b, c = (synthetic.seeded_llama(config, seed, torch.bfloat16) for seed in (1, 2))
     assert a.source == "random" and a.model.dtype == torch.bfloat16
     pa, pb, pc = (dict(m.named_parameters()) for m in (a.model, b, c))
     assert all(torch.equal(pa[k], pb[k]) for k in pa)

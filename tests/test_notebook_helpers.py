@@ -241,7 +241,7 @@ def test_stock_trl_on_a_cpu_gets_the_workload_pool_not_a_share_of_host_ram(tiny,
     from cbkit.rollout.engine_config import page_size, workload_blocks
     from cbkit.tasks.rewards import DEFAULT_REWARDS
     from cbkit.train.config import CBGRPOConfig
-    from cbkit.trl.rewards import trl_dataset
+    from cbkit.trl.config import trl_dataset
 
     seen = {}
 

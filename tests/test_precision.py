@@ -223,7 +223,7 @@ def test_02s_stock_trl_step_survives_bf16_mixed_precision(tiny, monkeypatch):
     from cbkit.tasks.data import load_problems
     from cbkit.tasks.rewards import DEFAULT_REWARDS
     from cbkit.teach.trl_step import stock_trl_cb_rollout
-    from cbkit.trl.rewards import trl_dataset
+    from cbkit.trl.config import trl_dataset
 
     prepared = []
     real = Accelerator.prepare_model

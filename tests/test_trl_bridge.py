@@ -29,8 +29,7 @@ from cbkit.rollout.engine import Engine
 from cbkit.tasks.rewards import correctness_reward, format_reward
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.objective import processed_logprobs
-from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, trl_grpo_config
-from cbkit.trl.rewards import TRLReward, trl_dataset, trl_rewards
+from cbkit.trl.config import CBKIT_FIELDS, LOOP_ONLY, TRLReward, trl_dataset, trl_grpo_config, trl_rewards
 from cbkit.trl.trainers import CBLogprobGRPOTrainer, build_trainer, is_metrics
 from tests.helpers import cb_forward_returns_its_cache
 

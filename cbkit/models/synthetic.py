@@ -56,7 +56,7 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=1024, initializer_range=0.2, bos_token_id=256,
                          eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=False)
-    return _seeded_llama(config, seed, None).to(dtype)  # type: ignore[arg-type]
+    return seeded_llama(config, seed).to(dtype)  # type: ignore[arg-type]
 
 
 # Llama-3.2-1B-Instruct's config.json (hub revision of 2024-09-25); the test size shrinks every dimension.
@@ -76,22 +76,16 @@ RANDOM_WEIGHTS_NOTE = ("random weights: rollout time and memory depend on the mo
                        "are processed, not on the weight values; the completions themselves are meaningless")
 
 
-def random_config(name: str, tokenizer=None):
-    """The LlamaConfig of a random-weight model, with the special ids of its tokenizer (built in code)."""
+def random_config(name: str):
+    """The LlamaConfig of a random-weight model, with the special ids of `piece_tokenizer`, its tokenizer."""
     from transformers import LlamaConfig
 
-    tok = tokenizer or piece_tokenizer()
+    tok = piece_tokenizer()
     return LlamaConfig(**RANDOM_SHAPES[name], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                        pad_token_id=tok.pad_token_id)
 
 
-def random_llama(name: str, tokenizer, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
-    """A Llama of Llama-3.2-1B's shape (or the test size), seeded random weights, built on ``device``."""
-    return _seeded_llama(random_config(name, tokenizer), seed, dtype, device)
-
-
-def _seeded_llama(config, seed: int, dtype: torch.dtype | None, device: torch.device | str = "cpu"):
+def seeded_llama(config, seed: int = 0, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = torch.device(device)

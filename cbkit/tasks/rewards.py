@@ -107,9 +107,8 @@ def verified_reward(completions: list[str], answers: list[str]) -> list[float]:
         raise ModuleNotFoundError("verified_reward needs math-verify: pip install math-verify "
                                   "(cbkit's default install has it).") from e
     # math-verify times out with SIGALRM, which only the main thread may use; elsewhere it logs that at every call.
-    main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if main else None
-    if not main:
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    if timeout is None:
         logging.getLogger("math_verify").setLevel(logging.ERROR)
     out = []
     for completion, gold in zip(completions, answers, strict=True):

@@ -27,10 +27,9 @@ _SCENES = ("It is an ordinary weekday in a small town.",
 
 
 class _Solution(list[str]):
-    """A GSM8K-style worked solution, one `<<expr=value>>` line per arithmetic step."""
+    """A GSM8K-style worked solution, one `<<expr=value>>` line per `step` (at the `{}` of its `template`)."""
 
     def step(self, expr: str, value: int, template: str) -> int:
-        """`template` holds one `{}` where the annotated computation goes."""
         self.append(template.format(f"{expr} = <<{expr.replace(' ', '')}={value}>>{value}"))
         return value
 

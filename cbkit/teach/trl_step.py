@@ -29,8 +29,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
     from trl import GRPOTrainer as StockGRPOTrainer
 
-    from cbkit.trl.config import trl_grpo_config
-    from cbkit.trl.rewards import trl_rewards
+    from cbkit.trl.config import trl_grpo_config, trl_rewards
 
     funcs, weights = trl_rewards(reward_funcs, cfg=cfg)
     args = trl_grpo_config(cfg, **({"reward_weights": weights} if weights is not None else {}), **overrides)

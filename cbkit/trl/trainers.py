@@ -18,8 +18,7 @@ from cbkit.models.load import pretrained_kwargs
 from cbkit.rollout.base import SamplingParams
 from cbkit.rollout.engine import Engine, to_completions
 from cbkit.train.order import mix_seed
-from cbkit.trl.config import trl_grpo_config
-from cbkit.trl.rewards import trl_rewards
+from cbkit.trl.config import trl_grpo_config, trl_rewards
 
 
 class CBLogprobGRPOTrainer(GRPOTrainer):
@@ -165,8 +164,7 @@ def build_trainer(model, tokenizer, reward_funcs, train_dataset, cfg: Any = None
     args = trl_grpo_config(cfg, output_dir, **overrides)
     if isinstance(model, str):  # TRL loads it with these: hub kernels off as in cbkit's loads, unless the caller says
         args.model_init_kwargs = {**pretrained_kwargs(), **(args.model_init_kwargs or {})}
-    on_cb = args.use_transformers_continuous_batching and not args.use_vllm
-    cls = CBLogprobGRPOTrainer if on_cb else GRPOTrainer
+    cls = CBLogprobGRPOTrainer if args.use_transformers_continuous_batching and not args.use_vllm else GRPOTrainer
     return cls(model=model, reward_funcs=funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                processing_class=tokenizer, callbacks=callbacks)
 
