@@ -22,7 +22,7 @@ import torch
 
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, take, timeline, to_completions
+from cbkit.rollout.engine import Engine, collect, take, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 if TYPE_CHECKING:
@@ -122,14 +122,12 @@ class AsyncEngine:
             self._parked.clear()
             self._update_at = update_at
             ids = self.engine.submit(self.engine.manager, rows, sampling.max_new_tokens, sampling.seed, targets)
-        self._pending = Pending(rows, num_generations, sampling, ids,
-                                time.perf_counter(), update_at, targets)
+        self._pending = Pending(rows, num_generations, sampling, ids, time.perf_counter(), update_at, targets)
         return self._pending
 
     def collect(self, pending: Pending) -> Rollout:
         with PeakMemory(self.snapshot.device) as mem:
-            while not pending.done:
-                take(self.engine.manager, pending.results, 1.0, len(pending.ids))
+            collect(self.engine.manager, pending.ids, pending.results)
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
         outputs = [pending.results[rid] for rid in pending.ids]
