@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,7 +71,7 @@ class AsyncEngine:
         self._key: tuple | None = None
         self._pending: Pending | None = None
         self.snapshot.register_forward_pre_hook(self._before_forward)
-        self.snapshot.register_forward_hook(self._after_forward, always_call=True)
+        self.snapshot.register_forward_hook(lambda *_: self._lock.release(), always_call=True)
 
     def _before_forward(self, module, args) -> None:
         if self._update_at is not None and self._forwards >= self._update_at:
@@ -85,9 +84,6 @@ class AsyncEngine:
             for pos in range(r.past_len, r.past_len + r.query_len):
                 seen[pos] = self.version
         self._forwards += 1
-
-    def _after_forward(self, module, args, output) -> None:
-        self._lock.release()
 
     def publish(self, version: int) -> float:
         """Copy the policy's weights into the snapshot between two engine forwards (with `update_at`, once the engine
@@ -159,8 +155,8 @@ class AsyncEngine:
         if missing:
             raise RuntimeError(f"Request {rid}: no engine forward recorded positions {missing[:5]}...; "
                                "the policy versions of its tokens are unknown.")
-        return dataclasses.replace(c, policy_versions=tuple(seen[n + j - 1] for j in range(len(c.completion_ids))),
-                                   prompt_versions=tuple(seen[p] for p in range(n)))
+        return replace(c, policy_versions=tuple(seen[n + j - 1] for j in range(len(c.completion_ids))),
+                       prompt_versions=tuple(seen[p] for p in range(n)))
 
     def _start(self, sampling: SamplingParams, rows: list[list[int]]) -> None:
         gen_config = sampling.generation_config()

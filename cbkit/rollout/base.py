@@ -7,10 +7,9 @@ each token under the distribution it was drawn from, which the loop's importance
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["eos", "length"]
@@ -106,8 +105,8 @@ class Rollout:
 
     def without_logprobs(self, reason: str) -> Rollout:
         """The same rollout without sampling logprobs, as released TRL's CB path has it."""
-        dropped = [dataclasses.replace(c, sampling_logprobs=None) for c in self.completions]
-        return dataclasses.replace(self, completions=dropped, logprobs_missing_reason=reason)
+        dropped = [replace(c, sampling_logprobs=None) for c in self.completions]
+        return replace(self, completions=dropped, logprobs_missing_reason=reason)
 
     def groups(self) -> list[list[Completion]]:
         n = self.num_generations

@@ -53,8 +53,7 @@ class GenerateBackend:
     name = "generate"
 
     def __init__(self, model, *, pad_token_id: int | None = None) -> None:
-        self.model = model
-        self.pad_token_id = pad_token_id
+        self.model, self.pad_token_id = model, pad_token_id
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
