@@ -48,7 +48,7 @@ def per_sequence_engine_attention() -> Iterator[None]:
 def engine_own_attention() -> Iterator[None]:
     """CB rollouts inside the block run on the engine's own attention (its dense block-diagonal mask on CPU), the
     path cbkit takes for a model its varlen attention cannot serve (`varlen_unsupported_reason`)."""
-    with (mock.patch("cbkit.rollout.engine.varlen_unsupported_reason", lambda model: "a test's request"),
+    with (mock.patch("cbkit.rollout.varlen_attention.varlen_unsupported_reason", lambda model: "a test's request"),
           warnings.catch_warnings()):
         warnings.filterwarnings("ignore", message="cbkit's varlen attention has no a test's request")
         yield

@@ -21,7 +21,7 @@ import pytest
 from transformers import GenerationConfig, WatermarkingConfig
 
 from cbkit.rollout import SamplingParams, make_backend
-from cbkit.rollout.base import GENERATION_CONFIG_KEPT, rollout_generation_config
+from cbkit.rollout.generate import GENERATION_CONFIG_KEPT, rollout_generation_config
 from tests.helpers import max_logprob_diff
 
 ATOL = 1e-4

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cbkit.rollout import upstream
 from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request
-from cbkit.rollout.engine import Engine, take, timeline, to_completions
+from cbkit.rollout.engine import Engine, collect, take, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ class AsyncEngine:
         self._key: tuple | None = None
         self._pending: Pending | None = None
         self.snapshot.register_forward_pre_hook(self._before_forward)
-        self.snapshot.register_forward_hook(self._after_forward, always_call=True)
+        self.snapshot.register_forward_hook(lambda *_: self._lock.release(), always_call=True)
 
     def _before_forward(self, module, args) -> None:
         if self._update_at is not None and self._forwards >= self._update_at:
@@ -85,9 +84,6 @@ class AsyncEngine:
             for pos in range(r.past_len, r.past_len + r.query_len):
                 seen[pos] = self.version
         self._forwards += 1
-
-    def _after_forward(self, module, args, output) -> None:
-        self._lock.release()
 
     def publish(self, version: int) -> float:
         """Copy the policy's weights into the snapshot between two engine forwards (with `update_at`, once the engine
@@ -122,14 +118,12 @@ class AsyncEngine:
             self._parked.clear()
             self._update_at = update_at
             ids = self.engine.submit(self.engine.manager, rows, sampling.max_new_tokens, sampling.seed, targets)
-        self._pending = Pending(rows, num_generations, sampling, ids,
-                                time.perf_counter(), update_at, targets)
+        self._pending = Pending(rows, num_generations, sampling, ids, time.perf_counter(), update_at, targets)
         return self._pending
 
     def collect(self, pending: Pending) -> Rollout:
         with PeakMemory(self.snapshot.device) as mem:
-            while not pending.done:
-                take(self.engine.manager, pending.results, 1.0, len(pending.ids))
+            collect(self.engine.manager, pending.ids, pending.results)
             mem.synchronize()
         wall = time.perf_counter() - pending.submitted_at
         outputs = [pending.results[rid] for rid in pending.ids]
@@ -161,8 +155,8 @@ class AsyncEngine:
         if missing:
             raise RuntimeError(f"Request {rid}: no engine forward recorded positions {missing[:5]}...; "
                                "the policy versions of its tokens are unknown.")
-        return dataclasses.replace(c, policy_versions=tuple(seen[n + j - 1] for j in range(len(c.completion_ids))),
-                                   prompt_versions=tuple(seen[p] for p in range(n)))
+        return replace(c, policy_versions=tuple(seen[n + j - 1] for j in range(len(c.completion_ids))),
+                       prompt_versions=tuple(seen[p] for p in range(n)))
 
     def _start(self, sampling: SamplingParams, rows: list[list[int]]) -> None:
         gen_config = sampling.generation_config()

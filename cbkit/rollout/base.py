@@ -7,13 +7,9 @@ each token under the distribution it was drawn from, which the loop's importance
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import numbers
-import warnings
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["eos", "length"]
@@ -63,37 +59,6 @@ class SamplingParams:
         return GenerationConfig(**kwargs)
 
 
-# What a rollout keeps of the model's own `generation_config`: ids and cache settings. The rest (repetition_penalty,
-# min_p, ...) is the checkpoint's chat advice, which `generate()` would apply unasked: off-policy by a knob nobody set.
-GENERATION_CONFIG_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache",
-                          "cache_implementation", "cache_config", "compile_config", "disable_compile")
-_WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were named (once each)
-
-
-@contextlib.contextmanager
-def rollout_generation_config(model: Any):
-    """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; the rest is named once."""
-    from transformers import GenerationConfig
-
-    original, default = model.generation_config, GenerationConfig()
-    # Named: what would change a token; `output_*` / `return_*` are dropped unnamed (every checkpoint sets some).
-    dropped = {k: v for k, v in original.to_diff_dict().items()
-               if k not in GENERATION_CONFIG_KEPT and not k.startswith(("_", "output_", "return_"))
-               and k != "transformers_version" and getattr(default, k, None) != v}
-    if dropped and model not in _WARNED:
-        _WARNED.add(model)
-        warnings.warn(f"The model's generation_config sets {dropped}; rollouts sample from their own settings "
-                      "(temperature, top_p, top_k) alone, so these are ignored while they run. To sample with one of "
-                      "them, make it a rollout setting; cbkit's loss assumes the distribution it describes.",
-                      UserWarning, stacklevel=3)
-    model.generation_config = GenerationConfig(**{k: getattr(original, k, None) for k in GENERATION_CONFIG_KEPT
-                                                  if getattr(original, k, None) is not None})
-    try:
-        yield
-    finally:
-        model.generation_config = original
-
-
 @dataclass(frozen=True)
 class Completion:
     """One sampled continuation of one prompt."""
@@ -140,8 +105,8 @@ class Rollout:
 
     def without_logprobs(self, reason: str) -> Rollout:
         """The same rollout without sampling logprobs, as released TRL's CB path has it."""
-        dropped = [dataclasses.replace(c, sampling_logprobs=None) for c in self.completions]
-        return dataclasses.replace(self, completions=dropped, logprobs_missing_reason=reason)
+        dropped = [replace(c, sampling_logprobs=None) for c in self.completions]
+        return replace(self, completions=dropped, logprobs_missing_reason=reason)
 
     def groups(self) -> list[list[Completion]]:
         n = self.num_generations

@@ -15,8 +15,6 @@ from cbkit.rollout.base import Rollout, SamplingParams, check_request
 from cbkit.rollout.engine import Engine, timeline, to_completions
 from cbkit.telemetry import PeakMemory
 
-__all__ = ["ContinuousBackend"]
-
 
 class ContinuousBackend:
     name = "continuous"

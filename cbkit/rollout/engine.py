@@ -14,12 +14,9 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from cbkit.rollout import upstream
+from cbkit.rollout import upstream, varlen_attention
 from cbkit.rollout.base import Completion, SamplingParams, cut_completion
 from cbkit.rollout.engine_config import ENGINE_OWN, engine_attention, make_cb_config, page_size
-from cbkit.rollout.upstream import HELPER_PREFIX
-from cbkit.rollout.varlen_attention import NAME as VARLEN
-from cbkit.rollout.varlen_attention import register, varlen_unsupported_reason
 
 
 def take(manager, results: dict[str, Any], timeout: float, expected: int) -> None:
@@ -33,8 +30,8 @@ def take(manager, results: dict[str, Any], timeout: float, expected: int) -> Non
         raise RuntimeError(f"The CB engine stopped after {len(results)} of {expected} requests; see the log above.")
 
 
-def collect(manager, ids: list[str]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def collect(manager, ids: list[str], results: dict[str, Any] | None = None) -> dict[str, Any]:
+    results = {} if results is None else results
     while len(results) < len(ids):
         take(manager, results, 1.0, len(ids))
     return results
@@ -65,17 +62,19 @@ class Engine:
         self._warned_pool = True
         return cb
 
-    def _attention(self, cb_config) -> contextlib.AbstractContextManager:
-        """`engine_attention`'s choice for this run, the model's own attention restored after."""
+    @contextlib.contextmanager
+    def _attention(self, cb_config) -> Iterator[None]:
+        """`engine_attention`'s choice for this run, the model's own restored after. Varlen is set on the config:
+        `set_attn_implementation` would read the "flash" in its name as a request for flash-attn."""
         cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
         if cap is not None and self.model.device.type == "cpu":  # neither CPU attention of the engine applies it
             raise ValueError(f"This model uses attention logit soft-capping (attn_logit_softcapping={cap}), which "
                              "transformers' continuous batching engine does not apply on CPU, so rollouts would not "
                              "come from this model. Use the 'generate' backend on CPU, or a GPU with flash attention.")
-        unsupported = varlen_unsupported_reason(self.model)
+        unsupported = varlen_attention.varlen_unsupported_reason(self.model)
         choice = engine_attention(self.model.device, self.model.dtype,
                                   flash=None if upstream.supports_flash(self.model) else (), needs_own=unsupported)
-        if choice == VARLEN:
+        if choice == varlen_attention.NAME:
             graphs = cb_config.use_cuda_graph
             if self.model.device.type == "cuda" and (any(graphs) if isinstance(graphs, tuple | list) else graphs):
                 raise ValueError("use_cuda_graph cannot run with cbkit's varlen attention, which reads each batch's "
@@ -87,11 +86,22 @@ class Engine:
         elif unsupported and not self._warned_varlen:
             warnings.warn(f"cbkit's varlen attention has no {unsupported}: the CB engine runs with its own attention "
                           "instead (a dense mask that grows with the square of the batch; same results).",
-                          UserWarning, stacklevel=4)
+                          UserWarning, stacklevel=5)
             self._warned_varlen = True
-        if choice == ENGINE_OWN and self.model.config._attn_implementation == "eager":
-            return contextlib.nullcontext()  # eager is the engine's other dense path ("paged|eager"), with sinks
-        return attention_for_engine(self.model, choice)
+        original = self.model.config._attn_implementation
+        if choice == ENGINE_OWN and original == "eager":
+            choice = original  # eager is the engine's other dense path ("paged|eager"), with sinks
+        if choice == varlen_attention.NAME:
+            self.model.config._attn_implementation = varlen_attention.register()
+        elif choice != original:
+            self.model.set_attn_implementation(choice)
+        try:
+            yield
+        finally:
+            if choice == varlen_attention.NAME:
+                self.model.config._attn_implementation = original
+            elif self.model.config._attn_implementation != original:
+                self.model.set_attn_implementation(original)
 
     def run(self, rows: list[list[int]], gen_config, *, max_new_tokens: int, seed: int | None = None,
             targets: list[int] | None = None) -> tuple[list[Any], dict[str, Any]]:
@@ -103,14 +113,13 @@ class Engine:
             if self._key is not None and key != self._key:
                 self.close()
             self._key = key
-        attention = self._attention(cb_config)
         if self._kept is not None:
             upstream.forget_cached_kv(self._kept)
         loop = self.model.continuous_batching_context_manager(
             block=True, timeout=5, persistent_manager=self.persistent, generation_config=gen_config,
             continuous_batching_config=cb_config,
             workload_hints=upstream.workload_hints(rows, max(targets) if targets else max_new_tokens))
-        with attention, self._own(), loop as manager:
+        with self._attention(cb_config), self._own(), loop as manager:
             # The engine shares only pages a finished forward wrote: N copies of a prompt admitted together would all
             # compute it. So each repeated prompt of a page or more is prefilled first, alone (two tokens, discarded).
             page = page_size(cb_config)
@@ -118,7 +127,7 @@ class Engine:
             if upstream.prefix_sharing(manager) and shared:
                 with manager.pause():
                     upstream.reseed(manager, seed)
-                    prefill = [manager.add_request(list(p), request_id=f"{HELPER_PREFIX}{k}", max_new_tokens=2,
+                    prefill = [manager.add_request(list(p), request_id=f"{upstream.HELPER_PREFIX}{k}", max_new_tokens=2,
                                                    eos_token_id=-1) for k, p in enumerate(shared)]
                 collect(manager, prefill)
                 seed = None  # seeded once per call, before its first request
@@ -220,20 +229,3 @@ def engine_is_idle(model) -> bool:
     running = manager is not None and manager.is_running()
     return not running and not str(model.config._attn_implementation).startswith("paged")
 
-
-@contextlib.contextmanager
-def attention_for_engine(model, implementation: str) -> Iterator[None]:
-    """Run the engine with `implementation`, the model's own restored after. Varlen is set on the config:
-    `set_attn_implementation` would read the "flash" in its name as a request for flash-attn."""
-    original = model.config._attn_implementation
-    if implementation == VARLEN:
-        model.config._attn_implementation = register()
-    elif implementation != original:
-        model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        if implementation == VARLEN:
-            model.config._attn_implementation = original
-        elif model.config._attn_implementation != original:
-            model.set_attn_implementation(original)

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from cbkit.rollout.varlen_attention import NAME as VARLEN
+
 # Overridable key by key, like TRL's `transformers_continuous_batching_config`. Half the free memory for the pool
 # leaves the rest to the training step in the same process; CUDA graphs re-capture as shapes drift and rarely pay.
 CB_DEFAULTS: dict[str, Any] = {"max_memory_percent": 0.5, "use_cuda_graph": False}
@@ -90,8 +92,6 @@ def engine_attention(device: torch.device | str, dtype: torch.dtype, capability:
                      flash: Sequence[int] | None = None, needs_own: str | None = None) -> str:
     """The CB engine's attention: flash-attn 3 on a Hopper, 2 from capability 8.0, for fp16/bf16 weights where it is
     installed; else cbkit's varlen attention, or `ENGINE_OWN` where the model needs its own (``needs_own``)."""
-    from cbkit.rollout.varlen_attention import NAME
-
     if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         flash = flash_versions() if flash is None else flash
         if flash:
@@ -100,7 +100,7 @@ def engine_attention(device: torch.device | str, dtype: torch.dtype, capability:
                 return "flash_attention_3"
             if 2 in flash and capability >= (8, 0):
                 return "flash_attention_2"
-    return ENGINE_OWN if needs_own else NAME
+    return ENGINE_OWN if needs_own else VARLEN
 
 
 def page_size(config) -> int:

@@ -6,36 +6,54 @@ its KV, the waste CB removes. Sampling logprobs are the log_softmax of the proce
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import transformers
 from torch.nn.utils.rnn import pad_sequence
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
-from cbkit.rollout.base import (
-    Completion,
-    Rollout,
-    SamplingParams,
-    check_request,
-    cut_completion,
-    rollout_generation_config,
-)
+from cbkit.rollout.base import Completion, Rollout, SamplingParams, check_request, cut_completion
 from cbkit.telemetry import PeakMemory
+
+# What a rollout keeps of the model's own `generation_config`: ids and cache settings. The rest (repetition_penalty,
+# min_p, ...) is the checkpoint's chat advice, which `generate()` would apply unasked: off-policy by a knob nobody set.
+GENERATION_CONFIG_KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache",
+                          "cache_implementation", "cache_config", "compile_config", "disable_compile")
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose dropped fields were named (once each)
+
+
+@contextlib.contextmanager
+def rollout_generation_config(model: Any):
+    """While a rollout runs, `model.generation_config` holds only `GENERATION_CONFIG_KEPT`; the rest is named once."""
+    original, default = model.generation_config, transformers.GenerationConfig()
+    # Named: what would change a token; `output_*` / `return_*` are dropped unnamed (every checkpoint sets some).
+    dropped = {k: v for k, v in original.to_diff_dict().items()
+               if k not in GENERATION_CONFIG_KEPT and not k.startswith(("_", "output_", "return_"))
+               and k != "transformers_version" and getattr(default, k, None) != v}
+    if dropped and model not in _WARNED:
+        _WARNED.add(model)
+        warnings.warn(f"The model's generation_config sets {dropped}; rollouts sample from their own settings "
+                      "(temperature, top_p, top_k) alone, so these are ignored while they run. To sample with one of "
+                      "them, make it a rollout setting; cbkit's loss assumes the distribution it describes.",
+                      UserWarning, stacklevel=3)
+    kept = {k: getattr(original, k) for k in GENERATION_CONFIG_KEPT if getattr(original, k, None) is not None}
+    model.generation_config = transformers.GenerationConfig(**kept)
+    try:
+        yield
+    finally:
+        model.generation_config = original
 
 
 class GenerateBackend:
     name = "generate"
 
     def __init__(self, model, *, pad_token_id: int | None = None) -> None:
-        self.model = model
-        self.pad_token_id = pad_token_id
+        self.model, self.pad_token_id = model, pad_token_id
 
     def generate(self, prompts: Sequence[Sequence[int]], num_generations: int, sampling: SamplingParams, *,
                  prompt_names: Sequence[str] | None = None, target_lengths: Sequence[int] | None = None) -> Rollout:
@@ -63,7 +81,7 @@ class GenerateBackend:
             with torch.no_grad(), rollout_generation_config(self.model):
                 out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                           generation_config=gen_config,
-                                          logits_processor=LogitsProcessorList([*warpers, recorder]))
+                                          logits_processor=transformers.LogitsProcessorList([*warpers, recorder]))
             mem.synchronize()
             wall = time.perf_counter() - start
 
@@ -81,7 +99,7 @@ class GenerateBackend:
                                       "steps": len(token_rows[0]) if token_rows else 0})
 
 
-class _LogprobRecorder(LogitsProcessor):
+class _LogprobRecorder(transformers.LogitsProcessor):
     """Last in the chain: sees the processed scores of step t, and on step t+1 the token drawn from them."""
 
     def __init__(self) -> None:
@@ -104,13 +122,13 @@ class _LogprobRecorder(LogitsProcessor):
 def _explicit_warpers(sampling: SamplingParams, gen_config):
     """transformers puts user processors *before* its warpers, so the recorder brings the same warpers along, in
     `generate`'s order, and the config gets neutral values so nothing is applied twice."""
-    warpers: list[LogitsProcessor] = []
+    warpers: list[transformers.LogitsProcessor] = []
     if sampling.do_sample:
         if sampling.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            warpers.append(transformers.TemperatureLogitsWarper(sampling.temperature))
         if sampling.top_k:
-            warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+            warpers.append(transformers.TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
         if sampling.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+            warpers.append(transformers.TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
         gen_config.temperature, gen_config.top_k, gen_config.top_p = 1.0, 0, 1.0
     return warpers, gen_config

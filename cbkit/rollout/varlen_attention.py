@@ -57,7 +57,6 @@ class _DecodeGroup:
     q_pos: torch.Tensor  # [rows] their query positions in the packed batch
     k_start: int | None  # where their keys start, when they sit back to back in the packed keys
     k_index: torch.Tensor | None  # [rows * k_len] key positions otherwise
-    rows: int
     k_len: int
 
 
@@ -77,11 +76,11 @@ def _decode_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.dev
         q_pos = torch.tensor([cu_q[i] for i in seqs], device=device)
         starts = [cu_k[i] for i in seqs]
         if all(s == starts[0] + j * k_len for j, s in enumerate(starts)):
-            groups.append(_DecodeGroup(q_pos, starts[0], None, len(seqs), k_len))
+            groups.append(_DecodeGroup(q_pos, starts[0], None, k_len))
         else:
             index = (torch.tensor(starts, device=device)[:, None]
                      + torch.arange(k_len, device=device)[None, :]).flatten()
-            groups.append(_DecodeGroup(q_pos, None, index, len(seqs), k_len))
+            groups.append(_DecodeGroup(q_pos, None, index, k_len))
     return tuple(groups), tuple(prefill)
 
 
@@ -89,7 +88,7 @@ def _batched_decode(query, key, value, group: _DecodeGroup, scaling) -> torch.Te
     """One SDPA call for a group of decoding sequences, their keys as a [rows, Hkv, L, D] grid. A token's H query
     heads fold into its KV head's query axis, so grouped-query attention repeats no keys; one query needs no mask."""
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
-    rows, k_len = group.rows, group.k_len
+    rows, k_len = len(group.q_pos), group.k_len
     q = query[0, :, group.q_pos].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
     if group.k_start is not None:  # back to back: the packed keys already are the grid (k_index is None)
         span = slice(group.k_start, group.k_start + rows * k_len)
