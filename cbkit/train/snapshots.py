@@ -24,8 +24,6 @@ def place_for_tier(tier: str, device: str = "cuda") -> str:
 
 
 class WeightSnapshots:
-    """The last `maxlen` versions of a model's weights, oldest first, kept `where`."""
-
     def __init__(self, maxlen: int, where: str = "host") -> None:
         if where not in SNAPSHOT_PLACES:
             raise ValueError(f"where={where!r} is not a place for weight snapshots; use one of {SNAPSHOT_PLACES}.")
@@ -92,7 +90,6 @@ class WeightSnapshots:
             self._drop()
 
     def close(self) -> None:
-        """Drop every snapshot and, on disk, the folder."""
         self.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
