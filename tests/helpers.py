@@ -14,7 +14,7 @@ import torch
 from cbkit.models.load import load_policy
 from cbkit.rollout import Completion, SamplingParams
 from cbkit.tasks.data import Problem
-from cbkit.train.config import CBGRPOConfig
+from cbkit.train.config import CBGRPOConfig, read_recipe
 from cbkit.train.grpo import GRPOTrainer
 
 
@@ -97,6 +97,11 @@ def config(**kw) -> CBGRPOConfig:
                 max_completion_length=MAX_LEN, learning_rate=1e-2, max_steps=2, disable_tqdm=True,
                 use_transformers_continuous_batching=False, save_steps=0)
     return CBGRPOConfig(**{**base, **kw})
+
+
+def recipe(path) -> CBGRPOConfig:
+    """A run recipe as `cbkit train --config` reads it: the YAML TRL's `TrlParser --config` reads too."""
+    return CBGRPOConfig.from_dict(read_recipe(path))
 
 
 def trainer(cfg: CBGRPOConfig, policy=None, reward_funcs=(letters_reward,), **kw) -> GRPOTrainer:

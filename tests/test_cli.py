@@ -99,7 +99,7 @@ def test_a_recipe_flags_and_python_give_the_same_config(tmp_path):
     # ...and the TRL bridge maps it as it maps the Python config.
     from cbkit.trl.config import trl_grpo_config
 
-    assert (trl_grpo_config(CBGRPOConfig.from_yaml(recipe), str(tmp_path)).to_dict()
+    assert (trl_grpo_config(train_config(["--config", str(recipe)]), str(tmp_path)).to_dict()
             == trl_grpo_config(python, str(tmp_path)).to_dict())
 
 

@@ -15,14 +15,13 @@ import torch
 from cbkit.cli import main
 from cbkit.tasks.rewards import resolve_rewards
 from cbkit.teach.notebook import SHORT_ANSWER_PROMPT
-from cbkit.train.config import CBGRPOConfig
-from tests.helpers import config, trainer, untimed_metrics
+from tests.helpers import config, recipe, trainer, untimed_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_learning_recipe_is_the_run_the_docs_describe():
-    c = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_arith.yaml")
+    c = recipe(REPO / "recipes" / "smollm2_arith.yaml")
     assert (c.model, c.data, c.reward_funcs) == ("smollm2-offline", "reasoning-gym:chain_sum", ["verified"])
     assert c.data_options == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     assert (c.prompts_per_step, c.num_generations, c.max_completion_length, c.max_steps) == (2, 8, 32, 40)
@@ -31,8 +30,8 @@ def test_the_learning_recipe_is_the_run_the_docs_describe():
 
 
 def test_the_hacking_lesson_and_its_fix_differ_only_in_the_format_gate():
-    hack = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_format_hack.yaml")
-    fixed = CBGRPOConfig.from_yaml(REPO / "recipes" / "smollm2_format_fixed.yaml")
+    hack = recipe(REPO / "recipes" / "smollm2_format_hack.yaml")
+    fixed = recipe(REPO / "recipes" / "smollm2_format_fixed.yaml")
     assert hack.system_prompt == SHORT_ANSWER_PROMPT
     weights = [resolve_rewards(c.reward_funcs, c.reward_weights)[1] for c in (hack, fixed)]
     assert weights == [[0.5, 1.0], [0.5, 1.0]]

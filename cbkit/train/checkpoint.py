@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_model, save_model
 
+from cbkit import __version__
 from cbkit.train.config import CBGRPOConfig
 from cbkit.train.hooks import METRICS_FILE
 from cbkit.train.order import capture_rng, restore_rng, seed_everything
@@ -40,8 +42,6 @@ def read_config(path: str | os.PathLike[str]) -> CBGRPOConfig:
 def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> None:
     """Start `trainer`'s run fresh (never over a folder holding a run), or exactly where `resume_from` (a checkpoint,
     or True: the newest in output_dir) left it."""
-    from safetensors.torch import load_model
-
     state, out = trainer.state, trainer.state.output_dir
     if not resume_from:
         if out is not None and (checkpoints(out) or (out / METRICS_FILE).is_file()
@@ -80,10 +80,6 @@ def start(trainer: Any, resume_from: str | os.PathLike[str] | bool | None) -> No
 def save(trainer: Any, step: int) -> Path:
     """Write `checkpoint-<step>` of `trainer`'s run, with what its rollout source needs (e.g. the older weights), then
     delete all but the `save_total_limit` newest. Returns its path."""
-    from safetensors.torch import save_model
-
-    from cbkit import __version__
-
     state, root = trainer.state, trainer.state.output_dir
     assert root is not None  # CheckpointHook runs only with an output_dir
     root.mkdir(parents=True, exist_ok=True)

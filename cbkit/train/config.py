@@ -199,11 +199,6 @@ class CBGRPOConfig:
             raise ValueError(f"Unknown config field(s) {did_you_mean(unknown, names)}. Fields: {', '.join(names)}.")
         return cls(**values)
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> CBGRPOConfig:
-        """Build from a run recipe (`cbkit train --config`), the YAML TRL's `TrlParser --config` reads too."""
-        return cls.from_dict(read_recipe(path))
-
     def diff(self, other: CBGRPOConfig, ignore: tuple[str, ...] = RESUMABLE_CHANGES) -> dict[str, tuple[Any, Any]]:
         """{name: (self's, other's)} for fields that differ, but `ignore`; CB configs when their engine settings do."""
         from cbkit.rollout.engine_config import cb_config_values

@@ -24,7 +24,6 @@ def question_key(problem: Problem) -> str:
 
 
 def without_held_out(train: Sequence[Problem], held_out: Sequence[Problem]) -> list[Problem]:
-    """`train` minus every problem whose question is a held-out one."""
     if not held_out:
         return list(train)
     banned = {question_key(p) for p in held_out}
@@ -54,11 +53,9 @@ class HeldOut:
         self.rewards, self.tokenizer = rewards, run.tokenizer
 
     def before_training(self, step: int) -> list[StepRecord]:
-        """The step-0 record of the held-out curve, for a run that starts at step 0."""
         return [StepRecord(0, dict(self.evaluate()))] if self.every and step == 0 else []
 
     def after_step(self, step: int) -> dict[str, float]:
-        """`eval/*` on the steps that evaluate, nothing on the others."""
         due = self.every and (step % self.every == 0 or step == self.last_step)
         return self.evaluate() if due else {}
 

@@ -181,16 +181,14 @@ class GRPOTrainer:
     def prepare(self, rollout: Rollout, rewards: Tensor) -> Prepared:
         """Advantages, old (and reference) logprobs on the current weights, IS weights, the loss mask."""
         c = self.config
-        advantages = objective.group_advantages(rewards, c.num_generations, cast(Any, c.scale_rewards),
-                                                cast(Any, c.advantage_estimator))
+        advantages = objective.group_advantages(rewards, c.num_generations, c.scale_rewards, c.advantage_estimator)
         batch = Batch.from_completions(rollout.completions, self.pad_token_id, self.device,
                                        with_logprobs=rollout.has_logprobs)
         old, old_processed, outside = self._old_logprobs(self.model, batch)
         ref = self._old_logprobs(self.ref_model, batch)[0] if self.ref_model is not None else None
         weights: Tensor | None
-        weights, metrics = objective.importance_weights(
-            old_processed, batch.sampling_logps, batch.completion_mask, cast(Any, c.importance_sampling_mode),
-            c.clip_max, c.clip_min)
+        weights, metrics = objective.importance_weights(old_processed, batch.sampling_logps, batch.completion_mask,
+                                                        c.importance_sampling_mode, c.clip_max, c.clip_min)
         if self.truncates and batch.sampling_logps is not None:
             gap = (batch.sampling_logps - old).abs()[batch.completion_mask]
             metrics["logprob/temperature_only_max_abs_diff"] = gap.max().item()
@@ -247,7 +245,6 @@ class GRPOTrainer:
         return {"train/loss": loss_sum, **sums}
 
     def optimizer_step(self) -> float:
-        """Clip the gradient norm, take one AdamW step; returns the norm before clipping."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()

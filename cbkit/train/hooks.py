@@ -70,8 +70,6 @@ class StepHooks:
 
 
 class ProgressBarHook(StepHooks):
-    """A tqdm bar with the step's reward and rollout speed."""
-
     def __init__(self, **tqdm_kwargs: Any) -> None:
         self.tqdm_kwargs, self.bar = tqdm_kwargs, None
 
@@ -153,7 +151,6 @@ class NaNGuardHook(StepHooks):
 
 
 def default_hooks(config: Any, output_dir: Path | None, save_checkpoint: Callable[[int], Any]) -> list[StepHooks]:
-    """The hooks every run has: the NaN guard, the JSONL log and checkpoints when it writes to a folder, the bar."""
     hooks: list[StepHooks] = [NaNGuardHook(config.learning_rate)]
     if output_dir is not None:
         hooks.append(JSONLHook(output_dir / METRICS_FILE))

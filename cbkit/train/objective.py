@@ -11,9 +11,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-ScaleRewards = Literal["group", "batch", "none"]
-Estimator = Literal["grpo", "rloo"]
-ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
 
 STD_EPS = 1e-4  # TRL adds this to every std it divides by
@@ -21,8 +18,8 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
-                     estimator: Estimator = "grpo") -> Tensor:
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group",
+                     estimator: str = "grpo") -> Tensor:
     """Advantages for rewards laid out group after group (prompt 0's N completions first). Shape [B]."""
     if rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}; "
@@ -90,7 +87,7 @@ def policy_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) ->
     return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
-def importance_weights(policy_logps_old: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: ISMode,
+def importance_weights(policy_logps_old: Tensor, sampling_logps: Tensor | None, mask: Tensor, mode: str,
                        clip_max: float | None = 3.0, clip_min: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Per-token IS weights [B, T] of the engine's `sampling_logps` (NaN: no correction there) against the trainer's,
     and TRL's `sampling/*` metrics as `is/*` (after the clip) and `logprob/*`."""

@@ -114,11 +114,11 @@ class LaggedRollouts(RolloutSource):
         self.history.append(version, self.policy)
 
     def save(self, directory: Path) -> None:
-        history = [(v, self.history.state_dict(self.policy, i)) for i, v in enumerate(self.history.versions)]
+        history = [(v, self.history.tensors(i)) for i, v in enumerate(self.history.versions)]
         torch.save({"history": history}, directory / STATE_FILE)
 
     def load(self, directory: Path, version: int) -> None:
-        state = torch.load(directory / STATE_FILE, weights_only=True)
+        state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
         self.history.clear()
         for v, weights in state["history"]:
             self.history.append(v, weights, device=self.policy.device)

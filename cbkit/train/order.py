@@ -37,7 +37,6 @@ def mix_seed(seed: int, *counters: int) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    """torch, python `random` and numpy from one seed: what a fresh run starts from."""
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(seed)

@@ -13,8 +13,6 @@ from cbkit.rollout import Rollout, RolloutBackend, SamplingParams
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """What one step asks for: `num_generations` completions of each prompt, sampled with `sampling`."""
-
     indices: list[int]  # the problems' positions in the run: what the rollout is scored against
     prompts: list[list[int]]
     prompt_names: list[str]

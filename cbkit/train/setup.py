@@ -1,5 +1,4 @@
-"""The run set-up (policy, problems, prompt ids, stop and pad ids, sampling, warmed backends) for the loop
-and the sweep."""
+"""What every rollout of a run needs (policy, problems, prompt ids, stop and pad ids), for the loop and the sweep."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from cbkit.tasks.data import SYSTEM_PROMPT
 
 @dataclass
 class RunSetup:
-    """What every rollout of a run needs: the problems' chat prompt ids, the stop ids, the pad id."""
-
     model: Any
     tokenizer: Any
     problems: list[Any]  # cbkit.tasks.data.Problem

@@ -24,8 +24,6 @@ def place_for_tier(tier: str, device: str = "cuda") -> str:
 
 
 class WeightSnapshots:
-    """The last `maxlen` versions of a model's weights, oldest first, kept `where`."""
-
     def __init__(self, maxlen: int, where: str = "host") -> None:
         if where not in SNAPSHOT_PLACES:
             raise ValueError(f"where={where!r} is not a place for weight snapshots; use one of {SNAPSHOT_PLACES}.")
@@ -62,23 +60,25 @@ class WeightSnapshots:
 
     def load_into(self, model: torch.nn.Module, index: int = 0) -> int:
         """Overwrite `model`'s weights with the version at `index` (0: the oldest, -1: the newest); returns it."""
-        version, kept, aliases = self._ring[index]
+        target, kept = model.state_dict(), self.tensors(index)
+        if target.keys() != kept.keys():
+            raise RuntimeError(f"this weight snapshot holds {len(kept)} tensors and the model {len(target)}: it was "
+                               "taken from another model.")
         with torch.no_grad():
-            _fill(model.state_dict(), kept, aliases, non_blocking=True)  # from pinned host memory: queued
+            for name, tensor in target.items():
+                tensor.copy_(kept[name], non_blocking=True)  # from pinned host memory: queued
         device = next(model.parameters()).device
         if device.type == "cuda":
             # Queued on this thread's stream; the CB engine's forwards run on another: in place before returning.
             torch.cuda.current_stream(device).synchronize()
-        return version
+        return self._ring[index][0]
 
-    def state_dict(self, template: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
-        """The version at `index` as a new state dict on the CPU, shaped like `template`'s."""
+    def tensors(self, index: int = 0) -> dict[str, Tensor]:
+        """The version at `index` by name (a file's memory-mapped), a tied name the same tensor as its first: a
+        checkpoint's `torch.save` writes it once."""
         _, kept, aliases = self._ring[index]
-        # One new tensor per kept storage, each tied name pointing at it, in the template's order.
-        distinct = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in template.state_dict().items()
-                    if n not in aliases}
-        _fill(distinct, kept, {})
-        return {n: distinct[aliases.get(n, n)] for n in template.state_dict()}
+        distinct = torch.load(kept, map_location="cpu", mmap=True, weights_only=True) if isinstance(kept, Path) else kept
+        return distinct | {name: distinct[first] for name, first in aliases.items()}
 
     def _drop(self) -> None:
         _, old, _ = self._ring.popleft()
@@ -90,7 +90,6 @@ class WeightSnapshots:
             self._drop()
 
     def close(self) -> None:
-        """Drop every snapshot and, on disk, the folder."""
         self.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -111,17 +110,3 @@ def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
             first[key] = name
     return out
 
-
-def _fill(target: Mapping[str, Tensor], kept: Mapping[str, Tensor] | Path, aliases: Mapping[str, str], *,
-          non_blocking: bool = False) -> None:
-    """Copy a snapshot into `target`'s tensors: each kept storage into its first name, then every tied name from it."""
-    tensors = torch.load(kept, map_location="cpu", mmap=True, weights_only=True) if isinstance(kept, Path) else kept
-    distinct = [n for n in target if n not in aliases]
-    if set(distinct) != set(tensors):
-        raise RuntimeError(f"this weight snapshot holds {len(tensors)} tensors and the model {len(distinct)} distinct "
-                           "ones: it was taken from another model (or one tied otherwise).")
-    for name in distinct:
-        target[name].copy_(tensors[name], non_blocking=non_blocking)
-    for name, source in aliases.items():
-        if target[name].data_ptr() != target[source].data_ptr():
-            target[name].copy_(target[source])
