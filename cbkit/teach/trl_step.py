@@ -3,7 +3,6 @@ path, recording the logprobs it drops (02)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from cbkit.teach.notebook import NotebookEnv
@@ -11,13 +10,8 @@ from cbkit.telemetry import release_memory
 
 
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
-    """The notebooks' `GRPOConfig` overrides; checkpointing, which TRL turns on, is off under the installed
-    transformers' name for it (5.17 has only the older one)."""
-    from transformers import TrainingArguments
-
-    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
+    """The notebooks' `GRPOConfig` overrides: no reports or saves, and the checkpointing TRL turns on off."""
+    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", "activation_checkpointing": False,
             "dataloader_pin_memory": env.gpu}
 
 
