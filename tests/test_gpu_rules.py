@@ -221,12 +221,12 @@ def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
 def _smollm2_t4_pool(percent: float | None) -> dict:
     """03's pool on a T4 (`pool_config`), with `max_memory_percent` as given (None: what cbkit sets)."""
     config = plan_config("smollm2-offline")
-    pool = pool_config(config, table.sizes_for("03_n_sweep", "t4"), "t4", dtype_bytes=2)
+    pool = pool_config(config, table.NOTEBOOKS["03_n_sweep"].sizes["t4"], "t4", dtype_bytes=2)
     return {**pool, **({"max_memory_percent": percent} if percent is not None else {})}
 
 
 def _t4_start(pool: dict):
-    s = table.sizes_for("03_n_sweep", "t4")
+    s = table.NOTEBOOKS["03_n_sweep"].sizes["t4"]
     return admission(plan_config(s.model), pool, dtype=torch.float16,
                      rows=[range(table.PROMPT_LEN)] * s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens,
                      total_bytes=roofline_memory("t4"), used_bytes=GiB, capability=T4)
@@ -302,7 +302,7 @@ def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys)
     monkeypatch.setattr("cbkit.rollout.admission.varlen_unsupported_reason", lambda config: "a sliding window")
     assert main(["tiers", "--notebooks", "03_n_sweep", "--gpus", "t4"]) == 1
     out = capsys.readouterr().out
-    largest = max(table.sizes_for("03_n_sweep", "t4").sweep_ns)
+    largest = max(table.NOTEBOOKS["03_n_sweep"].sizes["t4"].sweep_ns)
     assert f"03_n_sweep on t4: the CB engine would not start for the rollout at N={largest}" in out
     assert "Memory footprint" in out
 

@@ -1,11 +1,12 @@
 """What the six notebooks share: ``env = setup("NN_name")`` decides profile, device, tier, dtypes, model, data
 and sizes the same way in each, so one notebook serves Colab, a laptop and CI. ``CBKIT_TIER=t4|a100`` forces a
-GPU tier: on a GPU to rehearse a smaller one; under the ci profile on a CPU, a dry run of it at CI sizes.
-"""
+GPU tier: on a GPU to rehearse a smaller one; under the ci profile on a CPU, a dry run of it at CI sizes."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from cbkit.teach.tiers.plan import plan_notebook, pool_config
 from cbkit.teach.tiers.table import GPU_MODEL, GPU_TIERS, GiB, Sizes
 from cbkit.train.batch import micro_batches_for
 from cbkit.train.config import CBGRPOConfig
+from cbkit.train.order import seed_everything
 from cbkit.train.snapshots import place_for_tier
 from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
@@ -167,8 +169,6 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
 def setup(notebook: str | None = None, profile: str | None = None, *, verbose: bool = True) -> NotebookEnv:
     """Decide profile, device, tier, dtypes, model, data and (with ``notebook``) its sizes; seed every RNG with 0;
     print it. On a GPU tier, refuses before any model time a plan that does not fit."""
-    from cbkit.train.order import seed_everything
-
     profile = resolve_profile(profile)
     forced = os.environ.get(TIER_ENV) or None
     if forced is not None and forced not in GPU_TIERS:
@@ -201,7 +201,8 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
         autocast_dtype="bfloat16" if bf16 else None, dry_run=not gpu and forced is not None,
         trains=notebook is not None and table.notebook_spec(notebook).trains)
     if notebook is not None:
-        sizes = table.sizes_for(notebook, env.tier, dry_run=env.dry_run)
+        sizes = table.notebook_spec(notebook).sizes[env.tier]
+        sizes = sizes.dry() if env.dry_run else sizes
         env = dataclasses.replace(env, notebook=notebook, sizes=sizes, model=sizes.model)
     seed_everything(0)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
@@ -234,9 +235,6 @@ def resolve_profile(profile: str | None = None) -> str:
 def record_phenomena(**values: float | int | bool | str) -> None:
     """Display the measured numbers a notebook's text relies on as one output: JSON the guards read
     (``PHENOMENA_MIME``) and a line a reader sees. Numbers only, never thresholds: those are the guards'."""
-    import json
-    import math
-
     from IPython.display import display
 
     clean = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}

@@ -107,9 +107,3 @@ def notebook_spec(name: str) -> NotebookSpec:
     if name not in NOTEBOOKS:
         raise ValueError(f"no notebook {name!r}; the notebooks are {', '.join(NOTEBOOKS)}.")
     return NOTEBOOKS[name]
-
-
-def sizes_for(name: str, tier: str, *, dry_run: bool = False) -> Sizes:
-    """A notebook's sizes at a tier (``dry_run``: the same tier at CI size, for a CPU)."""
-    sizes = notebook_spec(name).sizes[tier]
-    return sizes.dry() if dry_run else sizes
