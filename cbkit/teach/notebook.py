@@ -97,8 +97,8 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
                     *, requests: int | None = None, **pool: Any) -> dict[str, Any]:
-        """The CB engine settings of this notebook's pool at this tier (`tiers.plan.pool_config`) for ``rows`` (or
-        ``requests`` prompts); ``pool`` overrides the sizes' pool_share or pool_sequences."""
+        """This notebook's CB pool at this tier (`tiers.plan.pool_config`) for ``rows`` (or ``requests`` prompts of the
+        mean length); ``pool`` overrides the sizes' pool_share or pool_sequences."""
         if self.sizes is None:
             return {}
         if requests and not rows:

@@ -51,8 +51,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
 
 def _train_recording(trainer: Any) -> dict[str, Any]:
-    """Trains one step, recording what ``_generate_single_turn`` returned; a function of its own, so that nothing here
-    holds the trainer once it returns."""
+    """Trains one step, recording what ``_generate_single_turn`` returns; apart, so nothing keeps the trainer."""
     from cbkit.trl.trainers import plain_forward
 
     seen: dict[str, Any] = {"completions": 0, "tokens": 0}
