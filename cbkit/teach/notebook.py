@@ -192,18 +192,17 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
         memory, tier, bf16 = None, "ci" if profile == "ci" else "cpu", False
     hub = gpu and tier != "ci"  # a GPU tier: the hub model on GSM8K; elsewhere the offline model and data
     local = any(p.is_file() for p in gsm8k_local_candidates("train"))
+    dry_run = not gpu and forced is not None
+    sizes = table.notebook_spec(notebook).sizes[tier] if notebook is not None else None
+    sizes = sizes.dry() if sizes and dry_run else sizes
     env = NotebookEnv(
         profile=profile, device="cuda" if gpu else "cpu", compute_capability=cc, colab=colab,
         gpu_name=torch.cuda.get_device_name(0) if gpu else None, train_dtype="float32",
         rollout_dtype="bfloat16" if bf16 else "float16" if gpu or forced else "float32",
-        model=GPU_MODEL if hub else CPU_MODEL, tier=tier, gpu_memory_bytes=memory,
+        model=sizes.model if sizes else GPU_MODEL if hub else CPU_MODEL, tier=tier, gpu_memory_bytes=memory,
         data="gsm8k:train" if hub else "gsm8k-local:train" if local else "synthetic",
-        autocast_dtype="bfloat16" if bf16 else None, dry_run=not gpu and forced is not None,
+        autocast_dtype="bfloat16" if bf16 else None, dry_run=dry_run, notebook=notebook, sizes=sizes,
         trains=notebook is not None and table.notebook_spec(notebook).trains)
-    if notebook is not None:
-        sizes = table.notebook_spec(notebook).sizes[env.tier]
-        sizes = sizes.dry() if env.dry_run else sizes
-        env = dataclasses.replace(env, notebook=notebook, sizes=sizes, model=sizes.model)
     seed_everything(0)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
@@ -216,7 +215,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
             raise MemoryError(f"{notebook} at tier {tier!r}: " + "; ".join(p.problems()) +
                               f". The sizes are in cbkit.teach.tiers.table.NOTEBOOKS[{notebook!r}].")
         if verbose:
-            dry = " (at the tier's sizes; this dry run's are smaller)" if env.dry_run else ""
+            dry = " (at the tier's sizes; this dry run's are smaller)" if dry_run else ""
             print(f"plan for {machine} (`cbkit tiers`): peak {p.peak_bytes / GiB:.1f} of "
                   f"{p.memory_bytes / GiB:.0f} GiB{dry}")
     return env
