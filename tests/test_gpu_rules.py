@@ -327,19 +327,19 @@ def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
 
     params = parameter_count(plan_config(table.GPU_MODEL))
     on_disk = plan_notebook("05_off_policy", "t4")
-    assert on_disk.ok and not any(k.startswith("copies") for k in on_disk.parts)
+    assert not on_disk.problems() and not any(k.startswith("copies") for k in on_disk.parts)
     assert on_disk.host_bytes == 3 * 4 * params  # only section 2's three state dicts on the CPU
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "host")
     on_host = plan_notebook("05_off_policy", "t4")
     assert on_host.peak_bytes == on_disk.peak_bytes and on_host.host_bytes == (7 + 3) * 4 * params
-    assert on_host.host_bytes > 12.7e9 and not on_host.ok  # Colab's advertised 12.7 GB of RAM
+    assert on_host.host_bytes > 12.7e9 and on_host.problems()  # Colab's advertised 12.7 GB of RAM
     assert "does not fit in host RAM" in on_host.problems()[0]
     assert main(["tiers", "--notebooks", "05_off_policy", "--gpus", "t4"]) == 1
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "device")  # the same copies on a T4's GPU: they do not fit
     on_gpu = plan_notebook("05_off_policy", "t4")
     copies = next(v for k, v in on_gpu.parts.items() if k.startswith("copies"))
     assert copies == 7 * 4 * params
-    assert not on_gpu.ok and "does not fit:" in on_gpu.problems()[0]
+    assert "does not fit:" in on_gpu.problems()[0]
 
 
 def test_a_planned_copy_is_what_a_snapshot_keeps_of_the_tier_model():

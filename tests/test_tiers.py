@@ -45,9 +45,9 @@ def test_the_tier_check_plans_the_pool_the_notebook_allocates(name, machine):
     tier, rollout_dtype = table.MACHINES[machine]
     s = table.NOTEBOOKS[name].sizes[tier]
     spec = table.NOTEBOOKS[name]
-    env = dataclasses.replace(_gpu_env(tier), notebook=name, sizes=s, trains=spec.trains)
+    env = dataclasses.replace(_gpu_env(tier), notebook=name, sizes=s, trains=spec.kind == "train")
     # The weights the notebook rolls out from: fp32 where it trains or scores logprobs, else the tier's dtype.
-    dtype = torch.float32 if spec.trains or spec.kind == "logprobs" else getattr(torch, rollout_dtype)
+    dtype = torch.float32 if spec.kind in ("train", "logprobs") else getattr(torch, rollout_dtype)
     model = types.SimpleNamespace(config=plan_config(s.model), parameters=lambda: iter([torch.zeros(1, dtype=dtype)]))
     allocated = _POOL_CALLS[name](env, s, model)
     assert allocated and plan_notebook(name, machine).pool == allocated
@@ -234,7 +234,7 @@ def test_the_step_timers_kept_copy_is_a_file_and_04_plans_no_async_snapshot(tiny
     plan = plan_notebook("04_grpo_live", "t4")
     params = parameter_count(plan_config(table.GPU_MODEL))
     assert "the async engine's weight snapshot" not in plan.parts and params > 0
-    assert not any(k.startswith("copies") for k in plan.parts) and plan.host_bytes == 0 and plan.ok
+    assert not any(k.startswith("copies") for k in plan.parts) and plan.host_bytes == 0 and not plan.problems()
 
 
 def test_the_pool_model_worked_by_hand():

@@ -202,7 +202,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
         model=sizes.model if sizes else GPU_MODEL if hub else CPU_MODEL, tier=tier, gpu_memory_bytes=memory,
         data="gsm8k:train" if hub else "gsm8k-local:train" if local else "synthetic",
         autocast_dtype="bfloat16" if bf16 else None, dry_run=dry_run, notebook=notebook, sizes=sizes,
-        trains=notebook is not None and table.notebook_spec(notebook).trains)
+        trains=notebook is not None and table.notebook_spec(notebook).kind == "train")
     seed_everything(0)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
@@ -211,7 +211,7 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
     if notebook is not None and tier in GPU_TIERS:
         machine = "t4" if tier == "t4" else "a100-80" if (memory or 0) > 60 * GiB else "a100-40"
         p = plan_notebook(notebook, machine)
-        if not p.ok:
+        if p.problems():
             raise MemoryError(f"{notebook} at tier {tier!r}: " + "; ".join(p.problems()) +
                               f". The sizes are in cbkit.teach.tiers.table.NOTEBOOKS[{notebook!r}].")
         if verbose:

@@ -88,10 +88,6 @@ class TierPlan:
     starts: list[EngineStart]
     host_bytes: int = 0  # weight copies in host memory, against `COLAB_RAM_BYTES`
 
-    @property
-    def ok(self) -> bool:
-        return not self.problems()
-
     def problems(self) -> list[str]:
         out = []
         if self.host_bytes > table.COLAB_RAM_BYTES:
@@ -109,7 +105,7 @@ class TierPlan:
         a = min((s.admission for s in self.starts), key=lambda a: a.available_bytes - a.footprint_bytes)
         return (f"{self.notebook:23} {self.machine:8} {fmt_bytes(self.peak_bytes):>10} of "
                 f"{fmt_bytes(self.memory_bytes):>9} {fmt_bytes(self.host_bytes):>10} {fmt_bytes(a.footprint_bytes):>10}"
-                f" of {fmt_bytes(a.available_bytes):>9}  {'ok' if self.ok else 'FAIL'}")
+                f" of {fmt_bytes(a.available_bytes):>9}  {'FAIL' if self.problems() else 'ok'}")
 
 
 def plan_notebook(name: str, machine: str) -> TierPlan:
@@ -120,7 +116,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     config = plan_config(s.model)
     params = parameter_count(config)
     # The notebooks that train, and 02, keep fp32 weights and roll out from them; the others load the rollout dtype.
-    fp32 = spec.trains or spec.kind == "logprobs"
+    fp32 = spec.kind in ("train", "logprobs")
     weight_bytes, dtype = (4, torch.float32) if fp32 else (2, getattr(torch, rollout_dtype))
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)
     if spec.kind == "rollout":  # 01 sizes its own pool: a share of its rows at full length (its parameters cell)
@@ -150,7 +146,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                                 used_bytes=table.CUDA_CONTEXT_BYTES + resident, capability=table.CAPABILITY[machine])
             starts.append(EngineStart(what, prompts * n, s.max_new_tokens, weight_bytes, resident, verdict))
 
-    if spec.trains:
+    if spec.kind == "train":
         rows = s.prompts * s.n
         ga = micro_batches_for(rows, s.max_new_tokens, config.vocab_size, table.LOGITS_BUDGET_BYTES[tier])
         train = training_bytes(params, micro_batch_rows=rows // ga, tokens_per_row=table.PROMPT_LEN + s.max_new_tokens,

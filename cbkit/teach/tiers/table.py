@@ -65,10 +65,6 @@ class NotebookSpec:  # a notebook's sizes and what it holds, as `plan.plan_noteb
     async_run: bool = False
     host_copies: int = 0
 
-    @property
-    def trains(self) -> bool:
-        return self.kind == "train"
-
 
 _SMOL = "smollm2-offline"
 _1B = "llama-1b-random"
