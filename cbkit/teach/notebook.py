@@ -64,10 +64,6 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
     trains: bool = False  # the notebook trains: it rolls out from the fp32 training weights
 
     @property
-    def gpu(self) -> bool:
-        return self.device == "cuda"
-
-    @property
     def compute_dtype(self) -> str:  # the loop's `dtype`: not 'auto', since a forced t4 tier is fp32
         return self.autocast_dtype or self.train_dtype
 
@@ -93,7 +89,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
         return gpu if self.tier in GPU_TIERS else ci if self.profile == "ci" else cpu
 
     def free_memory_bytes(self) -> int | None:  # on a dry run the tier's GPU: a CPU's RAM says nothing of a T4
-        return torch.cuda.mem_get_info()[0] if self.gpu else self.gpu_memory_bytes if self.dry_run else None
+        return torch.cuda.mem_get_info()[0] if self.device == "cuda" else self.gpu_memory_bytes if self.dry_run else None
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
                     *, requests: int | None = None, **pool: Any) -> dict[str, Any]:
@@ -155,7 +151,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
     def summary(self) -> str:
         if self.dry_run:
             hw = f"CPU, dry run of tier {self.tier!r} at CI sizes (the tier's branches, not its speed)"
-        elif self.gpu:
+        elif self.device == "cuda":
             major, minor = self.compute_capability or (0, 0)
             bf16 = "bf16" if major >= 8 else f"no native bf16 (compute capability {major}.{minor} < 8.0)"
             hw = f"GPU {self.gpu_name}, {(self.gpu_memory_bytes or 0) / GiB:.0f} GiB, {bf16}, tier {self.tier!r}"

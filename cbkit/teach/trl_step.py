@@ -12,7 +12,7 @@ from cbkit.telemetry import release_memory
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
     """The notebooks' `GRPOConfig` overrides: no reports or saves, and the checkpointing TRL turns on off."""
     return {"report_to": [], "logging_steps": 1, "save_strategy": "no", "activation_checkpointing": False,
-            "dataloader_pin_memory": env.gpu}
+            "dataloader_pin_memory": env.device == "cuda"}
 
 
 def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
