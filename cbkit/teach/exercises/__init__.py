@@ -197,8 +197,7 @@ def _recorded_steps() -> list[Case]:
 
 @_check(None, lambda expected, got: exact(expected, [tuple(x) for x in got]))
 def check_schedule_step(seed: int) -> list[Case]:
-    """`fn(candidates, token_budget, read_budget, max_requests) -> [(request_id, query_len)]`, graded step by step
-    against what transformers' engine scheduled in a small rollout it records now."""
+    """`fn(candidates, token_budget, read_budget, max_requests) -> [(request_id, query_len)]`, per step of an engine run."""
     return _recorded_steps()
 
 

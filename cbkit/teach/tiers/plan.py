@@ -53,17 +53,16 @@ def pool_config(config: Any, sizes: table.Sizes, tier: str, *, dtype_bytes: int,
     at half the ``rows`` at full length, so that some wait."""
     page, new = table.LESSON_PAGE_SIZE, max_new_tokens or sizes.max_new_tokens
     if sizes.pool_share is not None and tier in table.GPU_TIERS:
-        blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page,
-                             dtype_bytes=dtype_bytes)
+        blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page, dtype_bytes=dtype_bytes)
         if dry_run and rows:
             blocks = min(blocks, workload_blocks(rows[: max(1, len(rows) // 2)], max_new_tokens or 1, page))
-        return {"page_size": page, "num_blocks": blocks}
-    if tier in table.GPU_TIERS:  # the plan has no prompts: it sizes the same pool from prompts of twice the mean
-        requests = len(rows) or sizes.prompts * sizes.n
-        return {"page_size": page, "num_blocks": workload_blocks([range(2 * table.PROMPT_LEN)] * requests, new, page)}
-    if sizes.pool_sequences is not None and rows:
-        return {"page_size": page, "num_blocks": workload_blocks([rows[0]] * sizes.pool_sequences, new, page)}
-    return {}
+    elif tier in table.GPU_TIERS:  # the plan has no prompts: it sizes the same pool from prompts of twice the mean
+        blocks = workload_blocks([range(2 * table.PROMPT_LEN)] * (len(rows) or sizes.prompts * sizes.n), new, page)
+    elif sizes.pool_sequences is not None and rows:
+        blocks = workload_blocks([rows[0]] * sizes.pool_sequences, new, page)
+    else:
+        return {}
+    return {"page_size": page, "num_blocks": blocks}
 
 
 @dataclass(frozen=True)
