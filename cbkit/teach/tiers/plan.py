@@ -19,17 +19,13 @@ from cbkit.telemetry import fmt_bytes
 from cbkit.train.batch import logits_bytes, micro_batches_for
 from cbkit.train.snapshots import place_for_tier
 
-# Qwen2.5-0.5B-Instruct's config.json, so that planning the GPU tiers needs no download.
-_GPU_CONFIG: dict[str, Any] = dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
-                                   num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
-                                   tie_word_embeddings=True)
-
 
 def plan_config(model: str) -> Any:  # a real transformers config without weights: the admission check builds on it
-    if model == table.GPU_MODEL:
+    if model == table.GPU_MODEL:  # its config.json's shape, so that planning the GPU tiers needs no download
         from transformers import Qwen2Config
 
-        return Qwen2Config(**_GPU_CONFIG)
+        return Qwen2Config(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                           num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
     return load_config(model)
 
 
