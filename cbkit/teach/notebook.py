@@ -114,8 +114,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
         free = self.free_memory_bytes()
         rollout = plan(model.config, num_prompts=len(prompt_ids), num_generations=n, max_new_tokens=new,
                        prompt_len=[len(p) for p in prompt_ids], budget_bytes=free,
-                       dtype_bytes=next(model.parameters()).element_size(),
-                       device="cpu" if self.on_cpu else "cuda",
+                       dtype_bytes=next(model.parameters()).element_size(), device="cpu" if self.on_cpu else "cuda",
                        cb_config=config.transformers_continuous_batching_config).continuous
         gib = {k: f"{v / GiB:.2f}" for k, v in train.items()}
         rows, budget = min(chunk or micro_rows, micro_rows), table.LOGITS_BUDGET_BYTES[self.tier]

@@ -127,13 +127,12 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         parts["the async engine's weight snapshot"] = 4 * params
     host = 4 * params * (spec.host_copies + (spec.weight_copies if place == "host" else 0))
     loaded = sum(parts.values())
-    common: dict[str, Any] = dict(prompt_len=table.PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda",
-                                  budget_bytes=memory - parts["weights"], cb_config=pool)
     peaks = [0]
     starts: list[EngineStart] = []
 
     def rollout(prompts: int, n: int, backend: str = "continuous", *, what: str = "", resident: int = loaded) -> None:
-        p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=s.max_new_tokens, **common)
+        p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=s.max_new_tokens, cb_config=pool,
+                 prompt_len=table.PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=memory - parts["weights"])
         peaks.append((p.generate if backend == "generate" else p.continuous).peak_bytes)
         if backend != "generate":
             verdict = admission(config, pool, dtype=dtype, rows=[range(table.PROMPT_LEN)] * (prompts * n),
