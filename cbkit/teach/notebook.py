@@ -104,8 +104,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
                            max_new_tokens=max_new_tokens, dry_run=self.dry_run)
 
     def check_fits(self, model: Any, config: Any, prompt_ids: Sequence[Sequence[int]]) -> str:
-        """Before training with ``config``: the planner's rollout peak with its CB pool beside what training holds,
-        as one line; on a GPU or a dry run, raises with what to lower where it does not fit."""
+        """The planned rollout peak beside what training ``config`` holds, as a line; on a GPU tier, refuses a misfit."""
         n, new, chunk = config.num_generations, config.max_completion_length, config.forward_chunk_rows
         micro_rows = len(prompt_ids) * n // config.gradient_accumulation_steps
         train = training_bytes(sum(p.numel() for p in model.parameters()), micro_batch_rows=micro_rows,
@@ -156,8 +155,8 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
             hw = f"GPU {self.gpu_name}, {(self.gpu_memory_bytes or 0) / GiB:.0f} GiB, {bf16}, tier {self.tier!r}"
         else:
             hw = f"CPU ({os.cpu_count()} cores), no GPU"
-        where = "Colab, " if self.colab else ""
-        return (f"profile {self.profile!r} | {where}{hw} | model {self.model} | data {self.data}\n"
+        colab = "Colab, " if self.colab else ""
+        return (f"profile {self.profile!r} | {colab}{hw} | model {self.model} | data {self.data}\n"
                 f"precision: {self.precision}")
 
 

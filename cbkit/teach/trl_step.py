@@ -3,6 +3,7 @@ path, recording the logprobs it drops (02)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from cbkit.teach.notebook import NotebookEnv
@@ -19,8 +20,6 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
                          **overrides: Any) -> dict[str, Any]:
     """One step of *stock* ``trl.GRPOTrainer``'s CB path on a copy of ``model``: the completions' count and tokens, the
     logprobs its rollout returned (that path sets them to None) and its ``sampling/*`` metrics (absent without them)."""
-    import copy
-
     from trl import GRPOTrainer as StockGRPOTrainer
 
     from cbkit.trl.config import trl_grpo_config

@@ -110,8 +110,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     s = spec.sizes[tier]
     config = plan_config(s.model)
     params = parameter_count(config)
-    # The notebooks that train, and 02, keep fp32 weights and roll out from them; the others load the rollout dtype.
-    fp32 = spec.kind in ("train", "logprobs")
+    fp32 = spec.kind in ("train", "logprobs")  # these roll out from their fp32 weights; the others load rollout_dtype
     weight_bytes, dtype = (4, torch.float32) if fp32 else (2, getattr(torch, rollout_dtype))
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)
     if spec.kind == "rollout":  # 01 sizes its own pool: a share of its rows at full length (its parameters cell)

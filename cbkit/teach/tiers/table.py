@@ -1,5 +1,4 @@
-"""The tier table: every notebook's sizes per tier (``NOTEBOOKS``; a notebook's parameters cell reads its row as
-``env.sizes``) and the constants of the GPUs `cbkit tiers` plans them on."""
+"""The tier table: each notebook's sizes per tier (its parameters cell reads its row as ``env.sizes``); GPU constants."""
 
 from __future__ import annotations
 
