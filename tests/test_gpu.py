@@ -152,7 +152,7 @@ def test_each_tiers_pool_starts_where_the_admission_check_says(name, machine):
     start = min(plan.starts, key=lambda s: s.admission.available_bytes - s.admission.footprint_bytes)
     dtype = {4: torch.float32, 2: torch.float16 if machine == "t4" else torch.bfloat16}[start.dtype_bytes]
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(plan_config(table.sizes_for(name, plan.tier).model),
+        model = AutoModelForCausalLM.from_config(plan_config(table.NOTEBOOKS[name].sizes[plan.tier].model),
                                                  dtype=dtype).eval()
     rows, new, what = [[1] * table.PROMPT_LEN] * start.requests, start.new_tokens, start.what
     tier_free = start.admission.available_bytes / 0.9  # what that GPU leaves free there (the check takes 0.9 of it)

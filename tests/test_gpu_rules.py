@@ -221,12 +221,12 @@ def test_left_to_the_engine_a_t4_would_run_flash_attn(tiny):
 def _smollm2_t4_pool(percent: float | None) -> dict:
     """03's pool on a T4 (`pool_config`), with `max_memory_percent` as given (None: what cbkit sets)."""
     config = plan_config("smollm2-offline")
-    pool = pool_config(config, table.sizes_for("03_n_sweep", "t4"), "t4", dtype_bytes=2)
+    pool = pool_config(config, table.NOTEBOOKS["03_n_sweep"].sizes["t4"], "t4", dtype_bytes=2)
     return {**pool, **({"max_memory_percent": percent} if percent is not None else {})}
 
 
 def _t4_start(pool: dict):
-    s = table.sizes_for("03_n_sweep", "t4")
+    s = table.NOTEBOOKS["03_n_sweep"].sizes["t4"]
     return admission(plan_config(s.model), pool, dtype=torch.float16,
                      rows=[range(table.PROMPT_LEN)] * s.prompts * max(s.sweep_ns), max_new_tokens=s.max_new_tokens,
                      total_bytes=table.DEVICE_BYTES["t4"], used_bytes=GiB, capability=T4)
@@ -296,7 +296,7 @@ def test_cbkit_tiers_fails_where_the_engine_would_not_start(monkeypatch, capsys)
     monkeypatch.setattr("cbkit.rollout.admission.varlen_unsupported_reason", lambda config: "a sliding window")
     assert main(["tiers", "--notebooks", "03_n_sweep", "--gpus", "t4"]) == 1
     out = capsys.readouterr().out
-    largest = max(table.sizes_for("03_n_sweep", "t4").sweep_ns)
+    largest = max(table.NOTEBOOKS["03_n_sweep"].sizes["t4"].sweep_ns)
     assert f"03_n_sweep on t4: the CB engine would not start for the rollout at N={largest}" in out
     assert "Memory footprint" in out
 
@@ -321,19 +321,19 @@ def test_05s_weight_copies_are_counted_where_the_tier_keeps_them(monkeypatch):
 
     params = parameter_count(plan_config(table.GPU_MODEL))
     on_disk = plan_notebook("05_off_policy", "t4")
-    assert on_disk.ok and not any(k.startswith("copies") for k in on_disk.parts)
+    assert not on_disk.problems() and not any(k.startswith("copies") for k in on_disk.parts)
     assert on_disk.host_bytes == 3 * 4 * params  # only section 2's three state dicts on the CPU
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "host")
     on_host = plan_notebook("05_off_policy", "t4")
     assert on_host.peak_bytes == on_disk.peak_bytes and on_host.host_bytes == (7 + 3) * 4 * params
-    assert on_host.host_bytes > 12.7e9 and not on_host.ok  # Colab's advertised 12.7 GB of RAM
+    assert on_host.host_bytes > 12.7e9 and on_host.problems()  # Colab's advertised 12.7 GB of RAM
     assert "does not fit in host RAM" in on_host.problems()[0]
     assert main(["tiers", "--notebooks", "05_off_policy", "--gpus", "t4"]) == 1
     monkeypatch.setitem(snapshots.TIER_PLACES, "t4", "device")  # the same copies on a T4's GPU: they do not fit
     on_gpu = plan_notebook("05_off_policy", "t4")
     copies = next(v for k, v in on_gpu.parts.items() if k.startswith("copies"))
     assert copies == 7 * 4 * params
-    assert not on_gpu.ok and "does not fit:" in on_gpu.problems()[0]
+    assert "does not fit:" in on_gpu.problems()[0]
 
 
 def test_a_planned_copy_is_what_a_snapshot_keeps_of_the_tier_model():

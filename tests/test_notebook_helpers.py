@@ -57,7 +57,7 @@ def test_setup_on_a_gpu_picks_the_tier_and_keeps_fp32_weights(monkeypatch, cc, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("Props", (), {"total_memory": memory_gib * 2**30})())
-    monkeypatch.setattr("cbkit.train.order.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.teach.notebook.seed_everything", lambda seed: None)
     env = notebook.setup(profile="full", verbose=False)
     assert (env.rollout_dtype, env.train_dtype, env.autocast_dtype, env.tier) == (rollout, "float32", autocast, tier)
     assert env.model == notebook.GPU_MODEL

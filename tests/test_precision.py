@@ -86,7 +86,7 @@ def test_the_notebooks_config_dtype_is_their_precision_rule(monkeypatch, gpu, fo
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("Props", (), {"total_memory": 80 * 2**30})())
-    monkeypatch.setattr("cbkit.train.order.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.teach.notebook.seed_everything", lambda seed: None)
     if forced:
         monkeypatch.setenv("CBKIT_TIER", forced)
     else:
@@ -100,7 +100,7 @@ def test_the_a100_tiers_dry_run_on_a_cpu_trains_under_bf16_autocast(monkeypatch)
     from cbkit.teach import notebook
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("cbkit.train.order.seed_everything", lambda seed: None)
+    monkeypatch.setattr("cbkit.teach.notebook.seed_everything", lambda seed: None)
     monkeypatch.setenv("CBKIT_TIER", "a100")
     env = notebook.setup(profile="ci", verbose=False)
     assert env.dry_run and training_precision(env.compute_dtype, env.device) is torch.bfloat16

@@ -1,11 +1,12 @@
 """What the six notebooks share: ``env = setup("NN_name")`` decides profile, device, tier, dtypes, model, data
 and sizes the same way in each, so one notebook serves Colab, a laptop and CI. ``CBKIT_TIER=t4|a100`` forces a
-GPU tier: on a GPU to rehearse a smaller one; under the ci profile on a CPU, a dry run of it at CI sizes.
-"""
+GPU tier: on a GPU to rehearse a smaller one; under the ci profile on a CPU, a dry run of it at CI sizes."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from cbkit.teach.tiers.plan import plan_notebook, pool_config
 from cbkit.teach.tiers.table import GPU_MODEL, GPU_TIERS, GiB, Sizes
 from cbkit.train.batch import micro_batches_for
 from cbkit.train.config import CBGRPOConfig
+from cbkit.train.order import seed_everything
 from cbkit.train.snapshots import place_for_tier
 from cbkit.viz.live import embed_plotlyjs, text_progress_bars
 
@@ -62,10 +64,6 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
     trains: bool = False  # the notebook trains: it rolls out from the fp32 training weights
 
     @property
-    def gpu(self) -> bool:
-        return self.device == "cuda"
-
-    @property
     def compute_dtype(self) -> str:  # the loop's `dtype`: not 'auto', since a forced t4 tier is fp32
         return self.autocast_dtype or self.train_dtype
 
@@ -91,12 +89,12 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
         return gpu if self.tier in GPU_TIERS else ci if self.profile == "ci" else cpu
 
     def free_memory_bytes(self) -> int | None:  # on a dry run the tier's GPU: a CPU's RAM says nothing of a T4
-        return torch.cuda.mem_get_info()[0] if self.gpu else self.gpu_memory_bytes if self.dry_run else None
+        return torch.cuda.mem_get_info()[0] if self.device == "cuda" else self.gpu_memory_bytes if self.dry_run else None
 
     def pool_config(self, model: Any, rows: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
                     *, requests: int | None = None, **pool: Any) -> dict[str, Any]:
-        """The CB engine settings of this notebook's pool at this tier (`tiers.plan.pool_config`) for ``rows`` (or
-        ``requests`` prompts); ``pool`` overrides the sizes' pool_share or pool_sequences."""
+        """This notebook's CB pool at this tier (`tiers.plan.pool_config`) for ``rows`` (or ``requests`` prompts of the
+        mean length); ``pool`` overrides the sizes' pool_share or pool_sequences."""
         if self.sizes is None:
             return {}
         if requests and not rows:
@@ -106,8 +104,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
                            max_new_tokens=max_new_tokens, dry_run=self.dry_run)
 
     def check_fits(self, model: Any, config: Any, prompt_ids: Sequence[Sequence[int]]) -> str:
-        """Before training with ``config``: the planner's rollout peak with its CB pool beside what training holds,
-        as one line; on a GPU or a dry run, raises with what to lower where it does not fit."""
+        """The planned rollout peak beside what training ``config`` holds, as a line; on a GPU tier, refuses a misfit."""
         n, new, chunk = config.num_generations, config.max_completion_length, config.forward_chunk_rows
         micro_rows = len(prompt_ids) * n // config.gradient_accumulation_steps
         train = training_bytes(sum(p.numel() for p in model.parameters()), micro_batch_rows=micro_rows,
@@ -116,8 +113,7 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
         free = self.free_memory_bytes()
         rollout = plan(model.config, num_prompts=len(prompt_ids), num_generations=n, max_new_tokens=new,
                        prompt_len=[len(p) for p in prompt_ids], budget_bytes=free,
-                       dtype_bytes=next(model.parameters()).element_size(),
-                       device="cpu" if self.on_cpu else "cuda",
+                       dtype_bytes=next(model.parameters()).element_size(), device="cpu" if self.on_cpu else "cuda",
                        cb_config=config.transformers_continuous_batching_config).continuous
         gib = {k: f"{v / GiB:.2f}" for k, v in train.items()}
         rows, budget = min(chunk or micro_rows, micro_rows), table.LOGITS_BUDGET_BYTES[self.tier]
@@ -153,22 +149,20 @@ class NotebookEnv:  # the machine-dependent choices of one notebook run; `summar
     def summary(self) -> str:
         if self.dry_run:
             hw = f"CPU, dry run of tier {self.tier!r} at CI sizes (the tier's branches, not its speed)"
-        elif self.gpu:
+        elif self.device == "cuda":
             major, minor = self.compute_capability or (0, 0)
             bf16 = "bf16" if major >= 8 else f"no native bf16 (compute capability {major}.{minor} < 8.0)"
             hw = f"GPU {self.gpu_name}, {(self.gpu_memory_bytes or 0) / GiB:.0f} GiB, {bf16}, tier {self.tier!r}"
         else:
             hw = f"CPU ({os.cpu_count()} cores), no GPU"
-        where = "Colab, " if self.colab else ""
-        return (f"profile {self.profile!r} | {where}{hw} | model {self.model} | data {self.data}\n"
+        colab = "Colab, " if self.colab else ""
+        return (f"profile {self.profile!r} | {colab}{hw} | model {self.model} | data {self.data}\n"
                 f"precision: {self.precision}")
 
 
 def setup(notebook: str | None = None, profile: str | None = None, *, verbose: bool = True) -> NotebookEnv:
     """Decide profile, device, tier, dtypes, model, data and (with ``notebook``) its sizes; seed every RNG with 0;
     print it. On a GPU tier, refuses before any model time a plan that does not fit."""
-    from cbkit.train.order import seed_everything
-
     profile = resolve_profile(profile)
     forced = os.environ.get(TIER_ENV) or None
     if forced is not None and forced not in GPU_TIERS:
@@ -192,17 +186,17 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
         memory, tier, bf16 = None, "ci" if profile == "ci" else "cpu", False
     hub = gpu and tier != "ci"  # a GPU tier: the hub model on GSM8K; elsewhere the offline model and data
     local = any(p.is_file() for p in gsm8k_local_candidates("train"))
+    dry_run = not gpu and forced is not None
+    sizes = table.notebook_spec(notebook).sizes[tier] if notebook is not None else None
+    sizes = sizes.dry() if sizes and dry_run else sizes
     env = NotebookEnv(
         profile=profile, device="cuda" if gpu else "cpu", compute_capability=cc, colab=colab,
         gpu_name=torch.cuda.get_device_name(0) if gpu else None, train_dtype="float32",
         rollout_dtype="bfloat16" if bf16 else "float16" if gpu or forced else "float32",
-        model=GPU_MODEL if hub else CPU_MODEL, tier=tier, gpu_memory_bytes=memory,
+        model=sizes.model if sizes else GPU_MODEL if hub else CPU_MODEL, tier=tier, gpu_memory_bytes=memory,
         data="gsm8k:train" if hub else "gsm8k-local:train" if local else "synthetic",
-        autocast_dtype="bfloat16" if bf16 else None, dry_run=not gpu and forced is not None,
-        trains=notebook is not None and table.notebook_spec(notebook).trains)
-    if notebook is not None:
-        sizes = table.sizes_for(notebook, env.tier, dry_run=env.dry_run)
-        env = dataclasses.replace(env, notebook=notebook, sizes=sizes, model=sizes.model)
+        autocast_dtype="bfloat16" if bf16 else None, dry_run=dry_run, notebook=notebook, sizes=sizes,
+        trains=notebook is not None and table.notebook_spec(notebook).kind == "train")
     seed_everything(0)
     embed_plotlyjs()  # once per notebook, so every figure draws wherever the executed notebook is opened
     text_progress_bars()  # under CI: bars saved at their last frame, not as a widget's "0%"
@@ -211,11 +205,11 @@ def setup(notebook: str | None = None, profile: str | None = None, *, verbose: b
     if notebook is not None and tier in GPU_TIERS:
         machine = "t4" if tier == "t4" else "a100-80" if (memory or 0) > 60 * GiB else "a100-40"
         p = plan_notebook(notebook, machine)
-        if not p.ok:
+        if p.problems():
             raise MemoryError(f"{notebook} at tier {tier!r}: " + "; ".join(p.problems()) +
                               f". The sizes are in cbkit.teach.tiers.table.NOTEBOOKS[{notebook!r}].")
         if verbose:
-            dry = " (at the tier's sizes; this dry run's are smaller)" if env.dry_run else ""
+            dry = " (at the tier's sizes; this dry run's are smaller)" if dry_run else ""
             print(f"plan for {machine} (`cbkit tiers`): peak {p.peak_bytes / GiB:.1f} of "
                   f"{p.memory_bytes / GiB:.0f} GiB{dry}")
     return env
@@ -234,9 +228,6 @@ def resolve_profile(profile: str | None = None) -> str:
 def record_phenomena(**values: float | int | bool | str) -> None:
     """Display the measured numbers a notebook's text relies on as one output: JSON the guards read
     (``PHENOMENA_MIME``) and a line a reader sees. Numbers only, never thresholds: those are the guards'."""
-    import json
-    import math
-
     from IPython.display import display
 
     clean = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}

@@ -3,7 +3,7 @@ path, recording the logprobs it drops (02)."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from typing import Any
 
 from cbkit.teach.notebook import NotebookEnv
@@ -11,22 +11,15 @@ from cbkit.telemetry import release_memory
 
 
 def trl_step_overrides(env: NotebookEnv) -> dict[str, Any]:
-    """The notebooks' `GRPOConfig` overrides; checkpointing, which TRL turns on, is off under the installed
-    transformers' name for it (5.17 has only the older one)."""
-    from transformers import TrainingArguments
-
-    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", checkpointing: False,
-            "dataloader_pin_memory": env.gpu}
+    """The notebooks' `GRPOConfig` overrides: no reports or saves, and the checkpointing TRL turns on off."""
+    return {"report_to": [], "logging_steps": 1, "save_strategy": "no", "activation_checkpointing": False,
+            "dataloader_pin_memory": env.device == "cuda"}
 
 
 def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset: Any, cfg: Any,
                          **overrides: Any) -> dict[str, Any]:
     """One step of *stock* ``trl.GRPOTrainer``'s CB path on a copy of ``model``: the completions' count and tokens, the
     logprobs its rollout returned (that path sets them to None) and its ``sampling/*`` metrics (absent without them)."""
-    import copy
-
     from trl import GRPOTrainer as StockGRPOTrainer
 
     from cbkit.trl.config import trl_grpo_config, trl_rewards
@@ -56,8 +49,7 @@ def stock_trl_cb_rollout(model: Any, tokenizer: Any, reward_funcs: Any, dataset:
 
 
 def _train_recording(trainer: Any) -> dict[str, Any]:
-    """Trains one step, recording what ``_generate_single_turn`` returned; a function of its own, so that nothing here
-    holds the trainer once it returns."""
+    """Trains one step, recording what ``_generate_single_turn`` returns; apart, so nothing keeps the trainer."""
     from cbkit.trl.trainers import plain_forward
 
     seen: dict[str, Any] = {"completions": 0, "tokens": 0}

@@ -1,6 +1,5 @@
-"""The notebooks' graded exercises: `check_<name>(fn)` runs a learner's function on edge cases, then on cases drawn
-from a printed seed, against the kit's own code, and prints the first case that differs with its inputs, both answers
-and a hint; nothing the function does raises out of a check. The facilitator's answers: scripts/solutions.py."""
+"""The notebooks' graded exercises: `check_<name>(fn)` grades a learner's function against the kit's own code on edge
+cases and on cases drawn from a printed seed, and prints the first that differs with a hint; nothing raises out of it."""
 
 from __future__ import annotations
 
@@ -66,9 +65,8 @@ def exact(expected: Any, got: Any) -> str | None:
 
 def _check(reference: Callable[..., Any] | None, compare: Callable[[Any, Any], str | None] = close,
            ) -> Callable[[Callable[[int], list[Case]]], Callable[..., Result]]:
-    """Makes `check_x(fn, seed=None) -> Result` from x's case table (drawn from a seed, fresh when None): prints and
-    returns the verdict on the first case where `compare(expected, got)` says what differs; `expected` is `reference`
-    on its own copy of the inputs, or `case.expected`."""
+    """Makes `check_x(fn, seed=None)` from x's case table, drawn from a seed (fresh when None): it prints and returns the
+    verdict on the first case where `compare` finds `fn` differs from `reference` (or `case.expected`)."""
     def make(cases: Callable[[int], list[Case]]) -> Callable[..., Result]:
         @functools.wraps(cases)
         def check(fn: Callable[..., Any], seed: int | None = None) -> Result:
@@ -199,8 +197,7 @@ def _recorded_steps() -> list[Case]:
 
 @_check(None, lambda expected, got: exact(expected, [tuple(x) for x in got]))
 def check_schedule_step(seed: int) -> list[Case]:
-    """`fn(candidates, token_budget, read_budget, max_requests) -> [(request_id, query_len)]`, graded step by step
-    against what transformers' engine scheduled in a small rollout it records now."""
+    """`fn(candidates, token_budget, read_budget, max_requests) -> [(request_id, query_len)]`, per step of an engine run."""
     return _recorded_steps()
 
 
@@ -303,8 +300,7 @@ def check_static_kv_bytes(seed: int) -> list[Case]:
 # rtol 1e-3: TRL's 1e-4 added to the std is a guard for ties (a case below), not a number to reproduce
 @_check(group_advantages, functools.partial(close, rtol=1e-3, atol=1e-5))
 def check_group_advantages(seed: int) -> list[Case]:
-    """`fn(rewards [B], num_generations) -> advantages [B]`, against `objective.group_advantages` (TRL's GRPO,
-    scale_rewards="group")."""
+    """`fn(rewards [B], num_generations) -> advantages [B]`, against `objective.group_advantages` (TRL's GRPO)."""
     g = torch.Generator().manual_seed(seed)
     binary = (torch.rand(8, generator=g) > 0.5).float()
     binary[:2] = torch.tensor([0.0, 1.0])  # the first group is not all ties

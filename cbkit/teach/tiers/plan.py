@@ -19,17 +19,13 @@ from cbkit.telemetry import fmt_bytes
 from cbkit.train.batch import logits_bytes, micro_batches_for
 from cbkit.train.snapshots import place_for_tier
 
-# Qwen2.5-0.5B-Instruct's config.json, so that planning the GPU tiers needs no download.
-_GPU_CONFIG: dict[str, Any] = dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
-                                   num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
-                                   tie_word_embeddings=True)
-
 
 def plan_config(model: str) -> Any:  # a real transformers config without weights: the admission check builds on it
-    if model == table.GPU_MODEL:
+    if model == table.GPU_MODEL:  # its config.json's shape, so that planning the GPU tiers needs no download
         from transformers import Qwen2Config
 
-        return Qwen2Config(**_GPU_CONFIG)
+        return Qwen2Config(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                           num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
     return load_config(model)
 
 
@@ -53,17 +49,16 @@ def pool_config(config: Any, sizes: table.Sizes, tier: str, *, dtype_bytes: int,
     at half the ``rows`` at full length, so that some wait."""
     page, new = table.LESSON_PAGE_SIZE, max_new_tokens or sizes.max_new_tokens
     if sizes.pool_share is not None and tier in table.GPU_TIERS:
-        blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page,
-                             dtype_bytes=dtype_bytes)
+        blocks = pool_blocks(config, pool_bytes(config, tier, sizes.pool_share), page_size=page, dtype_bytes=dtype_bytes)
         if dry_run and rows:
             blocks = min(blocks, workload_blocks(rows[: max(1, len(rows) // 2)], max_new_tokens or 1, page))
-        return {"page_size": page, "num_blocks": blocks}
-    if tier in table.GPU_TIERS:  # the plan has no prompts: it sizes the same pool from prompts of twice the mean
-        requests = len(rows) or sizes.prompts * sizes.n
-        return {"page_size": page, "num_blocks": workload_blocks([range(2 * table.PROMPT_LEN)] * requests, new, page)}
-    if sizes.pool_sequences is not None and rows:
-        return {"page_size": page, "num_blocks": workload_blocks([rows[0]] * sizes.pool_sequences, new, page)}
-    return {}
+    elif tier in table.GPU_TIERS:  # the plan has no prompts: it sizes the same pool from prompts of twice the mean
+        blocks = workload_blocks([range(2 * table.PROMPT_LEN)] * (len(rows) or sizes.prompts * sizes.n), new, page)
+    elif sizes.pool_sequences is not None and rows:
+        blocks = workload_blocks([rows[0]] * sizes.pool_sequences, new, page)
+    else:
+        return {}
+    return {"page_size": page, "num_blocks": blocks}
 
 
 @dataclass(frozen=True)
@@ -88,10 +83,6 @@ class TierPlan:
     starts: list[EngineStart]
     host_bytes: int = 0  # weight copies in host memory, against `COLAB_RAM_BYTES`
 
-    @property
-    def ok(self) -> bool:
-        return not self.problems()
-
     def problems(self) -> list[str]:
         out = []
         if self.host_bytes > table.COLAB_RAM_BYTES:
@@ -109,7 +100,7 @@ class TierPlan:
         a = min((s.admission for s in self.starts), key=lambda a: a.available_bytes - a.footprint_bytes)
         return (f"{self.notebook:23} {self.machine:8} {fmt_bytes(self.peak_bytes):>10} of "
                 f"{fmt_bytes(self.memory_bytes):>9} {fmt_bytes(self.host_bytes):>10} {fmt_bytes(a.footprint_bytes):>10}"
-                f" of {fmt_bytes(a.available_bytes):>9}  {'ok' if self.ok else 'FAIL'}")
+                f" of {fmt_bytes(a.available_bytes):>9}  {'FAIL' if self.problems() else 'ok'}")
 
 
 def plan_notebook(name: str, machine: str) -> TierPlan:
@@ -119,8 +110,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
     s = spec.sizes[tier]
     config = plan_config(s.model)
     params = parameter_count(config)
-    # The notebooks that train, and 02, keep fp32 weights and roll out from them; the others load the rollout dtype.
-    fp32 = spec.trains or spec.kind == "logprobs"
+    fp32 = spec.kind in ("train", "logprobs")  # these roll out from their fp32 weights; the others load rollout_dtype
     weight_bytes, dtype = (4, torch.float32) if fp32 else (2, getattr(torch, rollout_dtype))
     pool = pool_config(config, s, tier, dtype_bytes=weight_bytes)
     if spec.kind == "rollout":  # 01 sizes its own pool: a share of its rows at full length (its parameters cell)
@@ -136,13 +126,12 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
         parts["the async engine's weight snapshot"] = 4 * params
     host = 4 * params * (spec.host_copies + (spec.weight_copies if place == "host" else 0))
     loaded = sum(parts.values())
-    common: dict[str, Any] = dict(prompt_len=table.PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda",
-                                  budget_bytes=memory - parts["weights"], cb_config=pool)
     peaks = [0]
     starts: list[EngineStart] = []
 
     def rollout(prompts: int, n: int, backend: str = "continuous", *, what: str = "", resident: int = loaded) -> None:
-        p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=s.max_new_tokens, **common)
+        p = plan(config, num_prompts=prompts, num_generations=n, max_new_tokens=s.max_new_tokens, cb_config=pool,
+                 prompt_len=table.PROMPT_LEN, dtype_bytes=weight_bytes, device="cuda", budget_bytes=memory - parts["weights"])
         peaks.append((p.generate if backend == "generate" else p.continuous).peak_bytes)
         if backend != "generate":
             verdict = admission(config, pool, dtype=dtype, rows=[range(table.PROMPT_LEN)] * (prompts * n),
@@ -150,7 +139,7 @@ def plan_notebook(name: str, machine: str) -> TierPlan:
                                 used_bytes=table.CUDA_CONTEXT_BYTES + resident, capability=table.CAPABILITY[machine])
             starts.append(EngineStart(what, prompts * n, s.max_new_tokens, weight_bytes, resident, verdict))
 
-    if spec.trains:
+    if spec.kind == "train":
         rows = s.prompts * s.n
         ga = micro_batches_for(rows, s.max_new_tokens, config.vocab_size, table.LOGITS_BUDGET_BYTES[tier])
         train = training_bytes(params, micro_batch_rows=rows // ga, tokens_per_row=table.PROMPT_LEN + s.max_new_tokens,

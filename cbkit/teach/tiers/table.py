@@ -1,5 +1,4 @@
-"""The tier table: every notebook's sizes per tier (``NOTEBOOKS``; a notebook's parameters cell reads its row as
-``env.sizes``) and the constants of the GPUs `cbkit tiers` plans them on."""
+"""The tier table: each notebook's sizes per tier (its parameters cell reads its row as ``env.sizes``); GPU constants."""
 
 from __future__ import annotations
 
@@ -65,10 +64,6 @@ class NotebookSpec:  # a notebook's sizes and what it holds, as `plan.plan_noteb
     async_run: bool = False
     host_copies: int = 0
 
-    @property
-    def trains(self) -> bool:
-        return self.kind == "train"
-
 
 _SMOL = "smollm2-offline"
 _1B = "llama-1b-random"
@@ -107,9 +102,3 @@ def notebook_spec(name: str) -> NotebookSpec:
     if name not in NOTEBOOKS:
         raise ValueError(f"no notebook {name!r}; the notebooks are {', '.join(NOTEBOOKS)}.")
     return NOTEBOOKS[name]
-
-
-def sizes_for(name: str, tier: str, *, dry_run: bool = False) -> Sizes:
-    """A notebook's sizes at a tier (``dry_run``: the same tier at CI size, for a CPU)."""
-    sizes = notebook_spec(name).sizes[tier]
-    return sizes.dry() if dry_run else sizes
