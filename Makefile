@@ -88,8 +88,8 @@ publish-address:
 # The README's test command, minutes on a 2-core machine: the lint, the tests in parallel and then the `serial` ones
 # alone (exit 5: PYTEST_ARGS selected none of them), and every notebook once at CI size, its figures checked in
 # headless Chromium. What else CI runs is `make test-more` (docs/testing.md says what moved where). Work stealing
-# evens out the two workers' tails (the parallel run: 302 s -> 262 s on the CI machine); the serial run collects only
-# the files that hold `serial` tests (collecting the whole suite again took 12 s of its 39).
+# evens out the two workers' tails (alone: 302 s -> 262 s; inside a whole CI run it still took 308 s); the serial run
+# collects only the files that hold `serial` tests (collecting the whole suite again took 12 s of its 39).
 SERIAL_FILES = $(shell grep -l 'pytest.mark.serial' tests/test_*.py)
 test: lint browser
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal --serial=skip --durations=15 $(PYTEST_ARGS)
