@@ -32,7 +32,7 @@ def take(manager, results: dict[str, Any], timeout: float, expected: int) -> Non
 
 def collect(manager, ids: list[str], results: dict[str, Any] | None = None) -> dict[str, Any]:
     results = {} if results is None else results
-    while len(results) < len(ids):
+    while not results.keys() >= set(ids):  # by id: a result of another request never stands in for one of these
         take(manager, results, 1.0, len(ids))
     return results
 
