@@ -29,8 +29,13 @@ NOTEBOOK_JOBS ?= 2
 # clean-clone CI run: 02 97 s + 03 63 + 05 36; 01 82 + 00 64 + 04 39); alphabetical order gave 243 s against 138.
 NOTEBOOK_ORDER ?= 02_logprob_correctness 03_n_sweep 05_off_policy 01_kv_slot_recycling 00_quickstart 04_grpo_live
 in_order = $(foreach nb,$(NOTEBOOK_ORDER),$(1)/$(nb)$(2))
-ifneq ($(sort $(NOTEBOOK_ORDER)),$(sort $(basename $(notdir $(wildcard notebooks/*.ipynb)))))
-$(error NOTEBOOK_ORDER must name every notebook in notebooks/ once; it names: $(NOTEBOOK_ORDER))
+# `make test` runs the notebooks in one parallel run with the tests: longest first (a clean-clone CI run's times, in
+# order: 01 75 s, 03 64, 02 62, 00 45, 05 36, 04 35), so the last item of the run is a short one.
+NOTEBOOKS_LONGEST_FIRST ?= 01_kv_slot_recycling 03_n_sweep 02_logprob_correctness 00_quickstart 05_off_policy 04_grpo_live
+NOTEBOOK_STEMS := $(sort $(basename $(notdir $(wildcard notebooks/*.ipynb))))
+ifneq ($(sort $(NOTEBOOK_ORDER))|$(sort $(NOTEBOOKS_LONGEST_FIRST)),$(NOTEBOOK_STEMS)|$(NOTEBOOK_STEMS))
+$(error NOTEBOOK_ORDER and NOTEBOOKS_LONGEST_FIRST must each name every notebook in notebooks/ once; they name: \
+	$(NOTEBOOK_ORDER) and $(NOTEBOOKS_LONGEST_FIRST))
 endif
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 ifeq ($(NOTEBOOK_JOBS),1)
@@ -40,7 +45,7 @@ NOTEBOOK_RUN := CBKIT_PROFILE=ci OMP_NUM_THREADS=$(shell n=$$(( $(NPROC) / $(NOT
 	$(BIN)/python -m pytest -n $(NOTEBOOK_JOBS) --dist worksteal
 endif
 
-.PHONY: setup browser sweep gpu-wheels test test-more test-bare test-oldest test-newest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
+.PHONY: setup browser sweep gpu-wheels lint-ruff test test-more test-bare test-oldest test-newest test-notebooks test-skipped test-questions test-tiers book cpu-notebooks lint \
 	publish-address clean
 
 setup: $(STAMP)
@@ -75,9 +80,11 @@ sweep: $(STAMP)
 	$(BIN)/cbkit sweep $(SWEEP_ARGS)
 
 # ruff, then mypy over cbkit/ ([tool.mypy] in pyproject.toml: what it checks, and why mypy: docs/testing.md).
-lint: $(STAMP)
-	$(BIN)/ruff check .
+lint: lint-ruff
 	$(BIN)/mypy
+
+lint-ruff: $(STAMP)
+	$(BIN)/ruff check .
 
 # The repository's address lives in pyproject.toml ([project.urls] Repository). A Colab install cell, a Colab badge
 # and a notebook's link cannot read it, so they hold copies: after editing it, this writes it into every one
@@ -85,16 +92,28 @@ lint: $(STAMP)
 publish-address:
 	$(PYTHON) scripts/publish_address.py
 
-# The README's test command, minutes on a 2-core machine: the lint, the tests in parallel and then the `serial` ones
-# alone (exit 5: PYTEST_ARGS selected none of them), and every notebook once at CI size, its figures checked in
-# headless Chromium. What else CI runs is `make test-more` (docs/testing.md says what moved where). Work stealing
-# evens out the two workers' tails (alone: 302 s -> 262 s; inside a whole CI run it still took 308 s); the serial run
-# collects only the files that hold `serial` tests (collecting the whole suite again took 12 s of its 39).
+# The README's test command, minutes on a 2-core machine: ruff; then one parallel pytest run over the tests and
+# every notebook at CI size (nbmake, on copies in $(EXECUTED)), with mypy beside it; then the `serial` tests alone
+# (exit 5: PYTEST_ARGS selected none of them); then each executed notebook's figures checked in headless Chromium.
+# What else CI runs is `make test-more` (docs/testing.md says what moved where). One run for tests and notebooks:
+# work stealing fills each worker's idle time with the other's queue; the notebooks come first, longest first
+# (NOTEBOOKS_LONGEST_FIRST), so none is the run's tail; each kernel takes its worker's share of the cores
+# (tests/conftest.py). The serial run collects only the files that hold `serial` tests. On one quiet 2-core machine:
+# 570 s as it was (mypy, the tests, the serial tests, the notebooks, the checks in turn); 523 s with this one run
+# (and the sweep tests' probes shortened); 398 s with the workers' import-time objects frozen out of the garbage
+# collector (tests/conftest.py).
 SERIAL_FILES = $(shell grep -l 'pytest.mark.serial' tests/test_*.py)
-test: lint browser
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal --serial=skip --durations=15 $(PYTEST_ARGS)
+MYPY_LOG := $(VENV)/mypy.log
+test: lint-ruff browser
+	$(execute_notebooks_prepare)
+	$(BIN)/mypy > $(MYPY_LOG) 2>&1 & mypy=$$!; \
+	CBKIT_PROFILE=ci $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal --serial=skip --durations=15 \
+		--nbmake --nbmake-timeout=300 --overwrite $(foreach nb,$(NOTEBOOKS_LONGEST_FIRST),$(EXECUTED)/$(nb).ipynb) \
+		$(if $(filter tests%,$(PYTEST_ARGS)),,tests) $(PYTEST_ARGS); tests=$$?; \
+	wait $$mypy; types=$$?; echo "$(BIN)/mypy (beside the tests):"; cat $(MYPY_LOG); \
+	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 	$(BIN)/python -m pytest --serial=only $(or $(PYTEST_ARGS),$(SERIAL_FILES)) || [ $$? -eq 5 ]
-	$(MAKE) test-notebooks
+	$(execute_notebooks_check)
 
 # The rest of CI, after `make test` (.ci/run): the bare venv, the newest transformers the range allows, the notebooks
 # without their skippable sections, the book (from the notebooks `make test` executed), the GPU tiers' dry runs, and
@@ -199,14 +218,20 @@ test-newest: $(STAMP)
 # (runs/notebooks/*.resources.json, printed as a table: scripts/notebook_resources.py). Then each executed copy is
 # rendered to HTML (nbconvert) and opened offline in headless Chromium, which must draw every figure; the HTML and a
 # screenshot of each stay next to it (*.html, *.png).
+define execute_notebooks_prepare
+rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
+$(BIN)/python scripts/notebook_resources.py mark $(EXECUTED)
+endef
+define execute_notebooks_check
+$(BIN)/python scripts/notebook_resources.py table $(EXECUTED)
+CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q -n $(NOTEBOOK_JOBS) \
+	tests/test_notebooks.py -k executed_notebook
+endef
 test-notebooks: $(STAMP) browser
-	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
-	$(BIN)/python scripts/notebook_resources.py mark $(EXECUTED)
+	$(execute_notebooks_prepare)
 	$(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --overwrite --durations=0 \
 		$(call in_order,$(EXECUTED),.ipynb)
-	$(BIN)/python scripts/notebook_resources.py table $(EXECUTED)
-	CBKIT_EXECUTED_NOTEBOOKS=$(EXECUTED) $(BIN)/python -m pytest -p no:cacheprovider -q -n $(NOTEBOOK_JOBS) \
-		tests/test_notebooks.py -k executed_notebook
+	$(execute_notebooks_check)
 
 # The sections docs/workshop.md lets a session skip, taken out (scripts/skip_sections.py): what follows them must run
 # without them. Part of `make test-more`.
