@@ -239,15 +239,19 @@ test-skipped: $(STAMP)
 	rm -rf $(SKIPPED) && $(BIN)/python scripts/skip_sections.py --out $(SKIPPED)
 	$(NOTEBOOK_RUN) -p no:cacheprovider --nbmake --nbmake-timeout=300 --durations=0 $(SKIPPED)
 
-# Notebooks executed at their CPU sizes (CBKIT_PROFILE unset, on a machine without a GPU), for the outputs the guide
-# tells facilitators to show at CPU size: the book holds CI-size runs only. Each copy keeps its outputs and gets an
-# HTML page beside it ($(CPU_EXECUTED)/*.html) to open offline or project. Not part of `make test`.
+# Notebooks executed at their CPU sizes (CBKIT_PROFILE=full on a machine without a GPU; unset, a kernel under pytest
+# takes the ci profile), for the outputs the guide tells facilitators to show at CPU size: the book holds CI-size runs
+# only. One at a time with every core; each copy keeps its outputs and gets an HTML page beside it
+# ($(CPU_EXECUTED)/*.html) to open offline or project; then the table of each kernel's wall time and peak RSS
+# (CPU_NOTEBOOKS="$(NOTEBOOK_ORDER)": all six). Not part of `make test`.
 CPU_EXECUTED ?= runs/notebooks-cpu
 CPU_NOTEBOOKS ?= 05_off_policy
 cpu-notebooks: $(STAMP)
 	mkdir -p $(CPU_EXECUTED) && for nb in $(CPU_NOTEBOOKS); do cp notebooks/$$nb.ipynb $(CPU_EXECUTED)/; done
-	env -u CBKIT_PROFILE -u CBKIT_TIER $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 \
-		--overwrite $(foreach nb,$(CPU_NOTEBOOKS),$(CPU_EXECUTED)/$(nb).ipynb)
+	$(BIN)/python scripts/notebook_resources.py mark $(CPU_EXECUTED)
+	CBKIT_PROFILE=full env -u CBKIT_TIER $(BIN)/python -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 \
+		--overwrite --durations=0 $(foreach nb,$(CPU_NOTEBOOKS),$(CPU_EXECUTED)/$(nb).ipynb)
+	$(BIN)/python scripts/notebook_resources.py table $(CPU_EXECUTED)
 	$(BIN)/jupyter nbconvert --to html $(foreach nb,$(CPU_NOTEBOOKS),$(CPU_EXECUTED)/$(nb).ipynb)
 
 # Each Question's code edit (scripts/question_edits.py) executed at CI sizes, up to the cell the Question reads and

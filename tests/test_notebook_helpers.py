@@ -32,6 +32,25 @@ def test_profile_comes_from_the_argument_the_environment_or_pytest(monkeypatch):
         notebook.resolve_profile()
 
 
+def test_make_cpu_notebooks_runs_the_kernels_at_the_full_profile(monkeypatch):
+    """`make cpu-notebooks` executes under pytest (nbmake), where an unset profile is ci: its recipe must name the
+    full profile, or the "CPU-size" runs the guide tells facilitators to show are CI-size (they were, until it did)."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    recipe = subprocess.run(["make", "-n", "cpu-notebooks"], cwd=repo, capture_output=True, text=True, check=True).stdout
+    command = next(line for line in recipe.splitlines() if "--nbmake" in line).split("-m pytest")[0]
+    for name in re.findall(r"-u (\w+)", command):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in re.findall(r"(?:^|\s)([A-Z_]+)=(\S+)", command):
+        monkeypatch.setenv(name, value)
+    assert "PYTEST_CURRENT_TEST" in os.environ  # as in the kernel nbmake starts
+    assert notebook.resolve_profile() == "full"
+
+
 def test_setup_on_this_cpu_picks_fp32_the_offline_model_and_ci_sizes(monkeypatch, capsys):
     monkeypatch.setenv("CBKIT_PROFILE", "ci")
     env = notebook.setup()
