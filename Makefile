@@ -29,13 +29,8 @@ NOTEBOOK_JOBS ?= 2
 # clean-clone CI run: 02 97 s + 03 63 + 05 36; 01 82 + 00 64 + 04 39); alphabetical order gave 243 s against 138.
 NOTEBOOK_ORDER ?= 02_logprob_correctness 03_n_sweep 05_off_policy 01_kv_slot_recycling 00_quickstart 04_grpo_live
 in_order = $(foreach nb,$(NOTEBOOK_ORDER),$(1)/$(nb)$(2))
-# `make test` runs the notebooks in one parallel run with the tests: longest first (a clean-clone CI run's times, in
-# order: 01 75 s, 03 64, 02 62, 00 45, 05 36, 04 35), so the last item of the run is a short one.
-NOTEBOOKS_LONGEST_FIRST ?= 01_kv_slot_recycling 03_n_sweep 02_logprob_correctness 00_quickstart 05_off_policy 04_grpo_live
-NOTEBOOK_STEMS := $(sort $(basename $(notdir $(wildcard notebooks/*.ipynb))))
-ifneq ($(sort $(NOTEBOOK_ORDER))|$(sort $(NOTEBOOKS_LONGEST_FIRST)),$(NOTEBOOK_STEMS)|$(NOTEBOOK_STEMS))
-$(error NOTEBOOK_ORDER and NOTEBOOKS_LONGEST_FIRST must each name every notebook in notebooks/ once; they name: \
-	$(NOTEBOOK_ORDER) and $(NOTEBOOKS_LONGEST_FIRST))
+ifneq ($(sort $(NOTEBOOK_ORDER)),$(sort $(basename $(notdir $(wildcard notebooks/*.ipynb)))))
+$(error NOTEBOOK_ORDER must name every notebook in notebooks/ once; it names: $(NOTEBOOK_ORDER))
 endif
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 ifeq ($(NOTEBOOK_JOBS),1)
@@ -96,9 +91,9 @@ publish-address:
 # every notebook at CI size (nbmake, on copies in $(EXECUTED)), with mypy beside it; then the `serial` tests alone
 # (exit 5: PYTEST_ARGS selected none of them); then each executed notebook's figures checked in headless Chromium.
 # What else CI runs is `make test-more` (docs/testing.md says what moved where). One run for tests and notebooks:
-# work stealing fills each worker's idle time with the other's queue; the notebooks come first, longest first
-# (NOTEBOOKS_LONGEST_FIRST), so none is the run's tail; each kernel takes its worker's share of the cores
-# (tests/conftest.py). The serial run collects only the files that hold `serial` tests. On one quiet 2-core machine:
+# work stealing fills each worker's idle time with the other's queue; the notebooks come first (NOTEBOOK_ORDER), so
+# none is the run's tail (a worker steals tests from the end of the other's queue); each kernel takes its worker's
+# share of the cores (tests/conftest.py). The serial run collects only the files that hold `serial` tests. On one quiet 2-core machine:
 # 570 s as it was (mypy, the tests, the serial tests, the notebooks, the checks in turn); 523 s with this one run
 # (and the sweep tests' probes shortened); 398 s with the workers' import-time objects frozen out of the garbage
 # collector (tests/conftest.py).
@@ -108,7 +103,7 @@ test: lint-ruff browser
 	$(execute_notebooks_prepare)
 	$(BIN)/mypy > $(MYPY_LOG) 2>&1 & mypy=$$!; \
 	CBKIT_PROFILE=ci $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal --serial=skip --durations=15 \
-		--nbmake --nbmake-timeout=300 --overwrite $(foreach nb,$(NOTEBOOKS_LONGEST_FIRST),$(EXECUTED)/$(nb).ipynb) \
+		--nbmake --nbmake-timeout=300 --overwrite $(call in_order,$(EXECUTED),.ipynb) \
 		$(if $(filter tests%,$(PYTEST_ARGS)),,tests) $(PYTEST_ARGS); tests=$$?; \
 	wait $$mypy; types=$$?; echo "$(BIN)/mypy (beside the tests):"; cat $(MYPY_LOG); \
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]

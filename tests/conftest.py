@@ -53,14 +53,8 @@ def _select_serial(config, items) -> None:
         items[:] = keep
 
 
-# Notebooks collected beside the tests (`make test` runs them through nbmake in the same parallel run): each is
-# executed in place (--overwrite), so its folder is written on purpose (see _leave_the_checkout_alone).
-_NOTEBOOK_FOLDERS: set[Path] = set()
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     _select_serial(config, items)
-    _NOTEBOOK_FOLDERS.update(Path(item.path).resolve().parent for item in items if Path(item.path).suffix == ".ipynb")
     # The real answer, read once before any test runs. It also fixes the driver's device count for the process
     # (CUDA reads CUDA_VISIBLE_DEVICES once, at its first query), so the empty value the CPU tests set below for
     # their subprocesses cannot hide the device from the gpu tests that come after them.
@@ -195,7 +189,7 @@ def _written_in_the_checkout() -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _leave_the_checkout_alone():
+def _leave_the_checkout_alone(request):
     """Tests write under a temporary folder only: a test that writes into the checkout (runs/ above all, where
     `make sweep` keeps its results) fails the run here, naming the files."""
     before = _written_in_the_checkout()
@@ -205,7 +199,9 @@ def _leave_the_checkout_alone():
     # screenshots, the book, the GPU check's state, where this session's own log grows) are written on purpose;
     # anything else in the checkout is a test that forgot tmp_path.
     allowed = [Path(os.environ[v]).resolve() for v in ("CBKIT_EXECUTED_NOTEBOOKS", "CBKIT_BOOK", "CBKIT_GPU_CHECK_DIR")
-               if os.environ.get(v)] + sorted(_NOTEBOOK_FOLDERS)
+               if os.environ.get(v)]
+    # A notebook this run collected (`make test` runs them through nbmake beside the tests) is executed in place.
+    allowed += {Path(item.path).resolve().parent for item in request.session.items if Path(item.path).suffix == ".ipynb"}
     written = sorted(k for k, v in after.items() if before.get(k) != v
                      and not any((REPO / k).resolve().is_relative_to(a) for a in allowed))
     assert not written, f"tests wrote into the checkout (write under tmp_path instead): {written}"
